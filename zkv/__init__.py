@@ -1,0 +1,13 @@
+"""zkv: a KV-cache transfer bus over ZeroMQ.
+
+Swap KV blocks between GPU memory and CPU swap space on every tensor-parallel
+rank at once, and pause / clear / resume every transfer with an explicit
+outcome for every task.  See docs/protocol.md for the wire protocol.
+"""
+
+from .client import Client, ZkvError
+from .layout import CacheLayout
+from .outcome import TaskOutcome
+
+__all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
+__version__ = "0.1.0"

@@ -1,0 +1,112 @@
+"""The broker's I/O loop: three sockets around :class:`BrokerCore`.
+
+It drains every ready message per wakeup (FIELD-NOTES: ~25% more throughput
+than one per wakeup), hands frames to the core, and performs the actions.
+The poll timeout is the core's next deadline, so an idle broker sleeps in
+``zmq_poll`` instead of spinning, and never misses a heartbeat or timeout.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Callable
+
+import zmq
+
+from .broker_core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
+from .endpoints import Endpoints, check_bind_address, make_socket
+
+log = logging.getLogger("zkv.broker")
+
+_DRAIN_BATCH = 512  # messages per socket per wakeup, so one side cannot starve the other
+_stop_ids = itertools.count()
+
+
+class Broker:
+    """Bind the frontend, backend and control sockets and serve until stopped."""
+
+    def __init__(self, endpoints: Endpoints, config: BrokerConfig | None = None, *,
+                 ctx: zmq.Context | None = None, recorder: Callable[[dict], None] | None = None,
+                 allow_remote: bool = False):
+        self.endpoints = endpoints
+        self.core = BrokerCore(config, recording=recorder is not None)
+        self.recorder = recorder
+        self.ctx = ctx or zmq.Context.instance()
+        for address in (endpoints.frontend, endpoints.backend, endpoints.control):
+            check_bind_address(address, allow_remote)
+        self.frontend = make_socket(self.ctx, zmq.ROUTER, router=True)
+        self.backend = make_socket(self.ctx, zmq.ROUTER, router=True)
+        self.control = make_socket(self.ctx, zmq.PUB)
+        self.frontend.bind(endpoints.frontend)
+        self.backend.bind(endpoints.backend)
+        self.control.bind(endpoints.control)
+        self._stop_address = f"inproc://zkv-broker-stop-{next(_stop_ids)}"
+        self._stop = self.ctx.socket(zmq.PULL)
+        self._stop.setsockopt(zmq.LINGER, 0)
+        self._stop.bind(self._stop_address)
+        self.undeliverable = 0
+
+    def stop(self) -> None:
+        """Ask a running loop (in any thread) to return."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._stop_address)
+        sock.send(b"stop")
+        sock.close()
+
+    def close(self) -> None:
+        for sock in (self.frontend, self.backend, self.control, self._stop):
+            sock.close(linger=0)
+
+    def serve(self) -> None:
+        """Run until stop() or KeyboardInterrupt; sockets are closed on return."""
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        poller.register(self._stop, zmq.POLLIN)
+        core = self.core
+        try:
+            while True:
+                now = time.monotonic()
+                timeout_ms = core.next_deadline(now) * 1000
+                events = dict(poller.poll(max(1.0, timeout_ms)))
+                if self._stop in events:
+                    return
+                if self.backend in events:
+                    self._drain(self.backend, core.on_rank)
+                if self.frontend in events:
+                    self._drain(self.frontend, core.on_client)
+                self._act(core.on_tick(time.monotonic()))
+        finally:
+            self.close()
+
+    def _drain(self, sock: zmq.Socket, handler: Callable) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._act(handler(frames[0], frames[1:], time.monotonic()))
+
+    def _act(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, ToRank):
+                self._send(self.backend, action.identity, action.frames)
+            elif isinstance(action, ToClient):
+                self._send(self.frontend, action.client, action.frames)
+            elif isinstance(action, Publish):
+                try:
+                    self.control.send(action.frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    self.core.counters["publish_dropped"] += 1  # the repeat heals it
+            elif isinstance(action, Record) and self.recorder is not None:
+                self.recorder(action.event)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as err:  # EHOSTUNREACH (gone peer) or EAGAIN (peer not reading)
+            self.core.counters["undeliverable"] += 1
+            log.debug("undeliverable to %r: %s", identity, err)

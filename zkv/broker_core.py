@@ -1,0 +1,571 @@
+"""The broker's state machine, with no sockets (sans-IO).
+
+Events go in (a frontend message from a client, a backend message from a
+rank, a clock tick) and actions come out (frames to send, a control message to
+publish, a record for the trace).  The ZMQ loop in ``broker.py`` only moves
+frames; the replay harness and the unit tests drive this class directly.
+
+Invariants it keeps (DESIGN §1-§7):
+- a task is dispatched to every rank at once, and only while running with all
+  ``world`` ranks alive and each holding a free credit;
+- every submitted task ends exactly once: ranks report ok/failed to the
+  client; the broker itself reports rejected / cancelled / failed-rank-died;
+- pause is complete only when every live rank acked the current epoch with the
+  exact count of tasks dispatched to it; stale acks are counted and ignored;
+- nothing waits forever: control ops have deadlines, ranks a liveness window.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Union
+
+from . import protocol as P
+from .layout import CacheLayout
+from .outcome import RankFold
+
+
+# --- actions -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToClient:
+    client: bytes
+    frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class ToRank:
+    identity: bytes
+    frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class Publish:
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class Record:
+    event: dict[str, Any]
+
+
+Action = Union[ToClient, ToRank, Publish, Record]
+
+
+# --- configuration and state ---------------------------------------------------
+
+
+@dataclass
+class BrokerConfig:
+    world: int = 2
+    max_inflight_per_rank: int = 64
+    max_queue: int = 100_000
+    heartbeat_ms: int = 500
+    liveness_ms: int = 2_000
+    control_repeat_ms: int = 100
+    op_timeout_ms: int = 30_000
+    allow_partial: bool = False  # a dead rank completes (not fails) a pending op
+
+
+@dataclass
+class RankState:
+    rank: int
+    identity: bytes
+    session: int
+    pid: int
+    last_seen: float
+    alive: bool = True
+    inflight: int = 0
+    dispatched: int = 0  # per-session count; a pause names it as ``upto``
+    acked_epoch: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "alive": self.alive,
+            "pid": self.pid,
+            "inflight": self.inflight,
+            "dispatched": self.dispatched,
+            "acked_epoch": self.acked_epoch,
+            "last_seen_ms": round((now - self.last_seen) * 1000, 1),
+            "stats": self.stats,
+        }
+
+
+@dataclass
+class Task:
+    client: bytes
+    task: int
+    reply_to: str
+    body: bytes
+    submitted: float
+    seq: int = 0
+    fold: RankFold | None = None
+    reported: bool = False  # the broker already sent the client a final outcome
+
+
+@dataclass
+class PendingOp:
+    op: str
+    epoch: int
+    started: float
+    deadline: float
+    waiters: list[tuple[bytes, int]]
+    previous_state: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BrokerCore:
+    """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
+
+    def __init__(self, config: BrokerConfig | None = None, recording: bool = False):
+        self.cfg = config or BrokerConfig()
+        self.recording = recording
+        self.layout: CacheLayout | None = None
+        self.state = "running"  # running pausing paused clearing cleared resuming
+        self.epoch = 0
+        self.gen = 0
+        self.control_op = "run"
+        self.control_extra: dict[str, Any] = {}
+        self.pending: PendingOp | None = None
+        self.ranks: dict[int, RankState] = {}
+        self.by_identity: dict[bytes, int] = {}
+        self.queue: collections.deque[Task] = collections.deque()
+        self.inflight: dict[int, Task] = {}
+        self.open_tasks: set[tuple[bytes, int]] = set()
+        self.seq = 0
+        self.last_heartbeat = 0.0
+        self.last_publish = 0.0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.ready_waiters: list[tuple[bytes, int, int, float]] = []
+
+    # --- frontend --------------------------------------------------------------
+
+    def on_client(self, client: bytes, frames: list[bytes], now: float) -> list[Action]:
+        """A message from a client DEALER (identity already stripped)."""
+        out: list[Action] = []
+        self.counters["client_msgs"] += 1
+        try:
+            P.check_frames(frames, 1, 2)
+            msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
+        except P.ProtocolError as err:
+            self.counters["bad_requests"] += 1
+            out.append(self._error(client, err.code, err.reason))
+            return out
+        kind = msg["kind"]
+        if kind == "submit":
+            self._submit(client, msg, frames, now, out)
+        elif kind == "status":
+            want = msg.get("wait_ranks") or 0
+            if self._ready_ranks() >= want:
+                out.append(self._reply(client, msg["req"], "status", **self.status(now)))
+            else:  # answered on registration, or with an error at the deadline
+                self.ready_waiters.append((client, msg["req"], want, now + self._timeout_s(msg)))
+        elif kind == "ping":
+            out.append(self._reply(client, msg["req"], "ping"))
+        else:
+            if self.recording:
+                out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex()}))
+            getattr(self, "_" + kind)(client, msg, now, out)
+        return out
+
+    def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
+        task_id = msg["task"]
+        if len(frames) != 2:
+            self.counters["bad_requests"] += 1
+            out.append(self._outcome(client, task_id, "rejected", "submit needs a header frame and a body frame"))
+            return
+        key = (client, task_id)
+        if key in self.open_tasks:
+            self.counters["rejected"] += 1
+            out.append(self._error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
+            return
+        reply_to = msg["reply_to"]
+        if not reply_to.startswith(("tcp://", "ipc://", "inproc://")):
+            self.counters["rejected"] += 1
+            out.append(self._outcome(client, task_id, "rejected", f"reply_to {reply_to!r} is not a tcp://, ipc:// or inproc:// address"))
+            return
+        if self.state in ("clearing", "cleared"):
+            self.counters["rejected"] += 1
+            out.append(self._outcome(client, task_id, "rejected", "caches are cleared; resume the bus first (zkv resume)"))
+            return
+        if len(self.queue) >= self.cfg.max_queue:
+            self.counters["rejected"] += 1
+            out.append(self._outcome(client, task_id, "rejected", f"queue full ({self.cfg.max_queue} tasks); retry later"))
+            return
+        self.open_tasks.add(key)
+        self.queue.append(Task(client, task_id, reply_to, frames[1], now))
+        self.counters["submitted"] += 1
+        if self.recording:
+            out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": frames[1]}))
+        self._dispatch(now, out)
+
+    # --- control operations ------------------------------------------------------
+
+    def _timeout_s(self, msg: dict) -> float:
+        return (msg.get("timeout_ms") or self.cfg.op_timeout_ms) / 1000.0
+
+    def _join_or_busy(self, client: bytes, msg: dict, op: str, out: list[Action]) -> bool:
+        """A request during a pending op: join it if same op, else say busy."""
+        if self.pending is None:
+            return False
+        if self.pending.op == op:
+            self.pending.waiters.append((client, msg["req"]))
+        else:
+            out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
+        return True
+
+    def _pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        if self._join_or_busy(client, msg, "pause", out):
+            return
+        if self.state in ("paused", "cleared"):
+            out.append(self._reply(client, msg["req"], "pause", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
+            return
+        self._begin(client, msg, "pause", "pausing", now, out)
+
+    def _clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        if self._join_or_busy(client, msg, "clear", out):
+            return
+        if self.state == "cleared":
+            out.append(self._reply(client, msg["req"], "clear", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
+            return
+        if self.state != "paused":
+            out.append(self._error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
+            return
+        cancelled = 0
+        while self.queue:
+            task = self.queue.popleft()
+            cancelled += 1
+            self._finish_task(task, "cancelled", "caches were cleared while the task was queued", now, out, notify=True)
+        self.gen += 1
+        keep_cpu = bool(msg.get("keep_cpu"))
+        self._begin(client, msg, "clear", "clearing", now, out, keep_cpu=keep_cpu)
+        self.pending.extra.update(cancelled=cancelled, freed=0)  # type: ignore[union-attr]
+
+    def _resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        if self._join_or_busy(client, msg, "resume", out):
+            return
+        if self.state == "running":
+            out.append(self._reply(client, msg["req"], "resume", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
+            return
+        extra: dict[str, Any] = {}
+        if msg.get("layout") is not None:
+            if self.state != "cleared":
+                out.append(self._error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
+                return
+            base = self.layout or CacheLayout()
+            try:
+                new_layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
+            except (P.ProtocolError, TypeError) as err:
+                out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
+                return
+            extra["layout"] = new_layout.to_wire()
+        self._begin(client, msg, "resume", "resuming", now, out, **extra)
+
+    def _begin(self, client: bytes, msg: dict, op: str, state: str, now: float, out: list[Action], **extra: Any) -> None:
+        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), [(client, msg["req"])], self.state)
+        self.epoch += 1
+        self.control_op = op
+        self.control_extra = extra
+        self.state = state
+        self._publish(now, out)
+        self._check_pending(now, out)
+
+    def _publish(self, now: float, out: list[Action]) -> None:
+        self.last_publish = now
+        upto = [self.ranks[r].dispatched if r in self.ranks else 0 for r in range(self.cfg.world)]
+        out.append(Publish(P.encode("control", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=upto, **self.control_extra)))
+
+    def _ready_ranks(self) -> int:
+        return sum(1 for rs in self.ranks.values() if rs.alive)
+
+    def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
+        """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
+        keep = []
+        for client, req, want, deadline in self.ready_waiters:
+            if self._ready_ranks() >= want:
+                out.append(self._reply(client, req, "status", **self.status(now)))
+            elif now >= deadline:
+                out.append(self._error(client, "timeout", f"only {self._ready_ranks()} of {want} ranks registered before the deadline", req=req))
+            else:
+                keep.append((client, req, want, deadline))
+        self.ready_waiters = keep
+
+    def _live_ranks(self) -> list[RankState]:
+        return [rs for rs in self.ranks.values() if rs.alive]
+
+    def _check_pending(self, now: float, out: list[Action]) -> None:
+        op = self.pending
+        if op is None:
+            return
+        if any(rs.acked_epoch != op.epoch for rs in self._live_ranks()):
+            return
+        self.pending = None
+        elapsed_ms = round((now - op.started) * 1000, 3)
+        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gen}
+        if op.op == "pause":
+            self.state = "paused"
+            fields["drain_ms"] = elapsed_ms
+        elif op.op == "clear":
+            self.state = "cleared"
+            fields.update(clear_ms=elapsed_ms, cancelled=op.extra.get("cancelled", 0), freed=op.extra.get("freed", 0))
+        else:
+            self.state = "running"
+            if "layout" in self.control_extra:
+                self.layout = CacheLayout.from_wire(self.control_extra["layout"])
+            fields["resume_ms"] = elapsed_ms
+        fields["state"] = self.state
+        fields["ranks"] = len(self._live_ranks())
+        self.counters[f"{op.op}_ok"] += 1
+        if self.recording:
+            out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **fields}))
+        for client, req in op.waiters:
+            out.append(self._reply(client, req, op.op, **fields))
+        if self.state == "running":
+            self._dispatch(now, out)
+
+    def _fail_pending(self, code: str, reason: str, now: float, out: list[Action]) -> None:
+        op = self.pending
+        assert op is not None
+        self.pending = None
+        self.counters[f"{op.op}_failed"] += 1
+        if self.recording:
+            out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))
+        for client, req in op.waiters:
+            out.append(self._error(client, code, reason, req=req))
+        if op.op == "pause":
+            # Undo the half-done pause: a new epoch that tells every rank to run.
+            self.epoch += 1
+            self.control_op = "resume"
+            self.control_extra = {}
+            self.state = "running"
+            self._publish(now, out)
+            self._dispatch(now, out)
+        elif op.op == "clear":
+            self.state = "cleared"  # gen moved on; ranks that lag get repeats
+        else:
+            self.state = op.previous_state
+
+    # --- backend ---------------------------------------------------------------
+
+    def on_rank(self, identity: bytes, frames: list[bytes], now: float) -> list[Action]:
+        """A message from a rank DEALER (identity already stripped)."""
+        out: list[Action] = []
+        try:
+            P.check_frames(frames, 1, 1)
+            msg = P.decode(frames[0], ("ready", "hb", "done", "ack"))
+        except P.ProtocolError as err:
+            self.counters["bad_rank_msgs"] += 1
+            out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
+            return out
+        kind = msg["kind"]
+        if kind == "ready":
+            self._ready(identity, msg, now, out)
+            return out
+        rank = self.by_identity.get(identity)
+        rs = self.ranks.get(rank) if rank is not None else None
+        if rs is None or not rs.alive or rs.identity != identity:
+            self.counters["unregistered_msgs"] += 1
+            out.append(ToRank(identity, [P.encode("reregister")]))
+            return out
+        rs.last_seen = now
+        if kind == "hb":
+            rs.stats = msg.get("stats") or {}
+        elif kind == "done":
+            self._done(rs, msg, now, out)
+        else:
+            self._ack(rs, msg, now, out)
+        return out
+
+    def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        rank, world = msg["rank"], msg["world"]
+        if world != self.cfg.world or rank >= world:
+            self.counters["refused"] += 1
+            out.append(ToRank(identity, [P.encode("refused", reason=f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}")]))
+            return
+        try:
+            layout = CacheLayout.from_wire(msg["layout"])
+        except (P.ProtocolError, TypeError) as err:
+            out.append(ToRank(identity, [P.encode("refused", reason=f"bad layout: {err}")]))
+            return
+        old = self.ranks.get(rank)
+        if old is not None and old.alive and old.identity == identity and old.session == msg["session"]:
+            self.counters["duplicate_ready"] += 1
+        else:
+            if old is not None and old.alive:
+                self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
+            if old is not None and old.identity != identity:
+                self.by_identity.pop(old.identity, None)
+            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now)
+            self.by_identity[identity] = rank
+            self.counters["registrations"] += 1
+        if self.layout is None:
+            self.layout = layout
+        rs = self.ranks[rank]
+        rs.last_seen = now
+        out.append(ToRank(identity, [P.encode(
+            "welcome", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=rs.dispatched,
+            layout=self.layout.to_wire(), heartbeat_ms=self.cfg.heartbeat_ms, **self.control_extra)]))
+        if self.recording:
+            out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True}))
+        if self.ready_waiters:
+            self._answer_ready_waiters(now, out)
+        self._dispatch(now, out)
+
+    def _done(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
+        task = self.inflight.get(msg["seq"])
+        if task is None or task.fold is None or not task.fold.add(rs.rank, msg["outcome"], "", msg.get("bytes") or 0):
+            self.counters["stray_done"] += 1
+            return
+        rs.inflight -= 1
+        if task.fold.complete:
+            del self.inflight[task.seq]
+            self._finish_task(task, task.fold.outcome, task.fold.reason, now, out, notify=False)
+        self._dispatch(now, out)
+
+    def _ack(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
+        if msg["epoch"] != self.epoch or msg["op"] != self.control_op:
+            self.counters["stale_acks"] += 1
+            return
+        if self.control_op == "pause" and msg.get("upto") != rs.dispatched:
+            self.counters["stale_acks"] += 1
+            return
+        if rs.acked_epoch == self.epoch:
+            self.counters["repeat_acks"] += 1
+            return
+        rs.acked_epoch = self.epoch
+        if self.pending is not None and self.pending.op == "clear":
+            self.pending.extra["freed"] = self.pending.extra.get("freed", 0) + (msg.get("freed") or 0)
+        self._check_pending(now, out)
+
+    # --- dispatch and task ends ----------------------------------------------------
+
+    def _dispatch(self, now: float, out: list[Action]) -> None:
+        if self.state != "running" or not self.queue:
+            return
+        world = self.cfg.world
+        if len(self.ranks) < world:
+            return
+        ranks = [self.ranks[r] for r in range(world)]
+        limit = self.cfg.max_inflight_per_rank
+        if not all(rs.alive for rs in ranks):
+            return
+        credits = limit - max(rs.inflight for rs in ranks)
+        while credits > 0 and self.queue:
+            credits -= 1
+            task = self.queue.popleft()
+            self.seq += 1
+            task.seq = self.seq
+            task.fold = RankFold(world)
+            self.inflight[task.seq] = task
+            for rs in ranks:
+                rs.inflight += 1
+                rs.dispatched += 1
+                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen)
+                out.append(ToRank(rs.identity, [header, task.body]))
+            self.counters["dispatched"] += 1
+
+    def _finish_task(self, task: Task, outcome: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
+        """End a task exactly once at the broker; ``notify`` tells the client."""
+        self.open_tasks.discard((task.client, task.task))
+        self.counters[outcome] += 1
+        if notify and not task.reported:
+            task.reported = True
+            out.append(self._outcome(task.client, task.task, outcome, reason))
+        if self.recording:
+            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+
+    def _rank_lost(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
+        """A rank died or restarted: fail its tasks now, never leave them hanging."""
+        rs.alive = False
+        self.counters["rank_deaths"] += 1
+        if self.recording:
+            out.append(Record({"ev": "rank", "t": now, "rank": rs.rank, "up": False, "reason": reason}))
+        for seq, task in list(self.inflight.items()):
+            if task.fold is None or rs.rank not in task.fold.waiting:
+                continue
+            task.fold.waiting.discard(rs.rank)
+            task.fold.fail("failed", reason)
+            if not task.reported:
+                task.reported = True
+                out.append(self._outcome(task.client, task.task, "failed", reason))
+            if task.fold.complete:
+                del self.inflight[seq]
+                self._finish_task(task, "failed", reason, now, out, notify=False)
+        rs.inflight = 0
+        if self.pending is not None:
+            if self.cfg.allow_partial:
+                self._check_pending(now, out)
+            else:
+                self._fail_pending("rank_dead", f"{self.pending.op} epoch {self.pending.epoch} failed: {reason}", now, out)
+
+    # --- clock -------------------------------------------------------------------
+
+    def on_tick(self, now: float) -> list[Action]:
+        """Heartbeats, liveness, control repeats and op deadlines."""
+        out: list[Action] = []
+        for rs in self._live_ranks():
+            if (now - rs.last_seen) * 1000 > self.cfg.liveness_ms:
+                self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
+        if (now - self.last_heartbeat) * 1000 >= self.cfg.heartbeat_ms:
+            self.last_heartbeat = now
+            beat = P.encode("hb")
+            for rs in self._live_ranks():
+                out.append(ToRank(rs.identity, [beat]))
+        if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
+            if any(rs.acked_epoch != self.epoch for rs in self._live_ranks()):
+                self.counters["control_repeats"] += 1
+                self._publish(now, out)
+        if self.ready_waiters:
+            self._answer_ready_waiters(now, out)
+        if self.pending is not None and now >= self.pending.deadline:
+            lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
+            ms = round((self.pending.deadline - self.pending.started) * 1000)
+            self._fail_pending(f"{self.pending.op}_timeout", f"ranks {lagging} did not acknowledge {self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
+        return out
+
+    def next_deadline(self, now: float) -> float:
+        """Seconds until on_tick has something to do (for the poll timeout)."""
+        due = [self.last_heartbeat + self.cfg.heartbeat_ms / 1000]
+        if self.epoch:
+            due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
+        if self.pending is not None:
+            due.append(self.pending.deadline)
+        due.extend(w[3] for w in self.ready_waiters)
+        for rs in self._live_ranks():
+            due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
+        return max(0.0, min(due) - now)
+
+    # --- helpers -------------------------------------------------------------------
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "epoch": self.epoch,
+            "gen": self.gen,
+            "world": self.cfg.world,
+            "layout": self.layout.to_wire() if self.layout else None,
+            "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
+            "queued": len(self.queue),
+            "inflight": len(self.inflight),
+            "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
+            "pending_op": self.pending.op if self.pending else None,
+            "counters": dict(self.counters),
+        }
+
+    def _reply(self, client: bytes, req: int, op: str, **fields: Any) -> ToClient:
+        return ToClient(client, [P.encode("reply", req=req, op=op, **fields)])
+
+    def _error(self, client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
+        return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
+
+    def _outcome(self, client: bytes, task: int, outcome: str, reason: str) -> ToClient:
+        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason)])
+
+
+def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
+    """Test helper: the actions of one type, in order."""
+    return [a for a in actions if isinstance(a, kind)]

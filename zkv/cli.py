@@ -1,0 +1,326 @@
+"""The ``zkv`` command line: run the bus and talk to it.
+
+Every option has an environment-variable fallback (shown in ``--help``);
+client commands print a one-line summary or ``--json``, and exit non-zero on
+any outcome other than ok, with a line that says what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import sys
+from typing import Any, Callable
+
+import click
+
+from .endpoints import Endpoints
+
+_DEFAULT = Endpoints.default
+
+
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM ends a process like Ctrl-C does: sockets closed, exit 0."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _fail(message: str, hint: str = "") -> None:
+    click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
+    sys.exit(1)
+
+
+def _parse_ids(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                ids.extend(range(int(lo), int(hi) + 1))
+            else:
+                ids.append(int(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not an id or a range like 4-7") from None
+    return ids
+
+
+def layout_options(fn: Callable) -> Callable:
+    """The cache-layout options shared by worker, up and resume."""
+    from .layout import CacheLayout
+
+    d = CacheLayout()
+    opts = [
+        click.option("--layers", type=int, default=d.layers, show_default=True, envvar="ZKV_LAYERS", show_envvar=True, help="Transformer layers (a K and a V tensor each)."),
+        click.option("--gpu-blocks", type=int, default=d.gpu_blocks, show_default=True, envvar="ZKV_GPU_BLOCKS", show_envvar=True, help="Device cache blocks per rank."),
+        click.option("--cpu-blocks", type=int, default=d.cpu_blocks, show_default=True, envvar="ZKV_CPU_BLOCKS", show_envvar=True, help="CPU swap-space blocks per rank."),
+        click.option("--block-size", type=int, default=d.block_size, show_default=True, envvar="ZKV_BLOCK_SIZE", show_envvar=True, help="Tokens per block."),
+        click.option("--kv-heads", type=int, default=d.kv_heads, show_default=True, envvar="ZKV_KV_HEADS", show_envvar=True, help="KV heads per rank (this rank's shard)."),
+        click.option("--head-dim", type=int, default=d.head_dim, show_default=True, envvar="ZKV_HEAD_DIM", show_envvar=True, help="Head dimension."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, envvar="ZKV_DTYPE", show_envvar=True, help="Cache element type."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _layout_from(kwargs: dict) -> Any:
+    from .layout import CacheLayout
+    from .protocol import ProtocolError
+
+    fields = {k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")}
+    try:
+        return CacheLayout(**fields)
+    except ProtocolError as err:
+        raise click.BadParameter(err.reason) from None
+
+
+def endpoint_options(fn: Callable) -> Callable:
+    fn = click.option("--control", default=lambda: _DEFAULT().control, envvar="ZKV_CONTROL", show_envvar=True, help="Broker PUB address for pause/clear/resume.")(fn)
+    fn = click.option("--backend", default=lambda: _DEFAULT().backend, envvar="ZKV_BACKEND", show_envvar=True, help="Broker ROUTER address for ranks.")(fn)
+    return fn
+
+
+def client_options(fn: Callable) -> Callable:
+    @click.option("--broker", default=lambda: _DEFAULT().frontend, envvar="ZKV_BROKER", show_envvar=True, help="Broker frontend address.")
+    @click.option("--timeout", type=float, default=30.0, show_default=True, envvar="ZKV_TIMEOUT", show_envvar=True, help="Seconds to wait for the outcome.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+    @functools.wraps(fn)
+    def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
+        from .client import Client, ZkvError
+
+        try:
+            with Client(broker, request_timeout=timeout) as client:
+                fn(client, timeout, as_json, **kwargs)
+        except ZkvError as err:
+            hints = {
+                "no_reply": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
+                "not_paused": "run: zkv pause",
+                "not_cleared": "run: zkv clear",
+                "busy": "wait for the running operation, then retry",
+            }
+            if as_json:
+                click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
+                sys.exit(1)
+            _fail(err.reason, hints.get(err.code, ""))
+    return wrapper
+
+
+def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in reply.items() if k not in ("v", "kind", "req")}, default=str))
+    else:
+        click.echo(summary)
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
+def main(verbose: int) -> None:
+    """zkv: a KV-cache transfer bus over ZeroMQ."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+# --- processes ----------------------------------------------------------------------
+
+
+def broker_options(fn: Callable) -> Callable:
+    from .broker_core import BrokerConfig
+
+    d = BrokerConfig()
+    opts = [
+        click.option("--max-inflight", type=int, default=d.max_inflight_per_rank, show_default=True, envvar="ZKV_MAX_INFLIGHT", show_envvar=True, help="Credits: tasks in flight per rank."),
+        click.option("--max-queue", type=int, default=d.max_queue, show_default=True, envvar="ZKV_MAX_QUEUE", show_envvar=True, help="Tasks held before submissions are rejected."),
+        click.option("--heartbeat-ms", type=int, default=d.heartbeat_ms, show_default=True, envvar="ZKV_HEARTBEAT_MS", show_envvar=True, help="Heartbeat interval, both ways."),
+        click.option("--liveness-ms", type=int, default=d.liveness_ms, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Silence after which a rank is dead."),
+        click.option("--op-timeout-ms", type=int, default=d.op_timeout_ms, show_default=True, envvar="ZKV_OP_TIMEOUT_MS", show_envvar=True, help="Default bound on pause/clear/resume."),
+        click.option("--allow-partial", is_flag=True, envvar="ZKV_ALLOW_PARTIAL", show_envvar=True, help="A rank dying during pause/clear/resume completes it without that rank instead of failing it."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def _broker_config(world: int, kw: dict) -> Any:
+    from .broker_core import BrokerConfig
+
+    return BrokerConfig(world=world, max_inflight_per_rank=kw["max_inflight"], max_queue=kw["max_queue"],
+                        heartbeat_ms=kw["heartbeat_ms"], liveness_ms=kw["liveness_ms"],
+                        op_timeout_ms=kw["op_timeout_ms"], allow_partial=kw["allow_partial"])
+
+
+@main.command()
+@click.option("--frontend", default=lambda: _DEFAULT().frontend, envvar="ZKV_FRONTEND", show_envvar=True, help="Address clients connect to.")
+@endpoint_options
+@click.option("--world-size", type=int, default=2, show_default=True, envvar="ZKV_WORLD_SIZE", show_envvar=True, help="Ranks a task runs on.")
+@broker_options
+@click.option("--record", type=click.Path(dir_okay=False), default=None, envvar="ZKV_RECORD", show_envvar=True, help="Append every request and task outcome to this trace file (JSON Lines).")
+@click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses.")
+def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool, **kw: Any) -> None:
+    """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
+    from .broker import Broker
+
+    _sigterm_as_interrupt()
+    recorder = None
+    if record:
+        from .trace import TraceRecorder
+
+        recorder = TraceRecorder(record, world=world_size)
+    try:
+        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote)
+    except ValueError as err:
+        _fail(str(err))
+    click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
+    try:
+        b.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if recorder is not None:
+            recorder.close()
+
+
+@main.command()
+@click.option("--rank", type=int, required=True, envvar="ZKV_RANK", show_envvar=True, help="This worker's tensor-parallel rank.")
+@click.option("--world-size", type=int, default=2, show_default=True, envvar="ZKV_WORLD_SIZE", show_envvar=True, help="Number of ranks.")
+@endpoint_options
+@layout_options
+@click.option("--device", default=None, envvar="ZKV_DEVICE", show_envvar=True, help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).")
+@click.option("--liveness-ms", type=int, default=2000, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Broker silence after which this rank re-registers.")
+def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, **kw: Any) -> None:
+    """Run one rank worker holding its KV cache shard."""
+    from .worker import RankWorker
+    from .rank_core import RankRefused
+
+    _sigterm_as_interrupt()
+    layout = _layout_from(kw)
+    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms)
+    click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
+    try:
+        w.serve()
+    except RankRefused as err:
+        _fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options")
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@click.option("--ranks", type=int, default=2, show_default=True, envvar="ZKV_RANKS", show_envvar=True, help="Rank workers to start.")
+@click.option("--runtime-dir", type=click.Path(file_okay=False), default=None, envvar="ZKV_RUNTIME_DIR", show_envvar=True, help="Directory for the ipc:// sockets (default: a private temp dir).")
+@layout_options
+@click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
+@click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any) -> None:
+    """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    from .cluster import LocalCluster
+
+    layout = _layout_from(kw)
+    cluster = LocalCluster(ranks, layout, directory=runtime_dir)
+    try:
+        cluster.start(timeout=120)
+        click.echo(f"zkv up: broker + {ranks} ranks ready; export ZKV_BROKER={cluster.endpoints.frontend}")
+        if demo:
+            from .demo import run_demo
+
+            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo)
+            if not ok:
+                sys.exit(1)
+            return
+        click.echo("Ctrl-C to stop.")
+        _sigterm_as_interrupt()
+        while True:
+            for name, proc in [("broker", cluster.broker), *[(f"rank {r}", p) for r, p in cluster.workers.items()]]:
+                assert proc is not None
+                try:
+                    proc.wait(timeout=1.0)
+                except Exception:
+                    continue
+                _fail(f"{name} exited with code {proc.returncode}", "see its log above")
+    except KeyboardInterrupt:
+        click.echo("zkv up: stopping")
+    finally:
+        cluster.stop()
+
+
+# --- client commands ----------------------------------------------------------------
+
+
+@main.command()
+@client_options
+@click.option("--wait-ranks", type=int, default=0, help="Wait until this many ranks are registered.")
+def status(client: Any, timeout: float, as_json: bool, wait_ranks: int) -> None:
+    """Show the broker state, ranks, queue and counters."""
+    st = client.status(timeout=timeout, wait_ranks=wait_ranks)
+    lines = [f"state {st['state']}  epoch {st['epoch']}  gen {st['gen']}  world {st['world']}  queued {st['queued']}  inflight {st['inflight']}"]
+    for r in st["ranks"]:
+        lines.append(f"  rank {r['rank']}: {'alive' if r['alive'] else 'DEAD'}  inflight {r['inflight']}  last seen {r['last_seen_ms']} ms ago  pid {r['pid']}")
+    _print_reply(st, as_json, "\n".join(lines))
+
+
+@main.command()
+@click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum"]))
+@click.option("--src", default="", help="Source block ids, e.g. 0-15,32.")
+@click.option("--dst", default="", help="Destination block ids.")
+@click.option("--tier", type=click.Choice(["gpu", "cpu"]), default=None, help="Tier for fill/checksum.")
+@click.option("--seed", type=int, default=None, help="Seed for fill.")
+@client_options
+def submit(client: Any, timeout: float, as_json: bool, op: str, src: str, dst: str, tier: str | None, seed: int | None) -> None:
+    """Run one task on every rank and print its outcome."""
+    out = client.run(op.replace("-", "_"), _parse_ids(src) or None, _parse_ids(dst) or None, timeout, tier=tier, seed=seed)
+    if as_json:
+        data = out.to_json()
+        for r, res in out.per_rank.items():
+            if "digests" in res:
+                data["ranks"][str(r)]["digests"] = [d.hex() for d in res["digests"]]
+        click.echo(json.dumps(data))
+    else:
+        click.echo(f"task {out.task}: {out.outcome}" + (f" ({out.reason})" if out.reason else "") +
+                   f"  {out.bytes} bytes moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks")
+    if not out.ok:
+        if not as_json:
+            click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@client_options
+def pause(client: Any, timeout: float, as_json: bool) -> None:
+    """Stop dispatch and wait until every rank drained its tasks."""
+    r = client.pause(timeout)
+    _print_reply(r, as_json, f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""))
+
+
+@main.command()
+@client_options
+@click.option("--keep-cpu", is_flag=True, help="Keep the CPU swap space; free only device caches.")
+def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
+    """Cancel held tasks and free every rank's caches (needs a paused bus)."""
+    r = client.clear(keep_cpu=keep_cpu, timeout=timeout)
+    _print_reply(r, as_json, f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, {r['freed']} bytes freed" + (f" ({r['note']})" if r.get("noop") else ""))
+
+
+@main.command()
+@client_options
+@click.option("--gpu-blocks", type=int, default=None, help="New device blocks per rank (needs cleared caches).")
+@click.option("--cpu-blocks", type=int, default=None, help="New CPU blocks per rank (needs cleared caches).")
+def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
+    """Reallocate caches if cleared and restart dispatch."""
+    layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
+    r = client.resume(layout or None, timeout)
+    _print_reply(r, as_json, f"running: epoch {r['epoch']}, generation {r['gen']}" + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"))
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules."""
+    for module, name in (("zkv.bench", "bench"),):
+        try:
+            mod = __import__(module, fromlist=[name])
+        except ImportError:
+            continue
+        main.add_command(getattr(mod, name))
+
+
+_register_optional()

@@ -1,0 +1,228 @@
+"""The Python client: submit swap tasks, collect one outcome per task, and
+drive pause / clear / resume.
+
+It owns a DEALER to the broker's frontend and a PULL socket that ranks push
+results to (its address travels in every task as ``reply_to``).  It is
+single-threaded: every wait is one ``zmq.Poller`` over both sockets with a
+timeout, and every message that arrives while waiting for something else is
+filed, never dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+import zmq
+
+from . import protocol as P
+from .endpoints import Endpoints, make_socket, runtime_dir
+from .outcome import TaskOutcome
+from .results import ResultBook
+
+
+class ZkvError(Exception):
+    """An error reply from the broker (``code`` is the wire code), or no reply."""
+
+    def __init__(self, code: str, reason: str):
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class Client:
+    """A connection to one broker.  Not thread-safe: one client per thread."""
+
+    def __init__(self, broker: str | None = None, *, reply_to: str | None = None,
+                 ctx: zmq.Context | None = None, request_timeout: float = 30.0):
+        self.broker = broker or Endpoints.default().frontend
+        self.ctx = ctx or zmq.Context.instance()
+        self.request_timeout = request_timeout
+        self.dealer = make_socket(self.ctx, zmq.DEALER)
+        self.dealer.connect(self.broker)
+        self.pull = make_socket(self.ctx, zmq.PULL)
+        self._ipc_path: Path | None = None
+        if reply_to is None:
+            if self.broker.startswith("tcp://"):
+                reply_to = "tcp://127.0.0.1:*"
+            else:
+                self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+                reply_to = f"ipc://{self._ipc_path}"
+        self.pull.bind(reply_to)
+        self.reply_to = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.poller = zmq.Poller()
+        self.poller.register(self.dealer, zmq.POLLIN)
+        self.poller.register(self.pull, zmq.POLLIN)
+        self.book = ResultBook()
+        self.finished: dict[int, TaskOutcome] = {}
+        self.replies: dict[int, dict] = {}
+        self._task_ids = itertools.count(1)
+        self._req_ids = itertools.count(1)
+        self.closed = False
+
+    # --- tasks ---------------------------------------------------------------------
+
+    def submit(self, op: str, src: Sequence[int] | bytes | None = None, dst: Sequence[int] | bytes | None = None,
+               timeout: float = 30.0, *, tier: str | None = None, seed: int | None = None) -> int:
+        """Send one task to every rank; return its id.  The outcome comes from wait/poll."""
+        extra: dict[str, Any] = {}
+        if tier is not None:
+            extra["tier"] = tier
+        if seed is not None:
+            extra["seed"] = seed
+        return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout)
+
+    def submit_raw(self, body: bytes, timeout: float = 30.0) -> int:
+        """Submit an already encoded body (for tools and tests of bad input)."""
+        task = next(self._task_ids)
+        self.book.add(task, time.monotonic(), timeout)
+        self.dealer.send_multipart([P.encode("submit", task=task, reply_to=self.reply_to), body])
+        return task
+
+    def wait(self, task: int, timeout: float | None = None) -> TaskOutcome:
+        """The outcome of ``task``.  Always returns: a ``timeout`` given here
+        shortens the task's deadline, and a task past its deadline ends ``timeout``."""
+        if task not in self.finished:
+            if task not in self.book.open:
+                raise KeyError(f"task {task} is unknown or its outcome was already returned")
+            if timeout is not None:
+                self.book.shorten(task, time.monotonic() + timeout)
+        while task not in self.finished:
+            self._pump(max(0.0, self.book.open[task].deadline - time.monotonic()))
+        return self.finished.pop(task)
+
+    def poll(self, timeout: float = 0.0) -> list[TaskOutcome]:
+        """Outcomes finished since the last call, waiting up to ``timeout`` for the first."""
+        deadline = time.monotonic() + timeout
+        self._pump(0.0)
+        while not self.finished and time.monotonic() < deadline:
+            self._pump(deadline - time.monotonic())
+        done = list(self.finished.values())
+        self.finished.clear()
+        return done
+
+    def run(self, op: str, src: Sequence[int] | None = None, dst: Sequence[int] | None = None,
+            timeout: float = 30.0, **extra: Any) -> TaskOutcome:
+        """Submit and wait: the one-call form for scripts and the CLI."""
+        return self.wait(self.submit(op, src, dst, timeout, **extra))
+
+    @property
+    def open_tasks(self) -> int:
+        return len(self.book.open)
+
+    # --- requests ------------------------------------------------------------------
+
+    def request(self, kind: str, timeout: float | None = None, **fields: Any) -> dict:
+        """Send a control/status request and wait for its reply (bounded)."""
+        req = next(self._req_ids)
+        timeout = self.request_timeout if timeout is None else timeout
+        self.dealer.send(P.encode(kind, req=req, **fields))
+        deadline = time.monotonic() + timeout
+        while req not in self.replies:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ZkvError("no_reply", f"no reply to {kind} from {self.broker} within {timeout} s; is the broker running?")
+            self._pump(left)
+        reply = self.replies.pop(req)
+        if reply["kind"] == "error":
+            raise ZkvError(reply["code"], reply["reason"])
+        return reply
+
+    def pause(self, timeout: float = 30.0) -> dict:
+        return self.request("pause", timeout + 1, timeout_ms=int(timeout * 1000))
+
+    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
+        reply = self.request("clear", timeout + 1, timeout_ms=int(timeout * 1000), keep_cpu=keep_cpu)
+        self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
+        return reply
+
+    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
+        fields: dict[str, Any] = {"timeout_ms": int(timeout * 1000)}
+        if layout:
+            fields["layout"] = layout
+        reply = self.request("resume", timeout + 1, **fields)
+        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived")
+        return reply
+
+    def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
+        """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up."""
+        if wait_ranks:
+            t = self.request_timeout if timeout is None else timeout
+            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=int(t * 1000))
+        return self.request("status", timeout)
+
+    def ping(self, timeout: float | None = None) -> dict:
+        return self.request("ping", timeout)
+
+    def _on_new_gen(self, gen: int, reason: str) -> None:
+        if gen > self.book.gen:
+            self.book.gen = gen
+            for out in self.book.cancel_all(reason, time.monotonic()):
+                self.finished[out.task] = out
+
+    # --- the one wait ------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for traffic, file all of it, expire deadlines."""
+        due = self.book.next_deadline()
+        if due is not None:
+            timeout = min(timeout, max(0.0, due - time.monotonic()))
+        events = dict(self.poller.poll(timeout * 1000))
+        now = time.monotonic()
+        if self.pull in events:
+            self._drain(self.pull, self._on_pull)
+        if self.dealer in events:
+            self._drain(self.dealer, self._on_dealer)
+        for out in self.book.expire(now):
+            self.finished[out.task] = out
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        for _ in range(4096):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                handle(P.decode(frames[0]))
+            except P.ProtocolError:
+                self.book.counters["bad_messages"] += 1
+
+    def _on_pull(self, msg: dict) -> None:
+        if msg["kind"] != "result":
+            self.book.counters["bad_messages"] += 1
+            return
+        out = self.book.on_result(msg, time.monotonic())
+        if out is not None:
+            self.finished[out.task] = out
+
+    def _on_dealer(self, msg: dict) -> None:
+        kind = msg["kind"]
+        if kind == "outcome":
+            out = self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], time.monotonic())
+            if out is not None:
+                self.finished[out.task] = out
+        elif kind in ("reply", "error") and msg.get("req"):
+            self.replies[msg["req"]] = msg
+        elif kind == "error" and msg.get("task"):
+            self.book.counters["task_errors"] += 1
+        else:
+            self.book.counters["bad_messages"] += 1
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.dealer.close(linger=0)
+        self.pull.close(linger=0)
+        if self._ipc_path is not None:
+            self._ipc_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

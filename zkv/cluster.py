@@ -1,0 +1,127 @@
+"""A local cluster: one broker and N rank workers as real processes.
+
+This is what ``zkv up`` runs and what the end-to-end tests start: every
+process is launched through the CLI (``python -m zkv broker`` / ``worker``),
+so the tests exercise exactly what a user runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from .client import Client, ZkvError
+from .endpoints import Endpoints
+from .layout import CacheLayout
+
+
+def layout_args(layout: CacheLayout) -> list[str]:
+    return [
+        "--layers", str(layout.layers), "--gpu-blocks", str(layout.gpu_blocks), "--cpu-blocks", str(layout.cpu_blocks),
+        "--block-size", str(layout.block_size), "--kv-heads", str(layout.kv_heads), "--head-dim", str(layout.head_dim),
+        "--dtype", layout.dtype,
+    ]
+
+
+class LocalCluster:
+    """Start, wait for, and stop a broker and ``ranks`` workers on ipc:// endpoints."""
+
+    def __init__(self, ranks: int = 2, layout: CacheLayout | None = None, *, directory: str | Path | None = None,
+                 broker_args: Sequence[str] = (), worker_args: Sequence[str] = (), quiet: bool = False):
+        self.ranks = ranks
+        self.layout = layout or CacheLayout()
+        self._own_dir = directory is None
+        # ipc:// paths are limited to ~107 bytes: keep the directory short.
+        self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="zkv-", dir="/tmp"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.endpoints = Endpoints.in_dir(self.directory)
+        self.broker_args = list(broker_args)
+        self.worker_args = list(worker_args)
+        self.quiet = quiet
+        self.broker: subprocess.Popen | None = None
+        self.workers: dict[int, subprocess.Popen] = {}
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        out = subprocess.DEVNULL if self.quiet else None
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen([sys.executable, "-m", "zkv", *args], stdout=out, stderr=out, env=env)
+
+    def _ep_args(self) -> list[str]:
+        ep = self.endpoints
+        return ["--backend", ep.backend, "--control", ep.control]
+
+    def start_broker(self) -> None:
+        self.broker = self._spawn(["broker", "--frontend", self.endpoints.frontend, *self._ep_args(),
+                                   "--world-size", str(self.ranks), *self.broker_args])
+
+    def start_worker(self, rank: int, extra: Sequence[str] = ()) -> subprocess.Popen:
+        proc = self._spawn(["worker", "--rank", str(rank), "--world-size", str(self.ranks), *self._ep_args(),
+                            *layout_args(self.layout), *self.worker_args, *extra])
+        self.workers[rank] = proc
+        return proc
+
+    def start(self, timeout: float = 60.0) -> "LocalCluster":
+        self.start_broker()
+        for rank in range(self.ranks):
+            self.start_worker(rank)
+        self.wait_ready(timeout)
+        return self
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.endpoints.frontend, **kwargs)
+
+    def wait_ready(self, timeout: float = 60.0, ranks: int | None = None) -> dict:
+        """Block (bounded) until ``ranks`` ranks are registered: the broker
+        answers the status request the moment the last one registers."""
+        want = self.ranks if ranks is None else ranks
+        with self.client() as c:
+            try:
+                return c.status(timeout=timeout, wait_ranks=want)
+            except ZkvError as err:
+                self._check_alive()
+                raise TimeoutError(f"cluster not ready within {timeout} s: {err}") from None
+
+    def _check_alive(self) -> None:
+        if self.broker is not None and self.broker.poll() is not None:
+            raise RuntimeError(f"broker exited with {self.broker.returncode}")
+        for rank, proc in self.workers.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"rank {rank} exited with {proc.returncode}")
+
+    def kill_worker(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.workers[rank]
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> dict[str, int]:
+        """SIGTERM everything, wait (bounded), SIGKILL what remains; return exit codes."""
+        procs = {f"rank{r}": p for r, p in self.workers.items()}
+        if self.broker is not None:
+            procs["broker"] = self.broker
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        codes = {}
+        deadline = time.monotonic() + timeout
+        for name, p in procs.items():
+            try:
+                codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait(timeout=5)
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        return codes
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

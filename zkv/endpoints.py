@@ -1,0 +1,82 @@
+"""Where the bus listens, and how every zkv socket is configured.
+
+The embedded default is ``ipc://`` in a private runtime directory (loopback
+only, DESIGN §10).  Socket options live here once so that no socket in zkv is
+made without linger 0, bounded high-water marks and a frame-size cap.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from .protocol import MAX_FRAME_BYTES
+
+# libzmq drops a peer whose frame exceeds this; the application cap
+# (MAX_FRAME_BYTES, answered with a too_large error) sits below it.
+ZMQ_MAXMSGSIZE = 4 * MAX_FRAME_BYTES
+HWM = 100_000
+
+
+def runtime_dir() -> Path:
+    """``$ZKV_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/zkv``, else ``/tmp/zkv-$UID``."""
+    env = os.environ.get("ZKV_RUNTIME_DIR")
+    if env:
+        path = Path(env)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "zkv"
+    else:
+        path = Path(tempfile.gettempdir()) / f"zkv-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The three addresses a broker binds and ranks / clients connect to."""
+
+    frontend: str
+    backend: str
+    control: str
+
+    @classmethod
+    def in_dir(cls, directory: str | Path) -> "Endpoints":
+        d = Path(directory)
+        return cls(f"ipc://{d}/frontend.sock", f"ipc://{d}/backend.sock", f"ipc://{d}/control.sock")
+
+    @classmethod
+    def default(cls) -> "Endpoints":
+        return cls.in_dir(runtime_dir())
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, router: bool = False) -> zmq.Socket:
+    """A socket with the options every zkv socket shares."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAXMSGSIZE)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    if kind in (zmq.DEALER, zmq.ROUTER, zmq.PUSH):
+        # ZMTP heartbeats drop dead TCP peers; application liveness covers the rest.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    if router:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, never vanishes
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
+    return sock
+
+
+def check_bind_address(address: str, allow_remote: bool) -> None:
+    """Refuse to listen beyond this host unless asked to (DESIGN §10)."""
+    if address.startswith(("ipc://", "inproc://")) or allow_remote:
+        return
+    if address.startswith("tcp://"):
+        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+            return
+        raise ValueError(f"refusing to bind {address}: not loopback; pass --allow-remote to listen on other hosts")
+    raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")

@@ -1,0 +1,57 @@
+"""The cache layout: the one description of a rank's KV shard that the broker,
+the ranks and clients agree on (it travels in READY, WELCOME and RESUME)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .protocol import DTYPES, MAX_SAFE_INT, ProtocolError
+
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Per rank: ``layers`` K and V tensors ``[blocks, kv_heads, block_size, head_dim]``."""
+
+    layers: int = 4
+    gpu_blocks: int = 256
+    cpu_blocks: int = 512
+    block_size: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SAFE_INT:
+                raise ProtocolError("bad_field", f"layout.{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ProtocolError("bad_field", f"layout.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        """Bytes of one block of one K (or V) tensor."""
+        return self.kv_heads * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id stands for on a rank: K and V of every layer."""
+        return 2 * self.layers * self.block_bytes_per_layer
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "CacheLayout":
+        if not isinstance(data, dict):
+            raise ProtocolError("bad_field", "layout must be a map")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ProtocolError("bad_field", f"unknown layout fields: {', '.join(sorted(map(str, unknown)))}")
+        return cls(**data)
+
+    def with_changes(self, **changes: Any) -> "CacheLayout":
+        return replace(self, **changes)

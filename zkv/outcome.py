@@ -1,0 +1,71 @@
+"""Task outcomes and the one rule that folds per-rank results into one.
+
+A task runs on every rank; it is ``ok`` only if every rank said ok, the first
+non-ok rank result wins (sticky), and ranks that never answer make it a
+``timeout``.  The broker (for its books) and the client (for its caller) both
+fold results with :class:`RankFold`, so the rule lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TaskOutcome:
+    """The final word on one task, as a client sees it."""
+
+    task: int
+    outcome: str
+    reason: str = ""
+    bytes: int = 0
+    elapsed_s: float = 0.0
+    per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "task": self.task,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "bytes": self.bytes,
+            "elapsed_ms": round(self.elapsed_s * 1000, 3),
+            "ranks": {str(r): {k: v for k, v in res.items() if k != "digests"} for r, res in sorted(self.per_rank.items())},
+        }
+
+
+class RankFold:
+    """Accumulates per-rank outcomes of one task until every rank answered."""
+
+    __slots__ = ("waiting", "outcome", "reason", "bytes")
+
+    def __init__(self, ranks: int | set[int]):
+        self.waiting: set[int] = set(range(ranks)) if isinstance(ranks, int) else set(ranks)
+        self.outcome = "ok"
+        self.reason = ""
+        self.bytes = 0
+
+    def add(self, rank: int, outcome: str, reason: str = "", nbytes: int = 0) -> bool:
+        """Fold one rank's result; return False if that rank was not awaited."""
+        if rank not in self.waiting:
+            return False
+        self.waiting.discard(rank)
+        self.bytes += nbytes
+        if outcome != "ok" and self.outcome == "ok":
+            self.outcome = outcome
+            self.reason = f"rank {rank}: {reason}" if reason else f"rank {rank}: {outcome}"
+        return True
+
+    def fail(self, outcome: str, reason: str) -> None:
+        """Force a non-ok outcome (first one wins), e.g. a rank that died."""
+        if self.outcome == "ok":
+            self.outcome = outcome
+            self.reason = reason
+
+    @property
+    def complete(self) -> bool:
+        return not self.waiting

@@ -1,0 +1,253 @@
+"""A rank's control state machine, with no sockets (sans-IO).
+
+It owns the inflight count (only the rank's I/O thread touches it, so it needs
+no lock) and decides, for each event, what to send and what the executor must
+do.  The rule it exists for (DESIGN §3, §5): a pause is acknowledged only when
+every task dispatched before the pause (``upto``, counted per registration
+session) has been received *and* finished, so a PUB pause that overtakes tasks
+on the DEALER cannot be acked early; after the ack no task starts until resume.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from . import protocol as P
+from .layout import CacheLayout
+
+
+@dataclass(frozen=True)
+class ToBroker:
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class Execute:
+    """Run one task on the executor (``refuse`` set: answer failed, no copy)."""
+
+    seq: int
+    n: int
+    task: int
+    reply_to: str
+    gen: int
+    body: bytes
+    refuse: str = ""
+
+
+@dataclass(frozen=True)
+class FreeCache:
+    keep_cpu: bool
+
+
+@dataclass(frozen=True)
+class AllocateCache:
+    layout: CacheLayout
+
+
+@dataclass(frozen=True)
+class Acked:
+    """Informational: the rank acknowledged ``op`` at ``epoch`` (for instrumentation)."""
+
+    op: str
+    epoch: int
+
+
+RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
+
+
+class RankCore:
+    """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
+
+    def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000):
+        self.rank = rank
+        self.world = world
+        self.layout = layout
+        self.heartbeat_ms = heartbeat_ms
+        self.liveness_ms = liveness_ms
+        self.session = 0
+        self.registered = False
+        self.gen = 0
+        self.epoch = 0
+        self.op = "run"
+        self.upto = 0
+        self.received = 0  # tasks received in this session (their ``n``)
+        self.inflight = 0
+        self.acked_epoch = -1
+        self.has_cache = True
+        self.cache_op_pending = False  # a free/allocate is on the executor
+        self.last_broker_msg = 0.0
+        self.last_heartbeat_sent = 0.0
+        self.last_ready_sent = 0.0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # --- registration ----------------------------------------------------------
+
+    def start(self, now: float, pid: int = 0) -> list[RankAction]:
+        """(Re)register with a fresh session: the broker restarts our counts."""
+        self.session = random.getrandbits(52)
+        self.registered = False
+        self.last_ready_sent = now
+        self.last_broker_msg = now
+        self.counters["ready_sent"] += 1
+        return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
+                                  layout=self.layout.to_wire(), gen=self.gen, pid=pid))]
+
+    @property
+    def paused(self) -> bool:
+        return self.op in ("pause", "clear")
+
+    # --- broker messages ---------------------------------------------------------
+
+    def on_broker(self, frame: bytes, now: float) -> list[RankAction]:
+        try:
+            msg = P.decode(frame, ("welcome", "hb", "task", "refused", "reregister", "error"))
+        except P.ProtocolError:
+            self.counters["bad_broker_msgs"] += 1
+            return []
+        self.last_broker_msg = now
+        kind = msg["kind"]
+        if kind == "hb":
+            return []
+        if kind == "welcome":
+            return self._welcome(msg, now)
+        if kind == "reregister":
+            return self.start(now)
+        if kind == "refused":
+            raise RankRefused(msg["reason"])
+        if kind == "error":
+            self.counters["broker_errors"] += 1
+            return []
+        return []  # "task" comes with a body: see on_task
+
+    def on_task(self, header: bytes, body: bytes, now: float) -> list[RankAction]:
+        """A task header + body from the broker."""
+        self.last_broker_msg = now
+        try:
+            msg = P.decode(header, ("task",))
+        except P.ProtocolError:
+            self.counters["bad_broker_msgs"] += 1
+            return []
+        self.received = max(self.received, msg["n"])
+        refuse = ""
+        if msg["gen"] != self.gen:
+            refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
+        elif not self.has_cache or self.op == "clear":
+            refuse = "caches are cleared on this rank"
+        elif self.paused and msg["n"] > self.upto:
+            refuse = f"task {msg['n']} was dispatched after pause epoch {self.epoch} (upto {self.upto})"
+            self.counters["dispatched_after_pause"] += 1
+        self.inflight += 1
+        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse)]
+
+    def on_control(self, frame: bytes, now: float) -> list[RankAction]:
+        """A control message from the broker's PUB socket."""
+        try:
+            msg = P.decode(frame, ("control",))
+        except P.ProtocolError:
+            self.counters["bad_control_msgs"] += 1
+            return []
+        if not self.registered:
+            self.counters["control_before_welcome"] += 1
+            return []  # the welcome will carry the state
+        upto = msg["upto"][self.rank] if self.rank < len(msg["upto"]) else 0
+        return self._apply(msg["epoch"], msg["op"], msg["gen"], upto, msg.get("layout"), bool(msg.get("keep_cpu")), now)
+
+    def _welcome(self, msg: dict, now: float) -> list[RankAction]:
+        self.registered = True
+        self.heartbeat_ms = msg["heartbeat_ms"]
+        self.received = 0
+        self.epoch = -1  # the welcome is authoritative, even at a lower epoch
+        out: list[RankAction] = []
+        layout = CacheLayout.from_wire(msg["layout"])
+        if layout != self.layout and msg["op"] != "clear":
+            self.layout = layout
+            out.append(AllocateCache(layout))
+            self.has_cache = True
+        elif layout != self.layout:
+            self.layout = layout
+        self.gen = msg["gen"]
+        self.counters["welcomes"] += 1
+        return out + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
+
+    def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float) -> list[RankAction]:
+        if epoch < self.epoch:
+            self.counters["stale_controls"] += 1
+            return []
+        if epoch == self.epoch and op == self.op:
+            self.counters["repeat_controls"] += 1
+            if op == "pause":
+                self.upto = upto
+            return self._maybe_ack(repeat=True)
+        self.epoch, self.op = epoch, op
+        out: list[RankAction] = []
+        if op == "pause":
+            self.upto = upto
+        elif op == "clear":
+            self.gen = gen
+            if self.has_cache:
+                self.has_cache = False
+                self.cache_op_pending = True
+                out.append(FreeCache(keep_cpu))
+        elif op == "resume":
+            self.gen = gen
+            if layout is not None:
+                self.layout = CacheLayout.from_wire(layout)
+            if not self.has_cache:
+                self.has_cache = True
+                self.cache_op_pending = True
+                out.append(AllocateCache(self.layout))
+        return out + self._maybe_ack()
+
+    def _maybe_ack(self, repeat: bool = False, **extra: Any) -> list[RankAction]:
+        """Ack the current op if its condition holds (again, on a repeat)."""
+        if self.op == "run" or self.cache_op_pending:
+            return []
+        if self.op == "pause" and (self.received < self.upto or self.inflight):
+            return []
+        if self.op == "clear" and self.inflight:
+            return []
+        if self.acked_epoch == self.epoch and not repeat:
+            return []
+        self.acked_epoch = self.epoch
+        fields: dict[str, Any] = {"gen": self.gen, **extra}
+        if self.op == "pause":
+            fields["upto"] = self.upto
+        if self.op == "resume":
+            fields["layout"] = self.layout.to_wire()
+        self.counters["acks"] += 1
+        return [ToBroker(P.encode("ack", epoch=self.epoch, op=self.op, **fields)), Acked(self.op, self.epoch)]
+
+    # --- executor events -----------------------------------------------------------
+
+    def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
+        self.inflight -= 1
+        self.counters["tasks_" + outcome] += 1
+        out: list[RankAction] = [ToBroker(P.encode("done", seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes))]
+        return out + self._maybe_ack()
+
+    def on_cache_done(self, freed: int = 0) -> list[RankAction]:
+        """The executor finished a FreeCache / AllocateCache."""
+        self.cache_op_pending = False
+        return self._maybe_ack(freed=freed) if freed else self._maybe_ack()
+
+    # --- clock ---------------------------------------------------------------------
+
+    def on_tick(self, now: float, stats: Callable[[], dict[str, Any]] | None = None) -> list[RankAction]:
+        if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
+            self.counters["broker_silent"] += 1
+            return self.start(now)
+        if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
+            self.last_heartbeat_sent = now
+            return [ToBroker(P.encode("hb", inflight=self.inflight, stats=stats() if stats else {}))]
+        return []
+
+    def next_deadline(self, now: float) -> float:
+        due = min(self.last_heartbeat_sent + self.heartbeat_ms / 1000, self.last_broker_msg + self.liveness_ms / 1000)
+        return max(0.0, due - now)
+
+
+class RankRefused(Exception):
+    """The broker will not take this rank (wrong world size or layout)."""

@@ -1,0 +1,103 @@
+"""The client's book of open tasks, with no sockets (sans-IO).
+
+Per-rank results (from the PULL socket) and broker outcomes (from the DEALER)
+are folded here into exactly one :class:`TaskOutcome` per task.  Whatever
+arrives for a task that already ended (a late rank result after a timeout, a
+result from before a clear) is counted and ignored, never reported twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from dataclasses import dataclass, field
+
+from .outcome import RankFold, TaskOutcome
+
+
+@dataclass
+class _Open:
+    task: int
+    submitted: float
+    deadline: float
+    fold: RankFold | None = None
+    per_rank: dict[int, dict] = field(default_factory=dict)
+
+
+class ResultBook:
+    """Open tasks, their deadlines, and the one-outcome-per-task rule."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, _Open] = {}
+        self.deadlines: list[tuple[float, int]] = []
+        self.gen = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def add(self, task: int, now: float, timeout: float) -> None:
+        self.open[task] = _Open(task, now, now + timeout)
+        heapq.heappush(self.deadlines, (now + timeout, task))
+
+    def shorten(self, task: int, deadline: float) -> None:
+        """Bring a task's deadline forward (a caller that will wait no longer)."""
+        entry = self.open[task]
+        if deadline < entry.deadline:
+            entry.deadline = deadline
+            heapq.heappush(self.deadlines, (deadline, task))
+
+    def on_result(self, msg: dict, now: float) -> TaskOutcome | None:
+        """A rank's result; returns the task's outcome once it is final."""
+        entry = self.open.get(msg["task"])
+        if entry is None:
+            self.counters["late_results"] += 1
+            return None
+        if msg["gen"] < self.gen:
+            self.counters["stale_results"] += 1
+            return None
+        if entry.fold is None:
+            entry.fold = RankFold(msg["world"])
+        rank = msg["rank"]
+        if not entry.fold.add(rank, msg["outcome"], msg.get("reason", ""), msg.get("bytes") or 0):
+            self.counters["duplicate_results"] += 1
+            return None
+        entry.per_rank[rank] = {k: msg[k] for k in ("outcome", "reason", "bytes", "elapsed_us", "digests") if k in msg}
+        if not entry.fold.complete:
+            return None
+        return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
+
+    def on_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
+        """A final outcome decided by the broker (rejected, cancelled, rank died)."""
+        entry = self.open.get(task)
+        if entry is None:
+            self.counters["late_outcomes"] += 1
+            return None
+        return self._close(entry, outcome, reason, now)
+
+    def expire(self, now: float) -> list[TaskOutcome]:
+        """Close every task past its deadline with ``timeout``, naming missing ranks."""
+        done = []
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, task = heapq.heappop(self.deadlines)
+            entry = self.open.get(task)
+            if entry is None or entry.deadline > now:
+                continue
+            if entry.fold is None:
+                reason = "no rank answered before the deadline"
+            else:
+                reason = f"no result from ranks {sorted(entry.fold.waiting)} before the deadline"
+            done.append(self._close(entry, "timeout", reason, now))
+        return done
+
+    def cancel_all(self, reason: str, now: float) -> list[TaskOutcome]:
+        """After a clear: whatever those tasks copied is gone with the caches."""
+        return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
+
+    def next_deadline(self) -> float | None:
+        while self.deadlines and self.deadlines[0][1] not in self.open:
+            heapq.heappop(self.deadlines)
+        return self.deadlines[0][0] if self.deadlines else None
+
+    def _close(self, entry: _Open, outcome: str, reason: str, now: float) -> TaskOutcome:
+        del self.open[entry.task]
+        self.counters[outcome] += 1
+        nbytes = entry.fold.bytes if entry.fold is not None else 0
+        return TaskOutcome(entry.task, outcome, reason, nbytes, now - entry.submitted, entry.per_rank)

@@ -1,0 +1,264 @@
+"""A rank worker: an I/O loop around :class:`RankCore` plus a copy executor.
+
+Threads and ownership (no socket is shared between threads):
+- the I/O thread owns the DEALER to the broker, the SUB for control, and the
+  inproc PULL on which the executor reports; it alone touches RankCore, so
+  the inflight count has a single owner;
+- the executor thread owns the KV cache and the PUSH sockets to clients'
+  result addresses; it takes work from a FIFO, so a cache free or allocate
+  queued after tasks runs after them.
+
+A client that went away never blocks the rank: results are sent NOBLOCK and
+what cannot be queued is counted as undeliverable.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+
+from . import protocol as P
+from .endpoints import make_socket
+from .kvcache import KVCache, TaskInvalid, pick_device
+from .layout import CacheLayout
+from .rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
+
+log = logging.getLogger("zkv.worker")
+
+_ids = itertools.count()
+_MAX_RESULT_SOCKETS = 64
+
+
+class Executor(threading.Thread):
+    """Runs tasks and cache operations in order, on the thread that owns the cache."""
+
+    def __init__(self, ctx: zmq.Context, report_address: str, cache: KVCache, rank: int, world: int):
+        super().__init__(name=f"zkv-exec-{rank}", daemon=True)
+        self.ctx = ctx
+        self.report_address = report_address
+        self.cache = cache
+        self.rank = rank
+        self.world = world
+        self.work: queue.Queue = queue.Queue()
+        self.results: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        # Keys fixed up front: the I/O thread copies this dict while we update values.
+        self.stats: collections.Counter[str] = collections.Counter(
+            dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack"), 0))
+        self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
+
+    def run(self) -> None:
+        report = self.ctx.socket(zmq.PUSH)
+        report.setsockopt(zmq.LINGER, 0)
+        report.connect(self.report_address)
+        try:
+            while True:
+                item = self.work.get()
+                if item is None:
+                    return
+                report.send(msgpack.packb(self._do(item)))
+        finally:
+            report.close(linger=0)
+            for sock in self.results.values():
+                sock.close(linger=0)
+
+    def _do(self, item: Any) -> dict:
+        if isinstance(item, FreeCache):
+            freed = self.cache.free(item.keep_cpu)
+            self.stats["bytes_freed"] += freed
+            return {"k": "cache", "freed": freed}
+        if isinstance(item, AllocateCache):
+            self.cache.allocate(item.layout)
+            return {"k": "cache", "freed": 0}
+        return self._task(item)
+
+    def _task(self, ex: Execute) -> dict:
+        start = time.perf_counter()
+        outcome, reason, nbytes, digests = "ok", "", 0, None
+        try:
+            if ex.refuse:
+                raise TaskInvalid(ex.refuse)
+            body = P.decode_body(ex.body)
+            self.cache.validate(body)
+            if self.paused_ack.is_set():
+                self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
+            if body.op in ("swap_out", "swap_in"):
+                nbytes = self.cache.swap(body.op, body.src, body.dst)
+            elif body.op == "fill":
+                nbytes = self.cache.fill(body.tier, body.dst, body.seed)
+            else:
+                digests = self.cache.checksum(body.tier, body.src)
+        except (P.ProtocolError, TaskInvalid) as err:
+            outcome, reason = "failed", getattr(err, "reason", None) or str(err)
+        except Exception as err:  # a copy that blew up must still end the task
+            log.exception("task %s failed", ex.task)
+            outcome, reason = "failed", f"{type(err).__name__}: {err}"
+        elapsed = time.perf_counter() - start
+        self.stats["tasks_" + outcome] += 1
+        self.stats["bytes_moved"] += nbytes
+        fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
+        if digests is not None:
+            fields["digests"] = digests
+        self._push(ex.reply_to, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
+                                         outcome=outcome, reason=reason, gen=ex.gen, **fields))
+        return {"k": "done", "seq": ex.seq, "n": ex.n, "outcome": outcome, "bytes": nbytes, "gen": ex.gen}
+
+    def _push(self, address: str, frame: bytes) -> None:
+        sock = self.results.get(address)
+        if sock is None:
+            if len(self.results) >= _MAX_RESULT_SOCKETS:
+                _, old = self.results.popitem(last=False)
+                old.close(linger=0)
+            sock = make_socket(self.ctx, zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                self.stats["undeliverable"] += 1
+                return
+            self.results[address] = sock
+        else:
+            self.results.move_to_end(address)
+        try:
+            sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            self.stats["undeliverable"] += 1
+
+
+class RankWorker:
+    """One rank: connect to the broker, register, and serve until stopped."""
+
+    def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout, *,
+                 device: str | torch.device | None = None, ctx: zmq.Context | None = None,
+                 liveness_ms: int = 2000):
+        self.ctx = ctx or zmq.Context.instance()
+        self.core = RankCore(rank, world, layout, liveness_ms=liveness_ms)
+        self.cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
+        uid = next(_ids)
+        self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}"
+        self._stop_address = f"inproc://zkv-rank-{rank}-stop-{uid}"
+        self.dealer = make_socket(self.ctx, zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+        self.dealer.connect(backend)
+        self.sub = make_socket(self.ctx, zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(control)
+        self.reports = self.ctx.socket(zmq.PULL)
+        self.reports.setsockopt(zmq.LINGER, 0)
+        self.reports.bind(self._report_address)
+        self._stop = self.ctx.socket(zmq.PULL)
+        self._stop.setsockopt(zmq.LINGER, 0)
+        self._stop.bind(self._stop_address)
+        self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world)
+        self.acks: list[tuple[str, int, float]] = []  # (op, epoch, time) for instrumentation
+
+    def stop(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._stop_address)
+        sock.send(b"stop")
+        sock.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.executor.stats)
+        s.update({k: v for k, v in self.core.counters.items()})
+        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
+                 device=str(self.cache.device))
+        return s
+
+    def serve(self) -> None:
+        """Run until stop(), KeyboardInterrupt, or the broker refuses this rank."""
+        self.executor.start()
+        poller = zmq.Poller()
+        for sock in (self.dealer, self.sub, self.reports, self._stop):
+            poller.register(sock, zmq.POLLIN)
+        core = self.core
+        self._act(core.start(time.monotonic(), pid=os.getpid()))
+        try:
+            while True:
+                events = dict(poller.poll(max(1.0, core.next_deadline(time.monotonic()) * 1000)))
+                if self._stop in events:
+                    return
+                if self.reports in events:
+                    self._drain_reports()
+                if self.dealer in events:
+                    self._drain_dealer()
+                if self.sub in events:
+                    self._drain(self.sub, lambda frames: core.on_control(frames[0], time.monotonic()))
+                self._act(core.on_tick(time.monotonic(), self.stats))
+        finally:
+            self.executor.work.put(None)
+            self.executor.join(timeout=10)
+            for sock in (self.dealer, self.sub, self.reports, self._stop):
+                sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket, handle) -> None:
+        for _ in range(512):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._act(handle(frames))
+
+    def _drain_dealer(self) -> None:
+        core = self.core
+
+        def handle(frames: list[bytes]) -> list:
+            now = time.monotonic()
+            if len(frames) == 2:
+                return core.on_task(frames[0], frames[1], now)
+            return core.on_broker(frames[0], now)
+
+        self._drain(self.dealer, handle)
+
+    def _drain_reports(self) -> None:
+        core = self.core
+
+        def handle(frames: list[bytes]) -> list:
+            rep = msgpack.unpackb(frames[0])
+            if rep["k"] == "done":
+                return core.on_finished(rep["seq"], rep["n"], rep["outcome"], rep["bytes"], rep["gen"])
+            return core.on_cache_done(rep["freed"])
+
+        self._drain(self.reports, handle)
+
+    def _act(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, ToBroker):
+                try:
+                    self.dealer.send(action.frame, zmq.NOBLOCK)
+                except zmq.Again:
+                    self.core.counters["broker_send_dropped"] += 1
+            elif isinstance(action, Acked):
+                if action.op in ("pause", "clear"):
+                    self.executor.paused_ack.set()
+                else:
+                    self.executor.paused_ack.clear()
+                self.acks.append((action.op, action.epoch, time.monotonic()))
+            elif isinstance(action, (Execute, FreeCache, AllocateCache)):
+                if isinstance(action, AllocateCache):
+                    self.executor.paused_ack.clear()
+                self.executor.work.put(action)
+
+
+def run_worker(rank: int, world: int, backend: str, control: str, layout: CacheLayout, device: str | None = None) -> int:
+    """Entry point for ``zkv worker``: serve, and exit 2 if the broker refuses us."""
+    worker = RankWorker(rank, world, backend, control, layout, device=device)
+    try:
+        worker.serve()
+    except RankRefused as err:
+        log.error("broker refused rank %d: %s", rank, err)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
