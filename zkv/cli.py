@@ -22,10 +22,12 @@ _DEFAULT = Endpoints.default
 
 
 def _sigterm_as_interrupt() -> None:
-    """SIGTERM ends a process like Ctrl-C does: sockets closed, exit 0."""
+    """SIGTERM (and SIGINT, even if inherited as ignored) end a process like
+    Ctrl-C does: sockets closed, exit 0."""
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _fail(message: str, hint: str = "") -> None:
@@ -219,6 +221,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
 
     layout = _layout_from(kw)
     cluster = LocalCluster(ranks, layout, directory=runtime_dir)
+    _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
         click.echo(f"zkv up: broker + {ranks} ranks ready; export ZKV_BROKER={cluster.endpoints.frontend}")
@@ -230,7 +233,6 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
-        _sigterm_as_interrupt()
         while True:
             for name, proc in [("broker", cluster.broker), *[(f"rank {r}", p) for r, p in cluster.workers.items()]]:
                 assert proc is not None

@@ -1,0 +1,188 @@
+"""An in-memory wiring of BrokerCore and RankCores, for exact interleavings.
+
+No sockets and no threads: every message sits in a queue until the test
+delivers it, so a test can make a PUB pause overtake DEALER tasks, drop a PUB
+message, deliver a stale ack, or kill a rank at exactly the step it wants.
+The executor is simulated too: tasks wait in ``running[rank]`` until the test
+finishes them, and the simulation records which copies started after an ack.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from zkv import protocol as P
+from zkv.broker_core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
+from zkv.layout import CacheLayout
+from zkv.rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
+from zkv.results import ResultBook
+
+LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
+CLIENT = b"client-A"
+
+
+@dataclass
+class SimRank:
+    core: RankCore
+    dealer_in: collections.deque = field(default_factory=collections.deque)  # frames from broker
+    sub_in: collections.deque = field(default_factory=collections.deque)  # PUB frames
+    running: collections.deque = field(default_factory=collections.deque)  # Execute awaiting finish
+    cache_ops: collections.deque = field(default_factory=collections.deque)
+    acked_pause: bool = False
+    copies_after_ack: int = 0
+    copies: int = 0
+
+
+class Sim:
+    def __init__(self, world: int = 2, now: float = 100.0, **cfg):
+        self.now = now
+        self.broker = BrokerCore(BrokerConfig(world=world, **cfg))
+        self.ranks = {r: SimRank(RankCore(r, world, LAYOUT)) for r in range(world)}
+        self.to_broker: collections.deque = collections.deque()  # (identity, frame)
+        self.client_in: list[dict] = []  # frontend messages to CLIENT
+        self.results: list[dict] = []  # rank results pushed to reply_to
+        self.book = ResultBook()
+        self.outcomes: dict[int, str] = {}
+        self.next_task = 1
+        self.next_req = 1
+        self.published: list[dict] = []
+
+    # --- wiring ------------------------------------------------------------------
+
+    def _broker_actions(self, actions) -> None:
+        for a in actions:
+            if isinstance(a, ToRank):
+                rank = int(a.identity.split(b"-")[1])
+                self.ranks[rank].dealer_in.append(a.frames)
+            elif isinstance(a, Publish):
+                self.published.append(P.decode(a.frame))
+                for sr in self.ranks.values():
+                    sr.sub_in.append(a.frame)
+            elif isinstance(a, ToClient):
+                msg = P.decode(a.frames[0])
+                self.client_in.append(msg)
+                if msg["kind"] == "outcome":
+                    self._final(self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], self.now))
+
+    def _rank_actions(self, rank: int, actions) -> None:
+        sr = self.ranks[rank]
+        for a in actions:
+            if isinstance(a, ToBroker):
+                self.to_broker.append((f"rank-{rank}".encode(), a.frame))
+            elif isinstance(a, Execute):
+                sr.running.append(a)
+            elif isinstance(a, (FreeCache, AllocateCache)):
+                sr.cache_ops.append(a)
+            elif isinstance(a, Acked):
+                sr.acked_pause = a.op in ("pause", "clear")
+
+    def _final(self, out) -> None:
+        if out is not None:
+            assert out.task not in self.outcomes, f"task {out.task} ended twice"
+            self.outcomes[out.task] = out.outcome
+
+    # --- steps ---------------------------------------------------------------------
+
+    def start_rank(self, rank: int) -> None:
+        self._rank_actions(rank, self.ranks[rank].core.start(self.now))
+
+    def submit(self, op: str = "swap_out", src=(0,), dst=(0,)) -> int:
+        task = self.next_task
+        self.next_task += 1
+        self.book.add(task, self.now, 30.0)
+        frames = [P.encode("submit", task=task, reply_to="inproc://client"), P.encode_body(op, list(src), list(dst))]
+        self._broker_actions(self.broker.on_client(CLIENT, frames, self.now))
+        return task
+
+    def request(self, kind: str, **fields) -> int:
+        req = self.next_req
+        self.next_req += 1
+        self._broker_actions(self.broker.on_client(CLIENT, [P.encode(kind, req=req, **fields)], self.now))
+        return req
+
+    def reply(self, req: int) -> dict | None:
+        for msg in self.client_in:
+            if msg.get("req") == req and msg["kind"] in ("reply", "error"):
+                return msg
+        return None
+
+    def deliver_broker(self, n: int | None = None) -> int:
+        """Deliver rank -> broker messages (all, or the first n)."""
+        count = 0
+        while self.to_broker and (n is None or count < n):
+            identity, frame = self.to_broker.popleft()
+            self._broker_actions(self.broker.on_rank(identity, [frame], self.now))
+            count += 1
+        return count
+
+    def deliver_dealer(self, rank: int, n: int | None = None) -> int:
+        sr = self.ranks[rank]
+        count = 0
+        while sr.dealer_in and (n is None or count < n):
+            frames = sr.dealer_in.popleft()
+            if len(frames) == 2:
+                acts = sr.core.on_task(frames[0], frames[1], self.now)
+            else:
+                acts = sr.core.on_broker(frames[0], self.now)
+            self._rank_actions(rank, acts)
+            count += 1
+        return count
+
+    def deliver_pub(self, rank: int, drop: bool = False) -> int:
+        sr = self.ranks[rank]
+        count = 0
+        while sr.sub_in:
+            frame = sr.sub_in.popleft()
+            count += 1
+            if not drop:
+                self._rank_actions(rank, sr.core.on_control(frame, self.now))
+        return count
+
+    def finish(self, rank: int, n: int | None = None, outcome: str = "ok") -> int:
+        """Complete running tasks on a rank (the simulated executor)."""
+        sr = self.ranks[rank]
+        count = 0
+        while sr.running and (n is None or count < n):
+            ex = sr.running.popleft()
+            if not ex.refuse:
+                sr.copies += 1
+                if sr.acked_pause:
+                    sr.copies_after_ack += 1
+            result = {"task": ex.task, "rank": rank, "world": len(self.ranks), "outcome": "failed" if ex.refuse else outcome,
+                      "reason": ex.refuse, "gen": ex.gen, "bytes": 0 if ex.refuse else LAYOUT.block_bytes}
+            self.results.append(result)
+            self._final(self.book.on_result(result, self.now))
+            self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result["outcome"], result["bytes"], ex.gen))
+            count += 1
+        return count
+
+    def finish_cache_ops(self, rank: int) -> None:
+        sr = self.ranks[rank]
+        while sr.cache_ops:
+            op = sr.cache_ops.popleft()
+            freed = LAYOUT.block_bytes * (LAYOUT.gpu_blocks + LAYOUT.cpu_blocks) if isinstance(op, FreeCache) else 0
+            self._rank_actions(rank, sr.core.on_cache_done(freed))
+
+    def settle(self, rounds: int = 50) -> None:
+        """Deliver everything everywhere until nothing moves (bounded)."""
+        for _ in range(rounds):
+            moved = self.deliver_broker()
+            for r in self.ranks:
+                moved += self.deliver_dealer(r) + self.deliver_pub(r) + self.finish(r)
+                if self.ranks[r].cache_ops:
+                    self.finish_cache_ops(r)
+                    moved += 1
+            if not moved:
+                return
+        raise AssertionError("simulation did not settle")
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        self._broker_actions(self.broker.on_tick(self.now))
+
+    def up(self) -> "Sim":
+        for r in self.ranks:
+            self.start_rank(r)
+        self.settle()
+        return self

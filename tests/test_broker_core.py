@@ -1,0 +1,203 @@
+"""The broker's state machine with no sockets: registration, fan-out,
+credits, heartbeats and liveness, status, and bad input."""
+
+import msgpack
+import pytest
+
+from zkv import protocol as P
+from zkv.broker_core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank, frames_of
+
+from sim import CLIENT, LAYOUT, Sim
+
+
+def ready(rank: int, world: int = 2, session: int = 1, layout=LAYOUT) -> list[bytes]:
+    return [P.encode("ready", rank=rank, world=world, session=session, layout=layout.to_wire(), gen=0, pid=1)]
+
+
+def decoded(actions, kind=ToClient):
+    return [P.decode(a.frames[0]) for a in frames_of(actions, kind)]
+
+
+def test_ready_gets_welcome_with_layout_and_state():
+    core = BrokerCore(BrokerConfig(world=2))
+    acts = core.on_rank(b"rank-0", ready(0), 1.0)
+    (welcome,) = decoded(acts, ToRank)
+    assert welcome["kind"] == "welcome"
+    assert welcome["op"] == "run" and welcome["epoch"] == 0 and welcome["upto"] == 0
+    assert welcome["layout"] == LAYOUT.to_wire()
+    assert core.status(1.0)["ranks"][0]["alive"] is True
+
+
+@pytest.mark.parametrize("rank,world", [(0, 3), (2, 2)])
+def test_ready_that_does_not_fit_is_refused(rank, world):
+    core = BrokerCore(BrokerConfig(world=2))
+    (msg,) = decoded(core.on_rank(b"x", ready(rank, world), 1.0), ToRank)
+    assert msg["kind"] == "refused" and "world" in msg["reason"]
+    assert core.ranks == {}
+
+
+def test_submit_is_held_until_every_rank_registered_then_fanned_out():
+    core = BrokerCore(BrokerConfig(world=2))
+    core.on_rank(b"rank-0", ready(0), 1.0)
+    body = P.encode_body("swap_out", [1, 2], [3, 4])
+    acts = core.on_client(CLIENT, [P.encode("submit", task=7, reply_to="ipc:///x"), body], 1.0)
+    assert frames_of(acts, ToRank) == []
+    assert core.status(1.0)["queued"] == 1
+    acts = core.on_rank(b"rank-1", ready(1), 1.1)
+    tasks = [a for a in frames_of(acts, ToRank) if len(a.frames) == 2]
+    assert sorted(a.identity for a in tasks) == [b"rank-0", b"rank-1"]
+    for a in tasks:
+        header = P.decode(a.frames[0])
+        assert header["task"] == 7 and header["n"] == 1 and header["reply_to"] == "ipc:///x"
+        assert a.frames[1] == body  # forwarded untouched
+
+
+def test_credits_bound_inflight_per_rank_and_done_returns_them():
+    sim = Sim(max_inflight_per_rank=2).up()
+    for _ in range(5):
+        sim.submit()
+    assert [len(sim.ranks[r].dealer_in) for r in (0, 1)] == [2, 2]
+    assert sim.broker.status(sim.now)["queued"] == 3
+    sim.deliver_dealer(0)
+    sim.deliver_dealer(1)
+    sim.finish(0, 1)
+    sim.deliver_broker()
+    assert [len(sim.ranks[r].dealer_in) for r in (0, 1)] == [0, 0], "a credit is free only when every rank returned it"
+    sim.finish(1, 1)
+    sim.deliver_broker()
+    assert [len(sim.ranks[r].dealer_in) for r in (0, 1)] == [1, 1]
+    sim.settle()
+    assert sorted(sim.outcomes.values()) == ["ok"] * 5
+    assert all(rs.inflight == 0 for rs in sim.broker.ranks.values())
+
+
+def test_first_failing_rank_fails_the_task():
+    sim = Sim().up()
+    t = sim.submit()
+    sim.deliver_dealer(0)
+    sim.deliver_dealer(1)
+    sim.finish(0, outcome="ok")
+    sim.finish(1, outcome="failed")
+    assert sim.outcomes[t] == "failed"
+
+
+def test_heartbeats_flow_and_a_silent_rank_is_declared_dead_failing_its_tasks():
+    sim = Sim(heartbeat_ms=100, liveness_ms=300).up()
+    t = sim.submit()
+    sim.deliver_dealer(0)
+    sim.deliver_dealer(1)
+    sim.finish(0)
+    sim.deliver_broker()
+    sim.tick(0.15)
+    assert any(len(sim.ranks[r].dealer_in) for r in (0, 1)), "broker sends heartbeats"
+    # rank 0 keeps beating, rank 1 goes silent
+    for _ in range(3):
+        sim.now += 0.12
+        sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))
+        sim.deliver_broker()
+        sim.tick(0.0)
+    st = sim.broker.status(sim.now)
+    assert [r["alive"] for r in st["ranks"]] == [True, False]
+    assert sim.outcomes[t] == "failed"
+    (out,) = [m for m in sim.client_in if m["kind"] == "outcome"]
+    assert "rank 1" in out["reason"] and "stopped answering" in out["reason"]
+    assert st["counters"]["rank_deaths"] == 1
+
+
+def test_dead_rank_that_comes_back_reregisters():
+    sim = Sim(heartbeat_ms=100, liveness_ms=300).up()
+    sim.tick(1.0)  # both silent: both dead
+    assert not any(rs.alive for rs in sim.broker.ranks.values())
+    sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))  # a heartbeat from a "dead" rank
+    sim.deliver_broker()
+    sim.deliver_dealer(0)  # reregister -> READY
+    sim.deliver_broker()
+    assert sim.broker.ranks[0].alive
+
+
+def test_status_reports_ranks_queue_and_counters():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    sim.submit()
+    req = sim.request("status")
+    st = sim.reply(req)
+    assert st["state"] == "paused" and st["queued"] == 1 and st["world"] == 2
+    assert [r["rank"] for r in st["ranks"]] == [0, 1]
+    assert st["counters"]["submitted"] == 1
+
+
+@pytest.mark.parametrize("frames,code", [
+    ([b"\xc1garbage"], "malformed"),
+    ([msgpack.packb([1, 2])], "malformed"),
+    ([msgpack.packb({"v": 2, "kind": "status", "req": 1})], "bad_version"),
+    ([msgpack.packb({"v": 1, "kind": "launch", "req": 1})], "unknown_kind"),
+    ([msgpack.packb({"v": 1, "kind": "status"})], "bad_field"),
+    ([msgpack.packb({"v": 1, "kind": "status", "req": -1})], "bad_field"),
+    ([msgpack.packb({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": {}, "gen": 0})], "unknown_kind"),
+    ([P.encode("status", req=1)] * 3, "malformed"),
+    ([b"\x00" * (P.MAX_FRAME_BYTES + 1)], "too_large"),
+])
+def test_bad_client_input_gets_an_error_reply_and_the_broker_keeps_serving(frames, code):
+    core = BrokerCore(BrokerConfig(world=1))
+    (msg,) = decoded(core.on_client(CLIENT, frames, 1.0))
+    assert msg["kind"] == "error" and msg["code"] == code and msg["reason"]
+    (ok,) = decoded(core.on_client(CLIENT, [P.encode("ping", req=9)], 1.0))
+    assert ok["kind"] == "reply" and ok["req"] == 9
+    assert core.counters["bad_requests"] == 1
+
+
+def test_submit_with_duplicate_open_task_id_or_bad_reply_to_is_refused():
+    sim = Sim().up()
+    t = sim.submit()
+    frames = [P.encode("submit", task=t, reply_to="inproc://client"), P.encode_body("swap_out", [0], [0])]
+    (err,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
+    assert err["code"] == "duplicate_task"
+    frames = [P.encode("submit", task=99, reply_to="http://evil"), P.encode_body("swap_out", [0], [0])]
+    (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
+    assert out["kind"] == "outcome" and out["outcome"] == "rejected"
+    (out,) = decoded(sim.broker.on_client(CLIENT, frames[:1], sim.now))
+    assert out["outcome"] == "rejected" and "body" in out["reason"]
+
+
+def test_queue_full_rejects_with_a_reason():
+    sim = Sim(max_queue=2)
+    for _ in range(3):
+        sim.submit()
+    rejected = [m for m in sim.client_in if m["kind"] == "outcome"]
+    assert len(rejected) == 1 and "queue full" in rejected[0]["reason"]
+
+
+def test_bad_rank_message_gets_an_error_and_unregistered_rank_is_told_to_reregister():
+    core = BrokerCore(BrokerConfig(world=1))
+    (err,) = decoded(core.on_rank(b"rank-0", [b"junk"], 1.0), ToRank)
+    assert err["kind"] == "error" and err["code"] == "malformed"
+    (msg,) = decoded(core.on_rank(b"rank-0", [P.encode("hb")], 1.0), ToRank)
+    assert msg["kind"] == "reregister"
+
+
+def test_restarted_rank_takes_over_and_its_lost_tasks_fail():
+    sim = Sim().up()
+    t = sim.submit()
+    sim.deliver_dealer(0)
+    sim.deliver_dealer(1)
+    sim.finish(1)
+    sim.deliver_broker()
+    # rank 0 restarts: a new session with the same identity
+    sim.ranks[0].running.clear()
+    sim.start_rank(0)
+    sim.deliver_broker()
+    assert sim.outcomes[t] == "failed"
+    assert sim.broker.ranks[0].alive and sim.broker.ranks[0].inflight == 0
+    t2 = sim.submit()
+    sim.settle()
+    assert sim.outcomes[t2] == "ok"
+
+
+def test_publish_carries_upto_per_rank():
+    sim = Sim().up()
+    for _ in range(3):
+        sim.submit()
+    sim.request("pause")
+    pub = sim.published[-1]
+    assert pub["op"] == "pause" and pub["upto"] == [3, 3] and pub["epoch"] == 1

@@ -1,0 +1,317 @@
+"""Pause / clear / resume: every race of DESIGN §2-§7, as exact interleavings
+of the sans-IO broker and rank cores (the end-to-end versions run real
+processes in test_races_e2e.py)."""
+
+import random
+
+import pytest
+
+from zkv import protocol as P
+
+from sim import Sim
+
+
+def pause_done(sim, req):
+    r = sim.reply(req)
+    return r is not None and r["kind"] == "reply"
+
+
+def test_1_pause_acks_only_after_every_inflight_task_finished_and_no_copy_after():
+    sim = Sim().up()
+    tasks = [sim.submit() for _ in range(4)]
+    for r in (0, 1):
+        sim.deliver_dealer(r)
+    req = sim.request("pause")
+    for r in (0, 1):
+        sim.deliver_pub(r)
+    sim.deliver_broker()
+    assert not pause_done(sim, req)
+    for step in range(3):  # finish 3 of 4 on both ranks: still no ack
+        for r in (0, 1):
+            sim.finish(r, 1)
+        sim.deliver_broker()
+        assert not pause_done(sim, req), f"acked with {4 - step - 1} tasks still running"
+    sim.finish(0, 1)
+    sim.deliver_broker()
+    assert not pause_done(sim, req), "rank 1 still has one running"
+    sim.finish(1, 1)
+    sim.deliver_broker()
+    reply = sim.reply(req)
+    assert reply["kind"] == "reply" and reply["state"] == "paused"
+    assert all(sim.outcomes[t] == "ok" for t in tasks)
+    assert all(sr.copies_after_ack == 0 and sr.acked_pause for sr in sim.ranks.values())
+
+
+def test_2_pub_pause_overtaking_dealer_tasks_still_runs_them_before_acking():
+    sim = Sim().up()
+    tasks = [sim.submit() for _ in range(3)]
+    req = sim.request("pause")
+    for r in (0, 1):  # the PUB pause arrives before any task
+        sim.deliver_pub(r)
+    sim.deliver_broker()
+    assert not pause_done(sim, req)
+    assert all(not sr.acked_pause for sr in sim.ranks.values())
+    for r in (0, 1):
+        sim.deliver_dealer(r)  # now the tasks arrive: they were dispatched before the pause
+        assert all(not ex.refuse for ex in sim.ranks[r].running)
+        sim.finish(r)
+    sim.deliver_broker()
+    assert pause_done(sim, req)
+    assert [sim.outcomes[t] for t in tasks] == ["ok"] * 3
+
+
+def test_3_tasks_submitted_while_pausing_and_paused_are_held_then_run_once_after_resume():
+    sim = Sim().up()
+    first = sim.submit()
+    req = sim.request("pause")
+    while_pausing = sim.submit()
+    sim.settle()
+    assert pause_done(sim, req)
+    while_paused = sim.submit()
+    sim.settle()
+    assert first in sim.outcomes and while_pausing not in sim.outcomes and while_paused not in sim.outcomes
+    assert sim.broker.status(sim.now)["queued"] == 2
+    assert all(not sr.running for sr in sim.ranks.values())
+    sim.request("resume")
+    sim.settle()
+    assert sim.outcomes[while_pausing] == "ok" and sim.outcomes[while_paused] == "ok"
+    assert sum(1 for r in sim.results if r["task"] == while_paused) == 2  # once per rank, not twice
+
+
+def test_4_clear_cancels_every_held_task_at_its_client():
+    sim = Sim().up()
+    req = sim.request("pause")
+    held = [sim.submit() for _ in range(5)]
+    sim.settle()
+    assert pause_done(sim, req)
+    creq = sim.request("clear")
+    sim.settle()
+    reply = sim.reply(creq)
+    assert reply["kind"] == "reply" and reply["cancelled"] == 5 and reply["gen"] == 1 and reply["freed"] > 0
+    assert [sim.outcomes[t] for t in held] == ["cancelled"] * 5
+    assert sim.results == []  # nothing ran
+    late = sim.submit()
+    assert sim.outcomes[late] == "rejected"
+    assert "cleared" in [m for m in sim.client_in if m.get("task") == late][0]["reason"]
+
+
+def test_5_stale_ack_from_an_earlier_epoch_does_not_complete_the_current_pause():
+    sim = Sim().up()
+    r1 = sim.request("pause")
+    sim.settle()
+    assert pause_done(sim, r1)
+    sim.request("resume")
+    sim.settle()
+    sim.submit()
+    for r in (0, 1):
+        sim.deliver_dealer(r)  # a task is running on both ranks
+    r2 = sim.request("pause")
+    epoch = sim.broker.epoch
+    stale = P.encode("ack", epoch=epoch - 2, op="pause", upto=0, gen=0)
+    for r in (0, 1):
+        sim.broker.on_rank(f"rank-{r}".encode(), [stale], sim.now)
+    wrong_upto = P.encode("ack", epoch=epoch, op="pause", upto=0, gen=0)
+    for r in (0, 1):
+        sim.broker.on_rank(f"rank-{r}".encode(), [wrong_upto], sim.now)
+    assert not pause_done(sim, r2)
+    assert sim.broker.counters["stale_acks"] == 4
+    sim.settle()
+    assert pause_done(sim, r2)
+
+
+def test_6_result_from_previous_generation_is_ignored_by_the_client():
+    sim = Sim().up()
+    t = sim.submit()
+    for r in (0, 1):
+        sim.deliver_dealer(r)
+    sim.finish(0)
+    # rank 1's result is "in flight" while the bus is paused, cleared, resumed
+    sim.ranks[1].running.clear()
+    sim.book.gen = 1  # the client learned gen 1 from the clear reply
+    sim.book.cancel_all("cleared", sim.now)
+    stale = {"task": t, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 0}
+    t2 = sim.submit()
+    assert sim.book.on_result(stale, sim.now) is None
+    stale_for_new = {"task": t2, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 0}
+    assert sim.book.on_result(stale_for_new, sim.now) is None
+    assert sim.book.counters["late_results"] == 1 and sim.book.counters["stale_results"] == 1
+    assert t2 in sim.book.open
+
+
+def test_7_rank_joining_while_paused_learns_it_and_takes_no_tasks():
+    sim = Sim(world=2)
+    sim.start_rank(0)
+    sim.settle()
+    req = sim.request("pause")
+    sim.settle()
+    assert pause_done(sim, req)
+    sim.submit()
+    sim.start_rank(1)  # joins late: the PUB pause was before its time
+    sim.settle()
+    assert sim.ranks[1].core.op == "pause" and sim.ranks[1].acked_pause
+    assert sim.results == [] and all(not sr.running for sr in sim.ranks.values())
+    assert sim.broker.ranks[1].acked_epoch == sim.broker.epoch
+
+
+def test_8_lost_pub_message_is_healed_by_the_repeat():
+    sim = Sim(control_repeat_ms=50).up()
+    req = sim.request("pause")
+    assert sim.deliver_pub(1, drop=True) == 1  # rank 1 never sees it
+    sim.settle()
+    assert not pause_done(sim, req)
+    sim.tick(0.06)  # the repeat
+    sim.settle()
+    assert pause_done(sim, req)
+    assert sim.broker.counters["control_repeats"] >= 1
+
+
+def test_8b_a_repeat_of_an_acknowledged_state_is_acknowledged_again():
+    sim = Sim(control_repeat_ms=50).up()
+    req = sim.request("pause")
+    sim.deliver_pub(0)
+    sim.deliver_pub(1)
+    sim.to_broker.clear()  # both acks lost on the way
+    sim.tick(0.06)
+    sim.settle()
+    assert pause_done(sim, req)
+
+
+def test_9a_rank_that_never_acks_fails_the_pause_naming_it_within_the_timeout():
+    sim = Sim(heartbeat_ms=10_000, liveness_ms=60_000).up()
+    sim.submit()
+    for r in (0, 1):
+        sim.deliver_dealer(r)
+    req = sim.request("pause", timeout_ms=500)
+    sim.deliver_pub(0)
+    sim.deliver_pub(1)
+    sim.finish(0)
+    sim.deliver_broker()
+    sim.tick(0.4)
+    assert sim.reply(req) is None
+    sim.tick(0.2)
+    err = sim.reply(req)
+    assert err["kind"] == "error" and err["code"] == "pause_timeout" and "[1]" in err["reason"]
+    assert sim.broker.state == "running"  # undone with a new epoch, nothing waits forever
+    assert sim.published[-1]["op"] == "resume"
+
+
+def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_and_its_tasks():
+    sim = Sim(heartbeat_ms=100, liveness_ms=300).up()
+    t = sim.submit()
+    for r in (0, 1):
+        sim.deliver_dealer(r)
+    req = sim.request("pause")
+    sim.deliver_pub(0)
+    sim.finish(0)
+    sim.deliver_broker()
+    for _ in range(4):  # rank 0 lives on, rank 1 is dead
+        sim.now += 0.1
+        sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))
+        sim.deliver_broker()
+        sim.tick(0.0)
+    err = sim.reply(req)
+    assert err["kind"] == "error" and err["code"] == "rank_dead" and "rank 1" in err["reason"]
+    assert sim.outcomes[t] == "failed"
+
+
+def test_9c_allow_partial_completes_the_pause_without_the_dead_rank():
+    sim = Sim(heartbeat_ms=100, liveness_ms=300, allow_partial=True).up()
+    req = sim.request("pause")
+    sim.deliver_pub(0)
+    sim.deliver_broker()
+    for _ in range(4):
+        sim.now += 0.1
+        sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))
+        sim.deliver_broker()
+        sim.tick(0.0)
+    assert sim.reply(req)["kind"] == "reply"
+
+
+def test_noops_and_wrong_order_say_so():
+    sim = Sim().up()
+    r = sim.request("resume")
+    assert sim.reply(r)["noop"] is True
+    r = sim.request("clear")
+    assert sim.reply(r)["code"] == "not_paused"
+    sim.request("pause")
+    r = sim.request("clear")
+    assert sim.reply(r)["code"] == "busy"
+    sim.settle()
+    r = sim.request("pause")
+    assert sim.reply(r)["noop"] is True
+    r = sim.request("resume", layout={"gpu_blocks": 8})
+    assert sim.reply(r)["code"] == "not_cleared"
+
+
+def test_resume_with_a_new_layout_after_clear_reallocates():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    sim.request("clear")
+    sim.settle()
+    r = sim.request("resume", layout={"gpu_blocks": 8})
+    sim.settle()
+    assert sim.reply(r)["kind"] == "reply"
+    assert sim.broker.layout.gpu_blocks == 8
+    assert all(sr.core.layout.gpu_blocks == 8 and sr.core.has_cache for sr in sim.ranks.values())
+    t = sim.submit()
+    sim.settle()
+    assert sim.outcomes[t] == "ok"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_10_random_cycles_every_task_one_outcome_no_copy_while_paused(seed):
+    """Random pause/clear/resume cycles (250 per seed, 1,000 in all) with random
+    delivery order, lost PUB messages and interleaved submissions."""
+    rng = random.Random(seed)
+    sim = Sim(control_repeat_ms=10).up()
+    submitted = []
+    steps = 0
+    while sim.broker.counters["pause_ok"] < 250:
+        steps += 1
+        assert steps < 20_000, "cycles stopped completing"
+        action = rng.random()
+        if action < 0.45:
+            submitted.append(sim.submit())
+        elif action < 0.6:
+            sim.request("pause")
+        elif action < 0.7:
+            sim.request("clear")
+        elif action < 0.85:
+            sim.request("resume")
+        # deliver a random part of what is in flight, in a random order
+        for _ in range(rng.randint(0, 6)):
+            r = rng.randrange(2)
+            step = rng.random()
+            if step < 0.3:
+                sim.deliver_dealer(r, rng.randint(1, 3))
+            elif step < 0.5:
+                sim.deliver_pub(r, drop=rng.random() < 0.2)
+            elif step < 0.8:
+                sim.finish(r, rng.randint(1, 3))
+            else:
+                sim.deliver_broker(rng.randint(1, 4))
+            sim.finish_cache_ops(r)
+        if rng.random() < 0.2:
+            sim.tick(0.011)
+        if rng.random() < 0.3:
+            sim.settle()
+    # drain: resume whatever state we are in, heal lost messages, finish all
+    for _ in range(20):
+        sim.tick(0.011)
+        sim.settle()
+        if sim.broker.pending is None:
+            break
+    sim.request("resume")
+    for _ in range(20):
+        sim.tick(0.011)
+        sim.settle()
+    missing = [t for t in submitted if t not in sim.outcomes]
+    assert not missing, f"tasks without an outcome: {missing[:10]}"
+    assert set(sim.outcomes) == set(submitted)
+    assert all(sr.copies_after_ack == 0 for sr in sim.ranks.values())
+    assert all(sr.core.counters["dispatched_after_pause"] == 0 for sr in sim.ranks.values())
+    assert sim.broker.state == "running" and not sim.broker.inflight and not sim.broker.queue
+    outcomes = set(sim.outcomes.values())
+    assert {"ok", "cancelled", "rejected"} <= outcomes, outcomes
+    assert sim.broker.counters["clear_ok"] > 10 and sim.broker.counters["resume_ok"] >= 250
