@@ -1,0 +1,96 @@
+"""The rank state machine alone: what it acks, when, and what it refuses."""
+
+from zkv import protocol as P
+from zkv.rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
+
+from sim import LAYOUT
+
+
+def welcomed(op="run", epoch=0, upto=0, gen=0) -> RankCore:
+    core = RankCore(0, 2, LAYOUT)
+    core.start(1.0)
+    core.on_broker(P.encode("welcome", epoch=epoch, op=op, gen=gen, upto=upto, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    return core
+
+
+def control(op, epoch, upto=(0, 0), gen=0, **kw) -> bytes:
+    return P.encode("control", epoch=epoch, op=op, gen=gen, upto=list(upto), **kw)
+
+
+def task(n, gen=0) -> list[bytes]:
+    return [P.encode("task", seq=n, n=n, task=n, reply_to="inproc://c", gen=gen), P.encode_body("swap_out", [0], [0])]
+
+
+def sent(actions, kind):
+    return [P.decode(a.frame) for a in actions if isinstance(a, ToBroker) and P.decode(a.frame)["kind"] == kind]
+
+
+def test_ack_waits_for_received_upto_and_zero_inflight():
+    core = welcomed()
+    assert sent(core.on_control(control("pause", 1, upto=(2, 0)), 1.0), "ack") == []
+    (ex1,) = [a for a in core.on_task(*task(1), 1.0) if isinstance(a, Execute)]
+    assert ex1.refuse == ""
+    assert sent(core.on_finished(1, 1, "ok", 0, 0), "ack") == []  # task 2 not received yet
+    (ex2,) = [a for a in core.on_task(*task(2), 1.0) if isinstance(a, Execute)]
+    assert ex2.refuse == "", "a task dispatched before the pause runs"
+    acts = core.on_finished(2, 2, "ok", 0, 0)
+    (ack,) = sent(acts, "ack")
+    assert ack == {**ack, "epoch": 1, "op": "pause", "upto": 2}
+    assert any(isinstance(a, Acked) for a in acts)
+
+
+def test_task_beyond_upto_after_the_ack_is_refused_not_run():
+    core = welcomed()
+    core.on_control(control("pause", 1), 1.0)
+    (ex,) = [a for a in core.on_task(*task(1), 1.0) if isinstance(a, Execute)]
+    assert "after pause" in ex.refuse
+    assert core.counters["dispatched_after_pause"] == 1
+
+
+def test_stale_control_is_ignored_and_repeat_is_reacked():
+    core = welcomed()
+    assert sent(core.on_control(control("pause", 2), 1.0), "ack")
+    assert sent(core.on_control(control("pause", 2), 1.0), "ack"), "a repeat gets a fresh ack"
+    assert sent(core.on_control(control("resume", 1), 1.0), "ack") == []
+    assert core.counters["stale_controls"] == 1 and core.op == "pause"
+
+
+def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
+    core = welcomed()
+    core.on_control(control("pause", 1), 1.0)
+    acts = core.on_control(control("clear", 2, gen=1, keep_cpu=True), 1.0)
+    assert [a for a in acts if isinstance(a, FreeCache)] == [FreeCache(keep_cpu=True)]
+    assert sent(acts, "ack") == []
+    (ack,) = sent(core.on_cache_done(freed=1234), "ack")
+    assert ack["op"] == "clear" and ack["freed"] == 1234 and ack["gen"] == 1
+    (ex,) = [a for a in core.on_task(*task(1, gen=1), 1.0) if isinstance(a, Execute)]
+    assert "cleared" in ex.refuse
+    core.on_finished(1, 1, "failed", 0, 1)
+    acts = core.on_control(control("resume", 3, gen=1, layout=LAYOUT.with_changes(gpu_blocks=8).to_wire()), 1.0)
+    (alloc,) = [a for a in acts if isinstance(a, AllocateCache)]
+    assert alloc.layout.gpu_blocks == 8 and sent(acts, "ack") == []
+    (ack,) = sent(core.on_cache_done(), "ack")
+    assert ack["op"] == "resume" and ack["layout"]["gpu_blocks"] == 8
+
+
+def test_task_from_another_generation_is_refused():
+    core = welcomed(gen=3)
+    (ex,) = [a for a in core.on_task(*task(1, gen=2), 1.0) if isinstance(a, Execute)]
+    assert "generation" in ex.refuse
+
+
+def test_welcome_while_cleared_frees_the_fresh_cache_and_acks():
+    core = RankCore(0, 2, LAYOUT)
+    core.start(1.0)
+    acts = core.on_broker(P.encode("welcome", epoch=5, op="clear", gen=2, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    assert any(isinstance(a, FreeCache) for a in acts)
+    (ack,) = sent(core.on_cache_done(freed=10), "ack")
+    assert ack["epoch"] == 5 and core.gen == 2
+
+
+def test_silent_broker_makes_the_rank_register_again_with_a_new_session():
+    core = welcomed()
+    session = core.session
+    assert sent(core.on_tick(1.05), "ready") == []
+    (ready,) = sent(core.on_tick(1.0 + core.liveness_ms / 1000 + 0.01), "ready")
+    assert ready["session"] != session and not core.registered

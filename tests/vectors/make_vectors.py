@@ -1,0 +1,239 @@
+"""Generate the zkv golden vectors: ``valid.json`` and ``invalid.json``.
+
+Deterministic: running it twice gives byte-identical files, and
+``tests/test_protocol.py`` checks that the committed files are what this script
+makes.  Regenerate with ``python tests/vectors/make_vectors.py``.
+
+JSON conventions (also described in docs/protocol.md, "Golden vectors"):
+- ``hex``: the frame, lowercase hex.
+- ``decoded``: the msgpack map as JSON; a msgpack bin value is written
+  ``{"$bin": "<hex>"}`` (no zkv message has a field named ``$bin``).
+- ``fields`` (valid, not body): the keyword fields passed to
+  ``zkv.protocol.encode(kind, **fields)``, which must reproduce ``hex``
+  exactly; for bodies, ``encode_body`` holds ``op``/``src``/``dst``/``extra``
+  for ``zkv.protocol.encode_body`` when the vector is what it emits.
+- ``body`` (valid bodies): what ``decode_body`` must return, ids as lists.
+- ``decoder`` (invalid): ``decode`` or ``decode_body``; ``expect_kinds``: the
+  kinds the receiving socket accepts (null: any kind); ``code``: the error code.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+from zkv import protocol as P  # noqa: E402
+
+LAYOUT = {"layers": 2, "gpu_blocks": 64, "cpu_blocks": 128, "block_size": 16, "kv_heads": 4, "head_dim": 64, "dtype": "bf16"}
+REPLY_TO = "tcp://127.0.0.1:5555"
+DIGEST0 = bytes(range(16))
+DIGEST1 = bytes(range(16, 32))
+
+
+def to_json(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bin": bytes(value).hex()}
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    return value
+
+
+def packed(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+# (name, socket, direction, kind, fields, note)
+MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
+    # client -> broker (frontend ROUTER)
+    ("submit", "frontend", "client->broker", "submit", {"task": 1, "reply_to": REPLY_TO}, "header frame of a 2-frame submit (the worked example)"),
+    ("submit_timeout", "frontend", "client->broker", "submit", {"task": 9007199254740991, "reply_to": "ipc:///tmp/zkv-c.sock", "timeout_ms": 5000}, "largest task id (2^53-1); timeout_ms is accepted and ignored by the broker"),
+    ("pause", "frontend", "client->broker", "pause", {"req": 1, "timeout_ms": 10000}, ""),
+    ("clear", "frontend", "client->broker", "clear", {"req": 2, "timeout_ms": 10000, "keep_cpu": False}, ""),
+    ("resume", "frontend", "client->broker", "resume", {"req": 3, "timeout_ms": 10000}, ""),
+    ("resume_layout", "frontend", "client->broker", "resume", {"req": 4, "layout": {"gpu_blocks": 32}}, "partial layout: merged over the current one; needs a cleared bus"),
+    ("status", "frontend", "client->broker", "status", {"req": 5}, ""),
+    ("status_wait", "frontend", "client->broker", "status", {"req": 6, "wait_ranks": 2, "timeout_ms": 60000}, ""),
+    ("ping", "frontend", "client->broker", "ping", {"req": 7}, ""),
+    # broker -> client (frontend ROUTER)
+    ("reply_ping", "frontend", "broker->client", "reply", {"req": 7, "op": "ping"}, ""),
+    ("reply_pause", "frontend", "broker->client", "reply", {"req": 1, "op": "pause", "epoch": 1, "gen": 0, "drain_ms": 1.25, "state": "paused", "ranks": 2}, "drain_ms is a float64"),
+    ("reply_pause_noop", "frontend", "broker->client", "reply", {"req": 1, "op": "pause", "noop": True, "state": "paused", "epoch": 1, "gen": 0, "drain_ms": 0.0, "note": "already paused"}, ""),
+    ("reply_clear", "frontend", "broker->client", "reply", {"req": 2, "op": "clear", "epoch": 2, "gen": 1, "clear_ms": 3.5, "cancelled": 0, "freed": 2097152, "state": "cleared", "ranks": 2}, ""),
+    ("reply_resume", "frontend", "broker->client", "reply", {"req": 3, "op": "resume", "epoch": 3, "gen": 1, "resume_ms": 2.0, "state": "running", "ranks": 2}, ""),
+    ("reply_status", "frontend", "broker->client", "reply", {
+        "req": 5, "op": "status", "state": "running", "epoch": 0, "gen": 0, "world": 1, "layout": LAYOUT,
+        "ranks": [{"rank": 0, "alive": True, "pid": 4242, "inflight": 0, "dispatched": 3, "acked_epoch": 0, "last_seen_ms": 12.5, "stats": {}}],
+        "queued": 0, "inflight": 0, "max_inflight_per_rank": 64, "pending_op": None, "counters": {"client_msgs": 4}}, "pending_op and layout may be nil"),
+    ("error_req", "frontend", "broker->client", "error", {"code": "not_paused", "reason": "clear needs a paused bus: run zkv pause first", "req": 2}, ""),
+    ("error_task", "frontend", "broker->client", "error", {"code": "duplicate_task", "reason": "task 1 is still open", "task": 1}, ""),
+    ("error_bare", "frontend", "broker->client", "error", {"code": "malformed", "reason": "not a msgpack frame (ExtraData)"}, "no req: the request could not be decoded"),
+    ("outcome_rejected", "frontend", "broker->client", "outcome", {"task": 1, "outcome": "rejected", "reason": "caches are cleared; resume the bus first (zkv resume)"}, ""),
+    ("outcome_cancelled", "frontend", "broker->client", "outcome", {"task": 2, "outcome": "cancelled", "reason": "caches were cleared while the task was queued"}, ""),
+    # rank -> broker (backend ROUTER)
+    ("ready", "backend", "rank->broker", "ready", {"rank": 0, "world": 2, "session": 4503599627370495, "layout": LAYOUT, "gen": 0, "pid": 4242}, ""),
+    ("hb_rank", "backend", "rank->broker", "hb", {"inflight": 0, "stats": {"tasks_ok": 3}}, ""),
+    ("done", "backend", "rank->broker", "done", {"seq": 1, "n": 1, "outcome": "ok", "gen": 0, "bytes": 131072}, ""),
+    ("ack_pause", "backend", "rank->broker", "ack", {"epoch": 1, "op": "pause", "gen": 0, "upto": 3}, ""),
+    ("ack_clear", "backend", "rank->broker", "ack", {"epoch": 2, "op": "clear", "gen": 1, "freed": 1048576}, ""),
+    ("ack_resume", "backend", "rank->broker", "ack", {"epoch": 3, "op": "resume", "gen": 1, "layout": LAYOUT}, ""),
+    # broker -> rank (backend ROUTER)
+    ("welcome", "backend", "broker->rank", "welcome", {"epoch": 0, "op": "run", "gen": 0, "upto": 0, "layout": LAYOUT, "heartbeat_ms": 500}, ""),
+    ("welcome_cleared", "backend", "broker->rank", "welcome", {"epoch": 2, "op": "clear", "gen": 1, "upto": 0, "layout": LAYOUT, "heartbeat_ms": 500, "keep_cpu": True}, ""),
+    ("refused", "backend", "broker->rank", "refused", {"reason": "rank 2 of world 2 does not fit this broker's world size 2"}, ""),
+    ("reregister", "backend", "broker->rank", "reregister", {}, ""),
+    ("hb_broker", "backend", "broker->rank", "hb", {}, ""),
+    ("task", "backend", "broker->rank", "task", {"seq": 1, "n": 1, "task": 1, "reply_to": REPLY_TO, "gen": 0}, "header frame of a 2-frame task; the body frame is the client's, byte for byte"),
+    # broker -> ranks (PUB)
+    ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),
+    ("control_clear", "control", "broker->ranks", "control", {"epoch": 2, "op": "clear", "gen": 1, "upto": [3, 3], "keep_cpu": False}, ""),
+    ("control_resume", "control", "broker->ranks", "control", {"epoch": 3, "op": "resume", "gen": 1, "upto": [3, 3], "layout": dict(LAYOUT, gpu_blocks=32)}, ""),
+    # rank -> client (PUSH -> PULL)
+    ("result_ok", "results", "rank->client", "result", {"task": 1, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 0, "bytes": 65536, "elapsed_us": 180}, ""),
+    ("result_failed", "results", "rank->client", "result", {"task": 3, "rank": 1, "world": 2, "outcome": "failed", "reason": "dst block id 999 is out of range for the gpu tier (0..63)", "gen": 0, "bytes": 0, "elapsed_us": 40}, ""),
+    ("result_checksum", "results", "rank->client", "result", {"task": 4, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 0, "bytes": 0, "elapsed_us": 95, "digests": [DIGEST0, DIGEST1]}, "digests: one 16-byte bin per block, in src order"),
+]
+
+# (name, op, src, dst, extra, packed?, note)
+BODIES: list[tuple[str, str, list[int] | None, list[int] | None, dict[str, Any], bool, str]] = [
+    ("body_swap_out_packed", "swap_out", [3, 4], [10, 11], {}, True, "the worked example; what the Python client sends"),
+    ("body_swap_in_packed", "swap_in", [10, 11, 12], [5, 6, 7], {}, True, ""),
+    ("body_swap_out_array", "swap_out", [0, 1, 2, 3], [100, 101, 102, 103], {}, False, "ids as a msgpack array of ints: also accepted"),
+    ("body_swap_in_array", "swap_in", [127], [63], {}, False, ""),
+    ("body_fill", "fill", None, [0, 1, 2, 3], {"tier": "gpu", "seed": 7}, True, ""),
+    ("body_fill_cpu_array", "fill", None, [5], {"tier": "cpu", "seed": 0}, False, ""),
+    ("body_checksum", "checksum", [0, 1], None, {"tier": "gpu"}, True, ""),
+    ("body_checksum_default_tier", "checksum", [9], None, {}, True, "tier omitted: gpu"),
+]
+
+
+def valid_vectors() -> list[dict[str, Any]]:
+    out = []
+    for name, socket, direction, kind, fields, note in MESSAGES:
+        frame = P.encode(kind, **dict(fields))
+        out.append({"name": name, "kind": kind, "socket": socket, "direction": direction, "note": note,
+                    "fields": to_json(fields), "hex": frame.hex(), "decoded": to_json(msgpack.unpackb(frame, raw=False))})
+    for name, op, src, dst, extra, is_packed, note in BODIES:
+        if is_packed:
+            frame = P.encode_body(op, src, dst, **extra)
+            enc = {"op": op, "src": src, "dst": dst, "extra": extra}
+        else:
+            body: dict[str, Any] = {"v": P.VERSION, "kind": "body", "op": op}
+            if src is not None:
+                body["src"] = src
+            if dst is not None:
+                body["dst"] = dst
+            body.update(extra)
+            frame = msgpack.packb(body, use_bin_type=True)
+            enc = None
+        expect = {"op": op, "src": src or [], "dst": dst or [], "tier": extra.get("tier", "gpu"), "seed": extra.get("seed", 0)}
+        out.append({"name": name, "kind": "body", "socket": "body", "direction": "client->ranks (via broker)", "note": note,
+                    "encode_body": enc, "hex": frame.hex(), "decoded": to_json(msgpack.unpackb(frame, raw=False)), "body": expect})
+    return out
+
+
+def m(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping"]
+SWAP = {"v": 1, "kind": "body", "op": "swap_out"}
+
+# (name, frame, decoder, expect_kinds, code, why)
+INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
+    ("empty_frame", b"", "decode", None, "malformed", "an empty frame (e.g. a REQ-style empty delimiter) is not msgpack"),
+    ("not_msgpack", b"\xc1", "decode", None, "malformed", "0xc1 is never used in msgpack"),
+    ("not_msgpack_text", b"hello, zkv", "decode", None, "malformed", "plain text: the first byte is a fixint, then trailing data"),
+    ("truncated", m({"v": 1, "kind": "ping", "req": 1})[:-1], "decode", None, "malformed", "the map ends early"),
+    ("trailing_bytes", m({"v": 1, "kind": "ping", "req": 1}) + b"\x00", "decode", None, "malformed", "one frame is exactly one msgpack object"),
+    ("bad_utf8", b"\x83\xa1v\x01\xa4kind\xa4p\xffng\xa3req\x01", "decode", None, "malformed", "msgpack str must be valid UTF-8 (kind is 'p\\xffng')"),
+    ("not_a_map_array", m([1, "ping", 1]), "decode", None, "malformed", "a frame must be a map"),
+    ("not_a_map_int", m(1), "decode", None, "malformed", "a frame must be a map"),
+    ("not_a_map_str", m("ping"), "decode", None, "malformed", "a frame must be a map"),
+    ("version_missing", m({"kind": "ping", "req": 1}), "decode", None, "bad_version", "v is required"),
+    ("version_2", m({"v": 2, "kind": "ping", "req": 1}), "decode", None, "bad_version", "this peer speaks v1 only"),
+    ("version_0", m({"v": 0, "kind": "ping", "req": 1}), "decode", None, "bad_version", ""),
+    ("version_str", m({"v": "1", "kind": "ping", "req": 1}), "decode", None, "bad_version", "v must be the integer 1"),
+    ("kind_missing", m({"v": 1, "req": 1}), "decode", None, "unknown_kind", ""),
+    ("kind_unknown", m({"v": 1, "kind": "launch", "req": 1}), "decode", None, "unknown_kind", ""),
+    ("kind_bin", m({"v": 1, "kind": b"ping", "req": 1}), "decode", None, "unknown_kind", "kind must be a msgpack str, not bin"),
+    ("kind_wrong_socket", m({"v": 1, "kind": "result", "task": 1, "rank": 0, "world": 1, "outcome": "ok", "reason": "", "gen": 0}), "decode", FRONTEND, "unknown_kind", "a valid kind that this socket does not take"),
+    ("body_on_frontend", m({"v": 1, "kind": "body", "op": "swap_out"}), "decode", FRONTEND, "unknown_kind", "a body is only valid as the second frame"),
+    ("req_missing", m({"v": 1, "kind": "ping"}), "decode", None, "bad_field", ""),
+    ("submit_reply_to_missing", m({"v": 1, "kind": "submit", "task": 1}), "decode", None, "bad_field", ""),
+    ("req_negative", m({"v": 1, "kind": "ping", "req": -1}), "decode", None, "bad_field", "uint fields are 0..2^53-1"),
+    ("req_2_53", m({"v": 1, "kind": "ping", "req": 2**53}), "decode", None, "bad_field", "2^53 is one past the largest allowed integer"),
+    ("req_uint64_max", m({"v": 1, "kind": "ping", "req": 2**64 - 1}), "decode", None, "bad_field", ""),
+    ("req_float", m({"v": 1, "kind": "ping", "req": 1.0}), "decode", None, "bad_field", "a float is not an integer, even 1.0"),
+    ("req_bool", m({"v": 1, "kind": "ping", "req": True}), "decode", None, "bad_field", "true is not an integer"),
+    ("req_str", m({"v": 1, "kind": "ping", "req": "1"}), "decode", None, "bad_field", ""),
+    ("req_nil", m({"v": 1, "kind": "ping", "req": None}), "decode", None, "bad_field", "a required field may not be nil"),
+    ("task_negative", m({"v": 1, "kind": "submit", "task": -5, "reply_to": REPLY_TO}), "decode", None, "bad_field", ""),
+    ("task_too_big", m({"v": 1, "kind": "submit", "task": 2**60, "reply_to": REPLY_TO}), "decode", None, "bad_field", ""),
+    ("reply_to_bin", m({"v": 1, "kind": "submit", "task": 1, "reply_to": REPLY_TO.encode()}), "decode", None, "bad_field", "strings must be msgpack str, not bin"),
+    ("timeout_ms_negative", m({"v": 1, "kind": "pause", "req": 1, "timeout_ms": -1}), "decode", None, "bad_field", "optional fields are checked when present and not nil"),
+    ("keep_cpu_int", m({"v": 1, "kind": "clear", "req": 1, "keep_cpu": 1}), "decode", None, "bad_field", "bool fields take true/false only"),
+    ("resume_layout_not_map", m({"v": 1, "kind": "resume", "req": 1, "layout": [32]}), "decode", None, "bad_field", ""),
+    ("control_upto_not_array", m({"v": 1, "kind": "control", "epoch": 1, "op": "pause", "gen": 0, "upto": 3}), "decode", None, "bad_field", ""),
+    ("body_ids_packed_not_multiple_of_4", m({**SWAP, "src": b"\x01\x00\x00\x00\x02", "dst": packed([1])}), "decode_body", None, "bad_field", "packed int32 ids: length must be a multiple of 4"),
+    ("body_ids_str", m({**SWAP, "src": "1,2", "dst": packed([1, 2])}), "decode_body", None, "bad_field", "ids are an array or bin, never str"),
+    ("body_ids_array_of_str", m({**SWAP, "src": ["1"], "dst": [1]}), "decode_body", None, "bad_field", ""),
+    ("body_ids_array_of_bool", m({**SWAP, "src": [True], "dst": [1]}), "decode_body", None, "bad_field", ""),
+    ("body_swap_length_mismatch", m({**SWAP, "src": packed([1, 2, 3]), "dst": packed([4, 5])}), "decode_body", None, "bad_field", "src and dst pair up one to one"),
+    ("body_swap_length_mismatch_array", m({"v": 1, "kind": "body", "op": "swap_in", "src": [1], "dst": [4, 5]}), "decode_body", None, "bad_field", ""),
+    ("body_swap_empty", m({**SWAP, "src": b"", "dst": b""}), "decode_body", None, "bad_field", "a swap needs at least one block"),
+    ("body_swap_no_ids", m(SWAP), "decode_body", None, "bad_field", ""),
+    ("body_fill_no_dst", m({"v": 1, "kind": "body", "op": "fill", "tier": "gpu", "seed": 1}), "decode_body", None, "bad_field", ""),
+    ("body_checksum_no_src", m({"v": 1, "kind": "body", "op": "checksum", "tier": "gpu"}), "decode_body", None, "bad_field", ""),
+    ("body_unknown_op", m({"v": 1, "kind": "body", "op": "swap_sideways", "src": packed([1]), "dst": packed([2])}), "decode_body", None, "bad_field", ""),
+    ("body_op_missing", m({"v": 1, "kind": "body", "src": packed([1]), "dst": packed([2])}), "decode_body", None, "bad_field", ""),
+    ("body_bad_tier", m({"v": 1, "kind": "body", "op": "fill", "dst": packed([1]), "tier": "nvme", "seed": 1}), "decode_body", None, "bad_field", "tier is gpu or cpu"),
+    ("body_seed_negative", m({"v": 1, "kind": "body", "op": "fill", "dst": packed([1]), "tier": "gpu", "seed": -1}), "decode_body", None, "bad_field", ""),
+    ("body_wrong_kind", m({"v": 1, "kind": "submit", "task": 1, "reply_to": REPLY_TO}), "decode_body", None, "unknown_kind", "the second frame must be kind body"),
+    ("body_wrong_version", m({"v": 2, "kind": "body", "op": "swap_out", "src": packed([1]), "dst": packed([2])}), "decode_body", None, "bad_version", ""),
+    ("body_not_msgpack", b"\xc1\xc1", "decode_body", None, "malformed", ""),
+]
+
+
+def invalid_vectors() -> list[dict[str, Any]]:
+    out = []
+    for name, frame, decoder, kinds, code, why in INVALID:
+        out.append({"name": name, "hex": frame.hex(), "decoder": decoder, "expect_kinds": kinds, "code": code, "why": why})
+    return out
+
+
+def render(obj: Any) -> str:
+    return json.dumps(obj, indent=1, sort_keys=False, ensure_ascii=True) + "\n"
+
+
+def build() -> dict[str, str]:
+    header = {
+        "protocol": "zkv",
+        "version": P.VERSION,
+        "generator": "tests/vectors/make_vectors.py",
+        "spec": "docs/protocol.md",
+        "bin_convention": "a msgpack bin value is written {\"$bin\": \"<hex>\"}",
+    }
+    return {
+        "valid.json": render({**header, "vectors": valid_vectors()}),
+        "invalid.json": render({**header, "vectors": invalid_vectors()}),
+    }
+
+
+def main() -> None:
+    for name, text in build().items():
+        (HERE / name).write_text(text)
+        print(f"wrote {HERE / name}")
+
+
+if __name__ == "__main__":
+    main()
