@@ -192,14 +192,15 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 @layout_options
 @click.option("--device", default=None, envvar="ZKV_DEVICE", show_envvar=True, help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).")
 @click.option("--liveness-ms", type=int, default=2000, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Broker silence after which this rank re-registers.")
-def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, **kw: Any) -> None:
+@click.option("--torch-threads", type=int, default=1, show_default=True, envvar="ZKV_TORCH_THREADS", show_envvar=True, help="Torch intra-op threads for CPU copies.")
+def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int, **kw: Any) -> None:
     """Run one rank worker holding its KV cache shard."""
     from .worker import RankWorker
     from .rank_core import RankRefused
 
     _sigterm_as_interrupt()
     layout = _layout_from(kw)
-    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms)
+    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads)
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
     try:
         w.serve()
@@ -315,14 +316,6 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
     _print_reply(r, as_json, f"running: epoch {r['epoch']}, generation {r['gen']}" + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"))
 
 
-def _register_optional() -> None:
-    """Commands that live in their own modules."""
-    for module, name in (("zkv.bench", "bench"),):
-        try:
-            mod = __import__(module, fromlist=[name])
-        except ImportError:
-            continue
-        main.add_command(getattr(mod, name))
+from .bench import bench  # noqa: E402
 
-
-_register_optional()
+main.add_command(bench)

