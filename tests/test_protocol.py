@@ -1,0 +1,300 @@
+"""The codec against the golden vectors (tests/vectors), plus round trips.
+
+The vectors are the contract shared with clients in other languages
+(docs/protocol.md); these tests pin the Python codec to them in both
+directions: decoding gives the expected map or error code, and the encoder
+reproduces the committed bytes exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zkv import protocol as P
+
+VECTORS = Path(__file__).parent / "vectors"
+
+
+def _load(name: str) -> list[dict]:
+    data = json.loads((VECTORS / name).read_text())
+    assert data["protocol"] == "zkv" and data["version"] == P.VERSION
+    return data["vectors"]
+
+
+def from_json(value):
+    """Undo the vectors' JSON convention: {"$bin": hex} is a msgpack bin."""
+    if isinstance(value, dict):
+        if set(value) == {"$bin"}:
+            return bytes.fromhex(value["$bin"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+VALID = _load("valid.json")
+INVALID = _load("invalid.json")
+MESSAGES = [v for v in VALID if v["kind"] != "body"]
+BODIES = [v for v in VALID if v["kind"] == "body"]
+
+
+def _ids(vectors):
+    return [v["name"] for v in vectors]
+
+
+# --- the vector files themselves ----------------------------------------------------
+
+
+def test_vector_files_are_what_the_generator_makes():
+    spec = importlib.util.spec_from_file_location("make_vectors", VECTORS / "make_vectors.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, text in mod.build().items():
+        assert (VECTORS / name).read_text() == text, f"{name} is stale: run python tests/vectors/make_vectors.py"
+
+
+def test_every_kind_has_a_valid_vector():
+    assert {v["kind"] for v in VALID} == set(P.SCHEMAS)
+
+
+def test_every_error_code_of_the_codec_has_an_invalid_vector():
+    assert {v["code"] for v in INVALID} >= {"malformed", "bad_version", "unknown_kind", "bad_field"}
+
+
+def test_names_are_unique():
+    for vectors in (VALID, INVALID):
+        names = _ids(vectors)
+        assert len(names) == len(set(names))
+
+
+# --- valid vectors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vec", MESSAGES, ids=_ids(MESSAGES))
+def test_valid_message_decodes_to_expected_map(vec):
+    msg = P.decode(bytes.fromhex(vec["hex"]))
+    assert msg == from_json(vec["decoded"])
+    assert msg["v"] == 1 and msg["kind"] == vec["kind"]
+
+
+@pytest.mark.parametrize("vec", MESSAGES, ids=_ids(MESSAGES))
+def test_encoder_reproduces_valid_message_bytes(vec):
+    assert P.encode(vec["kind"], **from_json(vec["fields"])).hex() == vec["hex"]
+
+
+@pytest.mark.parametrize("vec", BODIES, ids=_ids(BODIES))
+def test_valid_body_decodes(vec):
+    frame = bytes.fromhex(vec["hex"])
+    assert P.decode(frame, ("body",)) == from_json(vec["decoded"])
+    body = P.decode_body(frame)
+    expect = vec["body"]
+    assert (body.op, body.src, body.dst, body.tier, body.seed) == (
+        expect["op"], expect["src"], expect["dst"], expect["tier"], expect["seed"])
+
+
+@pytest.mark.parametrize("vec", [b for b in BODIES if b["encode_body"]], ids=_ids([b for b in BODIES if b["encode_body"]]))
+def test_encode_body_reproduces_packed_bodies(vec):
+    enc = vec["encode_body"]
+    assert P.encode_body(enc["op"], enc["src"], enc["dst"], **enc["extra"]).hex() == vec["hex"]
+
+
+def test_python_client_sends_packed_ids():
+    """encode_body packs ids as bin (little-endian int32), never as an array."""
+    msg = msgpack.unpackb(P.encode_body("swap_out", [3, 4], [10, 11]), raw=False)
+    assert msg["src"] == struct.pack("<2i", 3, 4) and msg["dst"] == struct.pack("<2i", 10, 11)
+
+
+# --- invalid vectors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vec", INVALID, ids=_ids(INVALID))
+def test_invalid_vector_raises_expected_code(vec):
+    frame = bytes.fromhex(vec["hex"])
+    with pytest.raises(P.ProtocolError) as info:
+        if vec["decoder"] == "decode_body":
+            P.decode_body(frame)
+        else:
+            P.decode(frame, vec["expect_kinds"])
+    assert info.value.code == vec["code"], info.value.reason
+    assert info.value.reason
+
+
+def test_frame_over_the_cap_is_too_large_before_parsing():
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(b"\x00" * (P.MAX_FRAME_BYTES + 1))
+    assert info.value.code == "too_large"
+
+
+def test_frame_at_the_cap_is_parsed():
+    pad = P.MAX_FRAME_BYTES - len(P.encode("ping", req=1, pad="")) - 4  # str32 header is 5 bytes, not 1
+    frame = P.encode("ping", req=1, pad="x" * pad)
+    assert len(frame) <= P.MAX_FRAME_BYTES
+    assert P.decode(frame)["req"] == 1
+
+
+def test_more_ids_than_the_cap_is_too_large():
+    with pytest.raises(P.ProtocolError) as info:
+        P.unpack_ids(bytes(4 * (P.MAX_IDS + 1)), "src")
+    assert info.value.code == "too_large"
+    with pytest.raises(P.ProtocolError) as info:
+        P.unpack_ids([0] * (P.MAX_IDS + 1), "src")
+    assert info.value.code == "too_large"
+
+
+# --- ids -------------------------------------------------------------------------------
+
+
+def test_pack_ids_is_little_endian_int32():
+    assert P.pack_ids([1, 256, 2**31 - 1]) == bytes.fromhex("01000000" "00010000" "ffffff7f")
+    assert P.pack_ids([]) == b""
+
+
+def test_pack_ids_passes_bytes_through():
+    raw = struct.pack("<3i", 5, 6, 7)
+    assert P.pack_ids(raw) == raw
+    assert P.pack_ids(bytearray(raw)) == raw
+
+
+def test_pack_ids_takes_a_tensor():
+    torch = pytest.importorskip("torch")
+    assert P.pack_ids(torch.tensor([9, 8, 7], dtype=torch.int64)) == struct.pack("<3i", 9, 8, 7)
+
+
+def test_pack_ids_refuses_ids_beyond_int32():
+    with pytest.raises(OverflowError):
+        P.pack_ids([2**31])
+
+
+def test_unpack_ids_reads_both_forms():
+    assert P.unpack_ids(struct.pack("<2i", 3, 4)) == [3, 4]
+    assert P.unpack_ids([3, 4]) == [3, 4]
+    assert P.unpack_ids(b"") == [] and P.unpack_ids([]) == []
+
+
+def test_unpack_ids_keeps_negative_packed_ids_for_the_rank_to_reject():
+    """The codec checks shape only; ranges belong to the rank (result failed)."""
+    assert P.unpack_ids(struct.pack("<i", -1)) == [-1]
+
+
+@pytest.mark.parametrize("bad", [b"\x00\x00\x00", "abc", 5, None, [1.0], [True]])
+def test_unpack_ids_rejects_what_is_not_ids(bad):
+    with pytest.raises(P.ProtocolError) as info:
+        P.unpack_ids(bad)
+    assert info.value.code == "bad_field"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=300))
+def test_ids_round_trip(ids):
+    packed = P.pack_ids(ids)
+    assert len(packed) == 4 * len(ids)
+    assert P.unpack_ids(packed) == ids
+    assert P.unpack_ids(msgpack.unpackb(msgpack.packb(ids), raw=False)) == ids
+
+
+# --- round trips -------------------------------------------------------------------
+
+uint = st.integers(min_value=0, max_value=P.MAX_SAFE_INT)
+text = st.text(max_size=40)
+_STRATEGIES = {"uint": uint, "str": text, "bool": st.booleans(),
+               "map": st.dictionaries(st.text(max_size=8), uint, max_size=4),
+               "list": st.lists(uint, max_size=4),
+               "ids": st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8)}
+
+
+def _message(kind):
+    required, optional = P.SCHEMAS[kind]
+    req = st.fixed_dictionaries({k: _STRATEGIES[t] for k, t in required.items()})
+    opt = st.fixed_dictionaries({}, optional={k: _STRATEGIES[t] for k, t in optional.items()})
+    return st.tuples(req, opt).map(lambda pair: {**pair[0], **pair[1]})
+
+
+@pytest.mark.parametrize("kind", sorted(P.SCHEMAS))
+def test_every_kind_round_trips(kind):
+    @settings(max_examples=25, deadline=None)
+    @given(_message(kind))
+    def check(fields):
+        frame = P.encode(kind, **dict(fields))
+        msg = P.decode(frame)
+        assert msg == {**fields, "v": 1, "kind": kind}
+        assert P.decode(frame, (kind,)) == msg
+
+    check()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from(["swap_out", "swap_in"]),
+       st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=1, max_size=64), st.data())
+def test_swap_body_round_trips(op, src, data):
+    dst = data.draw(st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=len(src), max_size=len(src)))
+    body = P.decode_body(P.encode_body(op, src, dst))
+    assert (body.op, body.src, body.dst, body.tier, body.seed) == (op, src, dst, "gpu", 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(P.TIERS), uint, st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=16))
+def test_fill_and_checksum_bodies_round_trip(tier, seed, ids):
+    fill = P.decode_body(P.encode_body("fill", None, ids, tier=tier, seed=seed))
+    assert (fill.op, fill.src, fill.dst, fill.tier, fill.seed) == ("fill", [], ids, tier, seed)
+    check = P.decode_body(P.encode_body("checksum", ids, tier=tier))
+    assert (check.op, check.src, check.dst, check.tier) == ("checksum", ids, [], tier)
+
+
+def test_key_order_and_unknown_fields_do_not_matter():
+    frame = msgpack.packb({"kind": "ping", "extra": [1, 2], "req": 3, "v": 1})
+    assert P.decode(frame) == {"kind": "ping", "extra": [1, 2], "req": 3, "v": 1}
+
+
+def test_nil_optional_field_is_absent():
+    assert P.decode(msgpack.packb({"v": 1, "kind": "pause", "req": 1, "timeout_ms": None}))["req"] == 1
+
+
+def test_largest_safe_integer_passes_and_next_fails():
+    assert P.decode(P.encode("ping", req=P.MAX_SAFE_INT))["req"] == 2**53 - 1
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.encode("ping", req=P.MAX_SAFE_INT + 1))
+
+
+@pytest.mark.parametrize("n,lo,hi,ok", [(1, 1, 2, True), (2, 1, 2, True), (0, 1, 2, False), (3, 1, 2, False), (2, 1, 1, False)])
+def test_check_frames(n, lo, hi, ok):
+    frames = [b"x"] * n
+    if ok:
+        P.check_frames(frames, lo, hi)
+    else:
+        with pytest.raises(P.ProtocolError) as info:
+            P.check_frames(frames, lo, hi)
+        assert info.value.code == "malformed"
+
+
+# --- the document's worked example ---------------------------------------------------
+
+
+def test_worked_example_in_the_document_matches_the_vectors():
+    """Every hex dump in docs/protocol.md §13 is a frame the codec agrees with."""
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    section = doc.split("## 13.", 1)[1].split("## 14.", 1)[0]
+    dumps = []
+    for block in section.split("```")[1::2]:
+        lines = [line.split("   ")[0] for line in block.strip().splitlines()]  # drop the margin notes
+        dumps.append(bytes.fromhex(" ".join(lines)))
+    known = {bytes.fromhex(v["hex"]) for v in VALID}
+    assert len(dumps) == 4 and all(d in known for d in dumps)
+    assert P.decode(dumps[0])["kind"] == "submit" and P.decode_body(dumps[1]).src == [3, 4]
+    assert P.decode(dumps[2])["kind"] == "task" and P.decode(dumps[3])["kind"] == "result"
+    inline = [bytes.fromhex(h) for h in re.findall(r"`((?:[0-9a-f]{2} ){8,}[0-9a-f]{2})`",
+                                                   section.split("**A request and its reply**")[1])]
+    assert len(inline) == 3
+    assert P.decode(inline[0]) == {"req": 7, "v": 1, "kind": "ping"}
+    assert P.decode(inline[1]) == {"req": 7, "op": "ping", "v": 1, "kind": "reply"}
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(inline[2])
+    assert info.value.code == "bad_version"
