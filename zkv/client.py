@@ -118,14 +118,23 @@ class Client:
 
     def request(self, kind: str, timeout: float | None = None, **fields: Any) -> dict:
         """Send a control/status request and wait for its reply (bounded)."""
+        return self.await_reply(self.send_request(kind, **fields), timeout, kind)
+
+    def send_request(self, kind: str, **fields: Any) -> int:
+        """Send a request without waiting; returns its ``req`` for await_reply."""
         req = next(self._req_ids)
-        timeout = self.request_timeout if timeout is None else timeout
         self.dealer.send(P.encode(kind, req=req, **fields))
+        return req
+
+    def await_reply(self, req: int, timeout: float | None = None, what: str = "request") -> dict:
+        """The reply to ``req``; raises ZkvError on an error reply or none in time.
+        Task results that arrive meanwhile are filed for wait/poll."""
+        timeout = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while req not in self.replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ZkvError("no_reply", f"no reply to {kind} from {self.broker} within {timeout} s; is the broker running?")
+                raise ZkvError("no_reply", f"no reply to {what} from {self.broker} within {timeout} s; is the broker running?")
             self._pump(left)
         reply = self.replies.pop(req)
         if reply["kind"] == "error":

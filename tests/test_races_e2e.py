@@ -1,0 +1,246 @@
+"""Pause / clear / resume races with real processes: a broker and 2 ranks
+started through the CLI, real sockets, real copies."""
+
+import random
+import signal
+import time
+
+import pytest
+
+from zkv import ZkvError
+from zkv.cluster import LocalCluster
+from zkv.layout import CacheLayout
+
+LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
+FAST = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"]).start(timeout=60)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.client(request_timeout=15) as c:
+        yield c
+        # leave the bus running for the next test
+        try:
+            st = c.status()
+            if st["state"] != "running":
+                c.resume()
+        except ZkvError:
+            pass
+
+
+def rank_stats(client, want_tasks: int | None = None, timeout: float = 10.0) -> list[dict]:
+    """Ranks' stats from their heartbeats; with ``want_tasks``, wait (bounded)
+    until both ranks reported at least that many finished tasks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = [r["stats"] for r in client.status()["ranks"]]
+        done = [s.get("tasks_ok", 0) + s.get("tasks_failed", 0) for s in stats]
+        if want_tasks is None or min(done) >= want_tasks:
+            return stats
+        assert time.monotonic() < deadline, f"ranks reported {done} tasks, wanted {want_tasks}"
+        client.poll(0.1)  # the next heartbeat (100 ms) brings fresh stats
+
+
+def big_swap(client, rng, k=128):
+    return client.submit("swap_out", rng.sample(range(LAYOUT.gpu_blocks), k), rng.sample(range(LAYOUT.cpu_blocks), k))
+
+
+def test_1_pause_acks_after_every_inflight_task_and_no_copy_starts_after(client):
+    rng = random.Random(1)
+    base = sum(s.get("tasks_ok", 0) + s.get("tasks_failed", 0) for s in rank_stats(client)[:1])
+    tasks = [big_swap(client, rng) for _ in range(24)]
+    reply = client.pause()
+    assert reply["state"] == "paused" and reply["drain_ms"] > 0
+    st = client.status()
+    assert st["inflight"] == 0 and all(r["inflight"] == 0 for r in st["ranks"])
+    outs = [client.wait(t, timeout=10) for t in tasks]
+    assert all(o.ok for o in outs), "every task dispatched before the pause ran to the end"
+    stats = rank_stats(client, want_tasks=base + 24)
+    assert all(s["copies_after_ack"] == 0 and s.get("dispatched_after_pause", 0) == 0 for s in stats)
+    client.resume()
+
+
+def test_3_tasks_submitted_while_paused_are_held_then_run_once_after_resume(client):
+    client.pause()
+    held = [client.submit("swap_out", [i], [i]) for i in range(5)]
+    st = client.status()
+    deadline = time.monotonic() + 5
+    while st["queued"] < 5 and time.monotonic() < deadline:  # submits are in flight to the broker
+        client.poll(0.01)
+        st = client.status()
+    assert st["state"] == "paused" and st["queued"] == 5 and st["inflight"] == 0
+    assert client.poll(0.2) == [], "nothing runs while paused"
+    client.resume()
+    outs = [client.wait(t, timeout=10) for t in held]
+    assert [o.outcome for o in outs] == ["ok"] * 5
+    assert all(len(o.per_rank) == 2 for o in outs)
+
+
+def test_4_clear_cancels_every_held_task_and_rejects_until_resume(client):
+    client.pause()
+    held = [client.submit("swap_out", [i], [i]) for i in range(6)]
+    reply = client.clear()
+    assert reply["gen"] >= 1 and reply["freed"] > 0
+    outs = [client.wait(t, timeout=10) for t in held]
+    assert [o.outcome for o in outs] == ["cancelled"] * 6
+    late = client.wait(client.submit("swap_out", [0], [0]), timeout=10)
+    assert late.outcome == "rejected" and "cleared" in late.reason
+    assert client.status()["state"] == "cleared"
+    resumed = client.resume(layout={"gpu_blocks": 64})
+    assert resumed["state"] == "running"
+    assert client.status()["layout"]["gpu_blocks"] == 64
+    bad = client.run("swap_out", [100], [0], timeout=10)
+    assert bad.outcome == "failed" and "out of range" in bad.reason, "ranks really use the new layout"
+    assert client.run("swap_out", [63], [0], timeout=10).ok
+    client.pause()
+    client.clear()
+    client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})
+
+
+def test_cli_prints_what_happened(cluster):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ZKV_BROKER=cluster.endpoints.frontend)
+
+    def cli(*args):
+        res = subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=60, env=env)
+        return res.returncode, res.stdout, res.stderr
+
+    rc, out, _ = cli("clear")
+    assert rc == 1
+    rc, out, err = cli("clear")
+    assert "zkv pause" in err
+    rc, out, _ = cli("pause")
+    assert rc == 0 and "paused: epoch" in out and "drained in" in out
+    rc, out, _ = cli("pause", "--json")
+    assert json.loads(out)["noop"] is True
+    rc, out, _ = cli("clear", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["state"] == "cleared" and data["freed"] > 0 and "cancelled" in data
+    rc, out, _ = cli("resume")
+    assert rc == 0 and "running: epoch" in out
+
+
+def test_7_rank_joining_while_paused_learns_it_and_takes_no_tasks(tmp_path):
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, directory=tmp_path / "late")
+    c.start_broker()
+    c.start_worker(0)
+    try:
+        c.wait_ready(ranks=1, timeout=60)
+        with c.client(request_timeout=15) as client:
+            client.pause()
+            t = client.submit("swap_out", [1], [1])
+            c.start_worker(1)
+            st = client.status(wait_ranks=2, timeout=60)
+            assert st["state"] == "paused"
+            # the late rank acknowledges the pause it learned from its welcome
+            deadline = time.monotonic() + 10
+            while not all(r["acked_epoch"] == st["epoch"] for r in st["ranks"]):
+                assert time.monotonic() < deadline, st["ranks"]
+                client.poll(0.05)
+                st = client.status()
+            assert st["queued"] == 1 and st["inflight"] == 0
+            client.resume()
+            assert client.wait(t, timeout=10).ok
+    finally:
+        c.stop()
+
+
+def test_9a_rank_that_never_acks_fails_the_pause_naming_it_within_the_timeout(cluster, client):
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ZkvError) as err:
+            client.pause(timeout=0.5)
+        elapsed = time.monotonic() - t0
+        assert err.value.code == "pause_timeout" and "[1]" in err.value.reason
+        assert elapsed < 3.0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert client.status()["state"] == "running"
+    assert client.run("swap_out", [0], [0], timeout=10).ok
+
+
+def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_then_a_restart_serves(cluster, client):
+    rng = random.Random(9)
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)  # it cannot ack, then it dies
+    tasks = [big_swap(client, rng, 8) for _ in range(4)]
+    req = client.send_request("pause", timeout_ms=20_000)
+    proc.kill()
+    proc.wait(timeout=10)
+    with pytest.raises(ZkvError) as err:
+        client.await_reply(req, timeout=10)  # well before the pause's own 20 s bound
+    assert err.value.code == "rank_dead" and "rank 1" in err.value.reason
+    outs = [client.wait(t, timeout=10) for t in tasks]
+    assert all(o.outcome == "failed" and "rank 1" in o.reason for o in outs), outs
+    cluster.start_worker(1)
+    cluster.wait_ready(timeout=60)
+    assert client.run("swap_out", [0], [0], timeout=10).ok
+
+
+def test_10_random_cycles_with_real_processes(client):
+    """1,000 random pause / clear / resume requests interleaved with
+    submissions: every task gets exactly one outcome, no copy runs while
+    paused, and data round trips stay bit-identical."""
+    rng = random.Random(10)
+    before_stats = rank_stats(client)
+    base = [s.get("tasks_ok", 0) + s.get("tasks_failed", 0) for s in before_stats]
+    submitted: list[int] = []
+    outcomes: dict[int, str] = {}
+    verified = 0
+
+    def collect(timeout=0.0):
+        for out in client.poll(timeout):
+            assert out.task not in outcomes, f"task {out.task} reported twice"
+            outcomes[out.task] = out.outcome
+
+    for i in range(1000):
+        for _ in range(rng.randint(0, 3)):
+            k = rng.randint(1, 8)
+            op = rng.choice(["swap_out", "swap_in"])
+            g, c = rng.sample(range(LAYOUT.gpu_blocks), k), rng.sample(range(LAYOUT.cpu_blocks), k)
+            submitted.append(client.submit(op, g if op == "swap_out" else c, c if op == "swap_out" else g, timeout=60))
+        op = rng.choice(["pause", "pause", "clear", "resume", "resume"])
+        try:
+            getattr(client, op)()
+        except ZkvError as err:
+            assert err.code in ("not_paused",), err
+        collect()
+        if i % 100 == 99:  # a verified round trip on a running bus
+            if client.status()["state"] != "running":
+                client.resume()
+            ids = rng.sample(range(LAYOUT.gpu_blocks), 16)
+            cpu = rng.sample(range(LAYOUT.cpu_blocks), 16)
+            assert client.run("fill", None, ids, tier="gpu", seed=i).ok
+            before = client.run("checksum", ids, tier="gpu")
+            assert client.run("swap_out", ids, cpu).ok
+            assert client.run("fill", None, ids, tier="gpu", seed=i + 1).ok
+            assert client.run("swap_in", cpu, ids).ok
+            after = client.run("checksum", ids, tier="gpu")
+            assert all(before.per_rank[r]["digests"] == after.per_rank[r]["digests"] for r in (0, 1))
+            verified += 1
+    if client.status()["state"] != "running":
+        client.resume()
+    deadline = time.monotonic() + 60
+    while len(outcomes) < len(submitted) and time.monotonic() < deadline:
+        collect(0.5)
+    missing = [t for t in submitted if t not in outcomes]
+    assert not missing, f"{len(missing)} tasks without an outcome, e.g. {missing[:5]}"
+    kinds = set(outcomes.values())
+    assert "ok" in kinds and "cancelled" in kinds | {"rejected"} and kinds <= {"ok", "cancelled", "rejected"}, kinds
+    assert verified == 10
+    stats = rank_stats(client)
+    assert all(s["copies_after_ack"] == 0 and s.get("dispatched_after_pause", 0) == 0 for s in stats)
+    assert client.status()["counters"].get("pause_ok", 0) > 100
