@@ -201,3 +201,49 @@ def test_publish_carries_upto_per_rank():
     sim.request("pause")
     pub = sim.published[-1]
     assert pub["op"] == "pause" and pub["upto"] == [3, 3] and pub["epoch"] == 1
+
+
+def test_rank_registering_during_a_resume_with_a_new_layout_gets_the_new_layout():
+    sim = Sim(world=2)
+    sim.start_rank(0)
+    sim.settle()
+    sim.request("pause")
+    sim.settle()
+    sim.request("clear")
+    sim.settle()
+    req = sim.request("resume", layout={"gpu_blocks": 8})
+    sim.deliver_pub(0)  # rank 0 reallocates; its ack is on the way
+    sim.start_rank(1)  # joins mid-resume
+    sim.settle()
+    assert sim.reply(req)["kind"] == "reply"
+    assert all(sr.core.layout.gpu_blocks == 8 for sr in sim.ranks.values())
+
+
+def test_resume_ack_with_the_old_layout_does_not_complete_a_layout_change():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    sim.request("clear")
+    sim.settle()
+    req = sim.request("resume", layout={"gpu_blocks": 8})
+    wrong = P.encode("ack", epoch=sim.broker.epoch, op="resume", gen=sim.broker.gen, layout=LAYOUT.to_wire())
+    for r in (0, 1):
+        sim.broker.on_rank(f"rank-{r}".encode(), [wrong], sim.now)
+    assert sim.reply(req) is None
+    sim.settle()
+    assert sim.reply(req)["kind"] == "reply"
+
+
+def test_error_replies_echo_a_readable_req_or_task():
+    core = BrokerCore(BrokerConfig(world=1))
+    (err,) = decoded(core.on_client(CLIENT, [msgpack.packb({"v": 7, "kind": "status", "req": 42})], 1.0))
+    assert err["code"] == "bad_version" and err["req"] == 42
+    (err,) = decoded(core.on_client(CLIENT, [msgpack.packb({"v": 1, "kind": "submit", "task": 5})], 1.0))
+    assert err["code"] == "bad_field" and err["task"] == 5
+
+
+def test_oversized_task_body_is_rejected_at_the_broker():
+    sim = Sim().up()
+    frames = [P.encode("submit", task=1, reply_to="inproc://c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
+    (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
+    assert out["outcome"] == "rejected" and "exceeds" in out["reason"]

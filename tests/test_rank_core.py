@@ -94,3 +94,12 @@ def test_silent_broker_makes_the_rank_register_again_with_a_new_session():
     assert sent(core.on_tick(1.05), "ready") == []
     (ready,) = sent(core.on_tick(1.0 + core.liveness_ms / 1000 + 0.01), "ready")
     assert ready["session"] != session and not core.registered
+
+
+def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
+    core = welcomed()
+    core.on_control(control("pause", 1), 1.0)
+    core.on_control(control("clear", 2, gen=1), 1.0)
+    core.on_cache_done(freed=777)
+    (ack,) = sent(core.on_control(control("clear", 2, gen=1), 1.0), "ack")
+    assert ack["freed"] == 777

@@ -17,6 +17,7 @@ import zmq
 
 from .broker_core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
 from .endpoints import Endpoints, check_bind_address, make_socket
+from .security import Curve
 
 log = logging.getLogger("zkv.broker")
 
@@ -29,16 +30,20 @@ class Broker:
 
     def __init__(self, endpoints: Endpoints, config: BrokerConfig | None = None, *,
                  ctx: zmq.Context | None = None, recorder: Callable[[dict], None] | None = None,
-                 allow_remote: bool = False):
+                 allow_remote: bool = False, curve: Curve | None = None):
         self.endpoints = endpoints
         self.core = BrokerCore(config, recording=recorder is not None)
         self.recorder = recorder
-        self.ctx = ctx or zmq.Context.instance()
+        self.ctx = ctx or (zmq.Context() if curve is not None else zmq.Context.instance())
         for address in (endpoints.frontend, endpoints.backend, endpoints.control):
-            check_bind_address(address, allow_remote)
+            check_bind_address(address, allow_remote, secure=curve is not None)
+        self.auth = curve.start_authenticator(self.ctx) if curve is not None else None
         self.frontend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.backend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.control = make_socket(self.ctx, zmq.PUB)
+        if curve is not None:
+            for sock in (self.frontend, self.backend, self.control):
+                curve.make_server(sock)
         self.frontend.bind(endpoints.frontend)
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)
@@ -59,6 +64,8 @@ class Broker:
     def close(self) -> None:
         for sock in (self.frontend, self.backend, self.control, self._stop):
             sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
 
     def serve(self) -> None:
         """Run until stop() or KeyboardInterrupt; sockets are closed on return."""
@@ -88,7 +95,13 @@ class Broker:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            self._act(handler(frames[0], frames[1:], time.monotonic()))
+            try:
+                actions = handler(frames[0], frames[1:], time.monotonic())
+            except Exception:  # a bug must not take the bus down: log, count, serve on
+                log.exception("internal error handling a message from %r", frames[0])
+                self.core.counters["internal_errors"] += 1
+                continue
+            self._act(actions)
 
     def _act(self, actions: list) -> None:
         for action in actions:

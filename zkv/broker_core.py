@@ -102,6 +102,7 @@ class Task:
     reply_to: str
     body: bytes
     submitted: float
+    reply_key: str | None = None  # the client's Curve public key, for its PULL
     seq: int = 0
     fold: RankFold | None = None
     reported: bool = False  # the broker already sent the client a final outcome
@@ -153,7 +154,7 @@ class BrokerCore:
             msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
-            out.append(self._error(client, err.code, err.reason))
+            out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0])))
             return out
         kind = msg["kind"]
         if kind == "submit":
@@ -178,6 +179,10 @@ class BrokerCore:
             self.counters["bad_requests"] += 1
             out.append(self._outcome(client, task_id, "rejected", "submit needs a header frame and a body frame"))
             return
+        if len(frames[1]) > P.MAX_FRAME_BYTES:
+            self.counters["bad_requests"] += 1
+            out.append(self._outcome(client, task_id, "rejected", f"task body of {len(frames[1])} bytes exceeds {P.MAX_FRAME_BYTES}"))
+            return
         key = (client, task_id)
         if key in self.open_tasks:
             self.counters["rejected"] += 1
@@ -197,7 +202,7 @@ class BrokerCore:
             out.append(self._outcome(client, task_id, "rejected", f"queue full ({self.cfg.max_queue} tasks); retry later"))
             return
         self.open_tasks.add(key)
-        self.queue.append(Task(client, task_id, reply_to, frames[1], now))
+        self.queue.append(Task(client, task_id, reply_to, frames[1], now, msg.get("reply_key")))
         self.counters["submitted"] += 1
         if self.recording:
             out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": frames[1]}))
@@ -318,7 +323,7 @@ class BrokerCore:
                 self.layout = CacheLayout.from_wire(self.control_extra["layout"])
             fields["resume_ms"] = elapsed_ms
         fields["state"] = self.state
-        fields["ranks"] = len(self._live_ranks())
+        fields["ranks_acked"] = len(self._live_ranks())
         self.counters[f"{op.op}_ok"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **fields}))
@@ -406,9 +411,12 @@ class BrokerCore:
             self.layout = layout
         rs = self.ranks[rank]
         rs.last_seen = now
+        # A rank joining during a resume with a new layout gets the new layout.
+        extra = dict(self.control_extra)
+        welcome_layout = extra.pop("layout", None) or self.layout.to_wire()
         out.append(ToRank(identity, [P.encode(
             "welcome", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=rs.dispatched,
-            layout=self.layout.to_wire(), heartbeat_ms=self.cfg.heartbeat_ms, **self.control_extra)]))
+            layout=welcome_layout, heartbeat_ms=self.cfg.heartbeat_ms, **extra)]))
         if self.recording:
             out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True}))
         if self.ready_waiters:
@@ -432,6 +440,9 @@ class BrokerCore:
             return
         if self.control_op == "pause" and msg.get("upto") != rs.dispatched:
             self.counters["stale_acks"] += 1
+            return
+        if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"]:
+            self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
@@ -464,7 +475,8 @@ class BrokerCore:
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
-                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen)
+                extra = {"reply_key": task.reply_key} if task.reply_key else {}
+                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen, **extra)
                 out.append(ToRank(rs.identity, [header, task.body]))
             self.counters["dispatched"] += 1
 

@@ -86,16 +86,45 @@ def endpoint_options(fn: Callable) -> Callable:
     return fn
 
 
+def curve_options(server: bool = False, client: bool = True) -> Callable:
+    """CurveZMQ options (DESIGN §10): off unless --curve-secret is given."""
+    def deco(fn: Callable) -> Callable:
+        if server:
+            fn = click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_AUTHORIZED", show_envvar=True,
+                              help="Directory of authorized public keys (*.key) for ZAP.")(fn)
+        if client:
+            fn = click.option("--curve-server", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SERVER", show_envvar=True,
+                              help="The broker's public key file (broker.key).")(fn)
+        return click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SECRET", show_envvar=True,
+                            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.")(fn)
+    return deco
+
+
+def _curve_from(kw: dict) -> Any:
+    from .security import Curve
+
+    secret = kw.pop("curve_secret", None)
+    server = kw.pop("curve_server", None)
+    authorized = kw.pop("curve_authorized", None)
+    if secret is None:
+        if server or authorized:
+            raise click.BadParameter("--curve-server / --curve-authorized need --curve-secret")
+        return None
+    return Curve(secret, server, authorized)
+
+
 def client_options(fn: Callable) -> Callable:
     @click.option("--broker", default=lambda: _DEFAULT().frontend, envvar="ZKV_BROKER", show_envvar=True, help="Broker frontend address.")
     @click.option("--timeout", type=float, default=30.0, show_default=True, envvar="ZKV_TIMEOUT", show_envvar=True, help="Seconds to wait for the outcome.")
     @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+    @curve_options(server=True, client=True)
     @functools.wraps(fn)
     def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
         from .client import Client, ZkvError
 
+        curve = _curve_from(kwargs)
         try:
-            with Client(broker, request_timeout=timeout) as client:
+            with Client(broker, request_timeout=timeout, curve=curve) as client:
                 fn(client, timeout, as_json, **kwargs)
         except ZkvError as err:
             hints = {
@@ -160,19 +189,23 @@ def _broker_config(world: int, kw: dict) -> Any:
 @click.option("--world-size", type=int, default=2, show_default=True, envvar="ZKV_WORLD_SIZE", show_envvar=True, help="Ranks a task runs on.")
 @broker_options
 @click.option("--record", type=click.Path(dir_okay=False), default=None, envvar="ZKV_RECORD", show_envvar=True, help="Append every request and task outcome to this trace file (JSON Lines).")
-@click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses.")
+@click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses without CurveZMQ.")
+@curve_options(server=True, client=False)
 def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from .broker import Broker
 
     _sigterm_as_interrupt()
+    curve = _curve_from(kw)
+    if curve is not None and not curve.authorized_dir:
+        raise click.BadParameter("a Curve broker needs --curve-authorized")
     recorder = None
     if record:
         from .trace import TraceRecorder
 
         recorder = TraceRecorder(record, world=world_size)
     try:
-        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote)
+        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve)
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
@@ -193,6 +226,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 @click.option("--device", default=None, envvar="ZKV_DEVICE", show_envvar=True, help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).")
 @click.option("--liveness-ms", type=int, default=2000, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Broker silence after which this rank re-registers.")
 @click.option("--torch-threads", type=int, default=1, show_default=True, envvar="ZKV_TORCH_THREADS", show_envvar=True, help="Torch intra-op threads for CPU copies.")
+@curve_options(server=False, client=True)
 def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int, **kw: Any) -> None:
     """Run one rank worker holding its KV cache shard."""
     from .worker import RankWorker
@@ -200,7 +234,8 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 
     _sigterm_as_interrupt()
     layout = _layout_from(kw)
-    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads)
+    curve = _curve_from(kw)
+    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads, curve=curve)
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
     try:
         w.serve()
@@ -246,6 +281,22 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
         click.echo("zkv up: stopping")
     finally:
         cluster.stop()
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("names", nargs=-1, required=True)
+def keygen(directory: str, names: tuple[str, ...]) -> None:
+    """Write Curve keypairs NAME.key / NAME.key_secret (mode 0600) into DIRECTORY.
+
+    Put the broker's secret with the broker, and copy every rank's and client's
+    NAME.key into the directory the broker (and clients) pass as --curve-authorized.
+    """
+    from .security import generate_keypair
+
+    for name in names:
+        public, secret = generate_keypair(directory, name)
+        click.echo(f"{name}: public {public}, secret {secret}")
 
 
 # --- client commands ----------------------------------------------------------------
@@ -319,3 +370,8 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
 from .bench import bench  # noqa: E402
 
 main.add_command(bench)
+
+from .trace_cli import trace, replay  # noqa: E402
+
+main.add_command(trace)
+main.add_command(replay)

@@ -23,6 +23,7 @@ from . import protocol as P
 from .endpoints import Endpoints, make_socket, runtime_dir
 from .outcome import TaskOutcome
 from .results import ResultBook
+from .security import Curve
 
 
 class ZkvError(Exception):
@@ -38,13 +39,23 @@ class Client:
     """A connection to one broker.  Not thread-safe: one client per thread."""
 
     def __init__(self, broker: str | None = None, *, reply_to: str | None = None,
-                 ctx: zmq.Context | None = None, request_timeout: float = 30.0):
+                 ctx: zmq.Context | None = None, request_timeout: float = 30.0, curve: Curve | None = None):
         self.broker = broker or Endpoints.default().frontend
-        self.ctx = ctx or zmq.Context.instance()
+        # A Curve client runs its own ZAP handler, which needs its own Context.
+        self._own_ctx = ctx is None and curve is not None
+        self.ctx = ctx or (zmq.Context() if curve is not None else zmq.Context.instance())
         self.request_timeout = request_timeout
         self.dealer = make_socket(self.ctx, zmq.DEALER)
-        self.dealer.connect(self.broker)
         self.pull = make_socket(self.ctx, zmq.PULL)
+        self.auth = None
+        self._submit_extra: dict[str, Any] = {}
+        if curve is not None:
+            # Our PULL is a Curve server that lets in only authorized ranks.
+            curve.make_client(self.dealer)
+            self.auth = curve.start_authenticator(self.ctx)
+            curve.make_server(self.pull)
+            self._submit_extra["reply_key"] = curve.public_key()
+        self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None
         if reply_to is None:
             if self.broker.startswith("tcp://"):
@@ -80,7 +91,7 @@ class Client:
         """Submit an already encoded body (for tools and tests of bad input)."""
         task = next(self._task_ids)
         self.book.add(task, time.monotonic(), timeout)
-        self.dealer.send_multipart([P.encode("submit", task=task, reply_to=self.reply_to), body])
+        self.dealer.send_multipart([P.encode("submit", task=task, reply_to=self.reply_to, **self._submit_extra), body])
         return task
 
     def wait(self, task: int, timeout: float | None = None) -> TaskOutcome:
@@ -214,9 +225,9 @@ class Client:
             out = self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], time.monotonic())
             if out is not None:
                 self.finished[out.task] = out
-        elif kind in ("reply", "error") and msg.get("req"):
+        elif kind in ("reply", "error") and "req" in msg:
             self.replies[msg["req"]] = msg
-        elif kind == "error" and msg.get("task"):
+        elif kind == "error" and "task" in msg:
             self.book.counters["task_errors"] += 1
         else:
             self.book.counters["bad_messages"] += 1
@@ -227,6 +238,10 @@ class Client:
         self.closed = True
         self.dealer.close(linger=0)
         self.pull.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
+        if self._own_ctx:
+            self.ctx.term()
         if self._ipc_path is not None:
             self._ipc_path.unlink(missing_ok=True)
 

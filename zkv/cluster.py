@@ -34,14 +34,15 @@ class LocalCluster:
     """Start, wait for, and stop a broker and ``ranks`` workers on ipc:// endpoints."""
 
     def __init__(self, ranks: int = 2, layout: CacheLayout | None = None, *, directory: str | Path | None = None,
-                 broker_args: Sequence[str] = (), worker_args: Sequence[str] = (), quiet: bool = False):
+                 broker_args: Sequence[str] = (), worker_args: Sequence[str] = (), quiet: bool = False,
+                 endpoints: Endpoints | None = None):
         self.ranks = ranks
         self.layout = layout or CacheLayout()
         self._own_dir = directory is None
         # ipc:// paths are limited to ~107 bytes: keep the directory short.
         self.directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="zkv-", dir="/tmp"))
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.endpoints = Endpoints.in_dir(self.directory)
+        self.endpoints = endpoints or Endpoints.in_dir(self.directory)
         self.broker_args = list(broker_args)
         self.worker_args = list(worker_args)
         self.quiet = quiet

@@ -70,13 +70,14 @@ def make_socket(ctx: zmq.Context, kind: int, *, router: bool = False) -> zmq.Soc
     return sock
 
 
-def check_bind_address(address: str, allow_remote: bool) -> None:
-    """Refuse to listen beyond this host unless asked to (DESIGN §10)."""
-    if address.startswith(("ipc://", "inproc://")) or allow_remote:
+def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -> None:
+    """Refuse to listen beyond this host without CurveZMQ unless told to (DESIGN §10)."""
+    if address.startswith(("ipc://", "inproc://")) or allow_remote or secure:
         return
     if address.startswith("tcp://"):
         host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
         if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
             return
-        raise ValueError(f"refusing to bind {address}: not loopback; pass --allow-remote to listen on other hosts")
+        raise ValueError(f"refusing to bind {address}: not loopback; configure CurveZMQ (--curve-secret and "
+                         f"--curve-authorized) or pass --allow-remote to listen unauthenticated")
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")

@@ -43,7 +43,7 @@ _U, _S, _B, _M, _L, _IDS, _BIN = "uint", "str", "bool", "map", "list", "ids", "b
 # kind -> (required fields, optional fields)
 SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     # client -> broker (frontend)
-    "submit": ({"task": _U, "reply_to": _S}, {"timeout_ms": _U}),
+    "submit": ({"task": _U, "reply_to": _S}, {"timeout_ms": _U, "reply_key": _S}),
     "pause": ({"req": _U}, {"timeout_ms": _U}),
     "clear": ({"req": _U}, {"timeout_ms": _U, "keep_cpu": _B}),
     "resume": ({"req": _U}, {"timeout_ms": _U, "layout": _M}),
@@ -62,7 +62,7 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B}),
     "refused": ({"reason": _S}, {}),
     "reregister": ({}, {}),
-    "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {}),
+    "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {"reply_key": _S}),
     # broker -> ranks (PUB)
     "control": ({"epoch": _U, "op": _S, "gen": _U, "upto": _L}, {"keep_cpu": _B, "layout": _M}),
     # rank -> client (PUSH)
@@ -224,6 +224,25 @@ def decode_body(frame: bytes) -> TaskBody:
     elif op == "checksum" and not src:
         raise ProtocolError("bad_field", "checksum needs src ids")
     return TaskBody(op, src, dst, tier, msg.get("seed") or 0)
+
+
+def salvage_ids(frame: bytes) -> dict[str, int]:
+    """``req`` / ``task`` of a frame that failed validation, when readable, so
+    the error reply can still be matched to its request."""
+    if len(frame) > MAX_FRAME_BYTES:
+        return {}
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:
+        return {}
+    if not isinstance(msg, dict):
+        return {}
+    found = {}
+    for key in ("req", "task"):
+        value = msg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SAFE_INT:
+            found[key] = value
+    return found
 
 
 def check_frames(frames: Sequence[bytes], lo: int, hi: int) -> None:

@@ -35,6 +35,7 @@ class Execute:
     gen: int
     body: bytes
     refuse: str = ""
+    reply_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RankCore:
         self.acked_epoch = -1
         self.has_cache = True
         self.cache_op_pending = False  # a free/allocate is on the executor
+        self.freed = 0  # bytes the last clear freed, repeated in every clear ack
         self.last_broker_msg = 0.0
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
@@ -140,7 +142,7 @@ class RankCore:
             refuse = f"task {msg['n']} was dispatched after pause epoch {self.epoch} (upto {self.upto})"
             self.counters["dispatched_after_pause"] += 1
         self.inflight += 1
-        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse)]
+        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"))]
 
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
@@ -187,6 +189,7 @@ class RankCore:
             self.upto = upto
         elif op == "clear":
             self.gen = gen
+            self.freed = 0
             if self.has_cache:
                 self.has_cache = False
                 self.cache_op_pending = True
@@ -201,7 +204,7 @@ class RankCore:
                 out.append(AllocateCache(self.layout))
         return out + self._maybe_ack()
 
-    def _maybe_ack(self, repeat: bool = False, **extra: Any) -> list[RankAction]:
+    def _maybe_ack(self, repeat: bool = False) -> list[RankAction]:
         """Ack the current op if its condition holds (again, on a repeat)."""
         if self.op == "run" or self.cache_op_pending:
             return []
@@ -212,9 +215,11 @@ class RankCore:
         if self.acked_epoch == self.epoch and not repeat:
             return []
         self.acked_epoch = self.epoch
-        fields: dict[str, Any] = {"gen": self.gen, **extra}
+        fields: dict[str, Any] = {"gen": self.gen}
         if self.op == "pause":
             fields["upto"] = self.upto
+        if self.op == "clear":
+            fields["freed"] = self.freed
         if self.op == "resume":
             fields["layout"] = self.layout.to_wire()
         self.counters["acks"] += 1
@@ -231,7 +236,8 @@ class RankCore:
     def on_cache_done(self, freed: int = 0) -> list[RankAction]:
         """The executor finished a FreeCache / AllocateCache."""
         self.cache_op_pending = False
-        return self._maybe_ack(freed=freed) if freed else self._maybe_ack()
+        self.freed += freed
+        return self._maybe_ack()
 
     # --- clock ---------------------------------------------------------------------
 

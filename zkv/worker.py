@@ -31,6 +31,7 @@ from . import protocol as P
 from .endpoints import make_socket
 from .kvcache import KVCache, TaskInvalid, pick_device
 from .layout import CacheLayout
+from .security import Curve
 from .rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
 
 log = logging.getLogger("zkv.worker")
@@ -42,15 +43,16 @@ _MAX_RESULT_SOCKETS = 64
 class Executor(threading.Thread):
     """Runs tasks and cache operations in order, on the thread that owns the cache."""
 
-    def __init__(self, ctx: zmq.Context, report_address: str, cache: KVCache, rank: int, world: int):
+    def __init__(self, ctx: zmq.Context, report_address: str, cache: KVCache, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
         self.cache = cache
         self.rank = rank
         self.world = world
+        self.curve = curve
         self.work: queue.Queue = queue.Queue()
-        self.results: collections.OrderedDict[str, zmq.Socket] = collections.OrderedDict()
+        self.results: collections.OrderedDict[tuple[str, str | None], zmq.Socket] = collections.OrderedDict()
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
             dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack"), 0))
@@ -108,12 +110,12 @@ class Executor(threading.Thread):
         fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
         if digests is not None:
             fields["digests"] = digests
-        self._push(ex.reply_to, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
+        self._push(ex.reply_to, ex.reply_key, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
                                          outcome=outcome, reason=reason, gen=ex.gen, **fields))
         return {"k": "done", "seq": ex.seq, "n": ex.n, "outcome": outcome, "bytes": nbytes, "gen": ex.gen}
 
-    def _push(self, address: str, frame: bytes) -> None:
-        sock = self.results.get(address)
+    def _push(self, address: str, key: str | None, frame: bytes) -> None:
+        sock = self.results.get((address, key))
         if sock is None:
             if len(self.results) >= _MAX_RESULT_SOCKETS:
                 _, old = self.results.popitem(last=False)
@@ -121,14 +123,19 @@ class Executor(threading.Thread):
             sock = make_socket(self.ctx, zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, 10_000)
             try:
+                if self.curve is not None:
+                    if not key:
+                        raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
+                    self.curve.make_client(sock, server_key=key.encode())
                 sock.connect(address)
-            except zmq.ZMQError:
+            except (zmq.ZMQError, ValueError) as err:
+                log.warning("cannot send results to %s: %s", address, err)
                 sock.close(linger=0)
                 self.stats["undeliverable"] += 1
                 return
-            self.results[address] = sock
+            self.results[(address, key)] = sock
         else:
-            self.results.move_to_end(address)
+            self.results.move_to_end((address, key))
         try:
             sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -140,7 +147,7 @@ class RankWorker:
 
     def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout, *,
                  device: str | torch.device | None = None, ctx: zmq.Context | None = None,
-                 liveness_ms: int = 2000, torch_threads: int = 1):
+                 liveness_ms: int = 2000, torch_threads: int = 1, curve: Curve | None = None):
         # Block copies are memory-bound; intra-op threads only fight the other
         # ranks and the I/O thread for cores (measured: 2 threads copy 10x
         # slower than 1 on a loaded 2-core machine).
@@ -153,8 +160,11 @@ class RankWorker:
         self._stop_address = f"inproc://zkv-rank-{rank}-stop-{uid}"
         self.dealer = make_socket(self.ctx, zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
-        self.dealer.connect(backend)
         self.sub = make_socket(self.ctx, zmq.SUB)
+        if curve is not None:
+            curve.make_client(self.dealer)
+            curve.make_client(self.sub)
+        self.dealer.connect(backend)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(control)
         self.reports = self.ctx.socket(zmq.PULL)
@@ -163,7 +173,7 @@ class RankWorker:
         self._stop = self.ctx.socket(zmq.PULL)
         self._stop.setsockopt(zmq.LINGER, 0)
         self._stop.bind(self._stop_address)
-        self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world)
+        self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
         self.acks: list[tuple[str, int, float]] = []  # (op, epoch, time) for instrumentation
 
     def stop(self) -> None:
@@ -212,7 +222,15 @@ class RankWorker:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._act(handle(frames))
+            try:
+                actions = handle(frames)
+            except RankRefused:
+                raise
+            except Exception:  # a bug must not take the rank down: log, count, serve on
+                log.exception("internal error handling a message")
+                self.core.counters["internal_errors"] += 1
+                continue
+            self._act(actions)
 
     def _drain_dealer(self) -> None:
         core = self.core

@@ -1,0 +1,82 @@
+"""CurveZMQ with ZAP enforced, over tcp://127.0.0.1: authorized parties
+work end to end; an unknown key and a plaintext peer get nothing."""
+
+import os
+import shutil
+import socket
+import stat
+
+import pytest
+
+from zkv import Client, ZkvError
+from zkv.cluster import LocalCluster
+from zkv.endpoints import Endpoints, check_bind_address
+from zkv.layout import CacheLayout
+from zkv.security import Curve, generate_keypair
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    d = tmp_path_factory.mktemp("curve")
+    keys, authorized = d / "keys", d / "authorized"
+    for name in ("broker", "rank", "client", "intruder"):
+        generate_keypair(keys, name)
+    authorized.mkdir()
+    for name in ("rank", "client"):
+        shutil.copy(keys / f"{name}.key", authorized)
+    ep = Endpoints(*(f"tcp://127.0.0.1:{free_port()}" for _ in range(3)))
+    cluster = LocalCluster(
+        2, CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16), quiet=True, endpoints=ep,
+        broker_args=["--curve-secret", str(keys / "broker.key_secret"), "--curve-authorized", str(authorized)],
+        worker_args=["--curve-secret", str(keys / "rank.key_secret"), "--curve-server", str(keys / "broker.key")])
+    cluster.start_broker()
+    for r in (0, 1):
+        cluster.start_worker(r)
+    me = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(authorized))
+    with Client(ep.frontend, curve=me) as c:
+        c.status(timeout=60, wait_ranks=2)
+    yield cluster, keys, authorized, me
+    cluster.stop()
+
+
+def test_secret_keys_are_private_files(secured):
+    _, keys, _, _ = secured
+    assert stat.S_IMODE(os.stat(keys / "client.key_secret").st_mode) == 0o600
+
+
+def test_authorized_client_and_ranks_swap_over_curve(secured):
+    cluster, _, _, me = secured
+    with Client(cluster.endpoints.frontend, curve=me) as c:
+        out = c.run("swap_out", [0, 1], [2, 3], timeout=10)
+        assert out.ok and set(out.per_rank) == {0, 1}
+        assert c.pause()["state"] == "paused" and c.resume()["state"] == "running"
+
+
+def test_unknown_key_gets_no_service(secured):
+    cluster, keys, authorized, _ = secured
+    intruder = Curve(str(keys / "intruder.key_secret"), str(keys / "broker.key"), str(authorized))
+    with Client(cluster.endpoints.frontend, curve=intruder, request_timeout=1.0) as c:
+        with pytest.raises(ZkvError) as err:
+            c.status()
+        assert err.value.code == "no_reply"
+
+
+def test_plaintext_client_gets_no_service(secured):
+    cluster, *_ = secured
+    with Client(cluster.endpoints.frontend, request_timeout=1.0) as c:
+        with pytest.raises(ZkvError):
+            c.ping()
+
+
+def test_non_loopback_bind_needs_curve_or_an_explicit_flag():
+    with pytest.raises(ValueError, match="CurveZMQ"):
+        check_bind_address("tcp://0.0.0.0:5555", allow_remote=False)
+    check_bind_address("tcp://0.0.0.0:5555", allow_remote=False, secure=True)
+    check_bind_address("tcp://127.0.0.1:5555", allow_remote=False)
+    check_bind_address("ipc:///tmp/x", allow_remote=False)
