@@ -559,7 +559,8 @@ int main(int argc, char **argv) {
 
     run_ok("after_resume", "swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED);
 
-    /* Bad input: not msgpack, then a wrong version; both get an error without req. */
+    /* Bad input: not msgpack (an error without req), then a wrong version (an
+       error that still echoes the readable req, protocol.md section 8.1). */
     const unsigned char not_msgpack[1] = {0xc1};
     send_raw(g_dealer, not_msgpack, 1);
     wait_reply(0, &u, kind, sizeof kind, "malformed");
@@ -573,10 +574,11 @@ int main(int argc, char **argv) {
     msgpack_pack_map(&pk, 3);
     pk_kv_uint(&pk, "v", 2);
     pk_kv_str(&pk, "kind", "ping");
-    pk_kv_uint(&pk, "req", g_next_req++);
+    uint64_t bad_req = g_next_req++;
+    pk_kv_uint(&pk, "req", bad_req);
     send_raw(g_dealer, sb.data, sb.size);
     msgpack_sbuffer_destroy(&sb);
-    wait_reply(0, &u, kind, sizeof kind, "bad_version");
+    wait_reply(bad_req, &u, kind, sizeof kind, "bad_version");
     printf("bad_version %s code=%s reason=%s\n", kind, get_str(&u.data, "code", code, sizeof code),
            get_str(&u.data, "reason", reason, sizeof reason));
     msgpack_unpacked_destroy(&u);

@@ -274,13 +274,15 @@ newGeneration(r.gen);
 
 await runOk("after_resume", "swap_out", { src: gpuA, dst: cpu });
 
-// Bad input: not msgpack, then a wrong version; both get an error without req.
+// Bad input: not msgpack (an error without req), then a wrong version (an
+// error that still echoes the readable req, protocol.md §8.1).
 await dealer.send(Buffer.from([0xc1]));
 r = await takeReply(null, "malformed");
 console.log(`malformed ${r.kind} code=${r.code}`);
 
-await dealer.send(encode({ v: 2, kind: "ping", req: nextReq++ }));
-r = await takeReply(null, "bad_version");
+const badReq = nextReq++;
+await dealer.send(encode({ v: 2, kind: "ping", req: badReq }));
+r = await takeReply(badReq, "bad_version");
 console.log(`bad_version ${r.kind} code=${r.code} reason=${r.reason}`);
 
 await request("ping"); // the bus still serves after bad input
