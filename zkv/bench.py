@@ -50,7 +50,7 @@ def _relay_broker(front: str, back: str, ranks: int, ready: Any) -> None:
     ids = []
     while len(ids) < ranks:  # the ranks say hello first
         if be.poll(10_000):
-            ids.append(be.recv_multipart()[0])
+            ids.append(be.recv_multipart(zmq.NOBLOCK)[0])
         else:
             return
     ready.set()
@@ -89,7 +89,7 @@ def _relay_rank(back: str) -> None:
     d.send(b"hello")
     pushes: dict[bytes, zmq.Socket] = {}
     while d.poll(30_000):
-        frames = d.recv_multipart()
+        frames = d.recv_multipart(zmq.NOBLOCK)
         if frames[0] == b"stop":
             return
         header, body = frames
@@ -151,7 +151,7 @@ def bench_raw_relay(ids: int, n_latency: int, n_tput: int, window: int, ranks: i
             for _ in range(ranks):
                 if not pull.poll(10_000):
                     raise TimeoutError("raw relay lost a reply")
-                pull.recv()
+                pull.recv(zmq.NOBLOCK)
 
         return _measure(submit, collect, n_latency, n_tput, window)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 from typing import Any, Callable
@@ -269,14 +270,10 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
-        while True:
-            for name, proc in [("broker", cluster.broker), *[(f"rank {r}", p) for r, p in cluster.workers.items()]]:
-                assert proc is not None
-                try:
-                    proc.wait(timeout=1.0)
-                except Exception:
-                    continue
-                _fail(f"{name} exited with code {proc.returncode}", "see its log above")
+        names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
+        names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
+        pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
+        _fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
     except KeyboardInterrupt:
         click.echo("zkv up: stopping")
     finally:
