@@ -315,3 +315,17 @@ def test_10_random_cycles_every_task_one_outcome_no_copy_while_paused(seed):
     outcomes = set(sim.outcomes.values())
     assert {"ok", "cancelled", "rejected"} <= outcomes, outcomes
     assert sim.broker.counters["clear_ok"] > 10 and sim.broker.counters["resume_ok"] >= 250
+
+
+def test_a_timed_out_task_settles_when_its_late_rank_reports():
+    sim = Sim().up()
+    t = sim.submit()
+    for r in (0, 1):
+        sim.deliver_dealer(r)
+    sim.finish(0)
+    (out,) = sim.book.expire(sim.now + 31)
+    assert out.outcome == "timeout" and "[1]" in out.reason
+    assert sim.book.take_settled() == []
+    sim.finish(1)  # the slow rank finally copies
+    assert t not in sim.outcomes, "the late result is not a second outcome"
+    assert sim.book.take_settled() == [t]

@@ -121,6 +121,12 @@ class Client:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
 
+    def settled(self) -> list[int]:
+        """Tasks that ended ``timeout`` and whose every rank has since reported
+        (so nothing will write their destination blocks any more)."""
+        self._pump(0.0)
+        return self.book.take_settled()
+
     @property
     def open_tasks(self) -> int:
         return len(self.book.open)

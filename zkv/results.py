@@ -24,14 +24,25 @@ class _Open:
     per_rank: dict[int, dict] = field(default_factory=dict)
 
 
+_MAX_TIMED_OUT = 100_000
+
+
 class ResultBook:
-    """Open tasks, their deadlines, and the one-outcome-per-task rule."""
+    """Open tasks, their deadlines, and the one-outcome-per-task rule.
+
+    A task that ended ``timeout`` may still be copying on a slow rank.  Its
+    outcome stays ``timeout``, but the book keeps watching for the missing
+    ranks' late results; when all of them arrived the task is *settled*: no
+    rank will write its blocks any more, so a cache manager may reuse them.
+    """
 
     def __init__(self) -> None:
         self.open: dict[int, _Open] = {}
         self.deadlines: list[tuple[float, int]] = []
         self.gen = 0
         self.counters: collections.Counter[str] = collections.Counter()
+        self.timed_out: collections.OrderedDict[int, _Open] = collections.OrderedDict()
+        self.settled: list[int] = []
 
     def add(self, task: int, now: float, timeout: float) -> None:
         self.open[task] = _Open(task, now, now + timeout)
@@ -49,6 +60,7 @@ class ResultBook:
         entry = self.open.get(msg["task"])
         if entry is None:
             self.counters["late_results"] += 1
+            self._late(msg)
             return None
         if msg["gen"] < self.gen:
             self.counters["stale_results"] += 1
@@ -63,6 +75,22 @@ class ResultBook:
         if not entry.fold.complete:
             return None
         return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
+
+    def _late(self, msg: dict) -> None:
+        entry = self.timed_out.get(msg["task"])
+        if entry is None:
+            return
+        if entry.fold is None:
+            entry.fold = RankFold(msg["world"])
+        entry.fold.add(msg["rank"], msg["outcome"])
+        if entry.fold.complete:
+            del self.timed_out[msg["task"]]
+            self.settled.append(msg["task"])
+
+    def take_settled(self) -> list[int]:
+        """Timed-out tasks whose every rank has since reported: their copies are over."""
+        done, self.settled = self.settled, []
+        return done
 
     def on_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
         """A final outcome decided by the broker (rejected, cancelled, rank died)."""
@@ -85,10 +113,14 @@ class ResultBook:
             else:
                 reason = f"no result from ranks {sorted(entry.fold.waiting)} before the deadline"
             done.append(self._close(entry, "timeout", reason, now))
+            self.timed_out[task] = entry
+            if len(self.timed_out) > _MAX_TIMED_OUT:
+                self.timed_out.popitem(last=False)
         return done
 
     def cancel_all(self, reason: str, now: float) -> list[TaskOutcome]:
         """After a clear: whatever those tasks copied is gone with the caches."""
+        self.timed_out.clear()  # their blocks are gone with the caches too
         return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
 
     def next_deadline(self) -> float | None:
