@@ -417,7 +417,7 @@ class Replayer:
             try:
                 st = probe.status(timeout=min(self.op_timeout, max(1.0, wait)))
             except ZkvError as err:
-                self.obs.notes.append(f"status failed: {err.reason}")
+                self.obs.notes.append(f"status failed: {err.reason}" if st is not None else err.reason)
                 return st, False
             if rank_stats_fresh(st):
                 return st, True
@@ -431,7 +431,7 @@ class Replayer:
         with Client(self.address, ctx=self.ctx, request_timeout=self.op_timeout) as probe:
             st, _ = self._status(probe, self.stats_wait)
             if st is None:
-                raise ZkvError("no_reply", f"no status reply from {self.address}")
+                raise ZkvError("no_reply", obs.notes.pop() if obs.notes else f"no status reply from {self.address}")
             obs.ranks_before = st["ranks"]
             if st["world"] != self.trace.world:
                 obs.notes.append(f"the trace was made for world {self.trace.world}; the bus has world {st['world']}")

@@ -1,0 +1,206 @@
+"""``zkv replay`` and ``zkv trace gen|check|diff``: the command-line face of
+``zkv.trace`` (format, generators) and ``zkv.replay`` (driver, checker).
+
+Exit status: 0 when everything held, 1 on any violation (each named with the
+trace line numbers involved), 2 for a trace that cannot be read (the error
+names the line) or bad options.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from .layout import CacheLayout
+
+
+def _error(message: str, code: int = 2) -> None:
+    click.echo(f"zkv: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _load(path: str) -> Any:
+    from .trace import TraceError, load_trace
+
+    try:
+        return load_trace(path)
+    except TraceError as err:
+        _error(f"bad trace: {err}")
+    except OSError as err:
+        _error(f"cannot read {path}: {err.strerror}")
+
+
+def _layout_options(fn: Callable) -> Callable:
+    d = CacheLayout()
+    for name, default, help_ in reversed([
+        ("layers", d.layers, "Transformer layers."),
+        ("gpu-blocks", d.gpu_blocks, "Device cache blocks per rank."),
+        ("cpu-blocks", d.cpu_blocks, "CPU swap-space blocks per rank."),
+        ("block-size", d.block_size, "Tokens per block."),
+        ("kv-heads", d.kv_heads, "KV heads per rank."),
+        ("head-dim", d.head_dim, "Head dimension."),
+    ]):
+        fn = click.option(f"--{name}", type=click.IntRange(min=1), default=default, show_default=True, help=help_)(fn)
+    fn = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, help="Cache element type.")(fn)
+    return fn
+
+
+# --- zkv replay ------------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("trace_file", metavar="FILE", type=str)
+@click.option("--broker", default=None, envvar="ZKV_REPLAY_BROKER", show_envvar=True,
+              help="Replay against this running broker's frontend instead of an embedded local cluster.")
+@click.option("--speed", default="1", show_default=True,
+              help="Timing: 1 = as recorded, 2.5 = 2.5x faster, max = as fast as possible.")
+@click.option("--record", type=click.Path(dir_okay=False), default=None,
+              help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).")
+@click.option("--task-timeout", type=float, default=30.0, show_default=True, help="Seconds a task may take before it ends 'timeout'.")
+@click.option("--op-timeout", type=float, default=30.0, show_default=True, help="Seconds a pause / clear / resume may take.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def replay(trace_file: str, broker: str | None, speed: str, record: str | None, task_timeout: float, op_timeout: float, as_json: bool) -> None:
+    """Replay a trace FILE (- for stdin) and check what the bus did.
+
+    Checks that every task got exactly one outcome, that outcomes match the
+    trace's expectations, and that no rank copied while paused; reports
+    counts per outcome, task latency, throughput and pause/clear/resume
+    latency.  Exits 1 on any violation, naming the trace lines.
+    """
+    from .client import ZkvError
+    from .replay import format_report, parse_speed, replay as replay_running, replay_embedded
+
+    try:
+        factor = parse_speed(speed)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--speed") from None
+    if record and broker:
+        raise click.UsageError("--record needs the embedded cluster; to record against --broker, start that broker with --record")
+    trace = _load(trace_file)
+    bar: Any = None
+    kwargs: dict[str, Any] = {"speed": factor, "task_timeout": task_timeout, "op_timeout": op_timeout}
+    if sys.stderr.isatty() and trace.ops:
+        def progress(n: int) -> None:  # the bar starts with the first record, not with the cluster
+            nonlocal bar
+            if bar is None:
+                bar = click.progressbar(length=len(trace.ops), label="replay", file=sys.stderr)
+                bar.__enter__()
+            bar.update(n)
+
+        kwargs["progress"] = progress
+    try:
+        if broker:
+            report = replay_running(trace, broker, **kwargs)
+            report.target = broker
+        else:
+            report = replay_embedded(trace, record=record, **kwargs)
+    except ZkvError as err:
+        _error(f"{err.reason}", 2)
+    except (TimeoutError, RuntimeError) as err:
+        _error(f"the embedded cluster did not start: {err}", 2)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        click.echo(format_report(report))
+    if not report.ok:
+        sys.exit(1)
+
+
+# --- zkv trace ...  --------------------------------------------------------------------------
+
+
+@click.group()
+def trace() -> None:
+    """Make, check and compare traces (see docs/traces.md)."""
+
+
+@trace.command("gen")
+@click.argument("shape", type=click.Choice(["steady", "bursty", "rl-cycle"]))
+@click.option("--tasks", type=click.IntRange(min=0), default=100, show_default=True, help="Tasks in the trace.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same trace).")
+@click.option("--world-size", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks the trace is made for.")
+@_layout_options
+@click.option("--rate", type=float, default=200.0, show_default=True, help="steady / rl-cycle: tasks per second.")
+@click.option("--clients", type=click.IntRange(min=1), default=None, help="Submitting clients (steady/rl-cycle 1, bursty 2).")
+@click.option("--burst", type=click.IntRange(min=1), default=16, show_default=True, help="bursty: tasks per burst.")
+@click.option("--gap", type=float, default=0.05, show_default=True, help="bursty: seconds between bursts.")
+@click.option("--every", type=click.IntRange(min=1), default=20, show_default=True, help="rl-cycle: running tasks between pause/clear/resume cycles.")
+@click.option("--held", type=click.IntRange(min=0), default=2, show_default=True, help="rl-cycle: tasks arriving while paused, and again while cleared.")
+@click.option("--max-blocks", type=click.IntRange(min=1), default=8, show_default=True, help="Most blocks per task.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="File to write (- for stdout).")
+def gen(shape: str, tasks: int, seed: int, world_size: int, rate: float, clients: int | None, burst: int, gap: float,
+        every: int, held: int, max_blocks: int, output: str, **layout_kw: Any) -> None:
+    """Write a synthetic trace of SHAPE: steady, bursty or rl-cycle."""
+    from .protocol import ProtocolError
+    from .trace import dump_records, generate
+
+    try:
+        layout = CacheLayout(**{k: v for k, v in layout_kw.items()})
+        records = list(generate(shape, tasks, seed, world=world_size, layout=layout, rate=rate, clients=clients,
+                                burst=burst, gap=gap, every=every, held=held, max_blocks=max_blocks))
+    except (ValueError, ProtocolError) as err:
+        raise click.UsageError(str(err)) from None
+    with click.open_file(output, "w") as out:
+        dump_records(records, out)
+
+
+@trace.command("check")
+@click.argument("trace_file", metavar="FILE")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def check_cmd(trace_file: str, as_json: bool) -> None:
+    """Validate a trace FILE; for a recording, check its books too.
+
+    A recording (a trace with outcome records) must hold exactly one outcome
+    record per submit: exit 1 naming the lines otherwise.
+    """
+    from .trace import check_recording
+
+    t = _load(trace_file)
+    recorded = any(s.recorded for s in t.tasks.values())
+    problems = check_recording(t) if recorded else []
+    ops = {ev: sum(1 for op in t.ops if op.ev == ev) for ev in ("submit", "pause", "clear", "resume")}
+    summary = {"ok": not problems, "source": t.source, "world": t.world, "layout": t.layout.to_wire() if t.layout else None,
+               "segments": t.segments, "ops": ops, "duration_s": round(t.ops[-1].t - t.ops[0].t, 6) if t.ops else 0.0,
+               "expectations": sum(len(s.expects) for s in t.tasks.values()), "recording": recorded, "problems": problems}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"{t.source}: valid trace v1, world {t.world}, {ops['submit']} submits, {ops['pause']} pause, "
+                   f"{ops['clear']} clear, {ops['resume']} resume over {summary['duration_s']} s"
+                   + (f", {t.segments} sessions" if t.segments > 1 else ""))
+        for p in problems:
+            click.echo(f"  line {', '.join(map(str, p['lines']))}: {p['message']}")
+    if problems:
+        sys.exit(1)
+
+
+@trace.command("diff")
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
+def diff_cmd(a: str, b: str, as_json: bool) -> None:
+    """Compare the recorded outcome sequence of every task in two traces.
+
+    Clients are matched by the tasks they submit (recordings name them by ZMQ
+    identity); exit 1 if any task's outcomes differ.
+    """
+    from .trace import compare_outcomes
+
+    ta, tb = _load(a), _load(b)
+    diffs = compare_outcomes(ta, tb)
+    if as_json:
+        click.echo(json.dumps({"same": not diffs, "tasks": len(ta.tasks), "differences": diffs}))
+    elif diffs:
+        click.echo(f"{len(diffs)} difference(s):")
+        for d in diffs:
+            click.echo(f"  {d['message']}")
+    else:
+        click.echo(f"same outcomes for all {len(ta.tasks)} tasks")
+    if diffs:
+        sys.exit(1)
