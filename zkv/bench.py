@@ -301,13 +301,12 @@ def bench(what: str, quick: bool, as_json: bool) -> None:
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
     if what in ("all", "manager"):
-        try:
-            from .prefix.bench import bench_manager
-        except ImportError:
-            bench_manager = None
-        if bench_manager is not None:
-            say("manager ...")
-            report["manager"] = bench_manager()
+        from .prefix.bench import bench_manager, bench_manager_cluster
+
+        say("manager: bookkeeping per request (fake bus) ...")
+        bookkeeping = bench_manager(n_requests=n(500))
+        say("manager: chat workload on a local cluster ...")
+        report["manager"] = {"bookkeeping": bookkeeping, "cluster": bench_manager_cluster(requests=n(200), layout=layout)}
     click.echo(_fmt(report) if as_json else _summary(report))
 
 
@@ -328,7 +327,14 @@ def _summary(report: dict) -> str:
         lines.append(f"pause with {p['inflight_tasks']} tasks in flight: p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
                      f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms")
     if "manager" in report:
-        lines.append(f"manager: {json.dumps(report['manager'], default=lambda x: round(x, 3))}")
+        m, w = report["manager"]["bookkeeping"], report["manager"]["cluster"]
+        lines.append(f"manager per request ({m['prompt_tokens']}-token prompts, {m['block_size']}-token blocks, fake bus):"
+                     f" match+allocate+insert+release {m['us_per_request']:.0f} us"
+                     f"  | block keys alone {m['baseline_block_keys_us']:.0f} us, flat dict cache {m['baseline_dict_cache_us']:.0f} us")
+        swaps = ", ".join(f"{op} {c.get('issued', 0)} tasks/{c.get('blocks', 0)} blocks" for op, c in w["swaps"].items())
+        lines.append(f"manager chat workload on {w['ranks']} ranks: {w['requests_per_s']:.0f} requests/s, hit rate GPU {w['gpu_hit_rate']:.1%}"
+                     f" CPU {w['cpu_hit_rate']:.1%}, {swaps}, {w['bytes_moved'] / 2**20:.0f} MiB moved"
+                     f"  | no cache (fill every block) {w['baseline_no_cache_requests_per_s']:.0f} requests/s")
     return "\n".join(lines)
 
 

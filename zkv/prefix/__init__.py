@@ -1,5 +1,9 @@
 """Client-side prefix cache: a radix tree of KV blocks over a GPU and a CPU tier,
-moving blocks between them through the zkv bus (see manager.py for the policies)."""
+moving blocks between them through the zkv bus (see manager.py for the policies).
+
+``cycle`` runs the pause / clear / resume cycle for a manager and its client;
+``workload`` is a synthetic chat workload over the real bus (``zkv up --demo``,
+``zkv bench manager``)."""
 
 from .allocator import (
     BlockAllocator,
@@ -20,10 +24,12 @@ from .manager import (
     PrefixCacheManager,
 )
 from .radix import NodeState, RadixNode, RadixTree, block_keys
+from .cycle import drain_and_clear, pause_clear_resume
 
 __all__ = [
     "BlockAllocator", "BlockAllocatorError", "DoubleFreeError", "ForeignBlockError", "OutOfBlocksError",
     "BlockLease", "BusLike", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
     "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager",
     "NodeState", "RadixNode", "RadixTree", "block_keys",
+    "drain_and_clear", "pause_clear_resume",
 ]

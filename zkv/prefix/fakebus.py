@@ -1,7 +1,7 @@
 """In-process stand-in for the bus client, for unit tests and the micro-benchmark only.
 
-It has the three methods the prefix cache manager uses (submit / wait / poll)
-and really copies block contents between two dicts (``gpu`` and ``cpu``: block
+It has the methods the prefix cache manager uses (submit / wait / poll and,
+like ``zkv.client.Client``, settled) and really copies block contents between two dicts (``gpu`` and ``cpu``: block
 id -> any value), so a test can check that data round-trips GPU -> CPU -> GPU.
 Outcomes can be scripted per task to exercise every failure path:
 
@@ -9,8 +9,11 @@ Outcomes can be scripted per task to exercise every failure path:
 * ``failed``    only the first half copied (one rank did its part, another failed);
 * ``cancelled`` / ``rejected``  nothing copied;
 * ``timeout``   nothing copied yet, ``wait`` says timeout; ``deliver_late()``
-  performs the copy afterwards (a slow rank) and makes ``poll`` report it, so
-  a manager that reused the destination blocks would see its data clobbered;
+  performs the copy afterwards (a slow rank), so a manager that reused the
+  destination blocks would see its data clobbered, and reports the task as
+  the real client does: in ``settled()`` (``settles=True``, the default), or,
+  for a bus without ``settled`` (``settles=False``), as a late outcome from
+  ``poll``;
 * ``raise``     ``submit`` raises :class:`FakeBusError` (refused at once).
 """
 
@@ -48,7 +51,7 @@ class SubmittedTask:
 class FakeBus:
     """Executes swap tasks synchronously at submit, with scripted outcomes."""
 
-    def __init__(self, block_bytes: int = 1, default_outcome: str = "ok") -> None:
+    def __init__(self, block_bytes: int = 1, default_outcome: str = "ok", settles: bool = True) -> None:
         self.gpu: dict[int, object] = {}
         self.cpu: dict[int, object] = {}
         self.block_bytes = block_bytes
@@ -58,6 +61,10 @@ class FakeBus:
         self._task_ids = itertools.count(1)
         self._finished: dict[int, TaskOutcome] = {}       # not yet returned by wait/poll
         self._running_late: dict[int, SubmittedTask] = {}  # timed out, copy still to come
+        self._settled: list[int] = []                      # timed out, copy since landed
+        self.settles = settles
+        if not settles:
+            self.settled = None  # type: ignore[assignment]  # a bus without the method
 
     def script(self, *outcomes: str) -> None:
         """Outcomes for the next submits, in order; later ones get ``default_outcome``."""
@@ -96,20 +103,30 @@ class FakeBus:
         self._finished.clear()
         return results
 
+    def settled(self) -> list[int]:
+        """Timed-out tasks whose late copies have landed since the last call."""
+        done, self._settled = self._settled, []
+        return done
+
     def deliver_late(self) -> int:
-        """Timed-out tasks finish now: their copies land and ``poll`` reports them ``ok``."""
+        """Timed-out tasks finish now: their copies land and ``settled()`` (or,
+        with ``settles=False``, ``poll``) reports them."""
         late = list(self._running_late.values())
         self._running_late.clear()
         for record in late:
             self._copy(record, len(record.src))
-            nbytes = len(record.src) * self.block_bytes
-            self._finished[record.task] = TaskOutcome(record.task, "ok", "late", nbytes)
+            if self.settles:
+                self._settled.append(record.task)
+            else:
+                nbytes = len(record.src) * self.block_bytes
+                self._finished[record.task] = TaskOutcome(record.task, "ok", "late", nbytes)
         return len(late)
 
     def clear(self) -> None:
         """The caches were freed: pending copies never happen, contents are gone."""
-        for task in self._running_late:
-            self._finished[task] = TaskOutcome(task, "cancelled", "caches cleared")
+        if not self.settles:  # the real client never settles a task the clear cut short
+            for task in self._running_late:
+                self._finished[task] = TaskOutcome(task, "cancelled", "caches cleared")
         self._running_late.clear()
         self.gpu.clear()
         self.cpu.clear()

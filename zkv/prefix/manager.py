@@ -41,9 +41,14 @@ Policies
   before them.
 * Timeout: a timed-out task may still run (a slow rank), so the blocks it
   writes (CPU blocks for swap_out, GPU blocks for swap_in) go to quarantine
-  instead of the free list; they are freed when a late outcome for that task is
-  polled, when the caller reports the bus drained (``on_bus_drained()``, after
-  a completed pause: no rank runs anything then), or on reset.  ``failed``, ``cancelled`` and ``rejected`` are taken to
+  instead of the free list; they are freed when the bus reports the task
+  *settled* (``bus.settled()``: every rank has since reported, so nothing
+  writes those blocks any more; checked at the start of match / allocate /
+  evict and by ``reclaim_quarantine()``), when the caller reports the bus
+  drained (``on_bus_drained()``, after a completed pause that a clear
+  follows: no rank runs anything then), or on reset.  A bus without
+  ``settled()`` (an older client, a test double) is polled instead: a late
+  outcome for the task frees its blocks.  ``failed``, ``cancelled`` and ``rejected`` are taken to
   mean no rank will write the destination any more; those blocks are freed.
   Pass ``quarantine_timed_out=False`` to free at once.
 
@@ -93,7 +98,14 @@ class TaskOutcomeLike(Protocol):
 
 
 class BusLike(Protocol):
-    """What the manager needs from the bus (``zkv.client.Client`` has exactly this)."""
+    """What the manager needs from the bus (``zkv.client.Client`` has all of it).
+
+    Optional: ``settled() -> list[int]``, the ids of tasks that ended ``timeout``
+    and whose every rank has reported since (their copies are over).  When the
+    bus has it, the manager releases quarantined blocks through it and never
+    calls ``poll`` (which would hand it outcomes of tasks other code awaits).
+    Without it, the manager polls for late outcomes of its timed-out tasks.
+    """
 
     def submit(self, op: str, src: Sequence[int], dst: Sequence[int], timeout: float = 30.0) -> int: ...
 
@@ -159,11 +171,11 @@ class PrefixCacheManager:
         self._epoch = 0
         self._cleared = False
         self._clock = itertools.count(1)
-        self._swap_stats = {op: dict.fromkeys(("issued", "blocks", *OUTCOMES), 0) for op in SWAP_OPS}
+        self._swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
         self._counters = dict.fromkeys((
             "lookups", "lookups_while_cleared", "queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks",
             "swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "duplicate_inserts",
-            "late_outcomes", "resets",
+            "late_outcomes", "reclaimed_blocks", "resets",
         ), 0)
         self._start_epoch(num_gpu_blocks, num_cpu_blocks)
 
@@ -319,6 +331,15 @@ class PrefixCacheManager:
             del self._private_owner[block]
         self._gpu.free(owned)
 
+    def locate(self, tokens: Sequence[int]) -> list[str]:
+        """Where the cached prefix of ``tokens`` lives, one entry per full block:
+        ``"gpu"`` or ``"cpu"`` (``"swapping_*"`` only during a swap).  Read-only:
+        no lease, no swap, no LRU update; an empty list while cleared."""
+        if self._cleared:
+            return []
+        return ["gpu" if node.state is NodeState.ON_GPU else "cpu" if node.state is NodeState.ON_CPU
+                else node.state.value for node in self._tree.walk(block_keys(tokens, self._block_size))]
+
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
         if self._cleared or num_blocks <= 0:
@@ -331,7 +352,11 @@ class PrefixCacheManager:
     def on_bus_drained(self) -> int:
         """Every rank acknowledged a pause, so no task runs any more: free quarantined blocks.
 
-        Returns how many blocks were freed.
+        Only true of tasks the ranks already received: a task still queued at
+        the broker runs after a plain resume.  So call this after a pause that a
+        clear follows (``zkv.prefix.cycle.drain_and_clear`` does), or when the
+        paused bus's ``status()`` shows ``queued == 0``.  Returns how many blocks
+        were freed.
         """
         freed = 0
         for entry in self._quarantine.values():
@@ -339,6 +364,17 @@ class PrefixCacheManager:
             freed += len(entry.block_ids)
         self._quarantine.clear()
         return freed
+
+    def reclaim_quarantine(self) -> int:
+        """Free the quarantined blocks of timed-out tasks that have settled since.
+
+        Asks ``bus.settled()`` (or polls a bus without it); match, allocate and
+        evict do this on their own whenever blocks are quarantined.  Returns how
+        many blocks were freed.  Never waits.
+        """
+        before = self._counters["reclaimed_blocks"]
+        self._reap_late_outcomes()
+        return self._counters["reclaimed_blocks"] - before
 
     def reset(self) -> None:
         """Forget every cached block and lease, with fresh allocators of the same size.
@@ -388,6 +424,7 @@ class PrefixCacheManager:
             "cpu": {"total": self._cpu.num_blocks, "used": self._cpu.num_used, "free": self._cpu.num_free},
             "nodes": nodes_by_state,
             "quarantined_blocks": quarantined,
+            "quarantined_tasks": len(self._quarantine),
             "swaps": {op: dict(values) for op, values in self._swap_stats.items()},
             **counters,
         }
@@ -591,7 +628,9 @@ class PrefixCacheManager:
             counters["rejected"] += 1
             return "rejected", None
         try:
-            outcome = self._bus.wait(task, timeout=self.swap_timeout).outcome
+            result = self._bus.wait(task, timeout=self.swap_timeout)
+            outcome = result.outcome
+            counters["bytes"] += getattr(result, "bytes", 0) or 0
         except Exception:  # cannot tell whether it runs: treat like a timeout
             outcome = "timeout"
         if outcome not in OUTCOMES:
@@ -608,17 +647,22 @@ class PrefixCacheManager:
             (self._gpu if tier == "gpu" else self._cpu).free(block_ids)
 
     def _reap_late_outcomes(self) -> None:
-        """Free quarantined blocks whose task has finally reported (polls only while any are held)."""
+        """Free quarantined blocks whose task has settled (asks the bus only while any are held)."""
         if not self._quarantine:
             return
+        settled = getattr(self._bus, "settled", None)
         try:
-            late = self._bus.poll(0.0)
-        except Exception:
+            if callable(settled):
+                tasks = list(settled())
+            else:
+                tasks = [result.task for result in self._bus.poll(0.0)]
+        except Exception:  # the bus is gone or closing: keep the quarantine, try again later
             return
-        for result in late:
-            entry = self._quarantine.pop(result.task, None)
+        for task in tasks:
+            entry = self._quarantine.pop(task, None)
             if entry is not None:
                 self._counters["late_outcomes"] += 1
+                self._counters["reclaimed_blocks"] += len(entry.block_ids)
                 (self._gpu if entry.tier == "gpu" else self._cpu).free(entry.block_ids)
 
     def _drop_subtree(self, top: RadixNode) -> None:
