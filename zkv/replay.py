@@ -178,6 +178,23 @@ def check(trace: Trace, obs: Observation) -> Report:
                 at = "" if line == spec.line else f" by line {line}"
                 violate("unexpected_outcome", [spec.line, line],
                         f"{what}: outcome {first.outcome}{because}, expected {' or '.join(allowed)}{at}", task=spec.label)
+    # The broker's queue is FIFO and a clear cancels what is still in it, so
+    # among one client's tasks between two clears, none may have run after
+    # one that was cancelled.
+    segment = 0
+    first_cancel: dict[tuple[int, str], Any] = {}
+    for op in trace.ops:
+        if op.ev == "clear":
+            segment += 1
+        elif op.ev == "submit" and obs.outcomes.get(op.key):
+            spec, outcome = trace.tasks[op.key], obs.outcomes[op.key][0].outcome
+            first = first_cancel.get((segment, op.client))
+            if outcome == "cancelled" and first is None:
+                first_cancel[(segment, op.client)] = spec
+            elif outcome in ("ok", "failed") and first is not None:
+                violate("fifo", [first.line, spec.line],
+                        f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {first.label} (line {first.line}), "
+                        "submitted before it by the same client, was cancelled: a clear cancels a suffix of the FIFO queue", task=spec.label)
     labels = {spec.key: spec for spec in specs}
     for key, message in obs.anomalies:
         spec = labels.get(key)
@@ -229,7 +246,7 @@ def check(trace: Trace, obs: Observation) -> Report:
     )
 
 
-def format_report(report: Report) -> str:
+def format_report(report: Report, max_violations: int = 40) -> str:
     """The human summary ``zkv replay`` prints."""
     def pct(d: dict[str, float]) -> str:
         return "none" if not d.get("n") else f"p50 {d['p50']} ms, p99 {d['p99']} ms, max {d['max']} ms (n={d['n']})"
@@ -250,9 +267,13 @@ def format_report(report: Report) -> str:
         lines.append("OK: every task got exactly one outcome, every expectation held, no copy ran while paused")
     else:
         lines.append(f"VIOLATIONS ({len(report.violations)}):")
-        for v in report.violations:
+        for v in report.violations[:max_violations]:
             where = f"line {', '.join(map(str, v['lines']))}: " if v["lines"] else ""
             lines.append(f"  {where}[{v['kind']}] {v['message']}")
+        if len(report.violations) > max_violations:
+            kinds = collections.Counter(v["kind"] for v in report.violations[max_violations:])
+            lines.append(f"  ... and {len(report.violations) - max_violations} more ("
+                         + ", ".join(f"{k} {n}" for k, n in kinds.items()) + "); --json lists them all")
     return "\n".join(lines)
 
 
@@ -424,7 +445,9 @@ class Replayer:
             left = deadline - time.monotonic()
             if left <= 0:
                 return st, False
-            probe.poll(min(0.05, left))  # bounded wait for the next rank heartbeat
+            # A bounded wait for the next rank heartbeat.  (Not probe.poll():
+            # Client.poll can hand zmq a negative timeout, which waits forever.)
+            probe.poller.poll(max(1, int(min(0.05, left) * 1000)))
 
     def run(self) -> Observation:
         obs = self.obs
