@@ -216,6 +216,12 @@ def test_recorder_survives_its_helper_dying(tmp_path):
     assert [json.loads(x).get("up") for x in path.read_text().splitlines()] == [None, True, False]
 
 
+def test_a_layout_in_a_rank_record_fills_a_null_header():
+    t = parse('{"ev": "rank", "rank": 0, "up": true, "layout": %s}' % json.dumps(LAYOUT.to_wire()),
+              header='{"zkv_trace": 1, "world": 2, "layout": null}')
+    assert t.layout == LAYOUT
+
+
 def test_recording_with_a_missing_or_double_outcome_is_flagged():
     t = parse('{"ev": "submit", "client": "x", "task": 1, "op": "checksum", "src": [0]}',
               '{"ev": "submit", "client": "x", "task": 2, "op": "checksum", "src": [0]}',

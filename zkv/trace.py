@@ -308,6 +308,11 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> Trace:
             raise TraceError(lineno, f"time goes backwards: t={t} after t={seg_t}", source)
         seg_t = t
         last_t = offset + t
+        if ev == "rank" and header.layout is None and isinstance(rec.get("layout"), dict):
+            try:  # a broker that puts the layout it learnt into its rank records
+                header.layout = CacheLayout.from_wire(rec["layout"])
+            except (P.ProtocolError, TypeError):
+                pass
         if ev in ("control", "rank", "note"):
             continue  # information only
         keys = {"submit": _SUBMIT_KEYS, "outcome": _OUTCOME_KEYS}.get(ev, _CONTROL_KEYS)
