@@ -182,3 +182,29 @@ def test_many_pipelined_tasks_each_get_exactly_one_outcome(client):
     assert [o.task for o in outcomes] == tasks
     assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
     assert client.poll(0.05) == [] and client.book.counters["duplicate_results"] == 0
+
+
+def test_a_rank_that_reregisters_drops_the_tasks_the_broker_already_failed(cluster, client):
+    """SIGSTOP a rank past its liveness window with tasks queued: the broker
+    fails them; when the rank wakes and re-registers it must not run them."""
+    import signal
+    import time
+
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        tasks = [client.submit("swap_out", [i], [i], timeout=30) for i in range(5)]
+        outs = [client.wait(t) for t in tasks]  # the broker fails them when rank 1 is declared dead
+        assert all(o.outcome == "failed" and "rank 1" in o.reason for o in outs), outs
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    cluster.wait_ready(timeout=30)
+    assert_still_serving(client)
+    deadline = time.monotonic() + 10
+    while True:  # rank 1's next heartbeats carry its stats
+        stats = client.status()["ranks"][1]["stats"]
+        if stats.get("refused_stale_session", 0) >= 5 or time.monotonic() > deadline:
+            break
+        client.poll(0.1)
+    assert stats["refused_stale_session"] == 5 and stats["frozen"] == 1
+    assert stats["tasks_failed"] >= 5 and stats["copies_after_ack"] == 0

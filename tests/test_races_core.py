@@ -329,3 +329,15 @@ def test_a_timed_out_task_settles_when_its_late_rank_reports():
     sim.finish(1)  # the slow rank finally copies
     assert t not in sim.outcomes, "the late result is not a second outcome"
     assert sim.book.take_settled() == [t]
+
+
+def test_broker_cancelled_task_settles_after_the_client_timed_out():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    t = sim.submit()  # held
+    (out,) = sim.book.expire(sim.now + 31)
+    assert out.outcome == "timeout"
+    sim.request("clear")  # the broker cancels it: it never reached a rank
+    sim.settle()
+    assert sim.book.take_settled() == [t]

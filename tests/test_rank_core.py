@@ -103,3 +103,15 @@ def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
     core.on_cache_done(freed=777)
     (ack,) = sent(core.on_control(control("clear", 2, gen=1), 1.0), "ack")
     assert ack["freed"] == 777
+
+
+def test_a_frozen_rank_registers_again_and_refuses_tasks_of_its_old_session():
+    core = welcomed()
+    old = core.session
+    core.on_wake(1.1)
+    assert core.on_wake(1.2) == []
+    (ready,) = sent(core.on_wake(1.2 + core.liveness_ms / 1000 + 0.1), "ready")
+    assert ready["session"] != old and core.counters["frozen"] == 1
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=old)
+    (ex,) = [a for a in core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) if isinstance(a, Execute)]
+    assert "earlier registration" in ex.refuse

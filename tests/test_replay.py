@@ -89,13 +89,13 @@ def test_record_replay_record_gives_the_same_outcomes(tmp_path):
     assert check_recording(first) == []
     res = runner.invoke(main, ["replay", str(rec1), "--record", str(rec2), "--json", "--task-timeout", "10"])
     assert res.exit_code == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["outcomes"] == {"cancelled": 4, "ok": 16}  # see docs/traces.md: rejected submits are not recorded
+    assert json.loads(res.stdout)["outcomes"] == {"cancelled": 4, "ok": 16, "rejected": 4}  # rejected submits are recorded too
     second = load_trace(str(rec2))
     assert compare_outcomes(first, second) == []
     wanted = [s.expects[0][1][0] for s in _in_order(load_trace(str(gen)))]
-    assert [s.recorded[0][1] for s in _in_order(first)] == [o for o in wanted if o != "rejected"]
+    assert [s.recorded[0][1] for s in _in_order(first)] == wanted
     res = runner.invoke(main, ["trace", "diff", str(rec1), str(rec2)])
-    assert res.exit_code == 0 and "same outcomes for all 20 tasks" in res.stdout
+    assert res.exit_code == 0 and "same outcomes for all 24 tasks" in res.stdout
 
 
 def _in_order(trace):

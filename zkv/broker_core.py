@@ -169,43 +169,42 @@ class BrokerCore:
             out.append(self._reply(client, msg["req"], "ping"))
         else:
             if self.recording:
-                out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex()}))
+                params = {k: msg[k] for k in ("keep_cpu", "layout", "timeout_ms") if msg.get(k) is not None}
+                out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
             getattr(self, "_" + kind)(client, msg, now, out)
         return out
 
     def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
         task_id = msg["task"]
-        if len(frames) != 2:
-            self.counters["bad_requests"] += 1
-            out.append(self._outcome(client, task_id, "rejected", "submit needs a header frame and a body frame"))
-            return
-        if len(frames[1]) > P.MAX_FRAME_BYTES:
-            self.counters["bad_requests"] += 1
-            out.append(self._outcome(client, task_id, "rejected", f"task body of {len(frames[1])} bytes exceeds {P.MAX_FRAME_BYTES}"))
-            return
+        body = frames[1] if len(frames) == 2 else b""
         key = (client, task_id)
-        if key in self.open_tasks:
-            self.counters["rejected"] += 1
+        if key in self.open_tasks:  # not a task of its own: an error, no outcome
+            self.counters["duplicate_tasks"] += 1
             out.append(self._error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
             return
+        if self.recording:  # every task, also the ones turned away below
+            out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": body}))
         reply_to = msg["reply_to"]
-        if not reply_to.startswith(("tcp://", "ipc://", "inproc://")):
-            self.counters["rejected"] += 1
-            out.append(self._outcome(client, task_id, "rejected", f"reply_to {reply_to!r} is not a tcp://, ipc:// or inproc:// address"))
-            return
-        if self.state in ("clearing", "cleared"):
-            self.counters["rejected"] += 1
-            out.append(self._outcome(client, task_id, "rejected", "caches are cleared; resume the bus first (zkv resume)"))
-            return
-        if len(self.queue) >= self.cfg.max_queue:
-            self.counters["rejected"] += 1
-            out.append(self._outcome(client, task_id, "rejected", f"queue full ({self.cfg.max_queue} tasks); retry later"))
+        reason = ""
+        if len(frames) != 2:
+            self.counters["bad_requests"] += 1
+            reason = "submit needs a header frame and a body frame"
+        elif len(body) > P.MAX_FRAME_BYTES:
+            self.counters["bad_requests"] += 1
+            reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
+        elif not reply_to.startswith(("tcp://", "ipc://", "inproc://")):
+            reason = f"reply_to {reply_to!r} is not a tcp://, ipc:// or inproc:// address"
+        elif self.state in ("clearing", "cleared"):
+            reason = "caches are cleared; resume the bus first (zkv resume)"
+        elif len(self.queue) >= self.cfg.max_queue:
+            reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
+        task = Task(client, task_id, reply_to, body, now, msg.get("reply_key"))
+        if reason:
+            self._finish_task(task, "rejected", reason, now, out, notify=True)
             return
         self.open_tasks.add(key)
-        self.queue.append(Task(client, task_id, reply_to, frames[1], now, msg.get("reply_key")))
+        self.queue.append(task)
         self.counters["submitted"] += 1
-        if self.recording:
-            out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": frames[1]}))
         self._dispatch(now, out)
 
     # --- control operations ------------------------------------------------------
@@ -322,6 +321,8 @@ class BrokerCore:
             if "layout" in self.control_extra:
                 self.layout = CacheLayout.from_wire(self.control_extra["layout"])
             fields["resume_ms"] = elapsed_ms
+            if self.layout is not None:
+                fields["layout"] = self.layout.to_wire()
         fields["state"] = self.state
         fields["ranks_acked"] = len(self._live_ranks())
         self.counters[f"{op.op}_ok"] += 1
@@ -418,7 +419,7 @@ class BrokerCore:
             "welcome", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=rs.dispatched,
             layout=welcome_layout, heartbeat_ms=self.cfg.heartbeat_ms, **extra)]))
         if self.recording:
-            out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True}))
+            out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True, "layout": self.layout.to_wire()}))
         if self.ready_waiters:
             self._answer_ready_waiters(now, out)
         self._dispatch(now, out)
@@ -444,6 +445,8 @@ class BrokerCore:
         if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"]:
             self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
+        if msg.get("stats"):
+            rs.stats = msg["stats"]
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
             return
@@ -476,7 +479,8 @@ class BrokerCore:
                 rs.inflight += 1
                 rs.dispatched += 1
                 extra = {"reply_key": task.reply_key} if task.reply_key else {}
-                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen, **extra)
+                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen,
+                                  session=rs.session, **extra)
                 out.append(ToRank(rs.identity, [header, task.body]))
             self.counters["dispatched"] += 1
 

@@ -111,7 +111,7 @@ class Client:
         deadline = time.monotonic() + timeout
         self._pump(0.0)
         while not self.finished and time.monotonic() < deadline:
-            self._pump(deadline - time.monotonic())
+            self._pump(max(0.0, deadline - time.monotonic()))
         done = list(self.finished.values())
         self.finished.clear()
         return done
@@ -121,10 +121,15 @@ class Client:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
 
-    def settled(self) -> list[int]:
-        """Tasks that ended ``timeout`` and whose every rank has since reported
-        (so nothing will write their destination blocks any more)."""
+    def settled(self, timeout: float = 0.0) -> list[int]:
+        """Tasks that ended ``timeout`` and have since settled (every rank
+        reported late, or the broker cancelled / rejected them), so nothing
+        will write their destination blocks any more.  Waits up to ``timeout``
+        for the first one; outcomes that arrive meanwhile are kept for wait/poll."""
+        deadline = time.monotonic() + timeout
         self._pump(0.0)
+        while not self.book.settled and time.monotonic() < deadline:
+            self._pump(max(0.0, deadline - time.monotonic()))
         return self.book.take_settled()
 
     @property
@@ -196,7 +201,8 @@ class Client:
         """Wait up to ``timeout`` s for traffic, file all of it, expire deadlines."""
         due = self.book.next_deadline()
         if due is not None:
-            timeout = min(timeout, max(0.0, due - time.monotonic()))
+            timeout = min(timeout, due - time.monotonic())
+        timeout = max(0.0, timeout)  # zmq reads a negative timeout as "forever"
         events = dict(self.poller.poll(timeout * 1000))
         now = time.monotonic()
         if self.pull in events:

@@ -57,12 +57,12 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "ready": ({"rank": _U, "world": _U, "session": _U, "layout": _M, "gen": _U}, {"pid": _U}),
     "hb": ({}, {"inflight": _U, "stats": _M}),
     "done": ({"seq": _U, "n": _U, "outcome": _S, "gen": _U}, {"bytes": _U}),
-    "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M}),
+    "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M}),
     # broker -> rank (backend)
     "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B}),
     "refused": ({"reason": _S}, {}),
     "reregister": ({}, {}),
-    "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {"reply_key": _S}),
+    "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {"reply_key": _S, "session": _U}),
     # broker -> ranks (PUB)
     "control": ({"epoch": _U, "op": _S, "gen": _U, "upto": _L}, {"keep_cpu": _B, "layout": _M}),
     # rank -> client (PUSH)
@@ -153,13 +153,8 @@ def pack_ids(ids: Any) -> bytes:
     """Pack block ids as little-endian int32 (bytes pass through unchanged)."""
     if isinstance(ids, (bytes, bytearray)):
         return bytes(ids)
-    try:
-        import torch
-
-        if isinstance(ids, torch.Tensor):
-            return ids.to(torch.int32).contiguous().numpy().tobytes()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
+    if type(ids).__module__.startswith("torch"):  # a tensor; never import torch for a list
+        return ids.to(dtype=__import__("torch").int32).contiguous().numpy().tobytes()
     import array
 
     arr = array.array("i", ids)

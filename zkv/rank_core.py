@@ -36,6 +36,7 @@ class Execute:
     body: bytes
     refuse: str = ""
     reply_key: str | None = None
+    session: int = 0  # the registration session it arrived in
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,14 @@ RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
 class RankCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
 
-    def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000):
+    def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000,
+                 stats: Callable[[], dict[str, Any]] | None = None):
         self.rank = rank
         self.world = world
         self.layout = layout
         self.heartbeat_ms = heartbeat_ms
         self.liveness_ms = liveness_ms
+        self.stats = stats  # counters sent in heartbeats and acks
         self.session = 0
         self.registered = False
         self.gen = 0
@@ -83,6 +86,7 @@ class RankCore:
         self.last_broker_msg = 0.0
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
+        self.last_wake = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
 
     # --- registration ----------------------------------------------------------
@@ -91,11 +95,24 @@ class RankCore:
         """(Re)register with a fresh session: the broker restarts our counts."""
         self.session = random.getrandbits(52)
         self.registered = False
+        self.last_wake = now
         self.last_ready_sent = now
         self.last_broker_msg = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
                                   layout=self.layout.to_wire(), gen=self.gen, pid=pid))]
+
+    def on_wake(self, now: float) -> list[RankAction]:
+        """Called each time the loop wakes.  A loop that did not run for longer
+        than the liveness window was frozen (SIGSTOP, swapping, a stalled VM):
+        the broker has declared us dead and failed our tasks, so register again
+        *before* reading the tasks queued meanwhile; they are then refused."""
+        gap = now - self.last_wake
+        self.last_wake = now
+        if self.registered and gap * 1000 > self.liveness_ms:
+            self.counters["frozen"] += 1
+            return self.start(now)
+        return []
 
     @property
     def paused(self) -> bool:
@@ -134,7 +151,12 @@ class RankCore:
             return []
         self.received = max(self.received, msg["n"])
         refuse = ""
-        if msg["gen"] != self.gen:
+        if msg.get("session") is not None and msg["session"] != self.session:
+            # Sent to an earlier registration of ours, which the broker gave up on
+            # (and failed its tasks): running it could copy into reused blocks.
+            self.counters["refused_stale_session"] += 1
+            refuse = "dispatched to an earlier registration of this rank; the broker already failed it"
+        elif msg["gen"] != self.gen:
             refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
         elif not self.has_cache or self.op == "clear":
             refuse = "caches are cleared on this rank"
@@ -142,7 +164,7 @@ class RankCore:
             refuse = f"task {msg['n']} was dispatched after pause epoch {self.epoch} (upto {self.upto})"
             self.counters["dispatched_after_pause"] += 1
         self.inflight += 1
-        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"))]
+        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"), self.session)]
 
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
@@ -222,6 +244,8 @@ class RankCore:
             fields["freed"] = self.freed
         if self.op == "resume":
             fields["layout"] = self.layout.to_wire()
+        if self.stats is not None:
+            fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
         return [ToBroker(P.encode("ack", epoch=self.epoch, op=self.op, **fields)), Acked(self.op, self.epoch)]
 
@@ -241,13 +265,13 @@ class RankCore:
 
     # --- clock ---------------------------------------------------------------------
 
-    def on_tick(self, now: float, stats: Callable[[], dict[str, Any]] | None = None) -> list[RankAction]:
+    def on_tick(self, now: float) -> list[RankAction]:
         if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
             self.counters["broker_silent"] += 1
             return self.start(now)
         if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
             self.last_heartbeat_sent = now
-            return [ToBroker(P.encode("hb", inflight=self.inflight, stats=stats() if stats else {}))]
+            return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         return []
 
     def next_deadline(self, now: float) -> float:

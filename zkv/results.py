@@ -85,7 +85,12 @@ class ResultBook:
         entry.fold.add(msg["rank"], msg["outcome"])
         if entry.fold.complete:
             del self.timed_out[msg["task"]]
-            self.settled.append(msg["task"])
+            self._settle(msg["task"])
+
+    def _settle(self, task: int) -> None:
+        self.settled.append(task)
+        if len(self.settled) > _MAX_TIMED_OUT:  # a caller that never asks
+            del self.settled[: len(self.settled) - _MAX_TIMED_OUT]
 
     def take_settled(self) -> list[int]:
         """Timed-out tasks whose every rank has since reported: their copies are over."""
@@ -97,6 +102,11 @@ class ResultBook:
         entry = self.open.get(task)
         if entry is None:
             self.counters["late_outcomes"] += 1
+            # Rejected or cancelled by the broker: it never reached a rank, so
+            # nothing will copy.  (A rank that "died" may be only stopped and
+            # still finish a copy it started, so ``failed`` does not settle.)
+            if outcome in ("rejected", "cancelled") and self.timed_out.pop(task, None) is not None:
+                self._settle(task)
             return None
         return self._close(entry, outcome, reason, now)
 
@@ -121,6 +131,7 @@ class ResultBook:
     def cancel_all(self, reason: str, now: float) -> list[TaskOutcome]:
         """After a clear: whatever those tasks copied is gone with the caches."""
         self.timed_out.clear()  # their blocks are gone with the caches too
+        self.settled.clear()
         return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
 
     def next_deadline(self) -> float | None:

@@ -55,8 +55,10 @@ class Executor(threading.Thread):
         self.results: collections.OrderedDict[tuple[str, str | None], zmq.Socket] = collections.OrderedDict()
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
-            dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack"), 0))
+            dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
+                           "dropped_stale_session"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
+        self.session = 0  # the rank's registration session, written by the I/O thread
 
     def run(self) -> None:
         report = self.ctx.socket(zmq.PUSH)
@@ -89,6 +91,11 @@ class Executor(threading.Thread):
         try:
             if ex.refuse:
                 raise TaskInvalid(ex.refuse)
+            if ex.session != self.session:
+                # We re-registered since: the broker already failed this task,
+                # so it must not copy into blocks its client may have reused.
+                self.stats["dropped_stale_session"] += 1
+                raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
             body = P.decode_body(ex.body)
             self.cache.validate(body)
             if self.paused_ack.is_set():
@@ -153,7 +160,7 @@ class RankWorker:
         # slower than 1 on a loaded 2-core machine).
         torch.set_num_threads(torch_threads)
         self.ctx = ctx or zmq.Context.instance()
-        self.core = RankCore(rank, world, layout, liveness_ms=liveness_ms)
+        self.core = RankCore(rank, world, layout, liveness_ms=liveness_ms, stats=self.stats)
         self.cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
         uid = next(_ids)
         self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}"
@@ -203,13 +210,14 @@ class RankWorker:
                 events = dict(poller.poll(max(1.0, core.next_deadline(time.monotonic()) * 1000)))
                 if self._stop in events:
                     return
+                self._act(core.on_wake(time.monotonic()))
                 if self.reports in events:
                     self._drain_reports()
                 if self.dealer in events:
                     self._drain_dealer()
                 if self.sub in events:
                     self._drain(self.sub, lambda frames: core.on_control(frames[0], time.monotonic()))
-                self._act(core.on_tick(time.monotonic(), self.stats))
+                self._act(core.on_tick(time.monotonic()))
         finally:
             self.executor.work.put(None)
             self.executor.join(timeout=10)
@@ -255,6 +263,7 @@ class RankWorker:
         self._drain(self.reports, handle)
 
     def _act(self, actions: list) -> None:
+        self.executor.session = self.core.session  # before any task of this batch is queued
         for action in actions:
             if isinstance(action, ToBroker):
                 try:
