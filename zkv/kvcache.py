@@ -18,6 +18,7 @@ event, never by polling.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from typing import Sequence
 
@@ -32,6 +33,13 @@ _BITS_DTYPES = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
 
 class TaskInvalid(ValueError):
     """A task that cannot run on this layout; the message is the reason."""
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (copied to host memory), without numpy,
+    which torch does not depend on."""
+    t = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -195,6 +203,6 @@ class KVCache:
         for b in ids:
             h = hashlib.blake2b(digest_size=16)
             for t in tensors:
-                h.update(t[b].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(tensor_bytes(t[b]))
             digests.append(h.digest())
         return digests

@@ -154,7 +154,9 @@ def pack_ids(ids: Any) -> bytes:
     if isinstance(ids, (bytes, bytearray)):
         return bytes(ids)
     if type(ids).__module__.startswith("torch"):  # a tensor; never import torch for a list
-        return ids.to(dtype=__import__("torch").int32).contiguous().numpy().tobytes()
+        from .kvcache import tensor_bytes
+
+        return tensor_bytes(ids.to(dtype=__import__("torch").int32))
     import array
 
     arr = array.array("i", ids)
