@@ -5,9 +5,15 @@ rank at once, and pause / clear / resume every transfer with an explicit
 outcome for every task.  See docs/protocol.md for the wire protocol.
 """
 
-from .client import Client, ZkvError
-from .layout import CacheLayout
-from .outcome import TaskOutcome
+import warnings
+
+# zkv never needs numpy, and torch (which does not depend on it) warns at
+# import when it is missing; keep that out of every worker's output.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+from .client import Client, ZkvError  # noqa: E402
+from .layout import CacheLayout  # noqa: E402
+from .outcome import TaskOutcome  # noqa: E402
 
 __all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
 __version__ = "0.1.0"
