@@ -8,7 +8,6 @@ The poll timeout is the core's next deadline, so an idle broker sleeps in
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Callable
@@ -16,13 +15,12 @@ from typing import Callable
 import zmq
 
 from .broker_core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
-from .endpoints import Endpoints, check_bind_address, make_socket
+from .endpoints import Endpoints, StopSignal, check_bind_address, make_socket
 from .security import Curve
 
 log = logging.getLogger("zkv.broker")
 
 _DRAIN_BATCH = 512  # messages per socket per wakeup, so one side cannot starve the other
-_stop_ids = itertools.count()
 
 
 class Broker:
@@ -47,19 +45,12 @@ class Broker:
         self.frontend.bind(endpoints.frontend)
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)
-        self._stop_address = f"inproc://zkv-broker-stop-{next(_stop_ids)}"
-        self._stop = self.ctx.socket(zmq.PULL)
-        self._stop.setsockopt(zmq.LINGER, 0)
-        self._stop.bind(self._stop_address)
-        self.undeliverable = 0
+        self._stopper = StopSignal(self.ctx, "broker")
+        self._stop = self._stopper.socket
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._stop_address)
-        sock.send(b"stop")
-        sock.close()
+        self._stopper.stop()
 
     def close(self) -> None:
         for sock in (self.frontend, self.backend, self.control, self._stop):

@@ -7,6 +7,7 @@ made without linger 0, bounded high-water marks and a frame-size cap.
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from dataclasses import dataclass
@@ -68,6 +69,27 @@ def make_socket(ctx: zmq.Context, kind: int, *, router: bool = False) -> zmq.Soc
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, never vanishes
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
     return sock
+
+
+class StopSignal:
+    """An inproc PULL a loop polls beside its sockets, so that ``stop()`` from
+    any thread wakes it at once instead of the loop polling a flag."""
+
+    _ids = itertools.count()
+
+    def __init__(self, ctx: zmq.Context, name: str):
+        self.ctx = ctx
+        self.address = f"inproc://zkv-stop-{name}-{next(self._ids)}"
+        self.socket = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(self.address)
+
+    def stop(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        sock.send(b"stop")
+        sock.close()
 
 
 def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -> None:

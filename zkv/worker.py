@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from . import protocol as P
-from .endpoints import make_socket
+from .endpoints import StopSignal, make_socket
 from .kvcache import KVCache, TaskInvalid, pick_device
 from .layout import CacheLayout
 from .security import Curve
@@ -164,7 +164,6 @@ class RankWorker:
         self.cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
         uid = next(_ids)
         self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}"
-        self._stop_address = f"inproc://zkv-rank-{rank}-stop-{uid}"
         self.dealer = make_socket(self.ctx, zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
         self.sub = make_socket(self.ctx, zmq.SUB)
@@ -177,18 +176,13 @@ class RankWorker:
         self.reports = self.ctx.socket(zmq.PULL)
         self.reports.setsockopt(zmq.LINGER, 0)
         self.reports.bind(self._report_address)
-        self._stop = self.ctx.socket(zmq.PULL)
-        self._stop.setsockopt(zmq.LINGER, 0)
-        self._stop.bind(self._stop_address)
+        self._stopper = StopSignal(self.ctx, f"rank-{rank}")
+        self._stop = self._stopper.socket
         self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
-        self.acks: list[tuple[str, int, float]] = []  # (op, epoch, time) for instrumentation
 
     def stop(self) -> None:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self._stop_address)
-        sock.send(b"stop")
-        sock.close()
+        """Ask a running loop (in any thread) to return."""
+        self._stopper.stop()
 
     def stats(self) -> dict[str, Any]:
         s = dict(self.executor.stats)
@@ -275,7 +269,6 @@ class RankWorker:
                     self.executor.paused_ack.set()
                 else:
                     self.executor.paused_ack.clear()
-                self.acks.append((action.op, action.epoch, time.monotonic()))
             elif isinstance(action, (Execute, FreeCache, AllocateCache)):
                 if isinstance(action, AllocateCache):
                     self.executor.paused_ack.clear()
