@@ -80,3 +80,17 @@ def test_non_loopback_bind_needs_curve_or_an_explicit_flag():
     check_bind_address("tcp://0.0.0.0:5555", allow_remote=False, secure=True)
     check_bind_address("tcp://127.0.0.1:5555", allow_remote=False)
     check_bind_address("ipc:///tmp/x", allow_remote=False)
+
+
+def test_replay_against_a_curve_broker(secured):
+    import io
+
+    from zkv.replay import replay
+    from zkv.trace import dump_records, generate, parse_trace
+
+    cluster, _, _, me = secured
+    buf = io.StringIO()
+    dump_records(generate("steady", 10, seed=1, world=2, layout=cluster.layout, max_blocks=4), buf)
+    report = replay(parse_trace(buf.getvalue().splitlines()), cluster.endpoints.frontend, curve=me, speed=None, task_timeout=10)
+    assert report.ok, report.to_json()
+    assert report.to_json()["outcomes"] == {"ok": 10}

@@ -32,7 +32,7 @@ class Broker:
         self.endpoints = endpoints
         self.core = BrokerCore(config, recording=recorder is not None)
         self.recorder = recorder
-        self.ctx = ctx or (zmq.Context() if curve is not None else zmq.Context.instance())
+        self.ctx = ctx or zmq.Context.instance()
         for address in (endpoints.frontend, endpoints.backend, endpoints.control):
             check_bind_address(address, allow_remote, secure=curve is not None)
         self.auth = curve.start_authenticator(self.ctx) if curve is not None else None

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import click
 
 from .endpoints import Endpoints
+from .options import curve_from, curve_options, layout_from, layout_options
 
 _DEFAULT = Endpoints.default
 
@@ -51,67 +52,10 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def layout_options(fn: Callable) -> Callable:
-    """The cache-layout options shared by worker, up and resume."""
-    from .layout import CacheLayout
-
-    d = CacheLayout()
-    opts = [
-        click.option("--layers", type=int, default=d.layers, show_default=True, envvar="ZKV_LAYERS", show_envvar=True, help="Transformer layers (a K and a V tensor each)."),
-        click.option("--gpu-blocks", type=int, default=d.gpu_blocks, show_default=True, envvar="ZKV_GPU_BLOCKS", show_envvar=True, help="Device cache blocks per rank."),
-        click.option("--cpu-blocks", type=int, default=d.cpu_blocks, show_default=True, envvar="ZKV_CPU_BLOCKS", show_envvar=True, help="CPU swap-space blocks per rank."),
-        click.option("--block-size", type=int, default=d.block_size, show_default=True, envvar="ZKV_BLOCK_SIZE", show_envvar=True, help="Tokens per block."),
-        click.option("--kv-heads", type=int, default=d.kv_heads, show_default=True, envvar="ZKV_KV_HEADS", show_envvar=True, help="KV heads per rank (this rank's shard)."),
-        click.option("--head-dim", type=int, default=d.head_dim, show_default=True, envvar="ZKV_HEAD_DIM", show_envvar=True, help="Head dimension."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, envvar="ZKV_DTYPE", show_envvar=True, help="Cache element type."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
-def _layout_from(kwargs: dict) -> Any:
-    from .layout import CacheLayout
-    from .protocol import ProtocolError
-
-    fields = {k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")}
-    try:
-        return CacheLayout(**fields)
-    except ProtocolError as err:
-        raise click.BadParameter(err.reason) from None
-
-
 def endpoint_options(fn: Callable) -> Callable:
     fn = click.option("--control", default=lambda: _DEFAULT().control, envvar="ZKV_CONTROL", show_envvar=True, help="Broker PUB address for pause/clear/resume.")(fn)
     fn = click.option("--backend", default=lambda: _DEFAULT().backend, envvar="ZKV_BACKEND", show_envvar=True, help="Broker ROUTER address for ranks.")(fn)
     return fn
-
-
-def curve_options(server: bool = False, client: bool = True) -> Callable:
-    """CurveZMQ options (DESIGN §10): off unless --curve-secret is given."""
-    def deco(fn: Callable) -> Callable:
-        if server:
-            fn = click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_AUTHORIZED", show_envvar=True,
-                              help="Directory of authorized public keys (*.key) for ZAP.")(fn)
-        if client:
-            fn = click.option("--curve-server", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SERVER", show_envvar=True,
-                              help="The broker's public key file (broker.key).")(fn)
-        return click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SECRET", show_envvar=True,
-                            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.")(fn)
-    return deco
-
-
-def _curve_from(kw: dict) -> Any:
-    from .security import Curve
-
-    secret = kw.pop("curve_secret", None)
-    server = kw.pop("curve_server", None)
-    authorized = kw.pop("curve_authorized", None)
-    if secret is None:
-        if server or authorized:
-            raise click.BadParameter("--curve-server / --curve-authorized need --curve-secret")
-        return None
-    return Curve(secret, server, authorized)
 
 
 def client_options(fn: Callable) -> Callable:
@@ -123,7 +67,7 @@ def client_options(fn: Callable) -> Callable:
     def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
         from .client import Client, ZkvError
 
-        curve = _curve_from(kwargs)
+        curve = curve_from(kwargs)
         try:
             with Client(broker, request_timeout=timeout, curve=curve) as client:
                 fn(client, timeout, as_json, **kwargs)
@@ -197,7 +141,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
     from .broker import Broker
 
     _sigterm_as_interrupt()
-    curve = _curve_from(kw)
+    curve = curve_from(kw)
     if curve is not None and not curve.authorized_dir:
         raise click.BadParameter("a Curve broker needs --curve-authorized")
     recorder = None
@@ -234,8 +178,8 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
     from .rank_core import RankRefused
 
     _sigterm_as_interrupt()
-    layout = _layout_from(kw)
-    curve = _curve_from(kw)
+    layout = layout_from(kw)
+    curve = curve_from(kw)
     w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads, curve=curve)
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
     try:
@@ -256,7 +200,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     from .cluster import LocalCluster
 
-    layout = _layout_from(kw)
+    layout = layout_from(kw)
     cluster = LocalCluster(ranks, layout, directory=runtime_dir)
     _sigterm_as_interrupt()
     try:

@@ -41,9 +41,7 @@ class Client:
     def __init__(self, broker: str | None = None, *, reply_to: str | None = None,
                  ctx: zmq.Context | None = None, request_timeout: float = 30.0, curve: Curve | None = None):
         self.broker = broker or Endpoints.default().frontend
-        # A Curve client runs its own ZAP handler, which needs its own Context.
-        self._own_ctx = ctx is None and curve is not None
-        self.ctx = ctx or (zmq.Context() if curve is not None else zmq.Context.instance())
+        self.ctx = ctx or zmq.Context.instance()
         self.request_timeout = request_timeout
         self.dealer = make_socket(self.ctx, zmq.DEALER)
         self.pull = make_socket(self.ctx, zmq.PULL)
@@ -252,8 +250,6 @@ class Client:
         self.pull.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
-        if self._own_ctx:
-            self.ctx.term()
         if self._ipc_path is not None:
             self._ipc_path.unlink(missing_ok=True)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import zmq
 
+from .security import Curve
 from .client import Client, ZkvError
 from .layout import CacheLayout
 from .results import ResultBook
@@ -338,7 +339,7 @@ class Replayer:
 
     def __init__(self, trace: Trace, address: str, *, speed: float | None = 1.0, task_timeout: float = 30.0,
                  op_timeout: float = 30.0, stats_wait: float = 3.0, ctx: zmq.Context | None = None,
-                 progress: Callable[[int], None] | None = None):
+                 progress: Callable[[int], None] | None = None, curve: Curve | None = None):
         if speed is not None and speed <= 0:
             raise ValueError("speed must be positive (or None for as fast as possible)")
         self.trace = trace
@@ -349,6 +350,7 @@ class Replayer:
         self.stats_wait = stats_wait
         self.ctx = ctx or zmq.Context.instance()
         self.progress = progress
+        self.curve = curve
         self.clients: dict[str, Client] = {}
         self.owner: dict[Any, str] = {}  # socket -> client label
         self.poller = zmq.Poller()
@@ -361,7 +363,7 @@ class Replayer:
     def _client(self, label: str) -> Client:
         c = self.clients.get(label)
         if c is None:
-            c = Client(self.address, ctx=self.ctx, request_timeout=self.op_timeout)
+            c = Client(self.address, ctx=self.ctx, request_timeout=self.op_timeout, curve=self.curve)
             c.book = ObservingBook()
             self.clients[label] = c
             for sock in (c.dealer, c.pull):
@@ -451,7 +453,7 @@ class Replayer:
 
     def run(self) -> Observation:
         obs = self.obs
-        with Client(self.address, ctx=self.ctx, request_timeout=self.op_timeout) as probe:
+        with Client(self.address, ctx=self.ctx, request_timeout=self.op_timeout, curve=self.curve) as probe:
             st, _ = self._status(probe, self.stats_wait)
             if st is None:
                 raise ZkvError("no_reply", obs.notes.pop() if obs.notes else f"no status reply from {self.address}")

@@ -80,11 +80,41 @@ class Curve:
     def public_key(self) -> str:
         return self.keys()[0].decode()
 
-    def start_authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
-        """ZAP handler on the same Context as the server sockets."""
+    def start_authenticator(self, ctx: zmq.Context) -> "SharedAuthenticator":
+        """The ZAP handler of ``ctx`` (one per Context: ZAP binds a fixed
+        inproc address), started on first use; release() it when done."""
         if not self.authorized_dir:
             raise ValueError("a Curve server needs a directory of authorized public keys")
-        auth = ThreadAuthenticator(ctx)
-        auth.start()
-        auth.configure_curve(domain=ZAP_DOMAIN, location=self.authorized_dir)
-        return auth
+        return SharedAuthenticator.acquire(ctx, self.authorized_dir)
+
+
+class SharedAuthenticator:
+    """Reference-counted ZAP handler per Context, so several Curve servers
+    (several clients' PULL sockets, say) can live in one process."""
+
+    _by_ctx: dict[int, "SharedAuthenticator"] = {}
+
+    def __init__(self, ctx: zmq.Context, authorized_dir: str):
+        self.key = id(ctx)
+        self.authorized_dir = authorized_dir
+        self.users = 0
+        self.auth = ThreadAuthenticator(ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain=ZAP_DOMAIN, location=authorized_dir)
+
+    @classmethod
+    def acquire(cls, ctx: zmq.Context, authorized_dir: str) -> "SharedAuthenticator":
+        shared = cls._by_ctx.get(id(ctx))
+        if shared is None:
+            shared = cls._by_ctx[id(ctx)] = cls(ctx, authorized_dir)
+        elif shared.authorized_dir != authorized_dir:
+            raise ValueError(f"this Context already authorizes keys from {shared.authorized_dir}")
+        shared.users += 1
+        return shared
+
+    def stop(self) -> None:
+        """Release; the handler stops with its last user."""
+        self.users -= 1
+        if self.users == 0:
+            del self._by_ctx[self.key]
+            self.auth.stop()

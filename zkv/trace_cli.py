@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from .layout import CacheLayout
+from .options import curve_from, curve_options, layout_from, layout_options
 
 
 def _error(message: str, code: int = 2) -> None:
@@ -33,21 +34,6 @@ def _load(path: str) -> Any:
         _error(f"cannot read {path}: {err.strerror}")
 
 
-def _layout_options(fn: Callable) -> Callable:
-    d = CacheLayout()
-    for name, default, help_ in reversed([
-        ("layers", d.layers, "Transformer layers."),
-        ("gpu-blocks", d.gpu_blocks, "Device cache blocks per rank."),
-        ("cpu-blocks", d.cpu_blocks, "CPU swap-space blocks per rank."),
-        ("block-size", d.block_size, "Tokens per block."),
-        ("kv-heads", d.kv_heads, "KV heads per rank."),
-        ("head-dim", d.head_dim, "Head dimension."),
-    ]):
-        fn = click.option(f"--{name}", type=click.IntRange(min=1), default=default, show_default=True, help=help_)(fn)
-    fn = click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, help="Cache element type.")(fn)
-    return fn
-
-
 # --- zkv replay ------------------------------------------------------------------------------
 
 
@@ -62,7 +48,9 @@ def _layout_options(fn: Callable) -> Callable:
 @click.option("--task-timeout", type=float, default=30.0, show_default=True, help="Seconds a task may take before it ends 'timeout'.")
 @click.option("--op-timeout", type=float, default=30.0, show_default=True, help="Seconds a pause / clear / resume may take.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def replay(trace_file: str, broker: str | None, speed: str, record: str | None, task_timeout: float, op_timeout: float, as_json: bool) -> None:
+@curve_options(server=True, client=True)
+def replay(trace_file: str, broker: str | None, speed: str, record: str | None, task_timeout: float, op_timeout: float, as_json: bool,
+           **curve_kw: Any) -> None:
     """Replay a trace FILE (- for stdin) and check what the bus did.
 
     Checks that every task got exactly one outcome, that outcomes match the
@@ -79,6 +67,9 @@ def replay(trace_file: str, broker: str | None, speed: str, record: str | None, 
         raise click.BadParameter(str(err), param_hint="--speed") from None
     if record and broker:
         raise click.UsageError("--record needs the embedded cluster; to record against --broker, start that broker with --record")
+    curve = curve_from(curve_kw)
+    if curve is not None and not broker:
+        raise click.UsageError("--curve-* options are for --broker: the embedded cluster listens on private ipc:// sockets")
     trace = _load(trace_file)
     bar: Any = None
     kwargs: dict[str, Any] = {"speed": factor, "task_timeout": task_timeout, "op_timeout": op_timeout}
@@ -93,7 +84,7 @@ def replay(trace_file: str, broker: str | None, speed: str, record: str | None, 
         kwargs["progress"] = progress
     try:
         if broker:
-            report = replay_running(trace, broker, **kwargs)
+            report = replay_running(trace, broker, curve=curve, **kwargs)
             report.target = broker
         else:
             report = replay_embedded(trace, record=record, **kwargs)
@@ -125,7 +116,7 @@ def trace() -> None:
 @click.option("--tasks", type=click.IntRange(min=0), default=100, show_default=True, help="Tasks in the trace.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same trace).")
 @click.option("--world-size", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks the trace is made for.")
-@_layout_options
+@layout_options
 @click.option("--rate", type=float, default=200.0, show_default=True, help="steady / rl-cycle: tasks per second.")
 @click.option("--clients", type=click.IntRange(min=1), default=None, help="Submitting clients (steady/rl-cycle 1, bursty 2).")
 @click.option("--burst", type=click.IntRange(min=1), default=16, show_default=True, help="bursty: tasks per burst.")
@@ -140,8 +131,8 @@ def gen(shape: str, tasks: int, seed: int, world_size: int, rate: float, clients
     from .protocol import ProtocolError
     from .trace import dump_records, generate
 
+    layout = layout_from(layout_kw)
     try:
-        layout = CacheLayout(**{k: v for k, v in layout_kw.items()})
         records = list(generate(shape, tasks, seed, world=world_size, layout=layout, rate=rate, clients=clients,
                                 burst=burst, gap=gap, every=every, held=held, max_blocks=max_blocks))
     except (ValueError, ProtocolError) as err:

@@ -1,0 +1,65 @@
+"""Click options shared by the zkv commands (one definition each): the cache
+layout and CurveZMQ."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import click
+
+
+def layout_options(fn: Callable) -> Callable:
+    """The cache-layout options (worker, up, trace gen)."""
+    from .layout import CacheLayout
+
+    d = CacheLayout()
+    opts = [
+        click.option("--layers", type=int, default=d.layers, show_default=True, envvar="ZKV_LAYERS", show_envvar=True, help="Transformer layers (a K and a V tensor each)."),
+        click.option("--gpu-blocks", type=int, default=d.gpu_blocks, show_default=True, envvar="ZKV_GPU_BLOCKS", show_envvar=True, help="Device cache blocks per rank."),
+        click.option("--cpu-blocks", type=int, default=d.cpu_blocks, show_default=True, envvar="ZKV_CPU_BLOCKS", show_envvar=True, help="CPU swap-space blocks per rank."),
+        click.option("--block-size", type=int, default=d.block_size, show_default=True, envvar="ZKV_BLOCK_SIZE", show_envvar=True, help="Tokens per block."),
+        click.option("--kv-heads", type=int, default=d.kv_heads, show_default=True, envvar="ZKV_KV_HEADS", show_envvar=True, help="KV heads per rank (this rank's shard)."),
+        click.option("--head-dim", type=int, default=d.head_dim, show_default=True, envvar="ZKV_HEAD_DIM", show_envvar=True, help="Head dimension."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, envvar="ZKV_DTYPE", show_envvar=True, help="Cache element type."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def layout_from(kwargs: dict) -> Any:
+    from .layout import CacheLayout
+    from .protocol import ProtocolError
+
+    fields = {k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")}
+    try:
+        return CacheLayout(**fields)
+    except ProtocolError as err:
+        raise click.BadParameter(err.reason) from None
+
+
+def curve_options(server: bool = False, client: bool = True) -> Callable:
+    """CurveZMQ options (DESIGN §10): off unless --curve-secret is given."""
+    def deco(fn: Callable) -> Callable:
+        if server:
+            fn = click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_AUTHORIZED", show_envvar=True,
+                              help="Directory of authorized public keys (*.key) for ZAP.")(fn)
+        if client:
+            fn = click.option("--curve-server", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SERVER", show_envvar=True,
+                              help="The broker's public key file (broker.key).")(fn)
+        return click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SECRET", show_envvar=True,
+                            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.")(fn)
+    return deco
+
+
+def curve_from(kw: dict) -> Any:
+    from .security import Curve
+
+    secret = kw.pop("curve_secret", None)
+    server = kw.pop("curve_server", None)
+    authorized = kw.pop("curve_authorized", None)
+    if secret is None:
+        if server or authorized:
+            raise click.BadParameter("--curve-server / --curve-authorized need --curve-secret")
+        return None
+    return Curve(secret, server, authorized)
