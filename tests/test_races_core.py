@@ -341,3 +341,25 @@ def test_broker_cancelled_task_settles_after_the_client_timed_out():
     sim.request("clear")  # the broker cancels it: it never reached a rank
     sim.settle()
     assert sim.book.take_settled() == [t]
+
+
+def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    sim.request("clear")
+    sim.settle()
+    assert sim.broker.gen == 1 and not any(sr.core.has_cache for sr in sim.ranks.values())
+    # the broker dies and a fresh one starts: the ranks re-register with it
+    from zkv.broker_core import BrokerConfig, BrokerCore
+
+    sim.broker = BrokerCore(BrokerConfig(world=2))
+    for r in sim.ranks:
+        sim.start_rank(r)
+    sim.settle()
+    assert sim.broker.gen == 1 and sim.broker.state == "running"
+    assert all(sr.core.has_cache and sr.core.gen == 1 for sr in sim.ranks.values())
+    sim.book.gen = 1  # a client that saw the clear
+    t = sim.submit()
+    sim.settle()
+    assert sim.outcomes[t] == "ok"

@@ -244,3 +244,22 @@ def test_10_random_cycles_with_real_processes(client):
     stats = rank_stats(client)
     assert all(s["copies_after_ack"] == 0 and s.get("dispatched_after_pause", 0) == 0 for s in stats)
     assert client.status()["counters"].get("pause_ok", 0) > 100
+
+
+def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"], directory=tmp_path / "rb")
+    c.start(timeout=60)
+    try:
+        with c.client(request_timeout=15) as client:
+            client.pause()
+            client.clear()
+            assert client.resume()["gen"] == 1
+            c.broker.kill()
+            c.broker.wait(timeout=10)
+            c.start_broker()
+            st = client.status(wait_ranks=2, timeout=30)  # the ranks notice the silence and register again
+            assert st["gen"] == 1 and st["state"] == "running"
+            out = client.run("swap_out", [0, 1], [2, 3], timeout=10)
+            assert out.ok, "results of generation 1 are not ignored by a client that saw the clear"
+    finally:
+        c.stop()

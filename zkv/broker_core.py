@@ -410,6 +410,11 @@ class BrokerCore:
             self.counters["registrations"] += 1
         if self.layout is None:
             self.layout = layout
+        if msg["gen"] > self.gen:
+            # Only a restarted broker can be behind its ranks: take their
+            # generation, or clients that saw it would ignore every result.
+            self.gen = msg["gen"]
+            self.counters["gen_adopted"] += 1
         rs = self.ranks[rank]
         rs.last_seen = now
         # A rank joining during a resume with a new layout gets the new layout.

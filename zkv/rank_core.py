@@ -216,7 +216,7 @@ class RankCore:
                 self.has_cache = False
                 self.cache_op_pending = True
                 out.append(FreeCache(keep_cpu))
-        elif op == "resume":
+        elif op in ("resume", "run"):  # "run": a (restarted) broker that is running
             self.gen = gen
             if layout is not None:
                 self.layout = CacheLayout.from_wire(layout)
