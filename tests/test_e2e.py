@@ -172,7 +172,14 @@ def test_a_client_that_went_away_never_blocks_a_rank(cluster, client, tmp_path):
     assert len(tasks) == 20
     outs = [client.wait(client.submit("swap_out", [i], [64 + i])) for i in range(20)]
     assert all(o.ok for o in outs)
+    # the ghost's own tasks (those that reached the broker) drain too
+    import time
+
+    deadline = time.monotonic() + 10
     st = client.status()
+    while (st["inflight"] or st["queued"]) and time.monotonic() < deadline:
+        client.poll(0.05)
+        st = client.status()
     assert st["inflight"] == 0 and st["queued"] == 0
 
 
@@ -206,5 +213,5 @@ def test_a_rank_that_reregisters_drops_the_tasks_the_broker_already_failed(clust
         if stats.get("refused_stale_session", 0) >= 5 or time.monotonic() > deadline:
             break
         client.poll(0.1)
-    assert stats["refused_stale_session"] == 5 and stats["frozen"] == 1
+    assert stats.get("refused_stale_session") == 5 and stats.get("frozen") == 1, stats
     assert stats["tasks_failed"] >= 5 and stats["copies_after_ack"] == 0

@@ -39,12 +39,16 @@ def test_ack_waits_for_received_upto_and_zero_inflight():
     assert any(isinstance(a, Acked) for a in acts)
 
 
-def test_task_beyond_upto_after_the_ack_is_refused_not_run():
+def test_task_that_overtook_the_resume_is_held_until_it_arrives_then_run():
     core = welcomed()
-    core.on_control(control("pause", 1), 1.0)
-    (ex,) = [a for a in core.on_task(*task(1), 1.0) if isinstance(a, Execute)]
-    assert "after pause" in ex.refuse
-    assert core.counters["dispatched_after_pause"] == 1
+    core.on_control(control("pause", 1), 1.0)  # acked: upto 0
+    assert [a for a in core.on_task(*task(1), 1.0) if isinstance(a, Execute)] == [], "no copy while paused"
+    assert core.counters["held_until_control"] == 1
+    assert sent(core.on_control(control("pause", 1), 1.0), "ack") == [], "a held task is in flight"
+    acts = core.on_control(control("resume", 2), 1.0)
+    (ex,) = [a for a in acts if isinstance(a, Execute)]
+    assert ex.n == 1 and ex.refuse == ""
+    assert sent(acts, "ack")
 
 
 def test_stale_control_is_ignored_and_repeat_is_reacked():
@@ -110,7 +114,8 @@ def test_a_frozen_rank_registers_again_and_refuses_tasks_of_its_old_session():
     old = core.session
     core.on_wake(1.1)
     assert core.on_wake(1.2) == []
-    (ready,) = sent(core.on_wake(1.2 + core.liveness_ms / 1000 + 0.1), "ready")
+    assert core.on_wake(1.2 + core.liveness_ms / 2000 - 0.05) == []
+    (ready,) = sent(core.on_wake(1.2 + core.liveness_ms / 1000), "ready")
     assert ready["session"] != old and core.counters["frozen"] == 1
     header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=old)
     (ex,) = [a for a in core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) if isinstance(a, Execute)]

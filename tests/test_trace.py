@@ -331,7 +331,7 @@ def test_checker_names_the_violating_lines():
     obs.outcomes[("c0", 2)].append(Observed("ok", "", 1.0))
     obs.controls[2].result, obs.controls[2].reason = "resume_timeout", "rank 1 did not acknowledge"
     obs.ranks_after[1]["stats"]["copies_after_ack"] = 4
-    obs.ranks_after[0]["stats"]["dispatched_after_pause"] = 1
+    obs.ranks_after[0]["stats"]["copies_after_ack"] = 5
     obs.anomalies.append((("c0", 1), "rank 0 reported it twice"))
     rep = check(t, obs)
     got = [(v["kind"], v["lines"]) for v in rep.violations]

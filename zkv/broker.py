@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable
 
 import zmq
@@ -55,6 +56,9 @@ class Broker:
     def close(self) -> None:
         for sock in (self.frontend, self.backend, self.control, self._stop):
             sock.close(linger=0)
+        for address in (self.endpoints.frontend, self.endpoints.backend, self.endpoints.control):
+            if address.startswith("ipc://"):
+                Path(address[len("ipc://"):]).unlink(missing_ok=True)  # leave no stale socket files
         if self.auth is not None:
             self.auth.stop()
 

@@ -422,7 +422,7 @@ class BrokerCore:
         welcome_layout = extra.pop("layout", None) or self.layout.to_wire()
         out.append(ToRank(identity, [P.encode(
             "welcome", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=rs.dispatched,
-            layout=welcome_layout, heartbeat_ms=self.cfg.heartbeat_ms, **extra)]))
+            layout=welcome_layout, heartbeat_ms=self.cfg.heartbeat_ms, session=rs.session, **extra)]))
         if self.recording:
             out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True, "layout": self.layout.to_wire()}))
         if self.ready_waiters:

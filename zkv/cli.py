@@ -192,7 +192,8 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 
 @main.command()
 @click.option("--ranks", type=int, default=2, show_default=True, envvar="ZKV_RANKS", show_envvar=True, help="Rank workers to start.")
-@click.option("--runtime-dir", type=click.Path(file_okay=False), default=None, envvar="ZKV_RUNTIME_DIR", show_envvar=True, help="Directory for the ipc:// sockets (default: a private temp dir).")
+@click.option("--runtime-dir", type=click.Path(file_okay=False), default=None, envvar="ZKV_RUNTIME_DIR", show_envvar=True,
+              help="Directory for the ipc:// sockets (default: the one every zkv command looks in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir).")
 @layout_options
 @click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
@@ -200,12 +201,25 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     from .cluster import LocalCluster
 
+    from .client import Client, ZkvError
+    from .endpoints import runtime_dir as default_runtime_dir
+
     layout = layout_from(kw)
+    if runtime_dir is None and not demo:
+        runtime_dir = str(default_runtime_dir())  # so zkv status & co. find it with no settings
+    if runtime_dir is not None:
+        frontend = Endpoints.in_dir(runtime_dir).frontend
+        with Client(frontend, request_timeout=0.3) as probe:
+            try:
+                probe.ping()
+                _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
+            except ZkvError:
+                pass  # nobody answers: ours to take
     cluster = LocalCluster(ranks, layout, directory=runtime_dir)
     _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
-        click.echo(f"zkv up: broker + {ranks} ranks ready; export ZKV_BROKER={cluster.endpoints.frontend}")
+        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}")
         if demo:
             from .demo import run_demo
 

@@ -59,7 +59,7 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "done": ({"seq": _U, "n": _U, "outcome": _S, "gen": _U}, {"bytes": _U}),
     "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M}),
     # broker -> rank (backend)
-    "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B}),
+    "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B, "session": _U}),
     "refused": ({"reason": _S}, {}),
     "reregister": ({}, {}),
     "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {"reply_key": _S, "session": _U}),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
 from . import protocol as P
@@ -83,6 +83,7 @@ class RankCore:
         self.has_cache = True
         self.cache_op_pending = False  # a free/allocate is on the executor
         self.freed = 0  # bytes the last clear freed, repeated in every clear ack
+        self.held: list[Execute] = []  # tasks that overtook the control message allowing them
         self.last_broker_msg = 0.0
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
@@ -103,13 +104,16 @@ class RankCore:
                                   layout=self.layout.to_wire(), gen=self.gen, pid=pid))]
 
     def on_wake(self, now: float) -> list[RankAction]:
-        """Called each time the loop wakes.  A loop that did not run for longer
-        than the liveness window was frozen (SIGSTOP, swapping, a stalled VM):
-        the broker has declared us dead and failed our tasks, so register again
-        *before* reading the tasks queued meanwhile; they are then refused."""
+        """Called each time the loop wakes (at least every heartbeat).  A loop
+        that did not run for half the liveness window was frozen (SIGSTOP,
+        swapping, a stalled VM) and the broker may have declared us dead and
+        failed our tasks: register again *before* reading the tasks queued
+        meanwhile, so they are refused.  (Half, because our last wake may lag
+        the last heartbeat the broker saw; a needless re-registration only
+        fails tasks that are then refused, never runs a failed one.)"""
         gap = now - self.last_wake
         self.last_wake = now
-        if self.registered and gap * 1000 > self.liveness_ms:
+        if self.registered and gap * 1000 > self.liveness_ms / 2:
             self.counters["frozen"] += 1
             return self.start(now)
         return []
@@ -131,8 +135,14 @@ class RankCore:
         if kind == "hb":
             return []
         if kind == "welcome":
+            if msg.get("session") is not None and msg["session"] != self.session:
+                self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
+                return []
             return self._welcome(msg, now)
         if kind == "reregister":
+            if not self.registered:
+                self.counters["stale_reregisters"] += 1  # our READY is already on its way
+                return []
             return self.start(now)
         if kind == "refused":
             raise RankRefused(msg["reason"])
@@ -160,11 +170,33 @@ class RankCore:
             refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
         elif not self.has_cache or self.op == "clear":
             refuse = "caches are cleared on this rank"
-        elif self.paused and msg["n"] > self.upto:
-            refuse = f"task {msg['n']} was dispatched after pause epoch {self.epoch} (upto {self.upto})"
-            self.counters["dispatched_after_pause"] += 1
         self.inflight += 1
-        return [Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"), self.session)]
+        ex = Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"), self.session)
+        if not refuse and self.op == "pause" and msg["n"] > self.upto:
+            # Dispatched after the pause we acked: the broker is running again
+            # and its newer control message is still on the PUB connection
+            # (which this DEALER message overtook).  Hold it; no copy starts
+            # until that message arrives.
+            self.counters["held_until_control"] += 1
+            self.held.append(ex)
+            return []
+        return [ex]
+
+    def _release_held(self) -> list[RankAction]:
+        """After a new control state: run the held tasks it allows."""
+        if not self.held:
+            return []
+        out: list[RankAction] = []
+        keep = []
+        for ex in self.held:
+            if self.op == "pause" and ex.n > self.upto:
+                keep.append(ex)
+            elif self.op == "clear" or not self.has_cache:
+                out.append(replace(ex, refuse="caches are cleared on this rank"))
+            else:
+                out.append(ex)
+        self.held = keep
+        return out
 
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
@@ -224,7 +256,7 @@ class RankCore:
                 self.has_cache = True
                 self.cache_op_pending = True
                 out.append(AllocateCache(self.layout))
-        return out + self._maybe_ack()
+        return out + self._release_held() + self._maybe_ack()
 
     def _maybe_ack(self, repeat: bool = False) -> list[RankAction]:
         """Ack the current op if its condition holds (again, on a repeat)."""

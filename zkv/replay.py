@@ -38,7 +38,7 @@ from .results import ResultBook
 from .trace import LAYOUT_ENV, Op, Trace
 
 Key = tuple  # (client label, task label) as in the trace
-COUNTERS = ("copies_after_ack", "dispatched_after_pause")  # rank stats that must not move
+COUNTERS = ("copies_after_ack",)  # rank stats that must not move
 
 
 # --- what the driver saw -------------------------------------------------------------------

@@ -89,8 +89,10 @@ class Curve:
 
 
 class SharedAuthenticator:
-    """Reference-counted ZAP handler per Context, so several Curve servers
-    (several clients' PULL sockets, say) can live in one process."""
+    """One ZAP handler per Context, shared by every Curve server in it (several
+    clients' PULL sockets, say).  It lives as long as the Context: libzmq
+    unbinds ``inproc://zeromq.zap.01`` asynchronously, so stopping it and
+    starting another races ("Address already in use")."""
 
     _by_ctx: dict[int, "SharedAuthenticator"] = {}
 
@@ -108,13 +110,13 @@ class SharedAuthenticator:
         if shared is None:
             shared = cls._by_ctx[id(ctx)] = cls(ctx, authorized_dir)
         elif shared.authorized_dir != authorized_dir:
-            raise ValueError(f"this Context already authorizes keys from {shared.authorized_dir}")
+            if shared.users:
+                raise ValueError(f"this Context already authorizes keys from {shared.authorized_dir}")
+            shared.auth.configure_curve(domain=ZAP_DOMAIN, location=authorized_dir)
+            shared.authorized_dir = authorized_dir
         shared.users += 1
         return shared
 
     def stop(self) -> None:
-        """Release; the handler stops with its last user."""
+        """Release this user's hold (the handler itself stays with the Context)."""
         self.users -= 1
-        if self.users == 0:
-            del self._by_ctx[self.key]
-            self.auth.stop()
