@@ -74,6 +74,7 @@ def client_options(fn: Callable) -> Callable:
         except ZkvError as err:
             hints = {
                 "no_reply": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
+                "unreachable": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
                 "not_paused": "run: zkv pause",
                 "not_cleared": "run: zkv clear",
                 "busy": "wait for the running operation, then retry",

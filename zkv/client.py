@@ -44,6 +44,9 @@ class Client:
         self.ctx = ctx or zmq.Context.instance()
         self.request_timeout = request_timeout
         self.dealer = make_socket(self.ctx, zmq.DEALER)
+        # A DEALER with no usable peer (broker down, handshake refused) blocks
+        # on send: bound it, like every other wait.
+        self.dealer.setsockopt(zmq.SNDTIMEO, int(min(request_timeout, 5.0) * 1000))
         self.pull = make_socket(self.ctx, zmq.PULL)
         self.auth = None
         self._submit_extra: dict[str, Any] = {}
@@ -89,7 +92,11 @@ class Client:
         """Submit an already encoded body (for tools and tests of bad input)."""
         task = next(self._task_ids)
         self.book.add(task, time.monotonic(), timeout)
-        self.dealer.send_multipart([P.encode("submit", task=task, reply_to=self.reply_to, **self._submit_extra), body])
+        try:
+            self._send([P.encode("submit", task=task, reply_to=self.reply_to, **self._submit_extra), body])
+        except ZkvError:
+            self.book.open.pop(task, None)  # never sent: not a task
+            raise
         return task
 
     def wait(self, task: int, timeout: float | None = None) -> TaskOutcome:
@@ -143,8 +150,15 @@ class Client:
     def send_request(self, kind: str, **fields: Any) -> int:
         """Send a request without waiting; returns its ``req`` for await_reply."""
         req = next(self._req_ids)
-        self.dealer.send(P.encode(kind, req=req, **fields))
+        self._send([P.encode(kind, req=req, **fields)])
         return req
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self.dealer.send_multipart(frames)
+        except zmq.Again:
+            raise ZkvError("unreachable", f"cannot send to {self.broker}: no connection the broker accepted; is it running "
+                                          f"(and are the CurveZMQ keys right)?") from None
 
     def await_reply(self, req: int, timeout: float | None = None, what: str = "request") -> dict:
         """The reply to ``req``; raises ZkvError on an error reply or none in time.
