@@ -46,6 +46,7 @@ class Broker:
         self.frontend.bind(endpoints.frontend)
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)
+        self.stop_grace_s = 1.0
         self._stopper = StopSignal(self.ctx, "broker")
         self._stop = self._stopper.socket
 
@@ -75,14 +76,28 @@ class Broker:
                 timeout_ms = core.next_deadline(now) * 1000
                 events = dict(poller.poll(max(1.0, timeout_ms)))
                 if self._stop in events:
-                    return
+                    break
                 if self.backend in events:
                     self._drain(self.backend, core.on_rank)
                 if self.frontend in events:
                     self._drain(self.frontend, core.on_client)
                 self._act(core.on_tick(time.monotonic()))
+        except KeyboardInterrupt:
+            pass
+        try:
+            self._finish_inflight()
         finally:
             self.close()
+
+    def _finish_inflight(self) -> None:
+        """On stop, take no new requests but collect (bounded by
+        ``stop_grace_s``) the ``done`` of tasks already on the ranks, so their
+        outcomes are booked and recorded.  A second Ctrl-C cuts it short."""
+        deadline = time.monotonic() + self.stop_grace_s
+        while self.core.inflight and time.monotonic() < deadline:
+            if self.backend.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                self._drain(self.backend, self.core.on_rank)
+            self._act(self.core.on_tick(time.monotonic()))
 
     def _drain(self, sock: zmq.Socket, handler: Callable) -> None:
         for _ in range(_DRAIN_BATCH):
