@@ -533,3 +533,24 @@ def test_serves_hits_after_a_clear_in_the_middle_of_a_workload():
     engine.manager.check_invariants()
     engine.serve_and_finish(tokens)
     assert engine.manager.match(tokens).gpu_hit_blocks == 3
+
+
+def test_insert_with_the_keys_of_a_match_hashes_only_the_tail_and_gives_the_same_tree():
+    from zkv.prefix import PrefixCacheManager
+    from zkv.prefix.fakebus import FakeBus
+
+    tokens = list(range(64))
+    results = []
+    for reuse in (False, True):
+        m = PrefixCacheManager(FakeBus(), block_size=8, num_gpu_blocks=16, num_cpu_blocks=16)
+        first = m.allocate(4)
+        m.insert(tokens[:32], first.block_ids)
+        cached = m.match(tokens[:40])  # 5 full blocks asked, 4 cached
+        assert len(cached.keys) == 5 and cached.num_blocks == 4
+        fresh = m.allocate(4)
+        ids = cached.block_ids + fresh.block_ids
+        m.insert(tokens, ids, known_keys=cached.keys if reuse else ())
+        m.release(first), m.release(cached), m.release(fresh)
+        m.check_invariants()
+        results.append((m.locate(tokens), m.match(tokens).block_ids))
+    assert results[0] == results[1] and results[0][0] == ["gpu"] * 8

@@ -68,7 +68,7 @@ def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: 
         cached = manager.match(tokens[:-1])  # the last token is always computed
         fresh = manager.allocate(blocks_per_prompt - cached.num_blocks)
         full = len(tokens) // block_size
-        manager.insert(tokens, cached.block_ids + fresh.block_ids[: full - cached.num_blocks])
+        manager.insert(tokens, cached.block_ids + fresh.block_ids[: full - cached.num_blocks], known_keys=cached.keys)
         manager.release(cached)
         manager.release(fresh)
         elapsed_ns += time.perf_counter_ns() - start

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .allocator import BlockAllocator
-from .radix import LeafQueue, NodeState, RadixNode, RadixTree, block_keys
+from .radix import ROOT_KEY, LeafQueue, NodeState, RadixNode, RadixTree, block_keys
 
 OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout")
 SWAP_OPS = ("swap_out", "swap_in")
@@ -127,6 +127,7 @@ class BlockLease:
     cpu_hit_blocks: int = 0   # match only: blocks swapped in from the CPU
     released: bool = False
     nodes: list[RadixNode] = field(default_factory=list, repr=False)
+    keys: list[bytes] = field(default_factory=list, repr=False)  # match only: block keys of the tokens asked for
 
     @property
     def num_blocks(self) -> int:
@@ -221,6 +222,7 @@ class PrefixCacheManager:
             return lease
         self._reap_late_outcomes()
         keys = block_keys(tokens, self._block_size)
+        lease.keys = keys
         self._counters["queried_blocks"] += len(keys)
         path = self._tree.walk(keys)
         now = next(self._clock)
@@ -238,6 +240,15 @@ class PrefixCacheManager:
         self._counters["cpu_hit_blocks"] += lease.cpu_hit_blocks
         self._live_leases.add(lease)
         return lease
+
+    def _keys_for(self, tokens: Sequence[int], blocks: int, known: Sequence[bytes]) -> list[bytes]:
+        """Keys of the first ``blocks`` full blocks, reusing ``known`` ones."""
+        bs = self._block_size
+        reuse = list(known[:blocks])
+        if len(reuse) == blocks:
+            return reuse
+        parent = reuse[-1] if reuse else ROOT_KEY
+        return reuse + block_keys(tokens[len(reuse) * bs: blocks * bs], bs, parent_key=parent)
 
     def allocate(self, num_blocks: int) -> BlockLease:
         """Lease ``num_blocks`` fresh GPU blocks, evicting cached blocks if needed.
@@ -257,13 +268,17 @@ class PrefixCacheManager:
         self._live_leases.add(lease)
         return lease
 
-    def insert(self, tokens: Sequence[int], gpu_block_ids: Sequence[int]) -> InsertResult:
+    def insert(self, tokens: Sequence[int], gpu_block_ids: Sequence[int], known_keys: Sequence[bytes] = ()) -> InsertResult:
         """Cache the first ``len(gpu_block_ids)`` full blocks of ``tokens``.
 
         ``gpu_block_ids[i]`` holds block ``i``: either the block a match returned
         for that position or a private block from ``allocate()``, whose ownership
         passes to the tree (see the module doc for duplicates).  Validated before
         anything changes.  A no-op while the caches are cleared.
+
+        ``known_keys``: the ``keys`` of a lease that ``match`` returned for a
+        prefix of these same tokens; only the blocks after them are hashed
+        (saves hashing the prompt twice per request).
         """
         if self._cleared:
             return InsertResult(0, 0, 0)
@@ -273,7 +288,7 @@ class PrefixCacheManager:
                 f"{len(ids)} block ids for {len(tokens) // self._block_size} full blocks of tokens")
         if len(set(ids)) != len(ids):
             raise InvalidBlockError("the same block id appears twice")
-        keys = block_keys(tokens[: len(ids) * self._block_size], self._block_size)
+        keys = self._keys_for(tokens, len(ids), known_keys)
         existing = self._tree.walk(keys)
         for position, block in enumerate(ids):
             node = existing[position] if position < len(existing) else None

@@ -260,7 +260,7 @@ def _serve_one(client: Any, manager: PrefixCacheManager, tokens: list[int], numb
                 if position < len(before) and before[position] == "gpu":
                     continue  # cached elsewhere already: the tree keeps that block (a duplicate)
                 verifier.digests[keys[position]] = rows[position]
-        manager.insert(tokens, cached.block_ids + full_fresh)
+        manager.insert(tokens, cached.block_ids + full_fresh, known_keys=cached.keys)
         report.served += 1
         return None
     finally:
