@@ -109,14 +109,28 @@ def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
     assert ack["freed"] == 777
 
 
-def test_a_frozen_rank_registers_again_and_refuses_tasks_of_its_old_session():
+def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its_rank():
     core = welcomed()
     old = core.session
     core.on_wake(1.1)
-    assert core.on_wake(1.2) == []
-    assert core.on_wake(1.2 + core.liveness_ms / 2000 - 0.05) == []
-    (ready,) = sent(core.on_wake(1.2 + core.liveness_ms / 1000), "ready")
-    assert ready["session"] != old and core.counters["frozen"] == 1
+    assert core.on_wake(1.1 + core.liveness_ms / 2000 - 0.05) == []
+    (probe,) = sent(core.on_wake(1.1 + core.liveness_ms / 1000), "hb")
+    assert probe["probe"] is True and core.counters["frozen"] == 1
     header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=old)
-    (ex,) = [a for a in core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) if isinstance(a, Execute)]
-    assert "earlier registration" in ex.refuse
+    body = P.encode_body("swap_out", [0], [0])
+    assert core.on_task(header, body, 5.0) == [], "held: maybe the broker already failed it"
+    # the broker had declared us dead: register again; the held task is refused
+    acts = core.on_broker(P.encode("reregister"), 5.0)
+    (ready,) = sent(acts, "ready")
+    (ex,) = [a for a in acts if isinstance(a, Execute)]
+    assert ready["session"] != old and "earlier registration" in ex.refuse
+
+
+def test_a_frozen_rank_still_registered_runs_its_held_tasks():
+    core = welcomed()
+    core.on_wake(1.0)
+    sent(core.on_wake(1.0 + core.liveness_ms / 1000), "hb")
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=core.session)
+    assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) == []
+    (ex,) = [a for a in core.on_broker(P.encode("hb", probe=True), 5.0) if isinstance(a, Execute)]
+    assert ex.refuse == "" and ex.task == 1 and not core.probing

@@ -379,7 +379,10 @@ class BrokerCore:
             return out
         rs.last_seen = now
         if kind == "hb":
-            rs.stats = msg.get("stats") or {}
+            if msg.get("stats"):
+                rs.stats = msg["stats"]
+            if msg.get("probe"):  # a rank back from a freeze asks if it is still ours
+                out.append(ToRank(identity, [P.encode("hb", probe=True)]))
         elif kind == "done":
             self._done(rs, msg, now, out)
         else:

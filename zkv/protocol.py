@@ -55,7 +55,7 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     "outcome": ({"task": _U, "outcome": _S, "reason": _S}, {}),
     # rank -> broker (backend)
     "ready": ({"rank": _U, "world": _U, "session": _U, "layout": _M, "gen": _U}, {"pid": _U}),
-    "hb": ({}, {"inflight": _U, "stats": _M}),
+    "hb": ({}, {"inflight": _U, "stats": _M, "probe": _B}),
     "done": ({"seq": _U, "n": _U, "outcome": _S, "gen": _U}, {"bytes": _U}),
     "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M}),
     # broker -> rank (backend)

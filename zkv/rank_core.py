@@ -84,6 +84,8 @@ class RankCore:
         self.cache_op_pending = False  # a free/allocate is on the executor
         self.freed = 0  # bytes the last clear freed, repeated in every clear ack
         self.held: list[Execute] = []  # tasks that overtook the control message allowing them
+        self.probing = False  # after a freeze: asked the broker whether we are still its rank
+        self.probe_held: list[tuple[bytes, bytes]] = []
         self.last_broker_msg = 0.0
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
@@ -106,17 +108,28 @@ class RankCore:
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
         that did not run for half the liveness window was frozen (SIGSTOP,
-        swapping, a stalled VM) and the broker may have declared us dead and
-        failed our tasks: register again *before* reading the tasks queued
-        meanwhile, so they are refused.  (Half, because our last wake may lag
-        the last heartbeat the broker saw; a needless re-registration only
-        fails tasks that are then refused, never runs a failed one.)"""
+        swapping, a stalled VM), and the broker may have declared us dead and
+        failed the tasks queued meanwhile.  Ask it (a probe heartbeat) and hold
+        every task until it answers: ``hb{probe}`` means we are still its rank
+        and the tasks run; ``reregister`` means they were failed, so we
+        register again and they are refused, never copied."""
         gap = now - self.last_wake
         self.last_wake = now
-        if self.registered and gap * 1000 > self.liveness_ms / 2:
+        if self.registered and not self.probing and gap * 1000 > self.liveness_ms / 2:
             self.counters["frozen"] += 1
-            return self.start(now)
+            self.probing = True
+            return [ToBroker(P.encode("hb", inflight=self.inflight, probe=True))]
         return []
+
+    def _end_probe(self, now: float) -> list[RankAction]:
+        """Run the tasks held during a probe through the normal path (a task
+        of a session we left is refused there)."""
+        self.probing = False
+        held, self.probe_held = self.probe_held, []
+        out: list[RankAction] = []
+        for header, body in held:
+            out += self.on_task(header, body, now)
+        return out
 
     @property
     def paused(self) -> bool:
@@ -133,7 +146,7 @@ class RankCore:
         self.last_broker_msg = now
         kind = msg["kind"]
         if kind == "hb":
-            return []
+            return self._end_probe(now) if msg.get("probe") and self.probing else []
         if kind == "welcome":
             if msg.get("session") is not None and msg["session"] != self.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
@@ -143,7 +156,8 @@ class RankCore:
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
                 return []
-            return self.start(now)
+            out = self.start(now)
+            return out + self._end_probe(now) if self.probing else out
         if kind == "refused":
             raise RankRefused(msg["reason"])
         if kind == "error":
@@ -154,6 +168,9 @@ class RankCore:
     def on_task(self, header: bytes, body: bytes, now: float) -> list[RankAction]:
         """A task header + body from the broker."""
         self.last_broker_msg = now
+        if self.probing:  # is it still ours to run?  wait for the broker's answer
+            self.probe_held.append((header, body))
+            return []
         try:
             msg = P.decode(header, ("task",))
         except P.ProtocolError:
@@ -300,7 +317,8 @@ class RankCore:
     def on_tick(self, now: float) -> list[RankAction]:
         if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
             self.counters["broker_silent"] += 1
-            return self.start(now)
+            out = self.start(now)
+            return out + self._end_probe(now) if self.probing else out
         if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
             self.last_heartbeat_sent = now
             return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
