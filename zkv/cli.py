@@ -32,6 +32,21 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM / SIGINT ask the loop to stop at its next wakeup, so it never
+    stops halfway through a batch of actions; a second signal interrupts."""
+    received = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
 def _fail(message: str, hint: str = "") -> None:
     click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
     sys.exit(1)
@@ -141,7 +156,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from .broker import Broker
 
-    _sigterm_as_interrupt()
+    _sigterm_as_interrupt()  # until the loop can take a stop request
     curve = curve_from(kw)
     if curve is not None and not curve.authorized_dir:
         raise click.BadParameter("a Curve broker needs --curve-authorized")
@@ -155,6 +170,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
+    _stop_on_signals(b.stop)
     try:
         b.serve()
     except KeyboardInterrupt:
@@ -178,11 +194,12 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
     from .worker import RankWorker
     from .rank_core import RankRefused
 
-    _sigterm_as_interrupt()
+    _sigterm_as_interrupt()  # until the loop can take a stop request
     layout = layout_from(kw)
     curve = curve_from(kw)
     w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads, curve=curve)
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
+    _stop_on_signals(w.stop)
     try:
         w.serve()
     except RankRefused as err:
