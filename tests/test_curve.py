@@ -64,7 +64,9 @@ def test_unknown_key_gets_no_service(secured):
     with Client(cluster.endpoints.frontend, curve=intruder, request_timeout=1.0) as c:
         with pytest.raises(ZkvError) as err:
             c.status()
-        assert err.value.code == "no_reply"
+        # the handshake is refused: either the send finds no accepted connection
+        # or it is queued and never answered
+        assert err.value.code in ("no_reply", "unreachable")
 
 
 def test_plaintext_client_gets_no_service(secured):
