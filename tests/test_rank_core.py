@@ -134,3 +134,12 @@ def test_a_frozen_rank_still_registered_runs_its_held_tasks():
     assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) == []
     (ex,) = [a for a in core.on_broker(P.encode("hb", probe=True), 5.0) if isinstance(a, Execute)]
     assert ex.refuse == "" and ex.task == 1 and not core.probing
+
+
+def test_released_tasks_come_after_the_resume_ack():
+    core = welcomed()
+    core.on_control(control("pause", 1), 1.0)
+    core.on_task(*task(1), 1.0)  # held
+    acts = core.on_control(control("resume", 2), 1.0)
+    kinds = [type(a).__name__ for a in acts]
+    assert kinds.index("Acked") < kinds.index("Execute"), kinds

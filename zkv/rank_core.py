@@ -273,7 +273,10 @@ class RankCore:
                 self.has_cache = True
                 self.cache_op_pending = True
                 out.append(AllocateCache(self.layout))
-        return out + self._release_held() + self._maybe_ack()
+        # Ack first: a resume's ack lifts the "paused" mark before the tasks it
+        # releases reach the executor.  (Under a pause, released tasks are
+        # already counted in flight, so the ack still waits for them.)
+        return out + self._maybe_ack() + self._release_held()
 
     def _maybe_ack(self, repeat: bool = False) -> list[RankAction]:
         """Ack the current op if its condition holds (again, on a repeat)."""
