@@ -273,6 +273,8 @@ class RankCore:
                 self.has_cache = True
                 self.cache_op_pending = True
                 out.append(AllocateCache(self.layout))
+            if op == "run":
+                out.append(Acked("run", epoch))  # nothing to ack on the wire, but no longer paused
         # Ack first: a resume's ack lifts the "paused" mark before the tasks it
         # releases reach the executor.  (Under a pause, released tasks are
         # already counted in flight, so the ack still waits for them.)
