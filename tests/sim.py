@@ -181,6 +181,13 @@ class Sim:
         self.now += dt
         self._broker_actions(self.broker.on_tick(self.now))
 
+    def pause_and_clear(self) -> None:
+        """Drive the bus to ``cleared`` with every message delivered."""
+        self.request("pause")
+        self.settle()
+        self.request("clear")
+        self.settle()
+
     def up(self) -> "Sim":
         for r in self.ranks:
             self.start_rank(r)

@@ -207,10 +207,7 @@ def test_rank_registering_during_a_resume_with_a_new_layout_gets_the_new_layout(
     sim = Sim(world=2)
     sim.start_rank(0)
     sim.settle()
-    sim.request("pause")
-    sim.settle()
-    sim.request("clear")
-    sim.settle()
+    sim.pause_and_clear()
     req = sim.request("resume", layout={"gpu_blocks": 8})
     sim.deliver_pub(0)  # rank 0 reallocates; its ack is on the way
     sim.start_rank(1)  # joins mid-resume
@@ -221,10 +218,7 @@ def test_rank_registering_during_a_resume_with_a_new_layout_gets_the_new_layout(
 
 def test_resume_ack_with_the_old_layout_does_not_complete_a_layout_change():
     sim = Sim().up()
-    sim.request("pause")
-    sim.settle()
-    sim.request("clear")
-    sim.settle()
+    sim.pause_and_clear()
     req = sim.request("resume", layout={"gpu_blocks": 8})
     wrong = P.encode("ack", epoch=sim.broker.epoch, op="resume", gen=sim.broker.gen, layout=LAYOUT.to_wire())
     for r in (0, 1):

@@ -245,10 +245,7 @@ def test_noops_and_wrong_order_say_so():
 
 def test_resume_with_a_new_layout_after_clear_reallocates():
     sim = Sim().up()
-    sim.request("pause")
-    sim.settle()
-    sim.request("clear")
-    sim.settle()
+    sim.pause_and_clear()
     r = sim.request("resume", layout={"gpu_blocks": 8})
     sim.settle()
     assert sim.reply(r)["kind"] == "reply"
@@ -344,10 +341,7 @@ def test_broker_cancelled_task_settles_after_the_client_timed_out():
 
 def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back():
     sim = Sim().up()
-    sim.request("pause")
-    sim.settle()
-    sim.request("clear")
-    sim.settle()
+    sim.pause_and_clear()
     assert sim.broker.gen == 1 and not any(sr.core.has_cache for sr in sim.ranks.values())
     # the broker dies and a fresh one starts: the ranks re-register with it
     from zkv.broker_core import BrokerConfig, BrokerCore

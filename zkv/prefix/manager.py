@@ -156,13 +156,17 @@ def _is_cpu_victim(node: RadixNode) -> bool:
     return node.attached and node.state is NodeState.ON_CPU and not node.children
 
 
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+
 class PrefixCacheManager:
     """Radix prefix cache over a GPU and a CPU tier, moving blocks through ``bus``."""
 
     def __init__(self, bus: BusLike, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  swap_timeout: float = 10.0, quarantine_timed_out: bool = True) -> None:
-        if block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {block_size}")
+        _check_block_size(block_size)
         self._bus = bus
         self.swap_timeout = swap_timeout
         self.quarantine_timed_out = quarantine_timed_out
@@ -410,8 +414,7 @@ class PrefixCacheManager:
     def resume(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int | None = None) -> None:
         """Serve again on freshly allocated caches (possibly a new layout)."""
         if block_size is not None:
-            if block_size <= 0:
-                raise ValueError(f"block_size must be positive, got {block_size}")
+            _check_block_size(block_size)
             self._block_size = block_size
         self._num_gpu_blocks = num_gpu_blocks
         self._num_cpu_blocks = num_cpu_blocks
