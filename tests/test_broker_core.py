@@ -4,10 +4,10 @@ credits, heartbeats and liveness, status, and bad input."""
 import msgpack
 import pytest
 
-from zkv import protocol as P
-from zkv.broker_core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank, frames_of
+from zkv.wire import protocol as P
+from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank, frames_of
 
-from sim import CLIENT, LAYOUT, Sim
+from zkv.testing.sim import CLIENT, LAYOUT, Sim
 
 
 def ready(rank: int, world: int = 2, session: int = 1, layout=LAYOUT) -> list[bytes]:

@@ -4,8 +4,8 @@ exits (bounded), so a recording has exactly one outcome per task."""
 import random
 import signal
 
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 from zkv.trace import check_recording, load_trace
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)

@@ -9,10 +9,10 @@ import stat
 import pytest
 
 from zkv import Client, ZkvError
-from zkv.cluster import LocalCluster
-from zkv.endpoints import Endpoints, check_bind_address
-from zkv.layout import CacheLayout
-from zkv.security import Curve, generate_keypair
+from zkv.harness.cluster import LocalCluster
+from zkv.net.endpoints import Endpoints, check_bind_address
+from zkv.wire.layout import CacheLayout
+from zkv.net.curve import Curve, generate_keypair
 
 
 def free_port() -> int:

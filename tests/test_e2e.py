@@ -10,9 +10,10 @@ import msgpack
 import pytest
 import zmq
 
-from zkv import Client, protocol as P
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv import Client
+from zkv.wire import protocol as P
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
 
@@ -121,7 +122,7 @@ def test_bad_frontend_input_gets_a_clear_error_and_everything_keeps_serving(clus
 
 
 def test_frame_over_the_transport_limit_drops_that_peer_only(cluster, client):
-    from zkv.endpoints import ZMQ_MAXMSGSIZE
+    from zkv.net.endpoints import ZMQ_MAXMSGSIZE
 
     sock = raw_dealer(cluster)
     sock.setsockopt(zmq.RCVTIMEO, 300)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 
 HERE = Path(__file__).parent / "interop"
 SETUP = HERE / "setup.sh"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from zkv.kvcache import KVCache, TaskInvalid, coalesce
-from zkv.layout import CacheLayout
-from zkv.protocol import TaskBody
+from zkv.rank.kvcache import KVCache, TaskInvalid, coalesce
+from zkv.wire.layout import CacheLayout
+from zkv.wire.protocol import TaskBody
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
 

@@ -9,8 +9,8 @@ real: ``zkv bench copy`` there exercises it end to end.
 import pytest
 import torch
 
-from zkv.kvcache import KVCache
-from zkv.layout import CacheLayout
+from zkv.rank.kvcache import KVCache
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=32, block_size=2, kv_heads=1, head_dim=4)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from zkv.client import ZkvError
+from zkv.client.client import ZkvError
 from zkv.prefix import CacheClearedError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
-from zkv.prefix.fakebus import FakeBus
+from zkv.testing.fakebus import FakeBus
 
 BS = 4
 LAYOUT = {"layers": 2, "gpu_blocks": 8, "cpu_blocks": 8, "block_size": BS, "kv_heads": 2, "head_dim": 32, "dtype": "bf16"}

@@ -8,11 +8,11 @@ import signal
 
 import pytest
 
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 from zkv.prefix import OutOfGpuBlocksError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
-from zkv.prefix.workload import ChatSpec, ChatWorkload, serve_workload
+from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
 BS = LAYOUT.block_size
@@ -245,7 +245,7 @@ def test_the_workload_check_catches_blocks_that_come_back_wrong(client):
 
 
 def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
-    from zkv.demo import run_demo
+    from zkv.harness.demo import run_demo
 
     lines: list[str] = []
     assert run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append), "\n".join(lines)

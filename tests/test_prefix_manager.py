@@ -17,8 +17,8 @@ from zkv.prefix import (
     PrefixCacheManager,
     block_keys,
 )
-from zkv.prefix.bench import bench_manager
-from zkv.prefix.fakebus import FakeBus
+from zkv.harness.prefix_bench import bench_manager
+from zkv.testing.fakebus import FakeBus
 
 BS = 4
 FAILURES = ["failed", "cancelled", "rejected", "raise", "timeout"]
@@ -537,7 +537,7 @@ def test_serves_hits_after_a_clear_in_the_middle_of_a_workload():
 
 def test_insert_with_the_keys_of_a_match_hashes_only_the_tail_and_gives_the_same_tree():
     from zkv.prefix import PrefixCacheManager
-    from zkv.prefix.fakebus import FakeBus
+    from zkv.testing.fakebus import FakeBus
 
     tokens = list(range(64))
     results = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zkv.prefix import PrefixCacheManager
-from zkv.prefix.fakebus import FakeBus
+from zkv.testing.fakebus import FakeBus
 
 BS = 4
 

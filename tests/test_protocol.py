@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkv import protocol as P
+from zkv.wire import protocol as P
 
 VECTORS = Path(__file__).parent / "vectors"
 

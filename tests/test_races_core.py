@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from zkv import protocol as P
+from zkv.wire import protocol as P
 
-from sim import Sim
+from zkv.testing.sim import Sim
 
 
 def pause_done(sim, req):
@@ -344,7 +344,7 @@ def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back(
     sim.pause_and_clear()
     assert sim.broker.gen == 1 and not any(sr.core.has_cache for sr in sim.ranks.values())
     # the broker dies and a fresh one starts: the ranks re-register with it
-    from zkv.broker_core import BrokerConfig, BrokerCore
+    from zkv.broker.core import BrokerConfig, BrokerCore
 
     sim.broker = BrokerCore(BrokerConfig(world=2))
     for r in sim.ranks:

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from zkv import ZkvError
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
 FAST = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]

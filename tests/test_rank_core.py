@@ -1,9 +1,9 @@
 """The rank state machine alone: what it acks, when, and what it refuses."""
 
-from zkv import protocol as P
-from zkv.rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
+from zkv.wire import protocol as P
+from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 
-from sim import LAYOUT
+from zkv.testing.sim import LAYOUT
 
 
 def welcomed(op="run", epoch=0, upto=0, gen=0) -> RankCore:

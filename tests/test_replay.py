@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from zkv.cli import main
-from zkv.cluster import LocalCluster
-from zkv.layout import CacheLayout
+from zkv.cli.commands import main
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
 from zkv.replay import format_report, replay
 from zkv.trace import check_recording, compare_outcomes, load_trace
 

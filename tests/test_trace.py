@@ -11,9 +11,9 @@ import signal
 
 import pytest
 
-from zkv import protocol as P
-from zkv.broker_core import BrokerConfig, BrokerCore, Record, ToRank
-from zkv.layout import CacheLayout
+from zkv.wire import protocol as P
+from zkv.broker.core import BrokerConfig, BrokerCore, Record, ToRank
+from zkv.wire.layout import CacheLayout
 from zkv.replay import ControlResult, Observation, Observed, ObservingBook, check, format_report, parse_speed, rank_stats_fresh
 from zkv.trace import (TraceError, TraceRecorder, check_recording, compare_outcomes, decode_ids, encode_ids, generate,
                        parse_trace)

@@ -11,9 +11,9 @@ import warnings
 # import when it is missing; keep that out of every worker's output.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
-from .client import Client, ZkvError  # noqa: E402
-from .layout import CacheLayout  # noqa: E402
-from .outcome import TaskOutcome  # noqa: E402
+from .client.client import Client, ZkvError  # noqa: E402
+from .wire.layout import CacheLayout  # noqa: E402
+from .wire.outcome import TaskOutcome  # noqa: E402
 
 __all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """``python -m zkv`` is the ``zkv`` command."""
 
-from .cli import main
+from .cli.commands import main
 
 main(prog_name="zkv")

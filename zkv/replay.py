@@ -31,10 +31,10 @@ from typing import Any, Callable
 
 import zmq
 
-from .security import Curve
-from .client import Client, ZkvError
-from .layout import CacheLayout
-from .results import ResultBook
+from .net.curve import Curve
+from .client.client import Client, ZkvError
+from .wire.layout import CacheLayout
+from .client.results import ResultBook
 from .trace import LAYOUT_ENV, Op, Trace
 
 Key = tuple  # (client label, task label) as in the trace
@@ -528,7 +528,7 @@ def replay_embedded(trace: Trace, *, record: str | None = None, heartbeat_ms: in
     ``record`` passes ``--record`` to its broker (the layout goes into the
     recording's header through ``ZKV_TRACE_LAYOUT``: the broker does not know it).
     """
-    from .cluster import LocalCluster
+    from .harness.cluster import LocalCluster
 
     layout = trace.layout or CacheLayout()
     args = ["--heartbeat-ms", str(heartbeat_ms)]

@@ -35,8 +35,8 @@ from typing import Any, Iterable, Iterator, Sequence, TextIO
 
 import msgpack
 
-from . import protocol as P
-from .layout import CacheLayout
+from .wire import protocol as P
+from .wire.layout import CacheLayout
 
 FORMAT_VERSION = 1
 CONTROL_OPS = ("pause", "clear", "resume")

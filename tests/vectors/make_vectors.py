@@ -30,7 +30,7 @@ import msgpack
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-from zkv import protocol as P  # noqa: E402
+from zkv.wire import protocol as P  # noqa: E402
 
 LAYOUT = {"layers": 2, "gpu_blocks": 64, "cpu_blocks": 128, "block_size": 16, "kv_heads": 4, "head_dim": 64, "dtype": "bf16"}
 REPLY_TO = "tcp://127.0.0.1:5555"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import click
 
-from .endpoints import Endpoints
+from ..net.endpoints import Endpoints
 from .options import curve_from, curve_options, layout_from, layout_options
 
 _DEFAULT = Endpoints.default
@@ -80,7 +80,7 @@ def client_options(fn: Callable) -> Callable:
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
     def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
-        from .client import Client, ZkvError
+        from ..client.client import Client, ZkvError
 
         curve = curve_from(kwargs)
         try:
@@ -120,7 +120,7 @@ def main(verbose: int) -> None:
 
 
 def broker_options(fn: Callable) -> Callable:
-    from .broker_core import BrokerConfig
+    from ..broker.core import BrokerConfig
 
     d = BrokerConfig()
     opts = [
@@ -137,7 +137,7 @@ def broker_options(fn: Callable) -> Callable:
 
 
 def _broker_config(world: int, kw: dict) -> Any:
-    from .broker_core import BrokerConfig
+    from ..broker.core import BrokerConfig
 
     return BrokerConfig(world=world, max_inflight_per_rank=kw["max_inflight"], max_queue=kw["max_queue"],
                         heartbeat_ms=kw["heartbeat_ms"], liveness_ms=kw["liveness_ms"],
@@ -154,7 +154,7 @@ def _broker_config(world: int, kw: dict) -> Any:
 @curve_options(server=True, client=False)
 def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
-    from .broker import Broker
+    from ..broker.loop import Broker
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
     curve = curve_from(kw)
@@ -162,7 +162,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
         raise click.BadParameter("a Curve broker needs --curve-authorized")
     recorder = None
     if record:
-        from .trace import TraceRecorder
+        from ..trace import TraceRecorder
 
         recorder = TraceRecorder(record, world=world_size)
     try:
@@ -191,8 +191,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 @curve_options(server=False, client=True)
 def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int, **kw: Any) -> None:
     """Run one rank worker holding its KV cache shard."""
-    from .worker import RankWorker
-    from .rank_core import RankRefused
+    from ..rank.worker import RankWorker
+    from ..rank.core import RankRefused
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
     layout = layout_from(kw)
@@ -217,10 +217,10 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
 def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
-    from .cluster import LocalCluster
+    from ..harness.cluster import LocalCluster
 
-    from .client import Client, ZkvError
-    from .endpoints import runtime_dir as default_runtime_dir
+    from ..client.client import Client, ZkvError
+    from ..net.endpoints import runtime_dir as default_runtime_dir
 
     layout = layout_from(kw)
     if runtime_dir is None and not demo:
@@ -239,7 +239,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
         cluster.start(timeout=120)
         click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}")
         if demo:
-            from .demo import run_demo
+            from ..harness.demo import run_demo
 
             ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo)
             if not ok:
@@ -265,7 +265,7 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
     Put the broker's secret with the broker, and copy every rank's and client's
     NAME.key into the directory the broker (and clients) pass as --curve-authorized.
     """
-    from .security import generate_keypair
+    from ..net.curve import generate_keypair
 
     for name in names:
         public, secret = generate_keypair(directory, name)
@@ -344,7 +344,7 @@ from .bench import bench  # noqa: E402
 
 main.add_command(bench)
 
-from .trace_cli import trace, replay  # noqa: E402
+from .trace import trace, replay  # noqa: E402
 
 main.add_command(trace)
 main.add_command(replay)

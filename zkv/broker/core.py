@@ -21,9 +21,9 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
-from . import protocol as P
-from .layout import CacheLayout
-from .outcome import RankFold
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
+from ..wire.outcome import RankFold
 
 
 # --- actions -----------------------------------------------------------------

@@ -16,10 +16,10 @@ import random
 import time
 from typing import Callable
 
-from .client import Client
-from .layout import CacheLayout
-from .prefix import PrefixCacheManager
-from .prefix.workload import ChatSpec, ChatWorkload, serve_workload
+from ..client.client import Client
+from ..wire.layout import CacheLayout
+from ..prefix import PrefixCacheManager
+from .workload import ChatSpec, ChatWorkload, serve_workload
 
 
 def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None]) -> bool:

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .client import Client, ZkvError
-from .endpoints import Endpoints
-from .layout import CacheLayout
+from ..client.client import Client, ZkvError
+from ..net.endpoints import Endpoints
+from ..wire.layout import CacheLayout
 
 
 def layout_args(layout: CacheLayout) -> list[str]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from zkv import protocol as P
-from zkv.broker_core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
-from zkv.layout import CacheLayout
-from zkv.rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
-from zkv.results import ResultBook
+from zkv.wire import protocol as P
+from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
+from zkv.wire.layout import CacheLayout
+from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
+from zkv.client.results import ResultBook
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
 CLIENT = b"client-A"

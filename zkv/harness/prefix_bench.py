@@ -23,9 +23,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .fakebus import FakeBus
-from .manager import PrefixCacheManager
-from .radix import block_keys
+from ..testing.fakebus import FakeBus
+from ..prefix.manager import PrefixCacheManager
+from ..prefix.radix import block_keys
 
 
 def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: int = 64,
@@ -88,8 +88,8 @@ def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: 
 
 def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 2, seed: int = 1) -> dict[str, Any]:
     """The chat workload through the manager on a real LocalCluster, and without a cache."""
-    from ..cluster import LocalCluster
-    from ..layout import CacheLayout
+    from .cluster import LocalCluster
+    from ..wire.layout import CacheLayout
     from .workload import ChatSpec, ChatWorkload, serve_workload
 
     layout = layout or CacheLayout()

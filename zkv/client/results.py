@@ -12,7 +12,7 @@ import collections
 import heapq
 from dataclasses import dataclass, field
 
-from .outcome import RankFold, TaskOutcome
+from ..wire.outcome import RankFold, TaskOutcome
 
 
 @dataclass

@@ -27,12 +27,12 @@ import msgpack
 import torch
 import zmq
 
-from . import protocol as P
-from .endpoints import StopSignal, make_socket
+from ..wire import protocol as P
+from ..net.endpoints import StopSignal, make_socket
 from .kvcache import KVCache, TaskInvalid, pick_device
-from .layout import CacheLayout
-from .security import Curve
-from .rank_core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
+from ..wire.layout import CacheLayout
+from ..net.curve import Curve
+from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
 
 log = logging.getLogger("zkv.worker")
 

@@ -24,8 +24,8 @@ from typing import Sequence
 
 import torch
 
-from .layout import CacheLayout
-from .protocol import TaskBody
+from ..wire.layout import CacheLayout
+from ..wire.protocol import TaskBody
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _BITS_DTYPES = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}

@@ -25,8 +25,8 @@ from typing import Any, Callable
 import click
 import zmq
 
-from . import protocol as P
-from .layout import CacheLayout
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
@@ -166,7 +166,7 @@ def bench_raw_relay(ids: int, n_latency: int, n_tput: int, window: int, ranks: i
 
 
 def bench_zkv_bus(ids: int, n_latency: int, n_tput: int, window: int, layout: CacheLayout, ranks: int = 2) -> dict:
-    from .cluster import LocalCluster
+    from ..harness.cluster import LocalCluster
 
     rng = random.Random(1)
     with LocalCluster(ranks, layout, quiet=True) as cluster, cluster.client() as client:
@@ -190,7 +190,7 @@ def bench_zkv_bus(ids: int, n_latency: int, n_tput: int, window: int, layout: Ca
 def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     import torch
 
-    from .kvcache import KVCache
+    from ..rank.kvcache import KVCache
 
     torch.set_num_threads(1)  # as a rank worker runs its copies
     cache = KVCache(layout, "cpu")
@@ -233,7 +233,7 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 
 
 def bench_pause(layout: CacheLayout, cycles: int, inflight: int) -> dict:
-    from .cluster import LocalCluster
+    from ..harness.cluster import LocalCluster
 
     idle_pause, idle_resume, busy_pause, drains, overheads = [], [], [], [], []
     with LocalCluster(2, layout, quiet=True) as cluster, cluster.client() as client:
@@ -301,7 +301,7 @@ def bench(what: str, quick: bool, as_json: bool) -> None:
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
     if what in ("all", "manager"):
-        from .prefix.bench import bench_manager, bench_manager_cluster
+        from ..harness.prefix_bench import bench_manager, bench_manager_cluster
 
         say("manager: bookkeeping per request (fake bus) ...")
         bookkeeping = bench_manager(n_requests=n(500))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import click
 
-from .layout import CacheLayout
+from ..wire.layout import CacheLayout
 from .options import curve_from, curve_options, layout_from, layout_options
 
 
@@ -24,7 +24,7 @@ def _error(message: str, code: int = 2) -> None:
 
 
 def _load(path: str) -> Any:
-    from .trace import TraceError, load_trace
+    from ..trace import TraceError, load_trace
 
     try:
         return load_trace(path)
@@ -58,8 +58,8 @@ def replay(trace_file: str, broker: str | None, speed: str, record: str | None, 
     counts per outcome, task latency, throughput and pause/clear/resume
     latency.  Exits 1 on any violation, naming the trace lines.
     """
-    from .client import ZkvError
-    from .replay import format_report, parse_speed, replay as replay_running, replay_embedded
+    from ..client.client import ZkvError
+    from ..replay import format_report, parse_speed, replay as replay_running, replay_embedded
 
     try:
         factor = parse_speed(speed)
@@ -128,8 +128,8 @@ def trace() -> None:
 def gen(shape: str, tasks: int, seed: int, world_size: int, rate: float, clients: int | None, burst: int, gap: float,
         every: int, held: int, max_blocks: int, output: str, **layout_kw: Any) -> None:
     """Write a synthetic trace of SHAPE: steady, bursty or rl-cycle."""
-    from .protocol import ProtocolError
-    from .trace import dump_records, generate
+    from ..wire.protocol import ProtocolError
+    from ..trace import dump_records, generate
 
     layout = layout_from(layout_kw)
     try:
@@ -150,7 +150,7 @@ def check_cmd(trace_file: str, as_json: bool) -> None:
     A recording (a trace with outcome records) must hold exactly one outcome
     record per submit: exit 1 naming the lines otherwise.
     """
-    from .trace import check_recording
+    from ..trace import check_recording
 
     t = _load(trace_file)
     recorded = any(s.recorded for s in t.tasks.values())
@@ -181,7 +181,7 @@ def diff_cmd(a: str, b: str, as_json: bool) -> None:
     Clients are matched by the tasks they submit (recordings name them by ZMQ
     identity); exit 1 if any task's outcomes differ.
     """
-    from .trace import compare_outcomes
+    from ..trace import compare_outcomes
 
     ta, tb = _load(a), _load(b)
     diffs = compare_outcomes(ta, tb)

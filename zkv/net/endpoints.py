@@ -15,7 +15,7 @@ from pathlib import Path
 
 import zmq
 
-from .protocol import MAX_FRAME_BYTES
+from ..wire.protocol import MAX_FRAME_BYTES
 
 # libzmq drops a peer whose frame exceeds this; the application cap
 # (MAX_FRAME_BYTES, answered with a too_large error) sits below it.

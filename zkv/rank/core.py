@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Union
 
-from . import protocol as P
-from .layout import CacheLayout
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
 
 
 @dataclass(frozen=True)

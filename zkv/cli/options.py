@@ -10,7 +10,7 @@ import click
 
 def layout_options(fn: Callable) -> Callable:
     """The cache-layout options (worker, up, trace gen)."""
-    from .layout import CacheLayout
+    from ..wire.layout import CacheLayout
 
     d = CacheLayout()
     opts = [
@@ -28,8 +28,8 @@ def layout_options(fn: Callable) -> Callable:
 
 
 def layout_from(kwargs: dict) -> Any:
-    from .layout import CacheLayout
-    from .protocol import ProtocolError
+    from ..wire.layout import CacheLayout
+    from ..wire.protocol import ProtocolError
 
     fields = {k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")}
     try:
@@ -53,7 +53,7 @@ def curve_options(server: bool = False, client: bool = True) -> Callable:
 
 
 def curve_from(kw: dict) -> Any:
-    from .security import Curve
+    from ..net.curve import Curve
 
     secret = kw.pop("curve_secret", None)
     server = kw.pop("curve_server", None)

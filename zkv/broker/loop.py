@@ -15,9 +15,9 @@ from typing import Callable
 
 import zmq
 
-from .broker_core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
-from .endpoints import Endpoints, StopSignal, check_bind_address, make_socket
-from .security import Curve
+from .core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
+from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
+from ..net.curve import Curve
 
 log = logging.getLogger("zkv.broker")
 

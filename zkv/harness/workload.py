@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cycle import pause_clear_resume
-from .manager import OutOfGpuBlocksError, PrefixCacheManager
-from .radix import block_keys
+from ..prefix.cycle import pause_clear_resume
+from ..prefix.manager import OutOfGpuBlocksError, PrefixCacheManager
+from ..prefix.radix import block_keys
 
 
 @dataclass(frozen=True)

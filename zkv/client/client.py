@@ -19,11 +19,11 @@ from typing import Any, Sequence
 
 import zmq
 
-from . import protocol as P
-from .endpoints import Endpoints, make_socket, runtime_dir
-from .outcome import TaskOutcome
+from ..wire import protocol as P
+from ..net.endpoints import Endpoints, make_socket, runtime_dir
+from ..wire.outcome import TaskOutcome
 from .results import ResultBook
-from .security import Curve
+from ..net.curve import Curve
 
 
 class ZkvError(Exception):

@@ -1,0 +1,12 @@
+"""Public test doubles for code built on zkv, in the spirit of ``trio.testing``.
+
+- :class:`Sim` wires a ``BrokerCore`` to N ``RankCore`` objects through queues
+  that only move when the test says so: exact interleavings, no sockets.
+- :class:`FakeBus` is an in-process bus for the prefix cache manager whose
+  outcome per task is scripted.
+"""
+
+from .fakebus import FakeBus, FakeBusError
+from .sim import Sim
+
+__all__ = ["FakeBus", "FakeBusError", "Sim"]
