@@ -2,18 +2,15 @@
 
 Swap KV blocks between GPU memory and CPU swap space on every tensor-parallel
 rank at once, and pause / clear / resume every transfer with an explicit
-outcome for every task.  See docs/protocol.md for the wire protocol.
+outcome for every task.  See docs/protocol.md for the wire protocol and
+docs/architecture.md for the packages and the import rules between them.
+
+Importing zkv changes nothing process-wide (no warning filters, no torch
+settings, no torch import).
 """
 
-import warnings
-
-# zkv never needs numpy, and torch (which does not depend on it) warns at
-# import when it is missing; keep that out of every worker's output.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-from .client.client import Client, ZkvError  # noqa: E402
-from .wire.layout import CacheLayout  # noqa: E402
-from .wire.outcome import TaskOutcome  # noqa: E402
+from .client import Client, ZkvError
+from .wire import CacheLayout, TaskOutcome
 
 __all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
 __version__ = "0.1.0"

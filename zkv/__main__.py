@@ -1,5 +1,5 @@
 """``python -m zkv`` is the ``zkv`` command."""
 
-from .cli.commands import main
+from .cli import run
 
-main(prog_name="zkv")
+run()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import click
 
-from ..wire.layout import CacheLayout
 from .options import curve_from, curve_options, layout_from, layout_options
 
 

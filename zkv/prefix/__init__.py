@@ -1,9 +1,10 @@
 """Client-side prefix cache: a radix tree of KV blocks over a GPU and a CPU tier,
 moving blocks between them through the zkv bus (see manager.py for the policies).
 
-``cycle`` runs the pause / clear / resume cycle for a manager and its client;
-``workload`` is a synthetic chat workload over the real bus (``zkv up --demo``,
-``zkv bench manager``)."""
+``cycle`` runs the pause / clear / resume cycle for a manager and its client.
+The synthetic chat workload over the real bus (``zkv up --demo``, ``zkv bench
+manager``) is ``zkv.harness.workload``; an in-process fake bus for tests is
+``zkv.testing.FakeBus``."""
 
 from .allocator import (
     BlockAllocator,

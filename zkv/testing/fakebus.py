@@ -24,19 +24,13 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..wire.outcome import TaskOutcome
+
 SCRIPTABLE_OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout", "raise")
 
 
 class FakeBusError(Exception):
     """The fake bus refused a task at submit."""
-
-
-@dataclass(frozen=True)
-class TaskOutcome:
-    task: int
-    outcome: str
-    reason: str = ""
-    bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -49,7 +43,15 @@ class SubmittedTask:
 
 
 class FakeBus:
-    """Executes swap tasks synchronously at submit, with scripted outcomes."""
+    """An in-process bus whose outcome for each task is scripted.
+
+    It executes a swap task synchronously inside ``submit`` (copying entries
+    between ``gpu`` and ``cpu``) and files its outcome: the next one queued by
+    :meth:`script`, else ``default_outcome``.  Control it gives: which outcome
+    each task gets, and when a ``timeout`` task's late copy lands
+    (:meth:`deliver_late`); ``submitted`` records every task for assertions.
+    It runs no broker, ranks or sockets: for the real bus use ``zkv.harness``.
+    """
 
     def __init__(self, block_bytes: int = 1, default_outcome: str = "ok", settles: bool = True) -> None:
         self.gpu: dict[int, object] = {}

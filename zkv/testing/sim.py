@@ -35,6 +35,20 @@ class SimRank:
 
 
 class Sim:
+    """One ``BrokerCore`` and ``world`` ``RankCore`` objects wired through
+    queues that move only when the test says so, on a clock it sets.
+
+    Every message waits in a queue until the test delivers it: ``deliver_broker``
+    (rank -> broker), ``deliver_dealer`` (broker -> rank tasks and replies),
+    ``deliver_pub`` (the control PUB, or drop it), ``finish`` (the simulated
+    executor completes tasks), ``tick`` (advance ``now`` and run the broker's
+    timers).  So a test picks the exact interleaving: a pause overtaking tasks,
+    a lost PUB message, a stale ack, a rank that dies at a given step.
+    ``settle`` delivers everything until nothing moves.  ``outcomes`` holds each
+    task's single outcome (a second one fails the test at once) and every
+    ``SimRank`` counts ``copies_after_ack``.  No sockets, threads or torch.
+    """
+
     def __init__(self, world: int = 2, now: float = 100.0, **cfg):
         self.now = now
         self.broker = BrokerCore(BrokerConfig(world=world, **cfg))
