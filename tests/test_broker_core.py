@@ -5,7 +5,7 @@ import msgpack
 import pytest
 
 from zkv.wire import protocol as P
-from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank, frames_of
+from zkv.broker.core import BrokerConfig, BrokerCore, ToClient, ToRank, frames_of
 
 from zkv.testing.sim import CLIENT, LAYOUT, Sim
 

@@ -83,7 +83,7 @@ def test_cli_without_a_broker_says_what_to_do(tmp_path):
 
 
 @pytest.mark.parametrize("src,dst", [
-    (list(range(0, 16)), list(range(100, 116))),  # one coalesced run
+    (list(range(16)), list(range(100, 116))),  # one coalesced run
     ([3, 17, 5, 60, 41, 8, 9, 10], [127, 0, 64, 2, 90, 30, 31, 32]),  # scattered + a short run
 ])
 def test_swap_round_trip_is_bit_identical_on_every_rank(client, src, dst):

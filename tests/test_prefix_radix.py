@@ -58,7 +58,7 @@ def test_tree_walk_add_remove_and_gpu_child_count():
         tree.remove_leaf(a)
     tree.remove_leaf(b)
     assert a.num_gpu_children == 0 and not b.attached and tree.walk(keys) == [a]
-    assert [n for n in tree.iter_nodes()] == [a]
+    assert list(tree.iter_nodes()) == [a]
     assert RadixTree.subtree_children_first(a) == [a]
 
 

@@ -9,9 +9,9 @@ JSON conventions (also described in docs/protocol.md, "Golden vectors"):
 - ``decoded``: the msgpack map as JSON; a msgpack bin value is written
   ``{"$bin": "<hex>"}`` (no zkv message has a field named ``$bin``).
 - ``fields`` (valid, not body): the keyword fields passed to
-  ``zkv.protocol.encode(kind, **fields)``, which must reproduce ``hex``
+  ``zkv.wire.protocol.encode(kind, **fields)``, which must reproduce ``hex``
   exactly; for bodies, ``encode_body`` holds ``op``/``src``/``dst``/``extra``
-  for ``zkv.protocol.encode_body`` when the vector is what it emits.
+  for ``zkv.wire.protocol.encode_body`` when the vector is what it emits.
 - ``body`` (valid bodies): what ``decode_body`` must return, ids as lists.
 - ``decoder`` (invalid): ``decode`` or ``decode_body``; ``expect_kinds``: the
   kinds the receiving socket accepts (null: any kind); ``code``: the error code.

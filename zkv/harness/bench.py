@@ -38,7 +38,7 @@ def _relay_broker(front: str, back: str, ranks: int, ready: Any) -> None:
         s.setsockopt(zmq.RCVHWM, 100_000)
     fe.bind(front)
     be.bind(back)
-    ids = []
+    ids: list[bytes] = []
     while len(ids) < ranks:  # the ranks say hello first
         if be.poll(10_000):
             ids.append(be.recv_multipart(zmq.NOBLOCK)[0])

@@ -80,7 +80,7 @@ class RadixNode:
         self.key = key
         self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
-        self.depth = 0 if parent is None else parent.depth + 1
+        self.depth: int = 0 if parent is None else parent.depth + 1
         self.state = state
         self.gpu_block = gpu_block
         self.cpu_block = cpu_block

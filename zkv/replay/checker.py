@@ -103,7 +103,7 @@ def _rank_deltas(before: list[dict] | None, after: list[dict] | None) -> list[di
         row: dict[str, Any] = {"rank": r["rank"], "alive": r.get("alive", False), "pid": r.get("pid")}
         for name in COUNTERS:
             now = (r.get("stats") or {}).get(name, 0)
-            then = (b.get("stats") or {}).get(name, 0) if same_proc else 0
+            then = (b.get("stats") or {}).get(name, 0) if b is not None and same_proc else 0
             row[name] = now - then
         out.append(row)
     return out
@@ -114,7 +114,7 @@ def check(trace: Trace, obs: Observation) -> Report:
     violations: list[dict[str, Any]] = []
 
     def violate(kind: str, lines: list[int], message: str, **extra: Any) -> None:
-        violations.append({"kind": kind, "lines": sorted(set(ln for ln in lines if ln)), "message": message, **extra})
+        violations.append({"kind": kind, "lines": sorted({ln for ln in lines if ln}), "message": message, **extra})
 
     counts: collections.Counter[str] = collections.Counter()
     lat_all: list[float] = []
@@ -152,18 +152,18 @@ def check(trace: Trace, obs: Observation) -> Report:
             segment += 1
         elif op.ev == "submit" and obs.outcomes.get(op.key):
             spec, outcome = trace.tasks[op.key], obs.outcomes[op.key][0].outcome
-            first = first_cancel.get((segment, op.client))
-            if outcome == "cancelled" and first is None:
+            cancelled = first_cancel.get((segment, op.client))
+            if outcome == "cancelled" and cancelled is None:
                 first_cancel[(segment, op.client)] = spec
-            elif outcome in ("ok", "failed") and first is not None:
-                violate("fifo", [first.line, spec.line],
-                        f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {first.label} (line {first.line}), "
+            elif outcome in ("ok", "failed") and cancelled is not None:
+                violate("fifo", [cancelled.line, spec.line],
+                        f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {cancelled.label} (line {cancelled.line}), "
                         "submitted before it by the same client, was cancelled: a clear cancels a suffix of the FIFO queue", task=spec.label)
     labels = {spec.key: spec for spec in specs}
     for key, message in obs.anomalies:
-        spec = labels.get(key)
-        violate("reported_twice", [spec.line] if spec else [],
-                f"task {spec.label if spec else key} (line {spec.line if spec else '?'}): {message}", task=spec.label if spec else str(key))
+        named = labels.get(key)
+        violate("reported_twice", [named.line] if named else [],
+                f"task {named.label if named else key} (line {named.line if named else '?'}): {message}", task=named.label if named else str(key))
     for cr in obs.controls:
         if cr.expect is not None and cr.result not in cr.expect:
             because = f" ({cr.reason})" if cr.reason else ""
@@ -179,12 +179,12 @@ def check(trace: Trace, obs: Observation) -> Report:
         violate("unverified", [], "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
                 + ("" if obs.ranks_after is not None else " (no status)"))
     per_op: dict[str, dict[str, Any]] = {}
-    for op in ("pause", "clear", "resume"):
-        rows = [cr for cr in obs.controls if cr.op == op]
+    for kind in ("pause", "clear", "resume"):
+        rows = [cr for cr in obs.controls if cr.op == kind]
         if not rows:
             continue
-        bus_field = {"pause": "drain_ms", "clear": "clear_ms", "resume": "resume_ms"}[op]
-        per_op[op] = {
+        bus_field = {"pause": "drain_ms", "clear": "clear_ms", "resume": "resume_ms"}[kind]
+        per_op[kind] = {
             "results": dict(collections.Counter(cr.result for cr in rows)),
             "wall_ms": percentiles([cr.wall_ms for cr in rows if cr.result == "ok"]),
             bus_field: percentiles([float(cr.fields[bus_field]) for cr in rows if bus_field in cr.fields]),

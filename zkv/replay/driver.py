@@ -35,7 +35,7 @@ class ObservingBook(ResultBook):
         self.ended: dict[int, str] = {}  # task -> "ranks", "bus:<outcome>" or "client"
         self.anomalies: list[tuple[int, str]] = []
 
-    def on_result(self, msg: dict, now: float):  # type: ignore[override]
+    def on_result(self, msg: dict, now: float):
         task, rank = msg["task"], msg["rank"]
         entry = self.open.get(task)
         if entry is not None:
@@ -52,7 +52,7 @@ class ObservingBook(ResultBook):
             self.ended[task] = "ranks"
         return out
 
-    def on_outcome(self, task: int, outcome: str, reason: str, now: float):  # type: ignore[override]
+    def on_outcome(self, task: int, outcome: str, reason: str, now: float):
         if task not in self.open and self.ended.get(task, "client") != "client":
             self.anomalies.append((task, f"the broker reported {outcome} after the task had ended ({self.ended[task]})"))
         out = super().on_outcome(task, outcome, reason, now)
@@ -60,13 +60,13 @@ class ObservingBook(ResultBook):
             self.ended[task] = f"bus:{outcome}"
         return out
 
-    def expire(self, now: float):  # type: ignore[override]
+    def expire(self, now: float):
         done = super().expire(now)
         for out in done:
             self.ended[out.task] = "client"
         return done
 
-    def cancel_all(self, reason: str, now: float):  # type: ignore[override]
+    def cancel_all(self, reason: str, now: float):
         done = super().cancel_all(reason, now)
         for out in done:
             self.ended[out.task] = "client"
@@ -122,7 +122,7 @@ class Replayer:
 
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for traffic to any client, and file outcomes."""
-        events = dict(self.poller.poll(max(0.0, timeout) * 1000)) if self.clients else {}
+        events = dict(self.poller.poll(max(0.0, timeout) * 1000)) if self.clients else {}  # type: ignore[arg-type]  # pyzmq takes float ms
         now = time.monotonic()
         ready = {self.owner[s] for s in events}
         for label, c in self.clients.items():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, TextIO
+from typing import IO, Any, Iterable
 
 from ..wire.layout import CacheLayout
 
@@ -112,7 +112,7 @@ def header_record(world: int, layout: CacheLayout | dict | None, **extra: Any) -
     return {"zkv_trace": FORMAT_VERSION, "world": world, "layout": layout, **extra}
 
 
-def dump_records(records: Iterable[dict[str, Any]], out: TextIO) -> None:
+def dump_records(records: Iterable[dict[str, Any]], out: IO[str]) -> None:
     for rec in records:
         out.write(json.dumps(rec) + "\n")
 

@@ -163,14 +163,14 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> Trace:
             ops.append(Op(lineno, ev, last_t, client, task, body))
         elif ev == "outcome":
             task = _label(rec.get("task"), "task", lineno, source)
-            spec = tasks.get((client, task))
-            if spec is None:
+            submitted = tasks.get((client, task))
+            if submitted is None:
                 raise TraceError(lineno, f"outcome for task {task} of client {client}, which no earlier submit record names", source)
             outcome = rec.get("outcome")
             if outcome not in P.OUTCOMES:
                 raise TraceError(lineno, f"unknown outcome {outcome!r}; expected one of {', '.join(P.OUTCOMES)}", source)
-            spec.recorded.append((lineno, outcome))
-            spec.expects.append((lineno, (outcome,)))
+            submitted.recorded.append((lineno, outcome))
+            submitted.expects.append((lineno, (outcome,)))
         else:
             params: dict[str, Any] = {}
             if rec.get("timeout_ms") is not None:

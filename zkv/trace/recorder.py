@@ -87,7 +87,7 @@ def _helper_main(path: str, t0: float) -> None:
     written = errors = 0
     with open(path, "a", encoding="utf-8") as out:
         while True:
-            data = sys.stdin.buffer.read1(1 << 20)
+            data = sys.stdin.buffer.read1(1 << 20)  # type: ignore[union-attr]  # a BufferedReader
             if not data:
                 return
             unpacker.feed(data)

@@ -1,0 +1,174 @@
+"""The import rules of docs/architecture.md, checked on every module's imports.
+
+Every ``import`` and ``from ... import`` in zkv/ (at the top of a module or
+inside a function: a lazy import is still a dependency) is resolved to the
+zkv module it names and checked against the layer rules below.  A new
+subpackage needs a rule here before it can import anything.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "zkv"
+
+#: layer -> the layers its modules may import (its own included).
+ALLOWED: dict[str, set[str]] = {
+    "wire": {"wire"},
+    "net": {"wire", "net"},
+    "broker": {"wire", "net", "broker"},
+    "rank": {"wire", "net", "rank"},
+    "client": {"wire", "net", "client"},
+    "prefix": {"wire", "prefix"},  # it reaches the bus only through BusLike
+    "trace": {"wire", "trace"},
+    "replay": {"wire", "net", "client", "trace", "replay", "harness"},
+    "harness": {"wire", "net", "broker", "rank", "client", "prefix", "testing", "harness"},
+    "testing": {"wire", "net", "broker", "rank", "client", "prefix", "testing"},
+    "cli": {"wire", "net", "broker", "rank", "client", "prefix", "trace", "replay", "harness", "cli"},
+    "api": {"wire", "client"},  # zkv/__init__.py: Client, ZkvError, CacheLayout, TaskOutcome
+}
+
+#: (importer, imported) pairs that break a rule today, each with the issue that removes it.
+KNOWN_EXCEPTIONS = {
+    # Phase 2 of issue 11: pack_ids turns a torch tensor into bytes through
+    # kvcache.tensor_bytes (lazily, only when handed a tensor).
+    ("zkv.wire.protocol", "zkv.rank.kvcache"),
+}
+
+#: Layers whose modules may import torch.
+TORCH_LAYERS = {"rank", "engines"}
+#: Modules outside them that may: the copy benchmark times plain torch copies
+#: as the baseline for the rank's copy engine.
+TORCH_EXCEPTIONS = {"zkv.harness.bench"}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    if parts[1] == "__main__":
+        return "cli"
+    return parts[1]
+
+
+def imports_of(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in ``source``; ``from X import name``
+    yields ``X.name`` when that is a zkv module, else ``X``."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                if node.level > 1:
+                    base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.append((node.lineno, sub if module_exists(sub) else target))
+    return out
+
+
+def module_exists(module: str) -> bool:
+    if not module.startswith("zkv"):
+        return False
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def violations(module: str, source: str, is_package: bool = False) -> list[str]:
+    found = []
+    layer = layer_of(module)
+    if layer not in ALLOWED:
+        return [f"{module}: layer {layer!r} has no import rule (add one to ALLOWED and to docs/architecture.md)"]
+    for line, target in imports_of(module, source, is_package):
+        top = target.split(".")[0]
+        if top == "torch" and layer not in TORCH_LAYERS and module not in TORCH_EXCEPTIONS:
+            found.append(f"{module}:{line} imports torch; only {sorted(TORCH_LAYERS)} may")
+        if top != "zkv":
+            continue
+        if not module_exists(target):
+            found.append(f"{module}:{line} imports {target}, which does not exist")
+            continue
+        to = layer_of(target)
+        if to not in ALLOWED[layer] and (module, target) not in KNOWN_EXCEPTIONS:
+            found.append(f"{module}:{line} ({layer}) imports {target} ({to}); {layer} may import only {sorted(ALLOWED[layer])}")
+    return found
+
+
+def all_modules() -> list[pathlib.Path]:
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_every_module_follows_the_import_rules():
+    problems = []
+    for path in all_modules():
+        problems += violations(module_name(path), path.read_text(encoding="utf-8"), path.name == "__init__.py")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_package_has_an_init():
+    missing = [str(d.relative_to(ROOT)) for d in [PKG, *PKG.rglob("*")] if d.is_dir() and d.name != "__pycache__"
+               and any(d.glob("*.py")) and not (d / "__init__.py").is_file()]
+    assert not missing, f"setup.cfg finds packages by their __init__.py; these have none: {missing}"
+
+
+def test_known_exceptions_are_still_needed():
+    """An exception that no module needs any more is deleted, not kept."""
+    used = set()
+    for path in all_modules():
+        module = module_name(path)
+        used |= {(module, t) for _, t in imports_of(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")}
+    assert KNOWN_EXCEPTIONS <= used, KNOWN_EXCEPTIONS - used
+
+
+@pytest.mark.parametrize("module,source,complaint", [
+    ("zkv.broker.core", "from ..rank import core\n", "broker may import only"),
+    ("zkv.client.client", "def f():\n    from ..broker.loop import Broker\n", "client may import only"),
+    ("zkv.wire.layout", "from ..net.endpoints import Endpoints\n", "wire may import only"),
+    ("zkv.prefix.manager", "import torch\n", "imports torch"),
+    ("zkv.trace.parse", "from ..wire.nothing_here import x\n", "does not exist"),
+    ("zkv.engines2.x", "import os\n", "has no import rule"),
+])
+def test_the_checker_catches_a_crossing(module, source, complaint):
+    found = violations(module, source)
+    assert found and complaint in found[0], found
+
+
+def test_the_lower_layers_load_without_torch():
+    """Measured, not parsed: a fresh interpreter imports them and torch stays out."""
+    code = ("import sys, zkv, zkv.wire, zkv.net, zkv.broker, zkv.client, zkv.prefix, zkv.rank, zkv.rank.core, "
+            "zkv.trace, zkv.replay, zkv.testing; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_import_zkv_leaves_the_process_alone():
+    """No warning filters, no signal handlers, no torch settings on import."""
+    code = ("import signal, warnings; before = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
+            "import zkv, zkv.cli; after = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
+            "print(before == after)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
