@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..harness.stats import percentiles
-from ..trace import Trace
+from ..trace import CONTROL_REQUESTS, Trace
 
 Key = tuple  # (client label, task label) as in the trace
 COUNTERS = ("copies_after_ack",)  # rank stats that must not move
@@ -179,7 +179,7 @@ def check(trace: Trace, obs: Observation) -> Report:
         violate("unverified", [], "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
                 + ("" if obs.ranks_after is not None else " (no status)"))
     per_op: dict[str, dict[str, Any]] = {}
-    for kind in ("pause", "clear", "resume"):
+    for kind in CONTROL_REQUESTS:
         rows = [cr for cr in obs.controls if cr.op == kind]
         if not rows:
             continue

@@ -12,7 +12,7 @@ from typing import Any, Iterable, TextIO
 from ..wire import protocol as P
 from ..wire.ids import decode_ids
 from ..wire.layout import CacheLayout
-from .format import (CONTROL_OPS, DEFAULT_CONTROL_CLIENT, DEFAULT_TASK_CLIENT, EVENTS, FORMAT_VERSION, _CONTROL_KEYS,
+from .format import (CONTROL_REQUESTS, DEFAULT_CONTROL_CLIENT, DEFAULT_TASK_CLIENT, EVENTS, FORMAT_VERSION, _CONTROL_KEYS,
                      _OUTCOME_KEYS, _SUBMIT_KEYS, Header, Op, TaskSpec, Trace, TraceError)
 
 def _expect_list(value: Any, allowed: Iterable[str] | None, line: int, source: str) -> tuple[str, ...]:
@@ -141,7 +141,7 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> Trace:
         unknown = [k for k in rec if k not in keys and not k.startswith("_")]
         if unknown:
             raise TraceError(lineno, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in a {ev} record", source)
-        default_client = DEFAULT_CONTROL_CLIENT if ev in CONTROL_OPS else DEFAULT_TASK_CLIENT
+        default_client = DEFAULT_CONTROL_CLIENT if ev in CONTROL_REQUESTS else DEFAULT_TASK_CLIENT
         client = str(_label(rec.get("client", default_client), "client", lineno, source))
         if segment:
             client = f"s{segment}/{client}"
