@@ -3,7 +3,7 @@
 1. A round trip: fill blocks, swap them out, scribble over them, swap them
    back in, and compare per-rank digests.
 2. A chat workload served through the prefix cache manager
-   (``zkv.prefix.workload``): shared system prompts, Zipf-popular multi-turn
+   (``zkv.harness.workload``): shared system prompts, Zipf-popular multi-turn
    conversations, more KV than the GPU holds, so cold prefixes are swapped
    out to the CPU and back in when they return.  Every cache hit is checked
    bit for bit on every rank, and halfway through the workload an RL-style

@@ -11,7 +11,7 @@ computing the block keys alone (``block_keys``, the hashing any prefix cache
 does), and a flat dict keyed by block key (look every key up, store the
 missing ones): a cache with no tiers, leases or eviction.
 
-``bench_manager_cluster``: the chat workload (``zkv.prefix.workload``) served
+``bench_manager_cluster``: the chat workload (``zkv.harness.workload``) served
 through the manager on a real local cluster (broker + ranks as processes):
 requests/s, hit rates, swaps.  Baseline: the same request stream on the same
 cluster without a prefix cache (one ``fill`` task writes every block of every
