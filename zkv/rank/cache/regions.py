@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -309,7 +309,8 @@ class EngineCache:
         self.generation = generation
         self._flats: list[torch.Tensor] = list(flats)
         self.views: list[torch.Tensor] = [
-            self._flats[r.buffer].as_strided((descriptor.num_blocks, r.page_bytes), (r.row_stride, 1), r.offset)
+            self._flats[r.buffer].as_strided((descriptor.num_blocks, r.page_bytes), (r.row_stride, 1),
+                                             self._flats[r.buffer].storage_offset() + r.offset)
             for r in descriptor.regions
         ]
         devices = {v.device for v in self.views}
