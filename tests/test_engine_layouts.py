@@ -93,8 +93,9 @@ ENGINES = {"zkv": zkv_engine, "fastdeploy": fastdeploy_engine, "vllm_flash": vll
 
 @pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
 @pytest.mark.parametrize("src,rows,dst", [([0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]),
-                                          ([7, 2, 9, 3], [0, 19, 4, 5], [1, 11, 0, 6])],
-                         ids=["runs", "scattered"])
+                                          ([7, 2, 9, 3], [0, 19, 4, 5], [1, 11, 0, 6]),
+                                          (list(range(10)), list(range(10, 20)), list(range(2, 12)))],
+                         ids=["short runs", "scattered", "one long run"])
 def test_swap_out_overwrite_swap_in_elsewhere_restores_the_bytes(make, src, rows, dst):
     engine = make()
     cache = EngineCache.from_tensors(engine.entries)
