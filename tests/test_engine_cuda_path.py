@@ -88,6 +88,26 @@ def test_the_engine_can_name_its_compute_stream(calls):
     assert calls[0] == ("wait_stream", "engine-stream")
 
 
+@pytest.mark.parametrize("staging_rows", [1, 3, 64])
+def test_multi_region_runs_go_through_a_staging_buffer_in_tier_row_layout(calls, staging_rows):
+    ks = [torch.randint(0, 1000, (12, 2, 4, 8), dtype=torch.int32) for _ in range(3)]
+    cache = EngineCache.from_tensors(layouts.zkv_native(ks[:2], ks[1:]))  # layer1.k is layer0.v: kept once
+    tier = CpuTier.for_cache(cache.descriptor, rows=16, pin=False)
+    copier = CopyEngine(cache, tier, staging_bytes=staging_rows * tier.row_bytes)
+    copier.cuda, copier.copy_stream = True, torch.cuda.Stream(device="cuda:0")
+    src, rows, dst = [0, 1, 2, 3, 4, 9], [5, 6, 7, 8, 9, 0], [6, 7, 8, 9, 10, 11]
+    want = [k[src].clone() for k in ks]
+    copier.swap_out(src, rows)
+    assert copier._staging is not None and copier._staging.shape == (staging_rows, tier.row_bytes)
+    for k in ks:
+        k.zero_()
+    copier.swap_in(rows, dst)
+    assert all(torch.equal(k[dst], w) for k, w in zip(ks, want))
+    assert [c[0] for c in calls].count("event.synchronize") == 2
+    copier.close()
+    assert copier._staging is None
+
+
 def test_the_tier_is_pinned_when_cuda_exists(monkeypatch):
     seen = []
     real_zeros = torch.zeros
