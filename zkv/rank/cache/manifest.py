@@ -225,6 +225,7 @@ def _local_cuda_index(uuid_text: str) -> int:
 
 def _map_cuda(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
     index = _local_cuda_index(h["device_uuid"])
+    torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does before opening a handle
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             index, h["handle"], h["size"], h["offset"], h["ref_counter_handle"], h["ref_counter_offset"],
