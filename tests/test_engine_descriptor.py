@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine
 from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.regions import CacheDescriptor, EngineCache, canonicalize
+from zkv.rank.cache.regions import CacheDescriptor, EngineCache, TensorEntry, canonicalize
 from zkv.rank.cache.tier import CpuTier
 
 
@@ -115,3 +115,35 @@ def test_a_tier_does_not_fit_a_cache_with_another_page_shape():
     assert not tier.fits(other.descriptor) and not tier.fits(renamed.descriptor)
     with pytest.raises(CacheError, match="page shape"):
         CopyEngine(other, tier)
+
+
+@st.composite
+def strided_tensors(draw):
+    """A tensor over an arange storage (each element holds its own index), in any physical order, maybe sliced."""
+    dims = draw(st.integers(2, 4))
+    shape = draw(st.lists(st.integers(1, 4), min_size=dims, max_size=dims))
+    order = draw(st.permutations(range(dims)))
+    physical = torch.arange(int(torch.Size(shape).numel()) * 2, dtype=torch.int64)[: int(torch.Size(shape).numel())]
+    t = physical.view([shape[d] for d in order]).permute(*[order.index(d) for d in range(dims)])
+    if draw(st.booleans()):
+        dim = draw(st.integers(1, dims - 1))
+        t = t.narrow(dim, 0, max(1, t.shape[dim] - draw(st.integers(0, 1))))
+    return t
+
+
+@given(strided_tensors())
+def test_a_tensor_is_accepted_exactly_when_each_block_is_one_run_and_blocks_do_not_overlap(t):
+    spans = []
+    for b in range(t.shape[0]):
+        idx = sorted(t[b].flatten().tolist())
+        spans.append((idx[0], idx[-1] + 1, idx == list(range(idx[0], idx[-1] + 1))))
+    copyable = all(dense for *_, dense in spans) and all(
+        a[1] <= b[0] or b[1] <= a[0] for i, a in enumerate(spans) for b in spans[i + 1:])
+    try:
+        cache = EngineCache.from_tensors([TensorEntry("t", t)])
+    except CacheError as err:
+        assert err.code == "bad_layout" and not copyable, f"refused a copyable tensor: {err}"
+        return
+    assert copyable, "accepted a tensor whose blocks are not copyable row by row"
+    for b in range(t.shape[0]):  # row b covers exactly block b's elements
+        assert sorted(cache.views[0][b].view(torch.int64).tolist()) == sorted(t[b].flatten().tolist())

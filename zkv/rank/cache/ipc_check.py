@@ -21,8 +21,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torch.multiprocessing.reductions import StorageWeakRef
-
 from .copier import CopyEngine
 from .manifest import attach
 from .tier import CpuTier
@@ -92,7 +90,7 @@ def check(layout: str, device: str = "cpu", workdir: str | None = None) -> dict[
         engine = EngineProcess(layout, path, generation=5, device=device)
         try:
             cache = attach(path, expect_generation=5)
-            refs = [StorageWeakRef(flat.untyped_storage()) for flat in cache._flats]
+            refs = cache.storage_refs()
             out: dict[str, Any] = {"layout": layout, "device": str(cache.device), "regions": len(cache.descriptor.regions),
                                    "mapped_attached": mapped(engine.tag)}
             copier = CopyEngine(cache, CpuTier.for_cache(cache.descriptor, rows=8))

@@ -335,6 +335,11 @@ class EngineCache:
         """Refuse ids outside the engine's block range (and duplicates where two copies would race)."""
         check_ids(what, ids, self.num_blocks, "engine", unique)
 
+    def storage_refs(self) -> list[Any]:
+        """Weak references to every engine storage zkv holds (``expired()`` once nobody does)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        return [StorageWeakRef(flat.untyped_storage()) for flat in self._flats]
+
     def release(self) -> None:
         """Drop every view and buffer reference zkv holds on engine memory (idempotent)."""
         self.views = []
