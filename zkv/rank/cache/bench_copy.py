@@ -24,8 +24,8 @@ from .regions import EngineCache
 from .tier import CpuTier
 
 
-def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> list[float]:
-    """Median seconds of each of ``fns``, run interleaved (so load on a shared
+def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> list[list[float]]:
+    """Seconds of each of ``fns`` per rep, run interleaved (so load on a shared
     machine hits them alike), after one warm-up call each."""
     times: list[list[float]] = [[] for _ in fns]
     for rep in range(reps + 1):
@@ -38,7 +38,12 @@ def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> lis
                 torch.cuda.synchronize(device)
             if rep:
                 acc.append(time.perf_counter() - t0)
-    return [statistics.median(acc) for acc in times]
+    return times
+
+
+def _paired(base: list[float], ours: list[float]) -> float:
+    """Median over reps of baseline time / our time (1.0: as fast as the plain copy)."""
+    return statistics.median(b / o for b, o in zip(base, ours))
 
 
 def _engine(layout: str, engine_blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int,
@@ -54,7 +59,7 @@ def _engine(layout: str, engine_blocks: int, layers: int, kv_heads: int, block_s
 
 
 def bench_copy(blocks: int = 256, layers: int = 4, kv_heads: int = 8, block_size: int = 16, head_dim: int = 64,
-               dtype: torch.dtype = torch.bfloat16, reps: int = 7, device: str | None = None, seed: int = 0,
+               dtype: torch.dtype = torch.bfloat16, reps: int = 15, device: str | None = None, seed: int = 0,
                threads: int | None = 1) -> dict[str, Any]:
     """GB/s of swap_out / swap_in per layout and id pattern, and of the baseline copy_.
 
@@ -92,9 +97,11 @@ def _run(blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int
             base_out, t_out, base_in, t_in = _timed([
                 lambda: dst.copy_(src, non_blocking=nb), lambda: copier.swap_out(block_ids, rows),
                 lambda: src.copy_(dst, non_blocking=nb), lambda: copier.swap_in(rows, block_ids)], reps, dev)
-            row[name] = {"out_gbps": nbytes / t_out / 1e9, "in_gbps": nbytes / t_in / 1e9,
-                         "copy_out_gbps": nbytes / base_out / 1e9, "copy_in_gbps": nbytes / base_in / 1e9,
-                         "out_vs_copy": base_out / t_out, "in_vs_copy": base_in / t_in}
+            gbps = {key: nbytes / statistics.median(ts) / 1e9
+                    for key, ts in (("out", t_out), ("in", t_in), ("copy_out", base_out), ("copy_in", base_in))}
+            row[name] = {"out_gbps": gbps["out"], "in_gbps": gbps["in"], "copy_out_gbps": gbps["copy_out"],
+                         "copy_in_gbps": gbps["copy_in"], "out_vs_copy": _paired(base_out, t_out),
+                         "in_vs_copy": _paired(base_in, t_in)}
         result["layouts"][layout] = row
         cache.release()
     return result
@@ -102,7 +109,7 @@ def _run(blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
-             "copy_ of the same bytes (interleaved in the same run)",
+             "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
              f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10} {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}"]
     for layout, row in result["layouts"].items():
         for name in ("contiguous", "scattered"):
