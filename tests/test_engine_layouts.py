@@ -199,3 +199,13 @@ def test_block_ids_are_checked_against_the_engine_block_count():
 def test_coalesce_merges_consecutive_pairs_only():
     assert coalesce([3, 0, 1, 2, 9], [13, 10, 11, 12, 1]) == [(0, 10, 4), (9, 1, 1)]
     assert coalesce([0, 1], [5, 7]) == [(0, 5, 1), (1, 7, 1)]
+
+
+def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is_refused():
+    t = torch.zeros((NB, 2, BS, H, D))  # FlashInfer's K and V halves taken as regions of their own
+    cache = EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("v", t[:, 1])])
+    assert [r.offset for r in cache.descriptor.regions] == [0, BS * H * D * 4]
+    half = BS * H * D
+    with pytest.raises(CacheError, match="'k' and 'kv' overlap"):
+        straddling = t.view(NB, -1)[:, half // 2: half + half // 2]  # the second half of K and the first of V
+        EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("kv", straddling)])

@@ -32,7 +32,7 @@ from .errors import CacheError
 DESCRIPTOR_VERSION = 1
 MAX_INT = 2**53 - 1
 MAX_NAME = 256
-MAX_REGIONS = 65536
+MAX_REGIONS = 4096
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -146,7 +146,6 @@ class CacheDescriptor:
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise CacheError("bad_layout", "region names must be unique")
-        by_buffer: dict[int, list[RegionSpec]] = {}
         for r in self.regions:
             if r.buffer >= len(self.buffers):
                 raise CacheError("bad_layout", f"region {r.name!r} names buffer {r.buffer}, there are {len(self.buffers)}")
@@ -156,11 +155,20 @@ class CacheDescriptor:
             if end > self.buffers[r.buffer].nbytes:
                 raise CacheError("bad_layout", f"region {r.name!r} ends at byte {end}, past buffer "
                                  f"{self.buffers[r.buffer].name!r} of {self.buffers[r.buffer].nbytes} bytes")
-            for other in by_buffer.setdefault(r.buffer, []):
+        self._check_overlaps()
+
+    def _check_overlaps(self) -> None:
+        """A sweep over regions sorted by buffer and start: each is compared only with
+        the regions of its buffer whose span it starts inside."""
+        active: list[RegionSpec] = []
+        for r in sorted(self.regions, key=lambda r: (r.buffer, r.offset)):
+            start = r.offset
+            active = [a for a in active if a.buffer == r.buffer and a.span(self.num_blocks)[1] > start]
+            for other in active:
                 if _overlap(other, r, self.num_blocks):
                     raise CacheError("bad_layout", f"regions {other.name!r} and {r.name!r} overlap in buffer "
                                      f"{self.buffers[r.buffer].name!r}")
-            by_buffer[r.buffer].append(r)
+            active.append(r)
 
     @property
     def block_bytes(self) -> int:
