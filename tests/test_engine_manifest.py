@@ -53,7 +53,7 @@ def local_manifest(tmp_path):
 
 def test_a_manifest_of_another_generation_is_stale(local_manifest):
     path, manifest, arena = local_manifest
-    for kw in ({"expect_generation": 2}, {"expect_nonce": "0" * 32}):
+    for kw in ({"expect_generation": 2}, {"expect_nonce": "0" * 32}, {"expect_instance": "another engine"}):
         with pytest.raises(CacheError) as err:
             attach(str(path), **kw)
         assert err.value.code == "stale_manifest"
@@ -99,6 +99,18 @@ def test_a_bad_manifest_is_refused_with_a_code_and_maps_nothing(local_manifest, 
     assert err.value.code == code, err.value
     gc.collect()
     assert mapped(arena.tag) == before
+
+
+def test_a_symlink_in_place_of_the_file_is_refused(local_manifest, tmp_path):
+    path, manifest, arena = local_manifest
+    link = f"/dev/shm/zkv-{arena.tag}-link"
+    os.symlink(next(iter(arena.paths.values())), link)
+    try:
+        rewrite(path, manifest, lambda m: m["handles"][0].update(path=link))
+        with pytest.raises(CacheError, match="not a regular file"):
+            attach(str(path))
+    finally:
+        os.unlink(link)
 
 
 def test_a_file_that_shrank_is_a_size_mismatch(local_manifest):

@@ -20,6 +20,7 @@ a bad manifest is a ``CacheError`` with a code and nothing stays mapped.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -34,6 +35,7 @@ MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "zkv-"
+PROCESS_INSTANCE = uuid.uuid4().hex  # this engine process, across generations (not its PID: PIDs are reused)
 
 
 class ShmArena:
@@ -106,7 +108,7 @@ def export_manifest(path: str, entries: Sequence[TensorEntry], generation: int, 
             raise CacheError("bad_layout", f"CPU tensor {spec.name!r} is not in shared memory: allocate it with ShmArena.tensor")
         handles.append({"kind": "shm", "path": file, "file_bytes": os.stat(file).st_size, "offset": 0})
     del flats
-    manifest = {"zkv_manifest": MANIFEST_VERSION, "instance": instance or uuid.uuid4().hex, "generation": generation,
+    manifest = {"zkv_manifest": MANIFEST_VERSION, "instance": instance or PROCESS_INSTANCE, "generation": generation,
                 "nonce": uuid.uuid4().hex, "descriptor": descriptor.to_dict(), "handles": handles}
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -206,9 +208,11 @@ def read_manifest(path: str, shm_dir: str = SHM_DIR) -> Manifest:
 def _map_shm(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
     path = h["path"]
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         raise CacheError("missing_file", f"shared-memory file {path!r} of buffer {spec_name!r} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(f"shared-memory file {path!r} of buffer {spec_name!r} is not a regular file")
     if st.st_size != h["file_bytes"]:
         raise CacheError("size_mismatch", f"shared-memory file {path!r} has {st.st_size} bytes, the manifest says {h['file_bytes']}")
     storage = torch.UntypedStorage.from_file(path, True, h["file_bytes"])
@@ -236,11 +240,13 @@ def _map_cuda(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
 
 
 def attach(path: str, expect_generation: int | None = None, expect_nonce: str | None = None,
-           shm_dir: str = SHM_DIR) -> EngineCache:
+           expect_instance: str | None = None, shm_dir: str = SHM_DIR) -> EngineCache:
     """Map a manifest's buffers and return the engine cache; ``release()`` unmaps it.
 
-    A generation or nonce other than the expected one is ``stale_manifest``."""
+    A generation, nonce or engine instance other than the expected one is ``stale_manifest``."""
     m = read_manifest(path, shm_dir)
+    if expect_instance is not None and m.instance != expect_instance:
+        raise CacheError("stale_manifest", f"manifest {path!r} is from engine instance {m.instance}, expected {expect_instance}")
     if expect_generation is not None and m.generation != expect_generation:
         raise CacheError("stale_manifest", f"manifest {path!r} is generation {m.generation}, expected {expect_generation}")
     if expect_nonce is not None and m.nonce != expect_nonce:
