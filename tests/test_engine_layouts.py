@@ -64,6 +64,23 @@ def vllm_flash_engine():
     return Engine(list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
 
 
+def vllm_flash_hnd_engine():
+    """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
+    kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
+    storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
+    return Engine(storage, layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+
+
+def vllm_mla_engine():
+    kv = {f"layer.{i}": torch.zeros((NB, BS, 576), dtype=torch.bfloat16) for i in range(L)}
+    return Engine(list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()])
+
+
+def vllm_cross_layer_engine():
+    t = torch.zeros((NB, L, 2, BS, H, D), dtype=torch.bfloat16)
+    return Engine([t], layouts.per_layer({"kv_cache": t}), lambda b: [t[b]])
+
+
 def flashinfer_engine():
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
     return Engine(list(kv.values()), layouts.flashinfer(kv), lambda b: [t[b] for t in kv.values()])
@@ -88,6 +105,7 @@ def sglang_engine():
 
 
 ENGINES = {"zkv": zkv_engine, "fastdeploy": fastdeploy_engine, "vllm_flash": vllm_flash_engine,
+           "vllm_flash_hnd": vllm_flash_hnd_engine, "vllm_mla": vllm_mla_engine, "vllm_cross_layer": vllm_cross_layer_engine,
            "flashinfer": flashinfer_engine, "transformers_cb": transformers_engine, "sglang": sglang_engine}
 
 
