@@ -30,6 +30,9 @@ def calls(monkeypatch):
             rec.append(("wait_event", event))
 
     class FakeEvent:
+        def __init__(self, blocking=False):
+            rec.append(("event", blocking))
+
         def record(self, stream):
             rec.append(("event.record", type(stream).__name__))
 
@@ -67,7 +70,7 @@ def test_a_swap_waits_for_the_compute_stream_copies_on_the_copy_stream_and_waits
     k, copier = cuda_like(calls)
     want = k[[1, 4]].clone()
     copier.swap_out([1, 4], [0, 1])
-    assert calls == [("wait_stream", "compute"), ("enter_stream", "FakeStream"), ("event.record", "FakeStream"),
+    assert calls == [("wait_stream", "compute"), ("enter_stream", "FakeStream"), ("event", True), ("event.record", "FakeStream"),
                      ("exit_stream",), ("event.synchronize",)]
     k.zero_()
     calls.clear()

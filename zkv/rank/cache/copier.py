@@ -152,7 +152,7 @@ class CopyEngine:
             stream.wait_stream(self.compute_stream or torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
             enqueue()
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning a core
             done.record(stream)
         done.synchronize()
 
