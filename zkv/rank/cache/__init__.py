@@ -6,5 +6,6 @@ from .errors import CacheError
 from .regions import EngineCache, RegionSpec, CacheDescriptor
 from .tier import CpuTier
 from .copier import CopyEngine
+from .attached import AttachedCache
 
-__all__ = ["CacheError", "EngineCache", "RegionSpec", "CacheDescriptor", "CpuTier", "CopyEngine"]
+__all__ = ["CacheError", "EngineCache", "RegionSpec", "CacheDescriptor", "CpuTier", "CopyEngine", "AttachedCache"]
