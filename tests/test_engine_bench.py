@@ -1,0 +1,17 @@
+"""The copy benchmark runs and reports every layout and id pattern beside its baseline."""
+
+import torch
+
+from zkv.rank.cache.bench_copy import bench_copy, format_table
+
+
+def test_bench_copy_reports_both_layouts_beside_a_plain_copy():
+    threads = torch.get_num_threads()
+    result = bench_copy(blocks=8, layers=2, kv_heads=2, block_size=4, head_dim=8, reps=1)
+    assert torch.get_num_threads() == threads, "the bench restores the thread setting"
+    assert set(result["layouts"]) == {"per_layer", "block_major"}
+    assert result["layouts"]["per_layer"]["regions"] == 4 and result["layouts"]["block_major"]["regions"] == 1
+    for row in result["layouts"].values():
+        for name in ("contiguous", "scattered"):
+            assert row[name]["out_gbps"] > 0 and row[name]["copy_in_gbps"] > 0 and row[name]["in_vs_copy"] > 0
+    assert "scattered" in format_table(result)

@@ -1,0 +1,229 @@
+"""Every supported engine layout, with real tensors of the engine's exact shape.
+
+Known bytes go into the engine's own tensors directly; blocks are swapped out
+through the copy engine into zkv's block-major CPU tier, the engine tensors
+are overwritten, the rows are swapped back into *different* block ids, and
+the bytes are compared through the engine's own indexing (not through zkv's
+views), so a wrong region offset or stride cannot hide."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+from zkv.rank.cache import layouts
+from zkv.rank.cache.copier import CopyEngine, coalesce
+from zkv.rank.cache.errors import CacheError
+from zkv.rank.cache.regions import EngineCache, TensorEntry
+from zkv.rank.cache.tier import CpuTier
+
+NB, BS, H, D, L = 12, 4, 2, 8, 3
+
+
+def scribble(tensors, seed: int) -> None:
+    """Random bits into every byte of the engine's tensors, written directly."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        flat = t.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8).clone()
+
+
+class Engine:
+    """An engine's tensors, and how the engine itself finds block ``b`` in them."""
+
+    def __init__(self, tensors: list[torch.Tensor], entries: list[TensorEntry], block: Callable[[int], list[torch.Tensor]]):
+        self.tensors, self.entries, self.block = tensors, entries, block
+
+    def snapshot(self, ids):
+        return [[raw(t) for t in self.block(b)] for b in ids]
+
+
+def zkv_engine():
+    store = torch.zeros((2 * L, NB, H, BS, D), dtype=torch.bfloat16)  # zkv/kvcache.py's gpu_store
+    per_layer = list(store.unbind(0))
+    ks, vs = per_layer[0::2], per_layer[1::2]
+    return Engine([store], layouts.zkv_native(ks, vs), lambda b: [t[b] for t in per_layer])
+
+
+def fastdeploy_engine():
+    ks = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    vs = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    scales = [torch.zeros((NB, H, BS), dtype=torch.float32) for _ in range(L)]
+    tensors = ks + vs + scales
+    return Engine(tensors, layouts.fastdeploy(ks, vs, key_scales=scales), lambda b: [t[b] for t in tensors])
+
+
+def vllm_flash_engine():
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, NB, BS, H, D), dtype=torch.float16) for i in range(L)}
+    return Engine(list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+
+
+def vllm_flash_hnd_engine():
+    """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
+    kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
+    storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
+    return Engine(storage, layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+
+
+def vllm_mla_engine():
+    kv = {f"layer.{i}": torch.zeros((NB, BS, 576), dtype=torch.bfloat16) for i in range(L)}
+    return Engine(list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()])
+
+
+def vllm_cross_layer_engine():
+    t = torch.zeros((NB, L, 2, BS, H, D), dtype=torch.bfloat16)
+    return Engine([t], layouts.per_layer({"kv_cache": t}), lambda b: [t[b]])
+
+
+def flashinfer_engine():
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
+    return Engine(list(kv.values()), layouts.flashinfer(kv), lambda b: [t[b] for t in kv.values()])
+
+
+def transformers_engine():
+    dtype = torch.bfloat16
+    page = L * 2 * BS * H * D * 2
+    cache_tensor = torch.zeros(NB * page, dtype=torch.uint8)
+    typed = cache_tensor.view(dtype).view(NB, L, 2, BS, H, D)
+    return Engine([cache_tensor], layouts.transformers_cb(cache_tensor, L, BS, H, D, dtype), lambda b: [typed[b]])
+
+
+def sglang_engine():
+    page_size = BS
+    slots = NB * page_size
+    ks = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
+    vs = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
+    tensors = ks + vs
+    return Engine(tensors, layouts.sglang_mha(ks, vs, page_size),
+                  lambda b: [t[b * page_size:(b + 1) * page_size] for t in tensors])
+
+
+ENGINES = {"zkv": zkv_engine, "fastdeploy": fastdeploy_engine, "vllm_flash": vllm_flash_engine,
+           "vllm_flash_hnd": vllm_flash_hnd_engine, "vllm_mla": vllm_mla_engine, "vllm_cross_layer": vllm_cross_layer_engine,
+           "flashinfer": flashinfer_engine, "transformers_cb": transformers_engine, "sglang": sglang_engine}
+
+
+@pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
+@pytest.mark.parametrize("src,rows,dst", [([0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]),
+                                          ([7, 2, 9, 3], [0, 19, 4, 5], [1, 11, 0, 6]),
+                                          (list(range(10)), list(range(10, 20)), list(range(2, 12)))],
+                         ids=["short runs", "scattered", "one long run"])
+def test_swap_out_overwrite_swap_in_elsewhere_restores_the_bytes(make, src, rows, dst):
+    engine = make()
+    cache = EngineCache.from_tensors(engine.entries)
+    assert cache.num_blocks == NB
+    assert cache.descriptor.block_bytes * NB == sum(t.numel() * t.element_size() for t in engine.tensors)
+    tier = CpuTier.for_cache(cache.descriptor, rows=20)
+    copier = CopyEngine(cache, tier)
+    scribble(engine.tensors, seed=1)
+    before = engine.snapshot(src)
+    assert copier.swap_out(src, rows) == len(src) * cache.descriptor.block_bytes
+    scribble(engine.tensors, seed=2)
+    untouched = [b for b in range(NB) if b not in dst]
+    others = engine.snapshot(untouched)
+    copier.swap_in(rows, dst)
+    after = engine.snapshot(dst)
+    for want, got in zip(before, after):
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+    for want, got in zip(others, engine.snapshot(untouched)):
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), "a swap-in wrote outside its destination blocks"
+
+
+def test_the_tier_is_block_major_one_row_per_block():
+    engine = fastdeploy_engine()
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=4)
+    scribble(engine.tensors, seed=3)
+    CopyEngine(cache, tier).swap_out([5], [2])
+    assert tier.row_bytes_of(2) == b"".join(bytes(raw(t[5]).tolist()) for t in engine.tensors)
+
+
+def test_vllm_flash_is_two_regions_per_layer_and_flashinfer_one():
+    flash = EngineCache.from_tensors(vllm_flash_engine().entries).descriptor
+    infer = EngineCache.from_tensors(flashinfer_engine().entries).descriptor
+    assert len(flash.regions) == 2 * L and len(infer.regions) == L
+    assert [r.name for r in flash.regions][:2] == ["model.layers.0.self_attn.attn.k", "model.layers.0.self_attn.attn.v"]
+    assert flash.regions[1].offset == NB * flash.regions[0].page_bytes  # V half starts after all K blocks
+    assert flash.regions[0].page_bytes == BS * H * D * 2 and infer.regions[0].page_bytes == 2 * BS * H * D * 2
+
+
+def test_layers_sharing_one_tensor_are_copied_once():
+    t = torch.zeros((NB, H, BS, D))
+    cache = EngineCache.from_tensors(layouts.per_layer({"layer0": t, "layer1": t}))
+    assert [r.name for r in cache.descriptor.regions] == ["layer0"]
+
+
+def test_slots_past_the_last_whole_page_are_not_a_block():
+    k = torch.zeros((NB * BS + 1, H, D))  # one padding slot, as transformers' older per-group tensors have
+    cache = EngineCache.from_tensors(layouts.sglang_mha([k], [], BS))
+    assert cache.num_blocks == NB
+
+
+REFUSED = {
+    "block dim not outermost": (lambda: torch.zeros((BS, NB, H, D)).transpose(0, 1), "not outermost"),
+    "page not contiguous": (lambda: torch.zeros((NB, H, BS, 2 * D))[..., ::2], "not one contiguous run"),
+    "pages overlap": (lambda: torch.zeros(NB * 64).as_strided((NB, 4, 16), (32, 16, 1)), "overlap"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=REFUSED.keys())
+def test_a_tensor_that_cannot_be_copied_block_by_block_is_refused_naming_it(case):
+    make, words = REFUSED[case]
+    with pytest.raises(CacheError) as err:
+        EngineCache.from_tensors([TensorEntry("key_caches_3", make())])
+    assert err.value.code == "bad_layout"
+    assert "key_caches_3" in str(err.value) and words in str(err.value)
+
+
+def test_slots_of_one_sglang_page_must_be_adjacent():
+    k = torch.zeros((NB * BS, H, 2 * D))[:, :, :D]  # slots with gaps between them
+    with pytest.raises(CacheError, match="not adjacent|not one contiguous") as err:
+        EngineCache.from_tensors(layouts.sglang_mha([k], [], BS))
+    assert "k_buffer[0]" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: layouts.vllm_flash_attn({"l0": torch.zeros((3, NB, BS, H, D))}),
+    lambda: layouts.flashinfer({"l0": torch.zeros((NB, BS, H, D))}),
+    lambda: layouts.transformers_cb(torch.zeros(100, dtype=torch.uint8), L, BS, H, D, torch.bfloat16),
+    lambda: layouts.fastdeploy([torch.zeros((NB, H, BS))]),
+    lambda: EngineCache.from_tensors(layouts.per_layer({"a": torch.zeros((NB, 4)), "b": torch.zeros((NB + 1, 4))})),
+])
+def test_wrong_shapes_are_refused_at_attach(bad):
+    with pytest.raises(CacheError) as err:
+        bad()
+    assert err.value.code == "bad_layout"
+
+
+def test_block_ids_are_checked_against_the_engine_block_count():
+    engine = zkv_engine()
+    cache = EngineCache.from_tensors(engine.entries)
+    copier = CopyEngine(cache, CpuTier.for_cache(cache.descriptor, rows=4))
+    for src, dst in (([NB], [0]), ([-1], [0]), ([True], [0]), ([1.0], [0]), ([0], [4]), ([0, 1], [2, 2]), ([0], [0, 1]), ([], [])):
+        with pytest.raises(CacheError) as err:
+            copier.swap_out(src, dst)
+        assert err.value.code == "bad_block_id"
+    with pytest.raises(CacheError, match="duplicate"):
+        copier.swap_in([0, 1], [3, 3])
+    copier.swap_out([1, 1], [0, 1])  # the same source twice is fine
+
+
+def test_coalesce_merges_consecutive_pairs_only():
+    assert coalesce([3, 0, 1, 2, 9], [13, 10, 11, 12, 1]) == [(0, 10, 4), (9, 1, 1)]
+    assert coalesce([0, 1], [5, 7]) == [(0, 5, 1), (1, 7, 1)]
+
+
+def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is_refused():
+    t = torch.zeros((NB, 2, BS, H, D))  # FlashInfer's K and V halves taken as regions of their own
+    cache = EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("v", t[:, 1])])
+    assert [r.offset for r in cache.descriptor.regions] == [0, BS * H * D * 4]
+    half = BS * H * D
+    with pytest.raises(CacheError, match="'k' and 'kv' overlap"):
+        straddling = t.view(NB, -1)[:, half // 2: half + half // 2]  # the second half of K and the first of V
+        EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("kv", straddling)])

@@ -1,0 +1,24 @@
+"""The one error of the engine-cache layer: a stable ``code`` a rank can put
+in a reply, and a reason that names the tensor, file or id at fault.
+
+Codes: ``bad_layout`` (a tensor zkv cannot copy block by block, or a
+descriptor that does not fit its buffers), ``bad_block_id``, ``released``
+(the cache was detached), ``bad_manifest`` (unreadable, wrong version, bad
+field), ``missing_file``, ``size_mismatch``, ``stale_manifest`` (another
+generation than expected), ``no_device`` (a CUDA device named by UUID that
+is not visible here)."""
+
+from __future__ import annotations
+
+CODES = frozenset({"bad_layout", "bad_block_id", "released", "bad_manifest", "missing_file",
+                   "size_mismatch", "stale_manifest", "no_device"})
+
+
+class CacheError(ValueError):
+    """A refused attach, descriptor, manifest or block id; ``code`` is one of CODES."""
+
+    def __init__(self, code: str, reason: str):
+        assert code in CODES, code
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason

@@ -1,0 +1,367 @@
+"""Regions: any engine's KV layout as byte pages per block, over memory zkv
+does not own.
+
+A rank's engine cache is a list of *regions*.  Each region is a canonical
+``[num_blocks, page_bytes]`` uint8 view of one engine buffer (a tensor's
+storage): row ``b`` is block ``b``'s bytes in that region, contiguous, and
+rows are ``row_stride`` bytes apart.  Copying a block means copying its row
+in every region; the order of bytes inside a page never matters, so NHD and
+HND layouts are the same to zkv.  Where the engine indexes token slots
+rather than blocks (SGLang), a block is ``units_per_block`` consecutive
+slots and its page is their bytes.
+
+The *descriptor* is the plain part (numbers and names, no tensors): it
+travels in manifests as a msgpack-able dict and is range-checked on load.
+``EngineCache`` binds a descriptor to the engine's storages and holds the
+only references zkv keeps to engine memory; ``release()`` drops them all.
+A tensor whose blocks cannot be copied row by row (block dimension not
+outermost in storage, pages that are not one contiguous run, pages that
+overlap) is refused here, at attach time, with ``CacheError("bad_layout")``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from .errors import CacheError
+
+DESCRIPTOR_VERSION = 1
+MAX_INT = 2**53 - 1
+MAX_NAME = 256
+MAX_REGIONS = 4096
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("bfloat16", "float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+                 "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DEVICE_KINDS = ("cpu", "cuda")
+
+
+def _uint(where: str, value: Any, low: int = 0) -> int:
+    if type(value) is not int or not low <= value <= MAX_INT:
+        raise CacheError("bad_layout", f"{where} must be an integer in [{low}, 2^53), got {value!r}")
+    return value
+
+
+def _name(where: str, value: Any) -> str:
+    if type(value) is not str or not 0 < len(value) <= MAX_NAME:
+        raise CacheError("bad_layout", f"{where} must be a non-empty string of at most {MAX_NAME} characters")
+    return value
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One engine storage that regions live in (a tensor's whole storage)."""
+
+    name: str
+    nbytes: int
+    device: str  # "cpu" or "cuda"; which GPU is the manifest's business (by UUID)
+    dtype: str   # the element type the engine's tensors use on it (informational)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "nbytes": self.nbytes, "device": self.device, "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "BufferSpec":
+        fields = _fields(data, where, ("name", "nbytes", "device", "dtype"))
+        if fields["device"] not in DEVICE_KINDS:
+            raise CacheError("bad_layout", f"{where}.device must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}")
+        if fields["dtype"] not in DTYPES:
+            raise CacheError("bad_layout", f"{where}.dtype {fields['dtype']!r} is not a known dtype")
+        return cls(_name(f"{where}.name", fields["name"]), _uint(f"{where}.nbytes", fields["nbytes"], 1),
+                   fields["device"], fields["dtype"])
+
+
+@dataclass(frozen=True)
+class RegionSpec:
+    """Block ``b`` of this region is bytes ``[offset + b*row_stride, +page_bytes)`` of its buffer."""
+
+    name: str
+    buffer: int
+    offset: int
+    row_stride: int
+    page_bytes: int
+    units_per_block: int = 1
+
+    def span(self, num_blocks: int) -> tuple[int, int]:
+        """The byte range ``[start, end)`` of the buffer this region touches."""
+        return self.offset, self.offset + (num_blocks - 1) * self.row_stride + self.page_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "buffer": self.buffer, "offset": self.offset, "row_stride": self.row_stride,
+                "page_bytes": self.page_bytes, "units_per_block": self.units_per_block}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> "RegionSpec":
+        f = _fields(data, where, ("name", "buffer", "offset", "row_stride", "page_bytes", "units_per_block"))
+        return cls(_name(f"{where}.name", f["name"]), _uint(f"{where}.buffer", f["buffer"]),
+                   _uint(f"{where}.offset", f["offset"]), _uint(f"{where}.row_stride", f["row_stride"], 1),
+                   _uint(f"{where}.page_bytes", f["page_bytes"], 1),
+                   _uint(f"{where}.units_per_block", f["units_per_block"], 1))
+
+
+def _fields(data: Any, where: str, names: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise CacheError("bad_layout", f"{where} must be a map")
+    missing = [n for n in names if n not in data]
+    unknown = sorted(str(k) for k in data if k not in names)
+    if missing or unknown:
+        raise CacheError("bad_layout", f"{where}: missing {missing or 'nothing'}, unknown {unknown or 'nothing'}")
+    return data
+
+
+def _overlap(a: RegionSpec, b: RegionSpec, num_blocks: int) -> bool:
+    """Whether two regions of one buffer share a byte (interleaved rows of the
+    same stride, like K and V halves of a FlashInfer block, do not)."""
+    (a0, a1), (b0, b1) = a.span(num_blocks), b.span(num_blocks)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if a.row_stride != b.row_stride or num_blocks == 1:
+        return True
+    if a.offset > b.offset:
+        a, b = b, a
+    gap = (b.offset - a.offset) % a.row_stride
+    return not (gap >= a.page_bytes and a.row_stride - gap >= b.page_bytes)
+
+
+@dataclass(frozen=True)
+class CacheDescriptor:
+    """The engine's cache as numbers: block count, buffers, regions (no tensors)."""
+
+    num_blocks: int
+    buffers: tuple[BufferSpec, ...]
+    regions: tuple[RegionSpec, ...]
+
+    def __post_init__(self) -> None:
+        _uint("num_blocks", self.num_blocks, 1)
+        if not self.regions or len(self.regions) > MAX_REGIONS:
+            raise CacheError("bad_layout", f"a cache needs 1..{MAX_REGIONS} regions, got {len(self.regions)}")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise CacheError("bad_layout", "region names must be unique")
+        for r in self.regions:
+            if r.buffer >= len(self.buffers):
+                raise CacheError("bad_layout", f"region {r.name!r} names buffer {r.buffer}, there are {len(self.buffers)}")
+            if r.row_stride < r.page_bytes and self.num_blocks > 1:
+                raise CacheError("bad_layout", f"region {r.name!r}: pages overlap (row stride {r.row_stride} < page {r.page_bytes} bytes)")
+            end = r.span(self.num_blocks)[1]
+            if end > self.buffers[r.buffer].nbytes:
+                raise CacheError("bad_layout", f"region {r.name!r} ends at byte {end}, past buffer "
+                                 f"{self.buffers[r.buffer].name!r} of {self.buffers[r.buffer].nbytes} bytes")
+        self._check_overlaps()
+
+    def _check_overlaps(self) -> None:
+        """A sweep over regions sorted by buffer and start: each is compared only with
+        the regions of its buffer whose span it starts inside."""
+        active: list[RegionSpec] = []
+        for r in sorted(self.regions, key=lambda r: (r.buffer, r.offset)):
+            start = r.offset
+            active = [a for a in active if a.buffer == r.buffer and a.span(self.num_blocks)[1] > start]
+            for other in active:
+                if _overlap(other, r, self.num_blocks):
+                    raise CacheError("bad_layout", f"regions {other.name!r} and {r.name!r} overlap in buffer "
+                                     f"{self.buffers[r.buffer].name!r}")
+            active.append(r)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block id stands for: its page in every region."""
+        return sum(r.page_bytes for r in self.regions)
+
+    @property
+    def page_shape(self) -> tuple[tuple[str, int], ...]:
+        """What a CPU tier row depends on: region names and page sizes, in order."""
+        return tuple((r.name, r.page_bytes) for r in self.regions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": DESCRIPTOR_VERSION, "num_blocks": self.num_blocks,
+                "buffers": [b.to_dict() for b in self.buffers], "regions": [r.to_dict() for r in self.regions]}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "CacheDescriptor":
+        f = _fields(data, "descriptor", ("version", "num_blocks", "buffers", "regions"))
+        if f["version"] != DESCRIPTOR_VERSION or type(f["version"]) is not int:
+            raise CacheError("bad_layout", f"descriptor version {f['version']!r} is not {DESCRIPTOR_VERSION}")
+        for key, limit in (("buffers", MAX_REGIONS), ("regions", MAX_REGIONS)):
+            if not isinstance(f[key], list) or len(f[key]) > limit:
+                raise CacheError("bad_layout", f"descriptor.{key} must be a list of at most {limit}")
+        buffers = tuple(BufferSpec.from_dict(b, f"buffers[{i}]") for i, b in enumerate(f["buffers"]))
+        regions = tuple(RegionSpec.from_dict(r, f"regions[{i}]") for i, r in enumerate(f["regions"]))
+        return cls(_uint("num_blocks", f["num_blocks"], 1), buffers, regions)
+
+
+# --- canonicalizing the engine's tensors -----------------------------------------
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One engine tensor to attach; ``block_dim`` is its logical block (or slot) dimension.
+
+    Dimensions before ``block_dim`` are split: each index is its own region
+    (vLLM FlashAttention's leading K/V dimension), named ``name[i]``."""
+
+    name: str
+    tensor: torch.Tensor
+    block_dim: int = 0
+    units_per_block: int = 1
+
+
+def _describe_tensor(t: torch.Tensor, name: str, units_per_block: int) -> tuple[int, int, int, int]:
+    """(byte offset in storage, row stride, page bytes, blocks) of ``t`` whose dim 0 is the block dim."""
+    where = f"tensor {name!r} (shape {tuple(t.shape)}, stride {tuple(t.stride())}, {t.dtype})"
+    if t.dim() == 0:
+        raise CacheError("bad_layout", f"{where}: a scalar has no block dimension")
+    es = t.element_size()
+    units, unit_stride = t.shape[0], t.stride(0)
+    inner = sorted(((t.stride(d), t.shape[d], d) for d in range(1, t.dim()) if t.shape[d] > 1))
+    outer = [(s, d) for s, size, d in inner if s > unit_stride and units > 1]
+    if outer:
+        raise CacheError("bad_layout", f"{where}: the block dimension is not outermost in storage "
+                         f"(dim {outer[-1][1]} has stride {outer[-1][0]} > the block stride {unit_stride})")
+    expected = 1
+    for stride, size, d in inner:
+        if stride != expected:
+            raise CacheError("bad_layout", f"{where}: a block's page is not one contiguous run of bytes "
+                             f"(dim {d} has stride {stride}, a dense page needs {expected})")
+        expected *= size
+    unit_elems = expected
+    if units > 1 and unit_stride < unit_elems:
+        raise CacheError("bad_layout", f"{where}: pages overlap (block stride {unit_stride} < page {unit_elems} elements)")
+    if units_per_block > 1 and units > 1 and unit_stride != unit_elems:
+        raise CacheError("bad_layout", f"{where}: slots of one block are not adjacent (slot stride {unit_stride}, "
+                         f"slot size {unit_elems} elements)")
+    blocks = units // units_per_block
+    if blocks < 1:
+        raise CacheError("bad_layout", f"{where}: fewer than {units_per_block} slots, not one block")
+    return t.storage_offset() * es, unit_stride * units_per_block * es, unit_elems * units_per_block * es, blocks
+
+
+def _split_leading(entry: TensorEntry) -> Iterable[tuple[str, torch.Tensor]]:
+    t = entry.tensor
+    if not 0 <= entry.block_dim < max(t.dim(), 1):
+        raise CacheError("bad_layout", f"tensor {entry.name!r}: block_dim {entry.block_dim} is not a dimension of shape {tuple(t.shape)}")
+    lead = tuple(t.shape[:entry.block_dim])
+    for index in product(*map(range, lead)):
+        sub = t[index] if index else t
+        yield (f"{entry.name}[{','.join(map(str, index))}]" if index else entry.name), sub
+
+
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The whole storage as a flat uint8 tensor (it holds a reference to it)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def canonicalize(entries: Sequence[TensorEntry], num_blocks: int | None = None) -> tuple[CacheDescriptor, list[torch.Tensor]]:
+    """The descriptor of ``entries`` plus one flat uint8 tensor per buffer.
+
+    Tensors sharing a storage share a buffer; identical regions (layers that
+    share a tensor) are kept once.  Every region must have ``num_blocks``
+    blocks (default: the count all regions agree on)."""
+    keys: dict[tuple[str, int], int] = {}
+    buffers: list[BufferSpec] = []
+    flats: list[torch.Tensor] = []
+    found: list[tuple[RegionSpec, int]] = []
+    for entry in entries:
+        if not isinstance(entry.tensor, torch.Tensor):
+            raise CacheError("bad_layout", f"tensor {entry.name!r} is a {type(entry.tensor).__name__}, not a torch.Tensor")
+        if entry.tensor.device.type not in DEVICE_KINDS or entry.tensor.dtype not in DTYPE_NAMES:
+            raise CacheError("bad_layout", f"tensor {entry.name!r}: {entry.tensor.device.type} / {entry.tensor.dtype} is not supported")
+        _uint(f"tensor {entry.name!r} units_per_block", entry.units_per_block, 1)
+        storage = entry.tensor.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        if key not in keys:
+            keys[key] = len(buffers)
+            buffers.append(BufferSpec(entry.name, storage.nbytes(), storage.device.type, DTYPE_NAMES[entry.tensor.dtype]))
+            flats.append(_storage_bytes(storage))
+        for name, sub in _split_leading(entry):
+            offset, stride, page, blocks = _describe_tensor(sub, name, entry.units_per_block)
+            found.append((RegionSpec(name, keys[key], offset, stride, page, entry.units_per_block), blocks))
+    if not found:
+        raise CacheError("bad_layout", "no tensors to attach")
+    if num_blocks is None:
+        counts = sorted({blocks for _, blocks in found})
+        if len(counts) > 1:
+            raise CacheError("bad_layout", f"regions disagree on the block count ({counts}); pass num_blocks")
+        num_blocks = counts[0]
+    regions: list[RegionSpec] = []
+    seen: set[tuple[int, int, int, int]] = set()
+    for spec, blocks in found:
+        if blocks < num_blocks:
+            raise CacheError("bad_layout", f"tensor {spec.name!r} has {blocks} blocks, the cache has {num_blocks}")
+        shape_key = (spec.buffer, spec.offset, spec.row_stride, spec.page_bytes)
+        if shape_key not in seen:
+            seen.add(shape_key)
+            regions.append(spec)
+    return CacheDescriptor(num_blocks, tuple(buffers), tuple(regions)), flats
+
+
+class EngineCache:
+    """An engine's cache as regions: ``views[i]`` is region ``i`` as ``[num_blocks, page_bytes]`` uint8.
+
+    zkv never frees engine memory: ``release()`` only drops zkv's references
+    (views and buffers), after which the engine's own free is a real free."""
+
+    def __init__(self, descriptor: CacheDescriptor, flats: Sequence[torch.Tensor], generation: int = 0):
+        if len(flats) != len(descriptor.buffers):
+            raise CacheError("bad_layout", f"{len(flats)} buffers for a descriptor of {len(descriptor.buffers)}")
+        for spec, flat in zip(descriptor.buffers, flats):
+            if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < spec.nbytes:
+                raise CacheError("size_mismatch", f"buffer {spec.name!r} has {flat.numel()} bytes, the descriptor says {spec.nbytes}")
+        self.descriptor = descriptor
+        self.generation = generation
+        self._flats: list[torch.Tensor] = list(flats)
+        self.views: list[torch.Tensor] = [
+            self._flats[r.buffer].as_strided((descriptor.num_blocks, r.page_bytes), (r.row_stride, 1),
+                                             self._flats[r.buffer].storage_offset() + r.offset)
+            for r in descriptor.regions
+        ]
+        devices = {v.device for v in self.views}
+        if len(devices) != 1:
+            raise CacheError("bad_layout", f"one rank's cache must be on one device, found {sorted(map(str, devices))}")
+        self.device: torch.device = devices.pop()
+
+    @classmethod
+    def from_tensors(cls, entries: Sequence[TensorEntry], num_blocks: int | None = None, generation: int = 0) -> "EngineCache":
+        descriptor, flats = canonicalize(entries, num_blocks)
+        return cls(descriptor, flats, generation)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.descriptor.num_blocks
+
+    @property
+    def released(self) -> bool:
+        return not self.views
+
+    def check_ids(self, what: str, ids: Sequence[int], unique: bool) -> None:
+        """Refuse ids outside the engine's block range (and duplicates where two copies would race)."""
+        check_ids(what, ids, self.num_blocks, "engine", unique)
+
+    def storage_refs(self) -> list[Any]:
+        """Weak references to every engine storage zkv holds (``expired()`` once nobody does)."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        return [StorageWeakRef(flat.untyped_storage()) for flat in self._flats]
+
+    def release(self) -> None:
+        """Drop every view and buffer reference zkv holds on engine memory (idempotent)."""
+        self.views = []
+        self._flats = []
+
+
+def check_ids(what: str, ids: Sequence[int], limit: int, tier: str, unique: bool) -> None:
+    """Range-check block ids (``type(x) is int``, in ``[0, limit)``)."""
+    for b in ids:
+        if type(b) is not int or not 0 <= b < limit:
+            raise CacheError("bad_block_id", f"{what} block id {b!r} is out of range for the {tier} tier (0..{limit - 1})")
+    if unique and len(set(ids)) != len(ids):
+        raise CacheError("bad_block_id", f"{what} has duplicate block ids (two copies would race into one block)")
+
+
+__all__ = ["BufferSpec", "RegionSpec", "CacheDescriptor", "TensorEntry", "EngineCache", "canonicalize",
+           "check_ids", "DTYPES"]
