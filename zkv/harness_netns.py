@@ -114,6 +114,7 @@ class Lab:
     def __init__(self, roles: Sequence[str], subnet: str = "10.77.0", workdir: str | Path | None = None):
         self.tag = f"{PREFIX}{os.getpid()}"
         self.subnet = subnet
+        self._own_dir = workdir is None
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {
@@ -199,6 +200,8 @@ class Lab:
         for name in reversed(self._made):
             _ip("netns", "del", name, check=False)
         self._made.clear()
+        if self._own_dir and not os.environ.get("ZKV_NETNS_KEEP"):
+            shutil.rmtree(self.dir, ignore_errors=True)  # logs and secret keys
 
     def __enter__(self) -> "Lab":
         return self.create()
