@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -77,7 +78,10 @@ class Client:
         self.book = ResultBook()
         self.finished: dict[int, TaskOutcome] = {}
         self.replies: dict[int, dict] = {}
-        self._task_ids = itertools.count(1)
+        # Task ids start at a random point: results carry only the id, and a
+        # restarted client on a fixed result address (ZKV_RESULT_ADDR) must not
+        # take its predecessor's late results for its own tasks.
+        self._task_ids = itertools.count(secrets.randbelow(2**40) + 1)
         self._req_ids = itertools.count(1)
         self.closed = False
 
