@@ -326,6 +326,8 @@ class Bus:
     worker_args: Sequence[str] = ()
     broker: Proc | None = None
     workers: dict[int, Proc] = field(default_factory=dict)
+    keys: Path = Path()  # set by make_keys: every NAME.key / NAME.key_secret
+    authorized: Path = Path()  # set by make_keys: the public keys the broker and clients let in
 
     @property
     def broker_host(self) -> Host:
