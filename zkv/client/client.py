@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +23,7 @@ import zmq
 from ..wire import protocol as P
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..wire.outcome import TaskOutcome
+from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
 from ..net.curve import Curve
 
@@ -36,9 +38,14 @@ class ZkvError(Exception):
 
 
 class Client:
-    """A connection to one broker.  Not thread-safe: one client per thread."""
+    """A connection to one broker.  Not thread-safe: one client per thread.
 
-    def __init__(self, broker: str | None = None, *, reply_to: str | None = None,
+    ``reply_to`` is where the result PULL binds (default: ``ZKV_RESULT_ADDR``,
+    else the address routing to a tcp broker, else a private ipc path);
+    ``advertise`` (``ZKV_RESULT_ADVERTISE``) is the address ranks are told to
+    push to when it is not the bound one (NAT, a 0.0.0.0 bind)."""
+
+    def __init__(self, broker: str | None = None, *, reply_to: str | None = None, advertise: str | None = None,
                  ctx: zmq.Context | None = None, request_timeout: float = 30.0, curve: Curve | None = None):
         self.broker = broker or Endpoints.default().frontend
         self.ctx = ctx or zmq.Context.instance()
@@ -59,20 +66,22 @@ class Client:
         self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None
         if reply_to is None:
-            if self.broker.startswith("tcp://"):
-                reply_to = "tcp://127.0.0.1:*"
-            else:
-                self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-                reply_to = f"ipc://{self._ipc_path}"
+            reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
+        if reply_to is None:
+            self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+            reply_to = f"ipc://{self._ipc_path}"
         self.pull.bind(reply_to)
-        self.reply_to = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.reply_to = advertised(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.broker, advertise)
         self.poller = zmq.Poller()
         self.poller.register(self.dealer, zmq.POLLIN)
         self.poller.register(self.pull, zmq.POLLIN)
         self.book = ResultBook()
         self.finished: dict[int, TaskOutcome] = {}
         self.replies: dict[int, dict] = {}
-        self._task_ids = itertools.count(1)
+        # Task ids start at a random point: results carry only the id, and a
+        # restarted client on a fixed result address (ZKV_RESULT_ADDR) must not
+        # take its predecessor's late results for its own tasks.
+        self._task_ids = itertools.count(secrets.randbelow(2**40) + 1)
         self._req_ids = itertools.count(1)
         self.closed = False
 

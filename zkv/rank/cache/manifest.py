@@ -23,7 +23,7 @@ import os
 import stat
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import cast, Any, Sequence
 
 import msgpack
 import torch
@@ -59,9 +59,12 @@ class ShmArena:
             os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
-        storage = torch.UntypedStorage.from_file(path, True, nbytes)
+        storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, True, nbytes))
         self.paths[storage.data_ptr()] = path
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * int(shape[i + 1])
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(strides))
 
     def path_of(self, storage: torch.UntypedStorage) -> str | None:
         return self.paths.get(storage.data_ptr())
@@ -137,9 +140,10 @@ def _bad(reason: str) -> CacheError:
 def _check(where: str, value: Any, kind: type, limit: int = MAX_INT) -> Any:
     if type(value) is not kind:
         raise _bad(f"{where} must be {kind.__name__}, got {type(value).__name__}")
-    if kind is int and not 0 <= value <= limit:
+    checked: Any = value
+    if kind is int and not 0 <= checked <= limit:
         raise _bad(f"{where} {value} is out of range [0, {limit}]")
-    if kind in (str, bytes) and len(value) > 4096:
+    if kind in (str, bytes) and len(checked) > 4096:
         raise _bad(f"{where} is too long")
     return value
 
@@ -215,7 +219,7 @@ def _map_shm(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
         raise _bad(f"shared-memory file {path!r} of buffer {spec_name!r} is not a regular file")
     if st.st_size != h["file_bytes"]:
         raise CacheError("size_mismatch", f"shared-memory file {path!r} has {st.st_size} bytes, the manifest says {h['file_bytes']}")
-    storage = torch.UntypedStorage.from_file(path, True, h["file_bytes"])
+    storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, True, h["file_bytes"]))
     return _storage_bytes(storage).narrow(0, h["offset"], nbytes)
 
 

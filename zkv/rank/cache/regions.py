@@ -239,7 +239,7 @@ def _describe_tensor(t: torch.Tensor, name: str, units_per_block: int) -> tuple[
     blocks = units // units_per_block
     if blocks < 1:
         raise CacheError("bad_layout", f"{where}: fewer than {units_per_block} slots, not one block")
-    return t.storage_offset() * es, unit_stride * units_per_block * es, unit_elems * units_per_block * es, blocks
+    return int(t.storage_offset()) * es, int(unit_stride) * units_per_block * es, int(unit_elems) * units_per_block * es, int(blocks)
 
 
 def _split_leading(entry: TensorEntry) -> Iterable[tuple[str, torch.Tensor]]:
