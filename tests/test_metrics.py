@@ -1,0 +1,173 @@
+"""Prometheus metrics: a real broker and real ranks (threads, ipc:// sockets),
+known work through a real client, then a real HTTP scrape parsed with
+prometheus_client's own parser."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from zkv import protocol as P
+from zkv.broker import Broker
+from zkv.broker_core import BrokerConfig
+from zkv.client import Client, ZkvError
+from zkv.endpoints import Endpoints
+from zkv.layout import CacheLayout
+from zkv.metered import MeteredBrokerCore
+from zkv.metered_rank import MeteredRankWorker
+from zkv.metrics import make_registry, metrics_port_from_env, start_metrics_server
+from zkv.metrics_book import COPY_BUCKETS_S, BusBook, Histogram, histogram_from_stats, task_op
+
+LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
+
+
+class InProcessBus:
+    """A metered broker and ``world`` metered ranks, each on its own thread."""
+
+    def __init__(self, directory, world: int = 2):
+        self.endpoints = Endpoints.in_dir(directory)
+        config = BrokerConfig(world=world, heartbeat_ms=100)
+        self.broker = Broker(self.endpoints, config)
+        self.broker.core = MeteredBrokerCore(config)
+        self.ranks = [MeteredRankWorker(r, world, self.endpoints.backend, self.endpoints.control, LAYOUT, device="cpu")
+                      for r in range(world)]
+        self.threads = [threading.Thread(target=x.serve, daemon=True) for x in (self.broker, *self.ranks)]
+
+    def __enter__(self) -> "InProcessBus":
+        for t in self.threads:
+            t.start()
+        with Client(self.endpoints.frontend) as c:
+            c.status(timeout=30, wait_ranks=len(self.ranks))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for x in (*self.ranks, self.broker):
+            x.stop()
+        for t in self.threads:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in self.threads)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_scrape_after_known_work(tmp_path):
+    with InProcessBus(tmp_path) as bus, Client(bus.endpoints.frontend) as client:
+        server = start_metrics_server(0, make_registry(bus.broker.core))
+        try:
+            before = scrape(server.url)
+            assert value(before, "zkv_ranks_alive") == 2
+            assert value(before, "zkv_bus_state", state="running") == 1
+            assert ("zkv_tasks_total", (("op", "swap_out"), ("outcome", "ok"))) not in before
+
+            for i in range(10):
+                assert client.run("swap_out", [i, i + 10], [i, i + 20], timeout=30).ok
+            assert client.run("swap_in", [0], [40], timeout=30).outcome == "failed"  # gpu block 40 does not exist
+            with pytest.raises(ZkvError):
+                client.clear()  # not paused
+            client.pause()  # acks carry fresh rank stats
+            client.pause()  # noop
+            client.submit_raw(b"\x81\xa1v\x01")  # a body that is no body: rejected by... the ranks? no: queued while paused
+            mid = scrape(server.url)
+            client.resume()
+            client.dealer.send_multipart([b"not msgpack"])  # a bad request the broker answers with an error
+            client.ping()
+            after = scrape(server.url)
+        finally:
+            server.close()
+
+    ok = {"op": "swap_out", "outcome": "ok"}
+    assert value(after, "zkv_tasks_total", **ok) == 10
+    assert value(after, "zkv_task_round_trip_seconds_count", **ok) == 10
+    assert value(after, "zkv_task_round_trip_seconds_bucket", le="+Inf", **ok) == 10
+    assert 0 < value(after, "zkv_task_round_trip_seconds_sum", **ok) < 30
+    assert value(after, "zkv_tasks_total", op="swap_in", outcome="failed") == 1
+    per_rank = 2 * LAYOUT.block_bytes  # two blocks per task, this rank's shard
+    for rank in ("0", "1"):
+        assert value(after, "zkv_bytes_moved_total", op="swap_out", rank=rank) == 10 * per_rank
+        assert value(mid, "zkv_rank_tasks_total", rank=rank, outcome="ok") == 10
+        assert value(mid, "zkv_rank_tasks_total", rank=rank, outcome="failed") == 1
+        assert value(mid, "zkv_copy_seconds_count", rank=rank, op="swap_out") == 10
+        assert value(mid, "zkv_rank_copies_after_ack_total", rank=rank) == 0
+        assert value(mid, "zkv_cache_bytes", rank=rank, tier="gpu") == LAYOUT.gpu_blocks * LAYOUT.block_bytes
+        assert value(mid, "zkv_cache_bytes", rank=rank, tier="cpu") == LAYOUT.cpu_blocks * LAYOUT.block_bytes
+        assert value(mid, "zkv_rank_alive", rank=rank) == 1
+    assert value(after, "zkv_task_size_bytes_sum", op="swap_out") == 10 * 2 * per_rank
+    assert value(after, "zkv_control_ops_total", op="pause", result="ok") == 1
+    assert value(after, "zkv_control_ops_total", op="pause", result="noop") == 1
+    assert value(after, "zkv_control_ops_total", op="clear", result="not_paused") == 1
+    assert value(after, "zkv_control_ops_total", op="resume", result="ok") == 1
+    assert value(after, "zkv_control_duration_seconds_count", op="pause") == 1
+    assert value(mid, "zkv_bus_state", state="paused") == 1 and value(mid, "zkv_bus_state", state="running") == 0
+    assert value(mid, "zkv_queue_depth") == 1  # the task submitted while paused
+    assert value(after, "zkv_bus_state", state="running") == 1
+    assert value(after, "zkv_epoch") == 2
+    assert value(after, "zkv_bad_requests_total", code="malformed") == 1
+    assert value(after, "zkv_undeliverable_total", source="broker", rank="") == 0
+    assert value(after, "zkv_stale_messages_total", kind="ack", rank="") == 0
+
+
+def test_registry_is_per_process_not_global(tmp_path):
+    from prometheus_client import REGISTRY
+
+    before = {m.name for m in REGISTRY.collect()}
+    registry = make_registry(MeteredBrokerCore(BrokerConfig(world=1)))
+    assert "zkv_bus_state" in {m.name for m in registry.collect()}
+    assert {m.name for m in REGISTRY.collect()} == before
+
+
+def test_port_from_environment(monkeypatch):
+    monkeypatch.delenv("ZKV_METRICS_PORT", raising=False)
+    assert metrics_port_from_env() is None
+    assert start_metrics_server(None, make_registry(MeteredBrokerCore())) is None
+    monkeypatch.setenv("ZKV_METRICS_PORT", "9464")
+    assert metrics_port_from_env() == 9464
+    assert metrics_port_from_env(0) == 0
+    for bad in ("http", "70000", "-1"):
+        monkeypatch.setenv("ZKV_METRICS_PORT", bad)
+        with pytest.raises(ValueError, match="ZKV_METRICS_PORT"):
+            metrics_port_from_env()
+
+
+def test_task_op_peeks_the_op_and_bounds_the_label():
+    for op in ("swap_out", "swap_in", "fill", "checksum"):
+        assert task_op(P.encode_body(op, [1, 2], [3, 4])) == op
+    assert task_op(b"") == "other"
+    assert task_op(b"\x81\xa2op\xa9swap_side") == "other"
+    assert task_op(b"\xa2op\xff") == "other"
+
+
+def test_histogram_buckets_and_peer_stats_are_checked():
+    h = Histogram((1.0, 2.0))
+    for x in (0.5, 1.0, 1.5, 3.0):
+        h.observe(x)
+    assert h.counts == [2, 1, 1] and h.total == 6.0 and h.count == 4
+    good = {"counts": [0] * (len(COPY_BUCKETS_S) + 1), "sum": 0.0}
+    assert histogram_from_stats(good, COPY_BUCKETS_S) == (good["counts"], 0.0)
+    for bad in ({"counts": [1], "sum": 0.0}, {**good, "sum": float("nan")}, {**good, "counts": [True] + good["counts"][1:]},
+                {**good, "counts": [-1] + good["counts"][1:]}, [1, 2], None):
+        assert histogram_from_stats(bad, COPY_BUCKETS_S) is None
+
+
+def test_label_sets_stay_bounded():
+    book = BusBook()
+    for i in range(1000):
+        book.bad_request(f"code-{i}")
+    assert len(book.bad_requests) <= 65
+    assert sum(book.bad_requests.values()) == 1000
