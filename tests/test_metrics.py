@@ -49,7 +49,8 @@ def test_scrape_after_known_work(tmp_path):
                 client.clear()  # not paused
             client.pause()  # acks carry fresh rank stats
             client.pause()  # noop
-            client.submit_raw(b"\x81\xa1v\x01")  # a body that is no body: rejected by... the ranks? no: queued while paused
+            client.submit_raw(b"\x81\xa1v\x01")  # queued while paused (the ranks fail it after the resume)
+            client.ping()  # same connection: the broker has the submit when it answers
             mid = scrape(server.url)
             client.resume()
             client.dealer.send_multipart([b"not msgpack"])  # a bad request the broker answers with an error
@@ -66,7 +67,7 @@ def test_scrape_after_known_work(tmp_path):
     assert value(after, "zkv_tasks_total", op="swap_in", outcome="failed") == 1
     per_rank = 2 * LAYOUT.block_bytes  # two blocks per task, this rank's shard
     for rank in ("0", "1"):
-        assert value(after, "zkv_bytes_moved_total", op="swap_out", rank=rank) == 10 * per_rank
+        assert value(mid, "zkv_bytes_moved_total", op="swap_out", rank=rank) == 10 * per_rank
         assert value(mid, "zkv_rank_tasks_total", rank=rank, outcome="ok") == 10
         assert value(mid, "zkv_rank_tasks_total", rank=rank, outcome="failed") == 1
         assert value(mid, "zkv_copy_seconds_count", rank=rank, op="swap_out") == 10
@@ -137,3 +138,34 @@ def test_label_sets_stay_bounded():
         book.bad_request(f"code-{i}")
     assert len(book.bad_requests) <= 65
     assert sum(book.bad_requests.values()) == 1000
+
+
+def test_overhead_bench_runs_every_variant_to_the_end():
+    from zkv.metrics_bench import bench_metrics_overhead
+
+    res = bench_metrics_overhead(tasks=200, rounds=3)  # each run asserts every task ended ok
+    assert res["core_us_per_task"]["min"] > 0 and res["metered_core_us_per_task"]["min"] > 0
+    assert res["hook_calls_alone_us_per_task"] > 0 and res["scrape_bytes"] > 1000
+
+
+def test_metered_core_books_rank_death_and_a_failed_pause():
+    """Sans-IO: a pause that fails because a rank died is booked as rank_dead, and
+    the dead rank's task as failed; the scrape-time collector sees both."""
+    from prometheus_client import generate_latest
+
+    from zkv.layout import CacheLayout
+
+    core = MeteredBrokerCore(BrokerConfig(world=2, liveness_ms=1000))
+    layout = CacheLayout().to_wire()
+    for r in range(2):
+        core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=2, session=1, layout=layout, gen=0)], 0.0)
+    core.on_client(b"c", [P.encode("submit", task=1, reply_to="ipc:///tmp/x"), P.encode_body("swap_in", [1], [2])], 0.1)
+    core.on_rank(b"rank-0", [P.encode("done", seq=1, n=1, outcome="ok", gen=0, bytes=64)], 0.15)
+    core.on_client(b"c", [P.encode("pause", req=1)], 0.2)
+    core.on_rank(b"rank-0", [P.encode("hb")], 0.9)  # rank 0 answers, rank 1 stays silent
+    core.on_tick(1.5)  # rank 1 is past its liveness window
+    assert core.book.controls[("pause", "rank_dead")] == 1
+    assert core.book.tasks[("swap_in", "failed")].rtt.count == 1  # rank 0 ok, rank 1 lost: failed, once
+    text = generate_latest(make_registry(core)).decode()
+    assert 'zkv_control_ops_total{op="pause",result="rank_dead"} 1.0' in text
+    assert 'zkv_rank_alive{rank="1"} 0.0' in text and "zkv_ranks_alive 1.0" in text

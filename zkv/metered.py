@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import protocol as P
-from .broker_core import BrokerConfig, BrokerCore, RankState, Task, ToClient
+from .broker_core import BrokerConfig, BrokerCore, Task, ToClient
 from .metrics_book import BusBook, task_op
 
 
@@ -26,17 +26,11 @@ class MeteredBrokerCore(BrokerCore):
         super().__init__(config, recording)
         self.book = book or BusBook()
 
-    # task ends: every path (rank results, rejected, cancelled, rank died) goes through here
+    # task ends: every path (rank results, rejected, cancelled, rank died) goes through here;
+    # the one per-task hook
     def _finish_task(self, task: Task, outcome: str, reason: str, now: float, out: list, notify: bool) -> None:
         super()._finish_task(task, outcome, reason, now, out, notify)
         self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
-
-    def _done(self, rs: RankState, msg: dict, now: float, out: list) -> None:
-        task = self.inflight.get(msg["seq"])
-        counts = task is not None and task.fold is not None and rs.rank in task.fold.waiting
-        super()._done(rs, msg, now, out)
-        if counts:
-            self.book.rank_done(task_op(task.body), rs.rank, msg.get("bytes") or 0)
 
     # control ops: completed, failed, or answered at once (noop / refused)
     def _check_pending(self, now: float, out: list) -> None:
@@ -76,11 +70,12 @@ class MeteredBrokerCore(BrokerCore):
 
     # bad input
     def on_client(self, client: bytes, frames: list[bytes], now: float) -> list:
-        bad, dup = self.counters["bad_requests"], self.counters["duplicate_tasks"]
+        counters = self.counters  # .get: a missing key of a Counter costs a Python-level __missing__ call
+        bad, dup = counters.get("bad_requests", 0), counters.get("duplicate_tasks", 0)
         out = super().on_client(client, frames, now)
-        if self.counters["duplicate_tasks"] != dup:
+        if counters.get("duplicate_tasks", 0) != dup:
             self.book.bad_request("duplicate_task")
-        elif self.counters["bad_requests"] != bad:
+        elif counters.get("bad_requests", 0) != bad:
             msg = P.decode(out[0].frames[0]) if out and isinstance(out[0], ToClient) else {}
             self.book.bad_request(msg["code"] if msg.get("kind") == "error" else "bad_submit")
         return out

@@ -7,22 +7,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .metrics_book import CopyTimes, cache_bytes_by_tier, task_op
+from .metrics_book import RankBook, cache_bytes_by_tier, task_op
 from .worker import Executor, RankWorker
 
 
 class MeteredExecutor(Executor):
-    """Times every successful swap (validation + copy + the NOBLOCK result push)."""
+    """Times every successful task (validation + copy + the NOBLOCK result
+    push) and books its bytes by op."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.copy_times = CopyTimes()
+        self.book = RankBook()
 
     def _task(self, ex: Any) -> dict:
         start = time.perf_counter()
         report = super()._task(ex)
         if report["outcome"] == "ok":
-            self.copy_times.observe(task_op(ex.body), time.perf_counter() - start)
+            self.book.task_done(task_op(ex.body), time.perf_counter() - start, report["bytes"])
         return report
 
 
@@ -34,6 +35,6 @@ class MeteredRankWorker(RankWorker):
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
-        s.update(self.executor.copy_times.to_stats())
+        s.update(self.executor.book.to_stats())
         s.update(cache_bytes_by_tier(list(self.cache.gpu), list(self.cache.cpu)))
         return s

@@ -32,7 +32,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .metrics_book import (BYTES_BUCKETS, CONTROL_BUCKETS_S, COPY_BUCKETS_S, COPY_OPS, RTT_BUCKETS_S, BusBook,
+from .metrics_book import (BYTES_BUCKETS, CONTROL_BUCKETS_S, COPY_BUCKETS_S, COPY_OPS, OPS, RTT_BUCKETS_S, BusBook,
                            histogram_from_stats)
 
 PORT_ENV = "ZKV_METRICS_PORT"
@@ -122,6 +122,7 @@ class BusCollector(Collector):
         cache = GaugeMetricFamily("zkv_cache_bytes", "Cache bytes allocated on the rank, per tier (as of its last heartbeat).", labels=["rank", "tier"])
         tasks = CounterMetricFamily("zkv_rank_tasks", "Tasks the rank executed, by its own result (as of its last heartbeat).", labels=["rank", "outcome"])
         after_ack = CounterMetricFamily("zkv_rank_copies_after_ack", "Copies a rank started after acking a pause. Must stay 0: anything else is a bug.", labels=["rank"])
+        moved = CounterMetricFamily("zkv_bytes_moved", "Bytes a rank copied, by op (as of its last heartbeat).", labels=["op", "rank"])
         copy = HistogramMetricFamily("zkv_copy_seconds", "Time a rank spent on one successful swap task (validate, copy, hand off the result).", labels=["rank", "op"])
         for rs in ranks:
             r = str(rs.rank)
@@ -142,27 +143,30 @@ class BusCollector(Collector):
             v = _uint(stats.get("copies_after_ack"))
             if v is not None:
                 after_ack.add_metric([r], v)
+            by_op = stats.get("bytes_by_op")
+            if isinstance(by_op, dict):
+                for op in OPS:
+                    v = _uint(by_op.get(op))
+                    if v is not None:
+                        moved.add_metric([op, r], v)
             copies = stats.get("copy_seconds")
             if isinstance(copies, dict):
                 for op in COPY_OPS:
                     h = histogram_from_stats(copies.get(op), COPY_BUCKETS_S)
                     if h is not None:
                         _histogram(copy, [r, op], COPY_BUCKETS_S, *h)
-        yield from (alive, inflight, seen, cache, tasks, after_ack, copy)
+        yield from (alive, inflight, seen, cache, tasks, moved, after_ack, copy)
 
     def _book_metrics(self, book: BusBook) -> Iterator[Any]:
         rtt = HistogramMetricFamily("zkv_task_round_trip_seconds", "Submit to final outcome of a task, at the broker.", labels=["op", "outcome"])
         count = CounterMetricFamily("zkv_tasks", "Tasks ended, by op and outcome (each task exactly once).", labels=["op", "outcome"])
-        for (op, outcome), h in list(book.rtt.items()):
-            counts, total = h.snapshot()
+        size = HistogramMetricFamily("zkv_task_size_bytes", "Bytes an ok task moved, summed over its ranks.", labels=["op"])
+        for (op, outcome), series in list(book.tasks.items()):
+            counts, total = series.rtt.snapshot()
             _histogram(rtt, [op, outcome], RTT_BUCKETS_S, counts, total)
             count.add_metric([op, outcome], sum(counts))
-        size = HistogramMetricFamily("zkv_task_size_bytes", "Bytes an ok task moved, summed over its ranks.", labels=["op"])
-        for (op,), h in list(book.task_bytes.items()):
-            _histogram(size, [op], BYTES_BUCKETS, *h.snapshot())
-        moved = CounterMetricFamily("zkv_bytes_moved", "Bytes copied by each rank, by op (from its done reports).", labels=["op", "rank"])
-        for (op, rank), v in list(book.bytes_moved.items()):
-            moved.add_metric([op, rank], v)
+            if series.size is not None:
+                _histogram(size, [op], BYTES_BUCKETS, *series.size.snapshot())
         controls = CounterMetricFamily("zkv_control_ops", "Pause/clear/resume requests by result: ok, noop, or the error code (rank_dead, pause_timeout, busy, not_paused, ...).", labels=["op", "result"])
         for (op, result), v in list(book.controls.items()):
             controls.add_metric([op, result], v)
@@ -172,7 +176,7 @@ class BusCollector(Collector):
         bad = CounterMetricFamily("zkv_bad_requests", "Frontend messages refused as bad input, by error code.", labels=["code"])
         for (code,), v in list(book.bad_requests.items()):
             bad.add_metric([code], v)
-        yield from (rtt, count, size, moved, controls, ctl, bad)
+        yield from (rtt, count, size, controls, ctl, bad)
 
 
 def make_registry(core: Any, book: BusBook | None = None) -> CollectorRegistry:

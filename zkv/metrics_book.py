@@ -11,8 +11,9 @@ Label values that come from peers (an op peeked from a task body, an error
 code) are bounded: an unknown value is booked as ``other``, and a book keeps
 at most ``MAX_SERIES`` series per metric.
 
-A rank books its copy times in :class:`CopyTimes` and sends ``to_stats()``
-in its heartbeat stats; the broker exports them (one scrape target).
+A rank books its copy times and bytes per op in :class:`RankBook` and sends
+``to_stats()`` in its heartbeat stats; the broker exports them (one scrape
+target).
 """
 
 from __future__ import annotations
@@ -35,22 +36,26 @@ OTHER = "other"
 
 _OP_BY_BYTES = {op.encode(): op for op in OPS}
 _OP_KEY = b"\xa2op"  # msgpack fixstr "op"
+_ZKV_HEAD = b"\xa1v\x01\xa4kind\xa4body\xa2op"  # what zkv's encode_body writes after the map header
 
 
-def task_op(body: bytes) -> str:
+def task_op(body: bytes, _get: Any = _OP_BY_BYTES.get) -> str:
     """The op of an encoded task body, read from its first bytes without
     decoding it (FIELD-NOTES: a broker that decodes every body is 2x slower).
 
-    zkv's encoders put ``op`` among the first keys; a body from another
-    encoder that puts it later, or an op zkv does not know, books as ``other``.
+    Fast path: zkv's own encoding (``v``, ``kind``, ``op`` first).  Otherwise
+    the ``op`` key is looked for in the first 24 bytes; an encoder that puts
+    it later, or an op zkv does not know, books as ``other``.
     """
+    if body[1:17] == _ZKV_HEAD and len(body) > 17:
+        return _get(body[18:body[17] - 0x8E], OTHER)  # body[17] is the fixstr byte 0xa0 + n; op = body[18:18 + n]
     i = body.find(_OP_KEY, 0, 24)
     if i < 0 or len(body) < i + 4:
         return OTHER
-    n = body[i + 3] - 0xA0  # fixstr length
+    n = body[i + 3] - 0xA0
     if not 0 < n <= 8:
         return OTHER
-    return _OP_BY_BYTES.get(body[i + 4:i + 4 + n], OTHER)
+    return _get(body[i + 4:i + 4 + n], OTHER)
 
 
 class Histogram:
@@ -104,41 +109,45 @@ class _Series(dict):
         return (OTHER,) * len(labels)
 
 
+class TaskSeries:
+    """One (op, outcome): round-trip histogram, and for ``ok`` the task-size histogram."""
+
+    __slots__ = ("rtt", "size")
+
+    def __init__(self, outcome: str):
+        self.rtt = Histogram(RTT_BUCKETS_S)
+        self.size = Histogram(BYTES_BUCKETS) if outcome == "ok" else None
+
+
 class BusBook:
     """What the broker books per task and per control operation.
 
     Call sites (each once per event, on the broker's loop thread):
-    ``task_finished`` where a task ends exactly once, ``rank_done`` where a
-    rank's ``done`` is folded, ``control_finished`` where a pause / clear /
-    resume completes or fails or is answered at once, ``bad_request`` where a
-    frontend message is refused as bad input.
+    ``task_finished`` where a task ends exactly once (the only per-task
+    call), ``control_finished`` where a pause / clear / resume completes or
+    fails or is answered at once, ``bad_request`` where a frontend message is
+    refused as bad input.  Bytes per rank and op come from the ranks' stats.
     """
 
     def __init__(self) -> None:
-        self.rtt: _Series = _Series()  # (op, outcome) -> Histogram of seconds
-        self.task_bytes: _Series = _Series()  # (op,) -> Histogram of bytes (all ranks)
-        self.bytes_moved: _Series = _Series()  # (op, rank) -> int
+        self.tasks: _Series = _Series()  # (op, outcome) -> TaskSeries
         self.controls: _Series = _Series()  # (op, result) -> int
         self.control_seconds: _Series = _Series()  # (op,) -> Histogram, completed ops only
         self.bad_requests: _Series = _Series()  # (code,) -> int
 
-    def task_finished(self, op: str, outcome: str, rtt_s: float, nbytes: int) -> None:
-        key = self.rtt.key((op, outcome))
-        h = self.rtt.get(key)
-        if h is None:
-            h = self.rtt[key] = Histogram(RTT_BUCKETS_S)
-        h.observe(rtt_s)
-        if outcome == "ok":
-            key = self.task_bytes.key((op,))
-            h = self.task_bytes.get(key)
-            if h is None:
-                h = self.task_bytes[key] = Histogram(BYTES_BUCKETS)
-            h.observe(nbytes)
-
-    def rank_done(self, op: str, rank: int, nbytes: int) -> None:
-        if nbytes:
-            key = self.bytes_moved.key((op, str(rank)))
-            self.bytes_moved[key] = self.bytes_moved.get(key, 0) + nbytes
+    def task_finished(self, op: str, outcome: str, rtt_s: float, nbytes: int,
+                      _rtt: tuple = RTT_BUCKETS_S, _size: tuple = BYTES_BUCKETS, _bisect: Any = bisect.bisect_left) -> None:
+        series = self.tasks.get((op, outcome))
+        if series is None:
+            key = self.tasks.key((op, outcome))
+            series = self.tasks.get(key) or self.tasks.setdefault(key, TaskSeries(key[1]))
+        h = series.rtt  # Histogram.observe, inlined: this runs once per task
+        h.counts[_bisect(_rtt, rtt_s)] += 1
+        h.total += rtt_s
+        h = series.size
+        if h is not None:
+            h.counts[_bisect(_size, nbytes)] += 1
+            h.total += nbytes
 
     def control_finished(self, op: str, result: str, seconds: float | None = None) -> None:
         """``result``: ``ok``, ``noop``, or the error code it was answered with;
@@ -157,19 +166,23 @@ class BusBook:
         self.bad_requests[key] = self.bad_requests.get(key, 0) + 1
 
 
-class CopyTimes:
-    """A rank's copy durations per op, sent as ``stats["copy_seconds"]``."""
+class RankBook:
+    """A rank's copy durations and bytes per op, sent in its heartbeat stats
+    (``copy_seconds``, ``bytes_by_op``); booked on the executor thread."""
 
     def __init__(self) -> None:
-        self.by_op = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
+        self.copy = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
+        self.bytes_by_op = dict.fromkeys(OPS, 0)
 
-    def observe(self, op: str, seconds: float) -> None:
-        h = self.by_op.get(op)
+    def task_done(self, op: str, seconds: float, nbytes: int) -> None:
+        h = self.copy.get(op)
         if h is not None:
             h.observe(seconds)
+        if op in self.bytes_by_op:
+            self.bytes_by_op[op] += nbytes
 
     def to_stats(self) -> dict[str, Any]:
-        return {"copy_seconds": {op: h.to_stats() for op, h in self.by_op.items()}}
+        return {"copy_seconds": {op: h.to_stats() for op, h in self.copy.items()}, "bytes_by_op": dict(self.bytes_by_op)}
 
 
 def cache_bytes_by_tier(gpu: Iterable[Any], cpu: Iterable[Any]) -> dict[str, int]:
