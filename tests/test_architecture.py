@@ -23,15 +23,16 @@ PKG = ROOT / "zkv"
 ALLOWED: dict[str, set[str]] = {
     "wire": {"wire"},
     "net": {"wire", "net"},
-    "broker": {"wire", "net", "broker"},
-    "rank": {"wire", "net", "rank"},
+    "obs": {"wire", "obs"},  # metric books, Prometheus export, status table, plots
+    "broker": {"wire", "net", "obs", "broker"},
+    "rank": {"wire", "net", "obs", "rank"},
     "client": {"wire", "net", "client"},
     "prefix": {"wire", "prefix"},  # it reaches the bus only through BusLike
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "client", "trace", "replay", "harness"},
-    "harness": {"wire", "net", "broker", "rank", "client", "prefix", "testing", "harness"},
+    "harness": {"wire", "net", "obs", "broker", "rank", "client", "prefix", "testing", "harness"},
     "testing": {"wire", "net", "broker", "rank", "client", "prefix", "testing"},
-    "cli": {"wire", "net", "broker", "rank", "client", "prefix", "trace", "replay", "harness", "cli"},
+    "cli": {"wire", "net", "obs", "broker", "rank", "client", "prefix", "trace", "replay", "harness", "cli"},
     "api": {"wire", "client"},  # zkv/__init__.py: Client, ZkvError, CacheLayout, TaskOutcome
 }
 

@@ -1,0 +1,82 @@
+"""The readable ``zkv status`` view, on status replies of a real cluster."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+
+from zkv.client import ZkvError
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
+from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
+
+LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
+
+
+def rank_row(text: str, rank: int) -> list[str]:
+    for line in text.splitlines():
+        cells = line.split()
+        if cells and cells[0] == str(rank) and len(cells) > 3:
+            return cells
+    raise AssertionError(f"no row for rank {rank} in:\n{text}")
+
+
+def test_table_from_a_real_cluster_alive_paused_and_dead():
+    with LocalCluster(2, LAYOUT, quiet=True, broker_args=["--liveness-ms", "600", "--heartbeat-ms", "100"]) as cluster, \
+            cluster.client() as client:
+        for i in range(3):
+            assert client.run("swap_out", [i], [i], timeout=30).ok
+        client.pause(timeout=30)  # the acks bring every rank's fresh stats
+        paused = client.status(timeout=10)
+        text = render_status(paused)
+        assert text.splitlines()[0].startswith("bus PAUSED")
+        assert f"epoch {paused['epoch']}" in text and f"generation {paused['gen']}" in text
+        for rank in (0, 1):
+            row = rank_row(text, rank)
+            assert row[1] == "yes"
+            assert "3" in row  # tasks ok
+            assert human_bytes(3 * LAYOUT.block_bytes) in text
+        client.resume(timeout=30)
+
+        cluster.kill_worker(1)
+        with pytest.raises(ZkvError) as err:
+            client.pause(timeout=20)  # fails when the broker declares rank 1 dead
+        assert err.value.code == "rank_dead"
+        text = render_status(client.status(timeout=10))
+        assert rank_row(text, 1)[1] == "DEAD" and rank_row(text, 0)[1] == "yes"
+        assert "bus RUNNING" in text
+
+        out = io.StringIO()
+        n = watch_status(lambda: client.status(timeout=5), out, interval=0.05, iterations=2, clear=False)
+        assert n == 2 and out.getvalue().count("zkv status at") == 2 and out.getvalue().count("DEAD") == 2
+
+
+def test_watch_stops_on_event_and_survives_a_silent_broker():
+    stop = threading.Event()
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) == 2:
+            stop.set()
+        raise ZkvError("no_reply", "no reply from the broker within 1 s")
+
+    out = io.StringIO()
+    assert watch_status(fetch, out, interval=30, stop=stop, clear=True) == 2  # the set event ends the 30 s wait at once
+    assert out.getvalue().count("broker not answering: no reply") == 2
+    assert out.getvalue().startswith("\x1b[H\x1b[2J")
+
+
+def test_never_registered_ranks_and_odd_values():
+    text = render_status({"state": "running", "epoch": 0, "gen": 0, "world": 3, "ranks": [
+        {"rank": 1, "alive": True, "last_seen_ms": 1500.0, "inflight": 2, "pid": 7, "stats": {"copies_after_ack": 1, "bytes_moved": "x"}}],
+        "queued": 0, "inflight": 0, "counters": {"submitted": 4}})
+    assert rank_row(text, 0)[1:3] == ["never", "registered"]
+    assert rank_row(text, 2)[1:3] == ["never", "registered"]
+    assert rank_row(text, 1)[2:4] == ["1.5", "s"]
+    assert "WARNING: ranks 1 started copies after acking a pause" in text
+    assert "broker counters: submitted 4" in text
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(-1) == "-" and human_bytes(True) == "-"
+    assert human_age(None) == "-" and human_age(50) == "50 ms ago"

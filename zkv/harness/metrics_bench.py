@@ -1,0 +1,266 @@
+"""What recording metrics costs per task, beside the broker core's own cost
+in the same run (``python -m zkv.harness.metrics_bench``).
+
+The broker core is driven with no sockets: per task one submit and one
+``done`` per rank, frames encoded beforehand, so the figure is the core's
+per-task work (decode, fold, dispatch, books) with and without the metric
+hooks (``MeteredBrokerCore``).  CPU time of this thread (``thread_time``:
+a loaded machine's descheduling does not count), short rounds alternated,
+reported as the median over rounds of metered / plain.  The
+hooks alone (``BusBook`` calls) and one scrape's ``collect()`` are timed too.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..wire import protocol as P
+from ..broker.core import BrokerConfig, BrokerCore, Record
+from ..wire.layout import CacheLayout
+from .metered import MeteredBrokerCore
+from ..obs.book import BusBook, task_op
+
+if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
+    from ..broker import Broker
+    from .cluster import LocalCluster
+    from .metered_rank import MeteredRankWorker
+
+CLIENT = b"client-1"
+LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
+
+
+class _InCoreHooks(BrokerCore):
+    """What the hooks cost once they sit inside ``BrokerCore`` (docs/operations.md):
+    ``_finish_task`` as in broker_core.py plus its one ``task_finished`` line,
+    and no wrapper around ``on_client`` (bad requests are booked in the error
+    branches only).  For this measurement only."""
+
+    def __init__(self, config: BrokerConfig | None = None, recording: bool = False):
+        super().__init__(config, recording)
+        self.book = BusBook()
+
+    def _finish_task(self, task: Any, outcome: str, reason: str, now: float, out: list, notify: bool) -> None:
+        self.open_tasks.discard((task.client, task.task))
+        self.counters[outcome] += 1
+        if notify and not task.reported:
+            task.reported = True
+            out.append(self._outcome(task.client, task.task, outcome, reason))
+        if self.recording:
+            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome,
+                               "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+        self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
+
+
+def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
+    body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
+    submits = [[P.encode("submit", task=i + 1, reply_to="ipc:///tmp/zkv-bench-client"), body] for i in range(tasks)]
+    dones = [[(f"rank-{r}".encode(), [P.encode("done", seq=i + 1, n=i + 1, outcome="ok", gen=0, bytes=ids * LAYOUT.block_bytes)])
+              for r in range(world)] for i in range(tasks)]
+    return submits, dones
+
+
+def _core(cls: type, world: int) -> Any:
+    core = cls(BrokerConfig(world=world))
+    for r in range(world):
+        core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)], 0.0)
+    return core
+
+
+def _run_core(cls: type, submits: list, dones: list, world: int) -> float:
+    core = _core(cls, world)
+    now = 1.0
+    t0 = time.thread_time()
+    for sub, done in zip(submits, dones):
+        core.on_client(CLIENT, sub, now)
+        for identity, frames in done:
+            core.on_rank(identity, frames, now)
+    elapsed = time.thread_time() - t0
+    assert core.counters["ok"] == len(submits), core.counters
+    return elapsed / len(submits)
+
+
+def _run_hooks(tasks: int, world: int, body: bytes) -> float:
+    book = BusBook()
+    t0 = time.thread_time()
+    for _ in range(tasks):
+        book.task_finished(task_op(body), "ok", 0.0004, 8192)
+    return (time.thread_time() - t0) / tasks
+
+
+def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2, ids: int = 1) -> dict[str, Any]:
+    from ..obs.prometheus import make_registry
+
+    submits, dones = _frames(tasks, world, ids)
+    runs: dict[type, list[float]] = {BrokerCore: [], MeteredBrokerCore: [], _InCoreHooks: []}
+    for i in range(rounds):  # rotate the order, so drift hits all
+        order = list(runs)[i % 3:] + list(runs)[:i % 3]
+        for cls in order:
+            runs[cls].append(_run_core(cls, submits, dones, world))
+    plain, metered, in_core = runs[BrokerCore], runs[MeteredBrokerCore], runs[_InCoreHooks]
+    hooks = min(_run_hooks(tasks, world, submits[0][1]) for _ in range(rounds))
+    core = _core(MeteredBrokerCore, world)
+    for sub, done in zip(submits[:2000], dones[:2000]):
+        core.on_client(CLIENT, sub, 1.0)
+        for identity, frames in done:
+            core.on_rank(identity, frames, 1.0)
+    registry = make_registry(core)
+    from prometheus_client import generate_latest
+
+    t0 = time.thread_time()
+    for _ in range(20):
+        text = generate_latest(registry)
+    scrape = (time.thread_time() - t0) / 20
+    med = statistics.median
+    ratio = med(m / p for p, m in zip(plain, metered))
+    ratio_in_core = med(m / p for p, m in zip(plain, in_core))
+    return {
+        "tasks_per_round": tasks, "rounds": rounds, "world": world, "ids_per_task": ids,
+        "core_us_per_task": {"median": med(plain) * 1e6, "min": min(plain) * 1e6},
+        "metered_core_us_per_task": {"median": med(metered) * 1e6, "min": min(metered) * 1e6},
+        "overhead_of_core_pct_median_of_rounds": (ratio - 1) * 100,
+        "overhead_us_per_task": (med(metered) - med(plain)) * 1e6,
+        "in_core_hooks_us_per_task": {"median": med(in_core) * 1e6, "min": min(in_core) * 1e6},
+        "in_core_overhead_of_core_pct_median_of_rounds": (ratio_in_core - 1) * 100,
+        "hook_calls_alone_us_per_task": hooks * 1e6,
+        "scrape_ms": scrape * 1e3, "scrape_bytes": len(text),
+    }
+
+
+# --- end to end: the bus with and without metrics, same run ----------------------------
+
+
+def _serve_metered(argv: list[str]) -> None:
+    """``broker FRONT BACK CONTROL WORLD PORT`` or ``worker RANK WORLD BACK CONTROL LAYOUT_JSON``:
+    a metered process (as ``zkv broker --metrics-port`` / ``zkv worker`` will run)."""
+    import signal
+
+    from ..net.endpoints import Endpoints
+
+    role, args = argv[0], argv[1:]
+    server: Broker | MeteredRankWorker
+    if role == "broker":
+        from ..broker import Broker
+        from ..obs.prometheus import make_registry, start_metrics_server
+
+        front, back, control, world, port = args
+        config = BrokerConfig(world=int(world))
+        server = Broker(Endpoints(front, back, control), config)
+        server.core = MeteredBrokerCore(config)
+        exporter = start_metrics_server(int(port), make_registry(server.core))
+        print(f"metrics at {exporter.url}", file=sys.stderr, flush=True)
+    else:
+        from .metered_rank import MeteredRankWorker
+
+        rank, world, back, control, layout = args
+        server = MeteredRankWorker(int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu")
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    server.serve()
+
+
+def _metered_cluster(ranks: int, layout: CacheLayout, port: int) -> LocalCluster:
+    import subprocess
+
+    from .cluster import LocalCluster
+
+    class MeteredCluster(LocalCluster):
+        def _run(self, args: list[str]) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "zkv.harness.metrics_bench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def start_broker(self) -> None:
+            ep = self.endpoints
+            self.broker = self._run(["broker", ep.frontend, ep.backend, ep.control, str(self.ranks), str(port)])
+
+        def start_worker(self, rank: int, extra: Any = ()) -> subprocess.Popen:
+            proc = self.workers[rank] = self._run(["worker", str(rank), str(self.ranks), self.endpoints.backend,
+                                                   self.endpoints.control, json.dumps(self.layout.to_wire())])
+            return proc
+
+    return MeteredCluster(ranks, layout, quiet=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc; 10 ms ticks)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64, scrape_every_s: float = 1.0) -> dict[str, Any]:
+    """Pipelined 1-block swap_out throughput of a local cluster, plain and
+    metered (broker core hooks, rank books, /metrics scraped every
+    ``scrape_every_s`` during the run), alternated ``rounds`` times."""
+    import threading
+    import urllib.request
+
+    from .bench import _measure
+    from .cluster import LocalCluster
+
+    layout = CacheLayout()
+    body = P.encode_body("swap_out", [1], [2])
+    plain: list[float] = []
+    metered: list[float] = []
+    scrapes = [0]
+    cpu: dict[bool, list[float]] = {False: [], True: []}
+
+    def scrape(stop: threading.Event, url: str) -> None:
+        while not stop.wait(scrape_every_s):
+            with urllib.request.urlopen(url, timeout=5) as r:
+                r.read()
+            scrapes[0] += 1
+
+    for i in range(rounds):
+        for with_metrics in ((False, True) if i % 2 == 0 else (True, False)):
+            port = _free_port()
+            cluster = _metered_cluster(2, layout, port) if with_metrics else LocalCluster(2, layout, quiet=True)
+            stop = threading.Event()
+            with cluster, cluster.client() as client:
+                scraper = threading.Thread(target=scrape, args=(stop, f"http://127.0.0.1:{port}/metrics"), daemon=True)
+                if with_metrics:
+                    scraper.start()
+
+                def collect(task: int) -> None:
+                    if not client.wait(task, timeout=30).ok:
+                        raise RuntimeError("benchmark task failed")
+
+                broker = cluster.broker
+                if broker is None:
+                    raise RuntimeError("the cluster started no broker")
+                cpu0 = _cpu_seconds(broker.pid)
+                res = _measure(lambda: client.submit_raw(body), collect, 20, n_tput, window)
+                cpu[with_metrics].append((_cpu_seconds(broker.pid) - cpu0) / (n_tput + 20 + 20) * 1e6)
+                stop.set()
+                if with_metrics:
+                    scraper.join(timeout=10)
+            (metered if with_metrics else plain).append(res["tasks_per_s"])
+    med = statistics.median
+    return {"rounds": rounds, "tasks_per_round": n_tput, "window": window,
+            "plain_tasks_per_s": plain, "metered_tasks_per_s": metered, "scrapes": scrapes[0],
+            "median_plain": med(plain), "median_metered": med(metered),
+            "metered_vs_plain_pct": (med(metered) / med(plain) - 1) * 100,
+            "broker_cpu_us_per_task": {"plain": cpu[False], "metered": cpu[True]},
+            "broker_cpu_metered_vs_plain_pct": (med(cpu[True]) / med(cpu[False]) - 1) * 100}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:2] and sys.argv[1] in ("broker", "worker"):
+        _serve_metered(sys.argv[1:])
+        sys.exit(0)
+    quick = "--quick" in sys.argv
+    res = {"core": bench_metrics_overhead(rounds=6 if quick else 30)}
+    if "--bus" in sys.argv:
+        res["bus"] = bench_bus_with_metrics(rounds=1 if quick else 3, n_tput=1000 if quick else 5000)
+    print(json.dumps(res, indent=1, default=lambda x: round(x, 3)))
