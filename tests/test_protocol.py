@@ -211,10 +211,23 @@ _STRATEGIES = {"uint": uint, "str": text, "bool": st.booleans(),
                "ids": st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8)}
 
 
+def _field(kind, name, typ):
+    """Any value the schema and the documented bounds (protocol §2.1) allow."""
+    if typ == "uint":
+        return st.integers(min_value=P.UINT_MIN.get(name, 0), max_value=P.UINT_MAX.get(name, P.MAX_SAFE_INT))
+    if (kind, name) in P.ENUMS:
+        return st.sampled_from(P.ENUMS[(kind, name)])
+    if name == "reply_key":
+        return st.text(alphabet=sorted(P._Z85), min_size=40, max_size=40)
+    if name == "digests":
+        return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
+    return _STRATEGIES[typ]
+
+
 def _message(kind):
     required, optional = P.SCHEMAS[kind]
-    req = st.fixed_dictionaries({k: _STRATEGIES[t] for k, t in required.items()})
-    opt = st.fixed_dictionaries({}, optional={k: _STRATEGIES[t] for k, t in optional.items()})
+    req = st.fixed_dictionaries({k: _field(kind, k, t) for k, t in required.items()})
+    opt = st.fixed_dictionaries({}, optional={k: _field(kind, k, t) for k, t in optional.items()})
     return st.tuples(req, opt).map(lambda pair: {**pair[0], **pair[1]})
 
 

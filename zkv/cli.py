@@ -84,7 +84,11 @@ def client_options(fn: Callable) -> Callable:
 
         curve = curve_from(kwargs)
         try:
-            with Client(broker, request_timeout=timeout, curve=curve) as client:
+            client_cm = Client(broker, request_timeout=timeout, curve=curve)
+        except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback
+            _fail(str(err))
+        try:
+            with client_cm as client:
                 fn(client, timeout, as_json, **kwargs)
         except ZkvError as err:
             hints = {
@@ -158,8 +162,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
     curve = curve_from(kw)
-    if curve is not None and not curve.authorized_dir:
-        raise click.BadParameter("a Curve broker needs --curve-authorized")
+    if curve is not None and not (curve.ranks_dir and curve.clients_dir):
+        raise click.BadParameter("a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)")
     recorder = None
     if record:
         from .trace import TraceRecorder
@@ -263,7 +267,8 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
     """Write Curve keypairs NAME.key / NAME.key_secret (mode 0600) into DIRECTORY.
 
     Put the broker's secret with the broker, and copy every rank's and client's
-    NAME.key into the directory the broker (and clients) pass as --curve-authorized.
+    NAME.key into the directory of its role: rank keys into the one the broker and
+    clients pass as --curve-ranks, client keys into the broker's --curve-clients.
     """
     from .security import generate_keypair
 

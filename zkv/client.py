@@ -23,7 +23,7 @@ from . import protocol as P
 from .endpoints import Endpoints, make_socket, runtime_dir
 from .outcome import TaskOutcome
 from .results import ResultBook
-from .security import Curve
+from .security import RESULTS_DOMAIN, Curve
 
 
 class ZkvError(Exception):
@@ -53,8 +53,8 @@ class Client:
         if curve is not None:
             # Our PULL is a Curve server that lets in only authorized ranks.
             curve.make_client(self.dealer)
-            self.auth = curve.start_authenticator(self.ctx)
-            curve.make_server(self.pull)
+            self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
+            curve.make_server(self.pull, RESULTS_DOMAIN)
             self._submit_extra["reply_key"] = curve.public_key()
         self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None

@@ -72,6 +72,7 @@ class RankCore:
         self.liveness_ms = liveness_ms
         self.stats = stats  # counters sent in heartbeats and acks
         self.session = 0
+        self.pid = 0  # sent in every READY, re-registrations too
         self.registered = False
         self.gen = 0
         self.epoch = 0
@@ -94,8 +95,10 @@ class RankCore:
 
     # --- registration ----------------------------------------------------------
 
-    def start(self, now: float, pid: int = 0) -> list[RankAction]:
+    def start(self, now: float, pid: int | None = None) -> list[RankAction]:
         """(Re)register with a fresh session: the broker restarts our counts."""
+        if pid is not None:
+            self.pid = pid
         self.session = random.getrandbits(52)
         self.registered = False
         self.last_wake = now
@@ -103,7 +106,7 @@ class RankCore:
         self.last_broker_msg = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
-                                  layout=self.layout.to_wire(), gen=self.gen, pid=pid))]
+                                  layout=self.layout.to_wire(), gen=self.gen, pid=self.pid))]
 
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
@@ -183,6 +186,8 @@ class RankCore:
             # (and failed its tasks): running it could copy into reused blocks.
             self.counters["refused_stale_session"] += 1
             refuse = "dispatched to an earlier registration of this rank; the broker already failed it"
+        elif not P.is_result_address(msg["reply_to"]):
+            refuse = "reply_to is not a tcp:// or ipc:// address"  # the executor will not connect it either
         elif msg["gen"] != self.gen:
             refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
         elif not self.has_cache or self.op == "clear":
