@@ -185,7 +185,7 @@ class BrokerCore:
             out.append(self._reply(client, msg["req"], "status", **self.status(now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
             out.append(self._error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
-        elif self.waiters_per_client[client] >= self.cfg.max_waiters_per_client or len(self.ready_waiters) >= self.cfg.max_waiters:
+        elif self.waiters_per_client[client] >= self.cfg.max_waiters_per_client or not self._room_for_waiter(client, now, out):
             self.counters["over_limit"] += 1
             out.append(self._error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
                                    f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
@@ -194,6 +194,23 @@ class BrokerCore:
             self.ready_waiters.append((client, msg["req"], want, deadline))
             self.waiters_per_client[client] += 1
             self.waiters_due = min(self.waiters_due, deadline)
+
+    def _room_for_waiter(self, client: bytes, now: float, out: list[Action]) -> bool:
+        """Below the global cap, or make room by answering (over_limit) the oldest
+        waiter of the connection holding the most, if it holds more than
+        ``client``: many connections that flood and vanish cannot lock out one
+        that holds few."""
+        if len(self.ready_waiters) < self.cfg.max_waiters:
+            return True
+        hog, held = max(self.waiters_per_client.items(), key=lambda kv: kv[1])
+        if held <= self.waiters_per_client[client]:
+            return False
+        i = next(i for i, w in enumerate(self.ready_waiters) if w[0] == hog)
+        _, req, _, _ = self.ready_waiters.pop(i)
+        self.waiters_per_client[hog] -= 1
+        self.counters["waiters_evicted"] += 1
+        out.append(self._error(hog, "over_limit", "held status request dropped: the broker holds too many; retry later", req=req))
+        return True
 
     def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
         task_id = msg["task"]

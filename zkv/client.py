@@ -195,7 +195,7 @@ class Client:
         """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
-            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=int(t * 1000))
+            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS))
         return self.request("status", timeout)
 
     def ping(self, timeout: float | None = None) -> dict:
