@@ -211,7 +211,7 @@ def validate(msg: Any, expect_kinds: Iterable[str] | None = None) -> dict:
     for name, typ in optional.items():
         if name in msg and msg[name] is not None:
             _check_field(kind, name, msg[name], typ)
-    key = msg.get("reply_key")
+    key = msg.get("reply_key") if "reply_key" in optional else None  # elsewhere an unknown field: ignored
     if key is not None and (len(key) != Z85_KEY_LEN or not all(c in _Z85 for c in key)):
         raise ProtocolError("bad_field", f"{kind}.reply_key must be a Z85 Curve public key of {Z85_KEY_LEN} characters")
     return msg
