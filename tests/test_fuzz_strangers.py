@@ -148,7 +148,10 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
             assert cluster.broker.poll() is None, f"broker exited after {sent}"
             genuine.ping()
             out = genuine.run("swap_out", [0, 1], [2, 3], timeout=30)
-            assert out.ok, (sent, out)
+            if not out.ok:
+                st = genuine.status()
+                pytest.fail(f"genuine task failed after {sent}: {out}; broker counters {st['counters']}; "
+                            f"ranks {[(r['rank'], r['alive'], r['last_seen_ms'], r['stats']) for r in st['ranks']]}")
         st = genuine.status()
     elapsed = time.monotonic() - start
     assert st["state"] == "running" and [r["alive"] for r in st["ranks"]] == [True, True]

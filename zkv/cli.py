@@ -133,6 +133,9 @@ def broker_options(fn: Callable) -> Callable:
         click.option("--heartbeat-ms", type=int, default=d.heartbeat_ms, show_default=True, envvar="ZKV_HEARTBEAT_MS", show_envvar=True, help="Heartbeat interval, both ways."),
         click.option("--liveness-ms", type=int, default=d.liveness_ms, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Silence after which a rank is dead."),
         click.option("--op-timeout-ms", type=int, default=d.op_timeout_ms, show_default=True, envvar="ZKV_OP_TIMEOUT_MS", show_envvar=True, help="Default bound on pause/clear/resume."),
+        click.option("--max-open-per-client", type=int, default=d.max_open_per_client, show_default=True, envvar="ZKV_MAX_OPEN_PER_CLIENT", show_envvar=True, help="Open tasks (queued or in flight) one client connection may hold; more are rejected."),
+        click.option("--max-waiters-per-client", type=int, default=d.max_waiters_per_client, show_default=True, envvar="ZKV_MAX_WAITERS_PER_CLIENT", show_envvar=True, help="Held status --wait-ranks requests per client connection."),
+        click.option("--max-waiters", type=int, default=d.max_waiters, show_default=True, envvar="ZKV_MAX_WAITERS", show_envvar=True, help="Held status --wait-ranks requests in all."),
         click.option("--allow-partial", is_flag=True, envvar="ZKV_ALLOW_PARTIAL", show_envvar=True, help="A rank dying during pause/clear/resume completes it without that rank instead of failing it."),
     ]
     for opt in reversed(opts):
@@ -145,7 +148,9 @@ def _broker_config(world: int, kw: dict) -> Any:
 
     return BrokerConfig(world=world, max_inflight_per_rank=kw["max_inflight"], max_queue=kw["max_queue"],
                         heartbeat_ms=kw["heartbeat_ms"], liveness_ms=kw["liveness_ms"],
-                        op_timeout_ms=kw["op_timeout_ms"], allow_partial=kw["allow_partial"])
+                        op_timeout_ms=kw["op_timeout_ms"], allow_partial=kw["allow_partial"],
+                        max_open_per_client=kw["max_open_per_client"], max_waiters_per_client=kw["max_waiters_per_client"],
+                        max_waiters=kw["max_waiters"])
 
 
 @main.command()

@@ -10,6 +10,7 @@ under ``tests/vectors``.  No pickle, ever.
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -118,11 +119,28 @@ def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
 
 
 def is_result_address(address: Any) -> bool:
-    """A ``reply_to`` a rank may connect to: tcp:// or ipc://, bounded.  An
-    inproc:// name would resolve inside the rank's own Context (its stop and
-    report sockets), so it is refused at the broker and again at the rank."""
-    return isinstance(address, str) and len(address) <= MAX_ADDRESS and address.startswith(RESULT_SCHEMES) \
-        and len(address) > len("tcp://") and "\x00" not in address
+    """A ``reply_to`` a rank may connect to: ``ipc://PATH`` or ``tcp://IP:PORT``
+    with a numeric address, bounded.  An inproc:// name would resolve inside
+    the rank's own Context (its stop and report sockets), and a host name
+    would make the rank's connect wait on a name lookup (seconds, with the
+    GIL held: the rank stops heartbeating), so both are refused at the broker
+    and again at the rank."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS or "\x00" in address:
+        return False
+    if address.startswith("ipc://"):
+        return len(address) > len("ipc://")
+    if not address.startswith("tcp://"):
+        return False
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not port.isascii():
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
