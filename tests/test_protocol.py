@@ -214,7 +214,8 @@ _STRATEGIES = {"uint": uint, "str": text, "bool": st.booleans(),
 def _field(kind, name, typ):
     """Any value the schema and the documented bounds (protocol §2.1) allow."""
     if typ == "uint":
-        return st.integers(min_value=P.UINT_MIN.get(name, 0), max_value=P.UINT_MAX.get(name, P.MAX_SAFE_INT))
+        lo, hi = P.uint_bounds(kind, name)
+        return st.integers(min_value=lo, max_value=hi)
     if (kind, name) in P.ENUMS:
         return st.sampled_from(P.ENUMS[(kind, name)])
     if name == "reply_key":

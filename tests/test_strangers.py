@@ -161,6 +161,19 @@ def test_a_stranger_ready_cannot_poison_the_generation(cluster, client):
     assert_serving(cluster, client)
 
 
+def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear():
+    """A rank may send gen up to 2^40-1; the broker's +1 after it must still be
+    taken by every rank (control, welcome and task allow up to 2^53-1)."""
+    from zkv.broker_core import BrokerCore, Publish
+
+    core = BrokerCore(BrokerConfig(world=1))
+    core.on_rank(b"r", [ready(world=1, gen=P.MAX_COUNTER)], 1.0)
+    core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
+    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=P.MAX_COUNTER)], 1.2)
+    (pub,) = [a for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, Publish)]
+    assert P.decode(pub.frame, ("control",))["gen"] == P.MAX_COUNTER + 1
+
+
 @pytest.mark.parametrize("field,value", [("timeout_ms", 2**53 - 1), ("timeout_ms", P.MAX_TIMEOUT_MS + 1), ("wait_ranks", 3)])
 def test_out_of_range_request_integers_are_refused_with_their_req(cluster, client, field, value):
     sock = raw(cluster.endpoints.frontend)
@@ -258,7 +271,7 @@ def test_held_status_requests_are_bounded_per_client_and_in_all(lonely_broker):
         assert err.value.code == "timeout"
         after = ping_p50(genuine)
     assert broker.core.counters["waiters_evicted"] >= 1
-    assert after < 3 * base + 0.005, (base, after)
+    assert after < 3 * base + 0.01, (base, after)  # was 1 ms -> 26-44 ms with 40,000 held requests
 
 
 def test_open_tasks_are_bounded_per_client_and_queued_ones_expire(lonely_broker):

@@ -42,11 +42,22 @@ Z85_KEY_LEN = 40
 
 # uint fields whose maximum is not MAX_SAFE_INT (inclusive; minimum is 0 unless listed)
 UINT_MAX: dict[str, int] = {
-    "gen": MAX_COUNTER, "epoch": MAX_COUNTER, "world": MAX_WORLD, "rank": MAX_WORLD - 1,
+    "world": MAX_WORLD, "rank": MAX_WORLD - 1,
     "wait_ranks": MAX_WORLD, "timeout_ms": MAX_TIMEOUT_MS, "heartbeat_ms": MAX_TIMEOUT_MS,
     "bytes": MAX_BYTES, "freed": MAX_BYTES, "pid": MAX_PID,
 }
 UINT_MIN: dict[str, int] = {"world": 1, "heartbeat_ms": 1}
+# Counters a broker may adopt from a rank: below MAX_COUNTER, so that the +1 per
+# op the broker then adds (and sends in control / welcome / task, which take
+# up to MAX_SAFE_INT) stays safe for 2^52 more ops.
+ADOPTED_MAX: dict[tuple[str, str], int] = {
+    ("ready", "gen"): MAX_COUNTER, ("ack", "gen"): MAX_COUNTER, ("ack", "epoch"): MAX_COUNTER, ("done", "gen"): MAX_COUNTER,
+}
+
+
+def uint_bounds(kind: str, name: str) -> tuple[int, int]:
+    """The inclusive range of uint field ``name`` in a ``kind`` message."""
+    return UINT_MIN.get(name, 0), ADOPTED_MAX.get((kind, name), UINT_MAX.get(name, MAX_SAFE_INT))
 # list fields: most entries
 LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
 # str fields with a fixed set of values, per (kind, field)
@@ -175,8 +186,9 @@ def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | Non
 def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
     ok = True
     if typ == _U:
-        if type(value) is int and value >= 0 and not UINT_MIN.get(name, 0) <= value <= UINT_MAX.get(name, MAX_SAFE_INT):
-            raise ProtocolError("bad_field", f"{kind}.{name} must be in {UINT_MIN.get(name, 0)}..{UINT_MAX.get(name, MAX_SAFE_INT)}, got {value}")
+        lo, hi = uint_bounds(kind, name)
+        if type(value) is int and value >= 0 and not lo <= value <= hi:
+            raise ProtocolError("bad_field", f"{kind}.{name} must be in {lo}..{hi}, got {value}")
         ok = is_uint(value)
     elif typ == _S:
         ok = isinstance(value, str)

@@ -96,6 +96,7 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
     # broker -> ranks (PUB)
     ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),
     ("control_clear", "control", "broker->ranks", "control", {"epoch": 2, "op": "clear", "gen": 1, "upto": [3, 3], "keep_cpu": False}, ""),
+    ("control_clear_gen_2_40", "control", "broker->ranks", "control", {"epoch": 7, "op": "clear", "gen": 2**40, "upto": [0, 0]}, "a broker that adopted a rank's largest allowed gen (2^40-1) and then cleared: ranks must take it"),
     ("control_resume", "control", "broker->ranks", "control", {"epoch": 3, "op": "resume", "gen": 1, "upto": [3, 3], "layout": dict(LAYOUT, gpu_blocks=32)}, ""),
     # rank -> client (PUSH -> PULL)
     ("result_ok", "results", "rank->client", "result", {"task": 1, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 0, "bytes": 65536, "elapsed_us": 180}, ""),
