@@ -122,6 +122,10 @@ def test_invalid_vector_raises_expected_code(vec):
     with pytest.raises(P.ProtocolError) as info:
         if vec["decoder"] == "decode_body":
             P.decode_body(frame)
+        elif vec["decoder"] == "layout":  # the frame decodes; its layout map fails §4.8
+            from zkv.layout import CacheLayout
+
+            CacheLayout.from_wire(P.decode(frame)["layout"])
         else:
             P.decode(frame, vec["expect_kinds"])
     assert info.value.code == vec["code"], info.value.reason

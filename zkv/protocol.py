@@ -37,6 +37,9 @@ MAX_ADDRESS = 512  # reply_to
 MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
 MAX_NEST_ITEMS = 256  # entries of a map / list field, nested ones counted too
 MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world of them)
+# layout fields (§4.8): block ids are int32; the rest far beyond any model
+LAYOUT_MAX: dict[str, int] = {"layers": 4096, "gpu_blocks": 2**31 - 1, "cpu_blocks": 2**31 - 1, "block_size": 65536,
+                              "kv_heads": 65536, "head_dim": 65536}
 RESULT_SCHEMES = ("tcp://", "ipc://")  # reply_to: never inproc:// (it would reach our own sockets)
 Z85_KEY_LEN = 40
 

@@ -13,7 +13,8 @@ JSON conventions (also described in docs/protocol.md, "Golden vectors"):
   exactly; for bodies, ``encode_body`` holds ``op``/``src``/``dst``/``extra``
   for ``zkv.protocol.encode_body`` when the vector is what it emits.
 - ``body`` (valid bodies): what ``decode_body`` must return, ids as lists.
-- ``decoder`` (invalid): ``decode`` or ``decode_body``; ``expect_kinds``: the
+- ``decoder`` (invalid): ``decode``, ``decode_body`` or ``layout`` (decodes, but
+  its ``layout`` map fails the layout checks); ``expect_kinds``: the
   kinds the receiving socket accepts (null: any kind); ``code``: the error code.
 """
 
@@ -234,6 +235,8 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
     ("welcome_heartbeat_zero", m({"v": 1, "kind": "welcome", "epoch": 0, "op": "run", "gen": 0, "upto": 0, "layout": LAYOUT, "heartbeat_ms": 0}), "decode", None, "bad_field", "heartbeat_ms is 1..3600000"),
     ("control_upto_not_uints", m({"v": 1, "kind": "control", "epoch": 1, "op": "pause", "gen": 0, "upto": [1, -1]}), "decode", None, "bad_field", ""),
     ("result_digest_not_16_bytes", m({"v": 1, "kind": "result", "task": 1, "rank": 0, "world": 1, "outcome": "ok", "reason": "", "gen": 0, "digests": [b"x"]}), "decode", None, "bad_field", ""),
+    ("ready_layout_blocks_beyond_int32", m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": dict(LAYOUT, gpu_blocks=2**31), "gen": 0}), "layout", None, "bad_field", "block ids are int32: at most 2^31-1 blocks per tier"),
+    ("resume_layout_bool", m({"v": 1, "kind": "resume", "req": 1, "layout": dict(LAYOUT, layers=True)}), "layout", None, "bad_field", "a layout integer is never a bool"),
     ("body_tier_empty", m({"v": 1, "kind": "body", "op": "fill", "dst": packed([1]), "tier": "", "seed": 1}), "decode_body", None, "bad_field", "an empty tier is not gpu: only an absent or nil tier defaults"),
     ("body_ids_array_beyond_int32", m({**SWAP, "src": [2**31], "dst": [1]}), "decode_body", None, "bad_field", "array ids have the int32 range of packed ids"),
 ]
