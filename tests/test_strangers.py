@@ -257,7 +257,7 @@ def test_held_status_requests_are_bounded_per_client_and_in_all(lonely_broker):
             replies = [recv(strangers[2])]
             while strangers[2].poll(500):
                 replies.append(recv(strangers[2]))
-            held = dict(broker.core.waiters_per_client)
+            held = dict(broker.core.ready_waiters.count)
             assert len(broker.core.ready_waiters) == 32 and max(held.values()) - min(held.values()) <= 1, held
             assert len(replies) == 40 - min(held.values()) or len(replies) == 40 - max(held.values())
         finally:

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Union
 from . import protocol as P
 from .layout import CacheLayout
 from .outcome import RankFold
+from .waiters import Waiter, WaiterBook
 
 
 # --- actions -----------------------------------------------------------------
@@ -144,13 +145,11 @@ class BrokerCore:
         self.inflight: dict[int, Task] = {}
         self.open_tasks: set[tuple[bytes, int]] = set()
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
-        self.waiters_per_client: collections.Counter[bytes] = collections.Counter()
-        self.waiters_due = float("inf")  # the earliest ready_waiters deadline
         self.seq = 0
         self.last_heartbeat = 0.0
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
-        self.ready_waiters: list[tuple[bytes, int, int, float]] = []
+        self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
 
     # --- frontend --------------------------------------------------------------
 
@@ -185,32 +184,16 @@ class BrokerCore:
             out.append(self._reply(client, msg["req"], "status", **self.status(now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
             out.append(self._error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
-        elif self.waiters_per_client[client] >= self.cfg.max_waiters_per_client or not self._room_for_waiter(client, now, out):
-            self.counters["over_limit"] += 1
-            out.append(self._error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
-                                   f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
-        else:  # answered on registration, or with an error at the deadline
-            deadline = now + self._timeout_s(msg)
-            self.ready_waiters.append((client, msg["req"], want, deadline))
-            self.waiters_per_client[client] += 1
-            self.waiters_due = min(self.waiters_due, deadline)
-
-    def _room_for_waiter(self, client: bytes, now: float, out: list[Action]) -> bool:
-        """Below the global cap, or make room by answering (over_limit) the oldest
-        waiter of the connection holding the most, if it holds more than
-        ``client``: many connections that flood and vanish cannot lock out one
-        that holds few."""
-        if len(self.ready_waiters) < self.cfg.max_waiters:
-            return True
-        hog, held = max(self.waiters_per_client.items(), key=lambda kv: kv[1])
-        if held <= self.waiters_per_client[client]:
-            return False
-        i = next(i for i, w in enumerate(self.ready_waiters) if w[0] == hog)
-        _, req, _, _ = self.ready_waiters.pop(i)
-        self.waiters_per_client[hog] -= 1
-        self.counters["waiters_evicted"] += 1
-        out.append(self._error(hog, "over_limit", "held status request dropped: the broker holds too many; retry later", req=req))
-        return True
+        else:  # held: answered on registration, or with an error at the deadline
+            held, evicted = self.ready_waiters.admit(Waiter(client, msg["req"], want, now + self._timeout_s(msg)))
+            if evicted is not None:
+                self.counters["waiters_evicted"] += 1
+                out.append(self._error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
+                                       req=evicted.req))
+            if not held:
+                self.counters["over_limit"] += 1
+                out.append(self._error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
+                                       f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
 
     def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
         task_id = msg["task"]
@@ -332,23 +315,13 @@ class BrokerCore:
 
     def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
-        keep = []
         ready = self._ready_ranks()
-        status = None
-        for client, req, want, deadline in self.ready_waiters:
-            if ready >= want:
-                status = status or self.status(now)
-                out.append(self._reply(client, req, "status", **status))
-            elif now >= deadline:
-                out.append(self._error(client, "timeout", f"only {ready} of {want} ranks registered before the deadline", req=req))
-            else:
-                keep.append((client, req, want, deadline))
-                continue
-            self.waiters_per_client[client] -= 1
-            if self.waiters_per_client[client] <= 0:
-                del self.waiters_per_client[client]
-        self.ready_waiters = keep
-        self.waiters_due = min((w[3] for w in keep), default=float("inf"))
+        met, expired = self.ready_waiters.settle(now, ready)
+        status = self.status(now) if met else None
+        for w in met:
+            out.append(self._reply(w.client, w.req, "status", **status))
+        for w in expired:
+            out.append(self._error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req))
 
     def _live_ranks(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if rs.alive]
@@ -603,7 +576,7 @@ class BrokerCore:
             if any(rs.acked_epoch != self.epoch for rs in self._live_ranks()):
                 self.counters["control_repeats"] += 1
                 self._publish(now, out)
-        if self.ready_waiters and now >= self.waiters_due:  # no scan until one is due
+        if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
         if self.pending is not None and now >= self.pending.deadline:
             lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
@@ -618,7 +591,7 @@ class BrokerCore:
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)
-        due.append(self.waiters_due)
+        due.append(self.ready_waiters.due)
         for rs in self._live_ranks():
             due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
         return max(0.0, min(due) - now)
