@@ -176,15 +176,15 @@ class Client:
         return reply
 
     def pause(self, timeout: float = 30.0) -> dict:
-        return self.request("pause", timeout + 1, timeout_ms=int(timeout * 1000))
+        return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS))
 
     def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
-        reply = self.request("clear", timeout + 1, timeout_ms=int(timeout * 1000), keep_cpu=keep_cpu)
+        reply = self.request("clear", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS), keep_cpu=keep_cpu)
         self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
         return reply
 
     def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
-        fields: dict[str, Any] = {"timeout_ms": int(timeout * 1000)}
+        fields: dict[str, Any] = {"timeout_ms": min(int(timeout * 1000), P.MAX_TIMEOUT_MS)}
         if layout:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
