@@ -136,9 +136,9 @@ def is_result_address(address: Any) -> bool:
     """A ``reply_to`` a rank may connect to: ``ipc://PATH`` or ``tcp://IP:PORT``
     with a numeric address, bounded.  An inproc:// name would resolve inside
     the rank's own Context (its stop and report sockets), and a host name
-    would make the rank's connect wait on a name lookup (seconds, with the
-    GIL held: the rank stops heartbeating), so both are refused at the broker
-    and again at the rank."""
+    would make the rank run name lookups a client chose, on the libzmq I/O
+    thread that also carries its broker connection (retried at every
+    reconnect), so both are refused at the broker and again at the rank."""
     if not isinstance(address, str) or len(address) > MAX_ADDRESS or "\x00" in address:
         return False
     if address.startswith("ipc://"):
