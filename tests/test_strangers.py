@@ -387,3 +387,17 @@ def test_status_keeps_the_pid_after_a_rank_re_registers():
                             session=P.decode(first.frame)["session"]), 1.0)
     (again,) = core.on_broker(P.encode("reregister"), 2.0)
     assert P.decode(again.frame)["pid"] == 4242
+
+
+def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
+    from zkv.rank_core import RankCore
+
+    core = RankCore(0, 1, LAYOUT)
+    (first,) = core.start(1.0, pid=1)
+    session = P.decode(first.frame)["session"]
+    bad = dict(LAYOUT.to_wire(), gpu_blocks=2**31)
+    assert core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=bad, heartbeat_ms=500, session=session), 1.0) == []
+    assert not core.registered and core.counters["bad_broker_msgs"] == 1
+    core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=500, session=session), 1.0)
+    assert core.on_control(P.encode("control", epoch=1, op="resume", gen=0, upto=[0], layout=bad), 1.1) == []
+    assert core.layout == LAYOUT and core.counters["bad_broker_msgs"] == 2

@@ -151,6 +151,8 @@ class RankCore:
         if kind == "hb":
             return self._end_probe(now) if msg.get("probe") and self.probing else []
         if kind == "welcome":
+            if not self._layout_ok(msg.get("layout")):
+                return []
             if msg.get("session") is not None and msg["session"] != self.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
@@ -230,8 +232,19 @@ class RankCore:
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
+        if msg.get("layout") is not None and not self._layout_ok(msg["layout"]):
+            return []
         upto = msg["upto"][self.rank] if self.rank < len(msg["upto"]) else 0
         return self._apply(msg["epoch"], msg["op"], msg["gen"], upto, msg.get("layout"), bool(msg.get("keep_cpu")), now)
+
+    def _layout_ok(self, wire: Any) -> bool:
+        """A layout from the broker is checked where it enters, like every value."""
+        try:
+            CacheLayout.from_wire(wire)
+            return True
+        except P.ProtocolError:
+            self.counters["bad_broker_msgs"] += 1
+            return False
 
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
         self.registered = True
