@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-from zkv.broker import Broker
+from zkv.broker.loop import Broker
 from zkv.broker.core import BrokerConfig
-from zkv.client import Client
+from zkv.client.client import Client
 from zkv.net.endpoints import Endpoints
 from zkv.wire.layout import CacheLayout
 from zkv.harness.metered import MeteredBrokerCore

@@ -150,7 +150,7 @@ def test_bad_client_input_gets_an_error_reply_and_the_broker_keeps_serving(frame
 def test_submit_with_duplicate_open_task_id_or_bad_reply_to_is_refused():
     sim = Sim().up()
     t = sim.submit()
-    frames = [P.encode("submit", task=t, reply_to="inproc://client"), P.encode_body("swap_out", [0], [0])]
+    frames = [P.encode("submit", task=t, reply_to="ipc:///sim/client"), P.encode_body("swap_out", [0], [0])]
     (err,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
     assert err["code"] == "duplicate_task"
     frames = [P.encode("submit", task=99, reply_to="http://evil"), P.encode_body("swap_out", [0], [0])]
@@ -238,6 +238,6 @@ def test_error_replies_echo_a_readable_req_or_task():
 
 def test_oversized_task_body_is_rejected_at_the_broker():
     sim = Sim().up()
-    frames = [P.encode("submit", task=1, reply_to="inproc://c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
+    frames = [P.encode("submit", task=1, reply_to="ipc:///sim/c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
     (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
     assert out["outcome"] == "rejected" and "exceeds" in out["reason"]

@@ -24,16 +24,18 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
     d = tmp_path_factory.mktemp("curve")
-    keys, authorized = d / "keys", d / "authorized"
+    keys, authorized, clients = d / "keys", d / "ranks", d / "clients"
     for name in ("broker", "rank", "client", "intruder"):
         generate_keypair(keys, name)
     authorized.mkdir()
-    for name in ("rank", "client"):
-        shutil.copy(keys / f"{name}.key", authorized)
+    clients.mkdir()
+    shutil.copy(keys / "rank.key", authorized)
+    shutil.copy(keys / "client.key", clients)
     ep = Endpoints(*(f"tcp://127.0.0.1:{free_port()}" for _ in range(3)))
     cluster = LocalCluster(
         2, CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16), quiet=True, endpoints=ep,
-        broker_args=["--curve-secret", str(keys / "broker.key_secret"), "--curve-authorized", str(authorized)],
+        broker_args=["--curve-secret", str(keys / "broker.key_secret"), "--curve-ranks", str(authorized),
+                     "--curve-clients", str(clients)],
         worker_args=["--curve-secret", str(keys / "rank.key_secret"), "--curve-server", str(keys / "broker.key")])
     cluster.start_broker()
     for r in (0, 1):
@@ -41,17 +43,17 @@ def secured(tmp_path_factory):
     me = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(authorized))
     with Client(ep.frontend, curve=me) as c:
         c.status(timeout=60, wait_ranks=2)
-    yield cluster, keys, authorized, me
+    yield cluster, keys, authorized, me, clients
     cluster.stop()
 
 
 def test_secret_keys_are_private_files(secured):
-    _, keys, _, _ = secured
+    _, keys, _, _, _ = secured
     assert stat.S_IMODE(os.stat(keys / "client.key_secret").st_mode) == 0o600
 
 
 def test_authorized_client_and_ranks_swap_over_curve(secured):
-    cluster, _, _, me = secured
+    cluster, _, _, me, _ = secured
     with Client(cluster.endpoints.frontend, curve=me) as c:
         out = c.run("swap_out", [0, 1], [2, 3], timeout=10)
         assert out.ok and set(out.per_rank) == {0, 1}
@@ -59,7 +61,7 @@ def test_authorized_client_and_ranks_swap_over_curve(secured):
 
 
 def test_unknown_key_gets_no_service(secured):
-    cluster, keys, authorized, _ = secured
+    cluster, keys, authorized, _, _ = secured
     intruder = Curve(str(keys / "intruder.key_secret"), str(keys / "broker.key"), str(authorized))
     with Client(cluster.endpoints.frontend, curve=intruder, request_timeout=1.0) as c:
         with pytest.raises(ZkvError) as err:
@@ -90,7 +92,7 @@ def test_replay_against_a_curve_broker(secured):
     from zkv.replay import replay
     from zkv.trace import dump_records, generate, parse_trace
 
-    cluster, _, _, me = secured
+    cluster, _, _, me, _ = secured
     buf = io.StringIO()
     dump_records(generate("steady", 10, seed=1, world=2, layout=cluster.layout, max_blocks=4), buf)
     report = replay(parse_trace(buf.getvalue().splitlines()), cluster.endpoints.frontend, curve=me, speed=None, task_timeout=10)

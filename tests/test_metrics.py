@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from inproc_bus import LAYOUT, InProcessBus
 from zkv.wire import protocol as P
 from zkv.broker.core import BrokerConfig
-from zkv.client import Client, ZkvError
+from zkv.client.client import Client, ZkvError
 from zkv.harness.metered import MeteredBrokerCore
 from zkv.obs.prometheus import make_registry, metrics_port_from_env, start_metrics_server
 from zkv.obs.book import COPY_BUCKETS_S, BusBook, Histogram, histogram_from_stats, task_op

@@ -122,6 +122,10 @@ def test_invalid_vector_raises_expected_code(vec):
     with pytest.raises(P.ProtocolError) as info:
         if vec["decoder"] == "decode_body":
             P.decode_body(frame)
+        elif vec["decoder"] == "layout":  # the frame decodes; its layout map fails §4.8
+            from zkv.wire.layout import CacheLayout
+
+            CacheLayout.from_wire(P.decode(frame)["layout"])
         else:
             P.decode(frame, vec["expect_kinds"])
     assert info.value.code == vec["code"], info.value.reason
@@ -211,10 +215,24 @@ _STRATEGIES = {"uint": uint, "str": text, "bool": st.booleans(),
                "ids": st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8)}
 
 
+def _field(kind, name, typ):
+    """Any value the schema and the documented bounds (protocol §2.1) allow."""
+    if typ == "uint":
+        lo, hi = P.uint_bounds(kind, name)
+        return st.integers(min_value=lo, max_value=hi)
+    if (kind, name) in P.ENUMS:
+        return st.sampled_from(P.ENUMS[(kind, name)])
+    if name == "reply_key":
+        return st.text(alphabet=sorted(P._Z85), min_size=40, max_size=40)
+    if name == "digests":
+        return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
+    return _STRATEGIES[typ]
+
+
 def _message(kind):
     required, optional = P.SCHEMAS[kind]
-    req = st.fixed_dictionaries({k: _STRATEGIES[t] for k, t in required.items()})
-    opt = st.fixed_dictionaries({}, optional={k: _STRATEGIES[t] for k, t in optional.items()})
+    req = st.fixed_dictionaries({k: _field(kind, k, t) for k, t in required.items()})
+    opt = st.fixed_dictionaries({}, optional={k: _field(kind, k, t) for k, t in optional.items()})
     return st.tuples(req, opt).map(lambda pair: {**pair[0], **pair[1]})
 
 

@@ -18,7 +18,7 @@ def control(op, epoch, upto=(0, 0), gen=0, **kw) -> bytes:
 
 
 def task(n, gen=0) -> list[bytes]:
-    return [P.encode("task", seq=n, n=n, task=n, reply_to="inproc://c", gen=gen), P.encode_body("swap_out", [0], [0])]
+    return [P.encode("task", seq=n, n=n, task=n, reply_to="ipc:///sim/c", gen=gen), P.encode_body("swap_out", [0], [0])]
 
 
 def sent(actions, kind):
@@ -116,7 +116,7 @@ def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its
     assert core.on_wake(1.1 + core.liveness_ms / 2000 - 0.05) == []
     (probe,) = sent(core.on_wake(1.1 + core.liveness_ms / 1000), "hb")
     assert probe["probe"] is True and core.counters["frozen"] == 1
-    header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=old)
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=old)
     body = P.encode_body("swap_out", [0], [0])
     assert core.on_task(header, body, 5.0) == [], "held: maybe the broker already failed it"
     # the broker had declared us dead: register again; the held task is refused
@@ -130,7 +130,7 @@ def test_a_frozen_rank_still_registered_runs_its_held_tasks():
     core = welcomed()
     core.on_wake(1.0)
     sent(core.on_wake(1.0 + core.liveness_ms / 1000), "hb")
-    header = P.encode("task", seq=1, n=1, task=1, reply_to="inproc://c", gen=0, session=core.session)
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=core.session)
     assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) == []
     (ex,) = [a for a in core.on_broker(P.encode("hb", probe=True), 5.0) if isinstance(a, Execute)]
     assert ex.refuse == "" and ex.task == 1 and not core.probing

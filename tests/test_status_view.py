@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from zkv.client import ZkvError
+from zkv.client.client import ZkvError
 from zkv.harness.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status

@@ -13,7 +13,8 @@ JSON conventions (also described in docs/protocol.md, "Golden vectors"):
   exactly; for bodies, ``encode_body`` holds ``op``/``src``/``dst``/``extra``
   for ``zkv.wire.protocol.encode_body`` when the vector is what it emits.
 - ``body`` (valid bodies): what ``decode_body`` must return, ids as lists.
-- ``decoder`` (invalid): ``decode`` or ``decode_body``; ``expect_kinds``: the
+- ``decoder`` (invalid): ``decode``, ``decode_body`` or ``layout`` (decodes, but
+  its ``layout`` map fails the layout checks); ``expect_kinds``: the
   kinds the receiving socket accepts (null: any kind); ``code``: the error code.
 """
 
@@ -96,6 +97,7 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
     # broker -> ranks (PUB)
     ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),
     ("control_clear", "control", "broker->ranks", "control", {"epoch": 2, "op": "clear", "gen": 1, "upto": [3, 3], "keep_cpu": False}, ""),
+    ("control_clear_gen_2_40", "control", "broker->ranks", "control", {"epoch": 7, "op": "clear", "gen": 2**40, "upto": [0, 0]}, "a broker that adopted a rank's largest allowed gen (2^40-1) and then cleared: ranks must take it"),
     ("control_resume", "control", "broker->ranks", "control", {"epoch": 3, "op": "resume", "gen": 1, "upto": [3, 3], "layout": dict(LAYOUT, gpu_blocks=32)}, ""),
     # rank -> client (PUSH -> PULL)
     ("result_ok", "results", "rank->client", "result", {"task": 1, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 0, "bytes": 65536, "elapsed_us": 180}, ""),
@@ -143,6 +145,13 @@ def valid_vectors() -> list[dict[str, Any]]:
 
 def m(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def _deep(depth: int) -> Any:
+    value: Any = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
 
 
 FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping"]
@@ -201,6 +210,35 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
     ("body_wrong_kind", m({"v": 1, "kind": "submit", "task": 1, "reply_to": REPLY_TO}), "decode_body", None, "unknown_kind", "the second frame must be kind body"),
     ("body_wrong_version", m({"v": 2, "kind": "body", "op": "swap_out", "src": packed([1]), "dst": packed([2])}), "decode_body", None, "bad_version", ""),
     ("body_not_msgpack", b"\xc1\xc1", "decode_body", None, "malformed", ""),
+    # --- strangers (issue 10): well-formed values outside the documented bounds (§2.1)
+    ("version_true", m({"v": True, "kind": "ping", "req": 1}), "decode", None, "bad_version", "true is not the integer 1"),
+    ("version_float", m({"v": 1.0, "kind": "ping", "req": 1}), "decode", None, "bad_version", "1.0 is not the integer 1"),
+    ("body_version_true", m({"v": True, "kind": "body", "op": "swap_out", "src": packed([1]), "dst": packed([2])}), "decode_body", None, "bad_version", ""),
+    ("submit_reply_to_too_long", m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://" + "a" * 5000}), "decode", None, "bad_field", "str fields are at most 4096 characters"),
+    ("submit_reply_key_not_z85", m({"v": 1, "kind": "submit", "task": 1, "reply_to": REPLY_TO, "reply_key": "x" * 39}), "decode", None, "bad_field", "reply_key is a 40-character Z85 key"),
+    ("submit_timeout_over_max", m({"v": 1, "kind": "submit", "task": 1, "reply_to": REPLY_TO, "timeout_ms": 3_600_001}), "decode", None, "bad_field", "timeout_ms is at most 3600000"),
+    ("status_timeout_2_53", m({"v": 1, "kind": "status", "req": 1, "wait_ranks": 3, "timeout_ms": 2**53 - 1}), "decode", None, "bad_field", "timeout_ms is at most 3600000"),
+    ("status_wait_ranks_over_max", m({"v": 1, "kind": "status", "req": 1, "wait_ranks": 257}), "decode", None, "bad_field", "wait_ranks is at most 256"),
+    ("ready_gen_2_53", m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**53 - 1}), "decode", None, "bad_field", "gen is below 2^40 so that +1 stays safe"),
+    ("ready_gen_2_40", m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**40}), "decode", None, "bad_field", "gen is at most 2^40-1"),
+    ("ready_world_zero", m({"v": 1, "kind": "ready", "rank": 0, "world": 0, "session": 1, "layout": LAYOUT, "gen": 0}), "decode", None, "bad_field", "world is 1..256"),
+    ("ready_world_over_max", m({"v": 1, "kind": "ready", "rank": 0, "world": 257, "session": 1, "layout": LAYOUT, "gen": 0}), "decode", None, "bad_field", "world is 1..256"),
+    ("ready_pid_over_max", m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 0, "pid": 2**32}), "decode", None, "bad_field", "pid is at most 2^32-1"),
+    ("ack_epoch_2_40", m({"v": 1, "kind": "ack", "epoch": 2**40, "op": "pause", "upto": 0}), "decode", None, "bad_field", "epoch is at most 2^40-1"),
+    ("ack_op_unknown", m({"v": 1, "kind": "ack", "epoch": 1, "op": "explode"}), "decode", None, "bad_field", "ack.op is pause, clear or resume"),
+    ("ack_freed_over_max", m({"v": 1, "kind": "ack", "epoch": 1, "op": "clear", "freed": 2**44}), "decode", None, "bad_field", "bytes / freed are at most 2^44-1 per rank"),
+    ("done_outcome_unknown", m({"v": 1, "kind": "done", "seq": 1, "n": 1, "outcome": "great", "gen": 0}), "decode", None, "bad_field", "a rank reports ok or failed"),
+    ("hb_stats_deep", m({"v": 1, "kind": "hb", "stats": _deep(1022)}), "decode", None, "bad_field", "nested structures are at most 4 levels deep"),
+    ("hb_stats_too_many_entries", m({"v": 1, "kind": "hb", "stats": {f"k{i}": i for i in range(300)}}), "decode", None, "bad_field", "a map / list field has at most 256 entries"),
+    ("hb_stats_too_large", m({"v": 1, "kind": "hb", "stats": {f"k{i}": "x" * 4000 for i in range(5)}}), "decode", None, "bad_field", "stats encode to at most 16384 bytes"),
+    ("hb_stats_int_key", m({"v": 1, "kind": "hb", "stats": {1: 2}}), "decode", None, "bad_field", "map keys are str"),
+    ("welcome_heartbeat_zero", m({"v": 1, "kind": "welcome", "epoch": 0, "op": "run", "gen": 0, "upto": 0, "layout": LAYOUT, "heartbeat_ms": 0}), "decode", None, "bad_field", "heartbeat_ms is 1..3600000"),
+    ("control_upto_not_uints", m({"v": 1, "kind": "control", "epoch": 1, "op": "pause", "gen": 0, "upto": [1, -1]}), "decode", None, "bad_field", ""),
+    ("result_digest_not_16_bytes", m({"v": 1, "kind": "result", "task": 1, "rank": 0, "world": 1, "outcome": "ok", "reason": "", "gen": 0, "digests": [b"x"]}), "decode", None, "bad_field", ""),
+    ("ready_layout_blocks_beyond_int32", m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": dict(LAYOUT, gpu_blocks=2**31), "gen": 0}), "layout", None, "bad_field", "block ids are int32: at most 2^31-1 blocks per tier"),
+    ("resume_layout_bool", m({"v": 1, "kind": "resume", "req": 1, "layout": dict(LAYOUT, layers=True)}), "layout", None, "bad_field", "a layout integer is never a bool"),
+    ("body_tier_empty", m({"v": 1, "kind": "body", "op": "fill", "dst": packed([1]), "tier": "", "seed": 1}), "decode_body", None, "bad_field", "an empty tier is not gpu: only an absent or nil tier defaults"),
+    ("body_ids_array_beyond_int32", m({**SWAP, "src": [2**31], "dst": [1]}), "decode_body", None, "bad_field", "array ids have the int32 range of packed ids"),
 ]
 
 

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Union
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.outcome import RankFold
+from .waiters import Waiter, WaiterBook
 
 
 # --- actions -----------------------------------------------------------------
@@ -67,6 +68,11 @@ class BrokerConfig:
     control_repeat_ms: int = 100
     op_timeout_ms: int = 30_000
     allow_partial: bool = False  # a dead rank completes (not fails) a pending op
+    # Per-client bounds (DESIGN §13): a flooding or vanished client holds at most
+    # this much broker state, and every piece of it expires.
+    max_open_per_client: int = 10_000  # queued + in-flight tasks of one connection
+    max_waiters_per_client: int = 16  # held status{wait_ranks} requests of one connection
+    max_waiters: int = 1024  # held status requests of all connections
 
 
 @dataclass
@@ -103,6 +109,7 @@ class Task:
     body: bytes
     submitted: float
     reply_key: str | None = None  # the client's Curve public key, for its PULL
+    expires: float | None = None  # submit timeout_ms: a task still queued then never runs
     seq: int = 0
     fold: RankFold | None = None
     reported: bool = False  # the broker already sent the client a final outcome
@@ -137,11 +144,12 @@ class BrokerCore:
         self.queue: collections.deque[Task] = collections.deque()
         self.inflight: dict[int, Task] = {}
         self.open_tasks: set[tuple[bytes, int]] = set()
+        self.open_per_client: collections.Counter[bytes] = collections.Counter()
         self.seq = 0
         self.last_heartbeat = 0.0
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
-        self.ready_waiters: list[tuple[bytes, int, int, float]] = []
+        self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
 
     # --- frontend --------------------------------------------------------------
 
@@ -154,17 +162,13 @@ class BrokerCore:
             msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
-            out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0])))
+            out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return out
         kind = msg["kind"]
         if kind == "submit":
             self._submit(client, msg, frames, now, out)
         elif kind == "status":
-            want = msg.get("wait_ranks") or 0
-            if self._ready_ranks() >= want:
-                out.append(self._reply(client, msg["req"], "status", **self.status(now)))
-            else:  # answered on registration, or with an error at the deadline
-                self.ready_waiters.append((client, msg["req"], want, now + self._timeout_s(msg)))
+            self._status(client, msg, now, out)
         elif kind == "ping":
             out.append(self._reply(client, msg["req"], "ping"))
         else:
@@ -173,6 +177,23 @@ class BrokerCore:
                 out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
             getattr(self, "_" + kind)(client, msg, now, out)
         return out
+
+    def _status(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        want = msg.get("wait_ranks") or 0
+        if self._ready_ranks() >= want:
+            out.append(self._reply(client, msg["req"], "status", **self.status(now)))
+        elif want > self.cfg.world:  # could never be met: say so now instead of holding it
+            out.append(self._error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
+        else:  # held: answered on registration, or with an error at the deadline
+            held, evicted = self.ready_waiters.admit(Waiter(client, msg["req"], want, now + self._timeout_s(msg)))
+            if evicted is not None:
+                self.counters["waiters_evicted"] += 1
+                out.append(self._error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
+                                       req=evicted.req))
+            if not held:
+                self.counters["over_limit"] += 1
+                out.append(self._error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
+                                       f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
 
     def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
         task_id = msg["task"]
@@ -192,17 +213,23 @@ class BrokerCore:
         elif len(body) > P.MAX_FRAME_BYTES:
             self.counters["bad_requests"] += 1
             reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
-        elif not reply_to.startswith(("tcp://", "ipc://", "inproc://")):
-            reason = f"reply_to {reply_to!r} is not a tcp://, ipc:// or inproc:// address"
+        elif not P.is_result_address(reply_to):
+            self.counters["bad_requests"] += 1
+            reason = f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address (numeric IP, at most {P.MAX_ADDRESS} characters)"
         elif self.state in ("clearing", "cleared"):
             reason = "caches are cleared; resume the bus first (zkv resume)"
         elif len(self.queue) >= self.cfg.max_queue:
             reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
-        task = Task(client, task_id, reply_to, body, now, msg.get("reply_key"))
+        elif self.open_per_client[client] >= self.cfg.max_open_per_client:
+            self.counters["over_limit"] += 1
+            reason = f"this connection has {self.cfg.max_open_per_client} open tasks (the most it may); wait for some to end"
+        expires = now + msg["timeout_ms"] / 1000 if msg.get("timeout_ms") else None
+        task = Task(client, task_id, reply_to, body, now, msg.get("reply_key"), expires)
         if reason:
             self._finish_task(task, "rejected", reason, now, out, notify=True)
             return
         self.open_tasks.add(key)
+        self.open_per_client[client] += 1
         self.queue.append(task)
         self.counters["submitted"] += 1
         self._dispatch(now, out)
@@ -288,15 +315,13 @@ class BrokerCore:
 
     def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
-        keep = []
-        for client, req, want, deadline in self.ready_waiters:
-            if self._ready_ranks() >= want:
-                out.append(self._reply(client, req, "status", **self.status(now)))
-            elif now >= deadline:
-                out.append(self._error(client, "timeout", f"only {self._ready_ranks()} of {want} ranks registered before the deadline", req=req))
-            else:
-                keep.append((client, req, want, deadline))
-        self.ready_waiters = keep
+        ready = self._ready_ranks()
+        met, expired = self.ready_waiters.settle(now, ready)
+        status = self.status(now) if met else {}
+        for w in met:
+            out.append(self._reply(w.client, w.req, "status", **status))
+        for w in expired:
+            out.append(self._error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req))
 
     def _live_ranks(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if rs.alive]
@@ -477,8 +502,11 @@ class BrokerCore:
             return
         credits = limit - max(rs.inflight for rs in ranks)
         while credits > 0 and self.queue:
-            credits -= 1
             task = self.queue.popleft()
+            if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
+                self._finish_task(task, "timeout", "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
+                continue
+            credits -= 1
             self.seq += 1
             task.seq = self.seq
             task.fold = RankFold(world)
@@ -494,7 +522,12 @@ class BrokerCore:
 
     def _finish_task(self, task: Task, outcome: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
         """End a task exactly once at the broker; ``notify`` tells the client."""
-        self.open_tasks.discard((task.client, task.task))
+        key = (task.client, task.task)
+        if key in self.open_tasks:
+            self.open_tasks.discard(key)
+            self.open_per_client[task.client] -= 1
+            if self.open_per_client[task.client] <= 0:
+                del self.open_per_client[task.client]
         self.counters[outcome] += 1
         if notify and not task.reported:
             task.reported = True
@@ -543,7 +576,7 @@ class BrokerCore:
             if any(rs.acked_epoch != self.epoch for rs in self._live_ranks()):
                 self.counters["control_repeats"] += 1
                 self._publish(now, out)
-        if self.ready_waiters:
+        if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
         if self.pending is not None and now >= self.pending.deadline:
             lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
@@ -558,7 +591,7 @@ class BrokerCore:
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)
-        due.extend(w[3] for w in self.ready_waiters)
+        due.append(self.ready_waiters.due)
         for rs in self._live_ranks():
             due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
         return max(0.0, min(due) - now)

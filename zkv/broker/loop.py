@@ -17,7 +17,7 @@ import zmq
 
 from .core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
-from ..net.curve import Curve
+from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 
 log = logging.getLogger("zkv.broker")
 
@@ -36,13 +36,14 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         for address in (endpoints.frontend, endpoints.backend, endpoints.control):
             check_bind_address(address, allow_remote, secure=curve is not None)
-        self.auth = curve.start_authenticator(self.ctx) if curve is not None else None
+        self.auth = curve.start_authenticator(self.ctx, curve.broker_domains()) if curve is not None else None
         self.frontend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.backend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.control = make_socket(self.ctx, zmq.PUB)
-        if curve is not None:
-            for sock in (self.frontend, self.backend, self.control):
-                curve.make_server(sock)
+        if curve is not None:  # roles: client keys on the frontend, rank keys on the backend and control
+            curve.make_server(self.frontend, CLIENTS_DOMAIN)
+            curve.make_server(self.backend, RANKS_DOMAIN)
+            curve.make_server(self.control, RANKS_DOMAIN)
         self.frontend.bind(endpoints.frontend)
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)

@@ -84,7 +84,11 @@ def client_options(fn: Callable) -> Callable:
 
         curve = curve_from(kwargs)
         try:
-            with Client(broker, request_timeout=timeout, curve=curve) as client:
+            client_cm = Client(broker, request_timeout=timeout, curve=curve)
+        except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback
+            _fail(str(err))
+        try:
+            with client_cm as client:
                 fn(client, timeout, as_json, **kwargs)
         except ZkvError as err:
             hints = {
@@ -129,6 +133,9 @@ def broker_options(fn: Callable) -> Callable:
         click.option("--heartbeat-ms", type=int, default=d.heartbeat_ms, show_default=True, envvar="ZKV_HEARTBEAT_MS", show_envvar=True, help="Heartbeat interval, both ways."),
         click.option("--liveness-ms", type=int, default=d.liveness_ms, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Silence after which a rank is dead."),
         click.option("--op-timeout-ms", type=int, default=d.op_timeout_ms, show_default=True, envvar="ZKV_OP_TIMEOUT_MS", show_envvar=True, help="Default bound on pause/clear/resume."),
+        click.option("--max-open-per-client", type=int, default=d.max_open_per_client, show_default=True, envvar="ZKV_MAX_OPEN_PER_CLIENT", show_envvar=True, help="Open tasks (queued or in flight) one client connection may hold; more are rejected."),
+        click.option("--max-waiters-per-client", type=int, default=d.max_waiters_per_client, show_default=True, envvar="ZKV_MAX_WAITERS_PER_CLIENT", show_envvar=True, help="Held status --wait-ranks requests per client connection."),
+        click.option("--max-waiters", type=int, default=d.max_waiters, show_default=True, envvar="ZKV_MAX_WAITERS", show_envvar=True, help="Held status --wait-ranks requests in all."),
         click.option("--allow-partial", is_flag=True, envvar="ZKV_ALLOW_PARTIAL", show_envvar=True, help="A rank dying during pause/clear/resume completes it without that rank instead of failing it."),
     ]
     for opt in reversed(opts):
@@ -141,7 +148,9 @@ def _broker_config(world: int, kw: dict) -> Any:
 
     return BrokerConfig(world=world, max_inflight_per_rank=kw["max_inflight"], max_queue=kw["max_queue"],
                         heartbeat_ms=kw["heartbeat_ms"], liveness_ms=kw["liveness_ms"],
-                        op_timeout_ms=kw["op_timeout_ms"], allow_partial=kw["allow_partial"])
+                        op_timeout_ms=kw["op_timeout_ms"], allow_partial=kw["allow_partial"],
+                        max_open_per_client=kw["max_open_per_client"], max_waiters_per_client=kw["max_waiters_per_client"],
+                        max_waiters=kw["max_waiters"])
 
 
 @main.command()
@@ -158,8 +167,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
     curve = curve_from(kw)
-    if curve is not None and not curve.authorized_dir:
-        raise click.BadParameter("a Curve broker needs --curve-authorized")
+    if curve is not None and not (curve.ranks_dir and curve.clients_dir):
+        raise click.BadParameter("a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)")
     recorder = None
     if record:
         from ..trace import TraceRecorder
@@ -263,7 +272,8 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
     """Write Curve keypairs NAME.key / NAME.key_secret (mode 0600) into DIRECTORY.
 
     Put the broker's secret with the broker, and copy every rank's and client's
-    NAME.key into the directory the broker (and clients) pass as --curve-authorized.
+    NAME.key into the directory of its role: rank keys into the one the broker and
+    clients pass as --curve-ranks, client keys into the broker's --curve-clients.
     """
     from ..net.curve import generate_keypair
 

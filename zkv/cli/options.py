@@ -41,9 +41,12 @@ def layout_from(kwargs: dict) -> Any:
 def curve_options(server: bool = False, client: bool = True) -> Callable:
     """CurveZMQ options (DESIGN §10): off unless --curve-secret is given."""
     def deco(fn: Callable) -> Callable:
-        if server:
-            fn = click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_AUTHORIZED", show_envvar=True,
-                              help="Directory of authorized public keys (*.key) for ZAP.")(fn)
+        if server:  # ranks and clients are authorized separately (DESIGN §10)
+            if not client:  # the broker: client keys for its frontend
+                fn = click.option("--curve-clients", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_CLIENTS", show_envvar=True,
+                                  help="Directory of client public keys (*.key) allowed on the frontend.")(fn)
+            fn = click.option("--curve-ranks", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_RANKS", show_envvar=True,
+                              help="Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.")(fn)
         if client:
             fn = click.option("--curve-server", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SERVER", show_envvar=True,
                               help="The broker's public key file (broker.key).")(fn)
@@ -57,9 +60,10 @@ def curve_from(kw: dict) -> Any:
 
     secret = kw.pop("curve_secret", None)
     server = kw.pop("curve_server", None)
-    authorized = kw.pop("curve_authorized", None)
+    ranks = kw.pop("curve_ranks", None)
+    clients = kw.pop("curve_clients", None)
     if secret is None:
-        if server or authorized:
-            raise click.BadParameter("--curve-server / --curve-authorized need --curve-secret")
+        if server or ranks or clients:
+            raise click.BadParameter("--curve-server / --curve-ranks / --curve-clients need --curve-secret")
         return None
-    return Curve(secret, server, authorized)
+    return Curve(secret, server, ranks, clients)

@@ -69,6 +69,8 @@ def replay(trace_file: str, broker: str | None, speed: str, record: str | None, 
     curve = curve_from(curve_kw)
     if curve is not None and not broker:
         raise click.UsageError("--curve-* options are for --broker: the embedded cluster listens on private ipc:// sockets")
+    if curve is not None and not curve.ranks_dir:
+        raise click.UsageError("a Curve client needs --curve-ranks: the rank public keys its result socket lets in")
     trace = _load(trace_file)
     bar: Any = None
     kwargs: dict[str, Any] = {"speed": factor, "task_timeout": task_timeout, "op_timeout": op_timeout}

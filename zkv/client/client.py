@@ -25,7 +25,7 @@ from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..wire.outcome import TaskOutcome
 from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
-from ..net.curve import Curve
+from ..net.curve import RESULTS_DOMAIN, Curve
 
 
 class ZkvError(Exception):
@@ -60,8 +60,8 @@ class Client:
         if curve is not None:
             # Our PULL is a Curve server that lets in only authorized ranks.
             curve.make_client(self.dealer)
-            self.auth = curve.start_authenticator(self.ctx)
-            curve.make_server(self.pull)
+            self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
+            curve.make_server(self.pull, RESULTS_DOMAIN)
             self._submit_extra["reply_key"] = curve.public_key()
         self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None
@@ -185,15 +185,15 @@ class Client:
         return reply
 
     def pause(self, timeout: float = 30.0) -> dict:
-        return self.request("pause", timeout + 1, timeout_ms=int(timeout * 1000))
+        return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS))
 
     def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
-        reply = self.request("clear", timeout + 1, timeout_ms=int(timeout * 1000), keep_cpu=keep_cpu)
+        reply = self.request("clear", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS), keep_cpu=keep_cpu)
         self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
         return reply
 
     def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
-        fields: dict[str, Any] = {"timeout_ms": int(timeout * 1000)}
+        fields: dict[str, Any] = {"timeout_ms": min(int(timeout * 1000), P.MAX_TIMEOUT_MS)}
         if layout:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
@@ -204,7 +204,7 @@ class Client:
         """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
-            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=int(t * 1000))
+            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS))
         return self.request("status", timeout)
 
     def ping(self, timeout: float | None = None) -> dict:

@@ -327,7 +327,8 @@ class Bus:
     broker: Proc | None = None
     workers: dict[int, Proc] = field(default_factory=dict)
     keys: Path = Path()  # set by make_keys: every NAME.key / NAME.key_secret
-    authorized: Path = Path()  # set by make_keys: the public keys the broker and clients let in
+    ranks_dir: Path = Path()  # set by make_keys: the ranks' public keys (broker backend, clients' result PULL)
+    clients_dir: Path = Path()  # set by make_keys: the clients' public keys (broker frontend)
 
     @property
     def broker_host(self) -> Host:
@@ -337,27 +338,31 @@ class Bus:
         return self.broker_host.tcp(PORTS[which])
 
     def make_keys(self) -> None:
-        """``zkv keygen`` for every party; the authorized directory holds the
-        ranks' and clients' public keys (the broker's secret stays with it)."""
+        """``zkv keygen`` for every party; the ranks' and the clients' public
+        keys go in separate directories, since each role is authorized apart
+        (the broker's secret stays with it)."""
         self.keys = self.lab.dir / "keys"
-        self.authorized = self.lab.dir / "authorized"
-        names = ["broker", *(f"rank{r}" for r in range(self.world)), "client"]
-        subprocess.run([sys.executable, "-m", "zkv", "keygen", str(self.keys), *names], check=True,
+        self.ranks_dir = self.lab.dir / "ranks"
+        self.clients_dir = self.lab.dir / "clients"
+        ranks = [f"rank{r}" for r in range(self.world)]
+        subprocess.run([sys.executable, "-m", "zkv", "keygen", str(self.keys), "broker", *ranks, "client"], check=True,
                        capture_output=True, timeout=60)
-        self.authorized.mkdir(exist_ok=True)
-        for name in names[1:]:
-            shutil.copy(self.keys / f"{name}.key", self.authorized)
+        for directory, names in ((self.ranks_dir, ranks), (self.clients_dir, ["client"])):
+            directory.mkdir(exist_ok=True)
+            for name in names:
+                shutil.copy(self.keys / f"{name}.key", directory)
 
     # The only place that knows the Curve command-line flags.
     def broker_curve_args(self) -> list[str]:
-        return ["--curve-secret", str(self.keys / "broker.key_secret"), "--curve-authorized", str(self.authorized)]
+        return ["--curve-secret", str(self.keys / "broker.key_secret"), "--curve-ranks", str(self.ranks_dir),
+                "--curve-clients", str(self.clients_dir)]
 
     def worker_curve_args(self, rank: int) -> list[str]:
         return ["--curve-secret", str(self.keys / f"rank{rank}.key_secret"), "--curve-server", str(self.keys / "broker.key")]
 
     def client_curve(self) -> dict:
         return {"secret_file": str(self.keys / "client.key_secret"), "server_public_file": str(self.keys / "broker.key"),
-                "authorized_dir": str(self.authorized)}
+                "ranks_dir": str(self.ranks_dir)}
 
     def start_broker(self) -> Proc:
         self.broker = self.lab.spawn("broker", "broker", [

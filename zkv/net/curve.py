@@ -1,12 +1,15 @@
 """CurveZMQ for a bus reachable from other hosts (DESIGN §10).
 
 Every party has a Curve keypair.  The broker is the Curve server of its three
-sockets and authenticates peers through ZAP against a directory of authorized
-public keys, with the ZAP domain enforced (FIELD-NOTES: without a ZAP handler
-a CURVE server accepts any key; CURVE_ALLOW_ANY encrypts but does not
-authenticate).  Results flow the other way (rank PUSH -> client PULL), so a
-client's PULL is a Curve server too, authenticating ranks against the same
-directory; the client's public key travels in each task as ``reply_key``.
+sockets and authenticates peers through ZAP, with the ZAP domain enforced
+(FIELD-NOTES: without a ZAP handler a CURVE server accepts any key;
+CURVE_ALLOW_ANY encrypts but does not authenticate).  Ranks and clients are
+authorized separately, each against its own directory of public keys and its
+own ZAP domain: the backend and control sockets let in rank keys only, the
+frontend client keys only, so a rank key cannot submit and a client key cannot
+register.  Results flow the other way (rank PUSH -> client PULL), so a client's
+PULL is a Curve server too, letting in rank keys only; the client's public key
+travels in each task as ``reply_key``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-ZAP_DOMAIN = "zkv"
+RANKS_DOMAIN = "zkv-ranks"  # broker backend + control: rank keys
+CLIENTS_DOMAIN = "zkv-clients"  # broker frontend: client keys
+RESULTS_DOMAIN = "zkv-results"  # a client's result PULL: rank keys
 
 
 def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
@@ -49,22 +54,25 @@ def load_public(public_file: str | Path) -> bytes:
 @dataclass(frozen=True)
 class Curve:
     """One party's Curve settings: its own secret file, plus the broker's
-    public key (clients and ranks) or the authorized-keys directory (servers)."""
+    public key (clients and ranks) and the directories of authorized public
+    keys per role: ``ranks_dir`` (the broker; a client, for its result PULL)
+    and ``clients_dir`` (the broker)."""
 
     secret_file: str
     server_public_file: str | None = None
-    authorized_dir: str | None = None
+    ranks_dir: str | None = None
+    clients_dir: str | None = None
 
     def keys(self) -> tuple[bytes, bytes]:
         return load_keypair(self.secret_file)
 
-    def make_server(self, sock: zmq.Socket) -> None:
-        """Curve server with ZAP enforced: only authorized keys get in."""
+    def make_server(self, sock: zmq.Socket, domain: str) -> None:
+        """Curve server with ZAP enforced: only keys authorized for ``domain`` get in."""
         public, secret = self.keys()
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_server = True
-        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.zap_domain = domain.encode()
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def make_client(self, sock: zmq.Socket, server_key: bytes | None = None) -> None:
@@ -80,12 +88,22 @@ class Curve:
     def public_key(self) -> str:
         return self.keys()[0].decode()
 
-    def start_authenticator(self, ctx: zmq.Context) -> "SharedAuthenticator":
+    def broker_domains(self) -> dict[str, str]:
+        """The broker's ZAP domains and the directory each authorizes."""
+        if not self.ranks_dir or not self.clients_dir:
+            raise ValueError("a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)")
+        return {RANKS_DOMAIN: self.ranks_dir, CLIENTS_DOMAIN: self.clients_dir}
+
+    def results_domains(self) -> dict[str, str]:
+        """A client's ZAP domain for its result PULL: only ranks may push."""
+        if not self.ranks_dir:
+            raise ValueError("a Curve client needs --curve-ranks: the rank public keys its result socket lets in")
+        return {RESULTS_DOMAIN: self.ranks_dir}
+
+    def start_authenticator(self, ctx: zmq.Context, domains: dict[str, str]) -> "SharedAuthenticator":
         """The ZAP handler of ``ctx`` (one per Context: ZAP binds a fixed
-        inproc address), started on first use; release() it when done."""
-        if not self.authorized_dir:
-            raise ValueError("a Curve server needs a directory of authorized public keys")
-        return SharedAuthenticator.acquire(ctx, self.authorized_dir)
+        inproc address), started on first use, serving ``domains``; release() it when done."""
+        return SharedAuthenticator.acquire(ctx, domains)
 
 
 class SharedAuthenticator:
@@ -96,24 +114,25 @@ class SharedAuthenticator:
 
     _by_ctx: dict[int, "SharedAuthenticator"] = {}
 
-    def __init__(self, ctx: zmq.Context, authorized_dir: str):
+    def __init__(self, ctx: zmq.Context):
         self.key = id(ctx)
-        self.authorized_dir = authorized_dir
+        self.domains: dict[str, str] = {}
         self.users = 0
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
-        self.auth.configure_curve(domain=ZAP_DOMAIN, location=authorized_dir)
 
     @classmethod
-    def acquire(cls, ctx: zmq.Context, authorized_dir: str) -> "SharedAuthenticator":
+    def acquire(cls, ctx: zmq.Context, domains: dict[str, str]) -> "SharedAuthenticator":
         shared = cls._by_ctx.get(id(ctx))
         if shared is None:
-            shared = cls._by_ctx[id(ctx)] = cls(ctx, authorized_dir)
-        elif shared.authorized_dir != authorized_dir:
-            if shared.users:
-                raise ValueError(f"this Context already authorizes keys from {shared.authorized_dir}")
-            shared.auth.configure_curve(domain=ZAP_DOMAIN, location=authorized_dir)
-            shared.authorized_dir = authorized_dir
+            shared = cls._by_ctx[id(ctx)] = cls(ctx)
+        for domain, directory in domains.items():
+            if shared.domains.get(domain) == directory:
+                continue
+            if domain in shared.domains and shared.users:
+                raise ValueError(f"this Context already authorizes {domain} keys from {shared.domains[domain]}")
+            shared.auth.configure_curve(domain=domain, location=directory)
+            shared.domains[domain] = directory
         shared.users += 1
         return shared
 

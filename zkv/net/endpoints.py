@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,8 @@ class StopSignal:
 
     def __init__(self, ctx: zmq.Context, name: str):
         self.ctx = ctx
-        self.address = f"inproc://zkv-stop-{name}-{next(self._ids)}"
+        # Unguessable: nothing outside this process may name it (DESIGN §13).
+        self.address = f"inproc://zkv-stop-{name}-{next(self._ids)}-{secrets.token_hex(8)}"
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(self.address)
@@ -100,6 +102,6 @@ def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -
         host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
         if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
             return
-        raise ValueError(f"refusing to bind {address}: not loopback; configure CurveZMQ (--curve-secret and "
-                         f"--curve-authorized) or pass --allow-remote to listen unauthenticated")
+        raise ValueError(f"refusing to bind {address}: not loopback; configure CurveZMQ (--curve-secret, "
+                         f"--curve-ranks and --curve-clients) or pass --allow-remote to listen unauthenticated")
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")

@@ -72,6 +72,7 @@ class RankCore:
         self.liveness_ms = liveness_ms
         self.stats = stats  # counters sent in heartbeats and acks
         self.session = 0
+        self.pid = 0  # sent in every READY, re-registrations too
         self.registered = False
         self.gen = 0
         self.epoch = 0
@@ -94,8 +95,10 @@ class RankCore:
 
     # --- registration ----------------------------------------------------------
 
-    def start(self, now: float, pid: int = 0) -> list[RankAction]:
+    def start(self, now: float, pid: int | None = None) -> list[RankAction]:
         """(Re)register with a fresh session: the broker restarts our counts."""
+        if pid is not None:
+            self.pid = pid
         self.session = random.getrandbits(52)
         self.registered = False
         self.last_wake = now
@@ -103,7 +106,7 @@ class RankCore:
         self.last_broker_msg = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
-                                  layout=self.layout.to_wire(), gen=self.gen, pid=pid))]
+                                  layout=self.layout.to_wire(), gen=self.gen, pid=self.pid))]
 
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
@@ -148,6 +151,8 @@ class RankCore:
         if kind == "hb":
             return self._end_probe(now) if msg.get("probe") and self.probing else []
         if kind == "welcome":
+            if not self._layout_ok(msg.get("layout")):
+                return []
             if msg.get("session") is not None and msg["session"] != self.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
@@ -183,6 +188,8 @@ class RankCore:
             # (and failed its tasks): running it could copy into reused blocks.
             self.counters["refused_stale_session"] += 1
             refuse = "dispatched to an earlier registration of this rank; the broker already failed it"
+        elif not P.is_result_address(msg["reply_to"]):
+            refuse = "reply_to is not a tcp:// or ipc:// address"  # the executor will not connect it either
         elif msg["gen"] != self.gen:
             refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
         elif not self.has_cache or self.op == "clear":
@@ -225,8 +232,19 @@ class RankCore:
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
+        if msg.get("layout") is not None and not self._layout_ok(msg["layout"]):
+            return []
         upto = msg["upto"][self.rank] if self.rank < len(msg["upto"]) else 0
         return self._apply(msg["epoch"], msg["op"], msg["gen"], upto, msg.get("layout"), bool(msg.get("keep_cpu")), now)
+
+    def _layout_ok(self, wire: Any) -> bool:
+        """A layout from the broker is checked where it enters, like every value."""
+        try:
+            CacheLayout.from_wire(wire)
+            return True
+        except P.ProtocolError:
+            self.counters["bad_broker_msgs"] += 1
+            return False
 
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
         self.registered = True

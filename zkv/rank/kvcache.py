@@ -185,7 +185,7 @@ class KVCache:
 
     def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
         """Write deterministic random bits (per seed, rank and id order) into blocks."""
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
         bits = _BITS_DTYPES[self.layout.dtype]
         info = torch.iinfo(bits)
         index = torch.tensor(list(ids), dtype=torch.long)

@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from typing import Any
@@ -106,11 +107,14 @@ class Executor(threading.Thread):
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
             else:
                 digests = self.cache.checksum(body.tier, body.src)
-        except (P.ProtocolError, TaskInvalid) as err:
-            outcome, reason = "failed", getattr(err, "reason", None) or str(err)
+        except P.ProtocolError as err:
+            outcome, reason = "failed", str(err)  # "code: reason", the §9 code first
+        except TaskInvalid as err:
+            outcome, reason = "failed", str(err)
         except Exception as err:  # a copy that blew up must still end the task
             log.exception("task %s failed", ex.task)
             outcome, reason = "failed", f"{type(err).__name__}: {err}"
+        reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
         elapsed = time.perf_counter() - start
         self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
@@ -122,6 +126,9 @@ class Executor(threading.Thread):
         return {"k": "done", "seq": ex.seq, "n": ex.n, "outcome": outcome, "bytes": nbytes, "gen": ex.gen}
 
     def _push(self, address: str, key: str | None, frame: bytes) -> None:
+        if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
+            self.stats["undeliverable"] += 1
+            return
         sock = self.results.get((address, key))
         if sock is None:
             if len(self.results) >= _MAX_RESULT_SOCKETS:
@@ -163,9 +170,14 @@ class RankWorker:
         self.core = RankCore(rank, world, layout, liveness_ms=liveness_ms, stats=self.stats)
         self.cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
         uid = next(_ids)
-        self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}"
+        # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
+        self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}-{secrets.token_hex(8)}"
         self.dealer = make_socket(self.ctx, zmq.DEALER)
-        self.dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+        # A connection identity of our own, not "rank-R": ROUTER_HANDOVER gives an
+        # identity to whoever claims it, so a guessable one would let any process
+        # (a misconfigured worker) evict us.  The broker binds the rank number to
+        # this identity only when it accepts our READY.
+        self.dealer.setsockopt(zmq.IDENTITY, f"rank-{rank}-{secrets.token_hex(8)}".encode())
         self.sub = make_socket(self.ctx, zmq.SUB)
         if curve is not None:
             curve.make_client(self.dealer)

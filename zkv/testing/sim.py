@@ -105,7 +105,7 @@ class Sim:
         task = self.next_task
         self.next_task += 1
         self.book.add(task, self.now, 30.0)
-        frames = [P.encode("submit", task=task, reply_to="inproc://client"), P.encode_body(op, list(src), list(dst))]
+        frames = [P.encode("submit", task=task, reply_to="ipc:///sim/client"), P.encode_body(op, list(src), list(dst))]
         self._broker_actions(self.broker.on_client(CLIENT, frames, self.now))
         return task
 

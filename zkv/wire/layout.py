@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .protocol import DTYPES, MAX_SAFE_INT, ProtocolError
+from .protocol import DTYPES, LAYOUT_MAX, ProtocolError
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -26,8 +26,8 @@ class CacheLayout:
     def __post_init__(self) -> None:
         for name in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_SAFE_INT:
-                raise ProtocolError("bad_field", f"layout.{name} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 0 < value <= LAYOUT_MAX[name]:
+                raise ProtocolError("bad_field", f"layout.{name} must be an integer in 1..{LAYOUT_MAX[name]}, got {value!r}")
         if self.dtype not in DTYPES:
             raise ProtocolError("bad_field", f"layout.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

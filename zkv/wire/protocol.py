@@ -10,6 +10,7 @@ under ``tests/vectors``.  No pickle, ever.
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -20,6 +21,55 @@ VERSION = 1
 MAX_SAFE_INT = 2**53 - 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
 MAX_IDS = 1 << 20
+
+# --- bounds on what a peer sends (docs/protocol.md §2.1 lists the same) -------
+# Every value from a peer is checked against these where it enters (``validate``),
+# so nothing stored, incremented or echoed later can leave the safe range or
+# fail to encode.
+MAX_COUNTER = 2**40 - 1  # gen, epoch: +1 per op, so 2^40 keeps +1 safe for ever
+MAX_WORLD = 256  # world, wait_ranks (and rank < world)
+MAX_TIMEOUT_MS = 3_600_000  # timeout_ms, heartbeat_ms: one hour
+MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays < 2^53
+MAX_PID = 2**32 - 1
+MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
+MAX_STR = 4096  # any str field, in characters
+MAX_ADDRESS = 512  # reply_to
+MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
+MAX_NEST_ITEMS = 256  # entries of a map / list field, nested ones counted too
+MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world of them)
+# layout fields (§4.8): block ids are int32; the rest far beyond any model
+LAYOUT_MAX: dict[str, int] = {"layers": 4096, "gpu_blocks": 2**31 - 1, "cpu_blocks": 2**31 - 1, "block_size": 65536,
+                              "kv_heads": 65536, "head_dim": 65536}
+RESULT_SCHEMES = ("tcp://", "ipc://")  # reply_to: never inproc:// (it would reach our own sockets)
+Z85_KEY_LEN = 40
+
+# uint fields whose maximum is not MAX_SAFE_INT (inclusive; minimum is 0 unless listed)
+UINT_MAX: dict[str, int] = {
+    "world": MAX_WORLD, "rank": MAX_WORLD - 1,
+    "wait_ranks": MAX_WORLD, "timeout_ms": MAX_TIMEOUT_MS, "heartbeat_ms": MAX_TIMEOUT_MS,
+    "bytes": MAX_BYTES, "freed": MAX_BYTES, "pid": MAX_PID,
+}
+UINT_MIN: dict[str, int] = {"world": 1, "heartbeat_ms": 1}
+# Counters a broker may adopt from a rank: below MAX_COUNTER, so that the +1 per
+# op the broker then adds (and sends in control / welcome / task, which take
+# up to MAX_SAFE_INT) stays safe for 2^52 more ops.
+ADOPTED_MAX: dict[tuple[str, str], int] = {
+    ("ready", "gen"): MAX_COUNTER, ("ack", "gen"): MAX_COUNTER, ("ack", "epoch"): MAX_COUNTER, ("done", "gen"): MAX_COUNTER,
+}
+
+
+def uint_bounds(kind: str, name: str) -> tuple[int, int]:
+    """The inclusive range of uint field ``name`` in a ``kind`` message."""
+    return UINT_MIN.get(name, 0), ADOPTED_MAX.get((kind, name), UINT_MAX.get(name, MAX_SAFE_INT))
+# list fields: most entries
+LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
+# str fields with a fixed set of values, per (kind, field)
+ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("done", "outcome"): ("ok", "failed"), ("result", "outcome"): ("ok", "failed"),
+    ("outcome", "outcome"): ("ok", "failed", "cancelled", "rejected", "timeout"),
+    ("ack", "op"): ("pause", "clear", "resume"), ("control", "op"): ("pause", "clear", "resume"),
+    ("welcome", "op"): ("run", "pause", "clear", "resume"),
+}
 
 OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout")
 OPS = ("swap_out", "swap_in", "fill", "checksum")
@@ -77,18 +127,95 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
 CONTROL_OPS = ("run", "pause", "clear", "resume")
 
 
+def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
+    """An integer (never a bool or float) in ``lo..hi``."""
+    return type(value) is int and lo <= value <= hi
+
+
+def is_result_address(address: Any) -> bool:
+    """A ``reply_to`` a rank may connect to: ``ipc://PATH`` or ``tcp://IP:PORT``
+    with a numeric address, bounded.  An inproc:// name would resolve inside
+    the rank's own Context (its stop and report sockets), and a host name
+    would make the rank run name lookups a client chose, on the libzmq I/O
+    thread that also carries its broker connection (retried at every
+    reconnect), so both are refused at the broker and again at the rank."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS or "\x00" in address:
+        return False
+    if address.startswith("ipc://"):
+        return len(address) > len("ipc://")
+    if not address.startswith("tcp://"):
+        return False
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or not port.isascii():
+        return False
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
+    """Bound a map / list field in depth and entries, with str keys and
+    integers that fit msgpack, so that echoing it in a reply cannot fail."""
+    budget = budget if budget is not None else [MAX_NEST_ITEMS]
+    if depth > MAX_NEST_DEPTH:
+        raise ProtocolError("bad_field", f"{where} is nested deeper than {MAX_NEST_DEPTH} levels")
+    if isinstance(value, dict):
+        items: Iterable[Any] = value.values()
+        if any(not isinstance(k, str) or len(k) > MAX_STR for k in value):
+            raise ProtocolError("bad_field", f"{where} keys must be str")
+    elif isinstance(value, list):
+        items = value
+    elif isinstance(value, str):
+        if len(value) > MAX_STR:
+            raise ProtocolError("bad_field", f"{where} holds a string over {MAX_STR} characters")
+        return
+    elif type(value) is int:
+        if not -MAX_SAFE_INT <= value <= MAX_SAFE_INT:
+            raise ProtocolError("bad_field", f"{where} holds an integer beyond 2^53")
+        return
+    else:
+        return  # nil, bool, float, bin: encode as they came
+    budget[0] -= len(value)
+    if budget[0] < 0:
+        raise ProtocolError("bad_field", f"{where} has more than {MAX_NEST_ITEMS} entries")
+    for item in items:
+        check_nested(item, where, depth + 1, budget)
+
+
 def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
     ok = True
     if typ == _U:
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SAFE_INT
+        lo, hi = uint_bounds(kind, name)
+        if type(value) is int and value >= 0 and not lo <= value <= hi:
+            raise ProtocolError("bad_field", f"{kind}.{name} must be in {lo}..{hi}, got {value}")
+        ok = is_uint(value)
     elif typ == _S:
         ok = isinstance(value, str)
+        if ok and len(value) > MAX_STR:
+            raise ProtocolError("bad_field", f"{kind}.{name} is longer than {MAX_STR} characters")
+        allowed = ENUMS.get((kind, name))
+        if ok and allowed is not None and value not in allowed:
+            raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {value!r}")
     elif typ == _B:
         ok = isinstance(value, bool)
     elif typ == _M:
         ok = isinstance(value, dict)
+        if ok:
+            check_nested(value, f"{kind}.{name}")
+            if name == "stats" and len(msgpack.packb(value, use_bin_type=True)) > MAX_STATS_BYTES:
+                raise ProtocolError("bad_field", f"{kind}.stats encodes to more than {MAX_STATS_BYTES} bytes")
     elif typ == _L:
         ok = isinstance(value, list)
+        if ok and len(value) > LIST_MAX.get(name, MAX_NEST_ITEMS):
+            raise ProtocolError("too_large" if name == "digests" else "bad_field", f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries")
+        if ok and name == "upto" and not all(is_uint(x) for x in value):
+            raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
+        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == 16 for x in value):
+            raise ProtocolError("bad_field", f"{kind}.digests must be 16-byte bins")
     elif typ == _BIN:
         ok = isinstance(value, (bytes, bytearray))
     elif typ == _IDS:
@@ -102,7 +229,7 @@ def validate(msg: Any, expect_kinds: Iterable[str] | None = None) -> dict:
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", "a frame must be a msgpack map")
     v = msg.get("v")
-    if v != VERSION:
+    if type(v) is not int or v != VERSION:  # True == 1 and 1.0 == 1 in Python: neither is version 1
         raise ProtocolError("bad_version", f"protocol version {v!r} is not supported; this peer speaks v{VERSION}")
     kind = msg.get("kind")
     if not isinstance(kind, str) or kind not in SCHEMAS:
@@ -117,7 +244,13 @@ def validate(msg: Any, expect_kinds: Iterable[str] | None = None) -> dict:
     for name, typ in optional.items():
         if name in msg and msg[name] is not None:
             _check_field(kind, name, msg[name], typ)
+    key = msg.get("reply_key") if "reply_key" in optional else None  # elsewhere an unknown field: ignored
+    if key is not None and (len(key) != Z85_KEY_LEN or not all(c in _Z85 for c in key)):
+        raise ProtocolError("bad_field", f"{kind}.reply_key must be a Z85 Curve public key of {Z85_KEY_LEN} characters")
     return msg
+
+
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 
 def encode(kind: str, **fields: Any) -> bytes:
@@ -143,10 +276,13 @@ def decode(frame: bytes, expect_kinds: Iterable[str] | None = None) -> dict:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_map_len=_MAX_MAP_LEN)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError("malformed", f"not a msgpack frame ({type(exc).__name__})") from None
     return validate(msg, expect_kinds)
+
+
+_MAX_MAP_LEN = 4096  # no zkv map comes near; bounds a decoder's memory per frame
 
 
 def pack_ids(ids: Any) -> bytes:
@@ -183,8 +319,8 @@ def unpack_ids(value: Any, field: str = "ids") -> list[int]:
         if len(value) > MAX_IDS:
             raise ProtocolError("too_large", f"{field}: more than {MAX_IDS} ids")
         for x in value:
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise ProtocolError("bad_field", f"{field}: ids must be integers")
+            if type(x) is not int or not -2**31 <= x < 2**31:  # the same range as packed int32
+                raise ProtocolError("bad_field", f"{field}: ids must be int32 integers")
         return value
     raise ProtocolError("bad_field", f"{field}: ids must be an array of integers or packed int32 bytes")
 
@@ -208,7 +344,8 @@ def decode_body(frame: bytes) -> TaskBody:
         raise ProtocolError("bad_field", f"unknown op {op!r}; expected one of {', '.join(OPS)}")
     src = unpack_ids(msg.get("src") or [], "src")
     dst = unpack_ids(msg.get("dst") or [], "dst")
-    tier = msg.get("tier") or "gpu"
+    tier = msg.get("tier")
+    tier = "gpu" if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
         raise ProtocolError("bad_field", f"tier must be gpu or cpu, got {tier!r}")
     if op in ("swap_out", "swap_in"):
@@ -220,6 +357,8 @@ def decode_body(frame: bytes) -> TaskBody:
         raise ProtocolError("bad_field", "fill needs dst ids")
     elif op == "checksum" and not src:
         raise ProtocolError("bad_field", "checksum needs src ids")
+    elif op == "checksum" and len(src) > MAX_CHECKSUM_IDS:  # its digests must fit one result frame
+        raise ProtocolError("too_large", f"checksum of {len(src)} blocks; at most {MAX_CHECKSUM_IDS} per task")
     return TaskBody(op, src, dst, tier, msg.get("seed") or 0)
 
 
@@ -229,15 +368,15 @@ def salvage_ids(frame: bytes) -> dict[str, int]:
     if len(frame) > MAX_FRAME_BYTES:
         return {}
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_map_len=_MAX_MAP_LEN)
     except Exception:
         return {}
     if not isinstance(msg, dict):
         return {}
-    found = {}
+    found: dict[str, int] = {}
     for key in ("req", "task"):
         value = msg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SAFE_INT:
+        if type(value) is int and is_uint(value):
             found[key] = value
     return found
 
