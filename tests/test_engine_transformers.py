@@ -1,0 +1,237 @@
+"""A real transformers model (random Llama, nothing downloaded) keeps generating
+bit for bit after its KV blocks were copied out, overwritten, and copied back
+into other block ids of the engine's own cache; and survives the RL cycle.
+Copies here are plain torch copies: this tests the engine side of the attach."""
+
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+
+from zkv.engines.transformers_cb import (  # noqa: E402
+    PINNED_VERSION,
+    EngineNotQuiescent,
+    NoFreeBlocks,
+    TransformersCBEngine,
+    build_manager,
+)
+
+if transformers.__version__ != PINNED_VERSION:
+    pytest.skip(f"needs transformers=={PINNED_VERSION}", allow_module_level=True)
+
+BLOCK = 16
+PROMPT, TURN1, USER2, TURN2 = 40, 20, 12, 20  # 40 + 20 - 1 = 59 KV tokens: 3 full blocks and a partial one
+
+
+def llama(seed: int, dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=512, vocab_size=1000, max_position_embeddings=1024,
+        initializer_range=0.2,  # the default 0.02 makes a random model repeat one token
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def engine_for(model, num_blocks: int = 32, prefix_sharing: bool = True) -> TransformersCBEngine:
+    return TransformersCBEngine(build_manager(model, num_blocks=num_blocks, block_size=BLOCK, prefix_sharing=prefix_sharing))
+
+
+def run(engine: TransformersCBEngine, request_id: str):
+    engine.run_until_idle()
+    out = engine.result(request_id)
+    assert out is not None and out.error is None, out
+    return out.generated_tokens, out.logprobs
+
+
+def first_turn(engine: TransformersCBEngine):
+    engine.submit("chat", tokens(1, PROMPT), max_new_tokens=TURN1)
+    return run(engine, "chat")
+
+
+def second_turn(engine: TransformersCBEngine) -> tuple[bool, tuple]:
+    reused = engine.continue_request("chat", tokens(2, USER2), max_new_tokens=TURN2)
+    return reused, run(engine, "chat")
+
+
+def garbage_like(rows: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Plausible KV values (no NaNs), not the right ones."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows.numel() // dtype.itemsize, generator=g).to(dtype).view(torch.uint8).view(rows.shape)
+
+
+def take_disjoint(engine: TransformersCBEngine, count: int, avoid: list[int]) -> list[int]:
+    """Fresh blocks none of which is in ``avoid`` (the pool likes to hand freed ids straight back)."""
+    held, blocks = [], engine.take_blocks(count)
+    while set(blocks) & set(avoid):
+        held += blocks
+        blocks = engine.take_blocks(count)
+    if held:
+        engine.return_blocks(held)
+    return blocks
+
+
+def swap_out_and_in(engine: TransformersCBEngine, dtype: torch.dtype, copy_back: bool = True) -> torch.Tensor:
+    """Swap "chat" out to a CPU tensor, overwrite its blocks, swap it into other ids; return the pre-swap bytes."""
+    rows = engine.block_rows()
+    old = engine.block_table("chat")
+    cpu = rows.index_select(0, torch.tensor(old)).clone()  # the swap-out
+    released = engine.release_blocks("chat")
+    assert released == old
+    rows.index_copy_(0, torch.tensor(old), garbage_like(cpu, dtype, seed=7))
+    new = take_disjoint(engine, engine.blocks_needed("chat"), avoid=old)
+    rows.index_copy_(0, torch.tensor(new), garbage_like(cpu, dtype, seed=8))
+    if copy_back:
+        rows.index_copy_(0, torch.tensor(new), cpu)  # the swap-in
+    engine.install_block_table("chat", new)
+    assert engine.block_table("chat") == new
+    return cpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_swap_into_other_blocks_continues_bit_for_bit(dtype):
+    model = llama(0, dtype)
+    baseline = engine_for(model)
+    turn1 = first_turn(baseline)
+    reused, expected = second_turn(baseline)
+    assert reused
+
+    engine = engine_for(model)
+    assert first_turn(engine) == turn1
+    conv = engine.conversation("chat")
+    assert conv.resident and conv.kv_len == PROMPT + TURN1 - 1
+    pre = swap_out_and_in(engine, dtype)
+    rows = engine.block_rows()
+    assert torch.equal(rows.index_select(0, torch.tensor(engine.block_table("chat"))), pre)
+    assert second_turn(engine) == (True, expected)
+
+    control = engine_for(model)
+    first_turn(control)
+    swap_out_and_in(control, dtype, copy_back=False)
+    reused, got = second_turn(control)
+    assert reused and got != expected
+
+
+def test_block_order_error_shows_in_the_bytes():
+    """Two full blocks exchanged barely move the logits (ENGINES.md), so order is checked on the bytes."""
+    engine = engine_for(llama(0))
+    first_turn(engine)
+    rows = engine.block_rows()
+    table = engine.block_table("chat")
+    pre = rows.index_select(0, torch.tensor(table))
+    swapped = [table[1], table[0]] + table[2:]
+    assert not torch.equal(rows.index_select(0, torch.tensor(swapped)), pre)
+
+
+def test_layout_describes_the_engine_tensor():
+    model = llama(0)
+    engine = engine_for(model)
+    first_turn(engine)
+    layout = engine.layout
+    assert (layout.layers, layout.block_size, layout.kv_heads, layout.head_dim) == (4, BLOCK, 4, 32)
+    assert layout.dtype == torch.float32 and layout.generation == 0
+    assert layout.num_blocks * layout.block_bytes == engine.cache_tensor.numel()
+    assert engine.cache_tensor.dtype == torch.uint8 and layout.scratch_blocks == 2
+    table = engine.block_table("chat")
+    assert all(layout.scratch_blocks <= b < layout.num_blocks for b in table)
+    # The engine's own per-layer page views agree with the block-major description
+    allocator = engine._allocator()
+    typed = layout.typed(engine.cache_tensor)
+    for layer in range(layout.layers):
+        k_pages, v_pages = allocator.get_cache_for_block_table(layer)
+        for b in table:
+            assert torch.equal(typed[b, layer, 0], k_pages[2 * layout.layers * b])
+            assert torch.equal(typed[b, layer, 1], v_pages[2 * layout.layers * b])
+    assert typed[table[0], 0, 0].abs().sum() > 0  # real KV, not the zeroed allocation
+
+
+def test_failed_swap_in_falls_back_to_recompute_exactly():
+    model = llama(0)
+    engine = engine_for(model)
+    turn1 = first_turn(engine)
+    engine.release_blocks("chat")  # swapped out; the swap-in below fails
+    free_before = engine._cache().pool.count_free_blocks(0), engine._cache().pool.num_free_sectors
+    engine.return_blocks(engine.take_blocks(engine.blocks_needed("chat")))
+    assert (engine._cache().pool.count_free_blocks(0), engine._cache().pool.num_free_sectors) >= free_before
+    reused, got = second_turn(engine)
+    assert not reused
+
+    fresh = engine_for(model)
+    fresh.submit("chat", tokens(1, PROMPT) + turn1[0] + tokens(2, USER2), max_new_tokens=TURN2)
+    assert got == run(fresh, "chat")
+
+
+def test_take_blocks_refuses_more_than_the_pool_has():
+    engine = engine_for(llama(0), num_blocks=8)
+    with pytest.raises(NoFreeBlocks, match="evict_prefix_cache"):
+        engine.take_blocks(9)
+    blocks = engine.take_blocks(8)
+    with pytest.raises(ValueError, match="take_blocks"):
+        engine.return_blocks([blocks[0], 1])
+    engine.return_blocks(blocks)
+
+
+def test_evict_prefix_cache_returns_cached_blocks():
+    engine = engine_for(llama(0))
+    engine.submit("once", tokens(3, PROMPT), max_new_tokens=4, keep=False)
+    run(engine, "once")
+    assert engine.evict_prefix_cache() == PROMPT // BLOCK  # its full blocks were kept for prefix reuse
+    assert engine.evict_prefix_cache() == 0
+
+
+def test_rl_cycle_frees_the_cache_and_resumes_on_new_weights():
+    model = llama(0)
+    engine = engine_for(model)
+    turn1 = first_turn(engine)
+    storage = StorageWeakRef(engine.cache_tensor.untyped_storage())
+    engine.clear()
+    gc.collect()
+    assert storage.expired()  # nobody, zkv included, holds a view of the old cache
+    assert not engine.conversation("chat").resident
+
+    weights_b = llama(1).state_dict()
+    model.load_state_dict(weights_b)
+    layout = engine.rebuild()
+    assert layout.generation == 1
+    engine.submit("new", tokens(4, PROMPT), max_new_tokens=TURN1)
+    got_new = run(engine, "new")
+    reused, got_chat = second_turn(engine)
+    assert not reused  # KV made with the old weights is gone: the turn is recomputed
+
+    fresh = engine_for(llama(1))
+    fresh.submit("new", tokens(4, PROMPT), max_new_tokens=TURN1)
+    assert got_new == run(fresh, "new")
+    fresh.submit("chat", tokens(1, PROMPT) + turn1[0] + tokens(2, USER2), max_new_tokens=TURN2)
+    assert got_chat == run(fresh, "chat")
+
+
+def test_swap_while_transformers_loop_thread_runs():
+    model = llama(0)
+    baseline = engine_for(model)
+    first_turn(baseline)
+    _, expected = second_turn(baseline)
+
+    manager = build_manager(model, num_blocks=32, block_size=BLOCK)
+    engine = TransformersCBEngine(manager)
+    manager.start()
+    try:
+        engine.submit("chat", tokens(1, PROMPT), max_new_tokens=TURN1)
+        assert engine.result("chat", timeout=30) is not None
+        with pytest.raises(EngineNotQuiescent):
+            engine.block_table("chat")
+        with engine.paused():
+            swap_out_and_in(engine, torch.float32)
+            assert engine.continue_request("chat", tokens(2, USER2), max_new_tokens=TURN2)
+        out = engine.result("chat", timeout=30)
+        assert out is not None and (out.generated_tokens, out.logprobs) == expected
+    finally:
+        manager.stop(block=True, timeout=30)
