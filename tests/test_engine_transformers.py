@@ -24,7 +24,17 @@ if transformers.__version__ != PINNED_VERSION:
     pytest.skip(f"needs transformers=={PINNED_VERSION}", allow_module_level=True)
 
 BLOCK = 16
-PROMPT, TURN1, USER2, TURN2 = 40, 20, 12, 20  # 40 + 20 - 1 = 59 KV tokens: 3 full blocks and a partial one
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """A tiny model gains nothing from two threads, and they fight the rest of a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+PROMPT, TURN1, USER2, TURN2 = 40, 12, 12, 10  # 40 + 12 - 1 = 51 KV tokens: 3 full blocks and a partial one
 
 
 def llama(seed: int, dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
@@ -222,13 +232,18 @@ def test_swap_while_transformers_loop_thread_runs():
 
     manager = build_manager(model, num_blocks=32, block_size=BLOCK)
     engine = TransformersCBEngine(manager)
-    manager.start()
+    engine.submit("early", tokens(5, 20), max_new_tokens=2)
+    engine.run_until_idle()
+    assert engine.conversation("early").resident
+    manager.start()  # transformers resets its block tables here
     try:
+        assert engine.result("early", timeout=5) is not None
         engine.submit("chat", tokens(1, PROMPT), max_new_tokens=TURN1)
         assert engine.result("chat", timeout=30) is not None
         with pytest.raises(EngineNotQuiescent):
             engine.block_table("chat")
         with engine.paused():
+            assert not engine.conversation("early").resident  # so "early" will recompute
             swap_out_and_in(engine, torch.float32)
             assert engine.continue_request("chat", tokens(2, USER2), max_new_tokens=TURN2)
         out = engine.result("chat", timeout=30)

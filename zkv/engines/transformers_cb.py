@@ -174,9 +174,8 @@ class TransformersCBEngine:
     def continue_request(self, request_id: str, new_tokens: list[int], max_new_tokens: int | None = None) -> bool:
         """Next turn of a parked conversation. True: on its resident KV; False: its prefill is recomputed."""
         self._check_quiescent()
-        conv = self._conversations.pop(request_id, None)
-        if conv is None:
-            raise KeyError(f"no parked conversation {request_id!r}")
+        conv = self.conversation(request_id)
+        del self._conversations[request_id]
         self._keep.add(request_id)
         tokens = list(conv.tokens) + list(new_tokens)
         if not conv.resident:
@@ -231,8 +230,11 @@ class TransformersCBEngine:
     def conversation(self, request_id: str) -> Conversation:
         with self._lock:
             conv = self._conversations.get(request_id)
-        if conv is None:
-            raise KeyError(f"no parked conversation {request_id!r}")
+            if conv is None:
+                raise KeyError(f"no parked conversation {request_id!r}")
+            if conv.resident and request_id not in self._allocator().block_table:
+                # The engine dropped every block table (its reset when the loop thread starts): recompute
+                conv = self._conversations[request_id] = replace(conv, resident=False)
         return conv
 
     def parked(self) -> list[str]:
