@@ -4,6 +4,7 @@ into other block ids of the engine's own cache; and survives the RL cycle.
 Copies here are plain torch copies: this tests the engine side of the attach."""
 
 import gc
+import os
 
 import pytest
 
@@ -250,3 +251,55 @@ def test_swap_while_transformers_loop_thread_runs():
         assert out is not None and (out.generated_tokens, out.logprobs) == expected
     finally:
         manager.stop(block=True, timeout=30)
+
+
+TP_WORKER = """
+import json, os, sys
+import torch, transformers
+sys.path[:0] = [{root!r}, {tests!r}]
+torch.set_num_threads(1)
+from zkv.engines.transformers_cb import TransformersCBEngine, build_manager
+from test_engine_transformers import first_turn, second_turn, swap_out_and_in, tokens, USER2, TURN2
+model = transformers.LlamaForCausalLM.from_pretrained({model!r}, attn_implementation="sdpa", tp_plan="auto").eval()
+engine = TransformersCBEngine(build_manager(model, num_blocks=32, block_size=16, prefix_sharing=False))
+first_turn(engine)
+_, expected = second_turn(engine)
+engine.forget("chat")
+first_turn(engine)
+table = engine.block_table("chat")
+swap_out_and_in(engine, torch.float32)
+new = engine.block_table("chat")
+reused, got = second_turn(engine)
+report = dict(kv_heads=engine.layout.kv_heads, table=table, new=new, reused=reused,
+              exact=got == expected, tokens=got[0])
+with open(os.path.join({out!r}, "rank%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(report, f)
+"""
+
+
+@pytest.mark.skipif(os.environ.get("ZKV_TP_TEST") != "1", reason="two torch processes: 20-70 s here; set ZKV_TP_TEST=1")
+def test_tensor_parallel_ranks_swap_their_shards_under_the_same_block_ids(tmp_path):
+    """transformers' TP runs on CPU (gloo): each of 2 rank processes holds half the KV heads under the same ids."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("accelerate")  # tp_plan="auto" needs it
+    llama(0).save_pretrained(tmp_path / "model")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "worker.py"
+    script.write_text(TP_WORKER.format(root=os.path.dirname(here), tests=here, model=str(tmp_path / "model"), out=str(tmp_path)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["kv_heads"] for r in ranks] == [2, 2]  # 4 KV heads split over 2 ranks
+    assert ranks[0]["table"] == ranks[1]["table"] and ranks[0]["new"] == ranks[1]["new"]
+    assert not set(ranks[0]["table"]) & set(ranks[0]["new"])
+    assert all(r["reused"] and r["exact"] for r in ranks)
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
