@@ -3,7 +3,6 @@ bit for bit after its KV blocks were copied out, overwritten, and copied back
 into other block ids of the engine's own cache; and survives the RL cycle.
 Copies here are plain torch copies: this tests the engine side of the attach."""
 
-import gc
 import os
 
 import pytest
@@ -205,7 +204,6 @@ def test_rl_cycle_frees_the_cache_and_resumes_on_new_weights():
     turn1 = first_turn(engine)
     storage = StorageWeakRef(engine.cache_tensor.untyped_storage())
     engine.clear()
-    gc.collect()
     assert storage.expired()  # nobody, zkv included, holds a view of the old cache
     assert not engine.conversation("chat").resident
 

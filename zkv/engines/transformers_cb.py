@@ -35,6 +35,7 @@ runs. Calls outside both raise ``EngineNotQuiescent``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import queue
 import threading
 import time
@@ -342,12 +343,15 @@ class TransformersCBEngine:
         if self._manager.is_running():
             raise EngineNotQuiescent("clear() frees the cache: stop transformers' loop thread first")
         scheduler = self._processor().scheduler
-        if scheduler.active_requests or scheduler.waiting_requests:
+        busy = bool(scheduler.active_requests or scheduler.waiting_requests)
+        del scheduler  # a local reference would keep the cache alive through the collection below
+        if busy:
             raise RuntimeError("clear() with requests in flight: let them finish or cancel them first")
         with self._lock:
             self._conversations = {k: replace(c, resident=False) for k, c in self._conversations.items()}
         self._taken.clear()
         self._manager.batch_processor = None  # the only owner of the cache, its allocators and IO tensors
+        gc.collect()  # the processor sits in reference cycles: without this the cache outlives clear()
 
     def rebuild(self) -> KVLayout:
         """RL resume: a new cache allocation (a new generation) under the model's current weights."""
