@@ -14,6 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 from zkv.engines.transformers_cb import (  # noqa: E402
     PINNED_VERSION,
+    CacheFull,
     EngineNotQuiescent,
     NoFreeBlocks,
     TransformersCBEngine,
@@ -188,6 +189,21 @@ def test_take_blocks_refuses_more_than_the_pool_has():
     with pytest.raises(ValueError, match="take_blocks"):
         engine.return_blocks([blocks[0], 1])
     engine.return_blocks(blocks)
+
+
+def test_parked_conversations_filling_the_cache_stop_the_engine_until_one_is_swapped_out():
+    engine = engine_for(llama(0), num_blocks=8)
+    for seed, name in enumerate(("a", "b")):  # 51 KV tokens each: 4 blocks each, the whole cache
+        engine.submit(name, tokens(11 + seed, PROMPT), max_new_tokens=TURN1)
+        run(engine, name)
+    assert engine.free_block_count() == 0
+    engine.submit("c", tokens(9, 8), max_new_tokens=4, keep=False)
+    with pytest.raises(CacheFull, match="2 parked"):
+        engine.step()
+    engine.release_blocks("a")  # the swap-out a policy does for an idle conversation
+    assert engine.free_block_count() == 4
+    run(engine, "c")
+    assert engine.conversation("b").resident
 
 
 def test_evict_prefix_cache_returns_cached_blocks():

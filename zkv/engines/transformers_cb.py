@@ -60,6 +60,10 @@ class NoFreeBlocks(RuntimeError):
     """The engine's pool cannot give the blocks asked for."""
 
 
+class CacheFull(RuntimeError):
+    """A step found no room for any request: parked conversations must be swapped out (``release_blocks``)."""
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """transformers' flat cache seen as block rows (see the module docstring)."""
@@ -202,8 +206,15 @@ class TransformersCBEngine:
         if self._manager.is_running():
             raise EngineNotQuiescent("step() drives the engine itself: stop transformers' loop thread first")
         processor = self._processor()
-        if not processor.prepare_next_batch():
-            return False
+        try:
+            if not processor.prepare_next_batch():
+                return False
+        except RuntimeError as error:
+            # transformers offloads only active requests; parked conversations hold blocks it cannot reclaim.
+            # Nothing was scheduled, so the engine is unchanged and the step can be retried after a swap-out.
+            if "no requests can be offloaded" in str(error):
+                raise CacheFull(f"{error} ({len(self.parked())} parked conversations hold blocks)") from error
+            raise
         processor._generation_step(self._manager.model)
         processor.update_batch()
         return True
@@ -260,6 +271,13 @@ class TransformersCBEngine:
         self._allocator().free_blocks(request_id, no_cache=True)  # its hashes go too: the ids will hold other KV
         self._conversations[request_id] = replace(conv, resident=False)
         return table
+
+    def free_block_count(self) -> int:
+        """Blocks the engine can still hand out, prefix-cached ones (evictable) included."""
+        self._check_quiescent()
+        cache, alloc = self._cache(), self._allocator()
+        free = cache.pool.count_free_blocks(alloc.index) + cache.pool.num_free_sectors * alloc.blocks_per_sector
+        return free + len(alloc.ledger.cached_blocks)
 
     def blocks_needed(self, request_id: str) -> int:
         """How many blocks a swap-in of this conversation installs."""
