@@ -132,6 +132,34 @@ def test_swap_into_other_blocks_continues_bit_for_bit(dtype):
     assert reused and got != expected
 
 
+def test_release_leaves_blocks_another_request_shares():
+    model = llama(0)
+    baseline = engine_for(model)
+    first_turn(baseline)
+    _, expected = second_turn(baseline)
+    baseline.submit("peer", tokens(1, PROMPT), max_new_tokens=4)
+    peer_alone = run(baseline, "peer")
+
+    engine = engine_for(model)
+    first_turn(engine)
+    engine.submit("peer", tokens(1, PROMPT), max_new_tokens=4)  # prefix-matches chat's full blocks
+    assert run(engine, "peer") == peer_alone
+    old = engine.block_table("chat")
+    shared = set(old) & set(engine.block_table("peer"))
+    assert len(shared) == (PROMPT - 1) // BLOCK
+    rows = engine.block_rows()
+    cpu = rows.index_select(0, torch.tensor(old))
+    free_before = engine.free_block_count()
+    engine.release_blocks("chat")
+    assert engine.free_block_count() == free_before + len(old) - len(shared)  # peer still holds the shared ones
+    new = take_disjoint(engine, len(old), avoid=old)
+    rows.index_copy_(0, torch.tensor(new), cpu)
+    engine.install_block_table("chat", new)
+    assert second_turn(engine) == (True, expected)
+    assert set(engine.block_table("peer")) >= shared
+    assert torch.equal(rows.index_select(0, torch.tensor(sorted(shared))), cpu[[old.index(b) for b in sorted(shared)]])
+
+
 def test_block_order_error_shows_in_the_bytes():
     """Two full blocks exchanged barely move the logits (ENGINES.md), so order is checked on the bytes."""
     engine = engine_for(llama(0))
