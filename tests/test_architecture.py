@@ -27,12 +27,13 @@ ALLOWED: dict[str, set[str]] = {
     "broker": {"wire", "net", "obs", "broker"},
     "rank": {"wire", "net", "obs", "rank"},
     "client": {"wire", "net", "client"},
+    "engines": {"wire", "net", "rank", "client", "engines"},  # adapters for real engines' KV caches
     "prefix": {"wire", "prefix"},  # it reaches the bus only through BusLike
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "client", "trace", "replay", "harness"},
-    "harness": {"wire", "net", "obs", "broker", "rank", "client", "prefix", "testing", "harness"},
+    "harness": {"wire", "net", "obs", "engines", "broker", "rank", "client", "prefix", "testing", "harness"},
     "testing": {"wire", "net", "broker", "rank", "client", "prefix", "testing"},
-    "cli": {"wire", "net", "obs", "broker", "rank", "client", "prefix", "trace", "replay", "harness", "cli"},
+    "cli": {"wire", "net", "obs", "engines", "broker", "rank", "client", "prefix", "trace", "replay", "harness", "cli"},
     "api": {"wire", "client"},  # zkv/__init__.py: Client, ZkvError, CacheLayout, TaskOutcome
 }
 
