@@ -18,12 +18,15 @@ Invariants it keeps (DESIGN §1-§7):
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
 from . import protocol as P
 from .layout import CacheLayout
 from .outcome import RankFold
+
+log = logging.getLogger("zkv.broker")
 
 
 # --- actions -----------------------------------------------------------------
@@ -51,7 +54,20 @@ class Record:
     event: dict[str, Any]
 
 
-Action = Union[ToClient, ToRank, Publish, Record]
+@dataclass(frozen=True)
+class SaveState:
+    """Write this snapshot to the broker's durable state file (``broker_state.py``)."""
+
+    snapshot: dict[str, Any]
+
+
+Action = Union[ToClient, ToRank, Publish, Record, SaveState]
+
+# What a restarted broker resumes as, for each state it may have died in: an
+# operation that had not completed did not happen, and "not running" is the
+# safe side (a pause that was under way is completed by the ranks' acks).
+_STABLE = {"running": "running", "pausing": "paused", "paused": "paused", "clearing": "cleared", "cleared": "cleared"}
+_OP_OF_STATE = {"running": "run", "paused": "pause", "cleared": "clear"}
 
 
 # --- configuration and state ---------------------------------------------------
@@ -122,7 +138,7 @@ class PendingOp:
 class BrokerCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
 
-    def __init__(self, config: BrokerConfig | None = None, recording: bool = False):
+    def __init__(self, config: BrokerConfig | None = None, recording: bool = False, restore: dict[str, Any] | None = None):
         self.cfg = config or BrokerConfig()
         self.recording = recording
         self.layout: CacheLayout | None = None
@@ -142,12 +158,69 @@ class BrokerCore:
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.ready_waiters: list[tuple[bytes, int, int, float]] = []
+        self.gen_used = False  # a task was dispatched at this generation: its content matters
+        self.gen_reason = ""  # why the generation last moved (status says it)
+        self.keep_cpu = False  # the last clear kept the CPU tier
+        self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
+        self.retry_at: float | None = None  # when to retry a failed broker-started resume
+        self._saved_key: tuple | None = None
+        if restore is not None:
+            self._restore(restore)
+
+    # --- durable state -------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a restarted broker needs to keep the state a client set."""
+        state = _STABLE.get(self.state)
+        if state is None:  # resuming: the resume had not completed
+            state = self.pending.previous_state if self.pending is not None else "running"
+            state = _STABLE.get(state, "running")
+        return {"state": state, "epoch": self.epoch, "gen": self.gen, "gen_used": self.gen_used,
+                "layout": self.layout.to_wire() if self.layout else None, "keep_cpu": self.keep_cpu,
+                "world": self.cfg.world, "gen_reason": self.gen_reason}
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        if snap["world"] != self.cfg.world:
+            raise ValueError(f"the state file is for world size {snap['world']}, this broker has {self.cfg.world}")
+        self.state = snap["state"]
+        self.epoch = snap["epoch"] + 1  # a new epoch: every rank re-learns the state from it
+        self.gen = snap["gen"]
+        self.gen_used = snap.get("gen_used", True)
+        self.gen_reason = snap.get("gen_reason", "")
+        self.keep_cpu = bool(snap.get("keep_cpu")) and self.state == "cleared"
+        self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
+        self.control_op = _OP_OF_STATE[self.state]
+        self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
+        self.counters["restored"] += 1
+
+    def _save_if_changed(self, out: list[Action]) -> None:
+        key = (self.state, self.epoch, self.gen, self.gen_used, self.layout, self.keep_cpu, self.gen_reason,
+               self.pending.previous_state if self.pending is not None else None)
+        if key != self._saved_key:
+            self._saved_key = key
+            out.append(SaveState(self.snapshot()))
+
+    def _internal(self, err: Exception, where: str, counter: str = "internal_errors") -> str:
+        """Count and log a bug in a handler; the reason for the ``internal`` error reply."""
+        self.counters[counter] += 1
+        log.error("internal error handling %s", where, exc_info=err)
+        return f"internal error handling {where}: {type(err).__name__}: {err}; the broker keeps serving"
 
     # --- frontend --------------------------------------------------------------
 
     def on_client(self, client: bytes, frames: list[bytes], now: float) -> list[Action]:
-        """A message from a client DEALER (identity already stripped)."""
+        """A message from a client DEALER (identity already stripped).  A bug in
+        a handler still answers the client: ``error{code: internal}``, counted."""
         out: list[Action] = []
+        try:
+            self._on_client(client, frames, now, out)
+        except Exception as err:  # noqa: BLE001 - every request gets an answer
+            ids = P.salvage_ids(frames[0]) if frames else {}
+            out.append(self._error(client, "internal", self._internal(err, "a client request"), **ids))
+        self._save_if_changed(out)
+        return out
+
+    def _on_client(self, client: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         self.counters["client_msgs"] += 1
         try:
             P.check_frames(frames, 1, 2)
@@ -155,7 +228,7 @@ class BrokerCore:
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
             out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0])))
-            return out
+            return
         kind = msg["kind"]
         if kind == "submit":
             self._submit(client, msg, frames, now, out)
@@ -172,7 +245,6 @@ class BrokerCore:
                 params = {k: msg[k] for k in ("keep_cpu", "layout", "timeout_ms") if msg.get(k) is not None}
                 out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
             getattr(self, "_" + kind)(client, msg, now, out)
-        return out
 
     def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
         task_id = msg["task"]
@@ -245,9 +317,13 @@ class BrokerCore:
             cancelled += 1
             self._finish_task(task, "cancelled", "caches were cleared while the task was queued", now, out, notify=True)
         self.gen += 1
-        keep_cpu = bool(msg.get("keep_cpu"))
-        self._begin(client, msg, "clear", "clearing", now, out, keep_cpu=keep_cpu)
-        self.pending.extra.update(cancelled=cancelled, freed=0)  # type: ignore[union-attr]
+        self.gen_used = False
+        self.keep_cpu = bool(msg.get("keep_cpu"))
+        self.cpu_lost = []
+        extra = {"keep_cpu": True} if self.keep_cpu else {}
+        # The op's books go in before the first check: with no live rank the
+        # clear completes inside _begin (issue 9, sequence 1).
+        self._begin(client, msg, "clear", "clearing", now, out, info={"cancelled": cancelled, "freed": 0}, **extra)
 
     def _resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, "resume", out):
@@ -267,13 +343,19 @@ class BrokerCore:
                 out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
                 return
             extra["layout"] = new_layout.to_wire()
+        elif self.layout is not None:
+            extra["layout"] = self.layout.to_wire()  # always named: no rank resumes on another layout
+        self.retry_at = None
         self._begin(client, msg, "resume", "resuming", now, out, **extra)
 
-    def _begin(self, client: bytes, msg: dict, op: str, state: str, now: float, out: list[Action], **extra: Any) -> None:
-        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), [(client, msg["req"])], self.state)
+    def _begin(self, client: bytes | None, msg: dict, op: str, state: str, now: float, out: list[Action],
+               info: dict[str, Any] | None = None, **extra: Any) -> None:
+        waiters = [(client, msg["req"])] if client is not None else []
+        previous = self.state if self.state != "resuming" else "running"
+        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), waiters, previous, dict(info or {}))
         self.epoch += 1
         self.control_op = op
-        self.control_extra = extra
+        self.control_extra = {k: v for k, v in extra.items() if v is not None}
         self.state = state
         self._publish(now, out)
         self._check_pending(now, out)
@@ -323,6 +405,14 @@ class BrokerCore:
             fields["resume_ms"] = elapsed_ms
             if self.layout is not None:
                 fields["layout"] = self.layout.to_wire()
+            if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
+                fields["cpu_kept"] = not self.cpu_lost
+                if self.cpu_lost:
+                    fields["note"] = f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+                self.keep_cpu = False
+                self.control_extra.pop("keep_cpu", None)
+            if self.gen_reason:
+                fields["gen_reason"] = self.gen_reason
         fields["state"] = self.state
         fields["ranks_acked"] = len(self._live_ranks())
         self.counters[f"{op.op}_ok"] += 1
@@ -340,43 +430,76 @@ class BrokerCore:
         self.counters[f"{op.op}_failed"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))
+        if op.op == "resume":
+            reason += f"; the bus is {_STABLE.get(op.previous_state, 'not running')} again (nothing resumed)"
         for client, req in op.waiters:
             out.append(self._error(client, code, reason, req=req))
         if op.op == "pause":
             # Undo the half-done pause: a new epoch that tells every rank to run.
             self.epoch += 1
             self.control_op = "resume"
-            self.control_extra = {}
+            self.control_extra = {"layout": self.layout.to_wire()} if self.layout else {}
             self.state = "running"
             self._publish(now, out)
             self._dispatch(now, out)
         elif op.op == "clear":
             self.state = "cleared"  # gen moved on; ranks that lag get repeats
         else:
-            self.state = op.previous_state
+            self._roll_back_resume(op, now, out)
+
+    def _roll_back_resume(self, op: PendingOp, now: float, out: list[Action]) -> None:
+        """A failed resume leaves no rank on a layout or generation the broker
+        does not hold: a new epoch puts every rank back where the bus was
+        (cleared: free again, at a new generation since some may have
+        allocated; paused: pause again).  A resume the broker started itself
+        (to bring a rank in line) is retried after two heartbeats, and the
+        bus stays not running until it converges."""
+        self.epoch += 1
+        if op.previous_state == "cleared":
+            self.gen += 1
+            self.gen_used = False
+            self.state, self.control_op = "cleared", "clear"
+            self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
+        elif op.previous_state == "paused":
+            self.state, self.control_op, self.control_extra = "paused", "pause", {}
+        else:
+            self.state, self.control_op = "resuming", "pause"
+            self.control_extra = {}
+            self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
+        self.counters["resume_rollbacks"] += 1
+        self._publish(now, out)
 
     # --- backend ---------------------------------------------------------------
 
     def on_rank(self, identity: bytes, frames: list[bytes], now: float) -> list[Action]:
-        """A message from a rank DEALER (identity already stripped)."""
+        """A message from a rank DEALER (identity already stripped); a bug in a
+        handler answers the rank ``error{code: internal}``, counted."""
         out: list[Action] = []
+        try:
+            self._on_rank(identity, frames, now, out)
+        except Exception as err:  # noqa: BLE001
+            out.append(ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))]))
+        self._save_if_changed(out)
+        return out
+
+    def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         try:
             P.check_frames(frames, 1, 1)
             msg = P.decode(frames[0], ("ready", "hb", "done", "ack"))
         except P.ProtocolError as err:
             self.counters["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
-            return out
+            return
         kind = msg["kind"]
         if kind == "ready":
             self._ready(identity, msg, now, out)
-            return out
+            return
         rank = self.by_identity.get(identity)
         rs = self.ranks.get(rank) if rank is not None else None
         if rs is None or not rs.alive or rs.identity != identity:
             self.counters["unregistered_msgs"] += 1
             out.append(ToRank(identity, [P.encode("reregister")]))
-            return out
+            return
         rs.last_seen = now
         if kind == "hb":
             if msg.get("stats"):
@@ -387,7 +510,6 @@ class BrokerCore:
             self._done(rs, msg, now, out)
         else:
             self._ack(rs, msg, now, out)
-        return out
 
     def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
         rank, world = msg["rank"], msg["world"]
@@ -413,13 +535,9 @@ class BrokerCore:
             self.counters["registrations"] += 1
         if self.layout is None:
             self.layout = layout
-        if msg["gen"] > self.gen:
-            # Only a restarted broker can be behind its ranks: take their
-            # generation, or clients that saw it would ignore every result.
-            self.gen = msg["gen"]
-            self.counters["gen_adopted"] += 1
         rs = self.ranks[rank]
         rs.last_seen = now
+        self._reconcile(rank, msg, layout, now, out)
         # A rank joining during a resume with a new layout gets the new layout.
         extra = dict(self.control_extra)
         welcome_layout = extra.pop("layout", None) or self.layout.to_wire()
@@ -431,6 +549,68 @@ class BrokerCore:
         if self.ready_waiters:
             self._answer_ready_waiters(now, out)
         self._dispatch(now, out)
+
+    def _reconcile(self, rank: int, msg: dict, layout: CacheLayout, now: float, out: list[Action]) -> None:
+        """Bring a registering rank in line with the bus, never serve it as it is
+        when its memory is not the bus's (DESIGN §11, §12).
+
+        Its memory is *lost* for the bus when the process is new (``fresh``),
+        holds no cache, another layout, or another generation.  Then, if a task
+        ever ran at the current generation (or the rank is ahead of a broker
+        that lost its state), the bus moves to a new generation that every
+        client learns; and a rank that must allocate does so only within a
+        resume (one the broker starts itself when the bus is running)."""
+        rank_gen = msg["gen"]
+        if self.state in ("clearing", "cleared"):  # cleared stays cleared: the welcome frees it
+            if rank_gen > self.gen:
+                self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {self.gen}", now, out)
+            return
+        has_cache = msg.get("has_cache") is not False
+        needs_alloc = not has_cache or layout != self.layout
+        lost = bool(msg.get("fresh")) or needs_alloc or rank_gen != self.gen
+        if not lost:
+            return
+        if rank_gen > self.gen and not self.gen_used and self._ready_ranks() == 1:
+            # The first rank of a broker that lost its state: take its
+            # generation, and count it as used (the old broker served it).
+            self.gen, self.gen_used = rank_gen, True
+            self.counters["gen_adopted"] += 1
+            lost = bool(msg.get("fresh")) or needs_alloc
+            if not lost:
+                return
+        if rank_gen > self.gen:
+            self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {self.gen}", now, out)
+        elif self.gen_used:
+            why = "restarted with fresh memory" if msg.get("fresh") else (
+                "holds no cache" if not has_cache else "holds another layout" if layout != self.layout else
+                f"held generation {rank_gen}")
+            self._move_gen(self.gen + 1, f"rank {rank} {why}: the blocks of generation {self.gen} are gone", now, out)
+        elif needs_alloc:
+            self._restate(now, out)
+
+    def _move_gen(self, gen: int, reason: str, now: float, out: list[Action]) -> None:
+        """The bus's cache content is gone: a new generation, queued tasks
+        (submitted against the old one) cancelled, every rank told at a new epoch."""
+        self.gen, self.gen_used, self.gen_reason = gen, False, reason
+        self.counters["gen_moves"] += 1
+        if self.recording:
+            out.append(Record({"ev": "gen", "t": now, "gen": gen, "reason": reason}))
+        while self.queue:
+            self._finish_task(self.queue.popleft(), "cancelled", f"cache generation moved to {gen}: {reason}", now, out, notify=True)
+        self._restate(now, out)
+
+    def _restate(self, now: float, out: list[Action]) -> None:
+        """Publish the current state again at a new epoch (new gen and layout
+        reach every rank); a running bus goes through a resume so that a rank
+        that must allocate does it there, and tasks wait until all acked."""
+        self.epoch += 1
+        if self.pending is not None:
+            self.pending.epoch = self.epoch
+        elif self.state in ("running", "resuming"):
+            self.epoch -= 1
+            self._begin(None, {}, "resume", "resuming", now, out, layout=self.layout.to_wire() if self.layout else None)
+            return
+        self._publish(now, out)
 
     def _done(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
         task = self.inflight.get(msg["seq"])
@@ -450,15 +630,23 @@ class BrokerCore:
         if self.control_op == "pause" and msg.get("upto") != rs.dispatched:
             self.counters["stale_acks"] += 1
             return
-        if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"]:
+        if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"] \
+                and (msg.get("layout") is not None or self.layout is None or self.control_extra["layout"] != self.layout.to_wire()):
             self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
         if msg.get("stats"):
             rs.stats = msg["stats"]
+        if msg.get("error") and self.control_op == "resume":
+            self.counters["alloc_failed"] += 1
+            if self.pending is not None and self.pending.op == "resume":
+                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg['error']}", now, out)
+            return
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
             return
         rs.acked_epoch = self.epoch
+        if msg.get("cpu_kept") is False and self.keep_cpu:
+            self.cpu_lost.append(rs.rank)
         if self.pending is not None and self.pending.op == "clear":
             self.pending.extra["freed"] = self.pending.extra.get("freed", 0) + (msg.get("freed") or 0)
         self._check_pending(now, out)
@@ -483,6 +671,7 @@ class BrokerCore:
             task.seq = self.seq
             task.fold = RankFold(world)
             self.inflight[task.seq] = task
+            self.gen_used = True
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
@@ -531,6 +720,18 @@ class BrokerCore:
     def on_tick(self, now: float) -> list[Action]:
         """Heartbeats, liveness, control repeats and op deadlines."""
         out: list[Action] = []
+        try:
+            self._on_tick(now, out)
+        except Exception as err:  # noqa: BLE001 - the clock must keep ticking
+            self._internal(err, "a clock tick")
+        self._save_if_changed(out)
+        return out
+
+    def _on_tick(self, now: float, out: list[Action]) -> None:
+        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
+            self.retry_at = None
+            self.counters["resume_retries"] += 1
+            self._restate(now, out)
         for rs in self._live_ranks():
             if (now - rs.last_seen) * 1000 > self.cfg.liveness_ms:
                 self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
@@ -549,7 +750,6 @@ class BrokerCore:
             lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
             ms = round((self.pending.deadline - self.pending.started) * 1000)
             self._fail_pending(f"{self.pending.op}_timeout", f"ranks {lagging} did not acknowledge {self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
-        return out
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
@@ -558,6 +758,8 @@ class BrokerCore:
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)
+        if self.retry_at is not None:
+            due.append(self.retry_at)
         due.extend(w[3] for w in self.ready_waiters)
         for rs in self._live_ranks():
             due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
@@ -570,6 +772,7 @@ class BrokerCore:
             "state": self.state,
             "epoch": self.epoch,
             "gen": self.gen,
+            "gen_reason": self.gen_reason,
             "world": self.cfg.world,
             "layout": self.layout.to_wire() if self.layout else None,
             "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
@@ -587,7 +790,7 @@ class BrokerCore:
         return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
 
     def _outcome(self, client: bytes, task: int, outcome: str, reason: str) -> ToClient:
-        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason)])
+        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason, gen=self.gen)])
 
 
 def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
