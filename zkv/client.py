@@ -203,9 +203,10 @@ class Client:
         return reply
 
     @property
-    def gen(self) -> int:
-        """The cache generation this client last learned (clear, resume, status, results)."""
-        return self.book.gen
+    def gen(self) -> int | None:
+        """The cache generation this client last learned (clear, resume, status,
+        results, outcomes); None until it heard of one."""
+        return self.book.gen if self.book.gen_known else None
 
     def ping(self, timeout: float | None = None) -> dict:
         return self.request("ping", timeout)
