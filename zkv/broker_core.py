@@ -133,6 +133,7 @@ class PendingOp:
     waiters: list[tuple[bytes, int]]
     previous_state: str
     extra: dict[str, Any] = field(default_factory=dict)
+    joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
 
 
 class BrokerCore:
@@ -198,7 +199,7 @@ class BrokerCore:
                self.pending.previous_state if self.pending is not None else None)
         if key != self._saved_key:
             self._saved_key = key
-            out.append(SaveState(self.snapshot()))
+            out.insert(0, SaveState(self.snapshot()))  # durable before any reply says it happened
 
     def _internal(self, err: Exception, where: str, counter: str = "internal_errors") -> str:
         """Count and log a bug in a handler; the reason for the ``internal`` error reply."""
@@ -284,18 +285,21 @@ class BrokerCore:
     def _timeout_s(self, msg: dict) -> float:
         return (msg.get("timeout_ms") or self.cfg.op_timeout_ms) / 1000.0
 
-    def _join_or_busy(self, client: bytes, msg: dict, op: str, out: list[Action]) -> bool:
+    def _join_or_busy(self, client: bytes, msg: dict, op: str, now: float, out: list[Action]) -> bool:
         """A request during a pending op: join it if same op, else say busy."""
         if self.pending is None:
             return False
         if self.pending.op == op:
             self.pending.waiters.append((client, msg["req"]))
+            mine = now + self._timeout_s(msg)
+            if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
+                self.pending.joined[(client, msg["req"])] = mine
         else:
             out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
         return True
 
     def _pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "pause", out):
+        if self._join_or_busy(client, msg, "pause", now, out):
             return
         if self.state in ("paused", "cleared"):
             out.append(self._reply(client, msg["req"], "pause", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
@@ -303,7 +307,7 @@ class BrokerCore:
         self._begin(client, msg, "pause", "pausing", now, out)
 
     def _clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "clear", out):
+        if self._join_or_busy(client, msg, "clear", now, out):
             return
         if self.state == "cleared":
             out.append(self._reply(client, msg["req"], "clear", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
@@ -326,7 +330,7 @@ class BrokerCore:
         self._begin(client, msg, "clear", "clearing", now, out, info={"cancelled": cancelled, "freed": 0}, **extra)
 
     def _resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "resume", out):
+        if self._join_or_busy(client, msg, "resume", now, out):
             return
         if self.state == "running":
             out.append(self._reply(client, msg["req"], "resume", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
@@ -746,10 +750,24 @@ class BrokerCore:
                 self._publish(now, out)
         if self.ready_waiters:
             self._answer_ready_waiters(now, out)
+        if self.pending is not None and self.pending.joined:
+            self._expire_joined(now, out)
         if self.pending is not None and now >= self.pending.deadline:
             lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
             ms = round((self.pending.deadline - self.pending.started) * 1000)
             self._fail_pending(f"{self.pending.op}_timeout", f"ranks {lagging} did not acknowledge {self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
+
+    def _expire_joined(self, now: float, out: list[Action]) -> None:
+        """A request that joined an op in progress with a shorter timeout gets
+        its ``<op>_timeout`` at its own deadline; the op goes on for the rest."""
+        op = self.pending
+        for key, deadline in list(op.joined.items()):
+            if now >= deadline:
+                del op.joined[key]
+                op.waiters.remove(key)
+                lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != op.epoch)
+                out.append(self._error(key[0], f"{op.op}_timeout", f"ranks {lagging} did not acknowledge {op.op} epoch {op.epoch} "
+                                       f"within this request's timeout_ms; the {op.op} is still in progress", req=key[1]))
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
@@ -758,6 +776,7 @@ class BrokerCore:
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)
+            due.extend(self.pending.joined.values())
         if self.retry_at is not None:
             due.append(self.retry_at)
         due.extend(w[3] for w in self.ready_waiters)
