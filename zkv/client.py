@@ -211,6 +211,12 @@ class Client:
     def ping(self, timeout: float | None = None) -> dict:
         return self.request("ping", timeout)
 
+    def adopt_gen(self, gen: int, reason: str) -> None:
+        """Take a generation another part of the application learned (e.g. its
+        controller's clear), as if this client had cleared: open tasks end
+        (a client that had not heard of any generation just takes it)."""
+        self._on_new_gen(gen, reason, told=self.book.gen_known)
+
     def _on_new_gen(self, gen: int, reason: str, told: bool = True) -> None:
         """``told``: our own clear/resume named it, so a newer one is news even
         to a client that had not heard of any generation yet."""

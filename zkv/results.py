@@ -123,10 +123,12 @@ class ResultBook:
     def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None) -> TaskOutcome | None:
         """A final outcome decided by the broker (rejected, cancelled, rank died);
         ``gen`` (the broker's generation) may tell the book the bus moved on."""
+        done = self._book_outcome(task, outcome, reason, now)  # this task's own word first
         if gen is not None and gen > self.gen:
-            done = self.on_outcome(task, outcome, reason, now)  # this task's own word first
             self.moved += self.learn_gen(gen, reason or "the bus moved to a new cache generation", now)
-            return done
+        return done
+
+    def _book_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
         entry = self.open.get(task)
         if entry is None:
             self.counters["late_outcomes"] += 1
