@@ -39,6 +39,10 @@ class Broker:
         if self.state_file is None:
             log.warning("no broker state file (tcp frontend without --state-file): a restart starts the bus running")
         restore = self.state_file.load() if self.state_file is not None else None
+        world = (config or BrokerConfig()).world
+        if restore is not None and restore["world"] != world:  # another bus: start afresh, say so
+            log.warning("ignoring %s: it is for world size %s, this broker has %s", self.state_file.path, restore["world"], world)
+            restore = None
         self.core = BrokerCore(config, recording=recorder is not None, restore=restore)
         self.recorder = recorder
         self.ctx = ctx or zmq.Context.instance()
