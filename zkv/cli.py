@@ -286,6 +286,8 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int) -> None:
     """Show the broker state, ranks, queue and counters."""
     st = client.status(timeout=timeout, wait_ranks=wait_ranks)
     lines = [f"state {st['state']}  epoch {st['epoch']}  gen {st['gen']}  world {st['world']}  queued {st['queued']}  inflight {st['inflight']}"]
+    if st.get("gen_reason"):
+        lines.append(f"  generation {st['gen']} because {st['gen_reason']}")
     for r in st["ranks"]:
         lines.append(f"  rank {r['rank']}: {'alive' if r['alive'] else 'DEAD'}  inflight {r['inflight']}  last seen {r['last_seen_ms']} ms ago  pid {r['pid']}")
     _print_reply(st, as_json, "\n".join(lines))
