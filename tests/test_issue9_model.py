@@ -62,6 +62,23 @@ class BusModel(RuleBasedStateMachine):
             fields["layout"] = {"gpu_blocks": ALLOC_LIMIT + 1}
         self.bus.request("resume", **fields)
 
+    @rule(r=WORLD, layout=st.sampled_from(["other", "base"]))
+    def resume_while_a_rank_is_frozen(self, r, layout):
+        """Issue 9 sequence 2 in one step: a layout-changing resume reaches some
+        ranks, one is frozen past the liveness window, the resume fails."""
+        bus, r = self.bus, self._rank(r)
+        target = OTHER if layout == "other" else None
+        fields = {"layout": {"gpu_blocks": target.gpu_blocks, "cpu_blocks": target.cpu_blocks}} if target else {"layout": {"gpu_blocks": 8, "cpu_blocks": 8}}
+        for op in ("pause", "clear"):  # from a cleared bus, as an operator would
+            bus.request(op)
+            bus.settle()
+        bus.ranks[r].frozen = True
+        bus.request("resume", timeout_ms=1500, **fields)
+        bus.settle()
+        bus.advance(1.2)
+        bus.settle()
+        bus.ranks[r].frozen = False
+
     @rule()
     def status(self):
         self.bus.request("status")
