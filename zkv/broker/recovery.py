@@ -10,15 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..wire.layout import CacheLayout
+from .state import CACHES_CLEARED, OP_OF_STATE, RUNNING_OR_RESUMING, BusState, ControlOp, on_failure, stable
 
 if TYPE_CHECKING:
     from .core import Action, PendingOp
 
-# What a restarted broker resumes as, for each state it may have died in: an
-# operation that had not completed did not happen, and "not running" is the
-# safe side (a pause that was under way is completed by the ranks' acks).
-STABLE = {"running": "running", "pausing": "paused", "paused": "paused", "clearing": "cleared", "cleared": "cleared"}
-_OP_OF_STATE = {"running": "run", "paused": "pause", "cleared": "clear"}
 
 
 class Recovery:
@@ -40,25 +36,22 @@ class Recovery:
 
     def snapshot(self) -> dict[str, Any]:
         """What a restarted broker needs to keep the state a client set."""
-        state = STABLE.get(self.state)
-        if state is None:  # resuming: the resume had not completed
-            state = self.pending.previous_state if self.pending is not None else "running"
-            state = STABLE.get(state, "running")
-        return {"state": state, "epoch": self.epoch, "gen": self.gen, "gen_used": self.gen_used,
+        began_from = self.pending.previous_state if self.pending is not None else None
+        return {"state": stable(self.state, began_from).value, "epoch": self.epoch, "gen": self.gen, "gen_used": self.gen_used,
                 "layout": self.layout.to_wire() if self.layout else None, "keep_cpu": self.keep_cpu,
                 "world": self.cfg.world, "gen_reason": self.gen_reason}
 
     def _restore(self, snap: dict[str, Any]) -> None:
         if snap["world"] != self.cfg.world:
             raise ValueError(f"the state file is for world size {snap['world']}, this broker has {self.cfg.world}")
-        self.state = snap["state"]
+        self.state = BusState(snap["state"])
         self.epoch = snap["epoch"] + 1  # a new epoch: every rank re-learns the state from it
         self.gen = snap["gen"]
         self.gen_used = snap.get("gen_used", True)
         self.gen_reason = snap.get("gen_reason", "")
-        self.keep_cpu = bool(snap.get("keep_cpu")) and self.state == "cleared"
+        self.keep_cpu = bool(snap.get("keep_cpu")) and self.state == BusState.CLEARED
         self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
-        self.control_op = _OP_OF_STATE[self.state]
+        self.control_op = OP_OF_STATE[self.state]
         self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
         self.counters["restored"] += 1
 
@@ -77,16 +70,14 @@ class Recovery:
         (to bring a rank in line) is retried after two heartbeats, and the
         bus stays not running until it converges."""
         self.epoch += 1
-        if op.previous_state == "cleared":
+        self.state, self.control_op = on_failure(ControlOp.RESUME, op.previous_state)
+        if self.state == BusState.CLEARED:
             self.gen += 1
             self.gen_used = False
-            self.state, self.control_op = "cleared", "clear"
             self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
-        elif op.previous_state == "paused":
-            self.state, self.control_op, self.control_extra = "paused", "pause", {}
         else:
-            self.state, self.control_op = "resuming", "pause"
             self.control_extra = {}
+        if self.state == BusState.RESUMING:  # a resume the broker started: retry it
             self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
         self.counters["resume_rollbacks"] += 1
         self._publish(now, out)
@@ -102,7 +93,7 @@ class Recovery:
         client learns; and a rank that must allocate does so only within a
         resume (one the broker starts itself when the bus is running)."""
         rank_gen = msg["gen"]
-        if self.state in ("clearing", "cleared"):  # cleared stays cleared: the welcome frees it
+        if self.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
             if rank_gen > self.gen:
                 self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {self.gen}", now, out)
             return
@@ -147,8 +138,8 @@ class Recovery:
         self.epoch += 1
         if self.pending is not None:
             self.pending.epoch = self.epoch
-        elif self.state in ("running", "resuming"):
+        elif self.state in RUNNING_OR_RESUMING:
             self.epoch -= 1
-            self._begin(None, {}, "resume", "resuming", now, out, layout=self.layout.to_wire() if self.layout else None)
+            self._begin(None, {}, ControlOp.RESUME, now, out, layout=self.layout.to_wire() if self.layout else None)
             return
         self._publish(now, out)

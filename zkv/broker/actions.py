@@ -1,0 +1,46 @@
+"""What the broker core asks its loop to do: frames to send, a control
+message to publish, a trace record, a durable snapshot to write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Union
+
+
+@dataclass(frozen=True)
+class ToClient:
+    client: bytes
+    frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class ToRank:
+    identity: bytes
+    frames: list[bytes]
+
+
+@dataclass(frozen=True)
+class Publish:
+    frame: bytes
+
+
+@dataclass(frozen=True)
+class Record:
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SaveState:
+    """Write this snapshot to the broker's durable state file (``state_file.py``)."""
+
+    snapshot: dict[str, Any]
+
+
+Action = Union[ToClient, ToRank, Publish, Record, SaveState]
+
+
+
+
+def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
+    """Test helper: the actions of one type, in order."""
+    return [a for a in actions if isinstance(a, kind)]

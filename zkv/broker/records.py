@@ -1,0 +1,80 @@
+"""The broker core's configuration and the records it keeps: one per rank,
+per task and for the control operation in progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..wire.outcome import RankFold
+from .state import BusState, ControlOp
+
+
+@dataclass
+class BrokerConfig:
+    world: int = 2
+    max_inflight_per_rank: int = 64
+    max_queue: int = 100_000
+    heartbeat_ms: int = 500
+    liveness_ms: int = 2_000
+    control_repeat_ms: int = 100
+    op_timeout_ms: int = 30_000
+    allow_partial: bool = False  # a dead rank completes (not fails) a pending op
+    # Per-client bounds (DESIGN §13): a flooding or vanished client holds at most
+    # this much broker state, and every piece of it expires.
+    max_open_per_client: int = 10_000  # queued + in-flight tasks of one connection
+    max_waiters_per_client: int = 16  # held status{wait_ranks} requests of one connection
+    max_waiters: int = 1024  # held status requests of all connections
+
+
+@dataclass
+class RankState:
+    rank: int
+    identity: bytes
+    session: int
+    pid: int
+    last_seen: float
+    alive: bool = True
+    inflight: int = 0
+    dispatched: int = 0  # per-session count; a pause names it as ``upto``
+    acked_epoch: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "alive": self.alive,
+            "pid": self.pid,
+            "inflight": self.inflight,
+            "dispatched": self.dispatched,
+            "acked_epoch": self.acked_epoch,
+            "last_seen_ms": round((now - self.last_seen) * 1000, 1),
+            "stats": self.stats,
+        }
+
+
+@dataclass
+class Task:
+    client: bytes
+    task: int
+    reply_to: str
+    body: bytes
+    submitted: float
+    reply_key: str | None = None  # the client's Curve public key, for its PULL
+    expires: float | None = None  # submit timeout_ms: a task still queued then never runs
+    seq: int = 0
+    fold: RankFold | None = None
+    reported: bool = False  # the broker already sent the client a final outcome
+
+
+@dataclass
+class PendingOp:
+    op: ControlOp
+    epoch: int
+    started: float
+    deadline: float
+    waiters: list[tuple[bytes, int]]
+    previous_state: BusState  # the state it began from (a broker-started resume: running)
+    extra: dict[str, Any] = field(default_factory=dict)
+    joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
+
