@@ -143,3 +143,30 @@ def test_released_tasks_come_after_the_resume_ack():
     acts = core.on_control(control("resume", 2), 1.0)
     kinds = [type(a).__name__ for a in acts]
     assert kinds.index("Acked") < kinds.index("Execute"), kinds
+
+
+def test_the_phase_moves_joining_registered_probing_and_back():
+    from zkv.rank.core import RankPhase
+
+    core = RankCore(0, 2, LAYOUT)
+    core.start(1.0)
+    assert core.phase is RankPhase.JOINING and not core.registered
+    assert core.on_control(control("pause", 3), 1.0) == [] and core.counters["control_before_welcome"] == 1
+    core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    assert core.phase is RankPhase.REGISTERED and core.acked_epoch is None
+    core.on_wake(1.0)
+    core.on_wake(1.0 + core.liveness_ms / 1000)
+    assert core.phase is RankPhase.PROBING and core.registered
+    core.on_broker(P.encode("hb", probe=True), 5.0)
+    assert core.phase is RankPhase.REGISTERED
+    core.on_wake(5.0 + core.liveness_ms / 1000)
+    core.on_broker(P.encode("reregister"), 9.0)
+    assert core.phase is RankPhase.JOINING
+
+
+def test_a_welcome_at_a_lower_epoch_is_still_applied():
+    core = welcomed(op="run", epoch=5)
+    core.on_broker(P.encode("reregister"), 2.0)
+    core.on_broker(P.encode("welcome", epoch=1, op="pause", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100,
+                            session=core.session), 2.0)
+    assert core.epoch == 1 and core.op == "pause" and core.acked_epoch == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import random
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Callable, Union
 
 from ..wire import protocol as P
@@ -60,6 +61,20 @@ class Acked:
 RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
 
 
+class RankPhase(Enum):
+    """Where a rank stands with its broker.
+
+    JOINING: a READY is out (first start, ``reregister``, a silent broker), no
+    welcome for it yet: controls are ignored (the welcome carries the state)
+    and no heartbeat goes out.  REGISTERED: welcomed in the current session.
+    PROBING: registered, but back from a freeze: it asked the broker whether it
+    is still its rank, and holds every task until the answer."""
+
+    JOINING = "joining"
+    REGISTERED = "registered"
+    PROBING = "probing"
+
+
 class RankCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
 
@@ -77,19 +92,18 @@ class RankCore:
         self.stats = stats  # counters sent in heartbeats and acks
         self.session = 0
         self.pid = 0  # sent in every READY, re-registrations too
-        self.registered = False
+        self.phase = RankPhase.JOINING
         self.gen = 0
         self.epoch = 0
         self.op = "run"
         self.upto = 0
         self.received = 0  # tasks received in this session (their ``n``)
         self.inflight = 0
-        self.acked_epoch = -1
+        self.acked_epoch: int | None = None  # the epoch last acked in this registration
         self.has_cache = True
         self.cache_op_pending = False  # a free/allocate is on the executor
         self.freed = 0  # bytes the last clear freed, repeated in every clear ack
         self.held: list[Execute] = []  # tasks that overtook the control message allowing them
-        self.probing = False  # after a freeze: asked the broker whether we are still its rank
         self.probe_held: list[tuple[bytes, bytes]] = []
         self.last_broker_msg = 0.0
         self.last_heartbeat_sent = 0.0
@@ -104,7 +118,7 @@ class RankCore:
         if pid is not None:
             self.pid = pid
         self.session = random.getrandbits(52)
-        self.registered = False
+        self.phase = RankPhase.JOINING
         self.last_wake = now
         self.last_ready_sent = now
         self.last_broker_msg = now
@@ -123,21 +137,38 @@ class RankCore:
         register again and they are refused, never copied."""
         gap = now - self.last_wake
         self.last_wake = now
-        if self.registered and not self.probing and gap * 1000 > self.liveness_ms / 2:
+        if self.phase is RankPhase.REGISTERED and gap * 1000 > self.liveness_ms / 2:
             self.counters["frozen"] += 1
-            self.probing = True
+            self.phase = RankPhase.PROBING
             return [ToBroker(P.encode("hb", inflight=self.inflight, probe=True))]
         return []
 
     def _end_probe(self, now: float) -> list[RankAction]:
         """Run the tasks held during a probe through the normal path (a task
         of a session we left is refused there)."""
-        self.probing = False
+        if self.phase is RankPhase.PROBING:
+            self.phase = RankPhase.REGISTERED
         held, self.probe_held = self.probe_held, []
         out: list[RankAction] = []
         for header, body in held:
             out += self.on_task(header, body, now)
         return out
+
+    @property
+    def registered(self) -> bool:
+        """Welcomed in the current session (probing or not)."""
+        return self.phase is not RankPhase.JOINING
+
+    @property
+    def probing(self) -> bool:
+        return self.phase is RankPhase.PROBING
+
+    def _restart(self, now: float) -> list[RankAction]:
+        """Register again; tasks held by a probe then go through the normal
+        path, where their old session refuses them."""
+        probing = self.probing
+        out = self.start(now)
+        return out + self._end_probe(now) if probing else out
 
     @property
     def paused(self) -> bool:
@@ -166,8 +197,7 @@ class RankCore:
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
                 return []
-            out = self.start(now)
-            return out + self._end_probe(now) if self.probing else out
+            return self._restart(now)
         if kind == "refused":
             raise RankRefused(msg["reason"])
         if kind == "error":
@@ -252,24 +282,26 @@ class RankCore:
             return False
 
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
-        self.registered = True
+        if self.phase is RankPhase.JOINING:
+            self.phase = RankPhase.REGISTERED
         self.heartbeat_ms = msg["heartbeat_ms"]
         self.received = 0
-        self.epoch = -1  # the welcome is authoritative, even at a lower epoch
-        self.acked_epoch = -1  # and a new broker may reuse epoch numbers we acked
+        self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
         self.bus_layout = CacheLayout.from_wire(msg["layout"])
         self.fresh = False
         self.gen = msg["gen"]
         self.counters["welcomes"] += 1
-        return self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
+        # The welcome is authoritative, even at a lower epoch.
+        return self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now, welcome=True)
 
-    def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float) -> list[RankAction]:
-        if epoch < self.epoch:
+    def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float,
+               welcome: bool = False) -> list[RankAction]:
+        if epoch < self.epoch and not welcome:
             self.counters["stale_controls"] += 1
             return []
-        if epoch == self.epoch and op == self.op:
+        if epoch == self.epoch and op == self.op and not welcome:
             self.counters["repeat_controls"] += 1
             if op == "pause":
                 self.upto = upto
@@ -358,9 +390,8 @@ class RankCore:
     def on_tick(self, now: float) -> list[RankAction]:
         if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
             self.counters["broker_silent"] += 1
-            out = self.start(now)
-            return out + self._end_probe(now) if self.probing else out
-        if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
+            return self._restart(now)
+        if self.phase is not RankPhase.JOINING and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
             self.last_heartbeat_sent = now
             return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         return []
