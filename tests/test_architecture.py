@@ -38,11 +38,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 
 #: (importer, imported) pairs that break a rule today, each with the issue that removes it.
-KNOWN_EXCEPTIONS = {
-    # Phase 2 of issue 11: pack_ids turns a torch tensor into bytes through
-    # kvcache.tensor_bytes (lazily, only when handed a tensor).
-    ("zkv.wire.protocol", "zkv.rank.kvcache"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 #: Layers whose modules may import torch.
 TORCH_LAYERS = {"rank", "engines"}

@@ -316,3 +316,22 @@ def test_worked_example_in_the_document_matches_the_vectors():
     with pytest.raises(P.ProtocolError) as info:
         P.decode(inline[2])
     assert info.value.code == "bad_version"
+
+
+def test_every_error_is_a_zkv_error_with_a_code_and_a_reason():
+    from zkv import ZkvError
+    from zkv.prefix.manager import CacheClearedError, InvalidBlockError
+    from zkv.rank.cache.errors import CacheError
+
+    for err in (P.ProtocolError("bad_field", "x"), CacheError("bad_layout", "y"), CacheClearedError("z"), InvalidBlockError("w")):
+        assert isinstance(err, ZkvError) and err.code and err.reason
+    assert str(CacheClearedError("resume first")) == "resume first" and CacheClearedError("r").code == "cache_cleared"
+    assert isinstance(InvalidBlockError("w"), ValueError) and isinstance(CacheError("bad_layout", "y"), ValueError)
+
+
+def test_pack_ids_never_imports_torch():
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(P))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "torch"]

@@ -9,7 +9,8 @@ Importing zkv changes nothing process-wide (no warning filters, no torch
 settings, no torch import).
 """
 
-from .client import Client, ZkvError
+from .client import Client
+from .wire.errors import ZkvError
 from .wire import CacheLayout, TaskOutcome
 
 __all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.ids import decode_ids
 from .options import curve_from, curve_options, layout_from, layout_options
 
 _DEFAULT = Endpoints.default
@@ -53,18 +54,11 @@ def _fail(message: str, hint: str = "") -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
-    ids: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        try:
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                ids.extend(range(int(lo), int(hi) + 1))
-            else:
-                ids.append(int(part))
-        except ValueError:
-            raise click.BadParameter(f"{part!r} is not an id or a range like 4-7") from None
-    return ids
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11], by the wire's one parser."""
+    try:
+        return decode_ids(text, "ids")
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
 
 
 def endpoint_options(fn: Callable) -> Callable:

@@ -21,20 +21,12 @@ from typing import Any, Sequence
 import zmq
 
 from ..wire import protocol as P
+from ..wire.errors import ZkvError
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..wire.outcome import TaskOutcome
 from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
 from ..net.curve import RESULTS_DOMAIN, Curve
-
-
-class ZkvError(Exception):
-    """An error reply from the broker (``code`` is the wire code), or no reply."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
 
 
 class Client:

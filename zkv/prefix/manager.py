@@ -63,31 +63,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..wire.errors import ReasonError
+from ..wire.protocol import OUTCOMES
 from .allocator import BlockAllocator
 from .radix import ROOT_KEY, LeafQueue, NodeState, RadixNode, RadixTree, block_keys
 
-OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout")
 SWAP_OPS = ("swap_out", "swap_in")
 
 
-class PrefixCacheError(Exception):
-    """Base of the prefix cache's errors (stand-in for zkv's ZkvError until they are unified)."""
+class PrefixCacheError(ReasonError):
+    """Base of the prefix cache's errors (a ``ZkvError``; ``str()`` is the reason)."""
+
+    CODE = "prefix_cache"
 
 
 class CacheClearedError(PrefixCacheError):
     """The KV caches are cleared (between set_cleared() and resume()); nothing can be allocated."""
 
+    CODE = "cache_cleared"
+
 
 class OutOfGpuBlocksError(PrefixCacheError):
     """Not enough GPU blocks even after evicting every unreferenced cached block."""
+
+    CODE = "out_of_gpu_blocks"
 
 
 class InvalidBlockError(PrefixCacheError, ValueError):
     """A block id passed in is not one the caller owns at that position."""
 
+    CODE = "invalid_block"
+
 
 class InvalidLeaseError(PrefixCacheError, ValueError):
     """A lease released twice."""
+
+    CODE = "invalid_lease"
 
 
 class TaskOutcomeLike(Protocol):

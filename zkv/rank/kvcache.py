@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from ..wire.errors import ReasonError
 from ..wire.layout import CacheLayout
 from ..wire.protocol import TaskBody
 
@@ -31,7 +32,7 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 _BITS_DTYPES = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
 
 
-class TaskInvalid(ValueError):
+class TaskInvalid(ReasonError, ValueError):
     """A task that cannot run on this layout; the message is the reason."""
 
 

@@ -17,6 +17,8 @@ from typing import Any, Iterable, Sequence
 
 import msgpack
 
+from .errors import ZkvError
+
 VERSION = 1
 MAX_SAFE_INT = 2**53 - 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
@@ -77,13 +79,8 @@ TIERS = ("gpu", "cpu")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
-class ProtocolError(Exception):
+class ProtocolError(ZkvError):
     """A message that breaks the protocol; ``code`` is the wire error code."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
 
 
 # Field types: "uint" is an integer in [0, 2^53), "ids" is a block-id list
@@ -286,13 +283,13 @@ _MAX_MAP_LEN = 4096  # no zkv map comes near; bounds a decoder's memory per fram
 
 
 def pack_ids(ids: Any) -> bytes:
-    """Pack block ids as little-endian int32 (bytes pass through unchanged)."""
+    """Pack block ids as little-endian int32 (bytes pass through unchanged).
+    An array type (a torch tensor, a numpy array) is taken through its
+    ``tolist()``: the wire never imports the libraries that made it."""
     if isinstance(ids, (bytes, bytearray)):
         return bytes(ids)
-    if type(ids).__module__.startswith("torch"):  # a tensor; never import torch for a list
-        from ..rank.kvcache import tensor_bytes
-
-        return tensor_bytes(ids.to(dtype=__import__("torch").int32))
+    if callable(getattr(ids, "tolist", None)):
+        ids = ids.tolist()
     import array
 
     arr = array.array("i", ids)

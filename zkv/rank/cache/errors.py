@@ -10,15 +10,15 @@ is not visible here)."""
 
 from __future__ import annotations
 
+from ...wire.errors import ZkvError
+
 CODES = frozenset({"bad_layout", "bad_block_id", "released", "bad_manifest", "missing_file",
                    "size_mismatch", "stale_manifest", "no_device"})
 
 
-class CacheError(ValueError):
+class CacheError(ZkvError, ValueError):
     """A refused attach, descriptor, manifest or block id; ``code`` is one of CODES."""
 
     def __init__(self, code: str, reason: str):
         assert code in CODES, code
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
+        super().__init__(code, reason)
