@@ -18,6 +18,7 @@ from typing import Any, Callable, Union
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Control
 
 
 @dataclass(frozen=True)
@@ -260,17 +261,17 @@ class RankCore:
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
         try:
-            msg = P.decode(frame, ("control",))
+            ctl = Control.from_wire(frame)
         except P.ProtocolError:
             self.counters["bad_control_msgs"] += 1
             return []
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
-        if msg.get("layout") is not None and not self._layout_ok(msg["layout"]):
+        if ctl.layout is not None and not self._layout_ok(ctl.layout):
             return []
-        upto = msg["upto"][self.rank] if self.rank < len(msg["upto"]) else 0
-        return self._apply(msg["epoch"], msg["op"], msg["gen"], upto, msg.get("layout"), bool(msg.get("keep_cpu")), now)
+        upto = ctl.upto[self.rank] if self.rank < len(ctl.upto) else 0
+        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, ctl.layout, bool(ctl.keep_cpu), now)
 
     def _layout_ok(self, wire: Any) -> bool:
         """A layout from the broker is checked where it enters, like every value."""
