@@ -29,28 +29,7 @@ Policies
   the lease that allocated it is released (the caller may still be reading
   it).  If the cached copy is on the CPU, the new GPU block is adopted instead
   and the CPU copy freed: the data is already where it is needed.
-* GPU pressure: unreferenced GPU leaves (no child on the GPU) are evicted, LRU
-  first, deeper first on ties, in one swap_out task.  Their GPU blocks are freed
-  whatever the outcome: on ``ok`` the nodes live on as ON_CPU; on any other
-  outcome they are dropped with their (CPU-only) subtrees.  Rolling them back
-  onto the GPU would keep the very blocks the caller is waiting for.
-* CPU pressure: LRU CPU leaves are dropped to make room; if none is left, the
-  GPU victim is dropped instead of swapped.  Parents get CPU room before their
-  children (a child without its prefix is useless).
-* Failed swap-in: the nodes stay ON_CPU with their CPU blocks; the match stops
-  before them.
-* Timeout: a timed-out task may still run (a slow rank), so the blocks it
-  writes (CPU blocks for swap_out, GPU blocks for swap_in) go to quarantine
-  instead of the free list; they are freed when the bus reports the task
-  *settled* (``bus.settled()``: every rank has since reported, so nothing
-  writes those blocks any more; checked at the start of match / allocate /
-  evict and by ``reclaim_quarantine()``), when the caller reports the bus
-  drained (``on_bus_drained()``, after a completed pause that a clear
-  follows: no rank runs anything then), or on reset.  A bus without
-  ``settled()`` (an older client, a test double) is polled instead: a late
-  outcome for the task frees its blocks.  ``failed``, ``cancelled`` and ``rejected`` are taken to
-  mean no rank will write the destination any more; those blocks are freed.
-  Pass ``quarantine_timed_out=False`` to free at once.
+* GPU and CPU pressure, failed swaps and timeouts: see ``swaps.py``.
 
 Single-threaded: call every method from one thread (the engine's scheduler
 loop).  Waiting is ``bus.wait(task, swap_timeout)``; nothing sleeps.
@@ -61,68 +40,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from ..wire.errors import ReasonError
 from ..wire.protocol import OUTCOMES
 from .allocator import BlockAllocator
+from .bus import SWAP_OPS, BusLike, TaskOutcomeLike
+from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
+from .invariants import check_invariants
 from .radix import ROOT_KEY, LeafQueue, NodeState, RadixNode, RadixTree, block_keys
+from .swaps import Quarantine, SwapRunner, is_cpu_victim, is_gpu_victim
 
-SWAP_OPS = ("swap_out", "swap_in")
+__all__ = ["BlockLease", "BusLike", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
+           "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager", "TaskOutcomeLike"]
 
-
-class PrefixCacheError(ReasonError):
-    """Base of the prefix cache's errors (a ``ZkvError``; ``str()`` is the reason)."""
-
-    CODE = "prefix_cache"
-
-
-class CacheClearedError(PrefixCacheError):
-    """The KV caches are cleared (between set_cleared() and resume()); nothing can be allocated."""
-
-    CODE = "cache_cleared"
-
-
-class OutOfGpuBlocksError(PrefixCacheError):
-    """Not enough GPU blocks even after evicting every unreferenced cached block."""
-
-    CODE = "out_of_gpu_blocks"
-
-
-class InvalidBlockError(PrefixCacheError, ValueError):
-    """A block id passed in is not one the caller owns at that position."""
-
-    CODE = "invalid_block"
-
-
-class InvalidLeaseError(PrefixCacheError, ValueError):
-    """A lease released twice."""
-
-    CODE = "invalid_lease"
-
-
-class TaskOutcomeLike(Protocol):
-    task: int
-    outcome: str
-    reason: str
-    bytes: int
-
-
-class BusLike(Protocol):
-    """What the manager needs from the bus (``zkv.client.Client`` has all of it).
-
-    Optional: ``settled() -> list[int]``, the ids of tasks that ended ``timeout``
-    and whose every rank has reported since (their copies are over).  When the
-    bus has it, the manager releases quarantined blocks through it and never
-    calls ``poll`` (which would hand it outcomes of tasks other code awaits).
-    Without it, the manager polls for late outcomes of its timed-out tasks.
-    """
-
-    def submit(self, op: str, src: Sequence[int], dst: Sequence[int], timeout: float = 30.0) -> int: ...
-
-    def wait(self, task: int, timeout: float | None = None) -> TaskOutcomeLike: ...
-
-    def poll(self, timeout: float = 0.0) -> list[TaskOutcomeLike]: ...
 
 
 @dataclass(eq=False)
@@ -152,27 +82,11 @@ class InsertResult:
     adopted_from_cpu: int     # cached on the CPU only: the node moved onto the caller's block
 
 
-@dataclass
-class _Quarantine:
-    tier: str
-    block_ids: list[int]
-
-
-def _is_gpu_victim(node: RadixNode) -> bool:
-    return (node.attached and node.state is NodeState.ON_GPU and node.ref_count == 0
-            and node.num_gpu_children == 0 and node.parent is not None)  # never the root
-
-
-def _is_cpu_victim(node: RadixNode) -> bool:
-    return node.attached and node.state is NodeState.ON_CPU and not node.children
-
-
-
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
-class PrefixCacheManager:
+class PrefixCacheManager(SwapRunner):
     """Radix prefix cache over a GPU and a CPU tier, moving blocks through ``bus``."""
 
     def __init__(self, bus: BusLike, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -219,7 +133,7 @@ class PrefixCacheManager:
         self._cpu_victims = LeafQueue()
         self._private_owner: dict[int, BlockLease] = {}
         self._live_leases: set[BlockLease] = set()
-        self._quarantine: dict[int, _Quarantine] = {}
+        self._quarantine: dict[int, Quarantine] = {}
 
     # ------------------------------------------------------------- requests
 
@@ -477,75 +391,9 @@ class PrefixCacheManager:
         }
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every block has exactly one owner and the tree is consistent.
-
-        O(tree + blocks); for tests and debugging.  Assumes no swap is being awaited.
-        """
-        self._gpu.check()
-        self._cpu.check()
-        gpu_owner: dict[int, object] = {}
-        cpu_owner: dict[int, object] = {}
-
-        def claim(owners: dict[int, object], block: int | None, owner: object, tier: str) -> None:
-            if block is None:
-                raise AssertionError(f"{owner!r} should hold a {tier} block")
-            if block in owners:
-                raise AssertionError(f"{tier} block {block} owned by {owners[block]!r} and {owner!r}")
-            owners[block] = owner
-
-        refs: dict[int, int] = {}
-        for lease in self._live_leases:
-            if lease.released or lease.epoch != self._epoch:
-                raise AssertionError("a released or stale lease is still live")
-            for node in lease.nodes:
-                refs[id(node)] = refs.get(id(node), 0) + 1
-                if not node.attached:
-                    raise AssertionError(f"lease holds detached {node!r}")
-        count = 0
-        for node in self._tree.iter_nodes():
-            count += 1
-            parent = node.parent
-            if parent is None or parent.children.get(node.key) is not node or node.depth != parent.depth + 1:
-                raise AssertionError(f"{node!r} is not linked to its parent")
-            if not node.attached:
-                raise AssertionError(f"{node!r} is in the tree but marked detached")
-            if node.state is NodeState.ON_GPU:
-                claim(gpu_owner, node.gpu_block, node, "gpu")
-                if node.cpu_block is not None:
-                    raise AssertionError(f"{node!r} on the GPU also holds a CPU block")
-                if parent is not self._tree.root and parent.state is not NodeState.ON_GPU:
-                    raise AssertionError(f"{node!r} is on the GPU but its parent is not")
-            elif node.state is NodeState.ON_CPU:
-                claim(cpu_owner, node.cpu_block, node, "cpu")
-                if node.gpu_block is not None:
-                    raise AssertionError(f"{node!r} on the CPU also holds a GPU block")
-                if node.ref_count:
-                    raise AssertionError(f"{node!r} on the CPU is referenced")
-            else:
-                raise AssertionError(f"{node!r} is still swapping outside a call")
-            if node.ref_count != refs.get(id(node), 0):
-                raise AssertionError(
-                    f"{node!r}: ref_count {node.ref_count}, live leases hold {refs.get(id(node), 0)}")
-            pinned = sum(child.state is NodeState.ON_GPU for child in node.children.values())
-            if node.num_gpu_children != pinned:
-                raise AssertionError(f"{node!r}: num_gpu_children {node.num_gpu_children}, actual {pinned}")
-        if count != len(self._tree):
-            raise AssertionError(f"tree counts {len(self._tree)} nodes, found {count}")
-        for block, lease in self._private_owner.items():
-            if lease not in self._live_leases or block not in lease.block_ids:
-                raise AssertionError(f"private gpu block {block} belongs to no live lease")
-            claim(gpu_owner, block, lease, "gpu")
-        for task, entry in self._quarantine.items():
-            for block in entry.block_ids:
-                owners = gpu_owner if entry.tier == "gpu" else cpu_owner
-                claim(owners, block, f"quarantine of task {task}", entry.tier)
-        for owners, allocator in ((gpu_owner, self._gpu), (cpu_owner, self._cpu)):
-            if sorted(owners) != allocator.allocated_ids():
-                raise AssertionError(f"{allocator.tier}: owned blocks != allocated blocks "
-                                     f"(owned only: {sorted(set(owners) - set(allocator.allocated_ids()))}, "
-                                     f"allocated only: {sorted(set(allocator.allocated_ids()) - set(owners))})")
-        if self._cleared and (len(self._tree) or self._gpu.num_blocks or self._cpu.num_blocks):
-            raise AssertionError("cleared, yet caches are held")
+        """Raise AssertionError unless every block has exactly one owner and the
+        tree is consistent (``invariants.py``; for tests and debugging)."""
+        check_invariants(self)
 
     # ------------------------------------------------------------- internals
 
@@ -557,160 +405,10 @@ class PrefixCacheManager:
 
     def _offer(self, node: RadixNode) -> None:
         """Queue ``node`` for eviction if it has become a candidate on either tier."""
-        if _is_gpu_victim(node):
+        if is_gpu_victim(node):
             self._gpu_victims.offer(node)
-        elif _is_cpu_victim(node):
+        elif is_cpu_victim(node):
             self._cpu_victims.offer(node)
-
-    def _pop_victim(self, queue: LeafQueue, is_victim: Any) -> RadixNode | None:
-        if len(queue) > 4 * len(self._tree) + 64:
-            queue.rebuild(self._tree.iter_nodes(), is_victim)
-        return queue.pop(is_victim)
-
-    def _take_gpu_blocks(self, count: int, allow_fewer: bool) -> list[int]:
-        shortfall = count - self._gpu.num_free
-        if shortfall > 0:
-            self._evict_gpu(shortfall)
-        if self._gpu.num_free < count:
-            if not allow_fewer:
-                quarantined = sum(len(e.block_ids) for e in self._quarantine.values() if e.tier == "gpu")
-                raise OutOfGpuBlocksError(
-                    f"need {count} GPU blocks, {self._gpu.num_free} free after evicting every unreferenced block"
-                    f" ({quarantined} quarantined behind timed-out swaps)")
-            count = self._gpu.num_free
-        return self._gpu.alloc(count)
-
-    def _take_cpu_block(self) -> int | None:
-        if not self._cpu.num_free:
-            victim = self._pop_victim(self._cpu_victims, _is_cpu_victim)
-            if victim is None:
-                return None
-            self._drop_subtree(victim)
-        return self._cpu.alloc(1)[0]
-
-    def _evict_gpu(self, count: int) -> int:
-        """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop them."""
-        victims: list[RadixNode] = []
-        while len(victims) < count:
-            node = self._pop_victim(self._gpu_victims, _is_gpu_victim)
-            if node is None:
-                break
-            self._tree.set_state(node, NodeState.SWAPPING_OUT)
-            victims.append(node)
-            self._offer(node.parent)  # type: ignore[arg-type]  # may have just become a leaf
-        victims.sort(key=lambda node: node.depth)  # parents get CPU room first
-        moving: list[RadixNode] = []
-        for node in victims:
-            if not node.attached:
-                continue  # went with an ancestor's subtree
-            cpu_block = self._take_cpu_block()
-            if cpu_block is None:
-                self._drop_subtree(node)
-            else:
-                node.cpu_block = cpu_block
-                moving.append(node)
-        if moving:
-            self._swap_out(moving)
-        return len(victims)
-
-    def _swap_out(self, moving: list[RadixNode]) -> None:
-        gpu_ids = [node.gpu_block for node in moving]
-        cpu_ids = [node.cpu_block for node in moving]
-        outcome, task = self._run_swap("swap_out", gpu_ids, cpu_ids)  # type: ignore[arg-type]
-        if outcome == "ok":
-            self._gpu.free(gpu_ids)  # type: ignore[arg-type]
-            for node in moving:
-                node.gpu_block = None
-                self._tree.set_state(node, NodeState.ON_CPU)
-            for node in moving:
-                self._offer(node)
-                self._offer(node.parent)  # type: ignore[arg-type]
-            self._counters["swapped_out_blocks"] += len(moving)
-            return
-        for node in moving:
-            node.cpu_block = None
-        self._settle_unsafe("cpu", cpu_ids, outcome, task)  # type: ignore[arg-type]
-        for node in moving:
-            if node.attached:
-                self._drop_subtree(node)
-
-    def _swap_in(self, cpu_run: list[RadixNode]) -> list[RadixNode]:
-        """Bring a run of CPU nodes to the GPU in one task; returns those that arrived."""
-        for node in cpu_run:
-            self._tree.set_state(node, NodeState.SWAPPING_IN)  # shields them from CPU eviction
-        gpu_ids = self._take_gpu_blocks(len(cpu_run), allow_fewer=True)
-        moving, staying = cpu_run[: len(gpu_ids)], cpu_run[len(gpu_ids):]
-        for node in staying:
-            self._tree.set_state(node, NodeState.ON_CPU)
-        for node, block in zip(moving, gpu_ids):
-            node.gpu_block = block
-        cpu_ids = [node.cpu_block for node in moving]
-        outcome, task = "ok", None
-        if moving:
-            outcome, task = self._run_swap("swap_in", cpu_ids, gpu_ids)  # type: ignore[arg-type]
-        if outcome == "ok":
-            for node in moving:
-                node.cpu_block = None
-                self._tree.set_state(node, NodeState.ON_GPU)
-            self._cpu.free(cpu_ids)  # type: ignore[arg-type]
-        else:
-            for node in moving:
-                node.gpu_block = None
-                self._tree.set_state(node, NodeState.ON_CPU)
-            self._settle_unsafe("gpu", gpu_ids, outcome, task)
-            moving = []
-        for node in cpu_run:
-            if node.state is NodeState.ON_CPU:
-                self._offer(node)
-        return moving
-
-    def _run_swap(self, op: str, src: list[int], dst: list[int]) -> tuple[str, int | None]:
-        """Submit one swap task and wait for it; a refused submit counts as ``rejected``."""
-        counters = self._swap_stats[op]
-        counters["issued"] += 1
-        counters["blocks"] += len(src)
-        try:
-            task = self._bus.submit(op, src, dst, timeout=self.swap_timeout)
-        except Exception:  # the bus refused it at once: nothing runs
-            counters["rejected"] += 1
-            return "rejected", None
-        try:
-            result = self._bus.wait(task, timeout=self.swap_timeout)
-            outcome = result.outcome
-            counters["bytes"] += getattr(result, "bytes", 0) or 0
-        except Exception:  # cannot tell whether it runs: treat like a timeout
-            outcome = "timeout"
-        if outcome not in OUTCOMES:
-            outcome = "failed"
-        counters[outcome] += 1
-        return outcome, task
-
-    def _settle_unsafe(self, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
-        """Free the destination blocks of a swap that did not succeed, or quarantine them
-        if the task may still write them."""
-        if outcome == "timeout" and task is not None and self.quarantine_timed_out:
-            self._quarantine[task] = _Quarantine(tier, block_ids)
-        else:
-            (self._gpu if tier == "gpu" else self._cpu).free(block_ids)
-
-    def _reap_late_outcomes(self) -> None:
-        """Free quarantined blocks whose task has settled (asks the bus only while any are held)."""
-        if not self._quarantine:
-            return
-        settled = getattr(self._bus, "settled", None)
-        try:
-            if callable(settled):
-                tasks = list(settled())
-            else:
-                tasks = [result.task for result in self._bus.poll(0.0)]
-        except Exception:  # the bus is gone or closing: keep the quarantine, try again later
-            return
-        for task in tasks:
-            entry = self._quarantine.pop(task, None)
-            if entry is not None:
-                self._counters["late_outcomes"] += 1
-                self._counters["reclaimed_blocks"] += len(entry.block_ids)
-                (self._gpu if entry.tier == "gpu" else self._cpu).free(entry.block_ids)
 
     def _drop_subtree(self, top: RadixNode) -> None:
         """Forget ``top`` and everything below it, freeing their blocks."""
