@@ -96,17 +96,33 @@ class RankCore:
     # --- registration ----------------------------------------------------------
 
     def start(self, now: float, pid: int | None = None) -> list[RankAction]:
-        """(Re)register with a fresh session: the broker restarts our counts."""
+        """(Re)register with a fresh session: the broker restarts our counts.
+        Only for a new process or a registration the broker ended (or we
+        gave up on); an unanswered READY is repeated by ``_repeat_ready``."""
         if pid is not None:
             self.pid = pid
         self.session = random.getrandbits(52)
         self.registered = False
         self.last_wake = now
-        self.last_ready_sent = now
         self.last_broker_msg = now
+        return self._send_ready(now)
+
+    def _send_ready(self, now: float) -> list[RankAction]:
+        self.last_ready_sent = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
                                   layout=self.layout.to_wire(), gen=self.gen, pid=self.pid))]
+
+    def _repeat_ready(self, now: float) -> list[RankAction]:
+        """The READY is unanswered: send it again with the *same* session.  It
+        may have reached the broker while its welcome is still on the way (the
+        two TCP directions recover from an outage apart): a new session would
+        read as a restart there and fail the tasks it dispatched meanwhile, and
+        a repeat every heartbeat keeps such a registration alive at the broker
+        until the welcome arrives.  The broker answers a duplicate with
+        another welcome."""
+        self.counters["ready_repeated"] += 1
+        return self._send_ready(now)
 
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
@@ -249,7 +265,10 @@ class RankCore:
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
         self.registered = True
         self.heartbeat_ms = msg["heartbeat_ms"]
-        self.received = 0
+        # The tasks dispatched in this session before the welcome came before
+        # it on this connection: 0 for a new session, all of them for the
+        # answer to a repeated READY (a pause then waits for none of them again).
+        self.received = msg["upto"]
         self.epoch = -1  # the welcome is authoritative, even at a lower epoch
         out: list[RankAction] = []
         layout = CacheLayout.from_wire(msg["layout"])
@@ -338,8 +357,12 @@ class RankCore:
     # --- clock ---------------------------------------------------------------------
 
     def on_tick(self, now: float) -> list[RankAction]:
-        if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
-            self.counters["broker_silent"] += 1
+        if not self.registered:
+            if (now - self.last_ready_sent) * 1000 >= self.heartbeat_ms:
+                return self._repeat_ready(now)
+            return []
+        if (now - self.last_broker_msg) * 1000 > self.liveness_ms:
+            self.counters["broker_silent"] += 1  # the broker will declare us dead, or has: a new registration
             out = self.start(now)
             return out + self._end_probe(now) if self.probing else out
         if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
@@ -348,6 +371,8 @@ class RankCore:
         return []
 
     def next_deadline(self, now: float) -> float:
+        if not self.registered:
+            return max(0.0, self.last_ready_sent + self.heartbeat_ms / 1000 - now)
         due = min(self.last_heartbeat_sent + self.heartbeat_ms / 1000, self.last_broker_msg + self.liveness_ms / 1000)
         return max(0.0, due - now)
 
