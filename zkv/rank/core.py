@@ -103,6 +103,7 @@ class RankCore:
             self.pid = pid
         self.session = random.getrandbits(52)
         self.registered = False
+        self.received = 0
         self.last_wake = now
         self.last_broker_msg = now
         return self._send_ready(now)
@@ -197,9 +198,11 @@ class RankCore:
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
-        self.received = max(self.received, msg["n"])
+        current = msg.get("session") is None or msg["session"] == self.session
+        if current:  # ``received`` counts this session's tasks only
+            self.received = max(self.received, msg["n"])
         refuse = ""
-        if msg.get("session") is not None and msg["session"] != self.session:
+        if not current:
             # Sent to an earlier registration of ours, which the broker gave up on
             # (and failed its tasks): running it could copy into reused blocks.
             self.counters["refused_stale_session"] += 1
@@ -263,12 +266,20 @@ class RankCore:
             return False
 
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
+        if msg["upto"] > self.received:
+            # The broker sent tasks of this session before this welcome and
+            # they never came: the connection they took died (a welcome
+            # answering a repeated READY came on the new one).  Register
+            # afresh, so the broker fails them now instead of waiting forever.
+            self.counters["tasks_lost_in_transit"] += msg["upto"] - self.received
+            return self.start(now)
         self.registered = True
         self.heartbeat_ms = msg["heartbeat_ms"]
-        # The tasks dispatched in this session before the welcome came before
-        # it on this connection: 0 for a new session, all of them for the
-        # answer to a repeated READY (a pause then waits for none of them again).
+        # 0 for a new session; for the answer to a repeated READY, the tasks
+        # dispatched since the first welcome, which came before it.
         self.received = msg["upto"]
+        self.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
+        hello: list[RankAction] = [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         self.epoch = -1  # the welcome is authoritative, even at a lower epoch
         out: list[RankAction] = []
         layout = CacheLayout.from_wire(msg["layout"])
@@ -280,7 +291,7 @@ class RankCore:
             self.layout = layout
         self.gen = msg["gen"]
         self.counters["welcomes"] += 1
-        return out + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
+        return hello + out + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
 
     def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float) -> list[RankAction]:
         if epoch < self.epoch:
