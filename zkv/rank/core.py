@@ -119,9 +119,9 @@ class RankCore:
         may have reached the broker while its welcome is still on the way (the
         two TCP directions recover from an outage apart): a new session would
         read as a restart there and fail the tasks it dispatched meanwhile, and
-        a repeat every heartbeat keeps such a registration alive at the broker
-        until the welcome arrives.  The broker answers a duplicate with
-        another welcome."""
+        a repeat every half liveness window keeps such a registration alive at
+        the broker until the welcome arrives (and queues few while the broker
+        is away).  The broker answers a duplicate with another welcome."""
         self.counters["ready_repeated"] += 1
         return self._send_ready(now)
 
@@ -369,7 +369,7 @@ class RankCore:
 
     def on_tick(self, now: float) -> list[RankAction]:
         if not self.registered:
-            if (now - self.last_ready_sent) * 1000 >= self.heartbeat_ms:
+            if (now - self.last_ready_sent) * 1000 >= self.liveness_ms / 2:
                 return self._repeat_ready(now)
             return []
         if (now - self.last_broker_msg) * 1000 > self.liveness_ms:
@@ -383,7 +383,7 @@ class RankCore:
 
     def next_deadline(self, now: float) -> float:
         if not self.registered:
-            return max(0.0, self.last_ready_sent + self.heartbeat_ms / 1000 - now)
+            return max(0.0, self.last_ready_sent + self.liveness_ms / 2000 - now)
         due = min(self.last_heartbeat_sent + self.heartbeat_ms / 1000, self.last_broker_msg + self.liveness_ms / 1000)
         return max(0.0, due - now)
 
