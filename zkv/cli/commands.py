@@ -241,9 +241,12 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @layout_options
 @click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any) -> None:
+@click.option("--attach", is_flag=True, help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
+              "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.")
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     from ..harness.cluster import LocalCluster
+    from ..harness.attached_cluster import AttachedCluster
 
     from ..client.client import Client, ZkvError
     from ..net.endpoints import runtime_dir as default_runtime_dir
@@ -259,21 +262,24 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
                 _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
-    cluster = LocalCluster(ranks, layout, directory=runtime_dir)
+    cluster = AttachedCluster(ranks, layout, directory=runtime_dir) if attach else LocalCluster(ranks, layout, directory=runtime_dir)
     _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
-        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}")
+        owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
+        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
         if demo:
             from ..harness.demo import run_demo
 
-            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo)
+            update = cluster.reallocate if isinstance(cluster, AttachedCluster) else None
+            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
             if not ok:
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
         names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
         names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
+        names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
         _fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
     except KeyboardInterrupt:
