@@ -82,3 +82,33 @@ def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluste
         cluster.engines[1].realloc(cluster.generation)
         c.resume(timeout=30)
         round_trip(cluster, c, [1, 2], [3, 4], [5, 6], seed=4)
+
+
+def test_the_demo_runs_on_ranks_attached_to_engine_processes(tmp_path):
+    """``zkv up --demo --attach``'s workload: the cycle's clear unmaps, the
+    engines reallocate, the resume maps their next generation."""
+    from zkv.harness.demo import run_demo
+
+    layout = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
+    cluster = AttachedCluster(2, layout, directory=tmp_path / "d", quiet=True)
+    cluster.start(timeout=120)
+    try:
+        lines: list[str] = []
+        ok = run_demo(cluster.endpoints.frontend, layout, 40, echo=lines.append, update=cluster.reallocate)
+        assert ok, "\n".join(lines)
+        assert cluster.generation == 2 and all(n > 0 for n in maps(cluster)), "the resume mapped the new generation"
+        assert "pause/clear/resume" in "\n".join(lines)
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_whose_manifest_is_missing_exits_saying_why(tmp_path):
+    import subprocess
+    import sys
+
+    ep = tmp_path / "s"
+    out = subprocess.run([sys.executable, "-m", "zkv", "worker", "--rank", "1", "--backend", f"ipc://{ep}-b", "--control",
+                          f"ipc://{ep}-c", "--attach", str(tmp_path / "nope.manifest")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    assert out.returncode != 0
+    assert "rank 1 cannot attach" in out.stderr and "missing_file" in out.stderr, out.stderr
