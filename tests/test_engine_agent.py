@@ -184,13 +184,18 @@ def test_start_and_stop_are_bounded_idempotent_and_leave_the_process_alone(tmp_p
         wrong = RankAgent(0, 3, ep.backend, ep.control, make_engine("flashinfer")[1], CPU_ROWS)
         with pytest.raises(RankRefused, match="world size"):
             wrong.start(timeout=30)
-        ok = RankAgent(1, 2, ep.backend, ep.control, make_engine("flashinfer")[1], CPU_ROWS)
+        tensors, entries, block = make_engine("flashinfer")
+        refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+        ok = RankAgent(1, 2, ep.backend, ep.control, entries, CPU_ROWS)
+        del tensors, entries, block
         ok.start(timeout=30)
         ok.start(timeout=30)
         assert ok.is_alive() and ok.stats()["device"] == "cpu"
+        assert not any(r.expired() for r in refs)
         ok.stop(timeout=10)
         ok.stop(timeout=10)
         assert not ok.is_alive()
+        assert all(r.expired() for r in refs), "a stopped agent holds no engine memory"
     finally:
         broker.stop()
         thread.join(timeout=10)
