@@ -58,28 +58,32 @@ def test_workers_serve_tensors_engine_processes_own_and_unmap_them_on_clear(clus
 
 
 def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluster):
+    """A failed resume leaves the bus cleared again (every rank detaches), so
+    each retry starts with the engines exporting a newer generation."""
+    path = cluster.manifest(1)
+
+    def retry_with(rank1_manifest: bytes | None) -> None:
+        cluster.generation += 1
+        cluster.engines[0].realloc(cluster.generation)  # rank 0's engine always does it right
+        if rank1_manifest is None:
+            os.unlink(path)
+        else:
+            with open(path, "wb") as f:
+                f.write(rank1_manifest)
+
     with cluster.client() as c:
         c.pause(timeout=30)
         c.clear(keep_cpu=True, timeout=30)
-        with pytest.raises(ZkvError, match=r"rank \d.*not newer"):  # the engines did not re-export
+        with pytest.raises(ZkvError, match=r"rank \d.*stale_manifest.*not newer"):  # the engines did not re-export
             c.resume(timeout=30)
-        path = cluster.manifest(1)
-        good = open(path, "rb").read()
-        with open(path, "wb") as f:
-            f.write(b"\x81\xa3not a manifest")
-        cluster.generation += 1
-        cluster.engines[0].realloc(cluster.generation)
-        with pytest.raises(ZkvError, match=r"rank 1.*bad_manifest"):
-            c.resume(timeout=30)
-        os.unlink(path)
-        with pytest.raises(ZkvError, match=r"rank 1.*missing_file"):
-            c.resume(timeout=30)
-        with open(path, "wb") as f:
-            f.write(good)  # generation 1 again: older than what rank 1 had
-        with pytest.raises(ZkvError, match=r"rank 1.*stale_manifest"):
-            c.resume(timeout=30)
-        assert all(p.poll() is None for p in cluster.workers.values()), "nothing crashed"
-        cluster.engines[1].realloc(cluster.generation)
+        good = open(path, "rb").read()  # generation 1: what rank 1 attached last
+        for manifest, reason in ((b"\x81\xa3not a manifest", "bad_manifest"), (None, "missing_file"),
+                                 (good, "stale_manifest")):
+            retry_with(manifest)
+            with pytest.raises(ZkvError, match=rf"rank 1 .*{reason}"):
+                c.resume(timeout=30)
+            assert all(p.poll() is None for p in list(cluster.workers.values()) + [cluster.broker]), "nothing crashed"
+        cluster.reallocate()
         c.resume(timeout=30)
         round_trip(cluster, c, [1, 2], [3, 4], [5, 6], seed=4)
 

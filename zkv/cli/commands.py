@@ -160,8 +160,11 @@ def _broker_config(world: int, kw: dict) -> Any:
 @broker_options
 @click.option("--record", type=click.Path(dir_okay=False), default=None, envvar="ZKV_RECORD", show_envvar=True, help="Append every request and task outcome to this trace file (JSON Lines).")
 @click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses without CurveZMQ.")
+@click.option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", show_envvar=True,
+              help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. Default: broker-state.json beside an ipc:// frontend.")
 @curve_options(server=True, client=False)
-def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool, **kw: Any) -> None:
+def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool,
+           state_file: str | None, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from ..broker.loop import Broker
 
@@ -175,7 +178,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 
         recorder = TraceRecorder(record, world=world_size)
     try:
-        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve)
+        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve,
+                   state_file=state_file)
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
@@ -315,6 +319,8 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int) -> None:
     """Show the broker state, ranks, queue and counters."""
     st = client.status(timeout=timeout, wait_ranks=wait_ranks)
     lines = [f"state {st['state']}  epoch {st['epoch']}  gen {st['gen']}  world {st['world']}  queued {st['queued']}  inflight {st['inflight']}"]
+    if st.get("gen_reason"):
+        lines.append(f"  generation {st['gen']} because {st['gen_reason']}")
     for r in st["ranks"]:
         lines.append(f"  rank {r['rank']}: {'alive' if r['alive'] else 'DEAD'}  inflight {r['inflight']}  last seen {r['last_seen_ms']} ms ago  pid {r['pid']}")
     _print_reply(st, as_json, "\n".join(lines))
