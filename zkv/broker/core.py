@@ -177,6 +177,9 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             out.append(ToRank(identity, [P.encode("reregister")]))
             return
         rs.last_seen = now
+        if not rs.welcomed:
+            rs.welcomed = True
+            self._dispatch(now, out)
         if kind == "hb":
             if msg.get("stats"):
                 rs.stats = msg["stats"]

@@ -75,7 +75,7 @@ class Ranks:
                 self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
             if old is not None and old.identity != identity:
                 self.by_identity.pop(old.identity, None)
-            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now)
+            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now, welcomed=old is None)
             self.by_identity[identity] = rank
             self.counters["registrations"] += 1
         if self.layout is None:

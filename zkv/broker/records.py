@@ -37,6 +37,11 @@ class RankState:
     alive: bool = True
     inflight: int = 0
     dispatched: int = 0  # per-session count; a pause names it as ``upto``
+    # The rank has its welcome: it sent something other than a ready since.
+    # A rank *back* (from an outage, a restart) gets tasks only then, so none
+    # is sent down a connection whose way back is still in TCP backoff, or
+    # dies before the welcome gets through: its ready can arrive first.
+    welcomed: bool = True
     acked_epoch: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
 

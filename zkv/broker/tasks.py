@@ -91,7 +91,7 @@ class Tasks:
             return
         ranks = [self.ranks[r] for r in range(world)]
         limit = self.cfg.max_inflight_per_rank
-        if not all(rs.alive for rs in ranks):
+        if not all(rs.alive and rs.welcomed for rs in ranks):
             return
         credits = limit - max(rs.inflight for rs in ranks)
         while credits > 0 and self.queue:

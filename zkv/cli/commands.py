@@ -195,17 +195,34 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 @click.option("--device", default=None, envvar="ZKV_DEVICE", show_envvar=True, help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).")
 @click.option("--liveness-ms", type=int, default=2000, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Broker silence after which this rank re-registers.")
 @click.option("--torch-threads", type=int, default=1, show_default=True, envvar="ZKV_TORCH_THREADS", show_envvar=True, help="Torch intra-op threads for CPU copies.")
+@click.option("--attach", "manifest", default=None, type=click.Path(dir_okay=False), envvar="ZKV_ATTACH", show_envvar=True,
+              help="Serve the KV tensors an engine exported in this manifest (zkv.rank.cache.manifest) instead of allocating a cache; "
+                   "--cpu-blocks sizes zkv's CPU tier, the engine's block count is the layout's gpu_blocks. On resume the manifest is read again "
+                   "and must carry a newer generation.")
 @curve_options(server=False, client=True)
-def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int, **kw: Any) -> None:
-    """Run one rank worker holding its KV cache shard."""
-    from ..rank.worker import RankWorker
+def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int,
+           manifest: str | None, **kw: Any) -> None:
+    """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
+    from ..rank.worker import RankWorker, set_torch_threads
     from ..rank.core import RankRefused
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
+    set_torch_threads(torch_threads)
     layout = layout_from(kw)
     curve = curve_from(kw)
-    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads, curve=curve)
-    click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
+    cache = None
+    if manifest is not None:
+        from ..rank.cache.engine_backend import EngineBackend
+        from ..rank.cache.errors import CacheError
+        from ..rank.cache.manifest import attach
+
+        try:
+            cache = EngineBackend(attach(manifest), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(manifest))
+        except CacheError as err:
+            _fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
+    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve, cache=cache)
+    what = f"attached to {manifest}" if manifest else "of cache"
+    click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB {what}", err=True)
     _stop_on_signals(w.stop)
     try:
         w.serve()
@@ -222,9 +239,12 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @layout_options
 @click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any) -> None:
+@click.option("--attach", is_flag=True, help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
+              "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.")
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     from ..harness.cluster import LocalCluster
+    from ..harness.attached_cluster import AttachedCluster
 
     from ..client.client import Client, ZkvError
     from ..net.endpoints import runtime_dir as default_runtime_dir
@@ -240,21 +260,24 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any
                 _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
-    cluster = LocalCluster(ranks, layout, directory=runtime_dir)
+    cluster = AttachedCluster(ranks, layout, directory=runtime_dir) if attach else LocalCluster(ranks, layout, directory=runtime_dir)
     _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
-        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}")
+        owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
+        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
         if demo:
             from ..harness.demo import run_demo
 
-            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo)
+            update = cluster.reallocate if isinstance(cluster, AttachedCluster) else None
+            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
             if not ok:
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
         names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
         names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
+        names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
         _fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
     except KeyboardInterrupt:
