@@ -87,7 +87,7 @@ class Broker:
             while True:
                 now = time.monotonic()
                 timeout_ms = core.next_deadline(now) * 1000
-                events = dict(poller.poll(max(1.0, timeout_ms)))
+                events = dict(poller.poll(int(max(1.0, timeout_ms))))
                 if self._stop in events:
                     break
                 if self.backend in events:

@@ -36,7 +36,7 @@ def _sigterm_as_interrupt() -> None:
 def _stop_on_signals(stop: Callable[[], None]) -> None:
     """SIGTERM / SIGINT ask the loop to stop at its next wakeup, so it never
     stops halfway through a batch of actions; a second signal interrupts."""
-    received = []
+    received: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
         if received:

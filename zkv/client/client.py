@@ -239,7 +239,7 @@ class Client:
         if due is not None:
             timeout = min(timeout, due - time.monotonic())
         timeout = max(0.0, timeout)  # zmq reads a negative timeout as "forever"
-        events = dict(self.poller.poll(timeout * 1000))
+        events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
         now = time.monotonic()
         if self.pull in events:
             self._drain(self.pull, self._on_pull)

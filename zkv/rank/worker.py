@@ -227,8 +227,8 @@ class RankWorker:
         self._stopper.stop()
 
     def stats(self) -> dict[str, Any]:
-        s = dict(self.executor.stats)
-        s.update({k: v for k, v in self.core.counters.items()})
+        s: dict[str, Any] = dict(self.executor.stats)
+        s.update(self.core.counters)
         s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
                  device=str(self.cache.device))
         return s
@@ -243,7 +243,7 @@ class RankWorker:
         self._act(core.start(time.monotonic(), pid=os.getpid()))
         try:
             while True:
-                events = dict(poller.poll(max(1.0, core.next_deadline(time.monotonic()) * 1000)))
+                events = dict(poller.poll(int(max(1.0, core.next_deadline(time.monotonic()) * 1000))))
                 if self._stop in events:
                     return
                 self._act(core.on_wake(time.monotonic()))

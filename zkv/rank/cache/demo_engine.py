@@ -76,10 +76,10 @@ def make(arena: ShmArena, layout: str, device: str, shape: Shape | None = None):
 
 
 def scribble(tensors, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)
     for t in tensors:
         flat = t.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(flat.device))
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=rng).to(flat.device))
     if tensors and tensors[0].is_cuda:
         torch.cuda.synchronize()
 

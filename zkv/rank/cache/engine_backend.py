@@ -106,11 +106,11 @@ class EngineBackend:
 
     def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
         """Write deterministic random bytes (per seed, rank and id order) into blocks."""
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)
+        rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)
         index = torch.tensor(list(ids), dtype=torch.long)
         views = self._views(tier)
         for view in views:
-            values = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=gen)
+            values = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=rng)
             view.index_copy_(0, index.to(view.device), values.to(view.device))
         if views and views[0].is_cuda:
             torch.cuda.synchronize(views[0].device)

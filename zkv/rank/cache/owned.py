@@ -134,6 +134,7 @@ class KVCache:
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (all layers, K and V); return bytes moved."""
         src_store, dst_store = (self.gpu_store, self.cpu_store) if op == "swap_out" else (self.cpu_store, self.gpu_store)
+        assert src_store is not None and dst_store is not None, "swap on a freed cache"
         runs = coalesce(src, dst)
         if not self.cuda:
             for s, d, n in runs:
@@ -167,12 +168,12 @@ class KVCache:
 
     def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
         """Write deterministic random bits (per seed, rank and id order) into blocks."""
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
+        rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
         bits = _BITS_DTYPES[self.layout.dtype]
         info = torch.iinfo(bits)
         index = torch.tensor(list(ids), dtype=torch.long)
         for t in self._tier(tier):
-            values = torch.randint(info.min, info.max, (len(ids), *t.shape[1:]), dtype=bits, generator=gen)
+            values = torch.randint(info.min, info.max, (len(ids), *t.shape[1:]), dtype=bits, generator=rng)
             t.view(bits).index_copy_(0, index.to(t.device), values.to(t.device))
         if self.cuda:
             torch.cuda.synchronize(self.device)
