@@ -33,6 +33,7 @@ from ..net.endpoints import StopSignal, make_socket
 from .kvcache import KVCache, TaskInvalid, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
+from ..obs.book import RankBook, cache_bytes_by_tier
 from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
 
 log = logging.getLogger("zkv.worker")
@@ -60,6 +61,7 @@ class Executor(threading.Thread):
                            "dropped_stale_session"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
+        self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
 
     def run(self) -> None:
         report = self.ctx.socket(zmq.PUSH)
@@ -116,6 +118,8 @@ class Executor(threading.Thread):
             outcome, reason = "failed", f"{type(err).__name__}: {err}"
         reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
         elapsed = time.perf_counter() - start
+        if outcome == "ok":
+            self.book.task_done(body.op, elapsed, nbytes)
         self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
         fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
@@ -201,6 +205,8 @@ class RankWorker:
         s.update({k: v for k, v in self.core.counters.items()})
         s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
                  device=str(self.cache.device))
+        s.update(self.executor.book.to_stats())
+        s.update(cache_bytes_by_tier(list(self.cache.gpu), list(self.cache.cpu)))
         return s
 
     def serve(self) -> None:
