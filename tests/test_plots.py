@@ -48,6 +48,7 @@ def recording(tmp_path_factory):
             client.wait(t, timeout=30)
         for i in range(5):
             assert client.run("fill", None, [i], timeout=30, tier="gpu", seed=1).ok
+        client.pause(timeout=30)  # results reach the client before the ranks' done reach the broker: drain them into the recording
     recorder.close()
     return path
 
