@@ -182,10 +182,12 @@ def _broker_config(world: int, kw: dict) -> Any:
 @broker_options
 @click.option("--record", type=click.Path(dir_okay=False), default=None, envvar="ZKV_RECORD", show_envvar=True, help="Append every request and task outcome to this trace file (JSON Lines).")
 @click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses without CurveZMQ.")
+@click.option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", show_envvar=True,
+              help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. Default: broker-state.json beside an ipc:// frontend.")
 @metrics_options
 @curve_options(server=True, client=False)
 def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool,
-           metrics_port: int | None, metrics_addr: str, **kw: Any) -> None:
+           state_file: str | None, metrics_port: int | None, metrics_addr: str, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from ..broker.loop import Broker
 
@@ -199,7 +201,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 
         recorder = TraceRecorder(record, world=world_size)
     try:
-        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve)
+        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve,
+                   state_file=state_file)
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
