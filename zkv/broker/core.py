@@ -25,6 +25,7 @@ from typing import Any, Iterable, Union
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.outcome import RankFold
+from ..obs.book import BusBook, task_op
 from .waiters import Waiter, WaiterBook
 from .recovery import STABLE as _STABLE, Recovery
 
@@ -169,6 +170,7 @@ class BrokerCore(Recovery):
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
+        self.book = BusBook()  # metrics (zkv.obs): read at scrape time, never here
         self.gen_used = False  # a task was dispatched at this generation: its content matters
         self.gen_reason = ""  # why the generation last moved (status says it)
         self.keep_cpu = False  # the last clear kept the CPU tier
@@ -213,6 +215,7 @@ class BrokerCore(Recovery):
             msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
+            self.book.bad_request(err.code)
             out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return
         kind = msg["kind"]
@@ -251,6 +254,7 @@ class BrokerCore(Recovery):
         key = (client, task_id)
         if key in self.open_tasks:  # not a task of its own: an error, no outcome
             self.counters["duplicate_tasks"] += 1
+            self.book.bad_request("duplicate_task")
             out.append(self._error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
             return
         if self.recording:  # every task, also the ones turned away below
@@ -259,12 +263,15 @@ class BrokerCore(Recovery):
         reason = ""
         if len(frames) != 2:
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = "submit needs a header frame and a body frame"
         elif len(body) > P.MAX_FRAME_BYTES:
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
         elif not P.is_result_address(reply_to):
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address (numeric IP, at most {P.MAX_ADDRESS} characters)"
         elif self.state in ("clearing", "cleared"):
             reason = "caches are cleared; resume the bus first (zkv resume)"
@@ -299,6 +306,7 @@ class BrokerCore(Recovery):
             if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
                 self.pending.joined[(client, msg["req"])] = mine
         else:
+            self.book.control_finished(op, "busy")
             out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
         return True
 
@@ -306,6 +314,7 @@ class BrokerCore(Recovery):
         if self._join_or_busy(client, msg, "pause", now, out):
             return
         if self.state in ("paused", "cleared"):
+            self.book.control_finished("pause", "noop")
             out.append(self._reply(client, msg["req"], "pause", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
             return
         self._begin(client, msg, "pause", "pausing", now, out)
@@ -314,9 +323,11 @@ class BrokerCore(Recovery):
         if self._join_or_busy(client, msg, "clear", now, out):
             return
         if self.state == "cleared":
+            self.book.control_finished("clear", "noop")
             out.append(self._reply(client, msg["req"], "clear", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
             return
         if self.state != "paused":
+            self.book.control_finished("clear", "not_paused")
             out.append(self._error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
             return
         cancelled = 0
@@ -337,17 +348,20 @@ class BrokerCore(Recovery):
         if self._join_or_busy(client, msg, "resume", now, out):
             return
         if self.state == "running":
+            self.book.control_finished("resume", "noop")
             out.append(self._reply(client, msg["req"], "resume", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
             return
         extra: dict[str, Any] = {}
         if msg.get("layout") is not None:
             if self.state != "cleared":
+                self.book.control_finished("resume", "not_cleared")
                 out.append(self._error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
                 return
             base = self.layout or CacheLayout()
             try:
                 new_layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
             except (P.ProtocolError, TypeError) as err:
+                self.book.control_finished("resume", "bad_field")
                 out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
                 return
             extra["layout"] = new_layout.to_wire()
@@ -396,6 +410,7 @@ class BrokerCore(Recovery):
         if any(rs.acked_epoch != op.epoch for rs in self._live_ranks()):
             return
         self.pending = None
+        self.book.control_finished(op.op, "ok", now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
         fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gen}
         if op.op == "pause":
@@ -433,6 +448,7 @@ class BrokerCore(Recovery):
         op = self.pending
         assert op is not None
         self.pending = None
+        self.book.control_finished(op.op, code, now - op.started)
         self.counters[f"{op.op}_failed"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))
@@ -623,6 +639,7 @@ class BrokerCore(Recovery):
             out.append(self._outcome(task.client, task.task, outcome, reason))
         if self.recording:
             out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+        self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
 
     def _rank_lost(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
         """A rank died or restarted: fail its tasks now, never leave them hanging."""
