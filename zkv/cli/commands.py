@@ -224,8 +224,17 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @layout_options
 @click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, **kw: Any) -> None:
+@click.option("--engine", type=click.Choice(["zkv", "transformers"]), default="zkv", show_default=True,
+              help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
+                   "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.")
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, engine: str, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    if engine == "transformers":
+        if not demo:
+            _fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+        from ..harness.engine_demo import run_engine_demo
+
+        sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
     from ..harness.cluster import LocalCluster
 
     from ..client.client import Client, ZkvError

@@ -158,6 +158,10 @@ class SwapController:
         for engine in self.replicas:
             engine.forget(conversation)
 
+    def drop_cpu_copy(self, conversation: str) -> None:
+        """Forget a swapped-out conversation's CPU rows (CPU tier full, or lost): its next turn recomputes."""
+        self._free_rows.extend(self._swapped.pop(conversation))
+
     @property
     def swapped(self) -> list[str]:
         return list(self._swapped)
@@ -214,9 +218,9 @@ class SwapController:
         self.stats.tokens_swapped_in += self.replicas[0].conversation(conversation).kv_len
         return True
 
-    def reap(self) -> int:
-        """Give back what timed-out tasks held once the client says they settled."""
-        settled = self.bus.settled(0.0) if self._quarantine else []
+    def reap(self, wait: float = 0.0) -> int:
+        """Give back what timed-out tasks held once the client says they settled (waiting up to ``wait`` s)."""
+        settled = self.bus.settled(wait) if self._quarantine else []
         for task in settled:
             blocks, rows = self._quarantine.pop(task, ([], []))
             if blocks:

@@ -1,0 +1,123 @@
+"""``zkv bench engine`` (or ``python -m zkv.harness.engine_bench``): a
+transformers model on the real bus, each figure beside a same-run baseline.
+
+1. Swap-in vs recompute: a conversation of N tokens (1k, 4k) on the
+   benchmark model; its prefill is timed (the recompute a swap-in replaces),
+   then it is swapped out through the bus and swapped back into other block
+   ids, timed, and its block bytes are checked.
+2. Decode throughput of a batch with zkv attached (broker + ranks running on
+   the engines' caches, idle) and without (the same engine, no zkv), in
+   alternating rounds, best of each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from ..engines.models import block_digests, random_llama, random_tokens, set_threads
+from .engine_rig import EngineRig, hold_ids
+
+
+def _best(values: list[float]) -> float:
+    return min(values)
+
+
+def swap_vs_recompute(rig: EngineRig, tokens: int, reps: int) -> dict[str, Any]:
+    ctrl, engines = rig.controller, rig.replicas
+    prompt = random_tokens(tokens, tokens, vocab=4000)
+    recompute, swap_in, swap_out, identical = [], [], [], True
+    for rep in range(reps):
+        name = f"c{tokens}_{rep}"
+        start = time.perf_counter()
+        ctrl.submit(name, prompt, 1)
+        ctrl.run_until_idle()
+        recompute.append(time.perf_counter() - start)
+        ctrl.result(name)
+        old = engines[0].block_table(name)
+        before = [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+        start = time.perf_counter()
+        assert ctrl.swap_out(name), "swap-out failed"
+        swap_out.append(time.perf_counter() - start)
+        hold = hold_ids(engines, old)  # the swap-in must land in other ids
+        start = time.perf_counter()
+        assert ctrl.swap_in(name), "swap-in failed"
+        swap_in.append(time.perf_counter() - start)
+        for e, blocks in zip(engines, hold):
+            e.return_blocks(blocks)
+        identical &= before == [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+        identical &= not set(old) & set(engines[0].block_table(name))
+        ctrl.forget(name)
+    kv_bytes = len(old) * engines[0].layout.block_bytes
+    return {"tokens": tokens, "kv_bytes_per_rank": kv_bytes, "ranks": len(engines),
+            "recompute_prefill_s": _best(recompute), "swap_in_s": _best(swap_in), "swap_out_s": _best(swap_out),
+            "speedup": _best(recompute) / _best(swap_in), "bytes_identical": identical}
+
+
+def decode_throughput(rig: EngineRig, batch: int, prompt: int, new_tokens: int, rounds: int) -> dict[str, Any]:
+    """Tokens/s of ``batch`` requests decoding ``new_tokens`` each: the rig's replica 0 (zkv attached) vs a bare engine."""
+    attached, bare = rig.replicas[0], rig.new_engine()
+    results: dict[str, list[float]] = {"with_zkv": [], "without_zkv": []}
+    for r in range(rounds):
+        for key, engine in (("with_zkv", attached), ("without_zkv", bare)):
+            for i in range(batch):  # prefill first, untimed
+                engine.submit(f"d{r}_{i}", random_tokens(50 + i, prompt, vocab=4000), max_new_tokens=new_tokens, keep=False)
+            engine.step()
+            start = time.perf_counter()
+            engine.run_until_idle()
+            elapsed = time.perf_counter() - start
+            for i in range(batch):
+                engine.result(f"d{r}_{i}")
+            results[key].append(batch * (new_tokens - 1) / elapsed)
+    return {"batch": batch, "prompt": prompt, "new_tokens": new_tokens, "rounds": rounds,
+            "with_zkv_tokens_per_s": max(results["with_zkv"]), "without_zkv_tokens_per_s": max(results["without_zkv"]),
+            "ratio": max(results["with_zkv"]) / max(results["without_zkv"])}
+
+
+def bench_engine(dtype: str = "fp32", sizes: tuple[int, ...] = (1024, 4096), reps: int = 1, ranks: int = 1,
+                 threads: int = 1, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    old = set_threads(threads)
+    try:
+        model = random_llama(0, dtype, "bench")
+        blocks = max(sizes) // 32 * 2 + 16
+        report: dict[str, Any] = {"model": "bench", "dtype": dtype, "torch_threads": threads, "ranks": ranks}
+        with EngineRig(model, ranks=ranks, num_blocks=blocks, block_size=32, cpu_rows=max(sizes) // 32 + 8,
+                       max_batch_tokens=max(sizes), timeout=60.0) as rig:
+            report["parameters"] = rig.parameters
+            for n in sizes:
+                say(f"engine: swap-in vs recompute, {n} tokens ...")
+                report[f"swap_vs_recompute_{n}"] = swap_vs_recompute(rig, n, reps)
+            say("engine: decode throughput with and without zkv attached ...")
+            report["decode"] = decode_throughput(rig, batch=4, prompt=64, new_tokens=33, rounds=3)
+        return report
+    finally:
+        set_threads(old)
+
+
+def summary(report: dict[str, Any]) -> str:
+    lines = [f"engine bench: random Llama 'bench' ({report['parameters'] / 1e6:.1f} M parameters, {report['dtype']}), "
+             f"{report['ranks']} rank(s), torch threads {report['torch_threads']}"]
+    for key, r in report.items():
+        if key.startswith("swap_vs_recompute_"):
+            lines.append(f"  {r['tokens']:5d} tokens ({r['kv_bytes_per_rank'] / 2**20:.1f} MiB KV per rank): recompute prefill "
+                         f"{r['recompute_prefill_s'] * 1e3:.1f} ms | swap-in through the bus {r['swap_in_s'] * 1e3:.1f} ms "
+                         f"({r['speedup']:.0f}x), swap-out {r['swap_out_s'] * 1e3:.1f} ms; bytes "
+                         f"{'identical' if r['bytes_identical'] else 'MISMATCH'}")
+    d = report["decode"]
+    lines.append(f"  decode, batch {d['batch']} x {d['new_tokens'] - 1} tokens: with zkv attached {d['with_zkv_tokens_per_s']:.1f} "
+                 f"tokens/s | without zkv {d['without_zkv_tokens_per_s']:.1f} tokens/s (ratio {d['ratio']:.2f})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    dtype = argv[0] if argv else "fp32"
+    report = bench_engine(dtype, say=lambda m: print(m, file=sys.stderr))
+    print(summary(report))
+    print(json.dumps(report, default=lambda x: round(x, 4) if isinstance(x, float) else x), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(sys.argv[1:]))
