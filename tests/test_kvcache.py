@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zkv.rank.kvcache import KVCache, TaskInvalid, coalesce
+from zkv.rank.cache.owned import KVCache, TaskInvalid, coalesce
 from zkv.wire.layout import CacheLayout
 from zkv.wire.protocol import TaskBody
 
@@ -61,7 +61,9 @@ def test_free_and_allocate_report_bytes_and_refuse_tasks_while_freed():
     cache = KVCache(LAYOUT)
     total = cache.nbytes()
     cpu_bytes = sum(t.numel() * t.element_size() for t in cache.cpu)
-    assert cache.free(keep_cpu=True) == total - cpu_bytes
+    freed = cache.free(keep_cpu=True)
+    assert freed.nbytes == total - cpu_bytes and freed.cpu_kept
+    assert cache.tier_nbytes() == {"gpu": 0, "cpu": cpu_bytes}
     assert cache.cpu and not cache.gpu
     with pytest.raises(TaskInvalid, match="cleared"):
         cache.validate(TaskBody("swap_out", [0], [0]))

@@ -9,7 +9,7 @@ real: ``zkv bench copy`` there exercises it end to end.
 import pytest
 import torch
 
-from zkv.rank.kvcache import KVCache
+from zkv.rank.cache.owned import KVCache
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=32, block_size=2, kv_heads=1, head_dim=4)
@@ -82,5 +82,5 @@ def test_swaps_run_on_the_copy_stream_after_the_compute_stream_and_wait_on_an_ev
 def test_free_returns_memory_to_the_driver(fake_cuda):
     cache = cuda_like_cache(fake_cuda)
     freed = cache.free(keep_cpu=False)
-    assert freed > 0 and ("empty_cache",) in fake_cuda.calls
+    assert freed.nbytes > 0 and ("empty_cache",) in fake_cuda.calls
     assert fake_cuda.calls.index(("synchronize",)) < fake_cuda.calls.index(("empty_cache",)), "no free while copies run"

@@ -197,17 +197,34 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 @click.option("--device", default=None, envvar="ZKV_DEVICE", show_envvar=True, help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).")
 @click.option("--liveness-ms", type=int, default=2000, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Broker silence after which this rank re-registers.")
 @click.option("--torch-threads", type=int, default=1, show_default=True, envvar="ZKV_TORCH_THREADS", show_envvar=True, help="Torch intra-op threads for CPU copies.")
+@click.option("--attach", "manifest", default=None, type=click.Path(dir_okay=False), envvar="ZKV_ATTACH", show_envvar=True,
+              help="Serve the KV tensors an engine exported in this manifest (zkv.rank.cache.manifest) instead of allocating a cache; "
+                   "--cpu-blocks sizes zkv's CPU tier, the engine's block count is the layout's gpu_blocks. On resume the manifest is read again "
+                   "and must carry a newer generation.")
 @curve_options(server=False, client=True)
-def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int, **kw: Any) -> None:
-    """Run one rank worker holding its KV cache shard."""
-    from ..rank.worker import RankWorker
+def worker(rank: int, world_size: int, backend: str, control: str, device: str | None, liveness_ms: int, torch_threads: int,
+           manifest: str | None, **kw: Any) -> None:
+    """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
+    from ..rank.worker import RankWorker, set_torch_threads
     from ..rank.core import RankRefused
 
     _sigterm_as_interrupt()  # until the loop can take a stop request
+    set_torch_threads(torch_threads)
     layout = layout_from(kw)
     curve = curve_from(kw)
-    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, torch_threads=torch_threads, curve=curve)
-    click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB of cache", err=True)
+    cache = None
+    if manifest is not None:
+        from ..rank.cache.engine_backend import EngineBackend
+        from ..rank.cache.errors import CacheError
+        from ..rank.cache.manifest import attach
+
+        try:
+            cache = EngineBackend(attach(manifest), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(manifest))
+        except CacheError as err:
+            _fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
+    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve, cache=cache)
+    what = f"attached to {manifest}" if manifest else "of cache"
+    click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB {what}", err=True)
     _stop_on_signals(w.stop)
     try:
         w.serve()

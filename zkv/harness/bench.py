@@ -181,7 +181,7 @@ def bench_zkv_bus(ids: int, n_latency: int, n_tput: int, window: int, layout: Ca
 def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     import torch
 
-    from ..rank.kvcache import KVCache
+    from ..rank.cache.owned import KVCache
 
     torch.set_num_threads(1)  # as a rank worker runs its copies
     cache = KVCache(layout, "cpu")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..obs.book import RankBook, cache_bytes_by_tier, task_op
+from ..obs.book import RankBook, task_op
 from ..rank.worker import Executor, RankWorker
 
 
@@ -38,5 +38,6 @@ class MeteredRankWorker(RankWorker):
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s.update(self.executor.book.to_stats())
-        s.update(cache_bytes_by_tier(list(self.cache.gpu), list(self.cache.cpu)))
+        tiers = self.cache.tier_nbytes()
+        s.update(cache_bytes_gpu=tiers["gpu"], cache_bytes_cpu=tiers["cpu"])
         return s

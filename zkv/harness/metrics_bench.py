@@ -154,7 +154,9 @@ def _serve_metered(argv: list[str]) -> None:
         print(f"metrics at {exporter.url}", file=sys.stderr, flush=True)
     else:
         from .metered_rank import MeteredRankWorker
+        from ..rank.worker import set_torch_threads
 
+        set_torch_threads(1)  # this is the rank process's entry point
         rank, world, back, control, layout = args
         server = MeteredRankWorker(int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu")
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

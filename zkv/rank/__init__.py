@@ -1,16 +1,18 @@
 """A tensor-parallel rank: ``core`` is its control state machine (no sockets,
-no torch), ``kvcache`` its KV tensors and copy engine, ``worker`` the ZMQ loop
-and copy executor around both.
+no torch), ``cache`` the memory it copies (``cache.backend.CacheBackend``:
+zkv's own tensors in ``cache.owned`` or an engine's in
+``cache.engine_backend``), ``worker`` the ZMQ loop and copy executor, and
+``agent`` the same rank embedded in an engine's process.
 
-Importing this package does not import torch: ``RankWorker`` and ``KVCache``
-load on first use.
+Importing this package does not import torch: ``RankWorker``, ``KVCache``
+and ``RankAgent`` load on first use.
 """
 
 from typing import Any
 
 from .core import RankCore, RankRefused
 
-__all__ = ["KVCache", "RankCore", "RankRefused", "RankWorker"]
+__all__ = ["KVCache", "RankAgent", "RankCore", "RankRefused", "RankWorker"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,7 +21,11 @@ def __getattr__(name: str) -> Any:
 
         return RankWorker
     if name == "KVCache":
-        from .kvcache import KVCache
+        from .cache.owned import KVCache
 
         return KVCache
+    if name == "RankAgent":
+        from .agent import RankAgent
+
+        return RankAgent
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

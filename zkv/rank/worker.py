@@ -4,9 +4,14 @@ Threads and ownership (no socket is shared between threads):
 - the I/O thread owns the DEALER to the broker, the SUB for control, and the
   inproc PULL on which the executor reports; it alone touches RankCore, so
   the inflight count has a single owner;
-- the executor thread owns the KV cache and the PUSH sockets to clients'
-  result addresses; it takes work from a FIFO, so a cache free or allocate
-  queued after tasks runs after them.
+- the executor thread owns the KV cache (any ``CacheBackend``: zkv's own
+  tensors or an engine's) and the PUSH sockets to clients' result
+  addresses; it takes work from a FIFO, so a cache free or allocate queued
+  after tasks runs after them.
+
+Nothing here changes the process (threads, signals, warnings): the entry
+point does that (``zkv worker`` calls ``set_torch_threads``), so a rank can
+run inside an engine's process (``zkv.rank.agent.RankAgent``).
 
 A client that went away never blocks the rank: results are sent NOBLOCK and
 what cannot be queued is counted as undeliverable.
@@ -30,7 +35,8 @@ import zmq
 
 from ..wire import protocol as P
 from ..net.endpoints import StopSignal, make_socket
-from .kvcache import KVCache, TaskInvalid, pick_device
+from .cache.backend import CacheBackend, TaskInvalid
+from .cache.owned import KVCache, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
 from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
@@ -44,7 +50,7 @@ _MAX_RESULT_SOCKETS = 64
 class Executor(threading.Thread):
     """Runs tasks and cache operations in order, on the thread that owns the cache."""
 
-    def __init__(self, ctx: zmq.Context, report_address: str, cache: KVCache, rank: int, world: int, curve: Curve | None = None):
+    def __init__(self, ctx: zmq.Context, report_address: str, cache: CacheBackend, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
@@ -79,8 +85,8 @@ class Executor(threading.Thread):
     def _do(self, item: Any) -> dict:
         if isinstance(item, FreeCache):
             freed = self.cache.free(item.keep_cpu)
-            self.stats["bytes_freed"] += freed
-            return {"k": "cache", "freed": freed}
+            self.stats["bytes_freed"] += freed.nbytes
+            return {"k": "cache", "freed": freed.nbytes}
         if isinstance(item, AllocateCache):
             self.cache.allocate(item.layout)
             return {"k": "cache", "freed": 0}
@@ -156,19 +162,31 @@ class Executor(threading.Thread):
             self.stats["undeliverable"] += 1
 
 
-class RankWorker:
-    """One rank: connect to the broker, register, and serve until stopped."""
+def set_torch_threads(threads: int = 1) -> None:
+    """For a rank's own process (its entry point calls it, never an import):
+    block copies are memory-bound, and intra-op threads only fight the other
+    ranks and the I/O thread for cores (measured: 2 threads copy 10x slower
+    than 1 on a loaded 2-core machine)."""
+    torch.set_num_threads(threads)
 
-    def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout, *,
+
+class RankWorker:
+    """One rank: connect to the broker, register, and serve until stopped.
+
+    ``cache``: the backend to serve (an engine's, ``EngineBackend``); without
+    it the rank allocates its own ``KVCache`` for ``layout``."""
+
+    def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout | None = None, *,
                  device: str | torch.device | None = None, ctx: zmq.Context | None = None,
-                 liveness_ms: int = 2000, torch_threads: int = 1, curve: Curve | None = None):
-        # Block copies are memory-bound; intra-op threads only fight the other
-        # ranks and the I/O thread for cores (measured: 2 threads copy 10x
-        # slower than 1 on a loaded 2-core machine).
-        torch.set_num_threads(torch_threads)
+                 liveness_ms: int = 2000, curve: Curve | None = None, cache: CacheBackend | None = None):
         self.ctx = ctx or zmq.Context.instance()
-        self.core = RankCore(rank, world, layout, liveness_ms=liveness_ms, stats=self.stats)
-        self.cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
+        if cache is None:
+            if layout is None:
+                raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
+            cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
+        self.cache: CacheBackend = cache
+        self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats)
+        self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
         self._report_address = f"inproc://zkv-rank-{rank}-report-{uid}-{secrets.token_hex(8)}"
@@ -224,6 +242,8 @@ class RankWorker:
                 if self.sub in events:
                     self._drain(self.sub, lambda frames: core.on_control(frames[0], time.monotonic()))
                 self._act(core.on_tick(time.monotonic()))
+                if core.registered and not self.registered.is_set():
+                    self.registered.set()
         finally:
             self.executor.work.put(None)
             self.executor.join(timeout=10)

@@ -3,7 +3,7 @@ cache layout, task outcomes and how per-rank results fold into one.
 
 Rule: this package imports msgpack and the standard library only, never torch
 and nothing else of zkv (one phase-2 exception: ``protocol.pack_ids`` reaches
-``zkv.rank.kvcache`` lazily when it is handed a tensor).
+``zkv.rank.cache.owned`` lazily when it is handed a tensor).
 """
 
 from .layout import CacheLayout

@@ -290,7 +290,7 @@ def pack_ids(ids: Any) -> bytes:
     if isinstance(ids, (bytes, bytearray)):
         return bytes(ids)
     if type(ids).__module__.startswith("torch"):  # a tensor; never import torch for a list
-        from ..rank.kvcache import tensor_bytes
+        from ..rank.cache.owned import tensor_bytes
 
         return tensor_bytes(ids.to(dtype=__import__("torch").int32))
     import array

@@ -6,12 +6,13 @@ descriptor that does not fit its buffers), ``bad_block_id``, ``released``
 (the cache was detached), ``bad_manifest`` (unreadable, wrong version, bad
 field), ``missing_file``, ``size_mismatch``, ``stale_manifest`` (another
 generation than expected), ``no_device`` (a CUDA device named by UUID that
-is not visible here)."""
+is not visible here), ``no_cache`` (a resume found no new engine cache to
+attach)."""
 
 from __future__ import annotations
 
 CODES = frozenset({"bad_layout", "bad_block_id", "released", "bad_manifest", "missing_file",
-                   "size_mismatch", "stale_manifest", "no_device"})
+                   "size_mismatch", "stale_manifest", "no_device", "no_cache"})
 
 
 class CacheError(ValueError):

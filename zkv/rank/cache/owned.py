@@ -24,15 +24,13 @@ from typing import Sequence
 
 import torch
 
-from ..wire.layout import CacheLayout
-from ..wire.protocol import TaskBody
+from ...wire.layout import CacheLayout
+from ...wire.protocol import TaskBody
+from .backend import Freed, TaskInvalid, check_task
+from .copier import coalesce
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _BITS_DTYPES = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
-
-
-class TaskInvalid(ValueError):
-    """A task that cannot run on this layout; the message is the reason."""
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -40,23 +38,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     which torch does not depend on."""
     t = t.detach().to("cpu").contiguous()
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-
-
-def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Merge id pairs into runs ``(src_start, dst_start, length)``."""
-    pairs = sorted(zip(src, dst))
-    runs: list[tuple[int, int, int]] = []
-    s0 = d0 = length = 0
-    for s, d in pairs:
-        if length and s == s0 + length and d == d0 + length:
-            length += 1
-            continue
-        if length:
-            runs.append((s0, d0, length))
-        s0, d0, length = s, d, 1
-    if length:
-        runs.append((s0, d0, length))
-    return runs
 
 
 def pick_device(rank: int) -> torch.device:
@@ -67,7 +48,8 @@ def pick_device(rank: int) -> torch.device:
 
 
 class KVCache:
-    """The tensors of one rank and the operations the executor runs on them."""
+    """The tensors of one rank and the operations the executor runs on them
+    (the zkv-owned ``CacheBackend``)."""
 
     def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0):
         self.device = torch.device(device)
@@ -79,6 +61,7 @@ class KVCache:
         self.cpu: list[torch.Tensor] = []
         self.gpu_store: torch.Tensor | None = None
         self.cpu_store: torch.Tensor | None = None
+        self.cpu_kept = False
         self.allocate(layout)
 
     # --- memory ------------------------------------------------------------------
@@ -100,7 +83,7 @@ class KVCache:
         self.cpu = list(self.cpu_store.unbind(0))
         return self.nbytes()
 
-    def free(self, keep_cpu: bool = False) -> int:
+    def free(self, keep_cpu: bool = False) -> Freed:
         """Drop the device tensors (and the swap space unless kept); return bytes freed."""
         freed = sum(t.numel() * t.element_size() for t in self.gpu)
         self.gpu, self.gpu_store = [], None
@@ -110,39 +93,21 @@ class KVCache:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # really return the memory to the driver
-        return freed
+        return Freed(freed, self.cpu_store is not None)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.gpu + self.cpu)
 
+    def tier_nbytes(self) -> dict[str, int]:
+        return {tier: sum(t.numel() * t.element_size() for t in tensors) for tier, tensors in (("gpu", self.gpu), ("cpu", self.cpu))}
+
     # --- validation ----------------------------------------------------------------
-
-    def _tier_blocks(self, tier: str) -> int:
-        return self.layout.gpu_blocks if tier == "gpu" else self.layout.cpu_blocks
-
-    def _check_ids(self, name: str, ids: Sequence[int], tier: str, unique: bool) -> None:
-        limit = self._tier_blocks(tier)
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= limit:
-            bad = lo if lo < 0 else hi
-            raise TaskInvalid(f"{name} block id {bad} is out of range for the {tier} tier (0..{limit - 1})")
-        if unique and len(set(ids)) != len(ids):
-            raise TaskInvalid(f"{name} has duplicate block ids (two copies would race into one block)")
 
     def validate(self, body: TaskBody) -> None:
         """Raise TaskInvalid with the reason if ``body`` cannot run here."""
         if not self.allocated:
             raise TaskInvalid("caches are cleared on this rank")
-        if body.op == "swap_out":
-            self._check_ids("src", body.src, "gpu", unique=False)
-            self._check_ids("dst", body.dst, "cpu", unique=True)
-        elif body.op == "swap_in":
-            self._check_ids("src", body.src, "cpu", unique=False)
-            self._check_ids("dst", body.dst, "gpu", unique=True)
-        elif body.op == "fill":
-            self._check_ids("dst", body.dst, body.tier, unique=True)
-        elif body.op == "checksum":
-            self._check_ids("src", body.src, body.tier, unique=False)
+        check_task(body, self.layout.gpu_blocks, self.layout.cpu_blocks)
 
     # --- operations ----------------------------------------------------------------
 

@@ -1,0 +1,148 @@
+"""``RankAgent``: a rank of the bus inside an inference engine's process.
+
+The engine hands over its own KV tensors; the agent runs the rank's I/O
+loop and copy executor on background threads of that process, over those
+tensors (zkv allocates only its CPU tier, and on CUDA a small staging
+buffer).  The lifecycle is explicit, as pyzmq's ``ThreadAuthenticator``:
+``start(timeout)`` returns once the broker registered the rank (or raises),
+``stop(timeout)`` joins; both are idempotent and bounded.  Nothing
+process-wide changes: no torch thread count, no signal handlers, no
+warning filters, and the agent's sockets live in a ZMQ context of its own.
+
+Clear and resume (docs/engines.md): on a clear the rank drops every view of
+the engine's memory before it acks; the engine frees, updates, reallocates,
+calls ``attach(new)`` and then resumes the bus (``attach`` may come before
+the clear too: the new cache waits for the next resume).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import zmq
+
+from ..net.curve import Curve
+from ..wire.layout import CacheLayout
+from .cache.engine_backend import EngineBackend
+from .cache.regions import EngineCache, TensorEntry
+from .core import RankRefused
+from .worker import RankWorker
+
+CacheLike = EngineCache | Sequence[TensorEntry]
+
+
+def _as_cache(cache: CacheLike, generation: int) -> EngineCache:
+    if isinstance(cache, EngineCache):
+        return cache
+    return EngineCache.from_tensors(list(cache), generation=generation)
+
+
+class RankAgent:
+    """One rank on the engine's own tensors.
+
+    ``cache``: an ``EngineCache``, or what a layout adapter returns
+    (``zkv.rank.cache.layouts.vllm_flash_attn(kv_caches)`` and the like).
+    ``cpu_rows``: blocks of zkv's CPU tier.  ``layout``: the model fields to
+    announce (its gpu_blocks / cpu_blocks are replaced by the cache's).
+    ``compute_stream``: the engine's CUDA stream that copies wait for."""
+
+    def __init__(self, rank: int, world: int, backend: str, control: str, cache: CacheLike, cpu_rows: int, *,
+                 compute_stream: Any = None, curve: Curve | None = None, layout: CacheLayout | None = None,
+                 liveness_ms: int = 2000):
+        self.rank = rank
+        self.world = world
+        self._endpoints = (backend, control)
+        self._curve = curve
+        self._liveness_ms = liveness_ms
+        self.backend = EngineBackend(_as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream)
+        self._ctx: zmq.Context | None = None
+        self._worker: RankWorker | None = None
+        self._thread: threading.Thread | None = None
+        self._settled = threading.Event()  # registered, or the loop ended
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> CacheLayout:
+        return self.backend.layout
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Connect, register, and return once the broker welcomed this rank.
+
+        Raises ``TimeoutError`` (the agent is stopped again) if that takes
+        longer than ``timeout`` seconds, ``RankRefused`` if the broker will
+        not take the rank.  A second call on a started agent does nothing."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._ctx = zmq.Context()
+            try:
+                self._worker = RankWorker(self.rank, self.world, *self._endpoints, ctx=self._ctx,
+                                          liveness_ms=self._liveness_ms, curve=self._curve, cache=self.backend)
+            except BaseException:
+                self._ctx.destroy(linger=0)
+                self._ctx = None
+                raise
+            self._worker.registered = self._settled  # set on the first welcome; _run sets it when the loop ends
+            self._thread = threading.Thread(target=self._run, name=f"zkv-rank-{self.rank}", daemon=True)
+            self._thread.start()
+        self._settled.wait(timeout)
+        if self._settled.is_set() and self._error is None and self.is_alive():
+            return
+        error = self._error
+        self.stop(timeout=max(1.0, timeout))
+        if isinstance(error, RankRefused):
+            raise error
+        if error is not None:
+            raise RuntimeError(f"rank {self.rank} stopped before it registered: {error!r}") from error
+        raise TimeoutError(f"rank {self.rank} was not registered by the broker at {self._endpoints[0]} within {timeout} s")
+
+    def _run(self) -> None:
+        worker = self._worker
+        assert worker is not None
+        try:
+            worker.serve()
+        except BaseException as err:  # noqa: BLE001 - start() reports it; the engine's process goes on
+            self._error = err
+        finally:
+            self._settled.set()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def attach(self, cache: CacheLike, generation: int | None = None) -> None:
+        """Hand the engine's new cache to the rank for the next resume (a new
+        generation: default one past the current).  Any thread."""
+        gen = generation if generation is not None else self.backend.generation + 1
+        if isinstance(cache, EngineCache) and generation is None and cache.generation <= self.backend.generation:
+            cache.generation = gen
+        self.backend.hand_over(_as_cache(cache, gen))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop, join it (bounded), and drop every reference to the
+        engine's memory.  Raises ``TimeoutError`` if the loop did not end in
+        ``timeout`` seconds.  Idempotent."""
+        with self._lock:
+            worker, thread = self._worker, self._thread
+        if worker is not None and thread is not None and thread.is_alive():
+            worker.stop()
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"rank {self.rank} did not stop within {timeout} s")
+        with self._lock:
+            if self._ctx is not None and not (thread is not None and thread.is_alive()):
+                self._ctx.destroy(linger=0)  # the loop ended: its sockets are closed, this closes any left
+                self._ctx = None
+        self.backend.close()
+
+    def stats(self) -> dict[str, Any]:
+        worker = self._worker
+        return worker.stats() if worker is not None else {}
+
+    def __enter__(self) -> "RankAgent":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
