@@ -55,9 +55,11 @@ class SwapStats:
     swap_out_s: list[float] = field(default_factory=list)
     swap_in_s: list[float] = field(default_factory=list)
     tokens_swapped_in: int = 0
+    last_reason: str = ""  # why the last failed task failed
 
-    def failure(self, op: str, outcome: str) -> None:
+    def failure(self, op: str, outcome: str, reason: str = "") -> None:
         key = f"{op}:{outcome}"
+        self.last_reason = reason or outcome
         self.failed[key] = self.failed.get(key, 0) + 1
 
 
@@ -180,7 +182,7 @@ class SwapController:
         rows = [self._free_rows.pop() for _ in table]
         outcome, elapsed = self._run("swap_out", table, rows)
         if not outcome.ok:
-            self.stats.failure("swap_out", outcome.outcome)
+            self.stats.failure("swap_out", outcome.outcome, outcome.reason)
             self._settle_later(outcome, [], rows)
             return False
         for engine in self.replicas:
@@ -205,7 +207,7 @@ class SwapController:
                 return False
             outcome, elapsed = self._run("swap_in", rows, blocks)
             if not outcome.ok:
-                self.stats.failure("swap_in", outcome.outcome)
+                self.stats.failure("swap_in", outcome.outcome, outcome.reason)
                 self._settle_later(outcome, blocks, [])
                 return False
             for engine in self.replicas:
