@@ -109,16 +109,21 @@ class SwapController:
     def run_until_idle(self, max_steps: int = 100_000) -> int:
         """Step every replica until all requests parked; swap out for room when the cache is full."""
         for steps in range(max_steps):
-            try:
-                busy = self.replicas[0].step()
-            except CacheFull:
+            # Every replica makes the same call, a failed one included: a step that found the cache full may
+            # still have moved the engine's pool state, and the replicas must stay identical.
+            outcomes: list[bool | None] = []
+            for engine in self.replicas:
+                try:
+                    outcomes.append(engine.step())
+                except CacheFull:
+                    outcomes.append(None)
+            if any(o != outcomes[0] for o in outcomes[1:]):
+                raise ReplicasDiverged(f"replicas disagree on the step (None: cache full): {outcomes}")
+            if outcomes[0] is None:
                 if not self._make_room():
-                    raise
+                    raise CacheFull(f"no parked conversation left to swap out ({len(self.swapped)} swapped already)")
                 continue
-            for engine in self.replicas[1:]:
-                if engine.step() != busy:
-                    raise ReplicasDiverged("replicas disagree on whether work is left")
-            if not busy:
+            if not outcomes[0]:
                 return steps
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
@@ -263,21 +268,25 @@ class SwapController:
         self._free_rows.extend(rows)
 
     def _take(self, count: int) -> list[int] | None:
-        """The same fresh ids on every replica, making room once (prefix cache, then LRU swap-outs); None if none."""
+        """The same fresh ids on every replica, making room once (prefix cache, then LRU swap-outs); None if none.
+
+        Every replica makes the same call, a refused one included (a refusal still tidies the engine's pool)."""
         for attempt in range(2):
-            taken: list[list[int]] = []
-            try:
-                for engine in self.replicas:
+            taken: list[list[int] | None] = []
+            for engine in self.replicas:
+                try:
                     taken.append(engine.take_blocks(count))
+                except NoFreeBlocks:
+                    taken.append(None)
+            if all(t is not None for t in taken):
                 return self._same("taken blocks", taken)
-            except NoFreeBlocks:
-                for engine, blocks in zip(self.replicas, taken):
-                    engine.return_blocks(blocks)
-                if attempt:
-                    return None
-                for engine in self.replicas:
-                    engine.evict_prefix_cache()
-                self._make_room(count)
+            if any(t is not None for t in taken):
+                raise ReplicasDiverged(f"only some replicas had {count} free blocks: {taken}")
+            if attempt:
+                return None
+            for engine in self.replicas:
+                engine.evict_prefix_cache()
+            self._make_room(count)
         return None
 
     def _make_room(self, count: int = 1) -> bool:
