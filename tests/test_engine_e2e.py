@@ -188,3 +188,13 @@ def test_a_failed_swap_out_keeps_the_conversation_resident_and_exact():
         assert "out of range for the cpu tier" in rig.controller.stats.last_reason  # refused by the ranks for the row range, not anything else
         assert rig.replicas[0].conversation("chat").resident
         assert second_turn(rig) == ("resident", expected)
+
+
+def test_the_engine_demo_swaps_in_instead_of_recomputing_and_survives_the_cycle():
+    from zkv.harness.engine_demo import ChatPlan, run_engine_demo
+
+    lines: list[str] = []
+    assert run_engine_demo(2, ChatPlan(conversations=6, rounds=6), echo=lines.append), "\n".join(lines)
+    text = "\n".join(lines)
+    assert "cache storage expired: True" in text and "bit-identical on every rank" in text
+    assert "failed none" in text and "swapped in instead of a prefill" in text

@@ -60,8 +60,9 @@ def decode_throughput(rig: EngineRig, batch: int, prompt: int, new_tokens: int, 
     """Tokens/s of ``batch`` requests decoding ``new_tokens`` each: the rig's replica 0 (zkv attached) vs a bare engine."""
     attached, bare = rig.replicas[0], rig.new_engine()
     results: dict[str, list[float]] = {"with_zkv": [], "without_zkv": []}
+    order = [("with_zkv", attached), ("without_zkv", bare)]
     for r in range(rounds):
-        for key, engine in (("with_zkv", attached), ("without_zkv", bare)):
+        for key, engine in order if r % 2 else order[::-1]:  # alternate who goes first: the machine's load drifts
             for i in range(batch):  # prefill first, untimed
                 engine.submit(f"d{r}_{i}", random_tokens(50 + i, prompt, vocab=4000), max_new_tokens=new_tokens, keep=False)
             engine.step()
@@ -90,7 +91,7 @@ def bench_engine(dtype: str = "fp32", sizes: tuple[int, ...] = (1024, 4096), rep
                 say(f"engine: swap-in vs recompute, {n} tokens ...")
                 report[f"swap_vs_recompute_{n}"] = swap_vs_recompute(rig, n, reps)
             say("engine: decode throughput with and without zkv attached ...")
-            report["decode"] = decode_throughput(rig, batch=4, prompt=64, new_tokens=33, rounds=3)
+            report["decode"] = decode_throughput(rig, batch=4, prompt=64, new_tokens=33, rounds=6)
         return report
     finally:
         set_threads(old)
@@ -112,8 +113,10 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """``python -m zkv.harness.engine_bench [fp32|bf16] [RANKS]``"""
     dtype = argv[0] if argv else "fp32"
-    report = bench_engine(dtype, say=lambda m: print(m, file=sys.stderr))
+    ranks = int(argv[1]) if len(argv) > 1 else 1
+    report = bench_engine(dtype, ranks=ranks, say=lambda m: print(m, file=sys.stderr))
     print(summary(report))
     print(json.dumps(report, default=lambda x: round(x, 4) if isinstance(x, float) else x), file=sys.stderr)
     return 0
