@@ -9,7 +9,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from zkv.engines.idle_policy import IdlePolicy  # noqa: E402
 from zkv.engines.models import block_digests, load_weights, random_llama, random_tokens  # noqa: E402
 from zkv.engines.transformers_cb import PINNED_VERSION  # noqa: E402
 from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402

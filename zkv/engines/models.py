@@ -7,18 +7,19 @@ token, which would hide a wrong KV block behind a constant output."""
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import transformers
 
 #: name -> LlamaConfig arguments
-CONFIGS: dict[str, dict[str, int]] = {
+CONFIGS: dict[str, dict[str, Any]] = {
     # the CI model: 4 layers, hidden 256, 8 heads, 4 KV heads (2.9 M parameters)
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=512, vocab_size=1000, max_position_embeddings=1024),
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 1024},
     # the benchmark model (27.7 M parameters), conversations up to 4k tokens
-    "bench": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=1408, vocab_size=4000, max_position_embeddings=8192),
+    "bench": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 1408, "vocab_size": 4000, "max_position_embeddings": 8192},
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -27,14 +28,15 @@ def random_llama(seed: int, dtype: str = "fp32", config: str = "small") -> trans
     cfg = transformers.LlamaConfig(initializer_range=0.2, **CONFIGS[config])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).to(DTYPES[dtype]).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)  # Any: mypy reads .to() through transformers' wrappers
+    return model.to(DTYPES[dtype]).eval()
 
 
 def load_weights(model: transformers.PreTrainedModel, seed: int, config: str = "small") -> None:
     """Copy the weights of ``random_llama(seed)`` into ``model`` in place (the RL trainer's update)."""
     dtype = next(model.parameters()).dtype
-    other = random_llama(seed, "fp32", config).to(dtype)
-    model.load_state_dict(other.state_dict())
+    other: Any = random_llama(seed, "fp32", config)
+    model.load_state_dict(other.to(dtype).state_dict())
 
 
 def random_tokens(seed: int, n: int, vocab: int = 1000) -> list[int]:

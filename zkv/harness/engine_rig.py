@@ -37,8 +37,8 @@ class EngineRig:
         self.rank_rows = list(rank_rows) if rank_rows is not None else [cpu_rows] * ranks
         self.timeout = timeout
         self.ready_timeout = ready_timeout
-        self._engine_args = dict(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
-                                 prefix_sharing=prefix_sharing)
+        self._engine_args: dict[str, Any] = {"num_blocks": num_blocks, "block_size": block_size,
+                                             "max_batch_tokens": max_batch_tokens, "prefix_sharing": prefix_sharing}
         self._policy = policy
         self.cluster = LocalCluster(ranks, quiet=True)
         self.replicas: list[TransformersCBEngine] = []
@@ -67,7 +67,7 @@ class EngineRig:
 
     def new_engine(self) -> TransformersCBEngine:
         """An engine like the replicas, with no zkv attached (for baselines)."""
-        return TransformersCBEngine(build_manager(self.model, **self._engine_args))  # type: ignore[arg-type]
+        return TransformersCBEngine(build_manager(self.model, **self._engine_args))
 
     def start(self) -> "EngineRig":
         self.cluster.start_broker()
@@ -137,7 +137,8 @@ class EngineRig:
 def hold_ids(replicas: list[TransformersCBEngine], ids: list[int]) -> list[list[int]]:
     """Take the free blocks among ``ids`` on every replica, so that a swap-in lands in other ids (the pool hands a
     just-freed id straight back).  Returns what each replica holds; give it back with ``return_blocks``."""
-    wanted, taken = set(ids), [[] for _ in replicas]  # type: list[list[int]]
+    wanted = set(ids)
+    taken: list[list[int]] = [[] for _ in replicas]
     for _ in range(replicas[0].free_block_count()):
         try:
             got = [engine.take_blocks(1) for engine in replicas]
