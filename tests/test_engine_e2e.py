@@ -197,3 +197,21 @@ def test_the_engine_demo_swaps_in_instead_of_recomputing_and_survives_the_cycle(
     text = "\n".join(lines)
     assert "cache storage expired: True" in text and "bit-identical on every rank" in text
     assert "failed none" in text and "swapped in instead of a prefill" in text
+
+
+def test_a_swap_in_the_bus_rejects_recomputes_exactly():
+    """The trainer cleared the bus's caches (the ranks dropped their views) while a conversation was on CPU."""
+    model = random_llama(0)
+    with rig_for(model) as rig:
+        turn1 = first_turn(rig)
+        assert rig.controller.swap_out("chat")
+        rig.client.pause(timeout=10)
+        rig.client.clear(timeout=10)
+        how, got = second_turn(rig)
+        assert how == "recomputed" and rig.controller.stats.failed == {"swap_in:rejected": 1}
+        assert rig.controller.quarantined == 0  # a rejected task never reached a rank: its blocks went back at once
+        free = rig.replicas[0].free_block_count()
+        rig.controller.forget("chat")
+        assert rig.replicas[0].free_block_count() > free
+    ref = rig.new_engine()
+    assert got == plain_run(ref, "chat", random_tokens(1, PROMPT) + turn1[0] + random_tokens(2, USER2), TURN2)
