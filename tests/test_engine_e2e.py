@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from zkv.engines.models import block_digests, load_weights, random_llama, random_tokens  # noqa: E402
-from zkv.engines.transformers_cb import PINNED_VERSION  # noqa: E402
+from zkv.engines.transformers_cb import PINNED_VERSION, TransformersCBEngine, build_manager  # noqa: E402
 from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
 
 if transformers.__version__ != PINNED_VERSION:
@@ -128,11 +128,9 @@ def test_rl_cycle_through_the_bus_resumes_on_a_new_cache_with_new_weights():
         cycle = rig.rl_cycle(lambda: load_weights(model, seed=1))
         assert cycle["storage_expired"]  # the engines freed their caches and no rank held a view of them
         assert cycle["generation"] == 1 and rig.controller.swapped == []
-        fresh = random_llama(1)
-        with rig_for(fresh) as reference:
-            ref = reference.new_engine()
-            expected_new = plain_run(ref, "new", random_tokens(4, PROMPT), TURN1)
-            expected_chat = plain_run(ref, "chat", random_tokens(1, PROMPT) + turn1[0] + random_tokens(2, USER2), TURN2)
+        ref = TransformersCBEngine(build_manager(random_llama(1), num_blocks=32, block_size=16, prefix_sharing=False))
+        expected_new = plain_run(ref, "new", random_tokens(4, PROMPT), TURN1)
+        expected_chat = plain_run(ref, "chat", random_tokens(1, PROMPT) + turn1[0] + random_tokens(2, USER2), TURN2)
         rig.controller.submit("new", random_tokens(4, PROMPT), TURN1)
         rig.controller.run_until_idle()
         out = rig.controller.result("new")
