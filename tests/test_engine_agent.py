@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
-from zkv.client.client import Client
+from zkv.client.client import Client, ZkvError
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts
@@ -156,8 +156,14 @@ def test_clear_drops_every_reference_and_resume_attaches_new_tensors_of_another_
         assert cleared["freed"] > 0
         bus.engines = []  # the engine frees its cache once the clear reply arrived
         assert all(ref.expired() for per_rank in refs for ref in per_rank), "a rank still holds engine memory"
+        with pytest.raises(ZkvError, match=r"rank \d .*no_cache"):  # the engine handed over nothing yet
+            c.resume(timeout=30)
         bus.engines = [make_engine("vllm_flash_attn", 2 * NB) for _ in range(2)]
         for agent, (_, entries, _) in zip(bus.agents, bus.engines):
+            agent.attach(entries)
+        with pytest.raises(ZkvError, match=rf"rank \d .*{2 * NB} blocks.*gpu_blocks={NB}"):  # the bus layout says NB
+            c.resume(timeout=30)
+        for agent, (_, entries, _) in zip(bus.agents, bus.engines):  # the failed resume cleared them again
             agent.attach(entries)
         c.resume(layout={"gpu_blocks": 2 * NB}, timeout=30)
         back = c.run("swap_in", [0, 1], [2 * NB - 2, 2 * NB - 1], timeout=30)
@@ -184,13 +190,18 @@ def test_start_and_stop_are_bounded_idempotent_and_leave_the_process_alone(tmp_p
         wrong = RankAgent(0, 3, ep.backend, ep.control, make_engine("flashinfer")[1], CPU_ROWS)
         with pytest.raises(RankRefused, match="world size"):
             wrong.start(timeout=30)
-        ok = RankAgent(1, 2, ep.backend, ep.control, make_engine("flashinfer")[1], CPU_ROWS)
+        tensors, entries, block = make_engine("flashinfer")
+        refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+        ok = RankAgent(1, 2, ep.backend, ep.control, entries, CPU_ROWS)
+        del tensors, entries, block
         ok.start(timeout=30)
         ok.start(timeout=30)
         assert ok.is_alive() and ok.stats()["device"] == "cpu"
+        assert not any(r.expired() for r in refs)
         ok.stop(timeout=10)
         ok.stop(timeout=10)
         assert not ok.is_alive()
+        assert all(r.expired() for r in refs), "a stopped agent holds no engine memory"
     finally:
         broker.stop()
         thread.join(timeout=10)

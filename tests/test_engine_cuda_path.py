@@ -123,3 +123,17 @@ def test_the_tier_is_pinned_when_cuda_exists(monkeypatch):
     monkeypatch.setattr(torch, "zeros", zeros)
     tier = CpuTier([("k", 64)], rows=2)
     assert tier.pinned and seen == [True]
+
+
+def test_the_rank_backend_waits_for_the_stream_the_engine_passed(calls):
+    """RankAgent(compute_stream=s) -> EngineBackend -> AttachedCache -> CopyEngine: copies wait for s."""
+    from zkv.rank.cache.engine_backend import EngineBackend
+
+    k = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 4, 8)
+    backend = EngineBackend(EngineCache.from_tensors(layouts.per_layer({"k": k})), 8, compute_stream="engine-stream", pin=False)
+    copier = backend.attached.copier
+    copier.cuda = True
+    copier.copy_stream = torch.cuda.Stream(device="cuda:0")
+    calls.clear()
+    backend.swap("swap_out", [2, 3], [0, 1])
+    assert calls[0] == ("wait_stream", "engine-stream") and calls[-1] == ("event.synchronize",)

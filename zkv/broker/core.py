@@ -18,6 +18,7 @@ Invariants it keeps (DESIGN §1-§7):
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Union
 
@@ -25,6 +26,9 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.outcome import RankFold
 from .waiters import Waiter, WaiterBook
+from .recovery import STABLE as _STABLE, Recovery
+
+log = logging.getLogger("zkv.broker")
 
 
 # --- actions -----------------------------------------------------------------
@@ -52,7 +56,16 @@ class Record:
     event: dict[str, Any]
 
 
-Action = Union[ToClient, ToRank, Publish, Record]
+@dataclass(frozen=True)
+class SaveState:
+    """Write this snapshot to the broker's durable state file (``state_file.py``)."""
+
+    snapshot: dict[str, Any]
+
+
+Action = Union[ToClient, ToRank, Publish, Record, SaveState]
+
+
 
 
 # --- configuration and state ---------------------------------------------------
@@ -124,12 +137,13 @@ class PendingOp:
     waiters: list[tuple[bytes, int]]
     previous_state: str
     extra: dict[str, Any] = field(default_factory=dict)
+    joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
 
 
-class BrokerCore:
+class BrokerCore(Recovery):
     """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
 
-    def __init__(self, config: BrokerConfig | None = None, recording: bool = False):
+    def __init__(self, config: BrokerConfig | None = None, recording: bool = False, restore: dict[str, Any] | None = None):
         self.cfg = config or BrokerConfig()
         self.recording = recording
         self.layout: CacheLayout | None = None
@@ -150,12 +164,44 @@ class BrokerCore:
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
+        self.gen_used = False  # a task was dispatched at this generation: its content matters
+        self.gen_reason = ""  # why the generation last moved (status says it)
+        self.keep_cpu = False  # the last clear kept the CPU tier
+        self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
+        self.retry_at: float | None = None  # when to retry a failed broker-started resume
+        self._saved_key: tuple | None = None
+        if restore is not None:
+            self._restore(restore)
+
+    @staticmethod
+    def _save_action(snapshot: dict[str, Any]) -> "SaveState":
+        return SaveState(snapshot)
+
+    @staticmethod
+    def _record_action(event: dict[str, Any]) -> "Record":
+        return Record(event)
+
+    def _internal(self, err: Exception, where: str, counter: str = "internal_errors") -> str:
+        """Count and log a bug in a handler; the reason for the ``internal`` error reply."""
+        self.counters[counter] += 1
+        log.error("internal error handling %s", where, exc_info=err)
+        return f"internal error handling {where}: {type(err).__name__}: {err}; the broker keeps serving"
 
     # --- frontend --------------------------------------------------------------
 
     def on_client(self, client: bytes, frames: list[bytes], now: float) -> list[Action]:
-        """A message from a client DEALER (identity already stripped)."""
+        """A message from a client DEALER (identity already stripped).  A bug in
+        a handler still answers the client: ``error{code: internal}``, counted."""
         out: list[Action] = []
+        try:
+            self._on_client(client, frames, now, out)
+        except Exception as err:  # noqa: BLE001 - every request gets an answer
+            ids = P.salvage_ids(frames[0]) if frames else {}
+            out.append(self._error(client, "internal", self._internal(err, "a client request"), **ids))
+        self._save_if_changed(out)
+        return out
+
+    def _on_client(self, client: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         self.counters["client_msgs"] += 1
         try:
             P.check_frames(frames, 1, 2)
@@ -163,7 +209,7 @@ class BrokerCore:
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
             out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
-            return out
+            return
         kind = msg["kind"]
         if kind == "submit":
             self._submit(client, msg, frames, now, out)
@@ -176,7 +222,6 @@ class BrokerCore:
                 params = {k: msg[k] for k in ("keep_cpu", "layout", "timeout_ms") if msg.get(k) is not None}
                 out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
             getattr(self, "_" + kind)(client, msg, now, out)
-        return out
 
     def _status(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         want = msg.get("wait_ranks") or 0
@@ -239,18 +284,21 @@ class BrokerCore:
     def _timeout_s(self, msg: dict) -> float:
         return (msg.get("timeout_ms") or self.cfg.op_timeout_ms) / 1000.0
 
-    def _join_or_busy(self, client: bytes, msg: dict, op: str, out: list[Action]) -> bool:
+    def _join_or_busy(self, client: bytes, msg: dict, op: str, now: float, out: list[Action]) -> bool:
         """A request during a pending op: join it if same op, else say busy."""
         if self.pending is None:
             return False
         if self.pending.op == op:
             self.pending.waiters.append((client, msg["req"]))
+            mine = now + self._timeout_s(msg)
+            if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
+                self.pending.joined[(client, msg["req"])] = mine
         else:
             out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
         return True
 
     def _pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "pause", out):
+        if self._join_or_busy(client, msg, "pause", now, out):
             return
         if self.state in ("paused", "cleared"):
             out.append(self._reply(client, msg["req"], "pause", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
@@ -258,7 +306,7 @@ class BrokerCore:
         self._begin(client, msg, "pause", "pausing", now, out)
 
     def _clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "clear", out):
+        if self._join_or_busy(client, msg, "clear", now, out):
             return
         if self.state == "cleared":
             out.append(self._reply(client, msg["req"], "clear", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
@@ -272,12 +320,16 @@ class BrokerCore:
             cancelled += 1
             self._finish_task(task, "cancelled", "caches were cleared while the task was queued", now, out, notify=True)
         self.gen += 1
-        keep_cpu = bool(msg.get("keep_cpu"))
-        self._begin(client, msg, "clear", "clearing", now, out, keep_cpu=keep_cpu)
-        self.pending.extra.update(cancelled=cancelled, freed=0)  # type: ignore[union-attr]
+        self.gen_used = False
+        self.keep_cpu = bool(msg.get("keep_cpu"))
+        self.cpu_lost = []
+        extra = {"keep_cpu": True} if self.keep_cpu else {}
+        # The op's books go in before the first check: with no live rank the
+        # clear completes inside _begin (issue 9, sequence 1).
+        self._begin(client, msg, "clear", "clearing", now, out, info={"cancelled": cancelled, "freed": 0}, **extra)
 
     def _resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, "resume", out):
+        if self._join_or_busy(client, msg, "resume", now, out):
             return
         if self.state == "running":
             out.append(self._reply(client, msg["req"], "resume", noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
@@ -294,13 +346,19 @@ class BrokerCore:
                 out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
                 return
             extra["layout"] = new_layout.to_wire()
+        elif self.layout is not None:
+            extra["layout"] = self.layout.to_wire()  # always named: no rank resumes on another layout
+        self.retry_at = None
         self._begin(client, msg, "resume", "resuming", now, out, **extra)
 
-    def _begin(self, client: bytes, msg: dict, op: str, state: str, now: float, out: list[Action], **extra: Any) -> None:
-        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), [(client, msg["req"])], self.state)
+    def _begin(self, client: bytes | None, msg: dict, op: str, state: str, now: float, out: list[Action],
+               info: dict[str, Any] | None = None, **extra: Any) -> None:
+        waiters = [(client, msg["req"])] if client is not None else []
+        previous = self.state if self.state != "resuming" else "running"
+        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), waiters, previous, dict(info or {}))
         self.epoch += 1
         self.control_op = op
-        self.control_extra = extra
+        self.control_extra = {k: v for k, v in extra.items() if v is not None}
         self.state = state
         self._publish(now, out)
         self._check_pending(now, out)
@@ -348,6 +406,14 @@ class BrokerCore:
             fields["resume_ms"] = elapsed_ms
             if self.layout is not None:
                 fields["layout"] = self.layout.to_wire()
+            if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
+                fields["cpu_kept"] = not self.cpu_lost
+                if self.cpu_lost:
+                    fields["note"] = f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+                self.keep_cpu = False
+                self.control_extra.pop("keep_cpu", None)
+            if self.gen_reason:
+                fields["gen_reason"] = self.gen_reason
         fields["state"] = self.state
         fields["ranks_acked"] = len(self._live_ranks())
         self.counters[f"{op.op}_ok"] += 1
@@ -365,43 +431,54 @@ class BrokerCore:
         self.counters[f"{op.op}_failed"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))
+        if op.op == "resume":
+            reason += f"; the bus is {_STABLE.get(op.previous_state, 'not running')} again (nothing resumed)"
         for client, req in op.waiters:
             out.append(self._error(client, code, reason, req=req))
         if op.op == "pause":
             # Undo the half-done pause: a new epoch that tells every rank to run.
             self.epoch += 1
             self.control_op = "resume"
-            self.control_extra = {}
+            self.control_extra = {"layout": self.layout.to_wire()} if self.layout else {}
             self.state = "running"
             self._publish(now, out)
             self._dispatch(now, out)
         elif op.op == "clear":
             self.state = "cleared"  # gen moved on; ranks that lag get repeats
         else:
-            self.state = op.previous_state
+            self._roll_back_resume(op, now, out)
 
     # --- backend ---------------------------------------------------------------
 
     def on_rank(self, identity: bytes, frames: list[bytes], now: float) -> list[Action]:
-        """A message from a rank DEALER (identity already stripped)."""
+        """A message from a rank DEALER (identity already stripped); a bug in a
+        handler answers the rank ``error{code: internal}``, counted."""
         out: list[Action] = []
+        try:
+            self._on_rank(identity, frames, now, out)
+        except Exception as err:  # noqa: BLE001
+            out.append(ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))]))
+        self._save_if_changed(out)
+        return out
+
+    def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         try:
             P.check_frames(frames, 1, 1)
             msg = P.decode(frames[0], ("ready", "hb", "done", "ack"))
         except P.ProtocolError as err:
             self.counters["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
-            return out
+            return
         kind = msg["kind"]
         if kind == "ready":
             self._ready(identity, msg, now, out)
-            return out
+            return
         rank = self.by_identity.get(identity)
         rs = self.ranks.get(rank) if rank is not None else None
         if rs is None or not rs.alive or rs.identity != identity:
             self.counters["unregistered_msgs"] += 1
             out.append(ToRank(identity, [P.encode("reregister")]))
-            return out
+            return
         rs.last_seen = now
         if kind == "hb":
             if msg.get("stats"):
@@ -412,7 +489,6 @@ class BrokerCore:
             self._done(rs, msg, now, out)
         else:
             self._ack(rs, msg, now, out)
-        return out
 
     def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
         rank, world = msg["rank"], msg["world"]
@@ -438,13 +514,9 @@ class BrokerCore:
             self.counters["registrations"] += 1
         if self.layout is None:
             self.layout = layout
-        if msg["gen"] > self.gen:
-            # Only a restarted broker can be behind its ranks: take their
-            # generation, or clients that saw it would ignore every result.
-            self.gen = msg["gen"]
-            self.counters["gen_adopted"] += 1
         rs = self.ranks[rank]
         rs.last_seen = now
+        self._reconcile(rank, msg, layout, now, out)
         # A rank joining during a resume with a new layout gets the new layout.
         extra = dict(self.control_extra)
         welcome_layout = extra.pop("layout", None) or self.layout.to_wire()
@@ -475,15 +547,23 @@ class BrokerCore:
         if self.control_op == "pause" and msg.get("upto") != rs.dispatched:
             self.counters["stale_acks"] += 1
             return
-        if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"]:
+        if self.control_op == "resume" and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"] \
+                and (msg.get("layout") is not None or self.layout is None or self.control_extra["layout"] != self.layout.to_wire()):
             self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
         if msg.get("stats"):
             rs.stats = msg["stats"]
+        if msg.get("error") and self.control_op == "resume":
+            self.counters["alloc_failed"] += 1
+            if self.pending is not None and self.pending.op == "resume":
+                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg['error']}", now, out)
+            return
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
             return
         rs.acked_epoch = self.epoch
+        if msg.get("cpu_kept") is False and self.keep_cpu:
+            self.cpu_lost.append(rs.rank)
         if self.pending is not None and self.pending.op == "clear":
             self.pending.extra["freed"] = self.pending.extra.get("freed", 0) + (msg.get("freed") or 0)
         self._check_pending(now, out)
@@ -511,6 +591,7 @@ class BrokerCore:
             task.seq = self.seq
             task.fold = RankFold(world)
             self.inflight[task.seq] = task
+            self.gen_used = True
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
@@ -564,6 +645,18 @@ class BrokerCore:
     def on_tick(self, now: float) -> list[Action]:
         """Heartbeats, liveness, control repeats and op deadlines."""
         out: list[Action] = []
+        try:
+            self._on_tick(now, out)
+        except Exception as err:  # noqa: BLE001 - the clock must keep ticking
+            self._internal(err, "a clock tick")
+        self._save_if_changed(out)
+        return out
+
+    def _on_tick(self, now: float, out: list[Action]) -> None:
+        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
+            self.retry_at = None
+            self.counters["resume_retries"] += 1
+            self._restate(now, out)
         for rs in self._live_ranks():
             if (now - rs.last_seen) * 1000 > self.cfg.liveness_ms:
                 self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
@@ -578,11 +671,26 @@ class BrokerCore:
                 self._publish(now, out)
         if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
+        if self.pending is not None and self.pending.joined:
+            self._expire_joined(now, out)
         if self.pending is not None and now >= self.pending.deadline:
             lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
             ms = round((self.pending.deadline - self.pending.started) * 1000)
             self._fail_pending(f"{self.pending.op}_timeout", f"ranks {lagging} did not acknowledge {self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
-        return out
+
+    def _expire_joined(self, now: float, out: list[Action]) -> None:
+        """A request that joined an op in progress with a shorter timeout gets
+        its ``<op>_timeout`` at its own deadline; the op goes on for the rest."""
+        op = self.pending
+        if op is None:
+            return
+        for key, deadline in list(op.joined.items()):
+            if now >= deadline:
+                del op.joined[key]
+                op.waiters.remove(key)
+                lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != op.epoch)
+                out.append(self._error(key[0], f"{op.op}_timeout", f"ranks {lagging} did not acknowledge {op.op} epoch {op.epoch} "
+                                       f"within this request's timeout_ms; the {op.op} is still in progress", req=key[1]))
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
@@ -591,6 +699,9 @@ class BrokerCore:
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)
+            due.extend(self.pending.joined.values())
+        if self.retry_at is not None:
+            due.append(self.retry_at)
         due.append(self.ready_waiters.due)
         for rs in self._live_ranks():
             due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
@@ -603,6 +714,7 @@ class BrokerCore:
             "state": self.state,
             "epoch": self.epoch,
             "gen": self.gen,
+            "gen_reason": self.gen_reason,
             "world": self.cfg.world,
             "layout": self.layout.to_wire() if self.layout else None,
             "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
@@ -620,7 +732,7 @@ class BrokerCore:
         return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
 
     def _outcome(self, client: bytes, task: int, outcome: str, reason: str) -> ToClient:
-        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason)])
+        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason, gen=self.gen)])
 
 
 def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:

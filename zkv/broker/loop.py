@@ -15,7 +15,8 @@ from typing import Callable
 
 import zmq
 
-from .core import BrokerConfig, BrokerCore, Publish, Record, ToClient, ToRank
+from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
+from .state_file import StateFile, default_state_path
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
 from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 
@@ -29,9 +30,20 @@ class Broker:
 
     def __init__(self, endpoints: Endpoints, config: BrokerConfig | None = None, *,
                  ctx: zmq.Context | None = None, recorder: Callable[[dict], None] | None = None,
-                 allow_remote: bool = False, curve: Curve | None = None):
+                 allow_remote: bool = False, curve: Curve | None = None, state_file: str | Path | None = None):
         self.endpoints = endpoints
-        self.core = BrokerCore(config, recording=recorder is not None)
+        # The durable control state (state_file.py): a restart keeps what a
+        # client set.  Default: next to an ipc:// frontend; tcp needs --state-file.
+        path = Path(state_file) if state_file else default_state_path(endpoints.frontend)
+        self.state_file = StateFile(path) if path is not None else None
+        if self.state_file is None:
+            log.warning("no broker state file (tcp frontend without --state-file): a restart starts the bus running")
+        restore = self.state_file.load() if self.state_file is not None else None
+        world = (config or BrokerConfig()).world
+        if restore is not None and restore["world"] != world:  # another bus: start afresh, say so
+            log.warning("ignoring %s: it is for world size %s, this broker has %s", path, restore["world"], world)
+            restore = None
+        self.core = BrokerCore(config, recording=recorder is not None, restore=restore)
         self.recorder = recorder
         self.ctx = ctx or zmq.Context.instance()
         for address in (endpoints.frontend, endpoints.backend, endpoints.control):
@@ -125,6 +137,12 @@ class Broker:
                     self.control.send(action.frame, zmq.NOBLOCK)
                 except zmq.Again:
                     self.core.counters["publish_dropped"] += 1  # the repeat heals it
+            elif isinstance(action, SaveState) and self.state_file is not None:
+                try:
+                    self.state_file.save(action.snapshot)
+                except OSError as err:
+                    self.core.counters["state_save_failed"] += 1
+                    log.error("cannot save the broker state to %s: %s", self.state_file.path, err)
             elif isinstance(action, Record) and self.recorder is not None:
                 self.recorder(action.event)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..harness.bench import bench_copy, bench_pause, bench_raw_relay, bench_zkv_bus
+from ..harness.bench import bench_attached_copy, bench_copy, bench_pause, bench_raw_relay, bench_zkv_bus
 from ..wire.layout import CacheLayout
 
 
@@ -44,6 +44,8 @@ def bench(what: str, quick: bool, as_json: bool) -> None:
     if what in ("all", "copy"):
         say("copy ...")
         report["copy_256_blocks"] = bench_copy(CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20))
+        say("copy: engine-attached caches ...")
+        report["copy_attached"] = bench_attached_copy(256, n(15))
     if what in ("all", "pause"):
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
@@ -68,6 +70,10 @@ def _summary(report: dict) -> str:
         c = report["copy_256_blocks"]
         lines.append(f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
                      f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s")
+    if "copy_attached" in report:
+        from ..rank.cache.bench_copy import format_table
+
+        lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
     if "pause" in report:
         p = report["pause"]
         lines.append(f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms")

@@ -160,8 +160,11 @@ def _broker_config(world: int, kw: dict) -> Any:
 @broker_options
 @click.option("--record", type=click.Path(dir_okay=False), default=None, envvar="ZKV_RECORD", show_envvar=True, help="Append every request and task outcome to this trace file (JSON Lines).")
 @click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses without CurveZMQ.")
+@click.option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", show_envvar=True,
+              help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. Default: broker-state.json beside an ipc:// frontend.")
 @curve_options(server=True, client=False)
-def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool, **kw: Any) -> None:
+def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool,
+           state_file: str | None, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from ..broker.loop import Broker
 
@@ -175,7 +178,8 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
 
         recorder = TraceRecorder(record, world=world_size)
     try:
-        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve)
+        b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve,
+                   state_file=state_file)
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
@@ -241,10 +245,12 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @layout_options
 @click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
+@click.option("--attach", is_flag=True, help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
+              "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.")
 @click.option("--engine", type=click.Choice(["zkv", "transformers"]), default="zkv", show_default=True,
               help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
                    "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.")
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, engine: str, **kw: Any) -> None:
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, engine: str, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     if engine == "transformers":
         if not demo:
@@ -253,6 +259,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, engine: s
 
         sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
     from ..harness.cluster import LocalCluster
+    from ..harness.attached_cluster import AttachedCluster
 
     from ..client.client import Client, ZkvError
     from ..net.endpoints import runtime_dir as default_runtime_dir
@@ -268,21 +275,24 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, engine: s
                 _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
-    cluster = LocalCluster(ranks, layout, directory=runtime_dir)
+    cluster = AttachedCluster(ranks, layout, directory=runtime_dir) if attach else LocalCluster(ranks, layout, directory=runtime_dir)
     _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
-        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}")
+        owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
+        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
         if demo:
             from ..harness.demo import run_demo
 
-            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo)
+            update = cluster.reallocate if isinstance(cluster, AttachedCluster) else None
+            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
             if not ok:
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
         names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
         names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
+        names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
         _fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
     except KeyboardInterrupt:
@@ -318,6 +328,8 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int) -> None:
     """Show the broker state, ranks, queue and counters."""
     st = client.status(timeout=timeout, wait_ranks=wait_ranks)
     lines = [f"state {st['state']}  epoch {st['epoch']}  gen {st['gen']}  world {st['world']}  queued {st['queued']}  inflight {st['inflight']}"]
+    if st.get("gen_reason"):
+        lines.append(f"  generation {st['gen']} because {st['gen_reason']}")
     for r in st["ranks"]:
         lines.append(f"  rank {r['rank']}: {'alive' if r['alive'] else 'DEAD'}  inflight {r['inflight']}  last seen {r['last_seen_ms']} ms ago  pid {r['pid']}")
     _print_reply(st, as_json, "\n".join(lines))

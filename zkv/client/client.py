@@ -201,20 +201,43 @@ class Client:
         return reply
 
     def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
-        """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up."""
+        """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up.
+        A generation newer than the client's ends its open tasks (``gen_reason`` says why)."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
-            return self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS))
-        return self.request("status", timeout)
+            reply = self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS))
+        else:
+            reply = self.request("status", timeout)
+        self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation", told=False)
+        return reply
+
+    @property
+    def gen(self) -> int | None:
+        """The cache generation this client last learned (clear, resume, status,
+        results, outcomes); None until it heard of one."""
+        return self.book.gen if self.book.gen_known else None
 
     def ping(self, timeout: float | None = None) -> dict:
         return self.request("ping", timeout)
 
-    def _on_new_gen(self, gen: int, reason: str) -> None:
-        if gen > self.book.gen:
-            self.book.gen = gen
-            for out in self.book.cancel_all(reason, time.monotonic()):
-                self.finished[out.task] = out
+    def adopt_gen(self, gen: int, reason: str) -> None:
+        """Take a generation another part of the application learned (e.g. its
+        controller's clear), as if this client had cleared: open tasks end
+        (a client that had not heard of any generation just takes it)."""
+        self._on_new_gen(gen, reason, told=self.book.gen_known)
+
+    def _on_new_gen(self, gen: int, reason: str, told: bool = True) -> None:
+        """``told``: our own clear/resume named it, so a newer one is news even
+        to a client that had not heard of any generation yet."""
+        if told:
+            self.book.gen_known = True
+            if gen > self.book.gen:  # our clear: the blocks of timed-out tasks are gone too
+                self.book.gen = gen
+                for out in self.book.cancel_all(reason, time.monotonic()):
+                    self.finished[out.task] = out
+            return
+        for out in self.book.learn_gen(gen, reason, time.monotonic()):
+            self.finished[out.task] = out
 
     # --- the one wait ------------------------------------------------------------
 
@@ -232,6 +255,10 @@ class Client:
             self._drain(self.dealer, self._on_dealer)
         for out in self.book.expire(now):
             self.finished[out.task] = out
+        if self.book.moved:
+            for out in self.book.moved:
+                self.finished[out.task] = out
+            self.book.moved.clear()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for _ in range(4096):
@@ -255,7 +282,7 @@ class Client:
     def _on_dealer(self, msg: dict) -> None:
         kind = msg["kind"]
         if kind == "outcome":
-            out = self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], time.monotonic())
+            out = self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], time.monotonic(), msg.get("gen"))
             if out is not None:
                 self.finished[out.task] = out
         elif kind in ("reply", "error") and "req" in msg:

@@ -40,6 +40,8 @@ class ResultBook:
         self.open: dict[int, _Open] = {}
         self.deadlines: list[tuple[float, int]] = []
         self.gen = 0
+        self.gen_known = False  # a new client takes the first generation it hears of
+        self.moved: list[TaskOutcome] = []  # tasks ended because the bus moved to a new generation
         self.counters: collections.Counter[str] = collections.Counter()
         self.timed_out: collections.OrderedDict[int, _Open] = collections.OrderedDict()
         self.settled: list[int] = []
@@ -65,6 +67,14 @@ class ResultBook:
         if msg["gen"] < self.gen:
             self.counters["stale_results"] += 1
             return None
+        if msg["gen"] > self.gen and self.gen_known:
+            # The task ran on caches of a newer generation than the one it was
+            # submitted against: what it read or wrote is not what the caller
+            # meant, so it ends cancelled with every other open task.
+            self.moved += self.learn_gen(msg["gen"], "the bus moved to a new cache generation (see zkv status)", now)
+            return None
+        self.gen_known = True
+        self.gen = max(self.gen, msg["gen"])
         if entry.fold is None:
             entry.fold = RankFold(msg["world"])
         rank = msg["rank"]
@@ -97,8 +107,28 @@ class ResultBook:
         done, self.settled = self.settled, []
         return done
 
-    def on_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
-        """A final outcome decided by the broker (rejected, cancelled, rank died)."""
+    def learn_gen(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+        """The bus is at ``gen``: if that is newer, every open task ends
+        ``cancelled`` (the content it counted on is gone) and the book moves on."""
+        known, self.gen_known = self.gen_known, True
+        if gen <= self.gen:
+            return []
+        old, self.gen = self.gen, gen
+        if not known:
+            return []
+        self.counters["gen_changes"] += 1
+        reason = f"cache generation moved from {old} to {gen}: {reason}"
+        return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
+
+    def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None) -> TaskOutcome | None:
+        """A final outcome decided by the broker (rejected, cancelled, rank died);
+        ``gen`` (the broker's generation) may tell the book the bus moved on."""
+        done = self._book_outcome(task, outcome, reason, now)  # this task's own word first
+        if gen is not None and gen > self.gen:
+            self.moved += self.learn_gen(gen, reason or "the bus moved to a new cache generation", now)
+        return done
+
+    def _book_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
         entry = self.open.get(task)
         if entry is None:
             self.counters["late_outcomes"] += 1

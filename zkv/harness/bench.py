@@ -5,7 +5,9 @@
   the same hops and message sizes (client DEALER -> ROUTER/ROUTER -> rank
   DEALERs -> PUSH to the client's PULL) that does no work.
 - ``copy``: the rank's coalescing copy engine beside a plain contiguous
-  ``copy_`` of the same bytes and an ``index_select``/``index_copy_`` gather.
+  ``copy_`` of the same bytes and an ``index_select``/``index_copy_`` gather;
+  and the engine-attached copy engine on a per-layer and a block-major
+  layout beside a plain ``copy_`` of the same bytes.
 - ``pause``: pause and resume latency with idle ranks and with tasks in
   flight, split into drain time and the overhead beyond it.
 These machines are noisy: compare figures within one run only.
@@ -221,6 +223,15 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 
 
 # --- pause / resume ------------------------------------------------------------------
+
+
+def bench_attached_copy(blocks: int, repeats: int) -> dict:
+    """The engine-attached copy engine (``zkv.rank.cache.bench_copy``): a
+    per-layer layout and a block-major one, contiguous and scattered ids,
+    each beside a plain ``copy_`` of the same bytes timed interleaved."""
+    from ..rank.cache.bench_copy import bench_copy as attached
+
+    return attached(blocks=blocks, reps=repeats)
 
 
 def bench_pause(layout: CacheLayout, cycles: int, inflight: int) -> dict:

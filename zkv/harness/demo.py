@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ..client.client import Client
 from ..wire.layout import CacheLayout
@@ -45,8 +45,12 @@ def _mib(n: float) -> str:
     return f"{n / 2**10:.0f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
-def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[str], None] = print) -> bool:
-    """Round trip, then ``requests`` chat requests through the prefix cache manager."""
+def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[str], None] = print,
+             update: Callable[[], Any] | None = None) -> bool:
+    """Round trip, then ``requests`` chat requests through the prefix cache manager.
+
+    ``update``: runs between the cycle's clear and its resume (with ``--attach``
+    the engines reallocate their caches there)."""
     with Client(broker) as c:
         ok = round_trip(c, layout, echo)
         spec = ChatSpec.for_cache(layout.gpu_blocks)
@@ -58,7 +62,7 @@ def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[st
              f"({_mib(layout.block_bytes)} per block per rank); pause/clear/resume at request {requests // 2}")
         t0 = time.perf_counter()
         report = serve_workload(c, manager, requests, workload=workload, verify=True,
-                                cycle_at=requests // 2 if requests >= 2 else None)
+                                cycle_at=requests // 2 if requests >= 2 else None, cycle_update=update)
         wall = time.perf_counter() - t0
         s = report.summary()
         st = report.manager

@@ -35,7 +35,7 @@ LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_
 
 class _InCoreHooks(BrokerCore):
     """What the hooks cost once they sit inside ``BrokerCore`` (docs/operations.md):
-    ``_finish_task`` as in broker_core.py plus its one ``task_finished`` line,
+    ``_finish_task`` as in broker/core.py plus its one ``task_finished`` line,
     and no wrapper around ``on_client`` (bad requests are booked in the error
     branches only).  For this measurement only."""
 

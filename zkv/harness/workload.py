@@ -162,12 +162,14 @@ class _Verifier:
 
 def serve_workload(client: Any, manager: PrefixCacheManager, requests: int, *,
                    workload: ChatWorkload | None = None, verify: bool = True, cycle_at: int | None = None,
-                   cycle_layout: dict | None = None, check_every: int = 10,
+                   cycle_layout: dict | None = None, cycle_update: Callable[[], Any] | None = None, check_every: int = 10,
                    task_timeout: float = 30.0, on_request: Callable[[int], None] | None = None) -> WorkloadReport:
     """Serve ``requests`` requests through ``manager`` with ``client`` (a ``zkv.client.Client``).
 
     ``cycle_at``: run a pause / clear / resume cycle before that request (the
-    RL trainer's weight update), optionally resuming with ``cycle_layout``.
+    RL trainer's weight update), optionally resuming with ``cycle_layout``;
+    ``cycle_update()`` runs between its clear and its resume (an engine that
+    owns the ranks' memory reallocates there).
     Never raises for a bad task or a mismatch: they land in ``report.errors``.
     """
     workload = workload or ChatWorkload(manager.block_size)
@@ -179,7 +181,7 @@ def serve_workload(client: Any, manager: PrefixCacheManager, requests: int, *,
             stats = manager.stats()
             report.before_cycle = {k: stats[k] for k in ("queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks")}
             try:
-                info = pause_clear_resume(client, manager, cycle_layout)
+                info = pause_clear_resume(client, manager, cycle_layout, update=cycle_update)
             except Exception as err:  # noqa: BLE001 - reported, the run goes on
                 report.errors.append(f"pause/clear/resume failed: {err}")
             else:

@@ -180,8 +180,9 @@ class PrefixCacheManager:
         self._counters = dict.fromkeys((
             "lookups", "lookups_while_cleared", "queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks",
             "swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "duplicate_inserts",
-            "late_outcomes", "reclaimed_blocks", "resets",
+            "late_outcomes", "reclaimed_blocks", "resets", "generation_resets",
         ), 0)
+        self._bus_gen: int | None = None  # the bus's cache generation the tree belongs to
         self._start_epoch(num_gpu_blocks, num_cpu_blocks)
 
     # ------------------------------------------------------------------ state
@@ -220,6 +221,7 @@ class PrefixCacheManager:
         last token must be computed anyway (for its logits).
         """
         self._counters["lookups"] += 1
+        self._follow_generation()
         lease = BlockLease([], self._epoch)
         if self._cleared:
             self._counters["lookups_while_cleared"] += 1
@@ -264,6 +266,7 @@ class PrefixCacheManager:
             raise CacheClearedError("the KV caches are cleared; call resume() before allocating")
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
+        self._follow_generation()
         self._reap_late_outcomes()
         block_ids = self._take_gpu_blocks(num_blocks, allow_fewer=False)
         lease = BlockLease(block_ids, self._epoch)
@@ -363,8 +366,21 @@ class PrefixCacheManager:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
         if self._cleared or num_blocks <= 0:
             return 0
+        self._follow_generation()
         self._reap_late_outcomes()
         return self._evict_gpu(num_blocks)
+
+    def _follow_generation(self) -> None:
+        """A bus whose cache generation moved without our clear (a rank came
+        back with fresh memory, a broker lost its state): what the tree says
+        the blocks hold is gone, so reset exactly as after a clear."""
+        gen = getattr(self._bus, "gen", None)
+        if type(gen) is not int:
+            return
+        if self._bus_gen is not None and gen != self._bus_gen:
+            self._counters["generation_resets"] += 1
+            self.reset()
+        self._bus_gen = gen
 
     # ----------------------------------------------------------- clear cycle
 
@@ -403,6 +419,8 @@ class PrefixCacheManager:
         """
         self._counters["resets"] += 1
         self._epoch += 1
+        gen = getattr(self._bus, "gen", None)
+        self._bus_gen = gen if type(gen) is int else None
         self._start_epoch(self._num_gpu_blocks, self._num_cpu_blocks)
 
     def set_cleared(self) -> None:

@@ -115,7 +115,7 @@ class RankAgent:
         """Hand the engine's new cache to the rank for the next resume (a new
         generation: default one past the current).  Any thread."""
         gen = generation if generation is not None else self.backend.generation + 1
-        if isinstance(cache, EngineCache) and generation is None and cache.generation <= self.backend.generation:
+        if isinstance(cache, EngineCache) and (generation is not None or cache.generation <= self.backend.generation):
             cache.generation = gen
         self.backend.hand_over(_as_cache(cache, gen))
 

@@ -67,7 +67,11 @@ class RankCore:
                  stats: Callable[[], dict[str, Any]] | None = None):
         self.rank = rank
         self.world = world
-        self.layout = layout
+        self.layout = layout  # the layout of the memory this rank holds (or last held)
+        self.bus_layout = layout  # the layout the broker last named
+        self.fresh = True  # this process's memory was never part of a bus generation
+        self.alloc_error = ""  # why the last allocation failed (repeated in the resume ack)
+        self.cpu_kept: bool | None = None  # whether the last allocation kept the CPU tier
         self.heartbeat_ms = heartbeat_ms
         self.liveness_ms = liveness_ms
         self.stats = stats  # counters sent in heartbeats and acks
@@ -106,7 +110,8 @@ class RankCore:
         self.last_broker_msg = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
-                                  layout=self.layout.to_wire(), gen=self.gen, pid=self.pid))]
+                                  layout=self.layout.to_wire(), gen=self.gen, pid=self.pid, fresh=self.fresh,
+                                  has_cache=self.has_cache and not self.alloc_error))]
 
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
@@ -251,17 +256,14 @@ class RankCore:
         self.heartbeat_ms = msg["heartbeat_ms"]
         self.received = 0
         self.epoch = -1  # the welcome is authoritative, even at a lower epoch
-        out: list[RankAction] = []
-        layout = CacheLayout.from_wire(msg["layout"])
-        if layout != self.layout and msg["op"] != "clear":
-            self.layout = layout
-            out.append(AllocateCache(layout))
-            self.has_cache = True
-        elif layout != self.layout:
-            self.layout = layout
+        self.acked_epoch = -1  # and a new broker may reuse epoch numbers we acked
+        # Never allocate here: a rank allocates only within a resume (the
+        # broker starts one when this rank's memory does not match the bus).
+        self.bus_layout = CacheLayout.from_wire(msg["layout"])
+        self.fresh = False
         self.gen = msg["gen"]
         self.counters["welcomes"] += 1
-        return out + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
+        return self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
 
     def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float) -> list[RankAction]:
         if epoch < self.epoch:
@@ -273,23 +275,25 @@ class RankCore:
                 self.upto = upto
             return self._maybe_ack(repeat=True)
         self.epoch, self.op = epoch, op
+        self.gen = gen  # every new epoch names the bus's generation
         out: list[RankAction] = []
         if op == "pause":
             self.upto = upto
         elif op == "clear":
-            self.gen = gen
             self.freed = 0
             if self.has_cache:
                 self.has_cache = False
                 self.cache_op_pending = True
                 out.append(FreeCache(keep_cpu))
         elif op in ("resume", "run"):  # "run": a (restarted) broker that is running
-            self.gen = gen
             if layout is not None:
-                self.layout = CacheLayout.from_wire(layout)
-            if not self.has_cache:
+                self.bus_layout = CacheLayout.from_wire(layout)
+            if not self.has_cache or self.alloc_error or self.bus_layout != self.layout:
+                self.layout = self.bus_layout
                 self.has_cache = True
                 self.cache_op_pending = True
+                self.alloc_error = ""
+                self.cpu_kept = None
                 out.append(AllocateCache(self.layout))
             if op == "run":
                 out.append(Acked("run", epoch))  # nothing to ack on the wire, but no longer paused
@@ -302,6 +306,10 @@ class RankCore:
         """Ack the current op if its condition holds (again, on a repeat)."""
         if self.op == "run" or self.cache_op_pending:
             return []
+        if self.op == "resume" and self.alloc_error:  # said again on a repeat: the broker fails the resume
+            self.counters["acks"] += 1
+            return [ToBroker(P.encode("ack", epoch=self.epoch, op="resume", gen=self.gen, layout=self.layout.to_wire(),
+                                      error=self.alloc_error))]
         if self.op == "pause" and (self.received < self.upto or self.inflight):
             return []
         if self.op == "clear" and self.inflight:
@@ -316,6 +324,8 @@ class RankCore:
             fields["freed"] = self.freed
         if self.op == "resume":
             fields["layout"] = self.layout.to_wire()
+            if self.cpu_kept is not None:
+                fields["cpu_kept"] = self.cpu_kept
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
@@ -329,10 +339,18 @@ class RankCore:
         out: list[RankAction] = [ToBroker(P.encode("done", seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes))]
         return out + self._maybe_ack()
 
-    def on_cache_done(self, freed: int = 0) -> list[RankAction]:
-        """The executor finished a FreeCache / AllocateCache."""
+    def on_cache_done(self, freed: int = 0, error: str = "", cpu_kept: bool | None = None) -> list[RankAction]:
+        """The executor finished a FreeCache / AllocateCache.  A failed
+        allocation leaves no cache (tasks are refused) and fails the resume
+        with its reason; the next resume tries again."""
         self.cache_op_pending = False
         self.freed += freed
+        if error:
+            self.counters["alloc_failed"] += 1
+            self.alloc_error = error
+            self.has_cache = False
+        else:
+            self.cpu_kept = cpu_kept
         return self._maybe_ack()
 
     # --- clock ---------------------------------------------------------------------

@@ -63,7 +63,7 @@ class Executor(threading.Thread):
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
             dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
-                           "dropped_stale_session"), 0))
+                           "dropped_stale_session", "executor_errors"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
 
@@ -76,7 +76,13 @@ class Executor(threading.Thread):
                 item = self.work.get()
                 if item is None:
                     return
-                report.send(msgpack.packb(self._do(item)))
+                try:
+                    reply = self._do(item)
+                except Exception as err:  # noqa: BLE001 - this thread must never die (issue 9, sequence 7)
+                    log.exception("executor: %s failed", type(item).__name__)
+                    self.stats["executor_errors"] += 1
+                    reply = self._failure(item, f"{type(err).__name__}: {err}")
+                report.send(msgpack.packb(reply))
         finally:
             report.close(linger=0)
             for sock in self.results.values():
@@ -89,8 +95,14 @@ class Executor(threading.Thread):
             return {"k": "cache", "freed": freed.nbytes}
         if isinstance(item, AllocateCache):
             self.cache.allocate(item.layout)
-            return {"k": "cache", "freed": 0}
+            return {"k": "cache", "freed": 0, "cpu_kept": self.cache.cpu_kept}
         return self._task(item)
+
+    def _failure(self, item: Any, reason: str) -> dict:
+        """The report for work that raised, so the I/O thread's books stay right."""
+        if isinstance(item, (FreeCache, AllocateCache)):
+            return {"k": "cache", "freed": 0, "error": reason}
+        return {"k": "done", "seq": item.seq, "n": item.n, "outcome": "failed", "bytes": 0, "gen": item.gen}
 
     def _task(self, ex: Execute) -> dict:
         start = time.perf_counter()
@@ -284,7 +296,7 @@ class RankWorker:
             rep = msgpack.unpackb(frames[0])
             if rep["k"] == "done":
                 return core.on_finished(rep["seq"], rep["n"], rep["outcome"], rep["bytes"], rep["gen"])
-            return core.on_cache_done(rep["freed"])
+            return core.on_cache_done(rep["freed"], rep.get("error", ""), rep.get("cpu_kept"))
 
         self._drain(self.reports, handle)
 

@@ -52,10 +52,10 @@ class ObservingBook(ResultBook):
             self.ended[task] = "ranks"
         return out
 
-    def on_outcome(self, task: int, outcome: str, reason: str, now: float):
+    def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None):
         if task not in self.open and self.ended.get(task, "client") != "client":
             self.anomalies.append((task, f"the broker reported {outcome} after the task had ended ({self.ended[task]})"))
-        out = super().on_outcome(task, outcome, reason, now)
+        out = super().on_outcome(task, outcome, reason, now, gen)
         if out is not None:
             self.ended[task] = f"bus:{outcome}"
         return out
@@ -164,6 +164,9 @@ class Replayer:
             result = "noop" if reply.get("noop") else "ok"
             reason = reply.get("note", "")
             fields = {k: reply[k] for k in ("state", "epoch", "gen", "drain_ms", "clear_ms", "resume_ms", "cancelled", "freed") if k in reply}
+            for other in self.clients.values():  # one application: every client learns the generation
+                if other is not c and "gen" in reply:
+                    other.adopt_gen(reply["gen"], f"client {op.client} ran {op.ev}")
         except ZkvError as err:
             result, reason = err.code, err.reason
         wall_ms = (time.perf_counter() - start) * 1000

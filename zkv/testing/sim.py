@@ -77,7 +77,12 @@ class Sim:
                 msg = P.decode(a.frames[0])
                 self.client_in.append(msg)
                 if msg["kind"] == "outcome":
-                    self._final(self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], self.now))
+                    self._final(self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], self.now, msg.get("gen")))
+                elif msg["kind"] == "reply" and msg["op"] in ("clear", "resume"):  # as zkv.client.Client does
+                    self.book.gen_known = True
+                    for out in self.book.learn_gen(msg["gen"], "cleared", self.now):
+                        self._final(out)
+                self._drain_moved()
 
     def _rank_actions(self, rank: int, actions) -> None:
         sr = self.ranks[rank]
@@ -90,6 +95,11 @@ class Sim:
                 sr.cache_ops.append(a)
             elif isinstance(a, Acked):
                 sr.acked_pause = a.op in ("pause", "clear")
+
+    def _drain_moved(self) -> None:
+        moved, self.book.moved = self.book.moved, []
+        for out in moved:
+            self._final(out)
 
     def _final(self, out) -> None:
         if out is not None:
@@ -167,6 +177,7 @@ class Sim:
                       "reason": ex.refuse, "gen": ex.gen, "bytes": 0 if ex.refuse else LAYOUT.block_bytes}
             self.results.append(result)
             self._final(self.book.on_result(result, self.now))
+            self._drain_moved()
             self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result["outcome"], result["bytes"], ex.gen))
             count += 1
         return count

@@ -102,12 +102,12 @@ SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
     # broker -> client (frontend)
     "reply": ({"req": _U, "op": _S}, {}),
     "error": ({"code": _S, "reason": _S}, {"req": _U, "task": _U}),
-    "outcome": ({"task": _U, "outcome": _S, "reason": _S}, {}),
+    "outcome": ({"task": _U, "outcome": _S, "reason": _S}, {"gen": _U}),
     # rank -> broker (backend)
-    "ready": ({"rank": _U, "world": _U, "session": _U, "layout": _M, "gen": _U}, {"pid": _U}),
+    "ready": ({"rank": _U, "world": _U, "session": _U, "layout": _M, "gen": _U}, {"pid": _U, "fresh": _B, "has_cache": _B}),
     "hb": ({}, {"inflight": _U, "stats": _M, "probe": _B}),
     "done": ({"seq": _U, "n": _U, "outcome": _S, "gen": _U}, {"bytes": _U}),
-    "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M}),
+    "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M, "error": _S, "cpu_kept": _B}),
     # broker -> rank (backend)
     "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B, "session": _U}),
     "refused": ({"reason": _S}, {}),

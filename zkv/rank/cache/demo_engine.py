@@ -5,10 +5,16 @@ commands on stdin until ``quit``:
 - ``digest IDS``: a short sha256 of each block (comma-separated ids) as the
   engine itself indexes it;
 - ``scribble SEED``: overwrite every byte of every tensor (synchronized);
+- ``realloc GENERATION [BLOCKS]``: what an engine does after a clear: drop
+  its tensors and files, allocate new ones (optionally another block count),
+  scribble them, and export the manifest again, at the same path, as
+  ``GENERATION``;
 - ``quit``: drop the tensors, unlink the files, print ``bye`` and exit.
 
-Used by the cross-process tests and by ``ipc_check``; not for production.
-Usage: ``python -m zkv.rank.cache.demo_engine LAYOUT MANIFEST GENERATION [DEVICE]``
+Used by the cross-process tests, ``ipc_check`` and ``zkv up --demo --attach``;
+not for production.
+Usage: ``python -m zkv.rank.cache.demo_engine LAYOUT MANIFEST GENERATION [DEVICE]
+[--blocks N --layers L --block-size B --kv-heads H --head-dim D --dtype bf16]``
 with LAYOUT ``fastdeploy`` or ``vllm_flash``."""
 
 from __future__ import annotations
@@ -23,6 +29,27 @@ from . import layouts
 from .manifest import ShmArena, export_manifest
 
 NB, BS, H, D, L = 16, 4, 2, 8, 2
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class Shape:
+    """The engine's cache dimensions (defaults: a small test cache)."""
+
+    def __init__(self, blocks: int = NB, layers: int = L, block_size: int = BS, kv_heads: int = H, head_dim: int = D,
+                 dtype: str = ""):
+        self.blocks, self.layers, self.block_size, self.kv_heads, self.head_dim = blocks, layers, block_size, kv_heads, head_dim
+        self.dtype = DTYPES.get(dtype)
+
+    @classmethod
+    def parse(cls, args: list[str]) -> "Shape":
+        names = {"--blocks": "blocks", "--layers": "layers", "--block-size": "block_size", "--kv-heads": "kv_heads",
+                 "--head-dim": "head_dim", "--dtype": "dtype"}
+        kw: dict = {}
+        for flag, value in zip(args[::2], args[1::2]):
+            if flag not in names:
+                raise SystemExit(f"unknown option {flag!r}")
+            kw[names[flag]] = value if flag == "--dtype" else int(value)
+        return cls(**kw)
 
 
 def _allocator(arena: ShmArena, device: str):
@@ -31,15 +58,19 @@ def _allocator(arena: ShmArena, device: str):
     return lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
 
 
-def make(arena: ShmArena, layout: str, device: str):
+def make(arena: ShmArena, layout: str, device: str, shape: Shape | None = None):
     """(tensors, entries, block(b) -> the engine's own slices of block b)."""
     new = _allocator(arena, device)
+    s = shape or Shape()
+    nb, h, bs, d = s.blocks, s.kv_heads, s.block_size, s.head_dim
     if layout == "fastdeploy":
-        ks = [new(f"key_caches_{i}", (NB, H, BS, D), torch.bfloat16) for i in range(L)]
-        vs = [new(f"value_caches_{i}", (NB, H, BS, D), torch.bfloat16) for i in range(L)]
+        dtype = s.dtype or torch.bfloat16
+        ks = [new(f"key_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
+        vs = [new(f"value_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
         return ks + vs, layouts.fastdeploy(ks, vs), lambda b: [t[b] for t in ks + vs]
     if layout == "vllm_flash":
-        kv = {f"layer.{i}": new(f"layer.{i}", (2, NB, BS, H, D), torch.float16) for i in range(L)}
+        dtype = s.dtype or torch.float16
+        kv = {f"layer.{i}": new(f"layer.{i}", (2, nb, bs, h, d), dtype) for i in range(s.layers)}
         return list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
     raise SystemExit(f"unknown layout {layout!r}")
 
@@ -63,9 +94,12 @@ def digest(slices) -> str:
 
 def main(argv: list[str]) -> None:
     layout, manifest_path, generation = argv[0], argv[1], int(argv[2])
-    device = argv[3] if len(argv) > 3 else "cpu"
+    rest, device = argv[3:], "cpu"
+    if rest and not rest[0].startswith("--"):
+        device, rest = rest[0], rest[1:]
+    shape = Shape.parse(rest)
     arena = ShmArena()
-    tensors, entries, block = make(arena, layout, device)
+    tensors, entries, block = make(arena, layout, device, shape)
     scribble(tensors, 1)
     export_manifest(manifest_path, entries, generation, arena)
     del entries
@@ -77,6 +111,17 @@ def main(argv: list[str]) -> None:
         elif cmd == "scribble":
             scribble(tensors, int(args[0]))
             print("ok", flush=True)
+        elif cmd == "realloc":
+            del tensors, block
+            arena.close()  # the engine frees: the workers dropped their mappings at the clear
+            if len(args) > 1:
+                shape.blocks = int(args[1])
+            arena = ShmArena()
+            tensors, entries, block = make(arena, layout, device, shape)
+            scribble(tensors, int(args[0]))
+            export_manifest(manifest_path, entries, int(args[0]), arena)
+            del entries
+            print("ok", arena.tag, flush=True)
         elif cmd == "quit":
             break
         else:

@@ -136,25 +136,20 @@ class EngineBackend:
         """Attach the engine's next cache for ``layout`` (a resume); raise CacheError if it cannot."""
         with self._lock:
             new, self._pending = self._pending, None
-        if new is None and self.source is not None:
-            new = self.source()
         if new is None:
             if self.allocated and layout == self.layout:
                 return self.nbytes()  # already serving exactly this
-            raise CacheError("no_cache", f"rank {self.rank}: no new engine cache to attach for this resume "
-                             "(in process: RankAgent.attach(new tensors) before the resume)")
+            if self.source is None:
+                raise CacheError("no_cache", "no new engine cache to attach for this resume "
+                                 "(in process: RankAgent.attach(new tensors) before the resume)")
+            new = self.source()  # CacheError: missing, bad or unreadable manifest (nothing mapped)
         try:
             if new.num_blocks != layout.gpu_blocks:
-                raise CacheError("bad_layout", f"rank {self.rank}: the engine's new cache has {new.num_blocks} blocks, "
-                                 f"the bus layout says gpu_blocks={layout.gpu_blocks} (resume with that gpu_blocks)")
+                raise CacheError("bad_layout", f"the engine's new cache has {new.num_blocks} blocks, the bus layout "
+                                 f"says gpu_blocks={layout.gpu_blocks} (resume with that gpu_blocks)")
             if self.attached.attached:
                 self.attached.clear(keep_cpu=True)  # a resume that changes the layout without a clear
             self.cpu_kept = self.attached.resume(new, layout.cpu_blocks)
-        except CacheError as err:
-            new.release()
-            if err.reason.startswith(f"rank {self.rank}:"):
-                raise
-            raise CacheError(err.code, f"rank {self.rank}: {err.reason}") from None
         except BaseException:
             new.release()
             raise

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .copier import CopyEngine
 from .manifest import attach
@@ -31,11 +31,11 @@ REPLY_TIMEOUT_S = 60.0
 class EngineProcess:
     """The demo engine as a child process, driven by line commands with a bounded wait per reply."""
 
-    def __init__(self, layout: str, manifest: str, generation: int, device: str = "cpu"):
+    def __init__(self, layout: str, manifest: str, generation: int, device: str = "cpu", shape: Sequence[str] = ()):
         root = str(Path(__file__).resolve().parents[3])  # the tree this zkv was imported from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([sys.executable, "-m", "zkv.rank.cache.demo_engine", layout, manifest,
-                                      str(generation), device],
+                                      str(generation), device, *shape],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             self.tag = self.reply(120).split()[1]
@@ -58,6 +58,14 @@ class EngineProcess:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return self.reply()
+
+    def realloc(self, generation: int, blocks: int | None = None) -> str:
+        """Free, reallocate and re-export as ``generation``; return the new file tag."""
+        reply = self.ask(f"realloc {generation}" + (f" {blocks}" if blocks is not None else ""))
+        if not reply.startswith("ok "):
+            raise RuntimeError(f"the engine could not reallocate: {reply}")
+        self.tag = reply.split()[1]
+        return self.tag
 
     def digest(self, ids: list[int]) -> list[str]:
         return self.ask("digest " + ",".join(map(str, ids))).split()

@@ -70,24 +70,41 @@ class KVCache:
     def allocated(self) -> bool:
         return bool(self.gpu)
 
+    @staticmethod
+    def cpu_shape(layout: CacheLayout) -> tuple:
+        """What decides whether a kept CPU tier fits a layout, bit for bit."""
+        return (2 * layout.layers, layout.cpu_blocks, layout.kv_heads, layout.block_size, layout.head_dim, layout.dtype)
+
     def allocate(self, layout: CacheLayout) -> int:
-        """(Re)allocate both tiers for ``layout``; return bytes allocated."""
-        self.free(keep_cpu=False)
+        """(Re)allocate the device tier for ``layout``, and the CPU tier unless
+        one kept by ``free(keep_cpu=True)`` has the same shape: that one stays,
+        bit for bit (``cpu_kept`` says whether it did).  Returns the bytes held.
+        On an error (out of memory) nothing stays allocated and it propagates."""
+        kept = self.cpu_store is not None and self.cpu_shape(self.layout) == self.cpu_shape(layout)
+        self.free(keep_cpu=kept)
         self.layout = layout
         dtype = TORCH_DTYPES[layout.dtype]
         shape = (layout.kv_heads, layout.block_size, layout.head_dim)
         tensors = 2 * layout.layers
-        self.gpu_store = torch.zeros((tensors, layout.gpu_blocks, *shape), dtype=dtype, device=self.device)
-        self.cpu_store = torch.zeros((tensors, layout.cpu_blocks, *shape), dtype=dtype, pin_memory=self.cuda)
+        try:
+            self.gpu_store = torch.zeros((tensors, layout.gpu_blocks, *shape), dtype=dtype, device=self.device)
+            if not kept:
+                self.cpu_store = torch.zeros((tensors, layout.cpu_blocks, *shape), dtype=dtype, pin_memory=self.cuda)
+        except BaseException:
+            self.gpu_store = None
+            self.free(keep_cpu=False)
+            raise
+        assert self.gpu_store is not None and self.cpu_store is not None
         self.gpu = list(self.gpu_store.unbind(0))  # K0, V0, K1, V1, ...
         self.cpu = list(self.cpu_store.unbind(0))
+        self.cpu_kept = kept
         return self.nbytes()
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop the device tensors (and the swap space unless kept); return bytes freed."""
         freed = sum(t.numel() * t.element_size() for t in self.gpu)
         self.gpu, self.gpu_store = [], None
-        if not keep_cpu:
+        if not keep_cpu or self.cpu_store is None:
             freed += sum(t.numel() * t.element_size() for t in self.cpu)
             self.cpu, self.cpu_store = [], None
         if self.cuda:

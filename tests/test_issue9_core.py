@@ -1,0 +1,74 @@
+"""Issue 9's rules on the sans-IO cores, one exact interleaving each (the
+model-based test explores the rest; test_issue9_e2e.py runs real processes)."""
+
+from zkv.wire import protocol as P
+from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient
+from zkv.prefix import PrefixCacheManager
+from zkv.testing.fakebus import FakeBus
+
+from zkv.testing.sim import LAYOUT, Sim
+
+
+def replies(actions):
+    return [P.decode(a.frames[0]) for a in actions if isinstance(a, ToClient)]
+
+
+def test_pause_then_clear_with_no_rank_registered_both_answer():
+    core = BrokerCore(BrokerConfig(world=2))
+    (pause,) = replies(core.on_client(b"c", [P.encode("pause", req=1)], 1.0))
+    (clear,) = replies(core.on_client(b"c", [P.encode("clear", req=2)], 1.0))
+    assert pause["kind"] == clear["kind"] == "reply" and clear["state"] == "cleared" and clear["cancelled"] == 0
+    assert not core.counters.get("internal_errors")
+
+
+def test_an_exception_in_a_handler_answers_internal_and_is_counted():
+    core = BrokerCore(BrokerConfig(world=2))
+    core._pause = None  # a bug: calling it raises TypeError
+    (err,) = replies(core.on_client(b"c", [P.encode("pause", req=7)], 1.0))
+    assert err["kind"] == "error" and err["code"] == "internal" and err["req"] == 7
+    assert core.counters["internal_errors"] == 1
+    (ping,) = replies(core.on_client(b"c", [P.encode("ping", req=8)], 1.0))
+    assert ping["kind"] == "reply", "the broker keeps serving"
+
+
+def test_every_control_change_is_saved_and_a_restored_broker_keeps_paused_and_its_layout():
+    sim = Sim().up()
+    saved = []
+    real = sim._broker_actions
+    sim._broker_actions = lambda acts: (saved.extend(a.snapshot for a in acts if isinstance(a, SaveState)), real(acts))
+    sim.request("pause")
+    sim.settle()
+    assert saved[-1]["state"] == "paused" and saved[-1]["layout"] == LAYOUT.to_wire()
+    core = BrokerCore(BrokerConfig(world=2), restore=saved[-1])
+    assert core.state == "paused" and core.control_op == "pause" and core.epoch == saved[-1]["epoch"] + 1
+
+
+def test_a_fresh_rank_after_tasks_ran_moves_the_generation_and_cancels_what_was_queued():
+    sim = Sim().up()
+    first = sim.submit()
+    sim.settle()
+    assert sim.outcomes[first] == "ok"
+    sim.request("pause")
+    sim.settle()
+    queued = sim.submit()
+    sim.ranks[1].core = type(sim.ranks[1].core)(1, 2, LAYOUT)  # a new process
+    sim.start_rank(1)
+    sim.settle()
+    assert sim.broker.gen == 1 and "fresh memory" in sim.broker.gen_reason
+    assert sim.outcomes[queued] == "cancelled"
+    assert all(sr.core.gen == 1 for sr in sim.ranks.values())
+    assert sim.broker.state == "paused", "paused stays paused"
+
+
+def test_the_prefix_manager_resets_when_the_bus_generation_moves_without_its_clear():
+    bus = FakeBus()
+    bus.gen = 0
+    manager = PrefixCacheManager(bus, 4, 8, 8)
+    tokens = list(range(8))
+    lease = manager.allocate(2)
+    manager.insert(tokens, lease.block_ids)
+    manager.release(lease)
+    assert manager.match(tokens).num_blocks == 2
+    bus.gen = 1  # e.g. a rank came back with fresh memory
+    assert manager.match(tokens).num_blocks == 0
+    assert manager._counters["generation_resets"] == 1
