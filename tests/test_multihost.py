@@ -210,12 +210,11 @@ def test_pause_while_a_rank_is_cut_off_completes_without_it_and_it_rejoins_pause
     ok(run("wait", task=held))
 
 
-@pytest.mark.xfail(reason="after link-up the rank's READY gets through before the broker's welcome does (each TCP "
-                          "direction leaves retransmission backoff on its own); the rank's silence timer fires again "
-                          "and rank_core.start() sends a READY with a *fresh* session, which the broker takes as a "
-                          "restart and fails the task it had dispatched meanwhile. Fix: reuse the session while a "
-                          "READY is unanswered. Racy (seen 6 of 7 runs with a 4-5 s outage), hence not strict.")
 def test_after_a_long_outage_the_first_task_succeeds(serving, lab):
+    """The rank's READY gets through before the broker's welcome does (each TCP
+    direction leaves retransmission backoff on its own); the rank repeats it
+    with the same session meanwhile, so the broker never takes it for a
+    restart (tests/test_reregister_race.py is the exact interleaving)."""
     run = serving.call
     lab.link("rank1", up=False)
     try:

@@ -98,6 +98,11 @@ class RankState:
     alive: bool = True
     inflight: int = 0
     dispatched: int = 0  # per-session count; a pause names it as ``upto``
+    # The rank has its welcome: it sent something other than a ready since.
+    # A rank *back* (from an outage, a restart) gets tasks only then, so none
+    # is sent down a connection whose way back is still in TCP backoff, or
+    # dies before the welcome gets through: its ready can arrive first.
+    welcomed: bool = True
     acked_epoch: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -480,6 +485,9 @@ class BrokerCore(Recovery):
             out.append(ToRank(identity, [P.encode("reregister")]))
             return
         rs.last_seen = now
+        if not rs.welcomed:
+            rs.welcomed = True
+            self._dispatch(now, out)
         if kind == "hb":
             if msg.get("stats"):
                 rs.stats = msg["stats"]
@@ -509,7 +517,7 @@ class BrokerCore(Recovery):
                 self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
             if old is not None and old.identity != identity:
                 self.by_identity.pop(old.identity, None)
-            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now)
+            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now, welcomed=old is None)
             self.by_identity[identity] = rank
             self.counters["registrations"] += 1
         if self.layout is None:
@@ -578,7 +586,7 @@ class BrokerCore(Recovery):
             return
         ranks = [self.ranks[r] for r in range(world)]
         limit = self.cfg.max_inflight_per_rank
-        if not all(rs.alive for rs in ranks):
+        if not all(rs.alive and rs.welcomed for rs in ranks):
             return
         credits = limit - max(rs.inflight for rs in ranks)
         while credits > 0 and self.queue:

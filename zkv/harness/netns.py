@@ -55,7 +55,10 @@ def unavailable() -> str | None:
             return f"`ip netns add` failed (needs root / CAP_SYS_ADMIN): {made.stderr.strip()}"
         veth = _ip("-n", probe, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1", check=False)
         if veth.returncode != 0:
-            return f"cannot create a veth pair: {veth.stderr.strip()}"
+            return f"cannot create a veth pair (kernel veth support): {veth.stderr.strip()}"
+        bridge = _ip("-n", probe, "link", "add", "probebr", "type", "bridge", check=False)
+        if bridge.returncode != 0:
+            return f"cannot create a bridge (kernel bridge support): {bridge.stderr.strip()}"
         return None
     finally:
         _ip("netns", "del", probe, check=False)

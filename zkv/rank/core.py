@@ -100,18 +100,35 @@ class RankCore:
     # --- registration ----------------------------------------------------------
 
     def start(self, now: float, pid: int | None = None) -> list[RankAction]:
-        """(Re)register with a fresh session: the broker restarts our counts."""
+        """(Re)register with a fresh session: the broker restarts our counts.
+        Only for a new process or a registration the broker ended (or we
+        gave up on); an unanswered READY is repeated by ``_repeat_ready``."""
         if pid is not None:
             self.pid = pid
         self.session = random.getrandbits(52)
         self.registered = False
+        self.received = 0
         self.last_wake = now
-        self.last_ready_sent = now
         self.last_broker_msg = now
+        return self._send_ready(now)
+
+    def _send_ready(self, now: float) -> list[RankAction]:
+        self.last_ready_sent = now
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
                                   layout=self.layout.to_wire(), gen=self.gen, pid=self.pid, fresh=self.fresh,
                                   has_cache=self.has_cache and not self.alloc_error))]
+
+    def _repeat_ready(self, now: float) -> list[RankAction]:
+        """The READY is unanswered: send it again with the *same* session.  It
+        may have reached the broker while its welcome is still on the way (the
+        two TCP directions recover from an outage apart): a new session would
+        read as a restart there and fail the tasks it dispatched meanwhile, and
+        a repeat every half liveness window keeps such a registration alive at
+        the broker until the welcome arrives (and queues few while the broker
+        is away).  The broker answers a duplicate with another welcome."""
+        self.counters["ready_repeated"] += 1
+        return self._send_ready(now)
 
     def on_wake(self, now: float) -> list[RankAction]:
         """Called each time the loop wakes (at least every heartbeat).  A loop
@@ -186,9 +203,11 @@ class RankCore:
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
-        self.received = max(self.received, msg["n"])
+        current = msg.get("session") is None or msg["session"] == self.session
+        if current:  # ``received`` counts this session's tasks only
+            self.received = max(self.received, msg["n"])
         refuse = ""
-        if msg.get("session") is not None and msg["session"] != self.session:
+        if not current:
             # Sent to an earlier registration of ours, which the broker gave up on
             # (and failed its tasks): running it could copy into reused blocks.
             self.counters["refused_stale_session"] += 1
@@ -252,9 +271,20 @@ class RankCore:
             return False
 
     def _welcome(self, msg: dict, now: float) -> list[RankAction]:
+        if msg["upto"] > self.received:
+            # The broker sent tasks of this session before this welcome and
+            # they never came: the connection they took died (a welcome
+            # answering a repeated READY came on the new one).  Register
+            # afresh, so the broker fails them now instead of waiting forever.
+            self.counters["tasks_lost_in_transit"] += msg["upto"] - self.received
+            return self.start(now)
         self.registered = True
         self.heartbeat_ms = msg["heartbeat_ms"]
-        self.received = 0
+        # 0 for a new session; for the answer to a repeated READY, the tasks
+        # dispatched since the first welcome, which came before it.
+        self.received = msg["upto"]
+        self.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
+        hello: list[RankAction] = [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         self.epoch = -1  # the welcome is authoritative, even at a lower epoch
         self.acked_epoch = -1  # and a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
@@ -263,7 +293,7 @@ class RankCore:
         self.fresh = False
         self.gen = msg["gen"]
         self.counters["welcomes"] += 1
-        return self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
+        return hello + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now)
 
     def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float) -> list[RankAction]:
         if epoch < self.epoch:
@@ -356,8 +386,12 @@ class RankCore:
     # --- clock ---------------------------------------------------------------------
 
     def on_tick(self, now: float) -> list[RankAction]:
-        if (now - self.last_broker_msg) * 1000 > self.liveness_ms and (now - self.last_ready_sent) * 1000 > self.liveness_ms:
-            self.counters["broker_silent"] += 1
+        if not self.registered:
+            if (now - self.last_ready_sent) * 1000 >= self.liveness_ms / 2:
+                return self._repeat_ready(now)
+            return []
+        if (now - self.last_broker_msg) * 1000 > self.liveness_ms:
+            self.counters["broker_silent"] += 1  # the broker will declare us dead, or has: a new registration
             out = self.start(now)
             return out + self._end_probe(now) if self.probing else out
         if self.registered and (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
@@ -366,6 +400,8 @@ class RankCore:
         return []
 
     def next_deadline(self, now: float) -> float:
+        if not self.registered:
+            return max(0.0, self.last_ready_sent + self.liveness_ms / 2000 - now)
         due = min(self.last_heartbeat_sent + self.heartbeat_ms / 1000, self.last_broker_msg + self.liveness_ms / 1000)
         return max(0.0, due - now)
 
