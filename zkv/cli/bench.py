@@ -18,13 +18,19 @@ def _fmt(res: dict) -> str:
 
 
 @click.command()
-@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager"]), default="all")
+@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine"]), default="all")
 @click.option("--quick", is_flag=True, help="Fewer iterations (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option("--plot", "plot_png", type=click.Path(dir_okay=False), default=None, help="Also draw the report beside its baselines into this PNG (needs matplotlib).")
 @click.option("--metrics-cost", is_flag=True, help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.")
 def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> None:
-    """Benchmarks, each beside a same-run baseline."""
+    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, runs only when named)."""
+    if what == "engine":
+        from ..harness.engine_bench import bench_engine, summary
+
+        result = bench_engine(say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(result) if as_json else summary(result))
+        return
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731
     layout = CacheLayout()

@@ -273,10 +273,19 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
 @click.option("--attach", is_flag=True, help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
               "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.")
+@click.option("--engine", type=click.Choice(["zkv", "transformers"]), default="zkv", show_default=True,
+              help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
+                   "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.")
 @metrics_options
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, metrics_port: int | None, metrics_addr: str,
-       **kw: Any) -> None:
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, engine: str, metrics_port: int | None,
+       metrics_addr: str, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    if engine == "transformers":
+        if not demo:
+            _fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+        from ..harness.engine_demo import run_engine_demo
+
+        sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
     from ..harness.cluster import LocalCluster
     from ..harness.attached_cluster import AttachedCluster
 
