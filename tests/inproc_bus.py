@@ -1,5 +1,6 @@
-"""A metered broker and metered ranks on threads of this process, on ipc://
-sockets in a temp dir: the real loops, without the seconds a process start costs."""
+"""A broker and ranks on threads of this process, on ipc:// sockets in a temp
+dir: the real loops (metrics booked in their cores), without the seconds a
+process start costs."""
 
 from __future__ import annotations
 
@@ -10,21 +11,19 @@ from zkv.broker.core import BrokerConfig
 from zkv.client.client import Client
 from zkv.net.endpoints import Endpoints
 from zkv.wire.layout import CacheLayout
-from zkv.harness.metered import MeteredBrokerCore
-from zkv.harness.metered_rank import MeteredRankWorker
+from zkv.rank.worker import RankWorker
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
 
 
 class InProcessBus:
-    """A metered broker and ``world`` metered ranks, each on its own thread."""
+    """A broker and ``world`` ranks, each on its own thread."""
 
     def __init__(self, directory, world: int = 2, recorder=None):
         self.endpoints = Endpoints.in_dir(directory)
         config = BrokerConfig(world=world, heartbeat_ms=100)
         self.broker = Broker(self.endpoints, config, recorder=recorder)
-        self.broker.core = MeteredBrokerCore(config, recording=recorder is not None)
-        self.ranks = [MeteredRankWorker(r, world, self.endpoints.backend, self.endpoints.control, LAYOUT, device="cpu")
+        self.ranks = [RankWorker(r, world, self.endpoints.backend, self.endpoints.control, LAYOUT, device="cpu")
                       for r in range(world)]
         self.threads = [threading.Thread(target=x.serve, daemon=True) for x in (self.broker, *self.ranks)]
 

@@ -345,3 +345,18 @@ def test_tensor_parallel_ranks_swap_their_shards_under_the_same_block_ids(tmp_pa
     assert not set(ranks[0]["table"]) & set(ranks[0]["new"])
     assert all(r["reused"] and r["exact"] for r in ranks)
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
+
+
+def test_take_blocks_refuses_cleanly_when_freed_blocks_and_sectors_fall_short():
+    """Freed blocks sit in the pool as leaves; asking for more than leaves + free sectors turns whole free trees into
+    sectors, which must be counted again: a NoFreeBlocks, not a ValueError from inside transformers' pool."""
+    engine = engine_for(llama(0), num_blocks=16, prefix_sharing=False)
+    engine.submit("once", tokens(3, PROMPT), max_new_tokens=4, keep=False)
+    run(engine, "once")
+    free = engine.free_block_count()
+    with pytest.raises(NoFreeBlocks):
+        engine.take_blocks(free + 1)
+    blocks = engine.take_blocks(free)
+    assert len(set(blocks)) == free and engine.free_block_count() == 0
+    engine.return_blocks(blocks)
+    assert engine.free_block_count() == free

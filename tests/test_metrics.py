@@ -11,9 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inproc_bus import LAYOUT, InProcessBus
 from zkv.wire import protocol as P
-from zkv.broker.core import BrokerConfig
+from zkv.broker.core import BrokerConfig, BrokerCore
 from zkv.client.client import Client, ZkvError
-from zkv.harness.metered import MeteredBrokerCore
 from zkv.obs.prometheus import make_registry, metrics_port_from_env, start_metrics_server
 from zkv.obs.book import COPY_BUCKETS_S, BusBook, Histogram, histogram_from_stats, task_op
 
@@ -94,7 +93,7 @@ def test_registry_is_per_process_not_global(tmp_path):
     from prometheus_client import REGISTRY
 
     before = {m.name for m in REGISTRY.collect()}
-    registry = make_registry(MeteredBrokerCore(BrokerConfig(world=1)))
+    registry = make_registry(BrokerCore(BrokerConfig(world=1)))
     assert "zkv_bus_state" in {m.name for m in registry.collect()}
     assert {m.name for m in REGISTRY.collect()} == before
 
@@ -102,7 +101,7 @@ def test_registry_is_per_process_not_global(tmp_path):
 def test_port_from_environment(monkeypatch):
     monkeypatch.delenv("ZKV_METRICS_PORT", raising=False)
     assert metrics_port_from_env() is None
-    assert start_metrics_server(None, make_registry(MeteredBrokerCore())) is None
+    assert start_metrics_server(None, make_registry(BrokerCore())) is None
     monkeypatch.setenv("ZKV_METRICS_PORT", "9464")
     assert metrics_port_from_env() == 9464
     assert metrics_port_from_env(0) == 0
@@ -144,18 +143,18 @@ def test_overhead_bench_runs_every_variant_to_the_end():
     from zkv.harness.metrics_bench import bench_metrics_overhead
 
     res = bench_metrics_overhead(tasks=200, rounds=3)  # each run asserts every task ended ok
-    assert res["core_us_per_task"]["min"] > 0 and res["metered_core_us_per_task"]["min"] > 0
+    assert res["core_us_per_task"]["min"] > 0 and res["null_book_core_us_per_task"]["min"] > 0
     assert res["hook_calls_alone_us_per_task"] > 0 and res["scrape_bytes"] > 1000
 
 
-def test_metered_core_books_rank_death_and_a_failed_pause():
+def test_core_books_rank_death_and_a_failed_pause():
     """Sans-IO: a pause that fails because a rank died is booked as rank_dead, and
     the dead rank's task as failed; the scrape-time collector sees both."""
     from prometheus_client import generate_latest
 
     from zkv.wire.layout import CacheLayout
 
-    core = MeteredBrokerCore(BrokerConfig(world=2, liveness_ms=1000))
+    core = BrokerCore(BrokerConfig(world=2, liveness_ms=1000))
     layout = CacheLayout().to_wire()
     for r in range(2):
         core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=2, session=1, layout=layout, gen=0)], 0.0)

@@ -48,6 +48,7 @@ def recording(tmp_path_factory):
             client.wait(t, timeout=30)
         for i in range(5):
             assert client.run("fill", None, [i], timeout=30, tier="gpu", seed=1).ok
+        client.pause(timeout=30)  # results reach the client before the ranks' done reach the broker: drain them into the recording
     recorder.close()
     return path
 
@@ -98,3 +99,8 @@ def test_bench_plot_beside_baselines(tmp_path):
     assert has_colour(image, "#2b7bba") and has_colour(image, "#aaaaaa")  # zkv bars and baseline bars
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_bench({}, str(tmp_path / "none.png"))
+    cost = tmp_path / "cost.png"  # zkv bench bus --metrics-cost: with metrics beside the no-op books
+    plot_bench({"metrics_cost": {"bus": {"median_metered": 2300.0, "median_plain": 2350.0}}}, str(cost))
+    assert png_size(cost) == (420, 340)
+    image = matplotlib.image.imread(str(cost))
+    assert has_colour(image, "#2b7bba") and has_colour(image, "#aaaaaa")

@@ -2,6 +2,7 @@
 of the sans-IO broker and rank cores (the end-to-end versions run real
 processes in test_races_e2e.py)."""
 
+import collections
 import random
 
 import pytest
@@ -311,6 +312,14 @@ def test_10_random_cycles_every_task_one_outcome_no_copy_while_paused(seed):
     outcomes = set(sim.outcomes.values())
     assert {"ok", "cancelled", "rejected"} <= outcomes, outcomes
     assert sim.broker.counters["clear_ok"] > 10 and sim.broker.counters["resume_ok"] >= 250
+    # the metrics book agrees with the core: every task booked once, under the outcome it ended with
+    booked = collections.Counter()
+    for (_, outcome), series in sim.broker.book.tasks.items():
+        booked[outcome] += series.rtt.count
+    assert booked == collections.Counter(sim.outcomes.values()) and sum(booked.values()) == len(submitted)
+    for op in ("pause", "clear", "resume"):
+        assert sim.broker.book.controls[(op, "ok")] == sim.broker.counters[f"{op}_ok"]
+        assert sim.broker.book.control_seconds[(op,)].count == sim.broker.counters[f"{op}_ok"]
 
 
 def test_a_timed_out_task_settles_when_its_late_rank_reports():

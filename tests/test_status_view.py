@@ -80,3 +80,10 @@ def test_never_registered_ranks_and_odd_values():
     assert "broker counters: submitted 4" in text
     assert human_bytes(1536) == "1.5 KiB" and human_bytes(-1) == "-" and human_bytes(True) == "-"
     assert human_age(None) == "-" and human_age(50) == "50 ms ago"
+
+
+def test_the_table_says_why_the_generation_moved():
+    st = {"state": "running", "epoch": 3, "gen": 2, "world": 1, "ranks": [], "queued": 0, "inflight": 0,
+          "gen_reason": "a rank restarted with its memory gone"}
+    assert "generation 2 because a rank restarted with its memory gone" in render_status(st).splitlines()
+    assert "because" not in render_status({**st, "gen_reason": ""})

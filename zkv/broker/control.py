@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..obs.book import BusBook
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from .actions import Action, Publish, Record
@@ -21,6 +22,7 @@ class Control:
 
     if TYPE_CHECKING:  # what the mixin uses of BrokerCore
         cfg: Any
+        book: BusBook
         counters: Any
         recording: bool
         state: BusState
@@ -58,6 +60,7 @@ class Control:
             if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
                 self.pending.joined[(client, msg["req"])] = mine
         else:
+            self.book.control_finished(op, "busy")
             out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
         return True
 
@@ -65,6 +68,7 @@ class Control:
         if self._join_or_busy(client, msg, ControlOp.PAUSE, now, out):
             return
         if self.state in ALREADY[ControlOp.PAUSE]:
+            self.book.control_finished("pause", "noop")
             out.append(self._reply(client, msg["req"], ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
             return
         self._begin(client, msg, ControlOp.PAUSE, now, out)
@@ -73,9 +77,11 @@ class Control:
         if self._join_or_busy(client, msg, ControlOp.CLEAR, now, out):
             return
         if self.state in ALREADY[ControlOp.CLEAR]:
+            self.book.control_finished("clear", "noop")
             out.append(self._reply(client, msg["req"], ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
             return
         if self.state != BusState.PAUSED:
+            self.book.control_finished("clear", "not_paused")
             out.append(self._error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
             return
         cancelled = 0
@@ -96,17 +102,20 @@ class Control:
         if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
         if self.state in ALREADY[ControlOp.RESUME]:
+            self.book.control_finished("resume", "noop")
             out.append(self._reply(client, msg["req"], ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
             return
         extra: dict[str, Any] = {}
         if msg.get("layout") is not None:
             if self.state != BusState.CLEARED:
+                self.book.control_finished("resume", "not_cleared")
                 out.append(self._error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
                 return
             base = self.layout or CacheLayout()
             try:
                 new_layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
             except (P.ProtocolError, TypeError) as err:
+                self.book.control_finished("resume", "bad_field")
                 out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
                 return
             extra["layout"] = new_layout.to_wire()
@@ -140,6 +149,7 @@ class Control:
         if any(rs.acked_epoch != op.epoch for rs in self._live_ranks()):
             return
         self.pending = None
+        self.book.control_finished(op.op, "ok", now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
         fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gen}
         self.state = ON_SUCCESS[op.op]
@@ -175,6 +185,7 @@ class Control:
         op = self.pending
         assert op is not None
         self.pending = None
+        self.book.control_finished(op.op, code, now - op.started)
         self.counters[f"{op.op}_failed"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))

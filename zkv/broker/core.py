@@ -30,6 +30,7 @@ from typing import Any
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..obs.book import BusBook
 from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, frames_of
 from .control import Control
 from .ranks import Ranks
@@ -69,6 +70,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
         self.last_publish = 0.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
+        self.book = BusBook()  # metrics (zkv.obs): read at scrape time, never here
         self.gen_used = False  # a task was dispatched at this generation: its content matters
         self.gen_reason = ""  # why the generation last moved (status says it)
         self.keep_cpu = False  # the last clear kept the CPU tier
@@ -113,6 +115,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
+            self.book.bad_request(err.code)
             out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return
         kind = msg["kind"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..obs.book import BusBook, task_op
 from ..wire import protocol as P
 from ..wire.outcome import RankFold
 from .actions import Action, Record, ToRank
@@ -19,6 +20,7 @@ class Tasks:
 
     if TYPE_CHECKING:  # what the mixin uses of BrokerCore
         cfg: Any
+        book: BusBook
         counters: Any
         recording: bool
         state: BusState
@@ -39,6 +41,7 @@ class Tasks:
         key = (client, task_id)
         if key in self.open_tasks:  # not a task of its own: an error, no outcome
             self.counters["duplicate_tasks"] += 1
+            self.book.bad_request("duplicate_task")
             out.append(self._error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
             return
         if self.recording:  # every task, also the ones turned away below
@@ -47,12 +50,15 @@ class Tasks:
         reason = ""
         if len(frames) != 2:
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = "submit needs a header frame and a body frame"
         elif len(body) > P.MAX_FRAME_BYTES:
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
         elif not P.is_result_address(reply_to):
             self.counters["bad_requests"] += 1
+            self.book.bad_request("bad_submit")
             reason = f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address (numeric IP, at most {P.MAX_ADDRESS} characters)"
         elif self.state in CACHES_CLEARED:
             reason = "caches are cleared; resume the bus first (zkv resume)"
@@ -128,4 +134,5 @@ class Tasks:
             out.append(self._outcome(task.client, task.task, outcome, reason))
         if self.recording:
             out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+        self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
 

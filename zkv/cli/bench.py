@@ -18,11 +18,19 @@ def _fmt(res: dict) -> str:
 
 
 @click.command()
-@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager"]), default="all")
+@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine"]), default="all")
 @click.option("--quick", is_flag=True, help="Fewer iterations (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def bench(what: str, quick: bool, as_json: bool) -> None:
-    """Benchmarks, each beside a same-run baseline."""
+@click.option("--plot", "plot_png", type=click.Path(dir_okay=False), default=None, help="Also draw the report beside its baselines into this PNG (needs matplotlib).")
+@click.option("--metrics-cost", is_flag=True, help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.")
+def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> None:
+    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, runs only when named)."""
+    if what == "engine":
+        from ..harness.engine_bench import bench_engine, summary
+
+        result = bench_engine(say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(result) if as_json else summary(result))
+        return
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731
     layout = CacheLayout()
@@ -35,6 +43,12 @@ def bench(what: str, quick: bool, as_json: bool) -> None:
                 "raw_pyzmq_relay": bench_raw_relay(ids, n(2000), n(20000), 256),
                 "zkv": bench_zkv_bus(ids, n(1000), n(10000 if ids == 1 else 2000), 64, layout),
             }
+    if metrics_cost and what in ("all", "bus"):
+        from ..harness.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
+
+        say("bus with and without metrics ...")
+        report["metrics_cost"] = {"core": bench_metrics_overhead(rounds=6 if quick else 30),
+                                  "bus": bench_bus_with_metrics(rounds=1 if quick else 3, n_tput=n(5000))}
     if what in ("all", "copy"):
         say("copy ...")
         report["copy_256_blocks"] = bench_copy(CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20))
@@ -50,6 +64,11 @@ def bench(what: str, quick: bool, as_json: bool) -> None:
         bookkeeping = bench_manager(n_requests=n(500))
         say("manager: chat workload on a local cluster ...")
         report["manager"] = {"bookkeeping": bookkeeping, "cluster": bench_manager_cluster(requests=n(200), layout=layout)}
+    if plot_png:
+        from .trace import draw_plot
+        from ..obs.plots import plot_bench
+
+        say(f"wrote {draw_plot(plot_bench, report, plot_png)}")
     click.echo(_fmt(report) if as_json else _summary(report))
 
 
@@ -60,6 +79,11 @@ def _summary(report: dict) -> str:
             raw, z = report[key]["raw_pyzmq_relay"], report[key]["zkv"]
             lines.append(f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s, rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
                          f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us")
+    if "metrics_cost" in report:
+        c, b = report["metrics_cost"]["core"], report["metrics_cost"]["bus"]
+        lines.append(f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
+                     f" (hook calls alone {c['hook_calls_alone_us_per_task']:.2f} us); bus {b['median_metered']:.0f} tasks/s with metrics, scraped"
+                     f" | {b['median_plain']:.0f} tasks/s without ({b['metered_vs_plain_pct']:+.1f} %), broker CPU {b['broker_cpu_metered_vs_plain_pct']:+.1f} %")
     if "copy_256_blocks" in report:
         c = report["copy_256_blocks"]
         lines.append(f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"

@@ -137,6 +137,28 @@ def broker_options(fn: Callable) -> Callable:
     return fn
 
 
+def metrics_options(fn: Callable) -> Callable:
+    """The Prometheus exporter of the broker (docs/operations.md): off unless a port is given."""
+    fn = click.option("--metrics-addr", default="127.0.0.1", show_default=True, envvar="ZKV_METRICS_ADDR", show_envvar=True,
+                      help="Address the /metrics endpoint binds (loopback unless you ask for more).")(fn)
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, envvar="ZKV_METRICS_PORT", show_envvar=True,
+                        help="Serve Prometheus metrics (the ranks' included) on http://ADDR:PORT/metrics; 0 picks a free port.")(fn)
+
+
+def _start_metrics(core: Any, port: int | None, addr: str) -> Any:
+    """The broker's /metrics server, or None without a port."""
+    if port is None:
+        return None
+    from ..obs.prometheus import make_registry, start_metrics_server
+
+    try:
+        server = start_metrics_server(port, make_registry(core), addr)
+    except OSError as err:
+        _fail(f"cannot serve metrics on {addr}:{port}: {err.strerror or err}", "pick another --metrics-port, or 0 for a free one")
+    click.echo(f"zkv broker: metrics at {server.url}", err=True)
+    return server
+
+
 def _broker_config(world: int, kw: dict) -> Any:
     from ..broker.core import BrokerConfig
 
@@ -156,9 +178,10 @@ def _broker_config(world: int, kw: dict) -> Any:
 @click.option("--allow-remote", is_flag=True, envvar="ZKV_ALLOW_REMOTE", show_envvar=True, help="Allow binding non-loopback TCP addresses without CurveZMQ.")
 @click.option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", show_envvar=True,
               help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. Default: broker-state.json beside an ipc:// frontend.")
+@metrics_options
 @curve_options(server=True, client=False)
 def broker(frontend: str, backend: str, control: str, world_size: int, record: str | None, allow_remote: bool,
-           state_file: str | None, **kw: Any) -> None:
+           state_file: str | None, metrics_port: int | None, metrics_addr: str, **kw: Any) -> None:
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from ..broker.loop import Broker
 
@@ -177,12 +200,15 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
     except ValueError as err:
         _fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
+    exporter = _start_metrics(b.core, metrics_port, metrics_addr)
     _stop_on_signals(b.stop)
     try:
         b.serve()
     except KeyboardInterrupt:
         pass
     finally:
+        if exporter is not None:
+            exporter.close()
         if recorder is not None:
             recorder.close()
 
@@ -241,8 +267,19 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
 @click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
 @click.option("--attach", is_flag=True, help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
               "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.")
-def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, **kw: Any) -> None:
+@click.option("--engine", type=click.Choice(["zkv", "transformers"]), default="zkv", show_default=True,
+              help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
+                   "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.")
+@metrics_options
+def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: bool, engine: str, metrics_port: int | None,
+       metrics_addr: str, **kw: Any) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    if engine == "transformers":
+        if not demo:
+            _fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+        from ..harness.engine_demo import run_engine_demo
+
+        sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
     from ..harness.cluster import LocalCluster
     from ..harness.attached_cluster import AttachedCluster
 
@@ -260,7 +297,9 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: b
                 _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
-    cluster = AttachedCluster(ranks, layout, directory=runtime_dir) if attach else LocalCluster(ranks, layout, directory=runtime_dir)
+    metrics = ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
+    cluster_type = AttachedCluster if attach else LocalCluster
+    cluster = cluster_type(ranks, layout, directory=runtime_dir, broker_args=metrics)
     _sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
@@ -309,15 +348,20 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
 @main.command()
 @client_options
 @click.option("--wait-ranks", type=int, default=0, help="Wait until this many ranks are registered.")
-def status(client: Any, timeout: float, as_json: bool, wait_ranks: int) -> None:
-    """Show the broker state, ranks, queue and counters."""
+@click.option("--watch", is_flag=True, help="Redraw the table until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between --watch redraws.")
+def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
+    """Show the broker state, ranks, queue and counters as a table (--json: the reply)."""
+    from ..obs.status_view import render_status, watch_status
+
+    if watch:
+        if as_json:
+            raise click.UsageError("--watch draws the table; for JSON, run zkv status --json repeatedly")
+        _sigterm_as_interrupt()  # SIGTERM ends the watch like Ctrl-C (watch_status returns on KeyboardInterrupt)
+        watch_status(lambda: client.status(timeout=min(timeout, max(interval, 1.0))), sys.stdout, interval)
+        return
     st = client.status(timeout=timeout, wait_ranks=wait_ranks)
-    lines = [f"state {st['state']}  epoch {st['epoch']}  gen {st['gen']}  world {st['world']}  queued {st['queued']}  inflight {st['inflight']}"]
-    if st.get("gen_reason"):
-        lines.append(f"  generation {st['gen']} because {st['gen_reason']}")
-    for r in st["ranks"]:
-        lines.append(f"  rank {r['rank']}: {'alive' if r['alive'] else 'DEAD'}  inflight {r['inflight']}  last seen {r['last_seen_ms']} ms ago  pid {r['pid']}")
-    _print_reply(st, as_json, "\n".join(lines))
+    _print_reply(st, as_json, render_status(st))
 
 
 @main.command()

@@ -196,3 +196,28 @@ def diff_cmd(a: str, b: str, as_json: bool) -> None:
         click.echo(f"same outcomes for all {len(ta.tasks)} tasks")
     if diffs:
         sys.exit(1)
+
+
+def draw_plot(draw: Any, *args: Any) -> str:
+    """Run a plot function, turning a missing matplotlib or an unreadable
+    input into one line that says what to do (exit 2)."""
+    try:
+        return draw(*args)
+    except ImportError:
+        _error("plots need matplotlib: pip install 'zkv[plot]'")
+    except OSError as err:
+        _error(f"{err.filename or args[0]}: {err.strerror or err}")
+    except ValueError as err:
+        _error(str(err))
+    raise AssertionError("unreachable")
+
+
+@trace.command("plot")
+@click.argument("trace_file", metavar="TRACE")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True, help="PNG file to write.")
+def plot_cmd(trace_file: str, output: str) -> None:
+    """Draw a recording TRACE (zkv broker --record): task latency over time,
+    outcomes coloured, pause / clear / resume shaded (needs matplotlib)."""
+    from ..obs.plots import plot_trace
+
+    click.echo(f"wrote {draw_plot(plot_trace, trace_file, output)}")

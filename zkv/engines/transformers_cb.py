@@ -291,10 +291,15 @@ class TransformersCBEngine:
         if type(count) is not int or count <= 0:
             raise ValueError(f"count must be a positive int, got {count!r}")
         cache, alloc = self._cache(), self._allocator()
-        missing = count - cache.pool.count_free_blocks(alloc.index)
-        sectors = ceil(missing / alloc.blocks_per_sector) if missing > 0 else 0
+
+        def sectors_missing() -> int:
+            missing = count - cache.pool.count_free_blocks(alloc.index)
+            return ceil(missing / alloc.blocks_per_sector) if missing > 0 else 0
+
+        sectors = sectors_missing()
         if sectors > cache.pool.num_free_sectors:
-            cache.pool.try_to_free_sectors()
+            cache.pool.try_to_free_sectors()  # whole free trees become free sectors: count again
+            sectors = sectors_missing()
         if sectors > cache.pool.num_free_sectors:
             raise NoFreeBlocks(
                 f"the engine has {cache.pool.count_free_blocks(alloc.index)} free blocks and "

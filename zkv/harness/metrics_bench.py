@@ -1,13 +1,21 @@
-"""What recording metrics costs per task, beside the broker core's own cost
-in the same run (``python -m zkv.harness.metrics_bench``).
+"""What recording metrics costs, beside the same run's baseline without it
+(``python -m zkv.harness.metrics_bench [--bus]``, or ``zkv bench bus --metrics-cost``).
+
+The hooks sit inside ``BrokerCore`` and the rank executor, so "without
+metrics" is the same code with a no-op book (:class:`NullBusBook`): what
+remains of the hook then is one method call and its arguments (``task_op``
+of the body), which :func:`bench_metrics_overhead` times separately as
+``hook_calls_alone``, so neither figure hides it.
 
 The broker core is driven with no sockets: per task one submit and one
 ``done`` per rank, frames encoded beforehand, so the figure is the core's
-per-task work (decode, fold, dispatch, books) with and without the metric
-hooks (``MeteredBrokerCore``).  CPU time of this thread (``thread_time``:
-a loaded machine's descheduling does not count), short rounds alternated,
-reported as the median over rounds of metered / plain.  The
-hooks alone (``BusBook`` calls) and one scrape's ``collect()`` are timed too.
+per-task work (decode, fold, dispatch, books).  CPU time of this thread
+(``thread_time``: a loaded machine's descheduling does not count), short
+rounds alternated, reported as the median over rounds of booked / no-op.
+One scrape's ``collect()`` is timed too.  End to end
+(:func:`bench_bus_with_metrics`): a local cluster with ``zkv broker
+--metrics-port`` scraped every second, beside one whose broker and ranks
+book into no-op books and export nothing.
 """
 
 from __future__ import annotations
@@ -19,40 +27,40 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..wire import protocol as P
-from ..broker.core import BrokerConfig, BrokerCore, Record
+from ..broker.core import BrokerConfig, BrokerCore
 from ..wire.layout import CacheLayout
-from .metered import MeteredBrokerCore
 from ..obs.book import BusBook, task_op
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
     from ..broker import Broker
+    from ..rank.worker import RankWorker
     from .cluster import LocalCluster
-    from .metered_rank import MeteredRankWorker
 
 CLIENT = b"client-1"
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
 
 
-class _InCoreHooks(BrokerCore):
-    """What the hooks cost once they sit inside ``BrokerCore`` (docs/operations.md):
-    ``_finish_task`` as in broker/core.py plus its one ``task_finished`` line,
-    and no wrapper around ``on_client`` (bad requests are booked in the error
-    branches only).  For this measurement only."""
+class NullBusBook(BusBook):
+    """A book that books nothing: the baseline "without metrics"."""
 
-    def __init__(self, config: BrokerConfig | None = None, recording: bool = False):
-        super().__init__(config, recording)
-        self.book = BusBook()
+    def task_finished(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
-    def _finish_task(self, task: Any, outcome: str, reason: str, now: float, out: list, notify: bool) -> None:
-        self.open_tasks.discard((task.client, task.task))
-        self.counters[outcome] += 1
-        if notify and not task.reported:
-            task.reported = True
-            out.append(self._outcome(task.client, task.task, outcome, reason))
-        if self.recording:
-            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome,
-                               "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
-        self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
+    def control_finished(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def bad_request(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class NullRankBook:
+    """A rank book that books and reports nothing."""
+
+    def task_done(self, op: str, seconds: float, nbytes: int) -> None:
+        pass
+
+    def to_stats(self) -> dict[str, Any]:
+        return {}
 
 
 def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
@@ -63,15 +71,17 @@ def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
     return submits, dones
 
 
-def _core(cls: type, world: int) -> Any:
-    core = cls(BrokerConfig(world=world))
+def _core(null_book: bool, world: int) -> Any:
+    core = BrokerCore(BrokerConfig(world=world))
+    if null_book:
+        core.book = NullBusBook()
     for r in range(world):
         core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)], 0.0)
     return core
 
 
-def _run_core(cls: type, submits: list, dones: list, world: int) -> float:
-    core = _core(cls, world)
+def _run_core(null_book: bool, submits: list, dones: list, world: int) -> float:
+    core = _core(null_book, world)
     now = 1.0
     t0 = time.thread_time()
     for sub, done in zip(submits, dones):
@@ -95,14 +105,13 @@ def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2,
     from ..obs.prometheus import make_registry
 
     submits, dones = _frames(tasks, world, ids)
-    runs: dict[type, list[float]] = {BrokerCore: [], MeteredBrokerCore: [], _InCoreHooks: []}
-    for i in range(rounds):  # rotate the order, so drift hits all
-        order = list(runs)[i % 3:] + list(runs)[:i % 3]
-        for cls in order:
-            runs[cls].append(_run_core(cls, submits, dones, world))
-    plain, metered, in_core = runs[BrokerCore], runs[MeteredBrokerCore], runs[_InCoreHooks]
+    runs: dict[bool, list[float]] = {True: [], False: []}  # null book?
+    for i in range(rounds):  # alternate the order, so drift hits both
+        for null_book in ((True, False) if i % 2 == 0 else (False, True)):
+            runs[null_book].append(_run_core(null_book, submits, dones, world))
+    plain, booked = runs[True], runs[False]
     hooks = min(_run_hooks(tasks, world, submits[0][1]) for _ in range(rounds))
-    core = _core(MeteredBrokerCore, world)
+    core = _core(False, world)
     for sub, done in zip(submits[:2000], dones[:2000]):
         core.on_client(CLIENT, sub, 1.0)
         for identity, frames in done:
@@ -115,16 +124,13 @@ def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2,
         text = generate_latest(registry)
     scrape = (time.thread_time() - t0) / 20
     med = statistics.median
-    ratio = med(m / p for p, m in zip(plain, metered))
-    ratio_in_core = med(m / p for p, m in zip(plain, in_core))
+    ratio = med(m / p for p, m in zip(plain, booked))
     return {
         "tasks_per_round": tasks, "rounds": rounds, "world": world, "ids_per_task": ids,
-        "core_us_per_task": {"median": med(plain) * 1e6, "min": min(plain) * 1e6},
-        "metered_core_us_per_task": {"median": med(metered) * 1e6, "min": min(metered) * 1e6},
+        "null_book_core_us_per_task": {"median": med(plain) * 1e6, "min": min(plain) * 1e6},
+        "core_us_per_task": {"median": med(booked) * 1e6, "min": min(booked) * 1e6},
         "overhead_of_core_pct_median_of_rounds": (ratio - 1) * 100,
-        "overhead_us_per_task": (med(metered) - med(plain)) * 1e6,
-        "in_core_hooks_us_per_task": {"median": med(in_core) * 1e6, "min": min(in_core) * 1e6},
-        "in_core_overhead_of_core_pct_median_of_rounds": (ratio_in_core - 1) * 100,
+        "overhead_us_per_task": (med(booked) - med(plain)) * 1e6,
         "hook_calls_alone_us_per_task": hooks * 1e6,
         "scrape_ms": scrape * 1e3, "scrape_bytes": len(text),
     }
@@ -133,55 +139,51 @@ def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2,
 # --- end to end: the bus with and without metrics, same run ----------------------------
 
 
-def _serve_metered(argv: list[str]) -> None:
-    """``broker FRONT BACK CONTROL WORLD PORT`` or ``worker RANK WORLD BACK CONTROL LAYOUT_JSON``:
-    a metered process (as ``zkv broker --metrics-port`` / ``zkv worker`` will run)."""
+def _serve_unmetered(argv: list[str]) -> None:
+    """``broker FRONT BACK CONTROL WORLD`` or ``worker RANK WORLD BACK CONTROL LAYOUT_JSON``:
+    ``zkv broker`` / ``zkv worker`` with no-op books and no exporter (the baseline)."""
     import signal
 
     from ..net.endpoints import Endpoints
 
     role, args = argv[0], argv[1:]
-    server: Broker | MeteredRankWorker
+    server: Broker | RankWorker
     if role == "broker":
         from ..broker import Broker
-        from ..obs.prometheus import make_registry, start_metrics_server
 
-        front, back, control, world, port = args
-        config = BrokerConfig(world=int(world))
-        server = Broker(Endpoints(front, back, control), config)
-        server.core = MeteredBrokerCore(config)
-        exporter = start_metrics_server(int(port), make_registry(server.core))
-        print(f"metrics at {exporter.url}", file=sys.stderr, flush=True)
+        front, back, control, world = args
+        server = Broker(Endpoints(front, back, control), BrokerConfig(world=int(world)))
+        server.core.book = NullBusBook()
     else:
-        from .metered_rank import MeteredRankWorker
-        from ..rank.worker import set_torch_threads
+        from ..rank.worker import RankWorker, set_torch_threads
 
         set_torch_threads(1)  # this is the rank process's entry point
         rank, world, back, control, layout = args
-        server = MeteredRankWorker(int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu")
+        server = RankWorker(int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu")
+        server.executor.book = NullRankBook()  # type: ignore[assignment]
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     server.serve()
 
 
-def _metered_cluster(ranks: int, layout: CacheLayout, port: int) -> LocalCluster:
+def _unmetered_cluster(ranks: int, layout: CacheLayout) -> LocalCluster:
     import subprocess
 
     from .cluster import LocalCluster
 
-    class MeteredCluster(LocalCluster):
+    class UnmeteredCluster(LocalCluster):
         def _run(self, args: list[str]) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "zkv.harness.metrics_bench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         def start_broker(self) -> None:
             ep = self.endpoints
-            self.broker = self._run(["broker", ep.frontend, ep.backend, ep.control, str(self.ranks), str(port)])
+            self.broker = self._run(["broker", ep.frontend, ep.backend, ep.control, str(self.ranks)])
 
         def start_worker(self, rank: int, extra: Any = ()) -> subprocess.Popen:
             proc = self.workers[rank] = self._run(["worker", str(rank), str(self.ranks), self.endpoints.backend,
                                                    self.endpoints.control, json.dumps(self.layout.to_wire())])
             return proc
 
-    return MeteredCluster(ranks, layout, quiet=True)
+    return UnmeteredCluster(ranks, layout, quiet=True)
 
 
 def _free_port() -> int:
@@ -202,9 +204,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64, scrape_every_s: float = 1.0) -> dict[str, Any]:
-    """Pipelined 1-block swap_out throughput of a local cluster, plain and
-    metered (broker core hooks, rank books, /metrics scraped every
-    ``scrape_every_s`` during the run), alternated ``rounds`` times."""
+    """Pipelined 1-block swap_out throughput of a local cluster with metrics
+    (``zkv broker --metrics-port``, ``/metrics`` scraped every ``scrape_every_s``
+    during the run) and without (no-op books, no exporter), alternated ``rounds`` times."""
     import threading
     import urllib.request
 
@@ -227,7 +229,8 @@ def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64
     for i in range(rounds):
         for with_metrics in ((False, True) if i % 2 == 0 else (True, False)):
             port = _free_port()
-            cluster = _metered_cluster(2, layout, port) if with_metrics else LocalCluster(2, layout, quiet=True)
+            cluster = (LocalCluster(2, layout, quiet=True, broker_args=["--metrics-port", str(port)]) if with_metrics
+                       else _unmetered_cluster(2, layout))
             stop = threading.Event()
             with cluster, cluster.client() as client:
                 scraper = threading.Thread(target=scrape, args=(stop, f"http://127.0.0.1:{port}/metrics"), daemon=True)
@@ -259,7 +262,7 @@ def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64
 
 if __name__ == "__main__":  # pragma: no cover
     if sys.argv[1:2] and sys.argv[1] in ("broker", "worker"):
-        _serve_metered(sys.argv[1:])
+        _serve_unmetered(sys.argv[1:])
         sys.exit(0)
     quick = "--quick" in sys.argv
     res = {"core": bench_metrics_overhead(rounds=6 if quick else 30)}

@@ -183,10 +183,3 @@ class RankBook:
 
     def to_stats(self) -> dict[str, Any]:
         return {"copy_seconds": {op: h.to_stats() for op, h in self.copy.items()}, "bytes_by_op": dict(self.bytes_by_op)}
-
-
-def cache_bytes_by_tier(gpu: Iterable[Any], cpu: Iterable[Any]) -> dict[str, int]:
-    """A rank's allocated cache bytes per tier, for its heartbeat stats."""
-    def size(tensors: Iterable[Any]) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-    return {"cache_bytes_gpu": size(gpu), "cache_bytes_cpu": size(cpu)}

@@ -209,8 +209,13 @@ def plot_bench(results: dict[str, Any], out_png: str, title: str = "zkv bench (b
         panels.append(lambda ax: _bars(ax, ["chat workload"], {
             "prefix cache manager": [w["requests_per_s"]], "no cache": [w["baseline_no_cache_requests_per_s"]]},
             "requests/s", "prefix cache manager"))
+    if "metrics_cost" in results:
+        m = results["metrics_cost"]["bus"]
+        panels.append(lambda ax: _bars(ax, ["median of rounds"], {
+            "with metrics (scraped)": [m["median_metered"]], "no-op books, no exporter": [m["median_plain"]]},
+            "tasks/s", "bus throughput with and without metrics"))
     if not panels:
-        raise ValueError("nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager (zkv bench --json)")
+        raise ValueError("nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager, metrics_cost (zkv bench --json)")
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = _figure(4.2 * cols, 3.4 * rows, rows, cols)

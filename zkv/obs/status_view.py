@@ -50,6 +50,8 @@ def render_status(st: dict[str, Any]) -> str:
         f"queued {st.get('queued', '-')}   inflight {st.get('inflight', '-')}"
         + (f" (max {st['max_inflight_per_rank']} per rank)" if st.get("max_inflight_per_rank") else ""),
     ]
+    if st.get("gen_reason"):
+        lines.append(f"generation {st.get('gen')} because {st['gen_reason']}")
     layout = st.get("layout") or {}
     if layout:
         lines.append(f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / {layout.get('cpu_blocks')} CPU blocks, "

@@ -39,6 +39,7 @@ from .cache.backend import CacheBackend, TaskInvalid
 from .cache.owned import KVCache, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
+from ..obs.book import RankBook
 from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
 
 log = logging.getLogger("zkv.worker")
@@ -66,6 +67,7 @@ class Executor(threading.Thread):
                            "dropped_stale_session", "executor_errors"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
+        self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
 
     def run(self) -> None:
         report = self.ctx.socket(zmq.PUSH)
@@ -134,6 +136,8 @@ class Executor(threading.Thread):
             outcome, reason = "failed", f"{type(err).__name__}: {err}"
         reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
         elapsed = time.perf_counter() - start
+        if outcome == "ok":
+            self.book.task_done(body.op, elapsed, nbytes)
         self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
         fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
@@ -231,6 +235,8 @@ class RankWorker:
         s.update(self.core.counters)
         s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
                  device=str(self.cache.device))
+        s.update(self.executor.book.to_stats())
+        s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
         return s
 
     def serve(self) -> None:

@@ -1,0 +1,162 @@
+"""Observability through the command line: ``zkv up --metrics-port`` (a real
+broker and rank processes) scraped with a real HTTP request and parsed with
+prometheus_client's parser, ``zkv status`` as a table and ``--watch``,
+``zkv trace plot`` and ``zkv bench --plot`` writing real PNGs."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from zkv import Client
+from zkv.net.endpoints import Endpoints
+
+LAYOUT_ARGS = ["--layers", "2", "--gpu-blocks", "32", "--cpu-blocks", "64", "--block-size", "4", "--kv-heads", "2", "--head-dim", "8"]
+BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x block_size x kv_heads x head_dim x bf16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def zkv(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory):
+    """``zkv up`` with 2 ranks and a metrics port; yields (frontend, metrics url)."""
+    directory = tmp_path_factory.mktemp("up")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "zkv", "up", "--ranks", "2", "--runtime-dir", str(directory), *LAYOUT_ARGS],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "ZKV_METRICS_PORT": str(port)})  # the env fallback of --metrics-port
+    frontend = Endpoints.in_dir(directory).frontend
+    try:
+        with Client(frontend) as c:
+            c.status(timeout=120, wait_ranks=2)
+        yield frontend, f"http://127.0.0.1:{port}/metrics"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"metrics at http://127.0.0.1:{port}/metrics" in err
+
+
+def test_metrics_endpoint_counts_known_work(bus):
+    frontend, url = bus
+    before = scrape(url)
+    assert value(before, "zkv_ranks_alive") == 2 and value(before, "zkv_bus_state", state="running") == 1
+    with Client(frontend) as client:
+        for i in range(10):
+            assert client.run("swap_out", [i, i + 10], [i, i + 20], timeout=30).ok
+        client.pause()  # the acks carry the ranks' fresh stats
+        mid = scrape(url)
+        client.resume()
+    ok = {"op": "swap_out", "outcome": "ok"}
+    assert value(mid, "zkv_tasks_total", **ok) - before.get(("zkv_tasks_total", tuple(sorted(ok.items()))), 0) == 10
+    assert value(mid, "zkv_task_round_trip_seconds_count", **ok) >= 10
+    assert value(mid, "zkv_bus_state", state="paused") == 1
+    assert value(mid, "zkv_control_ops_total", op="pause", result="ok") >= 1
+    for rank in ("0", "1"):
+        assert value(mid, "zkv_bytes_moved_total", op="swap_out", rank=rank) >= 10 * 2 * BLOCK_BYTES
+        assert value(mid, "zkv_copy_seconds_count", rank=rank, op="swap_out") >= 10
+        assert value(mid, "zkv_cache_bytes", rank=rank, tier="gpu") == 32 * BLOCK_BYTES
+        assert value(mid, "zkv_rank_copies_after_ack_total", rank=rank) == 0
+
+
+def test_status_prints_a_table(bus):
+    frontend, _ = bus
+    res = zkv("status", "--broker", frontend)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("bus RUNNING") and "world 2" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.startswith("rank "))
+    assert lines[header].split()[:3] == ["rank", "alive", "last"]
+    rows = [line.split() for line in lines[header + 2:header + 4]]
+    assert [r[:2] for r in rows] == [["0", "yes"], ["1", "yes"]]
+
+
+def test_status_watch_redraws_until_interrupted(bus):
+    frontend, _ = bus
+    proc = subprocess.Popen([sys.executable, "-m", "zkv", "status", "--broker", frontend, "--watch", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    redraws, deadline = 0, time.monotonic() + 60
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while redraws < 3 and time.monotonic() < deadline:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                line = proc.stdout.readline()
+                assert line, f"the watch ended early: {proc.stderr.read()}"
+                redraws += line.startswith("zkv status at ")
+    assert redraws == 3
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def test_metrics_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ep = Endpoints.in_dir(tmp_path)
+        res = zkv("broker", "--frontend", ep.frontend, "--backend", ep.backend, "--control", ep.control, "--metrics-port", str(port), timeout=60)
+    assert res.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr
+
+
+def png_size(path) -> tuple[int, int]:
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_trace_plot_draws_a_recording(tmp_path):
+    pytest.importorskip("matplotlib")
+    trace, rec, png = tmp_path / "t.jsonl", tmp_path / "rec.jsonl", tmp_path / "rec.png"
+    res = zkv("trace", "gen", "rl-cycle", "--tasks", "40", "--every", "10", *LAYOUT_ARGS, "-o", str(trace))
+    assert res.returncode == 0, res.stderr
+    refused = zkv("trace", "plot", str(trace), "-o", str(png))  # a hand-made trace has no outcomes to plot
+    assert refused.returncode == 2 and "no outcome records" in refused.stderr and not png.exists()
+    res = zkv("replay", str(trace), "--speed", "max", "--record", str(rec))
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = zkv("trace", "plot", str(rec), "-o", str(png))
+    assert res.returncode == 0, res.stderr
+    width, height = png_size(png)
+    assert width >= 800 and height >= 300 and png.stat().st_size > 20_000
+
+
+def test_bench_plot_draws_the_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    res = zkv("bench", "pause", "--quick", "--plot", str(png), timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "pause idle p50" in res.stdout and f"wrote {png}" in res.stderr
+    width, height = png_size(png)
+    assert width >= 400 and height >= 300 and png.stat().st_size > 10_000
