@@ -12,19 +12,13 @@ transformers = pytest.importorskip("transformers")
 from zkv.engines.models import block_digests, load_weights, random_llama, random_tokens  # noqa: E402
 from zkv.engines.transformers_cb import PINNED_VERSION, TransformersCBEngine, build_manager  # noqa: E402
 from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
 
 if transformers.__version__ != PINNED_VERSION:
     pytest.skip(f"needs transformers=={PINNED_VERSION}", allow_module_level=True)
 
 PROMPT, TURN1, USER2, TURN2 = 40, 12, 12, 10  # 51 KV tokens after turn 1: 3 full blocks of 16 and a partial one
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rig_for(model, **kw) -> EngineRig:

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
 
 from zkv.engines.transformers_cb import (  # noqa: E402
     PINNED_VERSION,
@@ -26,14 +27,6 @@ if transformers.__version__ != PINNED_VERSION:
 
 BLOCK = 16
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """A tiny model gains nothing from two threads, and they fight the rest of a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 PROMPT, TURN1, USER2, TURN2 = 40, 12, 12, 10  # 40 + 12 - 1 = 51 KV tokens: 3 full blocks and a partial one
 

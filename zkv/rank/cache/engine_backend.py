@@ -23,7 +23,6 @@ CPU tier row, so a block and the row it was swapped to have one digest.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from typing import Any, Callable, Sequence
 
@@ -34,7 +33,7 @@ from ...wire.protocol import TaskBody
 from .attached import AttachedCache
 from .backend import Freed, TaskInvalid, check_task
 from .errors import CacheError
-from .owned import tensor_bytes
+from .owned import block_digests
 from .regions import EngineCache
 
 
@@ -118,14 +117,7 @@ class EngineBackend:
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
         """A 16-byte BLAKE2b digest of every block (its page in every region)."""
-        views = self._views(tier)
-        digests = []
-        for b in ids:
-            h = hashlib.blake2b(digest_size=16)
-            for view in views:
-                h.update(tensor_bytes(view[b]))
-            digests.append(h.digest())
-        return digests
+        return block_digests(self._views(tier), ids)
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Detach from engine memory (and drop the CPU tier unless kept)."""

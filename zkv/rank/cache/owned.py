@@ -40,6 +40,18 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
+def block_digests(tensors: Sequence[torch.Tensor], ids: Sequence[int]) -> list[bytes]:
+    """A 16-byte BLAKE2b digest of every block: its slice of each tensor, in order.
+    One rule for every backend, so a block and the row it was swapped to agree."""
+    digests = []
+    for b in ids:
+        h = hashlib.blake2b(digest_size=16)
+        for t in tensors:
+            h.update(tensor_bytes(t[b]))
+        digests.append(h.digest())
+    return digests
+
+
 def pick_device(rank: int) -> torch.device:
     """``cuda:R`` (modulo the visible GPUs) when CUDA exists, else the CPU."""
     if torch.cuda.is_available():
@@ -181,11 +193,4 @@ class KVCache:
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
         """A 16-byte BLAKE2b digest of every block (K and V of all layers)."""
-        tensors = self._tier(tier)
-        digests = []
-        for b in ids:
-            h = hashlib.blake2b(digest_size=16)
-            for t in tensors:
-                h.update(tensor_bytes(t[b]))
-            digests.append(h.digest())
-        return digests
+        return block_digests(self._tier(tier), ids)
