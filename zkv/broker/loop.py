@@ -18,6 +18,7 @@ import zmq
 from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
 from .state_file import StateFile, default_state_path
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
+from ..net.frames import ready_messages, send_message
 from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 
 log = logging.getLogger("zkv.broker")
@@ -113,11 +114,7 @@ class Broker:
             self._act(self.core.on_tick(time.monotonic()))
 
     def _drain(self, sock: zmq.Socket, handler: Callable) -> None:
-        for _ in range(_DRAIN_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
+        for frames in ready_messages(sock, _DRAIN_BATCH):
             try:
                 actions = handler(frames[0], frames[1:], time.monotonic())
             except Exception:  # a bug must not take the bus down: log, count, serve on
@@ -148,7 +145,7 @@ class Broker:
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
         try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK)
+            send_message(sock, [identity, *frames])
         except zmq.ZMQError as err:  # EHOSTUNREACH (gone peer) or EAGAIN (peer not reading)
             self.core.counters["undeliverable"] += 1
             log.debug("undeliverable to %r: %s", identity, err)

@@ -23,6 +23,7 @@ import zmq
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
+from ..net.frames import ready_messages, send_message
 from ..wire.outcome import TaskOutcome
 from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
@@ -156,7 +157,7 @@ class Client:
 
     def _send(self, frames: list[bytes]) -> None:
         try:
-            self.dealer.send_multipart(frames)
+            send_message(self.dealer, frames, block=True)  # bounded by SNDTIMEO
         except zmq.Again:
             raise ZkvError("unreachable", f"cannot send to {self.broker}: no connection the broker accepted; is it running "
                                           f"(and are the CurveZMQ keys right)?") from None
@@ -253,11 +254,7 @@ class Client:
             self.book.moved.clear()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
-        for _ in range(4096):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in ready_messages(sock, 4096):
             try:
                 handle(P.decode(frames[0]))
             except P.ProtocolError:

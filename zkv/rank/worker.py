@@ -4,10 +4,13 @@ Threads and ownership (no socket is shared between threads):
 - the I/O thread owns the DEALER to the broker, the SUB for control, and the
   inproc PULL on which the executor reports; it alone touches RankCore, so
   the inflight count has a single owner;
-- the executor thread owns the KV cache (any ``CacheBackend``: zkv's own
-  tensors or an engine's) and the PUSH sockets to clients' result
-  addresses; it takes work from a FIFO, so a cache free or allocate queued
-  after tasks runs after them.
+- the executor thread takes work from a FIFO, so a cache free or allocate
+  queued after tasks runs after them, and a long copy never stalls the loop;
+- the KV cache (any ``CacheBackend``: zkv's own tensors or an engine's) is
+  used by one thread at a time: the executor, or, while nothing is queued
+  on it, the I/O thread running a small task itself (``runner.py``: the
+  hand-over cost more than a 1-block copy).  Each thread has its own PUSH
+  sockets to clients' result addresses.
 
 Nothing here changes the process (threads, signals, warnings): the entry
 point does that (``zkv worker`` calls ``set_torch_threads``), so a rank can
@@ -33,53 +36,54 @@ import msgpack
 import torch
 import zmq
 
-from ..wire import protocol as P
 from ..net.endpoints import StopSignal, make_socket
-from .cache.backend import CacheBackend, TaskInvalid
+from ..net.frames import ready_messages
+from .cache.backend import CacheBackend
 from .cache.owned import KVCache, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
 from ..obs.book import RankBook
 from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
+from .runner import ResultSenders, TaskRunner
 
 log = logging.getLogger("zkv.worker")
 
 _ids = itertools.count()
-_MAX_RESULT_SOCKETS = 64
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
 
 
 class Executor(threading.Thread):
-    """Runs tasks and cache operations in order, on the thread that owns the cache."""
+    """Runs queued tasks and cache operations in order, on a thread of its own,
+    so a long copy or an allocation never stalls the rank's I/O loop."""
 
     def __init__(self, ctx: zmq.Context, report_address: str, cache: CacheBackend, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
         self.cache = cache
-        self.rank = rank
-        self.world = world
         self.curve = curve
         self.work: queue.Queue = queue.Queue()
-        self.results: collections.OrderedDict[tuple[str, str | None], zmq.Socket] = collections.OrderedDict()
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
             dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
-                           "dropped_stale_session", "executor_errors"), 0))
+                           "dropped_stale_session", "executor_errors", "tasks_inline"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
         self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
+        self.runner = TaskRunner(cache, rank, world, self.stats, self.book, self.paused_ack, lambda: self.session)
 
     def run(self) -> None:
         report = self.ctx.socket(zmq.PUSH)
         report.setsockopt(zmq.LINGER, 0)
         report.connect(self.report_address)
+        senders = ResultSenders(self.ctx, self.curve, self.stats)
         try:
             while True:
                 item = self.work.get()
                 if item is None:
                     return
                 try:
-                    reply = self._do(item)
+                    reply = self._do(item, senders)
                 except Exception as err:  # noqa: BLE001 - this thread must never die (issue 9, sequence 7)
                     log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
@@ -87,10 +91,9 @@ class Executor(threading.Thread):
                 report.send(msgpack.packb(reply))
         finally:
             report.close(linger=0)
-            for sock in self.results.values():
-                sock.close(linger=0)
+            senders.close()
 
-    def _do(self, item: Any) -> dict:
+    def _do(self, item: Any, senders: ResultSenders) -> dict:
         if isinstance(item, FreeCache):
             freed = self.cache.free(item.keep_cpu)
             self.stats["bytes_freed"] += freed.nbytes
@@ -98,84 +101,14 @@ class Executor(threading.Thread):
         if isinstance(item, AllocateCache):
             self.cache.allocate(item.layout)
             return {"k": "cache", "freed": 0, "cpu_kept": self.cache.cpu_kept}
-        return self._task(item)
+        done = self.runner.run(item, senders)
+        return {"k": "done", "seq": done.seq, "n": done.n, "outcome": done.outcome, "bytes": done.nbytes, "gen": done.gen}
 
     def _failure(self, item: Any, reason: str) -> dict:
         """The report for work that raised, so the I/O thread's books stay right."""
         if isinstance(item, (FreeCache, AllocateCache)):
             return {"k": "cache", "freed": 0, "error": reason}
         return {"k": "done", "seq": item.seq, "n": item.n, "outcome": "failed", "bytes": 0, "gen": item.gen}
-
-    def _task(self, ex: Execute) -> dict:
-        start = time.perf_counter()
-        outcome, reason, nbytes, digests = "ok", "", 0, None
-        try:
-            if ex.refuse:
-                raise TaskInvalid(ex.refuse)
-            if ex.session != self.session:
-                # We re-registered since: the broker already failed this task,
-                # so it must not copy into blocks its client may have reused.
-                self.stats["dropped_stale_session"] += 1
-                raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
-            body = P.decode_body(ex.body)
-            self.cache.validate(body)
-            if self.paused_ack.is_set():
-                self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
-            if body.op in ("swap_out", "swap_in"):
-                nbytes = self.cache.swap(body.op, body.src, body.dst)
-            elif body.op == "fill":
-                nbytes = self.cache.fill(body.tier, body.dst, body.seed)
-            else:
-                digests = self.cache.checksum(body.tier, body.src)
-        except P.ProtocolError as err:
-            outcome, reason = "failed", str(err)  # "code: reason", the §9 code first
-        except TaskInvalid as err:
-            outcome, reason = "failed", str(err)
-        except Exception as err:  # a copy that blew up must still end the task
-            log.exception("task %s failed", ex.task)
-            outcome, reason = "failed", f"{type(err).__name__}: {err}"
-        reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
-        elapsed = time.perf_counter() - start
-        if outcome == "ok":
-            self.book.task_done(body.op, elapsed, nbytes)
-        self.stats["tasks_" + outcome] += 1
-        self.stats["bytes_moved"] += nbytes
-        fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
-        if digests is not None:
-            fields["digests"] = digests
-        self._push(ex.reply_to, ex.reply_key, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
-                                         outcome=outcome, reason=reason, gen=ex.gen, **fields))
-        return {"k": "done", "seq": ex.seq, "n": ex.n, "outcome": outcome, "bytes": nbytes, "gen": ex.gen}
-
-    def _push(self, address: str, key: str | None, frame: bytes) -> None:
-        if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
-            self.stats["undeliverable"] += 1
-            return
-        sock = self.results.get((address, key))
-        if sock is None:
-            if len(self.results) >= _MAX_RESULT_SOCKETS:
-                _, old = self.results.popitem(last=False)
-                old.close(linger=0)
-            sock = make_socket(self.ctx, zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            try:
-                if self.curve is not None:
-                    if not key:
-                        raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
-                    self.curve.make_client(sock, server_key=key.encode())
-                sock.connect(address)
-            except (zmq.ZMQError, ValueError) as err:
-                log.warning("cannot send results to %s: %s", address, err)
-                sock.close(linger=0)
-                self.stats["undeliverable"] += 1
-                return
-            self.results[(address, key)] = sock
-        else:
-            self.results.move_to_end((address, key))
-        try:
-            sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:
-            self.stats["undeliverable"] += 1
 
 
 def set_torch_threads(threads: int = 1) -> None:
@@ -225,6 +158,10 @@ class RankWorker:
         self._stopper = StopSignal(self.ctx, f"rank-{rank}")
         self._stop = self._stopper.socket
         self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
+        # Work on the executor's queue or running there; while 0, a small task
+        # runs right here on the I/O thread (runner.py), with sockets of its own.
+        self._queued = 0
+        self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
@@ -267,13 +204,10 @@ class RankWorker:
             self.executor.join(timeout=10)
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
+            self._inline_senders.close()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
-        for _ in range(512):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in ready_messages(sock, 512):
             try:
                 actions = handle(frames)
             except RankRefused:
@@ -300,6 +234,7 @@ class RankWorker:
 
         def handle(frames: list[bytes]) -> list:
             rep = msgpack.unpackb(frames[0])
+            self._queued -= 1
             if rep["k"] == "done":
                 return core.on_finished(rep["seq"], rep["n"], rep["outcome"], rep["bytes"], rep["gen"])
             return core.on_cache_done(rep["freed"], rep.get("error", ""), rep.get("cpu_kept"))
@@ -311,7 +246,7 @@ class RankWorker:
         for action in actions:
             if isinstance(action, ToBroker):
                 try:
-                    self.dealer.send(action.frame, zmq.NOBLOCK)
+                    self.dealer.send(action.frame, _NOBLOCK)
                 except zmq.Again:
                     self.core.counters["broker_send_dropped"] += 1
             elif isinstance(action, Acked):
@@ -319,7 +254,12 @@ class RankWorker:
                     self.executor.paused_ack.set()
                 else:
                     self.executor.paused_ack.clear()
+            elif isinstance(action, Execute) and not self._queued and self.executor.runner.small(action):
+                self.executor.stats["tasks_inline"] += 1
+                done = self.executor.runner.run(action, self._inline_senders)
+                self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
             elif isinstance(action, (Execute, FreeCache, AllocateCache)):
                 if isinstance(action, AllocateCache):
                     self.executor.paused_ack.clear()
+                self._queued += 1
                 self.executor.work.put(action)

@@ -1,0 +1,172 @@
+"""Running one task on a rank's cache: check, copy, send the result.
+
+Both threads of a rank run tasks through a :class:`TaskRunner`: the
+executor thread for work queued behind other work, and the I/O thread itself
+for a small task when nothing is queued (issue 16: handing a 1-block copy to
+another thread cost two thread wake-ups, a report message and the GIL's
+hand-overs, several times the copy).  Either way only one thread runs a
+task at a time (the I/O thread runs one only while the executor's queue is
+empty), so tasks keep their FIFO order with cache frees and allocations.
+
+ZMQ sockets are never shared between threads: each thread owns its own
+:class:`ResultSenders`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import zmq
+
+from ..net.curve import Curve
+from ..net.endpoints import make_socket
+from ..obs.book import RankBook
+from ..wire import protocol as P
+from .cache.backend import CacheBackend, TaskInvalid
+from .core import Execute
+
+log = logging.getLogger("zkv.worker")
+
+MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
+INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
+INLINE_MAX_BODY = 4096
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A task's end as the rank's core books it (``RankCore.on_finished``)."""
+
+    seq: int
+    n: int
+    outcome: str
+    nbytes: int
+    gen: int
+
+
+class ResultSenders:
+    """One thread's PUSH sockets to clients' result addresses.
+
+    A client that went away never blocks the rank: sends are NOBLOCK and what
+    cannot be queued is counted as undeliverable."""
+
+    def __init__(self, ctx: zmq.Context, curve: Curve | None, stats: collections.Counter[str]):
+        self.ctx = ctx
+        self.curve = curve
+        self.stats = stats
+        self.sockets: collections.OrderedDict[tuple[str, str | None], zmq.Socket] = collections.OrderedDict()
+
+    def send(self, address: str, key: str | None, frame: bytes) -> None:
+        sock = self.sockets.get((address, key))
+        if sock is None:
+            sock = self._connect(address, key)
+            if sock is None:
+                self.stats["undeliverable"] += 1
+                return
+        else:
+            self.sockets.move_to_end((address, key))
+        try:
+            sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            self.stats["undeliverable"] += 1
+
+    def _connect(self, address: str, key: str | None) -> zmq.Socket | None:
+        if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
+            return None
+        if len(self.sockets) >= MAX_RESULT_SOCKETS:
+            _, old = self.sockets.popitem(last=False)
+            old.close(linger=0)
+        sock = make_socket(self.ctx, zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        try:
+            if self.curve is not None:
+                if not key:
+                    raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
+                self.curve.make_client(sock, server_key=key.encode())
+            sock.connect(address)
+        except (zmq.ZMQError, ValueError) as err:
+            log.warning("cannot send results to %s: %s", address, err)
+            sock.close(linger=0)
+            return None
+        self.sockets[(address, key)] = sock
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+
+
+class TaskRunner:
+    """Runs tasks on ``cache`` and books them in the rank's shared counters.
+
+    ``session``: the rank's current registration session (read at run time: a
+    task queued before a re-registration must not copy)."""
+
+    def __init__(self, cache: CacheBackend, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
+                 paused_ack: threading.Event, session: Callable[[], int]):
+        self.cache = cache
+        self.rank = rank
+        self.world = world
+        self.stats = stats
+        self.book = book
+        self.paused_ack = paused_ack
+        self.session = session
+
+    def small(self, ex: Execute) -> bool:
+        """Whether ``ex`` is cheap enough for the I/O thread to run itself,
+        estimated from the body's size before decoding it: zkv's encoder packs
+        ids as int32, 8 bytes per (src, dst) pair; other encodings are at most
+        ~4x denser, and a body over 4 KiB always goes to the executor, where a
+        long copy delays no heartbeat."""
+        if len(ex.body) > INLINE_MAX_BODY:
+            return False
+        blocks = max(1, (len(ex.body) - 24) // 8)  # src and dst: 8 bytes per block pair
+        return blocks * self.cache.layout.block_bytes <= INLINE_MAX_BYTES
+
+    def run(self, ex: Execute, senders: ResultSenders) -> Finished:
+        """Check and run ``ex``, send its result to the client, and return
+        what the core books.  Never raises: a copy that blows up fails the task."""
+        start = time.perf_counter()
+        outcome, reason, nbytes, digests, op = "ok", "", 0, None, ""
+        try:
+            if ex.refuse:
+                raise TaskInvalid(ex.refuse)
+            if ex.session != self.session():
+                # We re-registered since: the broker already failed this task,
+                # so it must not copy into blocks its client may have reused.
+                self.stats["dropped_stale_session"] += 1
+                raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
+            body = P.decode_body(ex.body)
+            op = body.op
+            self.cache.validate(body)
+            if self.paused_ack.is_set():
+                self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
+            if op in ("swap_out", "swap_in"):
+                nbytes = self.cache.swap(op, body.src, body.dst)
+            elif op == "fill":
+                nbytes = self.cache.fill(body.tier, body.dst, body.seed)
+            else:
+                digests = self.cache.checksum(body.tier, body.src)
+        except (P.ProtocolError, TaskInvalid) as err:
+            outcome, reason = "failed", str(err)  # a ProtocolError reads "code: reason", the §9 code first
+        except Exception as err:  # a copy that blew up must still end the task
+            log.exception("task %s failed", ex.task)
+            outcome, reason = "failed", f"{type(err).__name__}: {err}"
+        reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
+        elapsed = time.perf_counter() - start
+        if outcome == "ok":
+            self.book.task_done(op, elapsed, nbytes)
+        self.stats["tasks_" + outcome] += 1
+        self.stats["bytes_moved"] += nbytes
+        fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
+        if digests is not None:
+            fields["digests"] = digests
+        senders.send(ex.reply_to, ex.reply_key, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
+                                                         outcome=outcome, reason=reason, gen=ex.gen, **fields))
+        return Finished(ex.seq, ex.n, outcome, nbytes, ex.gen)
