@@ -162,9 +162,21 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
         return out
 
     def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
+        if len(frames) > 1:  # the done frames of one rank wakeup (docs/protocol.md §10.3)
+            try:
+                P.check_frames(frames, 1, P.MAX_BATCH)
+            except P.ProtocolError as err:
+                self.counters["bad_rank_msgs"] += 1
+                out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
+                return
+            for frame in frames:  # each on its own: one bad frame loses no other's credit
+                self._on_rank_frame(identity, frame, ("done",), now, out)
+            return
+        self._on_rank_frame(identity, frames[0], ("ready", "hb", "done", "ack"), now, out)
+
+    def _on_rank_frame(self, identity: bytes, frame: bytes, kinds: tuple[str, ...], now: float, out: list[Action]) -> None:
         try:
-            P.check_frames(frames, 1, 1)
-            msg = P.decode(frames[0], ("ready", "hb", "done", "ack"))
+            msg = P.decode(frame, kinds)
         except P.ProtocolError as err:
             self.counters["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))

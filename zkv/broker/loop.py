@@ -18,7 +18,8 @@ import zmq
 from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
 from .state_file import StateFile, default_state_path
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
-from ..net.frames import ready_messages, send_message
+from ..net.frames import Coalescer, ready_messages, send_message
+from ..wire import protocol as P
 from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 
 log = logging.getLogger("zkv.broker")
@@ -61,6 +62,7 @@ class Broker:
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)
         self.stop_grace_s = 1.0
+        self._tasks_out = Coalescer(P.MAX_BATCH)  # tasks of one wakeup, per rank identity
         self._stopper = StopSignal(self.ctx, "broker")
         self._stop = self._stopper.socket
 
@@ -92,10 +94,13 @@ class Broker:
                 if self._stop in events:
                     break
                 if self.backend in events:
+                    core.counters["backend_wakeups"] += 1
                     self._drain(self.backend, core.on_rank)
                 if self.frontend in events:
+                    core.counters["frontend_wakeups"] += 1
                     self._drain(self.frontend, core.on_client)
                 self._act(core.on_tick(time.monotonic()))
+                self._flush_tasks()
         except KeyboardInterrupt:
             pass
         try:
@@ -112,6 +117,7 @@ class Broker:
             if self.backend.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 self._drain(self.backend, self.core.on_rank)
             self._act(self.core.on_tick(time.monotonic()))
+            self._flush_tasks()
 
     def _drain(self, sock: zmq.Socket, handler: Callable) -> None:
         for frames in ready_messages(sock, _DRAIN_BATCH):
@@ -122,14 +128,28 @@ class Broker:
                 self.core.counters["internal_errors"] += 1
                 continue
             self._act(actions)
+        self._flush_tasks()
 
     def _act(self, actions: list) -> None:
+        """Perform the core's actions.  A task (a 2-frame ToRank) waits in
+        ``_tasks_out`` with the other tasks of this wakeup for its rank and
+        goes out as one message (docs/protocol.md §3); anything else to that
+        rank, and any publish, first sends what waits, so order is kept."""
         for action in actions:
             if isinstance(action, ToRank):
+                if len(action.frames) == 2:
+                    full = self._tasks_out.add(action.identity, action.frames)
+                    if full is not None:
+                        self._send(self.backend, action.identity, full)
+                    continue
+                waiting = self._tasks_out.take(action.identity)
+                if waiting is not None:
+                    self._send(self.backend, action.identity, waiting)
                 self._send(self.backend, action.identity, action.frames)
             elif isinstance(action, ToClient):
                 self._send(self.frontend, action.client, action.frames)
             elif isinstance(action, Publish):
+                self._flush_tasks()
                 try:
                     self.control.send(action.frame, zmq.NOBLOCK)
                 except zmq.Again:
@@ -142,6 +162,11 @@ class Broker:
                     log.error("cannot save the broker state to %s: %s", self.state_file.path, err)
             elif isinstance(action, Record) and self.recorder is not None:
                 self.recorder(action.event)
+
+    def _flush_tasks(self) -> None:
+        if self._tasks_out:
+            for identity, frames in self._tasks_out.drain():
+                self._send(self.backend, identity, frames)  # type: ignore[arg-type]
 
     def _send(self, sock: zmq.Socket, identity: bytes, frames: list[bytes]) -> None:
         try:

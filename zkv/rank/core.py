@@ -23,7 +23,12 @@ from ..wire.messages import Control
 
 @dataclass(frozen=True)
 class ToBroker:
+    """A frame for the broker; ``done`` frames may travel together, one
+    message per wakeup (docs/protocol.md §10.3), everything else alone and
+    after the dones before it."""
+
     frame: bytes
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -400,7 +405,7 @@ class RankCore:
     def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
-        out: list[RankAction] = [ToBroker(P.encode("done", seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes))]
+        out: list[RankAction] = [ToBroker(P.encode("done", seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes), done=True)]
         return out + self._maybe_ack()
 
     def on_cache_done(self, freed: int = 0, error: str = "", cpu_kept: bool | None = None) -> list[RankAction]:

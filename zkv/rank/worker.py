@@ -37,7 +37,8 @@ import torch
 import zmq
 
 from ..net.endpoints import StopSignal, make_socket
-from ..net.frames import ready_messages
+from ..net.frames import ready_messages, send_message
+from ..wire import protocol as P
 from .cache.backend import CacheBackend
 from .cache.owned import KVCache, pick_device
 from ..wire.layout import CacheLayout
@@ -49,7 +50,6 @@ from .runner import ResultSenders, TaskRunner
 log = logging.getLogger("zkv.worker")
 
 _ids = itertools.count()
-_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
 
 
 class Executor(threading.Thread):
@@ -161,6 +161,7 @@ class RankWorker:
         # Work on the executor's queue or running there; while 0, a small task
         # runs right here on the I/O thread (runner.py), with sockets of its own.
         self._queued = 0
+        self._dones: list[bytes] = []  # done frames of this wakeup, sent as one message
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
     def stop(self) -> None:
@@ -193,10 +194,12 @@ class RankWorker:
                 if self.reports in events:
                     self._drain_reports()
                 if self.dealer in events:
+                    self.core.counters["dealer_wakeups"] += 1
                     self._drain_dealer()
                 if self.sub in events:
                     self._drain(self.sub, lambda frames: core.on_control(frames[0], time.monotonic()))
                 self._act(core.on_tick(time.monotonic()))
+                self._flush_dones()
                 if core.registered and not self.registered.is_set():
                     self.registered.set()
         finally:
@@ -223,11 +226,28 @@ class RankWorker:
 
         def handle(frames: list[bytes]) -> list:
             now = time.monotonic()
-            if len(frames) == 2:
-                return core.on_task(frames[0], frames[1], now)
-            return core.on_broker(frames[0], now)
+            if len(frames) == 1:
+                return core.on_broker(frames[0], now)
+            if len(frames) % 2 or len(frames) > 2 * P.MAX_BATCH:  # tasks come as header/body pairs
+                core.counters["bad_broker_msgs"] += 1
+                return []
+            out: list = []
+            for i in range(0, len(frames), 2):
+                out += core.on_task(frames[i], frames[i + 1], now)
+            return out
 
         self._drain(self.dealer, handle)
+
+    def _flush_dones(self) -> None:
+        if self._dones:
+            frames, self._dones = self._dones, []
+            self._to_broker(frames)
+
+    def _to_broker(self, frames: list[bytes]) -> None:
+        try:
+            send_message(self.dealer, frames)
+        except zmq.Again:
+            self.core.counters["broker_send_dropped"] += len(frames)
 
     def _drain_reports(self) -> None:
         core = self.core
@@ -245,10 +265,13 @@ class RankWorker:
         self.executor.session = self.core.session  # before any task of this batch is queued
         for action in actions:
             if isinstance(action, ToBroker):
-                try:
-                    self.dealer.send(action.frame, _NOBLOCK)
-                except zmq.Again:
-                    self.core.counters["broker_send_dropped"] += 1
+                if action.done:  # the credits of this wakeup go out together (_flush_dones)
+                    self._dones.append(action.frame)
+                    if len(self._dones) >= P.MAX_BATCH:
+                        self._flush_dones()
+                    continue
+                self._flush_dones()
+                self._to_broker([action.frame])
             elif isinstance(action, Acked):
                 if action.op in ("pause", "clear"):
                     self.executor.paused_ack.set()

@@ -23,6 +23,10 @@ VERSION = 1
 MAX_SAFE_INT = 2**53 - 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
 MAX_IDS = 1 << 20
+# Under load the broker sends a rank the tasks of one wakeup as one message
+# (header/body pairs) and a rank returns the ``done`` frames of one wakeup as
+# one message (docs/protocol.md §3, §10.3): at most this many per message.
+MAX_BATCH = 64
 
 # --- bounds on what a peer sends (docs/protocol.md §2.1 lists the same) -------
 # Every value from a peer is checked against these where it enters (``validate``),

@@ -1,0 +1,205 @@
+"""Messages of one wakeup travel together (issue 16, docs/protocol.md §3,
+§10.3): the broker sends a rank the tasks it dispatched in one wakeup as one
+message of header/body pairs, and a rank returns the ``done`` frames of one
+wakeup as one message.  Nothing is reordered, held back, or lost to a bad
+neighbour frame."""
+
+import threading
+
+import pytest
+import zmq
+
+from zkv.broker.core import BrokerConfig, BrokerCore, ToRank, frames_of
+from zkv.broker.loop import Broker
+from zkv.net.endpoints import Endpoints
+from zkv.net.frames import Coalescer, ready_messages, send_message
+from zkv.rank.worker import RankWorker
+from zkv.testing.sim import CLIENT, LAYOUT
+from zkv.wire import protocol as P
+
+
+def test_the_coalescer_gathers_per_peer_and_hands_back_a_full_batch():
+    c = Coalescer(limit=3)
+    assert c.add(b"a", [b"h1", b"b1"]) is None
+    assert c.add(b"b", [b"h2", b"b2"]) is None
+    assert c.add(b"a", [b"h3", b"b3"]) is None
+    assert c.add(b"a", [b"h4", b"b4"]) == [b"h1", b"b1", b"h3", b"b3", b"h4", b"b4"]  # the limit: send now
+    assert c.take(b"a") is None
+    assert c.drain() == [(b"b", [b"h2", b"b2"])]
+    assert not c and c.drain() == []
+
+
+def test_frames_helpers_keep_multipart_messages_whole(tmp_path):
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    for s in (a, b):
+        s.setsockopt(zmq.LINGER, 0)
+    a.bind(f"ipc://{tmp_path}/p")
+    b.connect(f"ipc://{tmp_path}/p")
+    try:
+        a.setsockopt(zmq.SNDTIMEO, 10_000)  # the connection may not be up yet: wait for it, bounded
+        send_message(a, [b"1"], block=True)
+        send_message(a, [b"2", b"3", b"4"], block=True)
+        assert b.poll(10_000)
+        got = []
+        while len(got) < 2:
+            assert b.poll(10_000)
+            got += list(ready_messages(b, 10))
+        assert got == [[b"1"], [b"2", b"3", b"4"]]
+        assert list(ready_messages(b, 10)) == []  # nothing queued: returns at once
+    finally:
+        a.close()
+        b.close()
+
+
+def registered_core(world: int = 2) -> BrokerCore:
+    core = BrokerCore(BrokerConfig(world=world))
+    for r in range(world):
+        core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0, pid=1)], 1.0)
+        core.on_rank(f"rank-{r}".encode(), [P.encode("hb", inflight=0)], 1.0)  # the welcome arrived
+    return core
+
+
+def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[dict]]:
+    """Submit ``n`` tasks; the task headers each rank was sent."""
+    sent: dict[bytes, list[dict]] = {}
+    body = P.encode_body("swap_out", [1], [2])
+    for task in range(1, n + 1):
+        for a in frames_of(core.on_client(CLIENT, [P.encode("submit", task=task, reply_to="ipc:///x"), body], 1.0), ToRank):
+            sent.setdefault(a.identity, []).append(P.decode(a.frames[0]))
+    return sent
+
+
+def done(header: dict) -> bytes:
+    return P.encode("done", seq=header["seq"], n=header["n"], outcome="ok", gen=0, bytes=64)
+
+
+def test_a_message_of_done_frames_returns_every_credit():
+    core = registered_core()
+    sent = submit_tasks(core, 5)
+    for identity, headers in sent.items():
+        core.on_rank(identity, [done(h) for h in headers], 2.0)
+    assert core.inflight == {} and core.counters["ok"] == 5
+    assert all(rs.inflight == 0 for rs in core.ranks.values())
+
+
+def test_a_bad_frame_in_a_batch_is_answered_and_costs_no_other_credit():
+    core = registered_core()
+    sent = submit_tasks(core, 3)
+    for identity, headers in sent.items():
+        frames = [done(headers[0]), b"\xc1junk", P.encode("ack", epoch=1, op="pause"), done(headers[1]), done(headers[2])]
+        errors = [P.decode(a.frames[0]) for a in frames_of(core.on_rank(identity, frames, 2.0), ToRank)]
+        assert [(e["kind"], e["code"]) for e in errors] == [("error", "malformed"), ("error", "unknown_kind")]
+    assert core.inflight == {} and core.counters["ok"] == 3
+
+
+def test_a_batch_over_the_cap_is_malformed_and_books_nothing():
+    core = registered_core(world=1)
+    (headers,) = submit_tasks(core, 1).values()
+    acts = core.on_rank(b"rank-0", [done(headers[0])] * (P.MAX_BATCH + 1), 2.0)
+    (err,) = [P.decode(a.frames[0]) for a in frames_of(acts, ToRank)]
+    assert err["code"] == "malformed"
+    assert len(core.inflight) == 1
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    return Endpoints.in_dir(tmp_path)
+
+
+def raw_socket(kind: int, address: str, bind: bool = False) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    (sock.bind if bind else sock.connect)(address)
+    return sock
+
+
+def recv_frames(sock: zmq.Socket, timeout_ms: int = 10_000) -> list[bytes]:
+    assert sock.poll(timeout_ms), "nothing arrived in time"
+    return sock.recv_multipart()
+
+
+def status(client: zmq.Socket, req: int) -> dict:
+    client.send(P.encode("status", req=req))
+    return P.decode(recv_frames(client)[0])
+
+
+def test_the_broker_sends_the_tasks_of_one_wakeup_as_one_message(endpoints, tmp_path):
+    """Five tasks queue while rank 1 is missing; its registration dispatches
+    all five in one wakeup: each rank gets one message of five header/body
+    pairs, in submit order.  Five dones in one message end them."""
+    broker = Broker(endpoints, BrokerConfig(world=2))
+    thread = threading.Thread(target=broker.serve, daemon=True)
+    thread.start()
+    ranks = [raw_socket(zmq.DEALER, endpoints.backend) for _ in range(2)]
+    client = raw_socket(zmq.DEALER, endpoints.frontend)
+    try:
+        def register(r: int) -> None:
+            ranks[r].send(P.encode("ready", rank=r, world=2, session=7, layout=LAYOUT.to_wire(), gen=0, pid=1))
+
+        register(0)
+        assert P.decode(recv_frames(ranks[0])[0])["kind"] == "welcome"
+        body = P.encode_body("swap_out", [1], [2])
+        for task in range(1, 6):
+            client.send_multipart([P.encode("submit", task=task, reply_to=f"ipc://{tmp_path}/r"), body])
+        assert status(client, 1)["queued"] == 5  # the frontend is one connection: submits came first
+        register(1)
+        for r, sock in enumerate(ranks):
+            frames = recv_frames(sock)
+            if r == 1:
+                assert P.decode(frames[0])["kind"] == "welcome"
+                frames = recv_frames(sock)
+            headers = [P.decode(f) for f in frames[0::2]]
+            assert len(frames) == 10 and [h["task"] for h in headers] == [1, 2, 3, 4, 5], r
+            assert frames[1::2] == [body] * 5
+            sock.send_multipart([done(h) for h in headers])
+        reply = status(client, 2)
+        for req in range(3, 100):  # the dones are on the rank connections: wait for them to be booked
+            if not reply["inflight"]:
+                break
+            assert ranks[0].poll(20) == 0  # (a bounded wait between asks)
+            reply = status(client, req)
+        assert reply["inflight"] == 0 and reply["counters"]["ok"] == 5
+    finally:
+        broker.stop()
+        thread.join(timeout=10)
+        for s in (*ranks, client):
+            s.close()
+
+
+def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(endpoints, tmp_path):
+    router = raw_socket(zmq.ROUTER, endpoints.backend, bind=True)
+    pub = raw_socket(zmq.PUB, endpoints.control, bind=True)
+    pull = raw_socket(zmq.PULL, f"ipc://{tmp_path}/results.sock", bind=True)
+    worker = RankWorker(0, 1, endpoints.backend, endpoints.control, LAYOUT, device="cpu", liveness_ms=10_000)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        ident, frame = recv_frames(router, 20_000)
+        ready = P.decode(frame)
+        router.send_multipart([ident, P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(),
+                                               heartbeat_ms=1000, session=ready["session"])])
+        while P.decode(recv_frames(router)[1])["kind"] != "hb":  # the welcome's confirmation
+            pass
+        tasks: list[bytes] = []
+        for n in range(1, 4):
+            tasks += [P.encode("task", seq=n, n=n, task=100 + n, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
+                               session=ready["session"]), P.encode_body("fill", dst=[n], tier="gpu", seed=n)]
+        router.send_multipart([ident, *tasks])
+        frames = recv_frames(router)[1:]
+        while P.decode(frames[0])["kind"] == "hb":
+            frames = recv_frames(router)[1:]
+        dones = [P.decode(f) for f in frames]
+        assert [(d["kind"], d["seq"], d["outcome"]) for d in dones] == [("done", n, "ok") for n in (1, 2, 3)]
+        results = sorted(P.decode(recv_frames(pull)[0])["task"] for _ in range(3))
+        assert results == [101, 102, 103]
+        router.send_multipart([ident, *tasks[:3]])  # an odd frame count: not a task message, counted, serving on
+        router.send_multipart([ident, P.encode("task", seq=4, n=4, task=104, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
+                                               session=ready["session"]), tasks[1]])
+        assert P.decode(recv_frames(pull)[0])["task"] == 104
+        assert worker.core.counters["bad_broker_msgs"] == 1
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+        for s in (router, pub, pull):
+            s.close()
