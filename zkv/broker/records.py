@@ -58,7 +58,7 @@ class RankState:
         }
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     client: bytes
     task: int

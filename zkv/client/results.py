@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..wire.outcome import RankFold, TaskOutcome
 
 
-@dataclass
+@dataclass(slots=True)
 class _Open:
     task: int
     submitted: float

@@ -1,12 +1,9 @@
 """Receiving and sending whole messages on the hot paths, cheaply.
 
 pyzmq's ``recv_multipart``/``send_multipart`` combine ``zmq.Flag`` enums per
-frame, and a drain loop that stops on ``zmq.Again`` builds an exception per
-wakeup: together about a third of a small message's cost in Python
-(issue 16's profile).  These do the same with plain integer flags and stop
-on the socket's ``EVENTS`` instead of an exception.  Same semantics: a
-message is all its frames or nothing (ZeroMQ delivers multipart messages
-atomically).
+frame (~1.7 us each); these do the same with plain integer flags.  Same
+semantics: a message is all its frames or nothing (ZeroMQ delivers
+multipart messages atomically).
 """
 
 from __future__ import annotations
@@ -18,19 +15,22 @@ import zmq
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _SNDMORE = int(zmq.SNDMORE)
-_EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
-_POLLIN = int(zmq.POLLIN)
 
 
 def ready_messages(sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
     """The messages ``sock`` has queued now (at most ``limit``), each as its
-    list of frames; returns without waiting when there are none."""
+    list of frames; returns without waiting when there are none.
+
+    It stops on the first ``zmq.Again``: one exception per wakeup (~8 us)
+    costs less than asking ``EVENTS`` before every message (~4 us each: it
+    makes libzmq poll its mailbox), since a wakeup brings several."""
     recv, get = sock.recv, sock.get
     for _ in range(limit):
-        if not int(get(_EVENTS)) & _POLLIN:
+        try:
+            frames = [recv(_NOBLOCK)]
+        except zmq.Again:
             return
-        frames = [recv(_NOBLOCK)]
         while get(_RCVMORE):
             frames.append(recv(_NOBLOCK))
         yield frames

@@ -38,7 +38,7 @@ INLINE_MAX_BODY = 4096
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Finished:
     """A task's end as the rank's core books it (``RankCore.on_finished``)."""
 
