@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..harness.bench import bench_attached_copy, bench_copy, bench_pause, bench_raw_relay, bench_zkv_bus
+from ..harness.bench import BUS_TARGETS, bench_attached_copy, bench_bus, bench_copy, bench_pause
 from ..wire.layout import CacheLayout
 
 
@@ -38,11 +38,9 @@ def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_c
     say = (lambda *_: None) if as_json else (lambda m: click.echo(m, err=True))
     if what in ("all", "bus"):
         for ids in (1, 256):
-            say(f"bus: {ids}-block tasks ...")
-            report[f"bus_{ids}_blocks"] = {
-                "raw_pyzmq_relay": bench_raw_relay(ids, n(2000), n(20000), 256),
-                "zkv": bench_zkv_bus(ids, n(1000), n(10000 if ids == 1 else 2000), 64, layout),
-            }
+            say(f"bus: {ids}-block tasks, zkv and the raw relay in alternating rounds ...")
+            report[f"bus_{ids}_blocks"] = bench_bus(ids, layout, n(1000 if ids == 1 else 300), n(10000 if ids == 1 else 1000),
+                                                    rounds=1 if quick else 3)
     if metrics_cost and what in ("all", "bus"):
         from ..harness.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
 
@@ -76,9 +74,17 @@ def _summary(report: dict) -> str:
     lines = []
     for key in ("bus_1_blocks", "bus_256_blocks"):
         if key in report:
-            raw, z = report[key]["raw_pyzmq_relay"], report[key]["zkv"]
+            raw, z, vs = report[key]["raw_pyzmq_relay"], report[key]["zkv"], report[key]["vs_relay"]
             lines.append(f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s, rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
-                         f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us")
+                         f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us"
+                         f"  (window {vs['window']}, {vs['rounds']} alternating rounds)")
+            cpu = lambda r: " ".join(f"{p} {us:.0f}" for p, us in r["cpu_us_per_task"].items())  # noqa: E731
+            lines.append(f"  CPU us per task: zkv {cpu(z)} | relay {cpu(raw)}")
+            if key == "bus_1_blocks":  # the targets (issue 16) are for 1-block tasks
+                checks = [("throughput", vs["throughput"], ">=", BUS_TARGETS["throughput"]),
+                          ("rtt p50", vs["rtt_p50"], "<=", BUS_TARGETS["rtt_p50"]), ("rtt p99", vs["rtt_p99"], "<=", BUS_TARGETS["rtt_p99"])]
+                lines.append("  vs relay: " + ", ".join(
+                    f"{name} {v:.2f}x ({'ok' if (v >= t if op == '>=' else v <= t) else 'MISSED'}: target {op} {t}x)" for name, v, op, t in checks))
     if "metrics_cost" in report:
         c, b = report["metrics_cost"]["core"], report["metrics_cost"]["bus"]
         lines.append(f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
@@ -96,7 +102,9 @@ def _summary(report: dict) -> str:
         p = report["pause"]
         lines.append(f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms")
         lines.append(f"pause with {p['inflight_tasks']} tasks in flight: p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
-                     f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms")
+                     f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms"
+                     f" ({'ok' if p['busy_overhead_beyond_drain_ms']['p99'] <= BUS_TARGETS['pause_overhead_p99_ms'] else 'MISSED'}:"
+                     f" target <= {BUS_TARGETS['pause_overhead_p99_ms']} ms)")
     if "manager" in report:
         m, w = report["manager"]["bookkeeping"], report["manager"]["cluster"]
         lines.append(f"manager per request ({m['prompt_tokens']}-token prompts, {m['block_size']}-token blocks, fake bus):"

@@ -15,8 +15,11 @@ These machines are noisy: compare figures within one run only.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
+import os
 import random
+import statistics
 import tempfile
 import time
 from typing import Any, Callable
@@ -25,7 +28,11 @@ import zmq
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from .stats import percentiles
+from .stats import cpu_seconds, percentiles
+
+
+# Issue 16's targets for 1-block tasks beside the relay, and for a pause's cost beyond its drain.
+BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "pause_overhead_p99_ms": 2.0}
 
 
 # --- the raw relay baseline -----------------------------------------------------------
@@ -51,7 +58,7 @@ def _relay_broker(front: str, back: str, ranks: int, ready: Any) -> None:
     poller.register(fe, zmq.POLLIN)
     poller.register(be, zmq.POLLIN)
     while True:
-        ev = dict(poller.poll(30_000))
+        ev = dict(poller.poll(120_000))  # idle while zkv is measured between rounds
         if not ev:
             return
         if fe in ev:
@@ -81,7 +88,7 @@ def _relay_rank(back: str) -> None:
     d.connect(back)
     d.send(b"hello")
     pushes: dict[bytes, zmq.Socket] = {}
-    while d.poll(30_000):
+    while d.poll(120_000):
         frames = d.recv_multipart(zmq.NOBLOCK)
         if frames[0] == b"stop":
             return
@@ -96,7 +103,11 @@ def _relay_rank(back: str) -> None:
         d.send(b"done")
 
 
-def _measure(submit: Callable[[], Any], collect: Callable[[Any], None], n_latency: int, n_tput: int, window: int) -> dict:
+def _measure(submit: Callable[[], Any], collect: Callable[[Any], None], n_latency: int, n_tput: int, window: int,
+             pids: dict[str, int] | None = None) -> dict:
+    """Round trips with one task in flight, then pipelined throughput with
+    ``window`` in flight (the oldest collected first, as an engine would);
+    with ``pids``, the CPU each of those processes spent per pipelined task."""
     for _ in range(20):  # warm up connections and caches
         collect(submit())
     rtts = []
@@ -104,77 +115,124 @@ def _measure(submit: Callable[[], Any], collect: Callable[[Any], None], n_latenc
         t0 = time.perf_counter()
         collect(submit())
         rtts.append((time.perf_counter() - t0) * 1e6)
+    cpu0 = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
     t0 = time.perf_counter()
-    pending: list = []
+    pending: collections.deque = collections.deque()
     for _ in range(n_tput):
         pending.append(submit())
         if len(pending) >= window:
-            collect(pending.pop(0))
+            collect(pending.popleft())
     for h in pending:
         collect(h)
     elapsed = time.perf_counter() - t0
-    return {"rtt_us": percentiles(rtts, mean=True), "tasks_per_s": n_tput / elapsed}
+    cpu = {name: (cpu_seconds(pid) - cpu0[name]) / n_tput * 1e6 for name, pid in (pids or {}).items()}
+    return {"rtt_samples_us": rtts, "tasks_per_s": n_tput / elapsed, "cpu_us_per_task": cpu}
 
 
-def bench_raw_relay(ids: int, n_latency: int, n_tput: int, window: int, ranks: int = 2) -> dict:
-    d = tempfile.mkdtemp(prefix="zkvb-", dir="/tmp")
-    front, back, pull_addr = f"ipc://{d}/f", f"ipc://{d}/b", f"ipc://{d}/p"
-    mp = multiprocessing.get_context("spawn")
-    ready = mp.Event()
-    procs = [mp.Process(target=_relay_broker, args=(front, back, ranks, ready), daemon=True)]
-    procs += [mp.Process(target=_relay_rank, args=(back,), daemon=True) for _ in range(ranks)]
-    for p in procs:
-        p.start()
-    ctx = zmq.Context()
-    dealer, pull = ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
-    for s in (dealer, pull):
-        s.setsockopt(zmq.LINGER, 0)
-    pull.bind(pull_addr)
-    dealer.connect(front)
-    try:
+class RawRelay:
+    """The baseline: the same hops and message sizes as zkv with no work, no
+    validation and no bookkeeping (processes started once, measured between
+    zkv's rounds)."""
+
+    def __init__(self, ids: int, ranks: int = 2):
+        self.ids, self.ranks = ids, ranks
+        d = tempfile.mkdtemp(prefix="zkvb-", dir="/tmp")
+        front, back, self.pull_addr = f"ipc://{d}/f", f"ipc://{d}/b", f"ipc://{d}/p"
+        mp = multiprocessing.get_context("spawn")
+        ready = mp.Event()
+        self.procs = [mp.Process(target=_relay_broker, args=(front, back, ranks, ready), daemon=True)]
+        self.procs += [mp.Process(target=_relay_rank, args=(back,), daemon=True) for _ in range(ranks)]
+        for p in self.procs:
+            p.start()
+        self.ctx = zmq.Context()
+        self.dealer, self.pull = self.ctx.socket(zmq.DEALER), self.ctx.socket(zmq.PULL)
+        for sock in (self.dealer, self.pull):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(self.pull_addr)
+        self.dealer.connect(front)
         if not ready.wait(30):
+            self.close()
             raise RuntimeError("raw relay did not start")
-        header = pull_addr.encode()
-        body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
+        self.pids = {"client": os.getpid(), "broker": self.procs[0].pid or 0,
+                     **{f"rank{r}": p.pid or 0 for r, p in enumerate(self.procs[1:])}}
+        self.header = self.pull_addr.encode()
+        self.body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
 
-        def submit() -> None:
-            dealer.send_multipart([header, body])
+    def submit(self) -> None:
+        self.dealer.send_multipart([self.header, self.body])
 
-        def collect(_: Any) -> None:
-            for _ in range(ranks):
-                if not pull.poll(10_000):
-                    raise TimeoutError("raw relay lost a reply")
-                pull.recv(zmq.NOBLOCK)
+    def collect(self, _: Any) -> None:
+        for _ in range(self.ranks):
+            if not self.pull.poll(10_000):
+                raise TimeoutError("raw relay lost a reply")
+            self.pull.recv(zmq.NOBLOCK)
 
-        return _measure(submit, collect, n_latency, n_tput, window)
-    finally:
-        dealer.send_multipart([b"stop", b"stop"])
-        for p in procs:
+    def close(self) -> None:
+        self.dealer.send_multipart([b"stop", b"stop"])
+        for p in self.procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
-        dealer.close()
-        pull.close()
-        ctx.term()
+        self.dealer.close()
+        self.pull.close()
+        self.ctx.term()
 
 
-def bench_zkv_bus(ids: int, n_latency: int, n_tput: int, window: int, layout: CacheLayout, ranks: int = 2) -> dict:
-    from .cluster import LocalCluster
+class ZkvBus:
+    """zkv as a user runs it: ``zkv up``'s broker and rank processes, one client."""
 
-    rng = random.Random(1)
-    with LocalCluster(ranks, layout, quiet=True) as cluster, cluster.client() as client:
-        src = rng.sample(range(layout.gpu_blocks), ids)
-        dst = rng.sample(range(layout.cpu_blocks), ids)
-        body = P.encode_body("swap_out", src, dst)
+    def __init__(self, ids: int, layout: CacheLayout, ranks: int = 2):
+        from .cluster import LocalCluster
 
-        def collect(task: int) -> None:
-            out = client.wait(task, timeout=30)
-            if not out.ok:
-                raise RuntimeError(f"benchmark task failed: {out}")
+        rng = random.Random(1)
+        self.cluster = LocalCluster(ranks, layout, quiet=True).start()
+        self.client = self.cluster.client()
+        self.body = P.encode_body("swap_out", rng.sample(range(layout.gpu_blocks), ids), rng.sample(range(layout.cpu_blocks), ids))
+        self.bytes_per_task = ids * layout.block_bytes * ranks
+        broker = self.cluster.broker
+        self.pids = {"client": os.getpid(), "broker": broker.pid if broker else 0,
+                     **{f"rank{r}": w.pid for r, w in sorted(self.cluster.workers.items())}}
 
-        res = _measure(lambda: client.submit_raw(body), collect, n_latency, n_tput, window)
-        res["bytes_per_task"] = ids * layout.block_bytes * ranks
-        return res
+    def submit(self) -> int:
+        return self.client.submit_raw(self.body)
+
+    def collect(self, task: int) -> None:
+        out = self.client.wait(task, timeout=30)
+        if not out.ok:
+            raise RuntimeError(f"benchmark task failed: {out}")
+
+    def close(self) -> None:
+        self.client.close()
+        self.cluster.stop()
+
+
+def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window: int = 64, rounds: int = 3) -> dict:
+    """zkv beside the raw relay, measured in alternating rounds (relay, zkv,
+    relay, zkv ...) so both see the same machine: the same task size, the
+    same ``window`` in flight, the same number of tasks.  Throughput is the
+    median over rounds, round trips are pooled."""
+    relay, bus = RawRelay(ids), None
+    try:
+        bus = ZkvBus(ids, layout)
+        runs: dict[str, list[dict]] = {"raw_pyzmq_relay": [], "zkv": []}
+        for _ in range(rounds):
+            for name, system in (("raw_pyzmq_relay", relay), ("zkv", bus)):
+                runs[name].append(_measure(system.submit, system.collect, n_latency, n_tput, window, system.pids))
+    finally:
+        relay.close()
+        if bus is not None:
+            bus.close()
+    out: dict[str, Any] = {}
+    for name, results in runs.items():
+        out[name] = {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in results),
+                     "tasks_per_s_rounds": [r["tasks_per_s"] for r in results],
+                     "rtt_us": percentiles([x for r in results for x in r["rtt_samples_us"]], mean=True),
+                     "cpu_us_per_task": {p: round(statistics.median(r["cpu_us_per_task"][p] for r in results), 1) for p in results[0]["cpu_us_per_task"]}}
+    out["zkv"]["bytes_per_task"] = bus.bytes_per_task
+    z, r = out["zkv"], out["raw_pyzmq_relay"]
+    out["vs_relay"] = {"throughput": z["tasks_per_s"] / r["tasks_per_s"], "rtt_p50": z["rtt_us"]["p50"] / r["rtt_us"]["p50"],
+                       "rtt_p99": z["rtt_us"]["p99"] / r["rtt_us"]["p99"], "window": window, "rounds": rounds}
+    return out
 
 
 # --- copy engine ---------------------------------------------------------------------

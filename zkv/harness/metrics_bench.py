@@ -30,6 +30,7 @@ from ..wire import protocol as P
 from ..broker.core import BrokerConfig, BrokerCore
 from ..wire.layout import CacheLayout
 from ..obs.book import BusBook, task_op
+from .stats import cpu_seconds
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
     from ..broker import Broker
@@ -194,15 +195,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc; 10 ms ticks)."""
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64, scrape_every_s: float = 1.0) -> dict[str, Any]:
     """Pipelined 1-block swap_out throughput of a local cluster with metrics
     (``zkv broker --metrics-port``, ``/metrics`` scraped every ``scrape_every_s``
@@ -244,9 +236,9 @@ def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64
                 broker = cluster.broker
                 if broker is None:
                     raise RuntimeError("the cluster started no broker")
-                cpu0 = _cpu_seconds(broker.pid)
+                cpu0 = cpu_seconds(broker.pid)
                 res = _measure(lambda: client.submit_raw(body), collect, 20, n_tput, window)
-                cpu[with_metrics].append((_cpu_seconds(broker.pid) - cpu0) / (n_tput + 20 + 20) * 1e6)
+                cpu[with_metrics].append((cpu_seconds(broker.pid) - cpu0) / (n_tput + 20 + 20) * 1e6)
                 stop.set()
                 if with_metrics:
                     scraper.join(timeout=10)

@@ -21,3 +21,12 @@ def percentiles(values: list[float], *, mean: bool = False) -> dict[str, float]:
     if mean:
         out["mean"] = round(statistics.fmean(v), 3)
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all its threads (Linux /proc; 10 ms ticks)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
