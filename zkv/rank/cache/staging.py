@@ -1,0 +1,254 @@
+"""The copy engine's CUDA path: one PCIe transfer per staging chunk, no host scatter.
+
+A swap is *planned* in plain Python: its (tier row, engine block) pairs are
+sorted by tier row and cut into chunks of at most one staging buffer's rows.
+A chunk's tier rows form runs of consecutive rows, each one contiguous
+``cudaMemcpyAsync`` to or from the pinned tier (one per chunk when the rows
+are adjacent, as a row allocator hands them out); its engine blocks are
+either one run (slice copies) or a gather / scatter by an index on the
+device.  The host never touches the bytes.
+
+*Executing* a plan uses two device staging buffers laid out like tier rows
+and two streams: the copy stream (ordered after the engine's compute stream)
+gathers chunk k into buffer k % 2 while the transfer stream moves chunk k-1
+across the link, so the device-side gather hides behind the transfer.  The
+regions a gather touches are grouped (``group_regions``): regions that are
+equally spaced slices of one engine buffer with adjacent tier columns (zkv's
+own ``[2*layers, blocks, ...]`` store, vLLM's K/V halves) are one strided 3-D
+view, so a chunk costs one kernel per group, not one per region.  A cache
+of one contiguous region whose page is a whole tier row copies a chunk whose
+blocks and rows are both one run directly, without staging.
+
+Everything is allocated once per (cache, tier) pair: the staging buffers,
+the device index buffer and its pinned upload buffer, the events.  A swap
+returns only after an event behind its last copy has completed.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+# Device memory for the two staging buffers together (the only device memory
+# zkv allocates; dropped by close()).  A chunk is half of it.
+STAGING_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Pairs ``[pos, pos + n)`` of a row-sorted swap, moved through one staging buffer."""
+
+    pos: int
+    n: int
+    block_start: int | None  # the first engine block when the chunk's blocks are one run, else None (indexed)
+    row_runs: tuple[tuple[int, int, int], ...]  # (first tier row, offset in the chunk, rows)
+
+
+def plan(pairs: Sequence[tuple[int, int]], limit: int) -> list[Chunk]:
+    """Chunks of at most ``limit`` of ``pairs`` = (tier row, engine block), sorted by row."""
+    chunks = []
+    for pos in range(0, len(pairs), limit):
+        part = pairs[pos:pos + limit]
+        b0 = part[0][1]
+        run = all(b == b0 + i for i, (_, b) in enumerate(part))
+        row_runs, start = [], 0
+        for i in range(1, len(part) + 1):
+            if i == len(part) or part[i][0] != part[i - 1][0] + 1:
+                row_runs.append((part[start][0], start, i - start))
+                start = i
+        chunks.append(Chunk(pos, len(part), b0 if run else None, tuple(row_runs)))
+    return chunks
+
+
+def word_bytes(*sizes: int) -> int:
+    """The widest element (8, 4, 2 or 1 bytes) dividing every size, offset and stride given:
+    the device copies and gathers then move words, not bytes."""
+    for w in (8, 4, 2):
+        if all(s % w == 0 for s in sizes):
+            return w
+    return 1
+
+
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass(frozen=True)
+class Group:
+    """``count`` consecutive regions as one ``[count, num_blocks, page_words]`` view of engine memory,
+    whose pages sit at ``column`` words of a tier row, one after the other."""
+
+    source: torch.Tensor
+    column: int
+    count: int
+    page: int  # words
+
+
+def group_regions(views: Sequence[torch.Tensor], word: int) -> list[Group]:
+    """Fold runs of regions that are equally spaced in one buffer, with the same page and row stride."""
+    groups: list[Group] = []
+    i, column = 0, 0
+    while i < len(views):
+        first, j = views[i], i + 1
+        step = None
+        while j < len(views):
+            v = views[j]
+            if (v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or v.shape != first.shape
+                    or v.stride() != first.stride()):
+                break
+            gap = v.storage_offset() - views[j - 1].storage_offset()
+            if gap <= 0 or (step is not None and gap != step):
+                break
+            step, j = gap, j + 1
+        count, page = j - i, first.shape[1]
+        grouped = first.as_strided((count, first.shape[0], page), (step or page, first.stride(0), 1), first.storage_offset())
+        groups.append(Group(grouped.view(_WORDS[word]), column // word, count, page // word))
+        column += count * page
+        i = j
+    return groups
+
+
+class StagedCopier:
+    """The CUDA path of one ``CopyEngine`` (see the module docstring); one thread drives it."""
+
+    def __init__(self, views: Sequence[torch.Tensor], store: torch.Tensor, device: torch.device,
+                 compute_stream: Any = None, staging_bytes: int = STAGING_BYTES):
+        self.store = store  # the pinned tier, [rows, row_bytes] uint8
+        self.device = device
+        self.compute_stream = compute_stream
+        row_bytes = store.shape[1]
+        self.word = word_bytes(row_bytes, *(int(x) for v in views for x in (v.shape[1], v.stride(0), v.storage_offset())))
+        self.groups = group_regions(views, self.word)
+        one = len(views) == 1 and views[0].is_contiguous() and views[0].shape[1] == row_bytes
+        self.direct: torch.Tensor | None = views[0] if one else None
+        self.chunk_rows = max(1, staging_bytes // 2 // row_bytes)
+        self.index_capacity = max(store.shape[0], views[0].shape[0]) if views else store.shape[0]
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.xfer_stream = torch.cuda.Stream(device=device)
+        self._filled = [torch.cuda.Event(), torch.cuda.Event()]
+        self._freed = [torch.cuda.Event(), torch.cuda.Event()]
+        self._staging: torch.Tensor | None = None
+        self._index_host: torch.Tensor | None = None
+        self._index_dev: torch.Tensor | None = None
+
+    def close(self) -> None:
+        """Drop the staging and index buffers (every swap has completed when it returned)."""
+        self._staging = self._index_host = self._index_dev = None
+
+    # --- buffers, allocated once ---------------------------------------------------
+
+    def _buffers(self) -> torch.Tensor:
+        if self._staging is None:
+            self._staging = torch.empty((2, self.chunk_rows, self.store.shape[1]), dtype=torch.uint8, device=self.device)
+        return self._staging
+
+    def _upload_index(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The engine block of every pair, on the device (through a pinned buffer allocated once;
+        the previous upload from it completed when the previous swap returned)."""
+        if self._index_host is None or self._index_dev is None:
+            self._index_host = torch.empty(self.index_capacity, dtype=torch.int64, pin_memory=True)
+            self._index_dev = torch.empty(self.index_capacity, dtype=torch.int64, device=self.device)
+        n = len(blocks)
+        self._index_host[:n].copy_(torch.frombuffer(array("q", blocks), dtype=torch.int64))
+        self._index_dev[:n].copy_(self._index_host[:n], non_blocking=True)
+        return self._index_dev
+
+    def _group_view(self, staging: torch.Tensor, group: Group, n: int) -> torch.Tensor:
+        """Buffer rows ``[0, n)`` of ``group``'s columns as ``[count, n, page]`` words."""
+        cols = staging.view(_WORDS[self.word])[:n, group.column:group.column + group.count * group.page]
+        return cols.view(n, group.count, group.page).transpose(0, 1)
+
+    # --- swaps -----------------------------------------------------------------------
+
+    def _begin(self, pairs: list[tuple[int, int]], wait_event: Any) -> tuple[list[Chunk], torch.Tensor | None]:
+        """Order both streams after the engine; plan; upload the index if a chunk needs it."""
+        copy = self.copy_stream
+        if wait_event is not None:
+            copy.wait_event(wait_event)
+        else:
+            copy.wait_stream(self.compute_stream or torch.cuda.current_stream(self.device))
+        self.xfer_stream.wait_stream(copy)
+        chunks = plan(pairs, self.chunk_rows)
+        index = None
+        if any(c.block_start is None for c in chunks):
+            with torch.cuda.stream(copy):
+                index = self._upload_index([b for _, b in pairs])
+        return chunks, index
+
+    def _is_direct(self, chunk: Chunk) -> bool:
+        return self.direct is not None and chunk.block_start is not None and len(chunk.row_runs) == 1
+
+    def _finish(self) -> None:
+        """Return once everything both streams were given has completed."""
+        self.copy_stream.wait_stream(self.xfer_stream)
+        done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning a core
+        done.record(self.copy_stream)
+        done.synchronize()
+
+    def swap_out(self, blocks: Sequence[int], rows: Sequence[int], wait_event: Any = None) -> None:
+        """Engine blocks -> tier rows (ids already checked)."""
+        pairs = sorted(zip(rows, blocks))
+        chunks, index = self._begin(pairs, wait_event)
+        copy, xfer, store = self.copy_stream, self.xfer_stream, self.store
+        staged = 0
+        for c in chunks:
+            if self._is_direct(c):
+                assert self.direct is not None and c.block_start is not None
+                with torch.cuda.stream(xfer):
+                    row = c.row_runs[0][0]
+                    store[row:row + c.n].copy_(self.direct[c.block_start:c.block_start + c.n], non_blocking=True)
+                continue
+            h, buf = staged % 2, self._buffers()[staged % 2]
+            with torch.cuda.stream(copy):
+                if staged >= 2:
+                    copy.wait_event(self._freed[h])  # the transfer of chunk k-2 has read this buffer
+                for g in self.groups:
+                    dst = self._group_view(buf, g, c.n)
+                    if c.block_start is not None:
+                        dst.copy_(g.source[:, c.block_start:c.block_start + c.n], non_blocking=True)
+                    else:
+                        assert index is not None
+                        torch.index_select(g.source, 1, index[c.pos:c.pos + c.n], out=dst)
+                self._filled[h].record(copy)
+            with torch.cuda.stream(xfer):
+                xfer.wait_event(self._filled[h])
+                for row, off, n in c.row_runs:
+                    store[row:row + n].copy_(buf[off:off + n], non_blocking=True)
+                self._freed[h].record(xfer)
+            staged += 1
+        self._finish()
+
+    def swap_in(self, rows: Sequence[int], blocks: Sequence[int], wait_event: Any = None) -> None:
+        """Tier rows -> engine blocks (ids already checked)."""
+        pairs = sorted(zip(rows, blocks))
+        chunks, index = self._begin(pairs, wait_event)
+        copy, xfer, store = self.copy_stream, self.xfer_stream, self.store
+        staged = 0
+        for c in chunks:
+            if self._is_direct(c):
+                assert self.direct is not None and c.block_start is not None
+                with torch.cuda.stream(xfer):
+                    row = c.row_runs[0][0]
+                    self.direct[c.block_start:c.block_start + c.n].copy_(store[row:row + c.n], non_blocking=True)
+                continue
+            h, buf = staged % 2, self._buffers()[staged % 2]
+            with torch.cuda.stream(xfer):
+                if staged >= 2:
+                    xfer.wait_event(self._freed[h])  # the scatter of chunk k-2 has read this buffer
+                for row, off, n in c.row_runs:
+                    buf[off:off + n].copy_(store[row:row + n], non_blocking=True)
+                self._filled[h].record(xfer)
+            with torch.cuda.stream(copy):
+                copy.wait_event(self._filled[h])
+                for g in self.groups:
+                    src = self._group_view(buf, g, c.n)
+                    if c.block_start is not None:
+                        g.source[:, c.block_start:c.block_start + c.n].copy_(src, non_blocking=True)
+                    else:
+                        assert index is not None
+                        g.source.index_copy_(1, index[c.pos:c.pos + c.n], src)
+                self._freed[h].record(copy)
+            staged += 1
+        self._finish()
