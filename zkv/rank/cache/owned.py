@@ -30,6 +30,7 @@ from . import layouts
 from .backend import Freed, TaskInvalid, check_task
 from .copier import CopyEngine, coalesce
 from .regions import EngineCache
+from .staging import STAGING_BYTES
 from .tier import CpuTier
 
 __all__ = ["KVCache", "TaskInvalid", "block_digests", "coalesce", "pick_device", "tensor_bytes"]
@@ -68,9 +69,11 @@ class KVCache:
     """The tensors of one rank and the operations the executor runs on them
     (the zkv-owned ``CacheBackend``)."""
 
-    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0):
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0,
+                 staging_bytes: int = STAGING_BYTES):
         self.device = torch.device(device)
         self.rank = rank
+        self.staging_bytes = staging_bytes  # device memory for the CUDA copy path's staging buffers
         self.cuda = self.device.type == "cuda"
         self.layout = layout
         self.gpu: list[torch.Tensor] = []
@@ -110,7 +113,7 @@ class KVCache:
             if not kept:
                 self.tier = CpuTier.for_cache(self.engine.descriptor, layout.cpu_blocks, pin=self.cuda)
             assert self.tier is not None
-            self.copier = CopyEngine(self.engine, self.tier)
+            self.copier = CopyEngine(self.engine, self.tier, staging_bytes=self.staging_bytes)
         except BaseException:
             self.free(keep_cpu=False)
             raise
