@@ -26,7 +26,7 @@ import torch
 
 from .errors import CacheError
 from .regions import EngineCache, check_ids
-from .staging import STAGING_BYTES, StagedCopier
+from .staging import STAGING_BYTES, StagedCopier, group_regions
 from .tier import CpuTier
 
 
@@ -68,10 +68,32 @@ def _copy_rows_cpu(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, i
                 memmove(dp + (d + i) * ds, sp + (s + i) * ss, page)
 
 
+def _copy_groups_cpu(groups: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]],
+                     runs: list[tuple[int, int, int]], out: bool) -> None:
+    """Per group of equally spaced regions of one buffer (``staging.group_regions``): a run that
+    moves at least SLICE_COPY_MIN_ROWS pages is one strided copy for the whole group (zkv's own
+    store: every layer's K and V at once); the others go region by region (``_copy_rows_cpu``)."""
+    for engine3, tier3, views, columns in groups:
+        count, rest = engine3.shape[0], []
+        for s, d, n in runs:
+            if count == 1 or n * count < SLICE_COPY_MIN_ROWS:
+                rest.append((s, d, n))
+            elif out:
+                tier3[d:d + n].copy_(engine3[:, s:s + n].transpose(0, 1))
+            else:
+                engine3[:, d:d + n].copy_(tier3[s:s + n].transpose(0, 1))
+        for view, column in zip(views, columns) if rest else ():
+            if out:
+                _copy_rows_cpu(view, column, rest)
+            else:
+                _copy_rows_cpu(column, view, rest)
+
+
 class CopyEngine:
     """Block copies for one attached cache and one tier (one thread drives it).
 
-    On CPU a run is a slice copy or a ``memmove`` per row, region by region.
+    On CPU a run is a slice copy or a ``memmove`` per row, region by region,
+    or one strided copy for a group of equally spaced regions of one buffer.
     On CUDA (``staging.StagedCopier``) the pairs go through two device
     staging buffers in tier-row layout: a gather on the copy stream, which
     first waits for the engine's compute stream, and one contiguous transfer
@@ -90,9 +112,21 @@ class CopyEngine:
         if self.cuda and cache.device.type == "cuda" and not tier.pinned:
             raise CacheError("bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)")
         self.staged = StagedCopier(cache.views, tier.store, cache.device, compute_stream, staging_bytes) if self.cuda else None
+        self._cpu_groups = [] if self.cuda else self._groups_cpu()
+
+    def _groups_cpu(self) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """(engine ``[count, blocks, page]``, tier ``[rows, count, page]``, its region views, its tier columns)."""
+        out, i = [], 0
+        for g in group_regions(self.cache.views, 1):
+            tier3 = self.tier.store[:, g.column:g.column + g.count * g.page].view(self.tier.rows, g.count, g.page)
+            out.append((g.source, tier3, self.cache.views[i:i + g.count], self.tier.columns[i:i + g.count]))
+            i += g.count
+        return out
 
     def close(self) -> None:
-        """Drop the device staging buffers (call on clear, with ``cache.release()``)."""
+        """Drop the device staging buffers and every view of engine memory (call on clear,
+        with ``cache.release()``)."""
+        self._cpu_groups = []
         if self.staged is not None:
             self.staged.close()
 
@@ -115,9 +149,7 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_out(src_blocks, dst_rows, wait_event)
         else:
-            runs = coalesce(src_blocks, dst_rows)
-            for view, column in zip(self.cache.views, self.tier.columns):
-                _copy_rows_cpu(view, column, runs)
+            _copy_groups_cpu(self._cpu_groups, coalesce(src_blocks, dst_rows), out=True)
         return len(src_blocks) * self.cache.descriptor.block_bytes
 
     def copy_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
@@ -125,9 +157,7 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_in(src_rows, dst_blocks, wait_event)
         else:
-            runs = coalesce(src_rows, dst_blocks)
-            for column, view in zip(self.tier.columns, self.cache.views):
-                _copy_rows_cpu(column, view, runs)
+            _copy_groups_cpu(self._cpu_groups, coalesce(src_rows, dst_blocks), out=False)
         return len(src_rows) * self.cache.descriptor.block_bytes
 
     def _check(self, src: Sequence[int], dst: Sequence[int]) -> None:

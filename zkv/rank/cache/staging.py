@@ -136,9 +136,11 @@ class StagedCopier:
         self._index_dev: torch.Tensor | None = None
 
     def close(self) -> None:
-        """Drop the staging and index buffers (every swap has completed when it returned)."""
+        """Drop the staging and index buffers and the views of engine memory (every swap has
+        completed when it returned)."""
         self._staging = self._index_host = self._index_dev = None
         self._group_views = []
+        self.groups, self.direct = [], None
 
     # --- buffers, allocated once ---------------------------------------------------
 
