@@ -131,6 +131,8 @@ class Rig:
     def close(self) -> None:
         self.copier.close()
         self.cache.release()
+        if self.engine == "owned":
+            self.kv.free()
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
             torch.cuda.empty_cache()
@@ -254,7 +256,7 @@ def verdict(ok: bool | None) -> str:
 
 
 def environment(dev: torch.device) -> dict[str, Any]:
-    env: dict[str, Any] = {"torch": torch.__version__, "device": str(dev)}
+    env: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "staging_mib": STAGING_BYTES / 2**20}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         env.update(gpu=props.name, cuda=torch.version.cuda, memory_gib=round(props.total_memory / 2**30, 1))

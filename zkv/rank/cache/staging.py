@@ -184,6 +184,11 @@ class StagedCopier:
                 index = self._upload_index([b for _, b in pairs])
         return chunks, index
 
+    @staticmethod
+    def _chunk_index(index: torch.Tensor | None, chunk: Chunk) -> torch.Tensor:
+        assert index is not None, "an indexed chunk without an uploaded index"
+        return index[chunk.pos:chunk.pos + chunk.n]
+
     def _is_direct(self, chunk: Chunk) -> bool:
         return self.direct is not None and chunk.block_start is not None and len(chunk.row_runs) == 1
 
@@ -211,13 +216,12 @@ class StagedCopier:
             with torch.cuda.stream(copy):
                 if staged >= 2:
                     copy.wait_event(self._freed[h])  # the transfer of chunk k-2 has read this buffer
+                b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
                 for g, view in zip(self.groups, self._group_views[h]):
-                    dst = view[:, :c.n]
-                    if c.block_start is not None:
-                        dst.copy_(g.source[:, c.block_start:c.block_start + c.n], non_blocking=True)
+                    if idx is None:
+                        view[:, :c.n].copy_(g.source[:, b0:b0 + c.n], non_blocking=True)
                     else:
-                        assert index is not None
-                        torch.index_select(g.source, 1, index[c.pos:c.pos + c.n], out=dst)
+                        torch.index_select(g.source, 1, idx, out=view[:, :c.n])
                 self._filled[h].record(copy)
             with torch.cuda.stream(xfer):
                 xfer.wait_event(self._filled[h])
@@ -249,13 +253,12 @@ class StagedCopier:
                 self._filled[h].record(xfer)
             with torch.cuda.stream(copy):
                 copy.wait_event(self._filled[h])
+                b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
                 for g, view in zip(self.groups, self._group_views[h]):
-                    src = view[:, :c.n]
-                    if c.block_start is not None:
-                        g.source[:, c.block_start:c.block_start + c.n].copy_(src, non_blocking=True)
+                    if idx is None:
+                        g.source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
                     else:
-                        assert index is not None
-                        g.source.index_copy_(1, index[c.pos:c.pos + c.n], src)
+                        g.source.index_copy_(1, idx, view[:, :c.n])
                 self._freed[h].record(copy)
             staged += 1
         self._finish()
