@@ -140,7 +140,7 @@ def test_a_scattered_swap_crosses_the_link_once_per_staging_chunk_with_no_host_s
 
 def test_regions_equally_spaced_in_one_store_gather_in_one_kernel_per_chunk(fake_cuda):
     ks, _, copier = per_layer(fake_cuda, tensors=6, blocks=96, staging_rows=8, shared_store=True)
-    assert len(copier.staged.groups) == 1
+    assert len(copier.staged.specs) == 1
     blocks = random.Random(2).sample(range(96), 40)
     copier.swap_out(blocks, list(range(40)))
     assert [op.kind for op in fake_cuda.on("engine")] == ["index_select"] * 5
@@ -198,3 +198,17 @@ def test_the_rank_backend_waits_for_the_stream_the_engine_passed(fake_cuda):
     backend.swap("swap_out", [2, 3], [0, 1])
     assert fake_cuda.calls[0] == ("wait_stream", attached.copier.staged.copy_stream.name, "engine-stream")
     assert_ordered_and_synced(fake_cuda)
+
+
+@pytest.mark.parametrize("shared_store", [False, True])
+def test_release_alone_drops_every_view_the_cuda_path_built(fake_cuda, shared_store):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    ks, _, copier = per_layer(fake_cuda, shared_store=shared_store)
+    refs = [StorageWeakRef(k.untyped_storage()) for k in ks]
+    copier.swap_out([0, 5, 9], [0, 1, 2])  # indexed: grouped views built
+    copier.swap_in(list(range(3)), list(range(10, 13)))  # one run: slice views
+    del ks  # the engine frees ...
+    assert not any(r.expired() for r in refs)
+    copier.cache.release()
+    assert all(r.expired() for r in refs), "after release the engine's free is a real free, staging or not"

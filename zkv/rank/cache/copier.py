@@ -111,22 +111,20 @@ class CopyEngine:
         self.cuda = cache.device.type == "cuda" if cuda is None else cuda
         if self.cuda and cache.device.type == "cuda" and not tier.pinned:
             raise CacheError("bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)")
-        self.staged = StagedCopier(cache.views, tier.store, cache.device, compute_stream, staging_bytes) if self.cuda else None
-        self._cpu_groups = [] if self.cuda else self._groups_cpu()
+        self.staged = StagedCopier(cache, tier.store, compute_stream, staging_bytes) if self.cuda else None
 
-    def _groups_cpu(self) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
-        """(engine ``[count, blocks, page]``, tier ``[rows, count, page]``, its region views, its tier columns)."""
+    def _groups_cpu(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """(engine ``[count, blocks, page]``, tier ``[rows, count, page]``, its region views, its tier
+        columns) per group; kept by the cache (``EngineCache.derived``), so its release drops them."""
         out, i = [], 0
-        for g in group_regions(self.cache.views, 1):
+        for g in group_regions(views, 1):
             tier3 = self.tier.store[:, g.column:g.column + g.count * g.page].view(self.tier.rows, g.count, g.page)
-            out.append((g.source, tier3, self.cache.views[i:i + g.count], self.tier.columns[i:i + g.count]))
+            out.append((g.source, tier3, views[i:i + g.count], self.tier.columns[i:i + g.count]))
             i += g.count
         return out
 
     def close(self) -> None:
-        """Drop the device staging buffers and every view of engine memory (call on clear,
-        with ``cache.release()``)."""
-        self._cpu_groups = []
+        """Drop the device staging buffers (call on clear, with ``cache.release()``)."""
         if self.staged is not None:
             self.staged.close()
 
@@ -149,7 +147,7 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_out(src_blocks, dst_rows, wait_event)
         else:
-            _copy_groups_cpu(self._cpu_groups, coalesce(src_blocks, dst_rows), out=True)
+            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_blocks, dst_rows), out=True)
         return len(src_blocks) * self.cache.descriptor.block_bytes
 
     def copy_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
@@ -157,7 +155,7 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_in(src_rows, dst_blocks, wait_event)
         else:
-            _copy_groups_cpu(self._cpu_groups, coalesce(src_rows, dst_blocks), out=False)
+            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_rows, dst_blocks), out=False)
         return len(src_rows) * self.cache.descriptor.block_bytes
 
     def _check(self, src: Sequence[int], dst: Sequence[int]) -> None:

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .regions import EngineCache
+
 # Device memory for the two staging buffers together (the only device memory
 # zkv allocates; dropped by close()).  A chunk is half of it.
 STAGING_BYTES = 128 << 20
@@ -113,21 +115,21 @@ def group_regions(views: Sequence[torch.Tensor], word: int) -> list[Group]:
 class StagedCopier:
     """The CUDA path of one ``CopyEngine`` (see the module docstring); one thread drives it."""
 
-    def __init__(self, views: Sequence[torch.Tensor], store: torch.Tensor, device: torch.device,
-                 compute_stream: Any = None, staging_bytes: int = STAGING_BYTES):
+    def __init__(self, cache: EngineCache, store: torch.Tensor, compute_stream: Any = None,
+                 staging_bytes: int = STAGING_BYTES):
+        self.cache = cache  # its views are engine memory: taken per swap, never kept here (release drops them)
         self.store = store  # the pinned tier, [rows, row_bytes] uint8
-        self.device = device
+        self.device = cache.device
         self.compute_stream = compute_stream
-        row_bytes = store.shape[1]
+        views, row_bytes = cache.views, store.shape[1]
         self.word = word_bytes(row_bytes, store.data_ptr(), *(int(x) for v in views for x in (
             v.shape[1], v.stride(0), v.storage_offset(), v.untyped_storage().data_ptr())))
-        self.groups = group_regions(views, self.word)
-        one = len(views) == 1 and views[0].is_contiguous() and views[0].shape[1] == row_bytes
-        self.direct: torch.Tensor | None = views[0] if one else None
+        self.specs = [(g.column, g.count, g.page) for g in group_regions(views, self.word)]
+        self.direct = len(views) == 1 and views[0].is_contiguous() and views[0].shape[1] == row_bytes
         self.chunk_rows = max(1, staging_bytes // 2 // row_bytes)
-        self.index_capacity = max(store.shape[0], views[0].shape[0]) if views else store.shape[0]
-        self.copy_stream = torch.cuda.Stream(device=device)
-        self.xfer_stream = torch.cuda.Stream(device=device)
+        self.index_capacity = max(store.shape[0], cache.num_blocks)
+        self.copy_stream = torch.cuda.Stream(device=self.device)
+        self.xfer_stream = torch.cuda.Stream(device=self.device)
         self._filled = [torch.cuda.Event(), torch.cuda.Event()]
         self._freed = [torch.cuda.Event(), torch.cuda.Event()]
         self._staging: torch.Tensor | None = None
@@ -136,18 +138,16 @@ class StagedCopier:
         self._index_dev: torch.Tensor | None = None
 
     def close(self) -> None:
-        """Drop the staging and index buffers and the views of engine memory (every swap has
-        completed when it returned)."""
+        """Drop the staging and index buffers (every swap has completed when it returned)."""
         self._staging = self._index_host = self._index_dev = None
         self._group_views = []
-        self.groups, self.direct = [], None
 
     # --- buffers, allocated once ---------------------------------------------------
 
     def _buffers(self) -> torch.Tensor:
         if self._staging is None:
             self._staging = torch.empty((2, self.chunk_rows, self.store.shape[1]), dtype=torch.uint8, device=self.device)
-            self._group_views = [[self._group_view(buf, g) for g in self.groups] for buf in self._staging]
+            self._group_views = [[self._group_view(buf, *spec) for spec in self.specs] for buf in self._staging]
         return self._staging
 
     def _upload_index(self, blocks: Sequence[int]) -> torch.Tensor:
@@ -161,11 +161,15 @@ class StagedCopier:
         self._index_dev[:n].copy_(self._index_host[:n], non_blocking=True)
         return self._index_dev
 
-    def _group_view(self, staging: torch.Tensor, group: Group) -> torch.Tensor:
-        """A staging buffer's columns of ``group`` as ``[count, rows, page]`` words (built once: a
+    def _group_view(self, staging: torch.Tensor, column: int, count: int, page: int) -> torch.Tensor:
+        """A staging buffer's columns of one group as ``[count, rows, page]`` words (built once: a
         chunk slices it, one view op instead of four per region and chunk)."""
-        cols = staging.view(_WORDS[self.word])[:, group.column:group.column + group.count * group.page]
-        return cols.view(self.chunk_rows, group.count, group.page).transpose(0, 1)
+        cols = staging.view(_WORDS[self.word])[:, column:column + count * page]
+        return cols.view(self.chunk_rows, count, page).transpose(0, 1)
+
+    def _sources(self) -> list[torch.Tensor]:
+        """Each group's engine memory as ``[count, blocks, page]`` words (kept by the cache, not here)."""
+        return self.cache.derived(("groups", self.word), lambda views: [g.source for g in group_regions(views, self.word)])
 
     # --- swaps -----------------------------------------------------------------------
 
@@ -190,7 +194,7 @@ class StagedCopier:
         return index[chunk.pos:chunk.pos + chunk.n]
 
     def _is_direct(self, chunk: Chunk) -> bool:
-        return self.direct is not None and chunk.block_start is not None and len(chunk.row_runs) == 1
+        return self.direct and chunk.block_start is not None and len(chunk.row_runs) == 1
 
     def _finish(self) -> None:
         """Return once everything both streams were given has completed."""
@@ -203,25 +207,25 @@ class StagedCopier:
         """Engine blocks -> tier rows (ids already checked)."""
         pairs = sorted(zip(rows, blocks))
         chunks, index = self._begin(pairs, wait_event)
-        copy, xfer, store = self.copy_stream, self.xfer_stream, self.store
+        copy, xfer, store, sources, views = self.copy_stream, self.xfer_stream, self.store, self._sources(), self.cache.views
         staged = 0
         for c in chunks:
             if self._is_direct(c):
-                assert self.direct is not None and c.block_start is not None
+                assert c.block_start is not None
                 with torch.cuda.stream(xfer):
                     row = c.row_runs[0][0]
-                    store[row:row + c.n].copy_(self.direct[c.block_start:c.block_start + c.n], non_blocking=True)
+                    store[row:row + c.n].copy_(views[0][c.block_start:c.block_start + c.n], non_blocking=True)
                 continue
             h, buf = staged % 2, self._buffers()[staged % 2]
             with torch.cuda.stream(copy):
                 if staged >= 2:
                     copy.wait_event(self._freed[h])  # the transfer of chunk k-2 has read this buffer
                 b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
-                for g, view in zip(self.groups, self._group_views[h]):
+                for source, view in zip(sources, self._group_views[h]):
                     if idx is None:
-                        view[:, :c.n].copy_(g.source[:, b0:b0 + c.n], non_blocking=True)
+                        view[:, :c.n].copy_(source[:, b0:b0 + c.n], non_blocking=True)
                     else:
-                        torch.index_select(g.source, 1, idx, out=view[:, :c.n])
+                        torch.index_select(source, 1, idx, out=view[:, :c.n])
                 self._filled[h].record(copy)
             with torch.cuda.stream(xfer):
                 xfer.wait_event(self._filled[h])
@@ -235,14 +239,14 @@ class StagedCopier:
         """Tier rows -> engine blocks (ids already checked)."""
         pairs = sorted(zip(rows, blocks))
         chunks, index = self._begin(pairs, wait_event)
-        copy, xfer, store = self.copy_stream, self.xfer_stream, self.store
+        copy, xfer, store, sources, views = self.copy_stream, self.xfer_stream, self.store, self._sources(), self.cache.views
         staged = 0
         for c in chunks:
             if self._is_direct(c):
-                assert self.direct is not None and c.block_start is not None
+                assert c.block_start is not None
                 with torch.cuda.stream(xfer):
                     row = c.row_runs[0][0]
-                    self.direct[c.block_start:c.block_start + c.n].copy_(store[row:row + c.n], non_blocking=True)
+                    views[0][c.block_start:c.block_start + c.n].copy_(store[row:row + c.n], non_blocking=True)
                 continue
             h, buf = staged % 2, self._buffers()[staged % 2]
             with torch.cuda.stream(xfer):
@@ -254,11 +258,11 @@ class StagedCopier:
             with torch.cuda.stream(copy):
                 copy.wait_event(self._filled[h])
                 b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
-                for g, view in zip(self.groups, self._group_views[h]):
+                for source, view in zip(sources, self._group_views[h]):
                     if idx is None:
-                        g.source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
+                        source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
                     else:
-                        g.source.index_copy_(1, idx, view[:, :c.n])
+                        source.index_copy_(1, idx, view[:, :c.n])
                 self._freed[h].record(copy)
             staged += 1
         self._finish()
