@@ -20,8 +20,10 @@ of one contiguous region whose page is a whole tier row copies a chunk whose
 blocks and rows are both one run directly, without staging.
 
 Everything is allocated once per (cache, tier) pair: the staging buffers,
-the device index buffer and its pinned upload buffer, the events.  A swap
-returns only after an event behind its last copy has completed.
+the device index buffer and its pinned upload buffer, the events.  Views of
+engine memory are never kept here: the grouped views live in the cache
+(``EngineCache.derived``), so ``release()`` alone lets the engine free.  A
+swap returns only after an event behind its last copy has completed.
 """
 
 from __future__ import annotations
@@ -205,64 +207,64 @@ class StagedCopier:
 
     def swap_out(self, blocks: Sequence[int], rows: Sequence[int], wait_event: Any = None) -> None:
         """Engine blocks -> tier rows (ids already checked)."""
-        pairs = sorted(zip(rows, blocks))
-        chunks, index = self._begin(pairs, wait_event)
-        copy, xfer, store, sources, views = self.copy_stream, self.xfer_stream, self.store, self._sources(), self.cache.views
-        staged = 0
-        for c in chunks:
-            if self._is_direct(c):
-                assert c.block_start is not None
-                with torch.cuda.stream(xfer):
-                    row = c.row_runs[0][0]
-                    store[row:row + c.n].copy_(views[0][c.block_start:c.block_start + c.n], non_blocking=True)
-                continue
-            h, buf = staged % 2, self._buffers()[staged % 2]
-            with torch.cuda.stream(copy):
-                if staged >= 2:
-                    copy.wait_event(self._freed[h])  # the transfer of chunk k-2 has read this buffer
-                b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
-                for source, view in zip(sources, self._group_views[h]):
-                    if idx is None:
-                        view[:, :c.n].copy_(source[:, b0:b0 + c.n], non_blocking=True)
-                    else:
-                        torch.index_select(source, 1, idx, out=view[:, :c.n])
-                self._filled[h].record(copy)
-            with torch.cuda.stream(xfer):
-                xfer.wait_event(self._filled[h])
-                for row, off, n in c.row_runs:
-                    store[row:row + n].copy_(buf[off:off + n], non_blocking=True)
-                self._freed[h].record(xfer)
-            staged += 1
-        self._finish()
+        self._swap(sorted(zip(rows, blocks)), wait_event, out=True)
 
     def swap_in(self, rows: Sequence[int], blocks: Sequence[int], wait_event: Any = None) -> None:
         """Tier rows -> engine blocks (ids already checked)."""
-        pairs = sorted(zip(rows, blocks))
+        self._swap(sorted(zip(rows, blocks)), wait_event, out=False)
+
+    def _swap(self, pairs: list[tuple[int, int]], wait_event: Any, out: bool) -> None:
+        """The pipeline: per chunk, one stream fills staging buffer k % 2 (swap-out: the copy
+        stream gathers; swap-in: the transfer stream loads rows) and the other drains it; a
+        stream refills a buffer only after the drain of chunk k - 2 from it."""
         chunks, index = self._begin(pairs, wait_event)
-        copy, xfer, store, sources, views = self.copy_stream, self.xfer_stream, self.store, self._sources(), self.cache.views
+        sources, views = self._sources(), self.cache.views
+        fill, drain = (self.copy_stream, self.xfer_stream) if out else (self.xfer_stream, self.copy_stream)
         staged = 0
         for c in chunks:
             if self._is_direct(c):
-                assert c.block_start is not None
-                with torch.cuda.stream(xfer):
-                    row = c.row_runs[0][0]
-                    views[0][c.block_start:c.block_start + c.n].copy_(store[row:row + c.n], non_blocking=True)
+                b0, row = c.block_start or 0, c.row_runs[0][0]
+                with torch.cuda.stream(self.xfer_stream):
+                    if out:
+                        self.store[row:row + c.n].copy_(views[0][b0:b0 + c.n], non_blocking=True)
+                    else:
+                        views[0][b0:b0 + c.n].copy_(self.store[row:row + c.n], non_blocking=True)
                 continue
             h, buf = staged % 2, self._buffers()[staged % 2]
-            with torch.cuda.stream(xfer):
+            with torch.cuda.stream(fill):
                 if staged >= 2:
-                    xfer.wait_event(self._freed[h])  # the scatter of chunk k-2 has read this buffer
-                for row, off, n in c.row_runs:
-                    buf[off:off + n].copy_(store[row:row + n], non_blocking=True)
-                self._filled[h].record(xfer)
-            with torch.cuda.stream(copy):
-                copy.wait_event(self._filled[h])
-                b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
-                for source, view in zip(sources, self._group_views[h]):
-                    if idx is None:
-                        source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
-                    else:
-                        source.index_copy_(1, idx, view[:, :c.n])
-                self._freed[h].record(copy)
+                    fill.wait_event(self._freed[h])  # chunk k-2 was drained from this buffer
+                if out:
+                    self._gather(c, sources, self._group_views[h], index)
+                else:
+                    for row, off, n in c.row_runs:
+                        buf[off:off + n].copy_(self.store[row:row + n], non_blocking=True)
+                self._filled[h].record(fill)
+            with torch.cuda.stream(drain):
+                drain.wait_event(self._filled[h])
+                if out:
+                    for row, off, n in c.row_runs:
+                        self.store[row:row + n].copy_(buf[off:off + n], non_blocking=True)
+                else:
+                    self._scatter(c, sources, self._group_views[h], index)
+                self._freed[h].record(drain)
             staged += 1
         self._finish()
+
+    def _gather(self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None) -> None:
+        """Engine blocks of chunk ``c`` -> staging rows, one kernel per group (on the current stream)."""
+        b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
+        for source, view in zip(sources, staged):
+            if idx is None:
+                view[:, :c.n].copy_(source[:, b0:b0 + c.n], non_blocking=True)
+            else:
+                torch.index_select(source, 1, idx, out=view[:, :c.n])
+
+    def _scatter(self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None) -> None:
+        """Staging rows -> engine blocks of chunk ``c``, one kernel per group (on the current stream)."""
+        b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
+        for source, view in zip(sources, staged):
+            if idx is None:
+                source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
+            else:
+                source.index_copy_(1, idx, view[:, :c.n])
