@@ -4,10 +4,13 @@
 pairs and coalesce runs of consecutive (src, dst) into one slice copy per
 region: no index tensors, no ``index_put_`` temporaries (FIELD-NOTES
 "Speed"); on CPU a short run is a ``memmove`` per row (``_copy_rows_cpu``).
-On CUDA a run becomes one contiguous transfer to or from the pinned tier
-through a device staging buffer; the copies go on a copy stream that first waits for the engine's compute stream (or for an event the
-engine passed with the task), and a swap returns only after a CUDA event
-recorded behind the last copy has completed: a caller may report ``ok``
+On CUDA (``staging``) the pairs are gathered on the device into staging
+buffers laid out like tier rows and cross the link in one contiguous
+transfer per chunk to or from the pinned tier: no host-side scatter, no
+allocation per task.  The copies go on streams that first wait for the
+engine's compute stream (or for an event the engine passed with the task),
+and a swap returns only after a CUDA event recorded behind the last copy
+has completed: a caller may report ``ok``
 the moment it returns, and the engine may read a swap-in's blocks then.
 
 Ordering the engine must keep (docs/engines.md): submit a swap-out only for
@@ -23,6 +26,7 @@ import torch
 
 from .errors import CacheError
 from .regions import EngineCache, check_ids
+from .staging import STAGING_BYTES, StagedCopier, group_regions
 from .tier import CpuTier
 
 
@@ -64,74 +68,94 @@ def _copy_rows_cpu(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, i
                 memmove(dp + (d + i) * ds, sp + (s + i) * ss, page)
 
 
-# CUDA staging: how many bytes of device memory the copy engine may use to turn
-# a run of blocks into one contiguous host transfer (the only device memory
-# zkv allocates; dropped by close()).
-STAGING_BYTES = 32 << 20
-
-
-def _chunks(runs: list[tuple[int, int, int]], limit: int) -> list[tuple[int, int, int]]:
-    """Split runs longer than ``limit`` rows."""
-    out = []
-    for s, d, n in runs:
-        for k in range(0, n, limit):
-            out.append((s + k, d + k, min(limit, n - k)))
-    return out
+def _copy_groups_cpu(groups: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]],
+                     runs: list[tuple[int, int, int]], out: bool) -> None:
+    """Per group of equally spaced regions of one buffer (``staging.group_regions``): a run that
+    moves at least SLICE_COPY_MIN_ROWS pages is one strided copy for the whole group (zkv's own
+    store: every layer's K and V at once); the others go region by region (``_copy_rows_cpu``)."""
+    for engine3, tier3, views, columns in groups:
+        count, rest = engine3.shape[0], []
+        for s, d, n in runs:
+            if count == 1 or n * count < SLICE_COPY_MIN_ROWS:
+                rest.append((s, d, n))
+            elif out:
+                tier3[d:d + n].copy_(engine3[:, s:s + n].transpose(0, 1))
+            else:
+                engine3[:, d:d + n].copy_(tier3[s:s + n].transpose(0, 1))
+        for view, column in zip(views, columns) if rest else ():
+            if out:
+                _copy_rows_cpu(view, column, rest)
+            else:
+                _copy_rows_cpu(column, view, rest)
 
 
 class CopyEngine:
     """Block copies for one attached cache and one tier (one thread drives it).
 
-    On CUDA a run is gathered, region by region, into a device staging
-    buffer laid out like tier rows, then moved in one contiguous transfer to
-    the pinned tier (and the reverse for swap-in); a one-region cache whose
-    pages are adjacent copies directly.  Every copy is ``non_blocking`` on
-    ``copy_stream``."""
+    On CPU a run is a slice copy or a ``memmove`` per row, region by region,
+    or one strided copy for a group of equally spaced regions of one buffer.
+    On CUDA (``staging.StagedCopier``) the pairs go through two device
+    staging buffers in tier-row layout: a gather on the copy stream, which
+    first waits for the engine's compute stream, and one contiguous transfer
+    per chunk to or from the pinned tier on a transfer stream.
+
+    ``cuda`` forces the CUDA control flow (the recording fakes of the tests
+    run it on CPU tensors); by default it follows the cache's device."""
 
     def __init__(self, cache: EngineCache, tier: CpuTier, compute_stream: Any = None,
-                 staging_bytes: int = STAGING_BYTES):
+                 staging_bytes: int = STAGING_BYTES, cuda: bool | None = None):
         if not tier.fits(cache.descriptor):
             raise CacheError("bad_layout", "the CPU tier's rows do not match the cache's regions (page shape differs)")
         self.cache = cache
         self.tier = tier
-        self.cuda = cache.device.type == "cuda"
-        self.compute_stream = compute_stream
-        self.copy_stream = torch.cuda.Stream(device=cache.device) if self.cuda else None
-        self.staging_rows = max(1, staging_bytes // tier.row_bytes)
-        self._staging: torch.Tensor | None = None
-        self._spans, start = [], 0
-        for _, page in tier.page_shape:
-            self._spans.append((start, start + page))
-            start += page
+        self.cuda = cache.device.type == "cuda" if cuda is None else cuda
+        if self.cuda and cache.device.type == "cuda" and not tier.pinned:
+            raise CacheError("bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)")
+        self.staged = StagedCopier(cache, tier.store, compute_stream, staging_bytes) if self.cuda else None
+
+    def _groups_cpu(self, views: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+        """(engine ``[count, blocks, page]``, tier ``[rows, count, page]``, its region views, its tier
+        columns) per group; kept by the cache (``EngineCache.derived``), so its release drops them."""
+        out, i = [], 0
+        for g in group_regions(views, 1):
+            tier3 = self.tier.store[:, g.column:g.column + g.count * g.page].view(self.tier.rows, g.count, g.page)
+            out.append((g.source, tier3, views[i:i + g.count], self.tier.columns[i:i + g.count]))
+            i += g.count
+        return out
 
     def close(self) -> None:
-        """Drop the device staging buffer (call on clear, with ``cache.release()``)."""
-        self._staging = None
+        """Drop the device staging buffers (call on clear, with ``cache.release()``)."""
+        if self.staged is not None:
+            self.staged.close()
 
     def swap_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:
         """Copy engine blocks into tier rows; return bytes moved once the bytes are there."""
         self._check(src_blocks, dst_rows)
         self.cache.check_ids("src", src_blocks, unique=False)
         check_ids("dst", dst_rows, self.tier.rows, "cpu", unique=True)
-        runs = coalesce(src_blocks, dst_rows)
-        if self.cuda:
-            self._on_copy_stream(lambda: self._out_cuda(runs), wait_event)
-        else:
-            for view, column in zip(self.cache.views, self.tier.columns):
-                _copy_rows_cpu(view, column, runs)
-        return len(src_blocks) * self.cache.descriptor.block_bytes
+        return self.copy_out(src_blocks, dst_rows, wait_event)
 
     def swap_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
         """Copy tier rows into engine blocks; return bytes moved once the bytes are there."""
         self._check(src_rows, dst_blocks)
         check_ids("src", src_rows, self.tier.rows, "cpu", unique=False)
         self.cache.check_ids("dst", dst_blocks, unique=True)
-        runs = coalesce(src_rows, dst_blocks)
-        if self.cuda:
-            self._on_copy_stream(lambda: self._in_cuda(runs), wait_event)
+        return self.copy_in(src_rows, dst_blocks, wait_event)
+
+    def copy_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:
+        """``swap_out`` for ids a caller has already checked (``check_task``)."""
+        if self.staged is not None:
+            self.staged.swap_out(src_blocks, dst_rows, wait_event)
         else:
-            for column, view in zip(self.tier.columns, self.cache.views):
-                _copy_rows_cpu(column, view, runs)
+            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_blocks, dst_rows), out=True)
+        return len(src_blocks) * self.cache.descriptor.block_bytes
+
+    def copy_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
+        """``swap_in`` for ids a caller has already checked (``check_task``)."""
+        if self.staged is not None:
+            self.staged.swap_in(src_rows, dst_blocks, wait_event)
+        else:
+            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_rows, dst_blocks), out=False)
         return len(src_rows) * self.cache.descriptor.block_bytes
 
     def _check(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -139,53 +163,3 @@ class CopyEngine:
             raise CacheError("released", "the engine cache was released (cleared); attach a new generation")
         if len(src) != len(dst) or not src:
             raise CacheError("bad_block_id", f"src and dst must be equally long and non-empty ({len(src)} vs {len(dst)})")
-
-    # --- CUDA ------------------------------------------------------------------
-
-    def _on_copy_stream(self, enqueue: Any, wait_event: Any) -> None:
-        """Order after the engine, enqueue the copies, return when they completed."""
-        stream = self.copy_stream
-        assert stream is not None
-        if wait_event is not None:
-            stream.wait_event(wait_event)
-        else:
-            stream.wait_stream(self.compute_stream or torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(stream):
-            enqueue()
-            done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps instead of spinning a core
-            done.record(stream)
-        done.synchronize()
-
-    def _direct(self) -> torch.Tensor | None:
-        """The one region's view when it can be copied without staging."""
-        views = self.cache.views
-        return views[0] if len(views) == 1 and views[0].is_contiguous() else None
-
-    def _staging_buffer(self) -> torch.Tensor:
-        if self._staging is None:
-            self._staging = torch.empty((self.staging_rows, self.tier.row_bytes), dtype=torch.uint8, device=self.cache.device)
-        return self._staging
-
-    def _out_cuda(self, runs: list[tuple[int, int, int]]) -> None:
-        store, direct = self.tier.store, self._direct()
-        if direct is not None:
-            for s, d, n in runs:
-                store[d:d + n].copy_(direct[s:s + n], non_blocking=True)
-            return
-        staging = self._staging_buffer()
-        for s, d, n in _chunks(runs, self.staging_rows):
-            for view, (a, b) in zip(self.cache.views, self._spans):
-                staging[:n, a:b].copy_(view[s:s + n], non_blocking=True)
-            store[d:d + n].copy_(staging[:n], non_blocking=True)
-
-    def _in_cuda(self, runs: list[tuple[int, int, int]]) -> None:
-        store, direct = self.tier.store, self._direct()
-        if direct is not None:
-            for s, d, n in runs:
-                direct[d:d + n].copy_(store[s:s + n], non_blocking=True)
-            return
-        staging = self._staging_buffer()
-        for s, d, n in _chunks(runs, self.staging_rows):
-            staging[:n].copy_(store[s:s + n], non_blocking=True)
-            for view, (a, b) in zip(self.cache.views, self._spans):
-                view[d:d + n].copy_(staging[:n, a:b], non_blocking=True)

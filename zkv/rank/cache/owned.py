@@ -1,19 +1,19 @@
 """One rank's shard of the KV cache and the block copies between its tiers.
 
 Per layer a K and a V tensor ``[blocks, kv_heads, block_size, head_dim]`` on
-the device (``cuda:R`` when CUDA exists, else CPU) and a CPU swap space of the
-same per-block shape, pinned when CUDA exists so copies can be asynchronous.
+the device (``cuda:R`` when CUDA exists, else CPU), all slices of one
+``[2 * layers, blocks, ...]`` store, and a CPU swap space of the same blocks,
+pinned when CUDA exists so copies can be asynchronous.
 
-Each tier is one tensor ``[2 * layers, blocks, kv_heads, block_size, head_dim]``
-and the per-layer K and V tensors are its (contiguous) slices, so one copy
-call moves a block of every layer at once.  Copies are coalesced: id pairs are
-sorted and each run of consecutive (src, dst) becomes one slice ``copy_``
-(measured on CPU, 256 scattered 64 KiB blocks: 4x faster than a copy per
-layer, 1.4x faster than index_select + index_copy_).  On CUDA the copies go on
-a dedicated stream that first waits for the compute stream; scattered blocks
-are gathered on the source device into a staging buffer, moved in one
-transfer, and scattered on the other side.  Completion is awaited on a CUDA
-event, never by polling.
+The cache describes itself as regions (``layouts.zkv_native``) and its swap
+space is a block-major ``CpuTier`` (one contiguous row per block, holding
+its page of every layer), so both engines share one copy engine
+(``copier.CopyEngine``): on CPU coalesced runs become slice copies; on CUDA
+a swap is gathered on the device into a staging buffer allocated once and
+crosses the link in one contiguous transfer per chunk into or out of the
+pinned rows, on streams ordered after the compute stream, and returns only
+after a CUDA event behind the last copy completed.  ``cpu[i]`` is still
+layer i's per-layer view ``[cpu_blocks, kv_heads, block_size, head_dim]``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ import torch
 
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
+from . import layouts
 from .backend import Freed, TaskInvalid, check_task
-from .copier import coalesce
+from .copier import CopyEngine, coalesce
+from .regions import EngineCache
+from .staging import STAGING_BYTES
+from .tier import CpuTier
+
+__all__ = ["KVCache", "TaskInvalid", "block_digests", "coalesce", "pick_device", "tensor_bytes"]
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _BITS_DTYPES = {"bf16": torch.int16, "fp16": torch.int16, "fp32": torch.int32}
@@ -63,16 +69,19 @@ class KVCache:
     """The tensors of one rank and the operations the executor runs on them
     (the zkv-owned ``CacheBackend``)."""
 
-    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0):
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0,
+                 staging_bytes: int = STAGING_BYTES):
         self.device = torch.device(device)
         self.rank = rank
+        self.staging_bytes = staging_bytes  # device memory for the CUDA copy path's staging buffers
         self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device=self.device) if self.cuda else None
         self.layout = layout
         self.gpu: list[torch.Tensor] = []
         self.cpu: list[torch.Tensor] = []
         self.gpu_store: torch.Tensor | None = None
-        self.cpu_store: torch.Tensor | None = None
+        self.tier: CpuTier | None = None  # the swap space, block-major rows
+        self.engine: EngineCache | None = None  # gpu_store as regions
+        self.copier: CopyEngine | None = None
         self.cpu_kept = False
         self.allocate(layout)
 
@@ -92,37 +101,42 @@ class KVCache:
         one kept by ``free(keep_cpu=True)`` has the same shape: that one stays,
         bit for bit (``cpu_kept`` says whether it did).  Returns the bytes held.
         On an error (out of memory) nothing stays allocated and it propagates."""
-        kept = self.cpu_store is not None and self.cpu_shape(self.layout) == self.cpu_shape(layout)
+        kept = self.tier is not None and self.cpu_shape(self.layout) == self.cpu_shape(layout)
         self.free(keep_cpu=kept)
         self.layout = layout
         dtype = TORCH_DTYPES[layout.dtype]
         shape = (layout.kv_heads, layout.block_size, layout.head_dim)
-        tensors = 2 * layout.layers
         try:
-            self.gpu_store = torch.zeros((tensors, layout.gpu_blocks, *shape), dtype=dtype, device=self.device)
+            self.gpu_store = torch.zeros((2 * layout.layers, layout.gpu_blocks, *shape), dtype=dtype, device=self.device)
+            gpu = list(self.gpu_store.unbind(0))  # K0, V0, K1, V1, ...
+            self.engine = EngineCache.from_tensors(layouts.zkv_native(gpu[0::2], gpu[1::2]))
             if not kept:
-                self.cpu_store = torch.zeros((tensors, layout.cpu_blocks, *shape), dtype=dtype, pin_memory=self.cuda)
+                self.tier = CpuTier.for_cache(self.engine.descriptor, layout.cpu_blocks, pin=self.cuda)
+            assert self.tier is not None
+            self.copier = CopyEngine(self.engine, self.tier, staging_bytes=self.staging_bytes)
         except BaseException:
-            self.gpu_store = None
             self.free(keep_cpu=False)
             raise
-        assert self.gpu_store is not None and self.cpu_store is not None
-        self.gpu = list(self.gpu_store.unbind(0))  # K0, V0, K1, V1, ...
-        self.cpu = list(self.cpu_store.unbind(0))
+        self.gpu = gpu
+        self.cpu = [column.view(dtype).view(layout.cpu_blocks, *shape) for column in self.tier.columns]
         self.cpu_kept = kept
         return self.nbytes()
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop the device tensors (and the swap space unless kept); return bytes freed."""
         freed = sum(t.numel() * t.element_size() for t in self.gpu)
-        self.gpu, self.gpu_store = [], None
-        if not keep_cpu or self.cpu_store is None:
-            freed += sum(t.numel() * t.element_size() for t in self.cpu)
-            self.cpu, self.cpu_store = [], None
+        if self.copier is not None:
+            self.copier.close()
+        if self.engine is not None:
+            self.engine.release()
+        self.gpu, self.gpu_store, self.engine, self.copier = [], None, None, None
+        if not keep_cpu or self.tier is None:
+            freed += self.tier.nbytes if self.tier is not None else 0
+            self.cpu, self.tier = [], None
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # really return the memory to the driver
-        return Freed(freed, self.cpu_store is not None)
+        return Freed(freed, self.tier is not None)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.gpu + self.cpu)
@@ -144,39 +158,11 @@ class KVCache:
         return self.gpu if tier == "gpu" else self.cpu
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy blocks between tiers (all layers, K and V); return bytes moved."""
-        src_store, dst_store = (self.gpu_store, self.cpu_store) if op == "swap_out" else (self.cpu_store, self.gpu_store)
-        assert src_store is not None and dst_store is not None, "swap on a freed cache"
-        runs = coalesce(src, dst)
-        if not self.cuda:
-            for s, d, n in runs:
-                dst_store[:, d:d + n].copy_(src_store[:, s:s + n])
-            return len(src) * self.layout.block_bytes
-        assert self.copy_stream is not None
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            if len(runs) == 1:
-                s, d, n = runs[0]
-                dst_store[:, d:d + n].copy_(src_store[:, s:s + n], non_blocking=True)
-            else:
-                self._staged_copy(src_store, dst_store, src, dst)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        done.synchronize()
-        return len(src) * self.layout.block_bytes
-
-    def _staged_copy(self, src_store: torch.Tensor, dst_store: torch.Tensor, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Gather on the source device, one transfer, scatter on the destination."""
-        s_idx = torch.tensor(list(src), dtype=torch.long).to(src_store.device, non_blocking=True)
-        d_idx = torch.tensor(list(dst), dtype=torch.long).to(dst_store.device, non_blocking=True)
-        gathered = src_store.index_select(1, s_idx)
-        if gathered.device != dst_store.device:
-            staged = torch.empty(gathered.shape, dtype=gathered.dtype, device=dst_store.device, pin_memory=dst_store.device.type == "cpu")
-            staged.copy_(gathered, non_blocking=True)
-            gathered = staged
-            if dst_store.device.type == "cpu":
-                torch.cuda.current_stream(self.device).synchronize()  # host scatter needs the bytes
-        dst_store.index_copy_(1, d_idx, gathered)
+        """Copy blocks between tiers (all layers, K and V; ids validated); return bytes moved."""
+        assert self.copier is not None, "swap on a freed cache"
+        if op == "swap_out":
+            return self.copier.copy_out(src, dst)
+        return self.copier.copy_in(src, dst)
 
     def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
         """Write deterministic random bits (per seed, rank and id order) into blocks."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -321,6 +321,7 @@ class EngineCache:
                                              self._flats[r.buffer].storage_offset() + r.offset)
             for r in descriptor.regions
         ]
+        self._derived: dict[Any, Any] = {}
         devices = {v.device for v in self.views}
         if len(devices) != 1:
             raise CacheError("bad_layout", f"one rank's cache must be on one device, found {sorted(map(str, devices))}")
@@ -348,10 +349,20 @@ class EngineCache:
         from torch.multiprocessing.reductions import StorageWeakRef
         return [StorageWeakRef(flat.untyped_storage()) for flat in self._flats]
 
+    def derived(self, key: Any, build: Callable[[list[torch.Tensor]], Any]) -> Any:
+        """``build(views)`` (views derived from the regions, e.g. a copy engine's grouped views),
+        made once and kept with the views: ``release()`` drops it with them."""
+        if self.released:
+            raise CacheError("released", "the engine cache was released (cleared); attach a new generation")
+        if key not in self._derived:
+            self._derived[key] = build(self.views)
+        return self._derived[key]
+
     def release(self) -> None:
         """Drop every view and buffer reference zkv holds on engine memory (idempotent)."""
         self.views = []
         self._flats = []
+        self._derived = {}
 
 
 def check_ids(what: str, ids: Sequence[int], limit: int, tier: str, unique: bool) -> None:

@@ -1,0 +1,344 @@
+"""Every GPU check and figure of the copy path in one run (issue 16, item 3).
+
+``python -m zkv.rank.cache.gpu_check`` on a machine with a GPU (about a
+minute; ``--quick`` fewer repeats) prints:
+
+1. correctness: zkv's own cache (``KVCache``) and the engine-attached copy
+   engine swap blocks out and back in bit-identical (BLAKE2b block digests,
+   the bus's ``checksum``), through several staging chunks; the copies are
+   ordered after the engine's stream (a kernel writes the blocks on the
+   compute stream right before the swap, behind a GPU sleep: the swapped-out
+   bytes must be the written ones); CUDA IPC attach (``ipc_check``);
+2. bandwidth: 256 blocks of 2 MiB (32 layers x K/V x 16 tokens x 8 heads x
+   128 x bf16) and of 256 KiB, contiguous and scattered ids, swap_out and
+   swap_in, for both engines, each beside a torch pinned contiguous
+   ``copy_`` of the same bytes (host pinned <-> device, non_blocking +
+   synchronize), interleaved, median of the repeats; GB/s, the ratio and
+   PASS/FAIL against the targets (>= 0.9x of the pinned copy, >= 40 GB/s
+   one way).  Each configuration is also checked byte for byte at full size.
+
+``--device cpu`` runs the same flow with small sizes (seconds; what CI
+runs); there the targets do not apply.  ``--json PATH`` writes every figure.
+Exit status 0 when every check (and on CUDA every target) passed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import layouts
+from .bench_copy import _paired, _timed
+from .copier import CopyEngine
+from .owned import KVCache, block_digests
+from .regions import EngineCache
+from .staging import STAGING_BYTES
+from .tier import CpuTier
+from ...wire.layout import CacheLayout
+
+TARGET_RATIO = 0.9
+TARGET_GBPS = 40.0
+BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class Size:
+    """A model's KV block: ``layers`` x K/V pages of ``tokens x heads x head_dim`` bf16."""
+
+    layers: int
+    tokens: int = 16
+    heads: int = 8
+    head_dim: int = 128
+
+    @property
+    def name(self) -> str:
+        kib = self.block_bytes // 1024
+        return f"{kib // 1024}MiB" if kib % 1024 == 0 else f"{kib}KiB"
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        return (self.heads, self.tokens, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.tokens * self.heads * self.head_dim * 2
+
+    def layout(self, gpu_blocks: int, cpu_blocks: int) -> CacheLayout:
+        return CacheLayout(layers=self.layers, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size=self.tokens,
+                           kv_heads=self.heads, head_dim=self.head_dim, dtype="bf16")
+
+
+GPU_SIZES = (Size(32), Size(4))  # 2 MiB and 256 KiB blocks
+CPU_SIZES = (Size(4, tokens=8, heads=2, head_dim=64), Size(2, tokens=4, heads=2, head_dim=32))  # 16 KiB, 2 KiB
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+# --- the engines under test ----------------------------------------------------------
+
+
+class Rig:
+    """One engine's cache and tier: ``out(blocks, rows)``, ``into(rows, blocks)`` and a byte check."""
+
+    def __init__(self, engine: str, size: Size, blocks: int, rows: int, dev: torch.device,
+                 staging_bytes: int = STAGING_BYTES, compute_stream: Any = None):
+        self.engine, self.dev = engine, dev
+        if engine == "owned":
+            self.kv = KVCache(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
+            assert self.kv.copier is not None and self.kv.engine is not None and self.kv.tier is not None
+            self.cache, self.tier, self.copier = self.kv.engine, self.kv.tier, self.kv.copier
+        else:  # engine-attached: FastDeploy-style separate per-layer K and V tensors
+            shape = (blocks, *size.page_shape)
+            ks = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
+            vs = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
+            self.cache = EngineCache.from_tensors(layouts.fastdeploy(ks, vs))
+            self.tier = CpuTier.for_cache(self.cache.descriptor, rows, pin=dev.type == "cuda")
+            self.copier = CopyEngine(self.cache, self.tier, compute_stream, staging_bytes)
+        self.block_bytes = self.cache.descriptor.block_bytes
+
+    def out(self, blocks: list[int], rows: list[int]) -> None:
+        self.copier.swap_out(blocks, rows)
+
+    def into(self, rows: list[int], blocks: list[int]) -> None:
+        self.copier.swap_in(rows, blocks)
+
+    def randomize(self, seed: int) -> None:
+        gen = torch.Generator(device=self.dev).manual_seed(seed)
+        for v in self.cache.views:
+            v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, device=self.dev, generator=gen))
+
+    def same(self, blocks: list[int], rows: list[int]) -> bool:
+        """Engine blocks equal tier rows, byte for byte, in every region (compared on the device)."""
+        b = torch.tensor(blocks, device=self.dev)
+        r = torch.tensor(rows)
+        return all(torch.equal(v.index_select(0, b), c.index_select(0, r).to(self.dev)) for v, c in zip(self.cache.views, self.tier.columns))
+
+    def digests(self, tier: str, ids: list[int]) -> list[bytes]:
+        return block_digests(self.cache.views if tier == "gpu" else self.tier.columns, ids)
+
+    def close(self) -> None:
+        self.copier.close()
+        self.cache.release()
+        if self.engine == "owned":
+            self.kv.free()
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+            torch.cuda.empty_cache()
+
+
+def patterns(blocks: int, seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
+    """Contiguous ids, and scattered engine blocks (of twice as many) into a shuffled run of tier rows."""
+    rng = random.Random(seed)
+    return {"contiguous": (list(range(blocks)), list(range(blocks))),
+            "scattered": (rng.sample(range(2 * blocks), blocks), rng.sample(range(blocks), blocks))}
+
+
+# --- (a) correctness -----------------------------------------------------------------
+
+
+def check_round_trip(engine: str, size: Size, dev: torch.device) -> dict[str, Any]:
+    """Swap out and back in through 8-row staging chunks; digests must match."""
+    rig = Rig(engine, size, 64, 96, dev, staging_bytes=2 * 8 * size.block_bytes)
+    try:
+        rig.randomize(1)
+        rng = random.Random(2)
+        src = list(range(4, 24)) + rng.sample(range(24, 64), 30)  # a run and scattered ids
+        rows = list(range(50, 70)) + rng.sample(range(50), 30)
+        before = rig.digests("gpu", src)
+        rig.out(src, rows)
+        out_ok = rig.digests("cpu", rows) == before
+        dst = rng.sample(range(64), len(src))
+        for v in rig.cache.views:
+            v.zero_()
+        rig.into(rows, dst)
+        in_ok = rig.digests("gpu", dst) == before
+        return {"check": f"{engine} round trip", "ok": out_ok and in_ok, "swap_out_bit_identical": out_ok,
+                "swap_in_bit_identical": in_ok, "blocks": len(src), "chunks": -(-len(src) // 8)}
+    finally:
+        rig.close()
+
+
+def check_ordering(engine: str, size: Size, dev: torch.device) -> dict[str, Any]:
+    """A kernel on the engine's stream writes the blocks (behind a GPU sleep) right before the
+    swap_out, without a sync: the tier must hold the written bytes.  ``unordered_copy_saw_stale``
+    is a control: the same copy on a stream that does not wait (True shows the check can fail)."""
+    if dev.type != "cuda":
+        return {"check": f"{engine} copy stream after the engine stream", "ok": True, "skipped": "no CUDA streams on cpu"}
+    engine_stream = torch.cuda.Stream(device=dev) if engine == "attached" else torch.cuda.current_stream(dev)
+    rig = Rig(engine, size, 64, 64, dev, compute_stream=engine_stream if engine == "attached" else None)
+    try:
+        blocks, rows = random.Random(3).sample(range(64), 32), list(range(32))
+        torch.cuda.synchronize(dev)
+        with torch.cuda.stream(engine_stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write lands
+            for v in rig.cache.views:
+                v.fill_(0xA5)
+        rig.out(blocks, rows)  # no sync before: the copy stream must wait for the engine's
+        ok = all(bool((c[rows] == 0xA5).all()) for c in rig.tier.columns)
+        torch.cuda.synchronize(dev)
+        side, stale = torch.cuda.Stream(device=dev), torch.empty_like(rig.cache.views[0])
+        with torch.cuda.stream(engine_stream):
+            torch.cuda._sleep(200_000_000)
+            rig.cache.views[0].fill_(0x5A)
+        with torch.cuda.stream(side):
+            stale.copy_(rig.cache.views[0])  # no wait for the engine's stream
+        torch.cuda.synchronize(dev)
+        return {"check": f"{engine} copy stream after the engine stream", "ok": ok,
+                "unordered_copy_saw_stale": bool((stale != 0x5A).any())}
+    finally:
+        rig.close()
+
+
+def check_ipc(device: str) -> dict[str, Any]:
+    """``ipc_check`` in a child process (attach an engine's tensors across processes)."""
+    root = str(Path(__file__).resolve().parents[3])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "zkv.rank.cache.ipc_check", "--device", device],
+                          capture_output=True, text=True, timeout=300, env=env)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    ok = proc.returncode == 0 and bool(lines) and all(r.get("ok") for r in lines)
+    return {"check": f"ipc attach ({'CUDA IPC' if device == 'cuda' else 'shared memory'})", "ok": ok,
+            "layouts": {r.get("layout"): r.get("ok") for r in lines}, **({} if ok else {"stderr": proc.stderr[-2000:]})}
+
+
+# --- (b) bandwidth -------------------------------------------------------------------
+
+
+def bandwidth(engine: str, size: Size, dev: torch.device, reps: int) -> dict[str, Any]:
+    """swap_out / swap_in of BLOCKS blocks per id pattern beside a pinned contiguous copy_ of the same bytes."""
+    blocks = BLOCKS
+    rig = Rig(engine, size, 2 * blocks, blocks, dev)
+    nbytes = blocks * rig.block_bytes
+    cuda = dev.type == "cuda"
+    dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    result: dict[str, Any] = {"engine": engine, "size": size.name, "block_bytes": rig.block_bytes, "blocks": blocks,
+                              "mib": nbytes / 2**20, "regions": len(rig.cache.descriptor.regions)}
+    try:
+        for name, (ids, rows) in patterns(blocks).items():
+            rig.randomize(7)
+            rig.out(ids, rows)
+            out_ok = rig.same(ids, rows)
+            dst = random.Random(8).sample(range(2 * blocks), blocks) if name == "scattered" else [b + blocks for b in ids]
+            rig.into(rows, dst)
+            in_ok = rig.same(dst, rows)
+            fns: list[Callable[[], Any]] = [
+                lambda: host_buf.copy_(dev_buf, non_blocking=cuda), lambda: rig.out(ids, rows),  # noqa: B023
+                lambda: dev_buf.copy_(host_buf, non_blocking=cuda), lambda: rig.into(rows, ids)]  # noqa: B023
+            base_out, t_out, base_in, t_in = _timed(fns, reps, dev)
+            row: dict[str, Any] = {}
+            for op, base, ours in (("swap_out", base_out, t_out), ("swap_in", base_in, t_in)):
+                gbps, pinned = nbytes / statistics.median(ours) / 1e9, nbytes / statistics.median(base) / 1e9
+                ratio = _paired(base, ours)
+                row[op] = {"gbps": gbps, "pinned_copy_gbps": pinned, "ratio": ratio,
+                           "pass": (ratio >= TARGET_RATIO and gbps >= TARGET_GBPS) if cuda else None}
+            row["bytes_ok"] = out_ok and in_ok
+            result[name] = row
+    finally:
+        rig.close()
+    return result
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def environment(dev: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"torch": torch.__version__, "device": str(dev), "staging_mib": STAGING_BYTES / 2**20}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env.update(gpu=props.name, cuda=torch.version.cuda, memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            q = subprocess.run(["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current",
+                                "--format=csv,noheader", f"--id={dev.index or 0}"], capture_output=True, text=True, timeout=30)
+            env["pcie_gen_now_max_width"] = q.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["pcie_gen_now_max_width"] = "unknown (no nvidia-smi)"
+    return env
+
+
+def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
+    dev = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    sizes = GPU_SIZES if dev.type == "cuda" else CPU_SIZES
+    reps = (4 if quick else 10) if dev.type == "cuda" else 3
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"environment": environment(dev), "checks": [], "bandwidth": []}
+    say("environment: " + ", ".join(f"{k}={v}" for k, v in report["environment"].items()))
+    say("(a) correctness")
+    checks: list[tuple[str, Callable[[], dict[str, Any]]]] = []
+    for e in ("owned", "attached"):
+        checks.append((f"{e} round trip", lambda e=e: check_round_trip(e, sizes[-1], dev)))  # type: ignore[misc]
+        checks.append((f"{e} ordering", lambda e=e: check_ordering(e, sizes[-1], dev)))  # type: ignore[misc]
+    if ipc:
+        checks.append(("ipc attach", lambda: check_ipc(dev.type)))
+    for name, check in checks:
+        try:
+            r = check()
+        except Exception as exc:  # report and go on: a diagnostic prints every figure it can
+            r = {"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        report["checks"].append(r)
+        extra = {k: v for k, v in r.items() if k not in ("check", "ok")}
+        say(f"  {verdict(r['ok'])}  {r['check']}  {json.dumps(extra)}")
+    say(f"(b) bandwidth: {BLOCKS} blocks, GB/s beside a pinned contiguous copy_ of the same bytes (median of {reps},"
+        f" interleaved); targets >= {TARGET_RATIO}x and >= {TARGET_GBPS:.0f} GB/s one way{'' if dev.type == 'cuda' else ' (n/a on cpu)'}")
+    say(f"  {'engine':9} {'block':7} {'regions':>7} {'MiB':>5}  {'ids':10} {'op':8} {'GB/s':>7} {'pinned':>7} {'ratio':>6}  verdict")
+    for size in sizes:
+        for engine in ("owned", "attached"):
+            try:
+                r = bandwidth(engine, size, dev, reps)
+            except Exception as exc:
+                r = {"engine": engine, "size": size.name, "error": f"{type(exc).__name__}: {exc}"}
+                say(f"  {engine:9} {size.name:7} FAIL {r['error']}")
+                report["bandwidth"].append(r)
+                continue
+            report["bandwidth"].append(r)
+            for name in ("contiguous", "scattered"):
+                for op in ("swap_out", "swap_in"):
+                    c = r[name][op]
+                    say(f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8} {c['gbps']:>7.2f}"
+                        f" {c['pinned_copy_gbps']:>7.2f} {c['ratio']:>5.2f}x  {verdict(c['pass'])}"
+                        f"{'' if r[name]['bytes_ok'] else '  BYTES DIFFER'}")
+    report["seconds"] = time.perf_counter() - t0
+    failed = [c["check"] for c in report["checks"] if not c["ok"]]
+    for r in report["bandwidth"]:
+        if "error" in r:
+            failed.append(f"bandwidth {r['engine']} {r['size']}")
+            continue
+        for name in ("contiguous", "scattered"):
+            failed += [f"{r['engine']} {r['size']} {name} bytes"] if not r[name]["bytes_ok"] else []
+            failed += [f"{r['engine']} {r['size']} {name} {op}" for op in ("swap_out", "swap_in") if r[name][op]["pass"] is False]
+    report["failed"] = failed
+    say(f"{'ALL PASS' if not failed else 'FAILED: ' + '; '.join(failed)}  ({report['seconds']:.0f} s)")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default when present) or cpu")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--no-ipc", action="store_true", help="skip the cross-process attach check")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write every figure to this file")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here: run with --device cpu", file=sys.stderr)
+        return 2
+    report = run(args.device, args.quick, ipc=not args.no_ipc)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=1))
+    return 0 if not report["failed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
