@@ -32,6 +32,8 @@ from .tier import CpuTier
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """Merge id pairs into runs ``(src_start, dst_start, length)``."""
+    if len(src) == 1:  # the common small swap
+        return [(src[0], dst[0], 1)]
     runs: list[tuple[int, int, int]] = []
     s0 = d0 = length = 0
     for s, d in sorted(zip(src, dst)):

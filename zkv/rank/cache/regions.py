@@ -21,6 +21,8 @@ overlap) is refused here, at attach time, with ``CacheError("bad_layout")``.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterable, Sequence
@@ -170,9 +172,9 @@ class CacheDescriptor:
                                      f"{self.buffers[r.buffer].name!r}")
             active.append(r)
 
-    @property
+    @functools.cached_property
     def block_bytes(self) -> int:
-        """Bytes one block id stands for: its page in every region."""
+        """Bytes one block id stands for: its page in every region (asked per task: computed once)."""
         return sum(r.page_bytes for r in self.regions)
 
     @property
