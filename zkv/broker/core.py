@@ -28,6 +28,7 @@ import collections
 import logging
 from typing import Any
 
+from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..obs.book import BusBook
@@ -44,6 +45,9 @@ __all__ = ["Action", "BrokerConfig", "BrokerCore", "PendingOp", "Publish", "Rank
            "ToClient", "ToRank", "frames_of"]
 
 log = logging.getLogger("zkv.broker")
+# the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
+_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping"))
+_decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 
 
 class BrokerCore(Tasks, Control, Ranks, Recovery):
@@ -112,7 +116,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
         self.counters["client_msgs"] += 1
         try:
             P.check_frames(frames, 1, 2)
-            msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
+            msg = _decode_request(frames[0])
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
             self.book.bad_request(err.code)
@@ -164,7 +168,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
     def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         try:
             P.check_frames(frames, 1, 1)
-            msg = P.decode(frames[0], ("ready", "hb", "done", "ack"))
+            msg = _decode_rank_msg(frames[0])
         except P.ProtocolError as err:
             self.counters["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))

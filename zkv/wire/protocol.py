@@ -34,6 +34,7 @@ MAX_TIMEOUT_MS = 3_600_000  # timeout_ms, heartbeat_ms: one hour
 MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays < 2^53
 MAX_PID = 2**32 - 1
 MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
+DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
 MAX_STR = 4096  # any str field, in characters
 MAX_ADDRESS = 512  # reply_to
 MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
@@ -211,8 +212,8 @@ def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
             raise ProtocolError("too_large" if name == "digests" else "bad_field", f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries")
         if ok and name == "upto" and not all(is_uint(x) for x in value):
             raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
-        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == 16 for x in value):
-            raise ProtocolError("bad_field", f"{kind}.digests must be 16-byte bins")
+        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
+            raise ProtocolError("bad_field", f"{kind}.digests must be {DIGEST_BYTES}-byte bins")
     elif typ == _BIN:
         ok = isinstance(value, (bytes, bytearray))
     elif typ == _IDS:
@@ -335,7 +336,11 @@ class TaskBody:
 
 def decode_body(frame: bytes) -> TaskBody:
     """Decode a task body and check what needs no cache layout."""
-    msg = decode(frame, ("body",))
+    return task_body(decode(frame, ("body",)))
+
+
+def task_body(msg: dict) -> TaskBody:
+    """The checks of :func:`decode_body` on a body map ``decode`` accepted."""
     op = msg["op"]
     if op not in OPS:
         raise ProtocolError("bad_field", f"unknown op {op!r}; expected one of {', '.join(OPS)}")
