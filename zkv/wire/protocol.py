@@ -10,6 +10,7 @@ under ``tests/vectors``.  No pickle, ever.
 
 from __future__ import annotations
 
+import array
 import ipaddress
 import sys
 from dataclasses import dataclass
@@ -291,8 +292,6 @@ def pack_ids(ids: Any) -> bytes:
         return bytes(ids)
     if callable(getattr(ids, "tolist", None)):
         ids = ids.tolist()
-    import array
-
     arr = array.array("i", ids)
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
@@ -306,8 +305,6 @@ def unpack_ids(value: Any, field: str = "ids") -> list[int]:
             raise ProtocolError("bad_field", f"{field}: packed ids must be a multiple of 4 bytes, got {len(value)}")
         if len(value) // 4 > MAX_IDS:
             raise ProtocolError("too_large", f"{field}: more than {MAX_IDS} ids")
-        import array
-
         arr = array.array("i")
         arr.frombytes(value)
         if sys.byteorder != "little":  # pragma: no cover
