@@ -16,6 +16,9 @@ Rule 2: nothing here restates the protocol.  Fields, bounds and enums come
 from protocol.py's tables.  The encoders write the bytes ``protocol.encode``
 writes for the same fields (the golden vectors'), and leave absent optionals
 out, never nil.
+
+The decoders and the encoder keep no state between calls (and call no
+Python code): one may serve several threads.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
 
 def typed_dict(kind: str) -> type:
     """A TypedDict of ``kind``'s schema: the required fields (and ``v``,
-    ``kind``) required, the optional ones optional and nil-able (nil reads
-    as absent, as it does for ``validate``)."""
+    ``kind``) required, the optional ones optional and nil-able (``validate``
+    and the call sites take a nil as absent; the key stays, as it does there)."""
     required, optional = P.SCHEMAS[kind]
     must = {"v": _Literal[P.VERSION], "kind": _Literal[kind], **{n: _field_type(kind, n, t) for n, t in required.items()}}
     may = {n: typing.Optional[_field_type(kind, n, t)] for n, t in optional.items()}
