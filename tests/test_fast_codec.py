@@ -398,6 +398,7 @@ def mutated(draw):
     return kind, frame
 
 
+@pytest.mark.timeout(1800 if LONG else 120)
 @settings(max_examples=20_000 if LONG else 600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated(), st.sampled_from([None, "socket"]))
 def test_fast_accept_is_slow_accept_and_fast_refuse_is_slow_error(case, where):
