@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any
+from typing import Any, Callable
 
+from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..obs.book import BusBook
@@ -44,6 +45,10 @@ __all__ = ["Action", "BrokerConfig", "BrokerCore", "PendingOp", "Publish", "Rank
            "ToClient", "ToRank", "frames_of"]
 
 log = logging.getLogger("zkv.broker")
+# the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
+_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping"))
+_decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
+_decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 
 
 class BrokerCore(Tasks, Control, Ranks, Recovery):
@@ -112,7 +117,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
         self.counters["client_msgs"] += 1
         try:
             P.check_frames(frames, 1, 2)
-            msg = P.decode(frames[0], ("submit", "pause", "clear", "resume", "status", "ping"))
+            msg = _decode_request(frames[0])
         except P.ProtocolError as err:
             self.counters["bad_requests"] += 1
             self.book.bad_request(err.code)
@@ -170,13 +175,13 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
                 out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
                 return
             for frame in frames:  # each on its own: one bad frame loses no other's credit
-                self._on_rank_frame(identity, frame, ("done",), now, out)
+                self._on_rank_frame(identity, frame, _decode_done, now, out)
             return
-        self._on_rank_frame(identity, frames[0], ("ready", "hb", "done", "ack"), now, out)
+        self._on_rank_frame(identity, frames[0], _decode_rank_msg, now, out)
 
-    def _on_rank_frame(self, identity: bytes, frame: bytes, kinds: tuple[str, ...], now: float, out: list[Action]) -> None:
+    def _on_rank_frame(self, identity: bytes, frame: bytes, decode: Callable[[bytes], dict], now: float, out: list[Action]) -> None:
         try:
-            msg = P.decode(frame, kinds)
+            msg = decode(frame)
         except P.ProtocolError as err:
             self.counters["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..obs.book import BusBook, task_op
+from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.outcome import RankFold
 from .actions import Action, Record, ToRank
@@ -114,9 +115,7 @@ class Tasks:
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
-                extra = {"reply_key": task.reply_key} if task.reply_key else {}
-                header = P.encode("task", seq=task.seq, n=rs.dispatched, task=task.task, reply_to=task.reply_to, gen=self.gen,
-                                  session=rs.session, **extra)
+                header = F.encode_task(task.seq, rs.dispatched, task.task, task.reply_to, self.gen, task.reply_key or None, rs.session)
                 out.append(ToRank(rs.identity, [header, task.body]))
             self.counters["dispatched"] += 1
 

@@ -16,10 +16,11 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
+from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
@@ -28,6 +29,8 @@ from ..wire.outcome import TaskOutcome
 from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
 from ..net.curve import RESULTS_DOMAIN, Curve
+
+_decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
 
 
 class Client:
@@ -49,13 +52,13 @@ class Client:
         self.dealer.setsockopt(zmq.SNDTIMEO, int(min(request_timeout, 5.0) * 1000))
         self.pull = make_socket(self.ctx, zmq.PULL)
         self.auth = None
-        self._submit_extra: dict[str, Any] = {}
+        self._reply_key: str | None = None
         if curve is not None:
             # Our PULL is a Curve server that lets in only authorized ranks.
             curve.make_client(self.dealer)
             self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
             curve.make_server(self.pull, RESULTS_DOMAIN)
-            self._submit_extra["reply_key"] = curve.public_key()
+            self._reply_key = curve.public_key()
         self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None
         if reply_to is None:
@@ -95,7 +98,7 @@ class Client:
         task = next(self._task_ids)
         self.book.add(task, time.monotonic(), timeout)
         try:
-            self._send([P.encode("submit", task=task, reply_to=self.reply_to, **self._submit_extra), body])
+            self._send([F.encode_submit(task, self.reply_to, reply_key=self._reply_key), body])
         except ZkvError:
             self.book.open.pop(task, None)  # never sent: not a task
             raise
@@ -243,9 +246,9 @@ class Client:
         events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
         now = time.monotonic()
         if self.pull in events:
-            self._drain(self.pull, self._on_pull)
+            self._drain(self.pull, _decode_result, self._on_pull)
         if self.dealer in events:
-            self._drain(self.dealer, self._on_dealer)
+            self._drain(self.dealer, P.decode, self._on_dealer)
         for out in self.book.expire(now):
             self.finished[out.task] = out
         if self.book.moved:
@@ -253,10 +256,10 @@ class Client:
                 self.finished[out.task] = out
             self.book.moved.clear()
 
-    def _drain(self, sock: zmq.Socket, handle) -> None:
+    def _drain(self, sock: zmq.Socket, decode: Callable[[bytes], dict], handle: Callable[[dict], None]) -> None:
         for frames in ready_messages(sock, 4096):
             try:
-                handle(P.decode(frames[0]))
+                handle(decode(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable, Union
 
+from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Control
@@ -66,6 +67,7 @@ class Acked:
 
 
 RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
+_decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
 
 
 class RankPhase(Enum):
@@ -236,7 +238,7 @@ class RankCore:
             self.probe_held.append((header, body))
             return []
         try:
-            msg = P.decode(header, ("task",))
+            msg = _decode_task(header)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
@@ -406,7 +408,7 @@ class RankCore:
     def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
-        out: list[RankAction] = [ToBroker(P.encode("done", seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes), done=True)]
+        out: list[RankAction] = [ToBroker(F.encode_done(seq, n, outcome, gen, nbytes), done=True)]
         return out + self._maybe_ack()
 
     def on_cache_done(self, freed: int = 0, error: str = "", cpu_kept: bool | None = None) -> list[RankAction]:

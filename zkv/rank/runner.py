@@ -26,6 +26,7 @@ import zmq
 from ..net.curve import Curve
 from ..net.endpoints import make_socket
 from ..obs.book import RankBook
+from ..wire import fast as F
 from ..wire import protocol as P
 from .cache.backend import CacheBackend, TaskInvalid
 from .core import Execute
@@ -142,7 +143,7 @@ class TaskRunner:
                 # so it must not copy into blocks its client may have reused.
                 self.stats["dropped_stale_session"] += 1
                 raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
-            body = P.decode_body(ex.body)
+            body = F.decode_body(ex.body)
             op = body.op
             self.cache.validate(body)
             if self.paused_ack.is_set():
@@ -164,9 +165,6 @@ class TaskRunner:
             self.book.task_done(op, elapsed, nbytes)
         self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
-        fields: dict[str, Any] = {"bytes": nbytes, "elapsed_us": int(elapsed * 1e6)}
-        if digests is not None:
-            fields["digests"] = digests
-        senders.send(ex.reply_to, ex.reply_key, P.encode("result", task=ex.task, rank=self.rank, world=self.world,
-                                                         outcome=outcome, reason=reason, gen=ex.gen, **fields))
+        senders.send(ex.reply_to, ex.reply_key, F.encode_result(ex.task, self.rank, self.world, outcome, reason, ex.gen,
+                                                                nbytes, int(elapsed * 1e6), digests))
         return Finished(ex.seq, ex.n, outcome, nbytes, ex.gen)

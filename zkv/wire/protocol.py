@@ -10,6 +10,7 @@ under ``tests/vectors``.  No pickle, ever.
 
 from __future__ import annotations
 
+import array
 import ipaddress
 import sys
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ MAX_TIMEOUT_MS = 3_600_000  # timeout_ms, heartbeat_ms: one hour
 MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays < 2^53
 MAX_PID = 2**32 - 1
 MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
+DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
 MAX_STR = 4096  # any str field, in characters
 MAX_ADDRESS = 512  # reply_to
 MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
@@ -215,8 +217,8 @@ def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
             raise ProtocolError("too_large" if name == "digests" else "bad_field", f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries")
         if ok and name == "upto" and not all(is_uint(x) for x in value):
             raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
-        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == 16 for x in value):
-            raise ProtocolError("bad_field", f"{kind}.digests must be 16-byte bins")
+        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
+            raise ProtocolError("bad_field", f"{kind}.digests must be {DIGEST_BYTES}-byte bins")
     elif typ == _BIN:
         ok = isinstance(value, (bytes, bytearray))
     elif typ == _IDS:
@@ -294,8 +296,6 @@ def pack_ids(ids: Any) -> bytes:
         return bytes(ids)
     if callable(getattr(ids, "tolist", None)):
         ids = ids.tolist()
-    import array
-
     arr = array.array("i", ids)
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
@@ -309,8 +309,6 @@ def unpack_ids(value: Any, field: str = "ids") -> list[int]:
             raise ProtocolError("bad_field", f"{field}: packed ids must be a multiple of 4 bytes, got {len(value)}")
         if len(value) // 4 > MAX_IDS:
             raise ProtocolError("too_large", f"{field}: more than {MAX_IDS} ids")
-        import array
-
         arr = array.array("i")
         arr.frombytes(value)
         if sys.byteorder != "little":  # pragma: no cover
@@ -339,7 +337,11 @@ class TaskBody:
 
 def decode_body(frame: bytes) -> TaskBody:
     """Decode a task body and check what needs no cache layout."""
-    msg = decode(frame, ("body",))
+    return task_body(decode(frame, ("body",)))
+
+
+def task_body(msg: dict) -> TaskBody:
+    """The checks of :func:`decode_body` on a body map ``decode`` accepted."""
     op = msg["op"]
     if op not in OPS:
         raise ProtocolError("bad_field", f"unknown op {op!r}; expected one of {', '.join(OPS)}")

@@ -1,0 +1,63 @@
+"""The codec's cost per hot message: ``protocol``'s validating codec beside
+the typed fast path (``wire/fast.py``) on the same frames, in the same run.
+
+Each figure is the best of ``repeats`` timings of ``number`` calls, old and
+new in turns, in microseconds per call (the best: the other processes on the
+machine only ever add time).  Compare within one run only.
+"""
+
+from __future__ import annotations
+
+import timeit
+from typing import Any, Callable
+
+from ..wire import fast as F
+from ..wire import protocol as P
+
+_REPLY_TO = "ipc:///run/user/1000/zkv/client-12345-0123abcd.sock"  # as Client makes them
+
+
+def bench_codec(number: int = 20_000, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:
+    """``{kind: {"decode" | "encode": {"protocol_us", "fast_us", "speedup"}}}``
+    for the frames of a 1-block swap task on a 2-rank bus."""
+    body = P.encode_body("swap_out", [7], [3])
+    cases: dict[str, tuple[dict[str, Any], Callable[[], bytes], Callable[[], bytes]]] = {
+        "submit": ({"task": 1 << 40, "reply_to": _REPLY_TO},
+                   lambda: P.encode("submit", task=1 << 40, reply_to=_REPLY_TO),
+                   lambda: F.encode_submit(1 << 40, _REPLY_TO)),
+        "task": ({"seq": 123_456, "n": 61_728, "task": 1 << 40, "reply_to": _REPLY_TO, "gen": 3, "session": 987_654_321},
+                 lambda: P.encode("task", seq=123_456, n=61_728, task=1 << 40, reply_to=_REPLY_TO, gen=3, session=987_654_321),
+                 lambda: F.encode_task(123_456, 61_728, 1 << 40, _REPLY_TO, 3, None, 987_654_321)),
+        "done": ({"seq": 123_456, "n": 61_728, "outcome": "ok", "gen": 3, "bytes": 65_536},
+                 lambda: P.encode("done", seq=123_456, n=61_728, outcome="ok", gen=3, bytes=65_536),
+                 lambda: F.encode_done(123_456, 61_728, "ok", 3, 65_536)),
+        "result": ({"task": 1 << 40, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 3, "bytes": 65_536, "elapsed_us": 87},
+                   lambda: P.encode("result", task=1 << 40, rank=1, world=2, outcome="ok", reason="", gen=3, bytes=65_536, elapsed_us=87),
+                   lambda: F.encode_result(1 << 40, 1, 2, "ok", "", 3, 65_536, 87)),
+    }
+    sockets = {"submit": ("submit", "pause", "clear", "resume", "status", "ping"), "task": ("task",), "done": ("ready", "hb", "done", "ack"),
+               "result": None}
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, (fields, old_encode, new_encode) in cases.items():
+        report[kind] = {"decode": _decoding(kind, P.encode(kind, **fields), sockets[kind], number, repeats),
+                        "encode": _pair(old_encode, new_encode, number, repeats)}
+        assert new_encode() == old_encode()
+    assert F.decode_body(body) == P.decode_body(body)
+    report["body"] = {"decode": _pair(lambda: P.decode_body(body), lambda: F.decode_body(body), number, repeats)}
+    return report
+
+
+def _decoding(kind: str, frame: bytes, kinds: tuple[str, ...] | None, number: int, repeats: int) -> dict[str, float]:
+    fast = F.decoder(kind, kinds)
+    assert fast(frame) == P.decode(frame, kinds)
+    return _pair(lambda: P.decode(frame, kinds), lambda: fast(frame), number, repeats)
+
+
+def _pair(old: Callable[[], Any], new: Callable[[], Any], number: int, repeats: int) -> dict[str, float]:
+    """Old and new timed in turns, so a burst of load hits both alike."""
+    old_s, new_s = [], []
+    for _ in range(repeats):
+        old_s.append(timeit.timeit(old, number=number))
+        new_s.append(timeit.timeit(new, number=number))
+    old_us, new_us = round(min(old_s) / number * 1e6, 3), round(min(new_s) / number * 1e6, 3)
+    return {"protocol_us": old_us, "fast_us": new_us, "speedup": round(old_us / new_us, 2)}

@@ -1,0 +1,164 @@
+"""The typed fast path of the hot message kinds: ``submit``, ``task``,
+``done``, ``result`` and the task ``body``, the frames every task sends.
+
+Rule 1: it accepts only what :func:`protocol.decode` accepts, and returns the
+very map that would (same keys, values and types, so call sites stay as they
+are).  msgspec decodes a frame into a TypedDict built from the schema table,
+checking types (a bool or a float is not an int), ranges, enums and string
+lengths in C.  A frame it refuses, or cannot show it read the way msgpack
+does, goes to ``protocol.decode``, so every refusal is that codec's own
+ProtocolError, code and reason.  "Read the way msgpack does" is one test: the
+fixmap header counts as many entries as the map has keys.  Then no entry was
+skipped (msgspec skips an unknown field's value without the checks msgpack
+makes) and no key came twice.
+
+Rule 2: nothing here restates the protocol.  Fields, bounds and enums come
+from protocol.py's tables.  The encoders write the bytes ``protocol.encode``
+writes for the same fields (the golden vectors'), and leave absent optionals
+out, never nil.
+
+The decoders and the encoder keep no state between calls (and call no
+Python code): one may serve several threads.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from typing import Any, Callable, Iterable
+
+import msgspec
+
+from . import protocol as P
+
+HOT_KINDS = ("submit", "task", "done", "result", "body")
+_FIXMAP = 0x80  # a msgpack map of n < 16 entries is the byte 0x80 + n, then its entries
+# typing's special forms, built from values at import (so the checker sees Any)
+_Annotated: Any = typing.Annotated
+_Literal: Any = typing.Literal
+_TypedDict: Any = typing.TypedDict
+_Z85_KEY = r"\A[%s]{%d}\Z" % ("".join(re.escape(c) for c in sorted(P._Z85)), P.Z85_KEY_LEN)  # \Z: "$" passes a final "\n"
+
+
+def _str(name: str) -> Any:
+    if name == "reply_key":  # the check validate() makes of a reply_key wherever its schema names one
+        return _Annotated[str, msgspec.Meta(max_length=P.MAX_STR, pattern=_Z85_KEY)]
+    return _Annotated[str, msgspec.Meta(max_length=P.MAX_STR)]
+
+
+def _field_type(kind: str, name: str, typ: str) -> Any:
+    """The msgspec type that accepts a subset of what ``_check_field`` does."""
+    if typ == "uint":
+        lo, hi = P.uint_bounds(kind, name)
+        return _Annotated[int, msgspec.Meta(ge=lo, le=hi)]
+    if typ == "str":
+        allowed = P.ENUMS.get((kind, name))
+        return _str(name) if allowed is None else _Literal[allowed]
+    if typ == "bool":
+        return bool
+    if typ == "bin":
+        return bytes
+    if typ == "ids":  # int32 range, MAX_IDS and whole int32s are task_body's to check, as for the slow path
+        return bytes | list[int]
+    if (typ, name) == ("list", "digests"):
+        digest = _Annotated[bytes, msgspec.Meta(min_length=P.DIGEST_BYTES, max_length=P.DIGEST_BYTES)]
+        return _Annotated[list[digest], msgspec.Meta(max_length=P.LIST_MAX["digests"])]  # type: ignore[valid-type]
+    raise TypeError(f"the fast codec has no type for {kind}.{name} ({typ}); add one or leave the kind to protocol.decode")
+
+
+def typed_dict(kind: str) -> type:
+    """A TypedDict of ``kind``'s schema: the required fields (and ``v``,
+    ``kind``) required, the optional ones optional and nil-able (``validate``
+    and the call sites take a nil as absent; the key stays, as it does there)."""
+    required, optional = P.SCHEMAS[kind]
+    must = {"v": _Literal[P.VERSION], "kind": _Literal[kind], **{n: _field_type(kind, n, t) for n, t in required.items()}}
+    may = {n: typing.Optional[_field_type(kind, n, t)] for n, t in optional.items()}
+    base = _TypedDict(f"{kind.title()}Required", must)
+    return types.new_class(kind.title(), (base,), {"total": False}, lambda ns: ns.update({"__annotations__": may}))
+
+
+TYPES: dict[str, type] = {kind: typed_dict(kind) for kind in HOT_KINDS}
+_TYPED: dict[str, Callable[[bytes], dict]] = {kind: msgspec.msgpack.Decoder(t).decode for kind, t in TYPES.items()}
+Slow = Callable[[bytes, "tuple[str, ...] | None"], dict]
+
+
+def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.decode) -> Callable[[bytes], dict]:
+    """``protocol.decode(frame, expect_kinds)``, through ``hot``'s typed
+    decoder first: one per call site, made once.  ``slow`` decodes what the
+    typed decoder does not take (a test passes one that counts)."""
+    kinds = None if expect_kinds is None else tuple(expect_kinds)
+    if hot not in _TYPED or (kinds is not None and hot not in kinds):
+        raise ValueError(f"{hot!r} is not a hot kind of {kinds}")
+    typed, cap = _TYPED[hot], P.MAX_FRAME_BYTES
+
+    def decode(frame: bytes) -> dict:
+        if len(frame) <= cap:
+            try:
+                msg = typed(frame)
+            except Exception:  # noqa: BLE001 - any refusal: the slow path names it
+                pass
+            else:
+                if frame[0] == _FIXMAP + len(msg):
+                    return msg
+        return slow(frame, kinds)
+
+    decode.__doc__ = f"protocol.decode(frame, {kinds}), {hot} on the typed fast path"
+    return decode
+
+
+_body = decoder("body", ("body",))
+
+
+def decode_body(frame: bytes) -> P.TaskBody:
+    """:func:`protocol.decode_body`, the map read on the typed fast path."""
+    return P.task_body(_body(frame))
+
+
+# --- encoders: protocol.encode's bytes for the same fields ----------------------------
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def encode_submit(task: int, reply_to: str, timeout_ms: int | None = None, reply_key: str | None = None) -> bytes:
+    msg: dict[str, Any] = {"task": task, "reply_to": reply_to}
+    if timeout_ms is not None:
+        msg["timeout_ms"] = timeout_ms
+    if reply_key is not None:
+        msg["reply_key"] = reply_key
+    msg["v"] = P.VERSION
+    msg["kind"] = "submit"
+    return _encode(msg)
+
+
+def encode_task(seq: int, n: int, task: int, reply_to: str, gen: int, reply_key: str | None = None, session: int | None = None) -> bytes:
+    msg: dict[str, Any] = {"seq": seq, "n": n, "task": task, "reply_to": reply_to, "gen": gen}
+    if reply_key is not None:
+        msg["reply_key"] = reply_key
+    if session is not None:
+        msg["session"] = session
+    msg["v"] = P.VERSION
+    msg["kind"] = "task"
+    return _encode(msg)
+
+
+def encode_done(seq: int, n: int, outcome: str, gen: int, nbytes: int | None = None) -> bytes:
+    """``nbytes`` travels as ``bytes``."""
+    if nbytes is None:
+        return _encode({"seq": seq, "n": n, "outcome": outcome, "gen": gen, "v": P.VERSION, "kind": "done"})
+    return _encode({"seq": seq, "n": n, "outcome": outcome, "gen": gen, "bytes": nbytes, "v": P.VERSION, "kind": "done"})
+
+
+def encode_result(task: int, rank: int, world: int, outcome: str, reason: str, gen: int,
+                  nbytes: int | None = None, elapsed_us: int | None = None, digests: list[bytes] | None = None) -> bytes:
+    """``nbytes`` travels as ``bytes``."""
+    msg: dict[str, Any] = {"task": task, "rank": rank, "world": world, "outcome": outcome, "reason": reason, "gen": gen}
+    if nbytes is not None:
+        msg["bytes"] = nbytes
+    if elapsed_us is not None:
+        msg["elapsed_us"] = elapsed_us
+    if digests is not None:
+        msg["digests"] = digests
+    msg["v"] = P.VERSION
+    msg["kind"] = "result"
+    return _encode(msg)
