@@ -15,7 +15,6 @@ import zmq
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
 _PROBES = 3  # messages of a drain preceded by a zmq_poll (see ready_messages)
 
@@ -29,16 +28,18 @@ def ready_messages(sock: zmq.Socket, limit: int) -> Iterator[list[bytes]]:
     the socket alone ~2.5 us.  A wakeup with one task in flight brings one
     message, a loaded one tens, so it asks ``zmq_poll`` before the next few
     and lets the exception end a long drain."""
-    recv, get, probe = sock.recv, sock.get, [(sock, _POLLIN)]
+    recv, probe = sock.recv, [(sock, _POLLIN)]
     for i in range(limit):
         if 0 < i <= _PROBES and not zmq.zmq_poll(probe, 0):
             return
         try:
-            frames = [recv(_NOBLOCK)]
+            frame = recv(_NOBLOCK, False)  # a Frame knows whether more follow; get(RCVMORE) makes an enum
         except zmq.Again:
             return
-        while get(_RCVMORE):
-            frames.append(recv(_NOBLOCK))
+        frames = [frame.bytes]
+        while frame.more:
+            frame = recv(_NOBLOCK, False)
+            frames.append(frame.bytes)
         yield frames
 
 
