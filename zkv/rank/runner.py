@@ -118,6 +118,8 @@ class TaskRunner:
         self.book = book
         self.paused_ack = paused_ack
         self.session = session
+        self._inline_layout: object = None
+        self._inline_blocks = 0
 
     def small(self, ex: Execute) -> bool:
         """Whether ``ex`` is cheap enough for the I/O thread to run itself,
@@ -125,10 +127,14 @@ class TaskRunner:
         ids as int32, 8 bytes per (src, dst) pair; other encodings are at most
         ~4x denser, and a body over 4 KiB always goes to the executor, where a
         long copy delays no heartbeat."""
-        if len(ex.body) > INLINE_MAX_BODY:
+        size = len(ex.body)
+        if size > INLINE_MAX_BODY:
             return False
-        blocks = max(1, (len(ex.body) - 24) // 8)  # src and dst: 8 bytes per block pair
-        return blocks * self.cache.layout.block_bytes <= INLINE_MAX_BYTES
+        layout = self.cache.layout
+        if layout is not self._inline_layout:  # the layout changes only on an allocation: work its bound out once
+            self._inline_layout = layout
+            self._inline_blocks = max(1, INLINE_MAX_BYTES // max(1, layout.block_bytes))
+        return (size - 24) // 8 <= self._inline_blocks  # src and dst: 8 bytes per block pair
 
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return

@@ -262,9 +262,19 @@ class RankWorker:
         self._drain(self.reports, handle)
 
     def _act(self, actions: list) -> None:
-        self.executor.session = self.core.session  # before any task of this batch is queued
+        ex = self.executor
+        ex.session = self.core.session  # before any task of this batch is queued
         for action in actions:
-            if isinstance(action, ToBroker):
+            kind = type(action)
+            if kind is Execute:
+                if not self._queued and ex.runner.small(action):
+                    ex.stats["tasks_inline"] += 1
+                    done = ex.runner.run(action, self._inline_senders)
+                    self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
+                else:
+                    self._queued += 1
+                    ex.work.put(action)
+            elif kind is ToBroker:
                 if action.done:  # the credits of this wakeup go out together (_flush_dones)
                     self._dones.append(action.frame)
                     if len(self._dones) >= P.MAX_BATCH:
@@ -272,17 +282,13 @@ class RankWorker:
                     continue
                 self._flush_dones()
                 self._to_broker([action.frame])
-            elif isinstance(action, Acked):
+            elif kind is Acked:
                 if action.op in ("pause", "clear"):
-                    self.executor.paused_ack.set()
+                    ex.paused_ack.set()
                 else:
-                    self.executor.paused_ack.clear()
-            elif isinstance(action, Execute) and not self._queued and self.executor.runner.small(action):
-                self.executor.stats["tasks_inline"] += 1
-                done = self.executor.runner.run(action, self._inline_senders)
-                self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
-            elif isinstance(action, (Execute, FreeCache, AllocateCache)):
-                if isinstance(action, AllocateCache):
-                    self.executor.paused_ack.clear()
+                    ex.paused_ack.clear()
+            elif kind is FreeCache or kind is AllocateCache:
+                if kind is AllocateCache:
+                    ex.paused_ack.clear()
                 self._queued += 1
-                self.executor.work.put(action)
+                ex.work.put(action)
