@@ -78,6 +78,8 @@ class Broker:
                 Path(address[len("ipc://"):]).unlink(missing_ok=True)  # leave no stale socket files
         if self.auth is not None:
             self.auth.stop()
+        if self.state_file is not None:
+            self.state_file.close()
 
     def serve(self) -> None:
         """Run until stop() or KeyboardInterrupt; sockets are closed on return."""

@@ -1,11 +1,19 @@
-"""The broker's durable control state: one small JSON file, replaced atomically.
+"""The broker's durable control state: one small file of two JSON slots.
 
 Why a file of its own rather than only what ranks report on READY: ranks can
 be absent, frozen, restarted or disagree when a broker comes back, and none of
 them knows what a *client* last asked for (paused? cleared? which layout?).
-The state changes only on control operations (rare), so writing it on every
-change costs nothing; ``os.replace`` makes each write all-or-nothing.  What
-ranks report on READY is then reconciled against it (``BrokerCore._ready``).
+What ranks report on READY is then reconciled against it (``BrokerCore._ready``).
+
+It is written before every reply that reports a change, so it sits on the
+path of every pause, clear and resume (twice each).  A save is one ``pwrite``
+of a numbered, checksummed snapshot into the slot the previous save did not
+use (~10 us): a process killed at any instant leaves both slots whole (a
+write() completes before a signal is taken), and a host that loses power in
+the middle of one leaves the other, older snapshot to load.  The bytes reach
+the disk on a background thread right after (``fdatasync``), so no reply
+waits on it (issue 16: a temporary file, fsync and rename cost 0.6-1 ms per
+save, 1.2-2 ms per pause).  Each slot is a line of JSON (``cat`` shows them).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,30 +61,107 @@ def check_snapshot(data: Any) -> dict[str, Any]:
     return data
 
 
+SLOT_BYTES = 32768  # a snapshot's JSON is well under this (gen_reason is capped below)
+_REASON_CHARS = 2000
+
+
 class StateFile:
-    """Load and atomically save the broker's snapshot at ``path``."""
+    """Load and save the broker's snapshot at ``path`` (see the module docstring)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.seq = 0  # the number of the newest snapshot in the file
+        self._fd: int | None = None
+        self._dirty = threading.Event()
+        self._closed = False
+        self._syncer: threading.Thread | None = None
 
     def load(self) -> dict[str, Any] | None:
-        """The saved snapshot, or None when there is none (a first start).
-        A file that cannot be read or fails the checks raises ValueError:
-        starting ``running`` over a state a client set would be the silent
-        loss this file exists to prevent."""
+        """The newest whole snapshot, or None when there is none (a first start).
+        A file with no readable snapshot raises ValueError: starting ``running``
+        over a state a client set would be the silent loss this file exists
+        to prevent."""
         try:
-            text = self.path.read_text()
+            data = self.path.read_bytes()
         except FileNotFoundError:
             return None
         try:
-            return check_snapshot(json.loads(text))
+            if data[:1] == b"{" and len(data) < SLOT_BYTES:  # one plain snapshot: a file from before the slots
+                return check_snapshot(json.loads(data))
+            slots = [_read_slot(data[i:i + SLOT_BYTES]) for i in range(0, min(len(data), 2 * SLOT_BYTES), SLOT_BYTES)]
+            whole = [slot for slot in slots if slot is not None]
+            if not whole:
+                raise ValueError("no whole snapshot in either slot")
+            self.seq, snapshot = max(whole, key=lambda slot: slot[0])
+            return check_snapshot(snapshot)
         except ValueError as err:
             raise ValueError(f"broker state file {self.path} is unusable ({err}); fix or remove it") from None
 
     def save(self, snapshot: dict[str, Any]) -> None:
-        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(snapshot, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        if self._fd is None:
+            self._open()
+        assert self._fd is not None
+        if len(snapshot.get("gen_reason") or "") > _REASON_CHARS:
+            snapshot = dict(snapshot, gen_reason=snapshot["gen_reason"][:_REASON_CHARS])
+        body = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
+        line = json.dumps({"seq": self.seq + 1, "crc": zlib.crc32(body.encode()), "snapshot": snapshot}, sort_keys=True,
+                          separators=(",", ":")).encode()
+        if len(line) >= SLOT_BYTES:
+            raise OSError(f"a broker snapshot of {len(line)} bytes does not fit a {SLOT_BYTES}-byte slot")
+        self.seq += 1
+        os.pwrite(self._fd, line.ljust(SLOT_BYTES - 1) + b"\n", (self.seq % 2) * SLOT_BYTES)
+        if self._syncer is None:
+            self._syncer = threading.Thread(target=self._sync_behind, name="zkv-state-fsync", daemon=True)
+            self._syncer.start()
+        self._dirty.set()
+
+    def _open(self) -> None:
+        """Open (or make) the two-slot file; a file in the old one-snapshot form is rewritten by the first save."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_size != 2 * SLOT_BYTES:
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, 2 * SLOT_BYTES)
+        self._fd = fd
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)  # the file's name, on disk once
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def sync(self) -> None:
+        """Put what was saved on disk."""
+        if self._fd is not None:
+            os.fdatasync(self._fd)
+
+    def _sync_behind(self) -> None:
+        while True:
+            self._dirty.wait()
+            self._dirty.clear()
+            try:
+                self.sync()
+            except OSError as err:
+                log.error("cannot fsync the broker state %s: %s", self.path, err)
+            if self._closed:
+                return
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the fsync thread once the last save is on disk (bounded), and close the file."""
+        self._closed = True
+        if self._syncer is not None:
+            self._dirty.set()
+            self._syncer.join(timeout)
+        if self._fd is not None and (self._syncer is None or not self._syncer.is_alive()):
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_slot(raw: bytes) -> tuple[int, dict[str, Any]] | None:
+    """``(seq, snapshot)`` of a slot, or None for an empty or torn one."""
+    try:
+        slot = json.loads(raw)
+        body = json.dumps(slot["snapshot"], sort_keys=True, separators=(",", ":"))
+        if type(slot["seq"]) is int and slot["crc"] == zlib.crc32(body.encode()):
+            return slot["seq"], slot["snapshot"]
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None

@@ -50,6 +50,10 @@ from .runner import ResultSenders, TaskRunner
 log = logging.getLogger("zkv.worker")
 
 _ids = itertools.count()
+# The longest a done waits for company while the loop runs tasks inline: a
+# long run of small tasks must not hold every credit until its end (the
+# broker would book them all at once, on the way to a pause's ack).
+_DONES_HOLD_S = 0.0005
 
 
 class Executor(threading.Thread):
@@ -162,6 +166,7 @@ class RankWorker:
         # runs right here on the I/O thread (runner.py), with sockets of its own.
         self._queued = 0
         self._dones: list[bytes] = []  # done frames of this wakeup, sent as one message
+        self._dones_since = 0.0  # when the first of them was held
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
     def stop(self) -> None:
@@ -276,8 +281,10 @@ class RankWorker:
                     ex.work.put(action)
             elif kind is ToBroker:
                 if action.done:  # the credits of this wakeup go out together (_flush_dones)
+                    if not self._dones:
+                        self._dones_since = time.perf_counter()
                     self._dones.append(action.frame)
-                    if len(self._dones) >= P.MAX_BATCH:
+                    if len(self._dones) >= P.MAX_BATCH or time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
                         self._flush_dones()
                     continue
                 self._flush_dones()
