@@ -63,6 +63,10 @@ def check_snapshot(data: Any) -> dict[str, Any]:
 
 SLOT_BYTES = 32768  # a snapshot's JSON is well under this (gen_reason is capped below)
 _REASON_CHARS = 2000
+# The background fdatasync starts this long after a save: the reply that
+# save preceded is still on its way to the client and the ranks' next work
+# is starting, and the saves of one quick op (begin, end) share one sync.
+_SYNC_AFTER_S = 0.005
 
 
 class StateFile:
@@ -73,6 +77,7 @@ class StateFile:
         self.seq = 0  # the number of the newest snapshot in the file
         self._fd: int | None = None
         self._dirty = threading.Event()
+        self._closing = threading.Event()
         self._closed = False
         self._syncer: threading.Thread | None = None
 
@@ -136,6 +141,7 @@ class StateFile:
     def _sync_behind(self) -> None:
         while True:
             self._dirty.wait()
+            self._closing.wait(_SYNC_AFTER_S)  # not on the heels of the reply; at once when closing
             self._dirty.clear()
             try:
                 self.sync()
@@ -147,6 +153,7 @@ class StateFile:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the fsync thread once the last save is on disk (bounded), and close the file."""
         self._closed = True
+        self._closing.set()
         if self._syncer is not None:
             self._dirty.set()
             self._syncer.join(timeout)

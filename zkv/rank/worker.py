@@ -273,6 +273,8 @@ class RankWorker:
             kind = type(action)
             if kind is Execute:
                 if not self._queued and ex.runner.small(action):
+                    if self._dones and time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
+                        self._flush_dones()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
