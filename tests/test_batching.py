@@ -5,6 +5,7 @@ wakeup as one message.  Nothing is reordered, held back, or lost to a bad
 neighbour frame."""
 
 import threading
+import time
 
 import pytest
 import zmq
@@ -119,17 +120,27 @@ def recv_frames(sock: zmq.Socket, timeout_ms: int = 10_000) -> list[bytes]:
     return sock.recv_multipart()
 
 
+def first_such(sock: zmq.Socket, wanted, timeout_s: float = 20.0) -> list[bytes]:
+    """The first message for which ``wanted(frames)`` holds, skipping the
+    others (heartbeats), within ``timeout_s`` in all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0, "the awaited message never came"
+        frames = recv_frames(sock, left_ms)
+        if wanted(frames):
+            return frames
+
+
+def is_heartbeat(frames: list[bytes]) -> bool:
+    return len(frames) == 1 and P.decode(frames[0]) == {"v": 1, "kind": "hb"}
+
+
 def next_message(sock: zmq.Socket, welcome_first: bool = False) -> list[bytes]:
     """The next message from the broker that is not its plain heartbeat."""
-    while True:
-        frames = recv_frames(sock)
-        if len(frames) == 1 and P.decode(frames[0]) == {"v": 1, "kind": "hb"}:
-            continue
-        if welcome_first:
-            assert P.decode(frames[0])["kind"] == "welcome"
-            welcome_first = False
-            continue
-        return frames
+    if welcome_first:
+        assert P.decode(first_such(sock, lambda f: not is_heartbeat(f))[0])["kind"] == "welcome"
+    return first_such(sock, lambda f: not is_heartbeat(f))
 
 
 def status(client: zmq.Socket, req: int) -> dict:
@@ -164,8 +175,7 @@ def test_the_broker_sends_the_tasks_of_one_wakeup_as_one_message(endpoints, tmp_
             assert frames[1::2] == [body] * 5
             sock.send_multipart([done(h) for h in headers])
             sock.send(P.encode("hb", probe=True))  # answered after the dones before it on this connection
-            while P.decode(next_message(sock)[0]).get("probe") is not True:
-                pass
+            first_such(sock, lambda f: P.decode(f[0]).get("probe") is True)
         reply = status(client, 2)
         assert reply["inflight"] == 0 and reply["counters"]["ok"] == 5
     finally:
@@ -187,16 +197,13 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
         ready = P.decode(frame)
         router.send_multipart([ident, P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(),
                                                heartbeat_ms=1000, session=ready["session"])])
-        while P.decode(recv_frames(router)[1])["kind"] != "hb":  # the welcome's confirmation
-            pass
+        first_such(router, lambda f: P.decode(f[1])["kind"] == "hb")  # the welcome's confirmation
         tasks: list[bytes] = []
         for n in range(1, 4):
             tasks += [P.encode("task", seq=n, n=n, task=100 + n, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
                                session=ready["session"]), P.encode_body("fill", dst=[n], tier="gpu", seed=n)]
         router.send_multipart([ident, *tasks])
-        frames = recv_frames(router)[1:]
-        while P.decode(frames[0])["kind"] == "hb":
-            frames = recv_frames(router)[1:]
+        frames = first_such(router, lambda f: P.decode(f[1])["kind"] != "hb")[1:]
         dones = [P.decode(f) for f in frames]
         assert [(d["kind"], d["seq"], d["outcome"]) for d in dones] == [("done", n, "ok") for n in (1, 2, 3)]
         results = sorted(P.decode(recv_frames(pull)[0])["task"] for _ in range(3))

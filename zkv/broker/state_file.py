@@ -78,7 +78,6 @@ class StateFile:
         self._fd: int | None = None
         self._dirty = threading.Event()
         self._closing = threading.Event()
-        self._closed = False
         self._syncer: threading.Thread | None = None
 
     def load(self) -> dict[str, Any] | None:
@@ -147,12 +146,11 @@ class StateFile:
                 self.sync()
             except OSError as err:
                 log.error("cannot fsync the broker state %s: %s", self.path, err)
-            if self._closed:
+            if self._closing.is_set():
                 return
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the fsync thread once the last save is on disk (bounded), and close the file."""
-        self._closed = True
         self._closing.set()
         if self._syncer is not None:
             self._dirty.set()

@@ -19,7 +19,7 @@ import click
 
 from ..net.endpoints import Endpoints
 from ..wire.ids import decode_ids
-from .options import curve_from, curve_options, layout_from, layout_options
+from .options import broker_options, curve_from, curve_options, layout_from, layout_options
 
 _DEFAULT = Endpoints.default
 
@@ -115,26 +115,6 @@ def main(verbose: int) -> None:
 
 
 # --- processes ----------------------------------------------------------------------
-
-
-def broker_options(fn: Callable) -> Callable:
-    from ..broker.core import BrokerConfig
-
-    d = BrokerConfig()
-    opts = [
-        click.option("--max-inflight", type=int, default=d.max_inflight_per_rank, show_default=True, envvar="ZKV_MAX_INFLIGHT", show_envvar=True, help="Credits: tasks in flight per rank."),
-        click.option("--max-queue", type=int, default=d.max_queue, show_default=True, envvar="ZKV_MAX_QUEUE", show_envvar=True, help="Tasks held before submissions are rejected."),
-        click.option("--heartbeat-ms", type=int, default=d.heartbeat_ms, show_default=True, envvar="ZKV_HEARTBEAT_MS", show_envvar=True, help="Heartbeat interval, both ways."),
-        click.option("--liveness-ms", type=int, default=d.liveness_ms, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Silence after which a rank is dead."),
-        click.option("--op-timeout-ms", type=int, default=d.op_timeout_ms, show_default=True, envvar="ZKV_OP_TIMEOUT_MS", show_envvar=True, help="Default bound on pause/clear/resume."),
-        click.option("--max-open-per-client", type=int, default=d.max_open_per_client, show_default=True, envvar="ZKV_MAX_OPEN_PER_CLIENT", show_envvar=True, help="Open tasks (queued or in flight) one client connection may hold; more are rejected."),
-        click.option("--max-waiters-per-client", type=int, default=d.max_waiters_per_client, show_default=True, envvar="ZKV_MAX_WAITERS_PER_CLIENT", show_envvar=True, help="Held status --wait-ranks requests per client connection."),
-        click.option("--max-waiters", type=int, default=d.max_waiters, show_default=True, envvar="ZKV_MAX_WAITERS", show_envvar=True, help="Held status --wait-ranks requests in all."),
-        click.option("--allow-partial", is_flag=True, envvar="ZKV_ALLOW_PARTIAL", show_envvar=True, help="A rank dying during pause/clear/resume completes it without that rank instead of failing it."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
 
 
 def metrics_options(fn: Callable) -> Callable:

@@ -12,61 +12,16 @@ from __future__ import annotations
 
 import collections
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import Enum
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Control
+from .actions import Acked, AllocateCache, Execute, FreeCache, RankAction, ToBroker
 
-
-@dataclass(slots=True)
-class ToBroker:
-    """A frame for the broker; ``done`` frames may travel together, one
-    message per wakeup (docs/protocol.md §10.3), everything else alone and
-    after the dones before it.  (Slotted, not frozen, like ``Execute``: made
-    per task, and a frozen dataclass's ``__init__`` costs ~3 us, 6x a plain one.)"""
-
-    frame: bytes
-    done: bool = False
-
-
-@dataclass(slots=True)
-class Execute:
-    """Run one task on the executor (``refuse`` set: answer failed, no copy)."""
-
-    seq: int
-    n: int
-    task: int
-    reply_to: str
-    gen: int
-    body: bytes
-    refuse: str = ""
-    reply_key: str | None = None
-    session: int = 0  # the registration session it arrived in
-
-
-@dataclass(frozen=True)
-class FreeCache:
-    keep_cpu: bool
-
-
-@dataclass(frozen=True)
-class AllocateCache:
-    layout: CacheLayout
-
-
-@dataclass(frozen=True)
-class Acked:
-    """Informational: the rank acknowledged ``op`` at ``epoch`` (for instrumentation)."""
-
-    op: str
-    epoch: int
-
-
-RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
 _decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
 
 

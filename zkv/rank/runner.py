@@ -29,7 +29,7 @@ from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from .cache.backend import CacheBackend, TaskInvalid
-from .core import Execute
+from .actions import Execute
 
 log = logging.getLogger("zkv.worker")
 

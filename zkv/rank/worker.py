@@ -44,7 +44,8 @@ from .cache.owned import KVCache, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
 from ..obs.book import RankBook
-from .core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
+from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
+from .core import RankCore, RankRefused
 from .runner import ResultSenders, TaskRunner
 
 log = logging.getLogger("zkv.worker")
