@@ -89,112 +89,157 @@ def _label(value: Any, what: str, line: int, source: str) -> Any:
 
 def parse_trace(lines: Iterable[str], source: str = "trace") -> Trace:
     """Parse and validate a trace; raise :class:`TraceError` naming the line."""
-    header: Header | None = None
-    ops: list[Op] = []
-    tasks: dict[tuple[str, Any], TaskSpec] = {}
-    next_task: dict[str, int] = collections.defaultdict(lambda: 1)
-    segment = 0
-    offset = 0.0  # a later segment (an appended recording) starts where the last ended
-    seg_t = 0.0
-    last_t = 0.0
-    lineno = 0
+    parser = _Parser(source)
     for lineno, raw in enumerate(lines, 1):
         text = raw.strip()
-        if not text or text.startswith("#"):
-            continue
-        try:
-            rec = json.loads(text)
-        except ValueError as err:
-            raise TraceError(lineno, f"not valid JSON: {err}", source) from None
-        if not isinstance(rec, dict):
-            raise TraceError(lineno, f"a record must be a JSON object, got {type(rec).__name__}", source)
+        if text and not text.startswith("#"):
+            parser.record(_json_record(text, lineno, source), lineno)
+    return parser.finish()
+
+
+def _json_record(text: str, line: int, source: str) -> dict:
+    try:
+        rec = json.loads(text)
+    except ValueError as err:
+        raise TraceError(line, f"not valid JSON: {err}", source) from None
+    if not isinstance(rec, dict):
+        raise TraceError(line, f"a record must be a JSON object, got {type(rec).__name__}", source)
+    return rec
+
+
+class _Parser:
+    """The state of one parse: the header, the ops and tasks so far, and the
+    clock of the current segment (an appended recording starts where the last
+    one ended)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.header: Header | None = None
+        self.ops: list[Op] = []
+        self.tasks: dict[tuple[str, Any], TaskSpec] = {}
+        self.next_task: dict[str, int] = collections.defaultdict(lambda: 1)
+        self.segment = 0
+        self.offset = 0.0
+        self.seg_t = 0.0
+        self.last_t = 0.0
+        self.lineno = 0
+
+    def fail(self, message: str) -> TraceError:
+        return TraceError(self.lineno, message, self.source)
+
+    def finish(self) -> Trace:
+        if self.header is None:
+            raise TraceError(0, "empty trace: no header line", self.source)
+        return Trace(self.header, self.ops, self.tasks, self.source, self.lineno, self.segment + 1)
+
+    def record(self, rec: dict, lineno: int) -> None:
+        self.lineno = lineno
         if "zkv_trace" in rec:
-            h = _header(rec, lineno, source)
-            if header is None:
-                header = h
-            else:
-                if h.world != header.world:
-                    raise TraceError(lineno, f"appended session has world {h.world}, but the trace started with world {header.world}", source)
-                segment += 1
-                offset, seg_t = last_t, 0.0
-            continue
+            self._header(_header(rec, lineno, self.source))
+            return
+        header = self.header
         if header is None:
-            raise TraceError(lineno, 'the first record must be the header, e.g. {"zkv_trace": 1, "world": 2, "layout": null}', source)
+            raise self.fail('the first record must be the header, e.g. {"zkv_trace": 1, "world": 2, "layout": null}')
         ev = rec.get("ev")
         if ev not in EVENTS:
-            raise TraceError(lineno, f"unknown record type ev={ev!r}; expected one of {', '.join(EVENTS)}", source)
-        t = _number(rec, "t", lineno, source)
-        if t is None:
-            t = seg_t
-        elif t < seg_t:
-            raise TraceError(lineno, f"time goes backwards: t={t} after t={seg_t}", source)
-        seg_t = t
-        last_t = offset + t
+            raise self.fail(f"unknown record type ev={ev!r}; expected one of {', '.join(EVENTS)}")
+        self._advance_clock(rec)
         if ev == "rank" and header.layout is None and isinstance(rec.get("layout"), dict):
             try:  # a broker that puts the layout it learnt into its rank records
                 header.layout = CacheLayout.from_wire(rec["layout"])
             except (P.ProtocolError, TypeError):
                 pass
         if ev in ("control", "rank", "note"):
-            continue  # information only
+            return  # information only
         keys = {"submit": _SUBMIT_KEYS, "outcome": _OUTCOME_KEYS}.get(ev, _CONTROL_KEYS)
         unknown = [k for k in rec if k not in keys and not k.startswith("_")]
         if unknown:
-            raise TraceError(lineno, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in a {ev} record", source)
+            plural = "s" if len(unknown) > 1 else ""
+            raise self.fail(f"unknown field{plural} {', '.join(map(repr, unknown))} in a {ev} record")
         default_client = DEFAULT_CONTROL_CLIENT if ev in CONTROL_REQUESTS else DEFAULT_TASK_CLIENT
-        client = str(_label(rec.get("client", default_client), "client", lineno, source))
-        if segment:
-            client = f"s{segment}/{client}"
+        client = str(_label(rec.get("client", default_client), "client", lineno, self.source))
+        if self.segment:
+            client = f"s{self.segment}/{client}"
         if ev == "submit":
-            task = rec.get("task")
-            if task is None:
-                task = next_task[client]
-            task = _label(task, "task", lineno, source)
-            if isinstance(task, int):
-                next_task[client] = max(next_task[client], task + 1)
-            key = (client, task)
-            if key in tasks:
-                raise TraceError(lineno, f"task {task} of client {client} was already submitted at line {tasks[key].line}", source)
-            body, summary = _body(rec, lineno, source)
-            spec = TaskSpec(key, lineno, len(tasks), summary)
-            if rec.get("expect") is not None:
-                spec.expects.append((lineno, _expect_list(rec["expect"], P.OUTCOMES, lineno, source)))
-            tasks[key] = spec
-            ops.append(Op(lineno, ev, last_t, client, task, body))
+            self._submit(rec, client)
         elif ev == "outcome":
-            task = _label(rec.get("task"), "task", lineno, source)
-            submitted = tasks.get((client, task))
-            if submitted is None:
-                raise TraceError(lineno, f"outcome for task {task} of client {client}, which no earlier submit record names", source)
-            outcome = rec.get("outcome")
-            if outcome not in P.OUTCOMES:
-                raise TraceError(lineno, f"unknown outcome {outcome!r}; expected one of {', '.join(P.OUTCOMES)}", source)
-            submitted.recorded.append((lineno, outcome))
-            submitted.expects.append((lineno, (outcome,)))
+            self._outcome(rec, client)
         else:
-            params: dict[str, Any] = {}
-            if rec.get("timeout_ms") is not None:
-                v = rec["timeout_ms"]
-                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                    raise TraceError(lineno, f"timeout_ms must be a positive integer, got {v!r}", source)
-                params["timeout_ms"] = v
-            if ev == "clear" and rec.get("keep_cpu") is not None:
-                if not isinstance(rec["keep_cpu"], bool):
-                    raise TraceError(lineno, f"keep_cpu must be true or false, got {rec['keep_cpu']!r}", source)
-                params["keep_cpu"] = rec["keep_cpu"]
-            elif "keep_cpu" in rec:
-                raise TraceError(lineno, f"keep_cpu belongs to clear, not {ev}", source)
-            if ev == "resume" and rec.get("layout") is not None:
-                if not isinstance(rec["layout"], dict):
-                    raise TraceError(lineno, "resume layout must be an object like {\"gpu_blocks\": 128}", source)
-                params["layout"] = rec["layout"]
-            elif "layout" in rec:
-                raise TraceError(lineno, f"layout belongs to resume, not {ev}", source)
-            expect = _expect_list(rec["expect"], None, lineno, source) if rec.get("expect") is not None else None
-            ops.append(Op(lineno, ev, last_t, client, params=params, expect=expect))
-    if header is None:
-        raise TraceError(0, "empty trace: no header line", source)
-    return Trace(header, ops, tasks, source, lineno, segment + 1)
+            self._control(rec, ev, client)
+
+    def _header(self, h: Header) -> None:
+        if self.header is None:
+            self.header = h
+            return
+        if h.world != self.header.world:
+            raise self.fail(f"appended session has world {h.world}, but the trace started with world {self.header.world}")
+        self.segment += 1
+        self.offset, self.seg_t = self.last_t, 0.0
+
+    def _advance_clock(self, rec: dict) -> None:
+        t = _number(rec, "t", self.lineno, self.source)
+        if t is None:
+            t = self.seg_t
+        elif t < self.seg_t:
+            raise self.fail(f"time goes backwards: t={t} after t={self.seg_t}")
+        self.seg_t = t
+        self.last_t = self.offset + t
+
+    def _submit(self, rec: dict, client: str) -> None:
+        task = rec.get("task")
+        if task is None:
+            task = self.next_task[client]
+        task = _label(task, "task", self.lineno, self.source)
+        if isinstance(task, int):
+            self.next_task[client] = max(self.next_task[client], task + 1)
+        key = (client, task)
+        if key in self.tasks:
+            raise self.fail(f"task {task} of client {client} was already submitted at line {self.tasks[key].line}")
+        body, summary = _body(rec, self.lineno, self.source)
+        spec = TaskSpec(key, self.lineno, len(self.tasks), summary)
+        if rec.get("expect") is not None:
+            spec.expects.append((self.lineno, _expect_list(rec["expect"], P.OUTCOMES, self.lineno, self.source)))
+        self.tasks[key] = spec
+        self.ops.append(Op(self.lineno, "submit", self.last_t, client, task, body))
+
+    def _outcome(self, rec: dict, client: str) -> None:
+        task = _label(rec.get("task"), "task", self.lineno, self.source)
+        submitted = self.tasks.get((client, task))
+        if submitted is None:
+            raise self.fail(f"outcome for task {task} of client {client}, which no earlier submit record names")
+        outcome = rec.get("outcome")
+        if outcome not in P.OUTCOMES:
+            raise self.fail(f"unknown outcome {outcome!r}; expected one of {', '.join(P.OUTCOMES)}")
+        submitted.recorded.append((self.lineno, outcome))
+        submitted.expects.append((self.lineno, (outcome,)))
+
+    def _control(self, rec: dict, ev: str, client: str) -> None:
+        params = _control_params(rec, ev, self.lineno, self.source)
+        expect = _expect_list(rec["expect"], None, self.lineno, self.source) if rec.get("expect") is not None else None
+        self.ops.append(Op(self.lineno, ev, self.last_t, client, params=params, expect=expect))
+
+
+def _control_params(rec: dict, ev: str, line: int, source: str) -> dict[str, Any]:
+    """The parameters of a pause / clear / resume record, each checked."""
+    params: dict[str, Any] = {}
+    if rec.get("timeout_ms") is not None:
+        v = rec["timeout_ms"]
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise TraceError(line, f"timeout_ms must be a positive integer, got {v!r}", source)
+        params["timeout_ms"] = v
+    if ev == "clear" and rec.get("keep_cpu") is not None:
+        if not isinstance(rec["keep_cpu"], bool):
+            raise TraceError(line, f"keep_cpu must be true or false, got {rec['keep_cpu']!r}", source)
+        params["keep_cpu"] = rec["keep_cpu"]
+    elif "keep_cpu" in rec:
+        raise TraceError(line, f"keep_cpu belongs to clear, not {ev}", source)
+    if ev == "resume" and rec.get("layout") is not None:
+        if not isinstance(rec["layout"], dict):
+            raise TraceError(line, "resume layout must be an object like {\"gpu_blocks\": 128}", source)
+        params["layout"] = rec["layout"]
+    elif "layout" in rec:
+        raise TraceError(line, f"layout belongs to resume, not {ev}", source)
+    return params
 
 
 def load_trace(path: str, stdin: TextIO | None = None) -> Trace:
