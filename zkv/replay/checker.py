@@ -109,28 +109,73 @@ def _rank_deltas(before: list[dict] | None, after: list[dict] | None) -> list[di
     return out
 
 
+class _Violations(list):
+    """The violations found so far, each with the trace lines it names."""
+
+    def add(self, kind: str, lines: list[int], message: str, **extra: Any) -> None:
+        self.append({"kind": kind, "lines": sorted({ln for ln in lines if ln}), "message": message, **extra})
+
+
 def check(trace: Trace, obs: Observation) -> Report:
     """The invariants and expectations, as a pure function of what was seen."""
-    violations: list[dict[str, Any]] = []
+    violations = _Violations()
+    specs = sorted(trace.tasks.values(), key=lambda s: s.index)
+    counts, lat_all, lat_ok = _check_outcomes(specs, obs, violations)
+    _check_fifo(trace, obs, violations)
+    labels = {spec.key: spec for spec in specs}
+    for key, message in obs.anomalies:
+        named = labels.get(key)
+        violations.add("reported_twice", [named.line] if named else [],
+                       f"task {named.label if named else key} (line {named.line if named else '?'}): {message}",
+                       task=named.label if named else str(key))
+    for cr in obs.controls:
+        if cr.expect is not None and cr.result not in cr.expect:
+            because = f" ({cr.reason})" if cr.reason else ""
+            violations.add("unexpected_control", [cr.line],
+                           f"{cr.op} by {cr.client} (line {cr.line}): {cr.result}{because}, "
+                           f"expected {' or '.join(cr.expect)}")
+    ranks = _rank_deltas(obs.ranks_before, obs.ranks_after)
+    _check_paused_ranks(trace, obs, ranks, violations)
+    done = sum(counts.values())
+    return Report(
+        ok=not violations,
+        violations=list(violations),
+        tasks=len(specs),
+        outcomes=dict(sorted(counts.items())),
+        latency_ms=percentiles(lat_ok),
+        latency_all_ms=percentiles(lat_all),
+        throughput_tasks_per_s=round(done / obs.duration_s, 1) if obs.duration_s > 0 else 0.0,
+        duration_s=round(obs.duration_s, 4),
+        controls=_control_figures(obs),
+        control_results=[{"line": cr.line, "op": cr.op, "client": cr.client, "result": cr.result, "reason": cr.reason,
+                          "wall_ms": round(cr.wall_ms, 3), **cr.fields} for cr in obs.controls],
+        ranks=ranks,
+        notes=list(obs.notes),
+        source=trace.source,
+        target=obs.target,
+        late_messages=obs.late_messages,
+    )
 
-    def violate(kind: str, lines: list[int], message: str, **extra: Any) -> None:
-        violations.append({"kind": kind, "lines": sorted({ln for ln in lines if ln}), "message": message, **extra})
 
+def _check_outcomes(specs: list, obs: Observation, violations: _Violations
+                    ) -> tuple[collections.Counter[str], list[float], list[float]]:
+    """Every replayed task got exactly one outcome, one its expectations allow."""
     counts: collections.Counter[str] = collections.Counter()
     lat_all: list[float] = []
     lat_ok: list[float] = []
-    specs = sorted(trace.tasks.values(), key=lambda s: s.index)
     for spec in specs:
         seen = obs.outcomes.get(spec.key, [])
         what = f"task {spec.label} ({spec.summary}, line {spec.line})"
         if spec.key not in obs.submitted:
-            violate("not_replayed", [spec.line], f"{what} was never submitted (the replay stopped early)", task=spec.label)
+            violations.add("not_replayed", [spec.line], f"{what} was never submitted (the replay stopped early)",
+                           task=spec.label)
             continue
         if not seen:
-            violate("no_outcome", [spec.line], f"{what} got no outcome", task=spec.label)
+            violations.add("no_outcome", [spec.line], f"{what} got no outcome", task=spec.label)
             continue
         if len(seen) > 1:
-            violate("duplicate_outcome", [spec.line], f"{what} got {len(seen)} outcomes: {', '.join(o.outcome for o in seen)}", task=spec.label)
+            violations.add("duplicate_outcome", [spec.line],
+                           f"{what} got {len(seen)} outcomes: {', '.join(o.outcome for o in seen)}", task=spec.label)
         first = seen[0]
         counts[first.outcome] += 1
         lat_all.append(first.latency_ms)
@@ -140,11 +185,16 @@ def check(trace: Trace, obs: Observation) -> Report:
             if first.outcome not in allowed:
                 because = f" ({first.reason})" if first.reason else ""
                 at = "" if line == spec.line else f" by line {line}"
-                violate("unexpected_outcome", [spec.line, line],
-                        f"{what}: outcome {first.outcome}{because}, expected {' or '.join(allowed)}{at}", task=spec.label)
-    # The broker's queue is FIFO and a clear cancels what is still in it, so
-    # among one client's tasks between two clears, none may have run after
-    # one that was cancelled.
+                violations.add("unexpected_outcome", [spec.line, line],
+                               f"{what}: outcome {first.outcome}{because}, expected {' or '.join(allowed)}{at}",
+                               task=spec.label)
+    return counts, lat_all, lat_ok
+
+
+def _check_fifo(trace: Trace, obs: Observation, violations: _Violations) -> None:
+    """The broker's queue is FIFO and a clear cancels what is still in it, so
+    among one client's tasks between two clears, none may have run after one
+    that was cancelled."""
     segment = 0
     first_cancel: dict[tuple[int, str], Any] = {}
     for op in trace.ops:
@@ -156,28 +206,30 @@ def check(trace: Trace, obs: Observation) -> Report:
             if outcome == "cancelled" and cancelled is None:
                 first_cancel[(segment, op.client)] = spec
             elif outcome in ("ok", "failed") and cancelled is not None:
-                violate("fifo", [cancelled.line, spec.line],
-                        f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {cancelled.label} (line {cancelled.line}), "
-                        "submitted before it by the same client, was cancelled: a clear cancels a suffix of the FIFO queue", task=spec.label)
-    labels = {spec.key: spec for spec in specs}
-    for key, message in obs.anomalies:
-        named = labels.get(key)
-        violate("reported_twice", [named.line] if named else [],
-                f"task {named.label if named else key} (line {named.line if named else '?'}): {message}", task=named.label if named else str(key))
-    for cr in obs.controls:
-        if cr.expect is not None and cr.result not in cr.expect:
-            because = f" ({cr.reason})" if cr.reason else ""
-            violate("unexpected_control", [cr.line], f"{cr.op} by {cr.client} (line {cr.line}): {cr.result}{because}, expected {' or '.join(cr.expect)}")
-    ranks = _rank_deltas(obs.ranks_before, obs.ranks_after)
+                violations.add("fifo", [cancelled.line, spec.line],
+                               f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {cancelled.label} "
+                               f"(line {cancelled.line}), submitted before it by the same client, was cancelled: "
+                               "a clear cancels a suffix of the FIFO queue", task=spec.label)
+
+
+def _check_paused_ranks(trace: Trace, obs: Observation, ranks: list[dict[str, Any]],
+                        violations: _Violations) -> None:
+    """No rank's work counters moved while the bus was paused."""
     pause_lines = [op.line for op in trace.ops if op.ev in ("pause", "clear")]
     for row in ranks:
         moved = {name: row[name] for name in COUNTERS if row[name] > 0}
         if moved:
-            violate("copy_while_paused", pause_lines,
-                    f"rank {row['rank']} ran work while paused: " + ", ".join(f"{k} +{v}" for k, v in moved.items()), rank=row["rank"])
+            violations.add("copy_while_paused", pause_lines,
+                           f"rank {row['rank']} ran work while paused: "
+                           + ", ".join(f"{k} +{v}" for k, v in moved.items()), rank=row["rank"])
     if pause_lines and (obs.ranks_after is None or not obs.stats_fresh):
-        violate("unverified", [], "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
-                + ("" if obs.ranks_after is not None else " (no status)"))
+        violations.add("unverified", [],
+                       "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
+                       + ("" if obs.ranks_after is not None else " (no status)"))
+
+
+def _control_figures(obs: Observation) -> dict[str, dict[str, Any]]:
+    """Per control op: its results, wall time and the bus's own time for it."""
     per_op: dict[str, dict[str, Any]] = {}
     for kind in CONTROL_REQUESTS:
         rows = [cr for cr in obs.controls if cr.op == kind]
@@ -189,25 +241,7 @@ def check(trace: Trace, obs: Observation) -> Report:
             "wall_ms": percentiles([cr.wall_ms for cr in rows if cr.result == "ok"]),
             bus_field: percentiles([float(cr.fields[bus_field]) for cr in rows if bus_field in cr.fields]),
         }
-    done = sum(counts.values())
-    return Report(
-        ok=not violations,
-        violations=violations,
-        tasks=len(specs),
-        outcomes=dict(sorted(counts.items())),
-        latency_ms=percentiles(lat_ok),
-        latency_all_ms=percentiles(lat_all),
-        throughput_tasks_per_s=round(done / obs.duration_s, 1) if obs.duration_s > 0 else 0.0,
-        duration_s=round(obs.duration_s, 4),
-        controls=per_op,
-        control_results=[{"line": cr.line, "op": cr.op, "client": cr.client, "result": cr.result, "reason": cr.reason,
-                          "wall_ms": round(cr.wall_ms, 3), **cr.fields} for cr in obs.controls],
-        ranks=ranks,
-        notes=list(obs.notes),
-        source=trace.source,
-        target=obs.target,
-        late_messages=obs.late_messages,
-    )
+    return per_op
 
 
 def format_report(report: Report, max_violations: int = 40) -> str:
