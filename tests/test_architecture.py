@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,93 @@ def test_known_exceptions_are_still_needed():
 def test_the_checker_catches_a_crossing(module, source, complaint):
     found = violations(module, source)
     assert found and complaint in found[0], found
+
+
+#: The floors the product is built of; the tools (harness, testing, cli, replay) stand on them.
+LIBRARY_FLOORS = {"wire", "net", "obs", "broker", "rank", "client", "prefix", "engines", "trace"}
+#: Module names that say "a tool": checks, benchmarks and demos live in harness/.
+TOOL_MODULE = re.compile(r"(_check|^bench.*|.*_bench|^demo.*|.*_demo)$")
+MAX_MODULE_LINES = 400
+
+
+def _zkv_classes() -> dict[str, list[str]]:
+    """Every class defined in zkv/: name -> its bases as written."""
+    out: dict[str, list[str]] = {}
+    for path in all_modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, []).extend(ast.unparse(b).split(".")[-1] for b in node.bases)
+    return out
+
+
+def _is_exception(name: str, classes: dict[str, list[str]], seen: frozenset = frozenset()) -> bool:
+    if name.endswith(("Error", "Exception")):
+        return True
+    return name not in seen and any(_is_exception(b, classes, seen | {name}) for b in classes.get(name, []))
+
+
+def class_violations(module: str, source: str, classes: dict[str, list[str]]) -> list[str]:
+    """A core composes parts that own their fields: no class is built from two
+    or more zkv classes (mixins), and a ``*Core`` or ``*Manager`` inherits from
+    none (exceptions aside)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
+        mixins = [b for b in bases if b in classes and not _is_exception(b, classes)]
+        if len(mixins) > 1 or (mixins and node.name.endswith(("Core", "Manager"))):
+            found.append(f"{module}:{node.lineno} class {node.name} inherits from {', '.join(mixins)}: "
+                         "compose parts that own their fields instead")
+    return found
+
+
+def floor_violations(module: str, lines: int) -> list[str]:
+    """Tools stay out of the library floors, and a module stays one concept."""
+    found = []
+    if layer_of(module) in LIBRARY_FLOORS and TOOL_MODULE.search(module.rpartition(".")[2]):
+        found.append(f"{module} is a check, benchmark or demo: it belongs in zkv/harness/")
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{module} has {lines} lines (at most {MAX_MODULE_LINES}: one concept per module)")
+    return found
+
+
+def test_no_core_is_built_from_mixins():
+    classes = _zkv_classes()
+    problems = []
+    for path in all_modules():
+        problems += class_violations(module_name(path), path.read_text(encoding="utf-8"), classes)
+    assert not problems, "\n".join(problems)
+
+
+def test_tools_live_in_harness_and_modules_stay_small():
+    problems = []
+    for path in all_modules():
+        problems += floor_violations(module_name(path), len(path.read_text(encoding="utf-8").splitlines()))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source", [
+    "class BrokerCore(Tasks, Control):\n    pass\n",
+    "class PrefixCacheManager(SwapRunner):\n    pass\n",
+])
+def test_the_checker_catches_a_mixin_core(source):
+    classes = {"Tasks": [], "Control": [], "SwapRunner": [], "BrokerCore": ["Tasks", "Control"],
+               "PrefixCacheManager": ["SwapRunner"], "ReasonError": ["ZkvError"]}
+    assert class_violations("zkv.broker.core", source, classes)
+    assert not class_violations("zkv.prefix.errors", "class E(ReasonError, ValueError):\n    pass\n", classes)
+
+
+@pytest.mark.parametrize("module,lines,complaint", [
+    ("zkv.rank.cache.gpu_check", 10, "belongs in zkv/harness"),
+    ("zkv.rank.cache.bench_copy", 10, "belongs in zkv/harness"),
+    ("zkv.engines.demo_engine", 10, "belongs in zkv/harness"),
+    ("zkv.broker.core", 401, "at most 400"),
+])
+def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
+    found = floor_violations(module, lines)
+    assert found and complaint in found[0], found
+    assert not floor_violations("zkv.harness.gpu_check", 10)
 
 
 def test_the_lower_layers_load_without_torch():
