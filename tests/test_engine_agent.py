@@ -21,6 +21,8 @@ from zkv.broker.loop import Broker
 from zkv.client.client import Client, ZkvError
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
+from zkv.engines import fastdeploy, sglang, vllm
+from zkv.engines.transformers import layout as transformers_layout
 from zkv.rank.cache import layouts
 from zkv.rank.core import RankRefused
 from zkv.wire.layout import CacheLayout
@@ -48,24 +50,24 @@ def make_engine(layout: str, nb: int = NB):
         sk = [torch.zeros((nb, H, BS), dtype=torch.float32) for _ in range(L)]
         sv = [torch.zeros((nb, H, BS), dtype=torch.float32) for _ in range(L)]
         ts = ks + vs + sk + sv
-        return ts, layouts.fastdeploy(ks, vs, sk, sv), lambda b: [t[b] for t in ts]
+        return ts, fastdeploy.regions(ks, vs, sk, sv), lambda b: [t[b] for t in ts]
     if layout == "vllm_flash_attn":
         kv = {f"layers.{i}.attn": torch.zeros((2, nb, BS, H, D), dtype=torch.float16) for i in range(L)}
-        return list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
+        return list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
     if layout == "vllm_flash_attn_hnd":  # physical order (2, blocks, heads, block_size, dim), logical NHD shape
         kv = {f"layers.{i}.attn": torch.zeros((2, nb, H, BS, D), dtype=bf).transpose(2, 3) for i in range(L)}
-        return list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
+        return list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
     if layout == "flashinfer":
         kv = {f"layers.{i}.attn": torch.zeros((nb, 2, BS, H, D), dtype=bf) for i in range(L)}
-        return list(kv.values()), layouts.flashinfer(kv), lambda b: [t[b] for t in kv.values()]
+        return list(kv.values()), vllm.flashinfer(kv), lambda b: [t[b] for t in kv.values()]
     if layout == "transformers_cb":
         flat = torch.zeros(nb * L * 2 * BS * H * D * 2, dtype=torch.uint8)
         typed = flat.view(bf).view(nb, L, 2, BS, H, D)
-        return [flat], layouts.transformers_cb(flat, L, BS, H, D, bf), lambda b: [typed[b]]
+        return [flat], transformers_layout.regions(flat, L, BS, H, D, bf), lambda b: [typed[b]]
     if layout == "sglang_mha":
         kb = [torch.zeros((nb * P + P, H, D), dtype=bf) for _ in range(L)]  # SGLang pads one page
         vb = [torch.zeros((nb * P + P, H, D), dtype=bf) for _ in range(L)]
-        return kb + vb, layouts.sglang_mha(kb, vb, P), lambda b: [t[b * P:(b + 1) * P] for t in kb + vb]
+        return kb + vb, sglang.mha(kb, vb, P), lambda b: [t[b * P:(b + 1) * P] for t in kb + vb]
     if layout == "mla":
         kv = {f"layers.{i}.attn": torch.zeros((nb, BS, 576), dtype=bf) for i in range(L)}
         return list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from zkv.rank.cache import layouts
+from zkv.engines import vllm
 from zkv.rank.cache.attached import AttachedCache
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache
@@ -18,7 +18,7 @@ def engine(blocks: int, block_size: int = 4, generation: int = 1):
     kv = {f"layer.{i}": torch.zeros((2, blocks, block_size, 2, 8), dtype=torch.bfloat16) for i in range(2)}
     for t in kv.values():
         t.view(torch.int16).copy_(torch.randint(-30000, 30000, t.shape, dtype=torch.int16))
-    return kv, EngineCache.from_tensors(layouts.vllm_flash_attn(kv), generation=generation)
+    return kv, EngineCache.from_tensors(vllm.flash_attn(kv), generation=generation)
 
 
 def test_after_a_clear_zkv_holds_no_engine_memory_and_refuses_copies():

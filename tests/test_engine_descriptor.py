@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from zkv.engines import vllm
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine
 from zkv.rank.cache.errors import CacheError
@@ -20,7 +21,7 @@ from zkv.rank.cache.tier import CpuTier
 
 def flash_descriptor(num_blocks=8) -> CacheDescriptor:
     kv = {f"l{i}": torch.zeros((2, num_blocks, 4, 2, 8), dtype=torch.bfloat16) for i in range(2)}
-    return canonicalize(layouts.vllm_flash_attn(kv))[0]
+    return canonicalize(vllm.flash_attn(kv))[0]
 
 
 def test_a_descriptor_survives_msgpack():

@@ -9,8 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from zkv.engines.models import block_digests, load_weights, random_llama, random_tokens  # noqa: E402
-from zkv.engines.transformers_cb import PINNED_VERSION, TransformersCBEngine, build_manager  # noqa: E402
+from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
+from zkv.engines.transformers.engine import TransformersCBEngine  # noqa: E402
+from zkv.rank.cache.owned import block_digests  # noqa: E402
+from zkv.testing.models import load_weights, random_llama, random_tokens  # noqa: E402
 from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
 from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
 
@@ -71,8 +73,8 @@ def scribble(rig: EngineRig, blocks: list[int], seed: int) -> None:
         rows[torch.tensor(blocks)] = noise.view(torch.uint8).view(len(blocks), -1)
 
 
-def digests(rig: EngineRig, conversation: str) -> list[list[str]]:
-    return [block_digests(e.block_rows(), e.block_table(conversation)) for e in rig.replicas]
+def digests(rig: EngineRig, conversation: str) -> list[list[bytes]]:
+    return [block_digests([e.block_rows()], e.block_table(conversation)) for e in rig.replicas]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

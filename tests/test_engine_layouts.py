@@ -13,6 +13,8 @@ from typing import Callable
 import pytest
 import torch
 
+from zkv.engines import fastdeploy, sglang, vllm
+from zkv.engines.transformers import layout as transformers_layout
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine, coalesce
 from zkv.rank.cache.errors import CacheError
@@ -56,19 +58,19 @@ def fastdeploy_engine():
     vs = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
     scales = [torch.zeros((NB, H, BS), dtype=torch.float32) for _ in range(L)]
     tensors = ks + vs + scales
-    return Engine(tensors, layouts.fastdeploy(ks, vs, key_scales=scales), lambda b: [t[b] for t in tensors])
+    return Engine(tensors, fastdeploy.regions(ks, vs, key_scales=scales), lambda b: [t[b] for t in tensors])
 
 
 def vllm_flash_engine():
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, NB, BS, H, D), dtype=torch.float16) for i in range(L)}
-    return Engine(list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+    return Engine(list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
 
 
 def vllm_flash_hnd_engine():
     """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
     kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
     storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
-    return Engine(storage, layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+    return Engine(storage, vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
 
 
 def vllm_mla_engine():
@@ -83,7 +85,7 @@ def vllm_cross_layer_engine():
 
 def flashinfer_engine():
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
-    return Engine(list(kv.values()), layouts.flashinfer(kv), lambda b: [t[b] for t in kv.values()])
+    return Engine(list(kv.values()), vllm.flashinfer(kv), lambda b: [t[b] for t in kv.values()])
 
 
 def transformers_engine():
@@ -91,7 +93,7 @@ def transformers_engine():
     page = L * 2 * BS * H * D * 2
     cache_tensor = torch.zeros(NB * page, dtype=torch.uint8)
     typed = cache_tensor.view(dtype).view(NB, L, 2, BS, H, D)
-    return Engine([cache_tensor], layouts.transformers_cb(cache_tensor, L, BS, H, D, dtype), lambda b: [typed[b]])
+    return Engine([cache_tensor], transformers_layout.regions(cache_tensor, L, BS, H, D, dtype), lambda b: [typed[b]])
 
 
 def sglang_engine():
@@ -100,7 +102,7 @@ def sglang_engine():
     ks = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     vs = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     tensors = ks + vs
-    return Engine(tensors, layouts.sglang_mha(ks, vs, page_size),
+    return Engine(tensors, sglang.mha(ks, vs, page_size),
                   lambda b: [t[b * page_size:(b + 1) * page_size] for t in tensors])
 
 
@@ -161,7 +163,7 @@ def test_layers_sharing_one_tensor_are_copied_once():
 
 def test_slots_past_the_last_whole_page_are_not_a_block():
     k = torch.zeros((NB * BS + 1, H, D))  # one padding slot, as transformers' older per-group tensors have
-    cache = EngineCache.from_tensors(layouts.sglang_mha([k], [], BS))
+    cache = EngineCache.from_tensors(sglang.mha([k], [], BS))
     assert cache.num_blocks == NB
 
 
@@ -184,15 +186,15 @@ def test_a_tensor_that_cannot_be_copied_block_by_block_is_refused_naming_it(case
 def test_slots_of_one_sglang_page_must_be_adjacent():
     k = torch.zeros((NB * BS, H, 2 * D))[:, :, :D]  # slots with gaps between them
     with pytest.raises(CacheError, match="not adjacent|not one contiguous") as err:
-        EngineCache.from_tensors(layouts.sglang_mha([k], [], BS))
+        EngineCache.from_tensors(sglang.mha([k], [], BS))
     assert "k_buffer[0]" in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [
-    lambda: layouts.vllm_flash_attn({"l0": torch.zeros((3, NB, BS, H, D))}),
-    lambda: layouts.flashinfer({"l0": torch.zeros((NB, BS, H, D))}),
-    lambda: layouts.transformers_cb(torch.zeros(100, dtype=torch.uint8), L, BS, H, D, torch.bfloat16),
-    lambda: layouts.fastdeploy([torch.zeros((NB, H, BS))]),
+    lambda: vllm.flash_attn({"l0": torch.zeros((3, NB, BS, H, D))}),
+    lambda: vllm.flashinfer({"l0": torch.zeros((NB, BS, H, D))}),
+    lambda: transformers_layout.regions(torch.zeros(100, dtype=torch.uint8), L, BS, H, D, torch.bfloat16),
+    lambda: fastdeploy.regions([torch.zeros((NB, H, BS))]),
     lambda: EngineCache.from_tensors(layouts.per_layer({"a": torch.zeros((NB, 4)), "b": torch.zeros((NB + 1, 4))})),
 ])
 def test_wrong_shapes_are_refused_at_attach(bad):

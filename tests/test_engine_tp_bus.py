@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from zkv.engines.models import random_llama  # noqa: E402
+from zkv.testing.models import random_llama  # noqa: E402
 from zkv.harness.cluster import LocalCluster  # noqa: E402
 
 WORKER = """
@@ -23,11 +23,13 @@ import torch, transformers
 sys.path[:0] = [{root!r}]
 torch.set_num_threads(1)
 from zkv.client.client import Client
-from zkv.engines import attach
-from zkv.engines.models import block_digests, random_tokens
 from zkv.engines.swap_controller import SwapController
 from zkv.engines.tp_bus import TPBus
-from zkv.engines.transformers_cb import TransformersCBEngine, build_manager
+from zkv.engines.transformers import attach
+from zkv.engines.transformers.build import build_manager
+from zkv.engines.transformers.engine import TransformersCBEngine
+from zkv.rank.cache.owned import block_digests
+from zkv.testing.models import random_tokens
 from zkv.net.endpoints import Endpoints
 
 rank = int(os.environ["RANK"])
@@ -53,7 +55,7 @@ _, expected = turn(False)  # no swap: the reference
 ctrl.forget("chat")
 turn(True)
 old = engine.block_table("chat")
-before = block_digests(engine.block_rows(), old)
+before = block_digests([engine.block_rows()], old)
 swapped_out = ctrl.swap_out("chat")
 rows = engine.block_rows()
 rows[torch.tensor(old)] = 0  # the released blocks get other content
@@ -63,7 +65,7 @@ while set(old) - set(held):  # hold the old ids: the swap-in must land elsewhere
 engine.return_blocks([b for b in held if b not in old])
 how = ctrl.continue_turn("chat", random_tokens(2, 12), 10)  # the swap-in
 new = engine.block_table("chat")
-after = block_digests(rows, new)  # before the turn writes its tokens into the last block
+after = block_digests([rows], new)  # before the turn writes its tokens into the last block
 ctrl.run_until_idle()
 out = ctrl.result("chat")
 got = (out.generated_tokens, out.logprobs)

@@ -13,13 +13,12 @@ transformers = pytest.importorskip("transformers")
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
 
-from zkv.engines.transformers_cb import (  # noqa: E402
-    PINNED_VERSION,
+from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
+from zkv.engines.transformers.engine import (  # noqa: E402
     CacheFull,
     EngineNotQuiescent,
     NoFreeBlocks,
     TransformersCBEngine,
-    build_manager,
 )
 
 if transformers.__version__ != PINNED_VERSION:
@@ -293,7 +292,8 @@ import json, os, sys
 import torch, transformers
 sys.path[:0] = [{root!r}, {tests!r}]
 torch.set_num_threads(1)
-from zkv.engines.transformers_cb import TransformersCBEngine, build_manager
+from zkv.engines.transformers.build import build_manager
+from zkv.engines.transformers.engine import TransformersCBEngine
 from test_engine_transformers import first_turn, second_turn, swap_out_and_in, tokens, USER2, TURN2
 model = transformers.LlamaForCausalLM.from_pretrained({model!r}, attn_implementation="sdpa", tp_plan="auto").eval()
 engine = TransformersCBEngine(build_manager(model, num_blocks=32, block_size=16, prefix_sharing=False))

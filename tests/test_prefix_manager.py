@@ -293,7 +293,8 @@ def test_a_wait_that_raises_counts_as_a_timeout():
             raise RuntimeError("socket closed")
 
     engine = Engine(gpu=4, cpu=4)
-    engine.bus = engine.manager._bus = BrokenWait()
+    engine.bus = BrokenWait()
+    engine.manager = PrefixCacheManager(engine.bus, BS, 4, 4)
     engine.serve_and_finish(prompt(1, 2))
     engine.manager.evict(2)
     stats = engine.manager.stats()

@@ -24,23 +24,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
+from ..prefix.bus import Bus
+from ..prefix.quarantine import Quarantine
 from ..wire.outcome import TaskOutcome
 from .idle_policy import IdlePolicy
-from .transformers_cb import CacheFull, NoFreeBlocks, TransformersCBEngine
+from .transformers.engine import CacheFull, NoFreeBlocks, TransformersCBEngine
 
 
 class ReplicasDiverged(RuntimeError):
     """Two replicas disagree on a block table or an output: one task cannot serve them."""
-
-
-class Bus(Protocol):
-    """What the controller needs of ``zkv.Client``."""
-
-    def submit(self, op: str, src: Any = None, dst: Any = None, timeout: float = 30.0) -> int: ...
-    def wait(self, task: int, timeout: float | None = None) -> TaskOutcome: ...
-    def settled(self, timeout: float = 0.0) -> list[int]: ...
 
 
 @dataclass
@@ -81,7 +75,7 @@ class SwapController:
         self.tick = 0
         self._free_rows = list(range(cpu_rows - 1, -1, -1))  # pops 0, 1, 2 ...
         self._swapped: dict[str, list[int]] = {}  # conversation -> its CPU rows, in block order
-        self._quarantine: dict[int, tuple[list[int], list[int]]] = {}  # task -> (taken blocks, rows)
+        self._quarantine: Quarantine[tuple[list[int], list[int]]] = Quarantine()  # task -> (taken blocks, rows)
 
     # ------------------------------------------------------------- requests
 
@@ -227,9 +221,8 @@ class SwapController:
 
     def reap(self, wait: float = 0.0) -> int:
         """Give back what timed-out tasks held once the client says they settled (waiting up to ``wait`` s)."""
-        settled = self.bus.settled(wait) if self._quarantine else []
-        for task in settled:
-            blocks, rows = self._quarantine.pop(task, ([], []))
+        settled = self.bus.settled(wait) if len(self._quarantine) else []
+        for blocks, rows in self._quarantine.settle(settled):
             if blocks:
                 for engine in self.replicas:
                     engine.return_blocks(blocks)
@@ -245,7 +238,7 @@ class SwapController:
     def cleared(self) -> None:
         """The bus and the engines were cleared: every swapped conversation recomputes, nothing is quarantined."""
         self._swapped.clear()
-        self._quarantine.clear()
+        self._quarantine.release_all()
         self._free_rows = list(range(self.cpu_rows - 1, -1, -1))
         self.policy.reset()
 
@@ -260,7 +253,7 @@ class SwapController:
     def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
         """Rejected/cancelled never copied and a rank-reported failure means every rank answered; a timeout may copy late."""
         if outcome.outcome == "timeout" or (outcome.outcome == "failed" and not outcome.per_rank):
-            self._quarantine[outcome.task] = (blocks, rows)
+            self._quarantine.hold(outcome.task, (blocks, rows))
             return
         if blocks:
             for engine in self.replicas:

@@ -54,7 +54,7 @@ def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[st
     with Client(broker) as c:
         ok = round_trip(c, layout, echo)
         spec = ChatSpec.for_cache(layout.gpu_blocks)
-        manager = PrefixCacheManager(c, layout.block_size, layout.gpu_blocks, layout.cpu_blocks, swap_timeout=10.0)  # type: ignore[arg-type]  # BusLike.poll is list-invariant: phase 2 of issue 11
+        manager = PrefixCacheManager(c, layout.block_size, layout.gpu_blocks, layout.cpu_blocks, swap_timeout=10.0)
         workload = ChatWorkload(layout.block_size, spec, seed=1)
         echo(f"prefix cache: {requests} chat requests, {spec.system_prompts} system prompts x "
              f"{spec.conversations} Zipf-popular conversations, on {layout.gpu_blocks} GPU + "

@@ -19,7 +19,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..engines.models import block_digests, random_llama, random_tokens, set_threads
+from ..rank.cache.owned import block_digests
+from ..testing.models import random_llama, random_tokens, set_threads
 from .engine_rig import EngineRig, hold_ids
 
 
@@ -39,7 +40,7 @@ def swap_vs_recompute(rig: EngineRig, tokens: int, reps: int) -> dict[str, Any]:
         recompute.append(time.perf_counter() - start)
         ctrl.result(name)
         old = engines[0].block_table(name)
-        before = [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+        before = [block_digests([e.block_rows()], e.block_table(name)) for e in engines]
         start = time.perf_counter()
         assert ctrl.swap_out(name), "swap-out failed"
         swap_out.append(time.perf_counter() - start)
@@ -49,7 +50,7 @@ def swap_vs_recompute(rig: EngineRig, tokens: int, reps: int) -> dict[str, Any]:
         swap_in.append(time.perf_counter() - start)
         for e, blocks in zip(engines, hold):
             e.return_blocks(blocks)
-        identical &= before == [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+        identical &= before == [block_digests([e.block_rows()], e.block_table(name)) for e in engines]
         identical &= not set(old) & set(engines[0].block_table(name))
         ctrl.forget(name)
     kv_bytes = len(old) * engines[0].layout.block_bytes

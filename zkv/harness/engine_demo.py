@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..engines.idle_policy import IdlePolicy
-from ..engines.models import block_digests, load_weights, random_llama, random_tokens, set_threads
+from ..rank.cache.owned import block_digests
+from ..testing.models import load_weights, random_llama, random_tokens, set_threads
 from .engine_rig import EngineRig, hold_ids
 
 
@@ -97,7 +98,7 @@ def probe(rig: EngineRig) -> dict:
     parked = [c for c in engines[0].parked() if c not in ctrl.swapped and engines[0].conversation(c).resident]
     name = max(parked, key=lambda c: engines[0].conversation(c).kv_len)
     conv = engines[0].conversation(name)
-    before = [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+    before = [block_digests([e.block_rows()], e.block_table(name)) for e in engines]
     old = engines[0].block_table(name)
     if not ctrl.swap_out(name):
         raise RuntimeError(f"probe: the swap-out of {name} failed")
@@ -108,7 +109,7 @@ def probe(rig: EngineRig) -> dict:
     for e, blocks in zip(engines, hold):
         e.return_blocks(blocks)
     new = engines[0].block_table(name)
-    after = [block_digests(e.block_rows(), e.block_table(name)) for e in engines]
+    after = [block_digests([e.block_rows()], e.block_table(name)) for e in engines]
     recompute_s = []
     for e in engines:
         start = time.perf_counter()

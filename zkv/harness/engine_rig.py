@@ -15,11 +15,12 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..client.client import Client
-from ..engines import attach
 from ..engines.idle_policy import IdlePolicy
-from ..engines.models import parameters
 from ..engines.swap_controller import SwapController
-from ..engines.transformers_cb import NoFreeBlocks, TransformersCBEngine, build_manager
+from ..engines.transformers import attach
+from ..engines.transformers.build import build_manager
+from ..engines.transformers.engine import NoFreeBlocks, TransformersCBEngine
+from ..testing.models import parameters
 from .cluster import LocalCluster
 
 

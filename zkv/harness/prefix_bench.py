@@ -37,7 +37,7 @@ def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: 
     """
     blocks_per_prompt = -(-prompt_tokens // block_size)
     bus = FakeBus()
-    manager = PrefixCacheManager(bus, block_size, num_gpu_blocks=gpu_requests * blocks_per_prompt,  # type: ignore[arg-type]  # BusLike.poll is list-invariant: phase 2 of issue 11
+    manager = PrefixCacheManager(bus, block_size, num_gpu_blocks=gpu_requests * blocks_per_prompt,
                                  num_cpu_blocks=cpu_requests * blocks_per_prompt)
     shared_len = int(prompt_tokens * shared_fraction)
     prefixes = [list(range(p * 1_000_000, p * 1_000_000 + shared_len)) for p in range(shared_prompts)]
@@ -96,7 +96,7 @@ def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 
     spec = ChatSpec.for_cache(layout.gpu_blocks)
     with LocalCluster(ranks, layout, quiet=True) as cluster, cluster.client() as client:
         # Warm up connections and the ranks' copy paths (not measured).
-        serve_workload(client, PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks),  # type: ignore[arg-type]  # BusLike.poll is list-invariant: phase 2 of issue 11
+        serve_workload(client, PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks),
                        20, workload=ChatWorkload(layout.block_size, spec, seed=seed + 1000), verify=False)
 
         prompts = ChatWorkload(layout.block_size, spec, seed=seed)
@@ -109,7 +109,7 @@ def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 
                 raise RuntimeError(f"baseline fill ended {out.outcome}: {out.reason}")
         no_cache_s = time.perf_counter() - start
 
-        manager = PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks)  # type: ignore[arg-type]  # BusLike.poll is list-invariant: phase 2 of issue 11
+        manager = PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks)
         report = serve_workload(client, manager, requests, workload=ChatWorkload(layout.block_size, spec, seed=seed),
                                 verify=False)
         if not report.ok:

@@ -13,9 +13,9 @@ from .allocator import (
     ForeignBlockError,
     OutOfBlocksError,
 )
+from .bus import Bus, ControlBus
 from .manager import (
     BlockLease,
-    BusLike,
     CacheClearedError,
     InsertResult,
     InvalidBlockError,
@@ -29,7 +29,7 @@ from .cycle import drain_and_clear, pause_clear_resume
 
 __all__ = [
     "BlockAllocator", "BlockAllocatorError", "DoubleFreeError", "ForeignBlockError", "OutOfBlocksError",
-    "BlockLease", "BusLike", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
+    "Bus", "ControlBus", "BlockLease", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
     "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager",
     "NodeState", "RadixNode", "RadixTree", "block_keys",
     "drain_and_clear", "pause_clear_resume",

@@ -1,33 +1,41 @@
-"""What the prefix cache manager needs of the bus: ``BusLike`` (the
-``zkv.client.Client`` has all of it; ``zkv.testing.FakeBus`` is its test double)."""
+"""The bus as prefix/ and engines/ see it: ``Bus``, what their swaps need of
+``zkv.client.Client`` (``engines.tp_bus.TPBus`` and ``zkv.testing.FakeBus``
+are the others), and ``ControlBus``, a ``Bus`` that also runs the clear cycle
+(``cycle.py``).  Outcomes are the wire's ``TaskOutcome``, one type everywhere."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..wire.outcome import TaskOutcome
+
 SWAP_OPS = ("swap_out", "swap_in")
 
 
-class TaskOutcomeLike(Protocol):
-    task: int
-    outcome: str
-    reason: str
-    bytes: int
+class Bus(Protocol):
+    """Submit a swap, wait for its outcome, and learn which timed-out tasks have settled.
 
-
-class BusLike(Protocol):
-    """What the manager needs from the bus (``zkv.client.Client`` has all of it).
-
-    Optional: ``settled() -> list[int]``, the ids of tasks that ended ``timeout``
-    and whose every rank has reported since (their copies are over).  When the
-    bus has it, the manager releases quarantined blocks through it and never
-    calls ``poll`` (which would hand it outcomes of tasks other code awaits).
-    Without it, the manager polls for late outcomes of its timed-out tasks.
+    ``settled()``: the ids of tasks that ended ``timeout`` and whose every rank
+    has reported since, so their copies are over.  The prefix manager also
+    serves a bus whose ``settled`` is None (an older client, a test double) by
+    polling it for late outcomes (``swaps.py``).
     """
 
     def submit(self, op: str, src: Sequence[int], dst: Sequence[int], timeout: float = 30.0) -> int: ...
 
-    def wait(self, task: int, timeout: float | None = None) -> TaskOutcomeLike: ...
+    def wait(self, task: int, timeout: float | None = None) -> TaskOutcome: ...
 
-    def poll(self, timeout: float = 0.0) -> list[TaskOutcomeLike]: ...
+    def settled(self, timeout: float = 0.0) -> list[int]: ...
+
+
+class ControlBus(Bus, Protocol):
+    """A ``Bus`` with the control requests the clear cycle sends (``zkv.client.Client`` has them)."""
+
+    def pause(self, timeout: float = 30.0) -> dict: ...
+
+    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict: ...
+
+    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict: ...
+
+    def status(self, timeout: float | None = None) -> dict: ...

@@ -31,21 +31,10 @@ between, so what the blocks hold is stale.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
+from .bus import ControlBus
 from .manager import PrefixCacheManager
-
-
-class ControlBus(Protocol):
-    """The part of ``zkv.client.Client`` the cycle uses."""
-
-    def pause(self, timeout: float = 30.0) -> dict: ...
-
-    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict: ...
-
-    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict: ...
-
-    def status(self, timeout: float | None = None) -> dict: ...
 
 
 def drain_and_clear(client: ControlBus, manager: PrefixCacheManager, *, keep_cpu: bool = False,

@@ -39,74 +39,48 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..wire.protocol import OUTCOMES
-from .allocator import BlockAllocator
-from .bus import SWAP_OPS, BusLike, TaskOutcomeLike
+from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
 from .invariants import check_invariants
-from .radix import ROOT_KEY, LeafQueue, NodeState, RadixNode, RadixTree, block_keys
-from .swaps import Quarantine, SwapRunner, is_cpu_victim, is_gpu_victim
+from .lease import BlockLease, InsertResult
+from .radix import ROOT_KEY, NodeState, RadixNode, block_keys
+from .swaps import SwapRunner
+from .tiers import Tiers
 
-__all__ = ["BlockLease", "BusLike", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
-           "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager", "TaskOutcomeLike"]
+__all__ = ["BlockLease", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
+           "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager"]
 
-
-
-@dataclass(eq=False)
-class BlockLease:
-    """GPU blocks lent to one request, in order; give them back with ``release()``.
-
-    Leases from before a reset/clear are stale: releasing one is a no-op.
-    """
-
-    block_ids: list[int]
-    epoch: int
-    gpu_hit_blocks: int = 0   # match only: blocks that were already on the GPU
-    cpu_hit_blocks: int = 0   # match only: blocks swapped in from the CPU
-    released: bool = False
-    nodes: list[RadixNode] = field(default_factory=list, repr=False)
-    keys: list[bytes] = field(default_factory=list, repr=False)  # match only: block keys of the tokens asked for
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    new_blocks: int           # blocks that became new tree nodes
-    duplicate_blocks: int     # already cached on the GPU elsewhere: the caller's block stays private
-    adopted_from_cpu: int     # cached on the CPU only: the node moved onto the caller's block
+#: every counter ``stats()`` reports, in its order (the swap runner keeps those it moves)
+COUNTERS = ("lookups", "lookups_while_cleared", "queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks",
+            "swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "duplicate_inserts",
+            "late_outcomes", "reclaimed_blocks", "resets", "generation_resets")
 
 
 def _check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
-class PrefixCacheManager(SwapRunner):
-    """Radix prefix cache over a GPU and a CPU tier, moving blocks through ``bus``."""
 
-    def __init__(self, bus: BusLike, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+class PrefixCacheManager:
+    """Radix prefix cache over a GPU and a CPU tier, moving blocks through ``bus``.
+
+    It holds the epoch's ``Tiers`` (tree, allocators, eviction queues), the
+    leases, and a ``SwapRunner`` that owns the bus, the swaps and the quarantine.
+    """
+
+    def __init__(self, bus: Bus, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  swap_timeout: float = 10.0, quarantine_timed_out: bool = True) -> None:
         _check_block_size(block_size)
-        self._bus = bus
-        self.swap_timeout = swap_timeout
-        self.quarantine_timed_out = quarantine_timed_out
+        self._swaps = SwapRunner(bus, swap_timeout, quarantine_timed_out)
         self._block_size = block_size
         self._num_gpu_blocks = num_gpu_blocks
         self._num_cpu_blocks = num_cpu_blocks
         self._epoch = 0
         self._cleared = False
         self._clock = itertools.count(1)
-        self._swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
-        self._counters = dict.fromkeys((
-            "lookups", "lookups_while_cleared", "queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks",
-            "swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "duplicate_inserts",
-            "late_outcomes", "reclaimed_blocks", "resets", "generation_resets",
-        ), 0)
+        self._counters = dict.fromkeys((c for c in COUNTERS if c not in self._swaps.counters), 0)
         self._bus_gen: int | None = None  # the bus's cache generation the tree belongs to
         self._start_epoch(num_gpu_blocks, num_cpu_blocks)
 
@@ -115,6 +89,15 @@ class PrefixCacheManager(SwapRunner):
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def swap_timeout(self) -> float:
+        """Seconds each swap task may take (the swap runner's)."""
+        return self._swaps.swap_timeout
+
+    @swap_timeout.setter
+    def swap_timeout(self, value: float) -> None:
+        self._swaps.swap_timeout = value
 
     @property
     def cleared(self) -> bool:
@@ -126,14 +109,10 @@ class PrefixCacheManager(SwapRunner):
         return self._epoch
 
     def _start_epoch(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._gpu = BlockAllocator(num_gpu_blocks, "gpu")
-        self._cpu = BlockAllocator(num_cpu_blocks, "cpu")
-        self._tree = RadixTree()
-        self._gpu_victims = LeafQueue()
-        self._cpu_victims = LeafQueue()
+        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks)
         self._private_owner: dict[int, BlockLease] = {}
         self._live_leases: set[BlockLease] = set()
-        self._quarantine: dict[int, Quarantine] = {}
+        self._swaps.forget_quarantine()
 
     # ------------------------------------------------------------- requests
 
@@ -151,11 +130,12 @@ class PrefixCacheManager(SwapRunner):
         if self._cleared:
             self._counters["lookups_while_cleared"] += 1
             return lease
-        self._reap_late_outcomes()
+        tiers = self._tiers
+        self._swaps.reap(tiers)
         keys = block_keys(tokens, self._block_size)
         lease.keys = keys
         self._counters["queried_blocks"] += len(keys)
-        path = self._tree.walk(keys)
+        path = tiers.tree.walk(keys)
         now = next(self._clock)
         split = 0
         while split < len(path) and path[split].state is NodeState.ON_GPU:
@@ -163,7 +143,7 @@ class PrefixCacheManager(SwapRunner):
         gpu_run, cpu_run = path[:split], path[split:]
         self._hold(lease, gpu_run, now)  # before any eviction the swap-in may cause
         if cpu_run:
-            self._hold(lease, self._swap_in(cpu_run), now)
+            self._hold(lease, self._swaps.swap_in(tiers, cpu_run), now)
         lease.block_ids = [node.gpu_block for node in lease.nodes]  # type: ignore[misc]
         lease.gpu_hit_blocks = len(gpu_run)
         lease.cpu_hit_blocks = len(lease.nodes) - len(gpu_run)
@@ -192,8 +172,8 @@ class PrefixCacheManager(SwapRunner):
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         self._follow_generation()
-        self._reap_late_outcomes()
-        block_ids = self._take_gpu_blocks(num_blocks, allow_fewer=False)
+        self._swaps.reap(self._tiers)
+        block_ids = self._swaps.take_gpu_blocks(self._tiers, num_blocks, allow_fewer=False)
         lease = BlockLease(block_ids, self._epoch)
         for block in block_ids:
             self._private_owner[block] = lease
@@ -221,7 +201,9 @@ class PrefixCacheManager(SwapRunner):
         if len(set(ids)) != len(ids):
             raise InvalidBlockError("the same block id appears twice")
         keys = self._keys_for(tokens, len(ids), known_keys)
-        existing = self._tree.walk(keys)
+        tiers = self._tiers
+        tree = tiers.tree
+        existing = tree.walk(keys)
         for position, block in enumerate(ids):
             node = existing[position] if position < len(existing) else None
             if node is not None and node.state is NodeState.ON_GPU and node.gpu_block == block:
@@ -233,27 +215,27 @@ class PrefixCacheManager(SwapRunner):
 
         now = next(self._clock)
         new = duplicate = adopted = 0
-        parent = self._tree.root
+        parent = tree.root
         for position, block in enumerate(ids):
             node = existing[position] if position < len(existing) else None
             if node is None:
                 owner = self._private_owner.pop(block)
-                node = self._tree.add_child(parent, keys[position], NodeState.ON_GPU, gpu_block=block)
+                node = tree.add_child(parent, keys[position], NodeState.ON_GPU, gpu_block=block)
                 self._hold(owner, [node], now)
                 new += 1
             elif node.state is NodeState.ON_CPU:
                 owner = self._private_owner.pop(block)
-                self._cpu.free([node.cpu_block])  # type: ignore[list-item]
+                tiers.cpu.free([node.cpu_block])  # type: ignore[list-item]
                 node.cpu_block = None
                 node.gpu_block = block
-                self._tree.set_state(node, NodeState.ON_GPU)
+                tree.set_state(node, NodeState.ON_GPU)
                 self._hold(owner, [node], now)
                 adopted += 1
             else:
                 if node.gpu_block != block:
                     duplicate += 1
                 node.last_access = now
-                self._offer(node)
+                tiers.offer(node)
             parent = node
         self._counters["duplicate_inserts"] += duplicate
         return InsertResult(new, duplicate, adopted)
@@ -272,11 +254,11 @@ class PrefixCacheManager(SwapRunner):
             node.ref_count -= 1
             node.last_access = now
             if not node.ref_count and not node.num_gpu_children:
-                self._gpu_victims.offer(node)  # an unreferenced GPU leaf now
+                self._tiers.gpu_victims.offer(node)  # an unreferenced GPU leaf now
         owned = [block for block in lease.block_ids if self._private_owner.get(block) is lease]
         for block in owned:
             del self._private_owner[block]
-        self._gpu.free(owned)
+        self._tiers.gpu.free(owned)
 
     def locate(self, tokens: Sequence[int]) -> list[str]:
         """Where the cached prefix of ``tokens`` lives, one entry per full block:
@@ -285,22 +267,22 @@ class PrefixCacheManager(SwapRunner):
         if self._cleared:
             return []
         return ["gpu" if node.state is NodeState.ON_GPU else "cpu" if node.state is NodeState.ON_CPU
-                else node.state.value for node in self._tree.walk(block_keys(tokens, self._block_size))]
+                else node.state.value for node in self._tiers.tree.walk(block_keys(tokens, self._block_size))]
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
         if self._cleared or num_blocks <= 0:
             return 0
         self._follow_generation()
-        self._reap_late_outcomes()
-        return self._evict_gpu(num_blocks)
+        self._swaps.reap(self._tiers)
+        return self._swaps.evict_gpu(self._tiers, num_blocks)
 
     def _follow_generation(self) -> None:
         """A bus whose cache generation moved without our clear (a rank came
         back with fresh memory, a broker lost its state): what the tree says
         the blocks hold is gone, so reset exactly as after a clear."""
-        gen = getattr(self._bus, "gen", None)
-        if type(gen) is not int:
+        gen = self._swaps.bus_gen()
+        if gen is None:
             return
         if self._bus_gen is not None and gen != self._bus_gen:
             self._counters["generation_resets"] += 1
@@ -318,12 +300,7 @@ class PrefixCacheManager(SwapRunner):
         paused bus's ``status()`` shows ``queued == 0``.  Returns how many blocks
         were freed.
         """
-        freed = 0
-        for entry in self._quarantine.values():
-            (self._gpu if entry.tier == "gpu" else self._cpu).free(entry.block_ids)
-            freed += len(entry.block_ids)
-        self._quarantine.clear()
-        return freed
+        return self._swaps.release_quarantine(self._tiers)
 
     def reclaim_quarantine(self) -> int:
         """Free the quarantined blocks of timed-out tasks that have settled since.
@@ -332,9 +309,10 @@ class PrefixCacheManager(SwapRunner):
         evict do this on their own whenever blocks are quarantined.  Returns how
         many blocks were freed.  Never waits.
         """
-        before = self._counters["reclaimed_blocks"]
-        self._reap_late_outcomes()
-        return self._counters["reclaimed_blocks"] - before
+        counters = self._swaps.counters
+        before = counters["reclaimed_blocks"]
+        self._swaps.reap(self._tiers)
+        return counters["reclaimed_blocks"] - before
 
     def reset(self) -> None:
         """Forget every cached block and lease, with fresh allocators of the same size.
@@ -344,8 +322,7 @@ class PrefixCacheManager(SwapRunner):
         """
         self._counters["resets"] += 1
         self._epoch += 1
-        gen = getattr(self._bus, "gen", None)
-        self._bus_gen = gen if type(gen) is int else None
+        self._bus_gen = self._swaps.bus_gen()
         self._start_epoch(self._num_gpu_blocks, self._num_cpu_blocks)
 
     def set_cleared(self) -> None:
@@ -367,33 +344,34 @@ class PrefixCacheManager(SwapRunner):
     # ------------------------------------------------------------ reporting
 
     def stats(self) -> dict[str, Any]:
-        counters = self._counters
+        mine, swaps = self._counters, self._swaps.counters
+        counters = {name: mine[name] if name in mine else swaps[name] for name in COUNTERS}
         queried = counters["queried_blocks"]
+        tiers = self._tiers
         nodes_by_state = dict.fromkeys((state.name for state in NodeState), 0)
-        for node in self._tree.iter_nodes():
+        for node in tiers.tree.iter_nodes():
             nodes_by_state[node.state.name] += 1
-        quarantined = {"gpu": 0, "cpu": 0}
-        for entry in self._quarantine.values():
-            quarantined[entry.tier] += len(entry.block_ids)
+        gpu, cpu = tiers.gpu, tiers.cpu
         return {
             "epoch": self._epoch,
             "cleared": self._cleared,
             "block_size": self._block_size,
             "gpu_hit_rate": counters["gpu_hit_blocks"] / queried if queried else 0.0,
             "cpu_hit_rate": counters["cpu_hit_blocks"] / queried if queried else 0.0,
-            "gpu": {"total": self._gpu.num_blocks, "used": self._gpu.num_used, "free": self._gpu.num_free},
-            "cpu": {"total": self._cpu.num_blocks, "used": self._cpu.num_used, "free": self._cpu.num_free},
+            "gpu": {"total": gpu.num_blocks, "used": gpu.num_used, "free": gpu.num_free},
+            "cpu": {"total": cpu.num_blocks, "used": cpu.num_used, "free": cpu.num_free},
             "nodes": nodes_by_state,
-            "quarantined_blocks": quarantined,
-            "quarantined_tasks": len(self._quarantine),
-            "swaps": {op: dict(values) for op, values in self._swap_stats.items()},
+            "quarantined_blocks": self._swaps.quarantined_blocks(),
+            "quarantined_tasks": len(self._swaps.quarantine),
+            "swaps": {op: dict(values) for op, values in self._swaps.swap_stats.items()},
             **counters,
         }
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block has exactly one owner and the
         tree is consistent (``invariants.py``; for tests and debugging)."""
-        check_invariants(self)
+        check_invariants(self._tiers, self._live_leases, self._private_owner, self._swaps.quarantine,
+                         self._epoch, self._cleared)
 
     # ------------------------------------------------------------- internals
 
@@ -402,32 +380,3 @@ class PrefixCacheManager(SwapRunner):
             node.ref_count += 1
             node.last_access = now
             lease.nodes.append(node)
-
-    def _offer(self, node: RadixNode) -> None:
-        """Queue ``node`` for eviction if it has become a candidate on either tier."""
-        if is_gpu_victim(node):
-            self._gpu_victims.offer(node)
-        elif is_cpu_victim(node):
-            self._cpu_victims.offer(node)
-
-    def _drop_subtree(self, top: RadixNode) -> None:
-        """Forget ``top`` and everything below it, freeing their blocks."""
-        parent = top.parent
-        gpu_ids: list[int] = []
-        cpu_ids: list[int] = []
-        for node in self._tree.subtree_children_first(top):
-            if node.ref_count:
-                raise AssertionError(f"dropping referenced {node!r}")
-            if node.gpu_block is not None:
-                gpu_ids.append(node.gpu_block)
-                node.gpu_block = None
-            if node.cpu_block is not None:
-                cpu_ids.append(node.cpu_block)
-                node.cpu_block = None
-            self._tree.remove_leaf(node)
-        self._gpu.free(gpu_ids)
-        self._cpu.free(cpu_ids)
-        self._counters["dropped_gpu_blocks"] += len(gpu_ids)
-        self._counters["dropped_cpu_blocks"] += len(cpu_ids)
-        if parent is not None and parent is not self._tree.root:
-            self._offer(parent)

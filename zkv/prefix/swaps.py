@@ -1,8 +1,8 @@
 """The prefix cache manager's swap runner: eviction under GPU and CPU
 pressure, the swap_out / swap_in tasks over the bus, and the quarantine of
-blocks a timed-out task may still write.  A mixin of
-:class:`~zkv.prefix.manager.PrefixCacheManager`; it works on its tree,
-allocators and counters.
+blocks a timed-out task may still write.  The manager holds one and passes
+it the epoch's ``Tiers`` (tree, allocators, eviction queues) on every call;
+the runner owns the bus, the quarantine and the swap counters.
 
 Policies
 --------
@@ -23,8 +23,8 @@ Policies
   writes those blocks any more; checked at the start of match / allocate /
   evict and by ``reclaim_quarantine()``), when the caller reports the bus
   drained (``on_bus_drained()``, after a completed pause that a clear
-  follows: no rank runs anything then), or on reset.  A bus without
-  ``settled()`` (an older client, a test double) is polled instead: a late
+  follows: no rank runs anything then), or on reset.  A bus whose
+  ``settled`` is None (an older client, a test double) is polled instead: a late
   outcome for the task frees its blocks.  ``failed``, ``cancelled`` and ``rejected`` are taken to
   mean no rank will write the destination any more; those blocks are freed.
   Pass ``quarantine_timed_out=False`` to free at once.
@@ -33,165 +33,161 @@ Policies
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from ..wire.protocol import OUTCOMES
-from .allocator import BlockAllocator
+from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
-from .radix import LeafQueue, NodeState, RadixNode, RadixTree
+from .quarantine import Quarantine
+from .radix import NodeState, RadixNode
+from .tiers import Tiers
+
+#: the runner's counters, in the order the manager's stats report them
+COUNTERS = ("swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "late_outcomes", "reclaimed_blocks")
 
 
 @dataclass
-class Quarantine:
-    """Blocks a timed-out swap may still write: freed when the task settles."""
+class HeldBlocks:
+    """Blocks of one tier a timed-out swap may still write."""
 
     tier: str
     block_ids: list[int]
 
 
-def is_gpu_victim(node: RadixNode) -> bool:
-    return (node.attached and node.state is NodeState.ON_GPU and node.ref_count == 0
-            and node.num_gpu_children == 0 and node.parent is not None)  # never the root
-
-
-def is_cpu_victim(node: RadixNode) -> bool:
-    return node.attached and node.state is NodeState.ON_CPU and not node.children
-
-
 class SwapRunner:
-    """Eviction, swaps and quarantine (mixed into PrefixCacheManager)."""
+    """Eviction, swap tasks and the quarantine of one manager (see the module docstring)."""
 
-    if TYPE_CHECKING:  # what the mixin uses of PrefixCacheManager
-        _bus: Any
-        _tree: RadixTree
-        _gpu: BlockAllocator
-        _cpu: BlockAllocator
-        _gpu_victims: LeafQueue
-        _cpu_victims: LeafQueue
-        _quarantine: dict[int, Quarantine]
-        _counters: dict[str, int]
-        _swap_stats: dict[str, dict[str, int]]
-        swap_timeout: float
-        quarantine_timed_out: bool
+    def __init__(self, bus: Bus, swap_timeout: float, quarantine_timed_out: bool) -> None:
+        self.bus = bus
+        self.swap_timeout = swap_timeout
+        self.quarantine_timed_out = quarantine_timed_out
+        self.quarantine: Quarantine[HeldBlocks] = Quarantine()
+        self.swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
-        def _offer(self, node: RadixNode) -> None: ...
+    def bus_gen(self) -> int | None:
+        """The bus's cache generation, when it tells one (``zkv.client.Client.gen``)."""
+        gen = getattr(self.bus, "gen", None)
+        return gen if type(gen) is int else None
 
-        def _drop_subtree(self, top: RadixNode) -> None: ...
+    # ---------------------------------------------------------------- blocks
 
-    def _pop_victim(self, queue: LeafQueue, is_victim: Any) -> RadixNode | None:
-        if len(queue) > 4 * len(self._tree) + 64:
-            queue.rebuild(self._tree.iter_nodes(), is_victim)
-        return queue.pop(is_victim)
-
-    def _take_gpu_blocks(self, count: int, allow_fewer: bool) -> list[int]:
-        shortfall = count - self._gpu.num_free
+    def take_gpu_blocks(self, tiers: Tiers, count: int, allow_fewer: bool) -> list[int]:
+        shortfall = count - tiers.gpu.num_free
         if shortfall > 0:
-            self._evict_gpu(shortfall)
-        if self._gpu.num_free < count:
+            self.evict_gpu(tiers, shortfall)
+        if tiers.gpu.num_free < count:
             if not allow_fewer:
-                quarantined = sum(len(e.block_ids) for e in self._quarantine.values() if e.tier == "gpu")
+                quarantined = sum(len(e.block_ids) for e in self.quarantine.values() if e.tier == "gpu")
                 raise OutOfGpuBlocksError(
-                    f"need {count} GPU blocks, {self._gpu.num_free} free after evicting every unreferenced block"
+                    f"need {count} GPU blocks, {tiers.gpu.num_free} free after evicting every unreferenced block"
                     f" ({quarantined} quarantined behind timed-out swaps)")
-            count = self._gpu.num_free
-        return self._gpu.alloc(count)
+            count = tiers.gpu.num_free
+        return tiers.gpu.alloc(count)
 
-    def _take_cpu_block(self) -> int | None:
-        if not self._cpu.num_free:
-            victim = self._pop_victim(self._cpu_victims, is_cpu_victim)
+    def drop_subtree(self, tiers: Tiers, top: RadixNode) -> None:
+        gpu, cpu = tiers.drop_subtree(top)
+        self.counters["dropped_gpu_blocks"] += gpu
+        self.counters["dropped_cpu_blocks"] += cpu
+
+    def _take_cpu_block(self, tiers: Tiers) -> int | None:
+        if not tiers.cpu.num_free:
+            victim = tiers.pop_cpu_victim()
             if victim is None:
                 return None
-            self._drop_subtree(victim)
-        return self._cpu.alloc(1)[0]
+            self.drop_subtree(tiers, victim)
+        return tiers.cpu.alloc(1)[0]
 
-    def _evict_gpu(self, count: int) -> int:
+    def evict_gpu(self, tiers: Tiers, count: int) -> int:
         """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop them."""
         victims: list[RadixNode] = []
         while len(victims) < count:
-            node = self._pop_victim(self._gpu_victims, is_gpu_victim)
+            node = tiers.pop_gpu_victim()
             if node is None:
                 break
-            self._tree.set_state(node, NodeState.SWAPPING_OUT)
+            tiers.tree.set_state(node, NodeState.SWAPPING_OUT)
             victims.append(node)
-            self._offer(node.parent)  # type: ignore[arg-type]  # may have just become a leaf
+            tiers.offer(cast(RadixNode, node.parent))  # may have just become a leaf
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
         moving: list[RadixNode] = []
         for node in victims:
             if not node.attached:
                 continue  # went with an ancestor's subtree
-            cpu_block = self._take_cpu_block()
+            cpu_block = self._take_cpu_block(tiers)
             if cpu_block is None:
-                self._drop_subtree(node)
+                self.drop_subtree(tiers, node)
             else:
                 node.cpu_block = cpu_block
                 moving.append(node)
         if moving:
-            self._swap_out(moving)
+            self._swap_out(tiers, moving)
         return len(victims)
 
-    def _swap_out(self, moving: list[RadixNode]) -> None:
-        gpu_ids = [node.gpu_block for node in moving]
-        cpu_ids = [node.cpu_block for node in moving]
-        outcome, task = self._run_swap("swap_out", gpu_ids, cpu_ids)  # type: ignore[arg-type]
+    def _swap_out(self, tiers: Tiers, moving: list[RadixNode]) -> None:
+        gpu_ids = cast(list[int], [node.gpu_block for node in moving])
+        cpu_ids = cast(list[int], [node.cpu_block for node in moving])
+        outcome, task = self._run_swap("swap_out", gpu_ids, cpu_ids)
         if outcome == "ok":
-            self._gpu.free(gpu_ids)  # type: ignore[arg-type]
+            tiers.gpu.free(gpu_ids)
             for node in moving:
                 node.gpu_block = None
-                self._tree.set_state(node, NodeState.ON_CPU)
+                tiers.tree.set_state(node, NodeState.ON_CPU)
             for node in moving:
-                self._offer(node)
-                self._offer(node.parent)  # type: ignore[arg-type]
-            self._counters["swapped_out_blocks"] += len(moving)
+                tiers.offer(node)
+                tiers.offer(cast(RadixNode, node.parent))
+            self.counters["swapped_out_blocks"] += len(moving)
             return
         for node in moving:
             node.cpu_block = None
-        self._settle_unsafe("cpu", cpu_ids, outcome, task)  # type: ignore[arg-type]
+        self._settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
         for node in moving:
             if node.attached:
-                self._drop_subtree(node)
+                self.drop_subtree(tiers, node)
 
-    def _swap_in(self, cpu_run: list[RadixNode]) -> list[RadixNode]:
+    def swap_in(self, tiers: Tiers, cpu_run: list[RadixNode]) -> list[RadixNode]:
         """Bring a run of CPU nodes to the GPU in one task; returns those that arrived."""
         for node in cpu_run:
-            self._tree.set_state(node, NodeState.SWAPPING_IN)  # shields them from CPU eviction
-        gpu_ids = self._take_gpu_blocks(len(cpu_run), allow_fewer=True)
+            tiers.tree.set_state(node, NodeState.SWAPPING_IN)  # shields them from CPU eviction
+        gpu_ids = self.take_gpu_blocks(tiers, len(cpu_run), allow_fewer=True)
         moving, staying = cpu_run[: len(gpu_ids)], cpu_run[len(gpu_ids):]
         for node in staying:
-            self._tree.set_state(node, NodeState.ON_CPU)
+            tiers.tree.set_state(node, NodeState.ON_CPU)
         for node, block in zip(moving, gpu_ids):
             node.gpu_block = block
-        cpu_ids = [node.cpu_block for node in moving]
+        cpu_ids = cast(list[int], [node.cpu_block for node in moving])
         outcome, task = "ok", None
         if moving:
-            outcome, task = self._run_swap("swap_in", cpu_ids, gpu_ids)  # type: ignore[arg-type]
+            outcome, task = self._run_swap("swap_in", cpu_ids, gpu_ids)
         if outcome == "ok":
             for node in moving:
                 node.cpu_block = None
-                self._tree.set_state(node, NodeState.ON_GPU)
-            self._cpu.free(cpu_ids)  # type: ignore[arg-type]
+                tiers.tree.set_state(node, NodeState.ON_GPU)
+            tiers.cpu.free(cpu_ids)
         else:
             for node in moving:
                 node.gpu_block = None
-                self._tree.set_state(node, NodeState.ON_CPU)
-            self._settle_unsafe("gpu", gpu_ids, outcome, task)
+                tiers.tree.set_state(node, NodeState.ON_CPU)
+            self._settle_unsafe(tiers, "gpu", gpu_ids, outcome, task)
             moving = []
         for node in cpu_run:
             if node.state is NodeState.ON_CPU:
-                self._offer(node)
+                tiers.offer(node)
         return moving
+
+    # ----------------------------------------------------------------- tasks
 
     def _run_swap(self, op: str, src: list[int], dst: list[int]) -> tuple[str, int | None]:
         """Submit one swap task and wait for it; a refused submit counts as ``rejected``."""
-        counters = self._swap_stats[op]
+        counters = self.swap_stats[op]
         counters["issued"] += 1
         counters["blocks"] += len(src)
         try:
-            task = self._bus.submit(op, src, dst, timeout=self.swap_timeout)
+            task = self.bus.submit(op, src, dst, timeout=self.swap_timeout)
         except Exception:  # the bus refused it at once: nothing runs
             counters["rejected"] += 1
             return "rejected", None
         try:
-            result = self._bus.wait(task, timeout=self.swap_timeout)
+            result = self.bus.wait(task, timeout=self.swap_timeout)
             outcome = result.outcome
             counters["bytes"] += getattr(result, "bytes", 0) or 0
         except Exception:  # cannot tell whether it runs: treat like a timeout
@@ -201,29 +197,47 @@ class SwapRunner:
         counters[outcome] += 1
         return outcome, task
 
-    def _settle_unsafe(self, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
+    def _settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
         """Free the destination blocks of a swap that did not succeed, or quarantine them
         if the task may still write them."""
         if outcome == "timeout" and task is not None and self.quarantine_timed_out:
-            self._quarantine[task] = Quarantine(tier, block_ids)
+            self.quarantine.hold(task, HeldBlocks(tier, block_ids))
         else:
-            (self._gpu if tier == "gpu" else self._cpu).free(block_ids)
+            tiers.allocator(tier).free(block_ids)
 
-    def _reap_late_outcomes(self) -> None:
+    # ------------------------------------------------------------ quarantine
+
+    def reap(self, tiers: Tiers) -> None:
         """Free quarantined blocks whose task has settled (asks the bus only while any are held)."""
-        if not self._quarantine:
+        if not len(self.quarantine):
             return
-        settled = getattr(self._bus, "settled", None)
+        settled = getattr(self.bus, "settled", None)
         try:
             if callable(settled):
                 tasks = list(settled())
-            else:
-                tasks = [result.task for result in self._bus.poll(0.0)]
+            else:  # a bus without settled(): its late outcomes say the same
+                tasks = [result.task for result in cast(Any, self.bus).poll(0.0)]
         except Exception:  # the bus is gone or closing: keep the quarantine, try again later
             return
-        for task in tasks:
-            entry = self._quarantine.pop(task, None)
-            if entry is not None:
-                self._counters["late_outcomes"] += 1
-                self._counters["reclaimed_blocks"] += len(entry.block_ids)
-                (self._gpu if entry.tier == "gpu" else self._cpu).free(entry.block_ids)
+        for entry in self.quarantine.settle(tasks):
+            self.counters["late_outcomes"] += 1
+            self.counters["reclaimed_blocks"] += len(entry.block_ids)
+            tiers.allocator(entry.tier).free(entry.block_ids)
+
+    def release_quarantine(self, tiers: Tiers) -> int:
+        """No task runs any more (a drained bus): free every quarantined block; returns how many."""
+        freed = 0
+        for entry in self.quarantine.release_all():
+            tiers.allocator(entry.tier).free(entry.block_ids)
+            freed += len(entry.block_ids)
+        return freed
+
+    def forget_quarantine(self) -> None:
+        """A reset: the quarantined blocks went with the epoch's allocators."""
+        self.quarantine.release_all()
+
+    def quarantined_blocks(self) -> dict[str, int]:
+        held = {"gpu": 0, "cpu": 0}
+        for entry in self.quarantine.values():
+            held[entry.tier] += len(entry.block_ids)
+        return held

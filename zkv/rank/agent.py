@@ -42,7 +42,7 @@ class RankAgent:
     """One rank on the engine's own tensors.
 
     ``cache``: an ``EngineCache``, or what a layout adapter returns
-    (``zkv.rank.cache.layouts.vllm_flash_attn(kv_caches)`` and the like).
+    (``zkv.engines.vllm.flash_attn(kv_caches)`` and the like).
     ``cpu_rows``: blocks of zkv's CPU tier.  ``layout``: the model fields to
     announce (its gpu_blocks / cpu_blocks are replaced by the cache's).
     ``compute_stream``: the engine's CUDA stream that copies wait for."""

@@ -105,7 +105,7 @@ class FakeBus:
         self._finished.clear()
         return results
 
-    def settled(self) -> list[int]:
+    def settled(self, timeout: float = 0.0) -> list[int]:
         """Timed-out tasks whose late copies have landed since the last call."""
         done, self._settled = self._settled, []
         return done

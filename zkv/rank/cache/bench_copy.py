@@ -52,10 +52,10 @@ def _engine(layout: str, engine_blocks: int, layers: int, kv_heads: int, block_s
         shape = (engine_blocks, kv_heads, block_size, head_dim)
         ks = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
         vs = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
-        return EngineCache.from_tensors(layouts.fastdeploy(ks, vs))
+        return EngineCache.from_tensors(layouts.zkv_native(ks, vs))
     es = torch.empty(0, dtype=dtype).element_size()
     flat = torch.ones(engine_blocks * layers * 2 * block_size * kv_heads * head_dim * es, dtype=torch.uint8, device=device)
-    return EngineCache.from_tensors(layouts.transformers_cb(flat, layers, block_size, kv_heads, head_dim, dtype))
+    return EngineCache.from_tensors(layouts.per_layer({"cache_tensor": flat.view(engine_blocks, -1)}))
 
 
 def bench_copy(blocks: int = 256, layers: int = 4, kv_heads: int = 8, block_size: int = 16, head_dim: int = 64,

@@ -67,11 +67,11 @@ def make(arena: ShmArena, layout: str, device: str, shape: Shape | None = None):
         dtype = s.dtype or torch.bfloat16
         ks = [new(f"key_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
         vs = [new(f"value_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
-        return ks + vs, layouts.fastdeploy(ks, vs), lambda b: [t[b] for t in ks + vs]
+        return ks + vs, layouts.per_layer({f"key_caches_{i}": k for i, k in enumerate(ks)} | {f"value_caches_{i}": v for i, v in enumerate(vs)}), lambda b: [t[b] for t in ks + vs]
     if layout == "vllm_flash":
         dtype = s.dtype or torch.float16
         kv = {f"layer.{i}": new(f"layer.{i}", (2, nb, bs, h, d), dtype) for i in range(s.layers)}
-        return list(kv.values()), layouts.vllm_flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
+        return list(kv.values()), layouts.per_layer({f"{n}.{half}": t[j] for n, t in kv.items() for j, half in enumerate("kv")}), lambda b: [t[:, b] for t in kv.values()]
     raise SystemExit(f"unknown layout {layout!r}")
 
 

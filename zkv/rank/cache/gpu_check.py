@@ -103,7 +103,7 @@ class Rig:
             shape = (blocks, *size.page_shape)
             ks = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
             vs = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
-            self.cache = EngineCache.from_tensors(layouts.fastdeploy(ks, vs))
+            self.cache = EngineCache.from_tensors(layouts.zkv_native(ks, vs))
             self.tier = CpuTier.for_cache(self.cache.descriptor, rows, pin=dev.type == "cuda")
             self.copier = CopyEngine(self.cache, self.tier, compute_stream, staging_bytes)
         self.block_bytes = self.cache.descriptor.block_bytes

@@ -1,4 +1,5 @@
-"""Random Llama models for the demo, the tests and the benchmark: nothing is
+"""Random Llama models for the engine demo, tests and benchmark (needs
+torch and transformers; not imported by ``zkv.testing``): nothing is
 downloaded (these machines reach no model hub), weights come from a seed.
 
 ``initializer_range=0.2``: the default 0.02 makes a random model repeat one
@@ -6,7 +7,6 @@ token, which would hide a wrong KV block behind a constant output."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -41,14 +41,6 @@ def load_weights(model: transformers.PreTrainedModel, seed: int, config: str = "
 
 def random_tokens(seed: int, n: int, vocab: int = 1000) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def block_digests(rows: torch.Tensor, blocks: list[int]) -> list[str]:
-    """A short sha256 of each block's bytes (``rows`` is an engine's ``block_rows()``)."""
-    out = []
-    for b in blocks:
-        out.append(hashlib.sha256(rows[b].contiguous().numpy().tobytes()).hexdigest()[:16])
-    return out
 
 
 def set_threads(n: int) -> int:

@@ -1,6 +1,6 @@
 """zkv's one door into Hugging Face transformers' continuous batching.
 
-Pinned: transformers==5.23.0 (``PINNED_VERSION``). Every private transformers
+Pinned: transformers==5.23.0 (``build.PINNED_VERSION``). Every private transformers
 name zkv touches is used in this file and nowhere else, so an upgrade touches
 this file only: ``ContinuousBatchingManager._create_batch_processor`` /
 ``.batch_processor`` / ``.output_router.output_queue`` /
@@ -15,10 +15,8 @@ allocator's ``block_table`` / ``free_blocks`` / ``ledger`` / ``index`` /
 ``num_free_sectors``, and ``RequestState`` (``position_offset``,
 ``remaining_prefill_tokens``, ``status``).
 
-The cache (one flat ``uint8`` tensor) is block-major: block ``b`` is bytes
-``[b*block_bytes, (b+1)*block_bytes)``, shaped ``(layers, 2, block_size,
-kv_heads, head_dim)``; the first ``scratch_blocks`` rows are the engine's
-padding trash, never handed out and never to be swapped.
+The cache (one flat ``uint8`` tensor, block-major, the first
+``scratch_blocks`` rows engine trash) is described in layout.py.
 
 A finished request that was submitted with ``keep=True`` is *parked*: its
 block table stays (so its KV survives between turns) and ``continue_request``
@@ -41,14 +39,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from math import ceil
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
-import transformers
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
 
-PINNED_VERSION = "5.23.0"
+from .layout import KVLayout
+
 _FULL_ATTENTION = "full_attention"
 
 
@@ -65,29 +62,6 @@ class CacheFull(RuntimeError):
 
 
 @dataclass(frozen=True)
-class KVLayout:
-    """transformers' flat cache seen as block rows (see the module docstring)."""
-
-    num_blocks: int  # rows in the tensor, scratch rows included
-    scratch_blocks: int  # rows [0, scratch_blocks) are engine trash
-    layers: int
-    block_size: int  # tokens per block
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    generation: int  # bumped by every rebuild: a new allocation, old KV invalid
-
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
-
-    def typed(self, cache_tensor: torch.Tensor) -> torch.Tensor:
-        """``cache_tensor`` as ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` of ``dtype``."""
-        shape = (self.num_blocks, self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
-        return cache_tensor.view(self.dtype).view(shape)
-
-
-@dataclass(frozen=True)
 class Conversation:
     """A parked conversation: ``tokens`` so far, KV for the first ``kv_len`` of them."""
 
@@ -95,39 +69,6 @@ class Conversation:
     tokens: tuple[int, ...]
     kv_len: int
     resident: bool  # its KV is in the engine's cache under its block table
-
-
-def build_manager(
-    model: transformers.PreTrainedModel,
-    *,
-    num_blocks: int,
-    block_size: int = 16,
-    max_batch_tokens: int = 256,
-    prefix_sharing: bool = True,
-    max_new_tokens: int = 16,
-    eos_token_id: int = -1,
-):
-    """A continuous-batching manager with explicit sizes (no memory probing picks them) and greedy decoding."""
-    if transformers.__version__ != PINNED_VERSION:
-        raise RuntimeError(
-            f"zkv.engines.transformers_cb is written against transformers=={PINNED_VERSION}, "
-            f"found {transformers.__version__}: install zkv[transformers]"
-        )
-    generation_config = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id
-    )
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=num_blocks,
-        page_size=block_size,
-        max_batch_tokens=max_batch_tokens,
-        allow_block_sharing=prefix_sharing,
-        use_cuda_graph=False,
-        use_async_batching=False,  # async batching keeps a batch in flight across the pause
-        return_logprobs=True,
-    )
-    # Typed as Any: mypy resolves the attribute through nn.Module.__getattr__ (-> Tensor).
-    init: Any = model.init_continuous_batching
-    return init(generation_config=generation_config, continuous_batching_config=cb_config)
 
 
 class TransformersCBEngine:

@@ -1,0 +1,64 @@
+"""transformers' continuous-batching cache as zkv sees it: ``KVLayout`` (its
+shape, read from the engine by ``TransformersCBEngine.layout``), the one
+region over it (``regions``) and the model fields a rank announces
+(``model_layout``).  Torch only: importable without transformers.
+
+The cache is one flat ``uint8`` tensor, block-major: block ``b`` is bytes
+``[b*block_bytes, (b+1)*block_bytes)``, shaped ``(layers, 2, block_size,
+kv_heads, head_dim)`` in the cache's dtype; the first ``scratch_blocks`` rows
+are the engine's padding trash, never handed out and never to be swapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...rank.cache.errors import CacheError
+from ...rank.cache.regions import TensorEntry
+from ...wire.layout import CacheLayout
+
+_WIRE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """transformers' flat cache seen as block rows (see the module docstring)."""
+
+    num_blocks: int  # rows in the tensor, scratch rows included
+    scratch_blocks: int  # rows [0, scratch_blocks) are engine trash
+    layers: int
+    block_size: int  # tokens per block
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    generation: int  # bumped by every rebuild: a new allocation, old KV invalid
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def typed(self, cache_tensor: torch.Tensor) -> torch.Tensor:
+        """``cache_tensor`` as ``(num_blocks, layers, 2, block_size, kv_heads, head_dim)`` of ``dtype``."""
+        shape = (self.num_blocks, self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
+        return cache_tensor.view(self.dtype).view(shape)
+
+
+def regions(cache_tensor: torch.Tensor, layers: int, block_size: int, kv_heads: int, head_dim: int,
+            dtype: torch.dtype) -> list[TensorEntry]:
+    """The flat uint8 cache as one region, a row per block id (scratch rows included)."""
+    if not isinstance(cache_tensor, torch.Tensor) or cache_tensor.dtype != torch.uint8 or cache_tensor.dim() != 1:
+        raise CacheError("bad_layout", "tensor 'cache_tensor' must be one flat uint8 tensor")
+    page = layers * 2 * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    if cache_tensor.numel() % page or not cache_tensor.is_contiguous():
+        raise CacheError("bad_layout", f"tensor 'cache_tensor' of {cache_tensor.numel()} bytes is not a contiguous "
+                         f"whole number of {page}-byte blocks")
+    return [TensorEntry("cache_tensor", cache_tensor.view(-1, page))]
+
+
+def model_layout(layout: KVLayout) -> CacheLayout:
+    """The model fields a rank on this cache announces; the rank sets ``gpu_blocks`` (its block
+    count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.engine_backend.bus_layout``)."""
+    return CacheLayout(layers=layout.layers, block_size=layout.block_size, kv_heads=layout.kv_heads,
+                       head_dim=layout.head_dim, dtype=_WIRE_DTYPES.get(layout.dtype, "bf16"))

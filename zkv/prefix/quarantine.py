@@ -1,0 +1,48 @@
+"""What timed-out tasks may still write, held by task id until the bus says
+the task settled (every rank has reported since) or a drain or clear makes it
+moot.  The prefix swap runner holds blocks of a tier here, the engines'
+``SwapController`` taken blocks and CPU rows; each decides which outcomes to
+hold and asks the bus when.  Sans-IO: it only keeps the books."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, ItemsView, ValuesView
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Quarantine(Generic[T]):
+    """Held entries by task id; ``settle`` and ``release_all`` hand them back to be freed."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[int, T] = {}
+
+    def hold(self, task: int, entry: T) -> None:
+        self._held[task] = entry
+
+    def settle(self, tasks: Iterable[int]) -> list[T]:
+        """The entries of those ``tasks`` held here (others are ignored), no longer held."""
+        out = []
+        for task in tasks:
+            entry = self._held.pop(task, None)
+            if entry is not None:
+                out.append(entry)
+        return out
+
+    def release_all(self) -> list[T]:
+        """Every entry (no task runs any more: a drained or cleared bus), no longer held."""
+        out = list(self._held.values())
+        self._held.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def items(self) -> ItemsView[int, T]:
+        return self._held.items()
+
+    def values(self) -> ValuesView[T]:
+        return self._held.values()
