@@ -23,7 +23,7 @@ def test_pause_then_clear_with_no_rank_registered_both_answer():
 
 def test_an_exception_in_a_handler_answers_internal_and_is_counted():
     core = BrokerCore(BrokerConfig(world=2))
-    core._pause = None  # a bug: calling it raises TypeError
+    core.control.pause = None  # type: ignore[assignment,method-assign]  # a bug: calling it raises TypeError
     (err,) = replies(core.on_client(b"c", [P.encode("pause", req=7)], 1.0))
     assert err["kind"] == "error" and err["code"] == "internal" and err["req"] == 7
     assert core.counters["internal_errors"] == 1
@@ -40,7 +40,7 @@ def test_every_control_change_is_saved_and_a_restored_broker_keeps_paused_and_it
     sim.settle()
     assert saved[-1]["state"] == "paused" and saved[-1]["layout"] == LAYOUT.to_wire()
     core = BrokerCore(BrokerConfig(world=2), restore=saved[-1])
-    assert core.state == "paused" and core.control_op == "pause" and core.epoch == saved[-1]["epoch"] + 1
+    assert core.state == "paused" and core.control.op == "pause" and core.epoch == saved[-1]["epoch"] + 1
 
 
 def test_a_fresh_rank_after_tasks_ran_moves_the_generation_and_cancels_what_was_queued():
@@ -54,7 +54,7 @@ def test_a_fresh_rank_after_tasks_ran_moves_the_generation_and_cancels_what_was_
     sim.ranks[1].core = type(sim.ranks[1].core)(1, 2, LAYOUT)  # a new process
     sim.start_rank(1)
     sim.settle()
-    assert sim.broker.gen == 1 and "fresh memory" in sim.broker.gen_reason
+    assert sim.broker.gen == 1 and "fresh memory" in sim.broker.gens.reason
     assert sim.outcomes[queued] == "cancelled"
     assert all(sr.core.gen == 1 for sr in sim.ranks.values())
     assert sim.broker.state == "paused", "paused stays paused"

@@ -287,7 +287,7 @@ def test_open_tasks_are_bounded_per_client_and_queued_ones_expire(lonely_broker)
         assert "open tasks" in rejected[0]["reason"]
     finally:
         sock.close()
-    assert broker.core.open_per_client and max(broker.core.open_per_client.values()) == 5
+    assert broker.core.tasks.open_per_client and max(broker.core.tasks.open_per_client.values()) == 5
 
 
 def test_a_queued_task_past_its_timeout_never_runs():
@@ -300,7 +300,7 @@ def test_a_queued_task_past_its_timeout_never_runs():
     assert not [a for a in out if isinstance(a, ToRank) and len(a.frames) == 2], "an expired task was dispatched"
     (msg,) = [P.decode(a.frames[0]) for a in out if isinstance(a, ToClient)]
     assert (msg["task"], msg["outcome"]) == (1, "timeout")
-    assert not core.open_per_client
+    assert not core.tasks.open_per_client
 
 
 # --- 5. identities -----------------------------------------------------------------------------

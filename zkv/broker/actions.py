@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
+from ..wire import protocol as P
+
 
 @dataclass(slots=True)
 class ToClient:
@@ -46,3 +48,18 @@ Action = Union[ToClient, ToRank, Publish, Record, SaveState]
 def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
     """Test helper: the actions of one type, in order."""
     return [a for a in actions if isinstance(a, kind)]
+
+
+def reply(client: bytes, req: int, op: str, **fields: Any) -> ToClient:
+    """A client request's answer."""
+    return ToClient(client, [P.encode("reply", req=req, op=op, **fields)])
+
+
+def error(client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
+    """A client request refused or failed, with its code."""
+    return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
+
+
+def outcome(client: bytes, task: int, result: str, reason: str, gen: int) -> ToClient:
+    """A task's final outcome, told by the broker itself (the ranks tell the rest)."""
+    return ToClient(client, [P.encode("outcome", task=task, outcome=result, reason=reason, gen=gen)])

@@ -1,54 +1,56 @@
-"""Control operations (DESIGN §2, §5): pause, clear and resume requests,
+"""The control machine (DESIGN §2, §5): pause, clear and resume requests,
 joining or refusing a request while one is in progress, publishing the
-control message at each epoch, counting the ranks' acks, and the success or
-failure that ends an operation.  A mixin of
-:class:`~zkv.broker.core.BrokerCore`; the states it moves the bus between
-are looked up in ``state.py``."""
+control message at each epoch (and repeating it until every rank acked),
+counting the ranks' acks, and the success or failure that ends an operation.
+The states it moves the bus between are looked up in ``state.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..obs.book import BusBook
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from .actions import Action, Publish, Record
-from .records import PendingOp, RankState
-from .state import ALREADY, IN_PROGRESS, ON_SUCCESS, STABLE, BusState, ControlOp, on_failure
+from .actions import Action, Publish, Record, error, reply
+from .generation import Generation
+from .ranks import RankTable
+from .records import BrokerConfig, PendingOp, RankState
+from .state import ALREADY, IN_PROGRESS, OP_OF_STATE, ON_SUCCESS, RUNNING_OR_RESUMING, STABLE, BusState, ControlOp, on_failure
+from .tasks import TaskTable
 
 
-class Control:
-    """Pause, clear, resume and their acks (mixed into BrokerCore)."""
+class ControlMachine:
+    """The bus state, its epoch, the op published to the ranks, and the op in progress."""
 
-    if TYPE_CHECKING:  # what the mixin uses of BrokerCore
-        cfg: Any
-        book: BusBook
-        counters: Any
-        recording: bool
-        state: BusState
-        epoch: int
-        gen: int
-        gen_used: bool
-        gen_reason: str
-        keep_cpu: bool
-        cpu_lost: list[int]
-        retry_at: float | None
-        layout: CacheLayout | None
-        control_op: ControlOp
-        control_extra: dict[str, Any]
-        pending: PendingOp | None
-        ranks: dict[int, RankState]
-        queue: Any
-        last_publish: float
-        _reply: Any
-        _error: Any
-        _dispatch: Any
-        _finish_task: Any
-        _live_ranks: Any
-        _roll_back_resume: Any
+    def __init__(self, cfg: BrokerConfig, book: BusBook, recording: bool, ranks: RankTable, gens: Generation, tasks: TaskTable):
+        self.cfg = cfg
+        self.book = book
+        self.counters = book.events
+        self.recording = recording
+        self.ranks = ranks
+        self.gens = gens
+        self.tasks = tasks
+        self.state = BusState.RUNNING
+        self.epoch = 0
+        self.op = ControlOp.RUN  # what ranks must do at this epoch
+        self.op_layout: CacheLayout | None = None  # the layout the control message names (a resume's)
+        self.op_keep_cpu = False  # the control message names keep_cpu (a clear's)
+        self.pending: PendingOp | None = None
+        self.retry_at: float | None = None  # when to retry a failed broker-started resume
+        self.last_publish = 0.0
 
-    def _timeout_s(self, msg: dict) -> float:
-        return (msg.get("timeout_ms") or self.cfg.op_timeout_ms) / 1000.0
+    def restore(self, state: BusState, epoch: int) -> None:
+        """A restarted broker's state and a new epoch (``recovery.py``)."""
+        self.state = state
+        self.epoch = epoch
+        self.op = OP_OF_STATE[state]
+        self.op_layout, self.op_keep_cpu = None, self.gens.keep_cpu
+
+    def _run_tasks(self, now: float, out: list[Action]) -> None:
+        if self.state is BusState.RUNNING:
+            self.tasks.dispatch(now, out)
+
+    # --- requests ------------------------------------------------------------------
 
     def _join_or_busy(self, client: bytes, msg: dict, op: ControlOp, now: float, out: list[Action]) -> bool:
         """A request during a pending op: join it if same op, else say busy."""
@@ -56,130 +58,177 @@ class Control:
             return False
         if self.pending.op == op:
             self.pending.waiters.append((client, msg["req"]))
-            mine = now + self._timeout_s(msg)
+            mine = now + self.cfg.timeout_s(msg)
             if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
                 self.pending.joined[(client, msg["req"])] = mine
         else:
             self.book.control_finished(op, "busy")
-            out.append(self._error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
+            out.append(error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
         return True
 
-    def _pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.PAUSE, now, out):
             return
         if self.state in ALREADY[ControlOp.PAUSE]:
             self.book.control_finished("pause", "noop")
-            out.append(self._reply(client, msg["req"], ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, drain_ms=0.0, note=f"already {self.state}"))
+            out.append(reply(client, msg["req"], ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, drain_ms=0.0, note=f"already {self.state}"))
             return
-        self._begin(client, msg, ControlOp.PAUSE, now, out)
+        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.PAUSE, now, out)
 
-    def _clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.CLEAR, now, out):
             return
         if self.state in ALREADY[ControlOp.CLEAR]:
             self.book.control_finished("clear", "noop")
-            out.append(self._reply(client, msg["req"], ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, cancelled=0, freed=0, note="already cleared"))
+            out.append(reply(client, msg["req"], ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, cancelled=0, freed=0, note="already cleared"))
             return
         if self.state != BusState.PAUSED:
             self.book.control_finished("clear", "not_paused")
-            out.append(self._error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
+            out.append(error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
             return
-        cancelled = 0
-        while self.queue:
-            task = self.queue.popleft()
-            cancelled += 1
-            self._finish_task(task, "cancelled", "caches were cleared while the task was queued", now, out, notify=True)
-        self.gen += 1
-        self.gen_used = False
-        self.keep_cpu = bool(msg.get("keep_cpu"))
-        self.cpu_lost = []
-        extra = {"keep_cpu": True} if self.keep_cpu else {}
+        cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
+        keep_cpu = bool(msg.get("keep_cpu"))
+        self.gens.cleared(keep_cpu)
         # The op's books go in before the first check: with no live rank the
-        # clear completes inside _begin (issue 9, sequence 1).
-        self._begin(client, msg, ControlOp.CLEAR, now, out, info={"cancelled": cancelled, "freed": 0}, **extra)
+        # clear completes inside begin (tests/test_issue9_core.py).
+        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
-    def _resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
         if self.state in ALREADY[ControlOp.RESUME]:
             self.book.control_finished("resume", "noop")
-            out.append(self._reply(client, msg["req"], ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gen, note="already running"))
+            out.append(reply(client, msg["req"], ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, note="already running"))
             return
-        extra: dict[str, Any] = {}
+        layout = self.gens.layout  # always named: no rank resumes on another layout
         if msg.get("layout") is not None:
             if self.state != BusState.CLEARED:
                 self.book.control_finished("resume", "not_cleared")
-                out.append(self._error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
+                out.append(error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
                 return
-            base = self.layout or CacheLayout()
+            base = layout or CacheLayout()
             try:
-                new_layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
+                layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
             except (P.ProtocolError, TypeError) as err:
                 self.book.control_finished("resume", "bad_field")
-                out.append(self._error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
+                out.append(error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
                 return
-            extra["layout"] = new_layout.to_wire()
-        elif self.layout is not None:
-            extra["layout"] = self.layout.to_wire()  # always named: no rank resumes on another layout
         self.retry_at = None
-        self._begin(client, msg, ControlOp.RESUME, now, out, **extra)
+        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.RESUME, now, out, layout=layout)
 
-    def _begin(self, client: bytes | None, msg: dict, op: ControlOp, now: float, out: list[Action],
-               info: dict[str, Any] | None = None, **extra: Any) -> None:
-        waiters = [(client, msg["req"])] if client is not None else []
+    def begin(self, waiters: list[tuple[bytes, int]], timeout_s: float, op: ControlOp, now: float, out: list[Action],
+              layout: CacheLayout | None = None, keep_cpu: bool = False, cancelled: int = 0) -> None:
+        """Start ``op`` at a new epoch; ``layout`` (a resume) and ``keep_cpu``
+        (a clear) travel in its control message."""
         # A resume the broker started itself began from a running bus.
         previous = self.state if self.state != BusState.RESUMING else BusState.RUNNING
-        self.pending = PendingOp(op, self.epoch + 1, now, now + self._timeout_s(msg), waiters, previous, dict(info or {}))
+        self.pending = PendingOp(op, self.epoch + 1, now, now + timeout_s, waiters, previous, layout, cancelled)
         self.epoch += 1
-        self.control_op = op
-        self.control_extra = {k: v for k, v in extra.items() if v is not None}
+        self.op = op
+        self.op_layout, self.op_keep_cpu = layout, keep_cpu
         self.state = IN_PROGRESS[op]
-        self._publish(now, out)
+        self.publish(now, out)
         self._check_pending(now, out)
 
-    def _publish(self, now: float, out: list[Action]) -> None:
+    # --- the control message ---------------------------------------------------------
+
+    def _named(self) -> dict[str, Any]:
+        named: dict[str, Any] = {}
+        if self.op_layout is not None:
+            named["layout"] = self.op_layout.to_wire()
+        if self.op_keep_cpu:
+            named["keep_cpu"] = True
+        return named
+
+    def publish(self, now: float, out: list[Action]) -> None:
         self.last_publish = now
-        upto = [self.ranks[r].dispatched if r in self.ranks else 0 for r in range(self.cfg.world)]
-        out.append(Publish(P.encode("control", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=upto, **self.control_extra)))
+        out.append(Publish(P.encode("control", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=self.ranks.upto(), **self._named())))
+
+    def welcome(self, rs: RankState) -> bytes:
+        """A registered rank's welcome: the bus's state now.  A rank joining
+        during a resume with a new layout gets the new layout."""
+        layout = self.op_layout or self.gens.layout
+        assert layout is not None  # the first ready named one
+        keep = {"keep_cpu": True} if self.op_keep_cpu else {}
+        return P.encode("welcome", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=rs.dispatched, layout=layout.to_wire(),
+                        heartbeat_ms=self.cfg.heartbeat_ms, session=rs.session, **keep)
+
+    def restate(self, now: float, out: list[Action]) -> None:
+        """Publish the current state again at a new epoch (new gen and layout
+        reach every rank); a running bus goes through a resume so that a rank
+        that must allocate does it there, and tasks wait until all acked."""
+        if self.pending is not None:
+            self.epoch += 1
+            self.pending.epoch = self.epoch
+        elif self.state in RUNNING_OR_RESUMING:
+            self.begin([], self.cfg.op_timeout_ms / 1000.0, ControlOp.RESUME, now, out, layout=self.gens.layout)
+            return
+        else:
+            self.epoch += 1
+        self.publish(now, out)
+
+    # --- acks and the end of an op -------------------------------------------------
+
+    def ack(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
+        if msg["epoch"] != self.epoch or msg["op"] != self.op:
+            self.counters["stale_acks"] += 1
+            return
+        if self.op == ControlOp.PAUSE and msg.get("upto") != rs.dispatched:
+            self.counters["stale_acks"] += 1
+            return
+        named = self.op_layout
+        if self.op == ControlOp.RESUME and named is not None and msg.get("layout") != named.to_wire() \
+                and (msg.get("layout") is not None or self.gens.layout is None or named != self.gens.layout):
+            self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
+            return
+        if msg.get("stats"):
+            rs.stats = msg["stats"]
+        if msg.get("error") and self.op == ControlOp.RESUME:
+            self.counters["alloc_failed"] += 1
+            if self.pending is not None and self.pending.op == ControlOp.RESUME:
+                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg['error']}", now, out)
+            return
+        if rs.acked_epoch == self.epoch:
+            self.counters["repeat_acks"] += 1
+            return
+        rs.acked_epoch = self.epoch
+        if msg.get("cpu_kept") is False:
+            self.gens.cpu_not_kept(rs.rank)
+        if self.pending is not None and self.pending.op == ControlOp.CLEAR:
+            self.pending.freed += msg.get("freed") or 0
+        self._check_pending(now, out)
+
+    def _lagging(self, epoch: int) -> list[int]:
+        return sorted(rs.rank for rs in self.ranks.live() if rs.acked_epoch != epoch)
 
     def _check_pending(self, now: float, out: list[Action]) -> None:
         op = self.pending
         if op is None:
             return
-        if any(rs.acked_epoch != op.epoch for rs in self._live_ranks()):
+        if any(rs.acked_epoch != op.epoch for rs in self.ranks.live()):
             return
         self.pending = None
         self.book.control_finished(op.op, "ok", now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
-        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gen}
+        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen}
         self.state = ON_SUCCESS[op.op]
         if op.op == ControlOp.PAUSE:
             fields["drain_ms"] = elapsed_ms
         elif op.op == ControlOp.CLEAR:
-            fields.update(clear_ms=elapsed_ms, cancelled=op.extra.get("cancelled", 0), freed=op.extra.get("freed", 0))
+            fields.update(clear_ms=elapsed_ms, cancelled=op.cancelled, freed=op.freed)
         else:
-            if "layout" in self.control_extra:
-                self.layout = CacheLayout.from_wire(self.control_extra["layout"])
             fields["resume_ms"] = elapsed_ms
-            if self.layout is not None:
-                fields["layout"] = self.layout.to_wire()
-            if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
-                fields["cpu_kept"] = not self.cpu_lost
-                if self.cpu_lost:
-                    fields["note"] = f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
-                self.keep_cpu = False
-                self.control_extra.pop("keep_cpu", None)
-            if self.gen_reason:
-                fields["gen_reason"] = self.gen_reason
+            if self.gens.keep_cpu:
+                self.op_keep_cpu = False
+            self.gens.resumed(op.layout, fields)
         fields["state"] = self.state
-        fields["ranks_acked"] = len(self._live_ranks())
+        fields["ranks_acked"] = len(self.ranks.live())
         self.counters[f"{op.op}_ok"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **fields}))
         for client, req in op.waiters:
-            out.append(self._reply(client, req, op.op, **fields))
-        if self.state == BusState.RUNNING:
-            self._dispatch(now, out)
+            out.append(reply(client, req, op.op, **fields))
+        self._run_tasks(now, out)
 
     def _fail_pending(self, code: str, reason: str, now: float, out: list[Action]) -> None:
         op = self.pending
@@ -192,46 +241,69 @@ class Control:
         if op.op == ControlOp.RESUME:
             reason += f"; the bus is {STABLE.get(op.previous_state, 'not running')} again (nothing resumed)"
         for client, req in op.waiters:
-            out.append(self._error(client, code, reason, req=req))
+            out.append(error(client, code, reason, req=req))
         if op.op == ControlOp.PAUSE:
             # Undo the half-done pause: a new epoch that tells every rank to run.
             self.epoch += 1
-            self.state, self.control_op = on_failure(op.op, op.previous_state)
-            self.control_extra = {"layout": self.layout.to_wire()} if self.layout else {}
-            self._publish(now, out)
-            self._dispatch(now, out)
+            self.state, self.op = on_failure(op.op, op.previous_state)
+            self.op_layout, self.op_keep_cpu = self.gens.layout, False
+            self.publish(now, out)
+            self._run_tasks(now, out)
         elif op.op == ControlOp.CLEAR:
-            self.state, self.control_op = on_failure(op.op, op.previous_state)  # gen moved on; laggards get repeats
+            self.state, self.op = on_failure(op.op, op.previous_state)  # gen moved on; laggards get repeats
         else:
             self._roll_back_resume(op, now, out)
 
-    def _ack(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
-        if msg["epoch"] != self.epoch or msg["op"] != self.control_op:
-            self.counters["stale_acks"] += 1
-            return
-        if self.control_op == ControlOp.PAUSE and msg.get("upto") != rs.dispatched:
-            self.counters["stale_acks"] += 1
-            return
-        if self.control_op == ControlOp.RESUME and "layout" in self.control_extra and msg.get("layout") != self.control_extra["layout"] \
-                and (msg.get("layout") is not None or self.layout is None or self.control_extra["layout"] != self.layout.to_wire()):
-            self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
-            return
-        if msg.get("stats"):
-            rs.stats = msg["stats"]
-        if msg.get("error") and self.control_op == ControlOp.RESUME:
-            self.counters["alloc_failed"] += 1
-            if self.pending is not None and self.pending.op == ControlOp.RESUME:
-                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg['error']}", now, out)
-            return
-        if rs.acked_epoch == self.epoch:
-            self.counters["repeat_acks"] += 1
-            return
-        rs.acked_epoch = self.epoch
-        if msg.get("cpu_kept") is False and self.keep_cpu:
-            self.cpu_lost.append(rs.rank)
-        if self.pending is not None and self.pending.op == ControlOp.CLEAR:
-            self.pending.extra["freed"] = self.pending.extra.get("freed", 0) + (msg.get("freed") or 0)
-        self._check_pending(now, out)
+    def _roll_back_resume(self, op: PendingOp, now: float, out: list[Action]) -> None:
+        """A failed resume leaves no rank on a layout or generation the broker
+        does not hold: a new epoch puts every rank back where the bus was
+        (cleared: free again, at a new generation since some may have
+        allocated; paused: pause again).  A resume the broker started itself
+        (to bring a rank in line) is retried after two heartbeats, and the
+        bus stays not running until it converges."""
+        self.epoch += 1
+        self.state, self.op = on_failure(ControlOp.RESUME, op.previous_state)
+        self.op_layout, self.op_keep_cpu = None, False
+        if self.state == BusState.CLEARED:
+            self.gens.reallocated()
+            self.op_keep_cpu = self.gens.keep_cpu
+        if self.state == BusState.RESUMING:  # a resume the broker started: retry it
+            self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
+        self.counters["resume_rollbacks"] += 1
+        self.publish(now, out)
+
+    def rank_lost(self, reason: str, now: float, out: list[Action]) -> None:
+        """A rank died: the op in progress completes without it, or fails."""
+        if self.pending is not None:
+            if self.cfg.allow_partial:
+                self._check_pending(now, out)
+            else:
+                self._fail_pending("rank_dead", f"{self.pending.op} epoch {self.pending.epoch} failed: {reason}", now, out)
+
+    # --- the clock ---------------------------------------------------------------------
+
+    def retry(self, now: float, out: list[Action]) -> None:
+        """A failed broker-started resume, once its retry is due."""
+        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
+            self.retry_at = None
+            self.counters["resume_retries"] += 1
+            self.restate(now, out)
+
+    def repeat(self, now: float, out: list[Action]) -> None:
+        """PUB is lossy: publish again until every live rank acked this epoch."""
+        if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
+            if any(rs.acked_epoch != self.epoch for rs in self.ranks.live()):
+                self.counters["control_repeats"] += 1
+                self.publish(now, out)
+
+    def expire(self, now: float, out: list[Action]) -> None:
+        """Requests past their own deadline, then the op past its deadline."""
+        if self.pending is not None and self.pending.joined:
+            self._expire_joined(now, out)
+        if self.pending is not None and now >= self.pending.deadline:
+            ms = round((self.pending.deadline - self.pending.started) * 1000)
+            self._fail_pending(f"{self.pending.op}_timeout", f"ranks {self._lagging(self.pending.epoch)} did not acknowledge "
+                               f"{self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
 
     def _expire_joined(self, now: float, out: list[Action]) -> None:
         """A request that joined an op in progress with a shorter timeout gets
@@ -243,7 +315,16 @@ class Control:
             if now >= deadline:
                 del op.joined[key]
                 op.waiters.remove(key)
-                lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != op.epoch)
-                out.append(self._error(key[0], f"{op.op}_timeout", f"ranks {lagging} did not acknowledge {op.op} epoch {op.epoch} "
-                                       f"within this request's timeout_ms; the {op.op} is still in progress", req=key[1]))
+                out.append(error(key[0], f"{op.op}_timeout", f"ranks {self._lagging(op.epoch)} did not acknowledge {op.op} epoch {op.epoch} "
+                                 f"within this request's timeout_ms; the {op.op} is still in progress", req=key[1]))
 
+    def deadlines(self) -> list[float]:
+        due = []
+        if self.epoch:
+            due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
+        if self.pending is not None:
+            due.append(self.pending.deadline)
+            due.extend(self.pending.joined.values())
+        if self.retry_at is not None:
+            due.append(self.retry_at)
+        return due

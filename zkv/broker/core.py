@@ -5,12 +5,14 @@ rank, a clock tick) and actions come out (frames to send, a control message to
 publish, a record for the trace).  The ZMQ loop in ``loop.py`` only moves
 frames; the replay harness and the unit tests drive this class directly.
 
-This module holds the entry points (``on_client``, ``on_rank``, ``on_tick``,
-``next_deadline``, ``status``); the handlers live in mixins along the seams:
-``tasks.py`` (submit, dispatch, done), ``control.py`` (pause, clear, resume,
-acks), ``ranks.py`` (registration, rank loss), ``recovery.py`` (restarts and
-generations); the bus states and their transitions in ``state.py``.  The
-actions and records are re-exported here.
+``BrokerCore`` decodes each event and routes it to the part that owns what it
+changes, each part owning its own fields: ``tasks.py`` (:class:`TaskTable`:
+submit, dispatch, done), ``ranks.py`` (:class:`RankTable`: registration,
+liveness), ``control.py`` (:class:`ControlMachine`: pause, clear, resume,
+acks, publishing), ``generation.py`` (:class:`Generation`: layout and cache
+generation), ``recovery.py`` (:class:`Recovery`: the durable snapshot and a
+registering rank's reconciliation); the bus states and their transitions in
+``state.py``.  The actions and records are re-exported here.
 
 Invariants it keeps (DESIGN §1-§7):
 - a task is dispatched to every rank at once, and only while running with all
@@ -26,19 +28,21 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
+from ..obs.book import BusBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..obs.book import BusBook
-from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, frames_of
-from .control import Control
-from .ranks import Ranks
+from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
+from .control import ControlMachine
+from .generation import Generation
+from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState, Task
 from .recovery import Recovery
-from .state import BusState, ControlOp
-from .tasks import Tasks
+from .state import CACHES_CLEARED, BusState
+from .tasks import TaskTable
 from .waiters import Waiter, WaiterBook
 
 __all__ = ["Action", "BrokerConfig", "BrokerCore", "PendingOp", "Publish", "RankState", "Record", "SaveState", "Task",
@@ -51,51 +55,71 @@ _decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 
 
-class BrokerCore(Tasks, Control, Ranks, Recovery):
-    """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
+class BrokerCore:
+    """Events in, actions out.  ``now`` is seconds on a monotonic clock.
+    ``book`` (default: a new :class:`BusBook`) counts and books what happens."""
 
-    def __init__(self, config: BrokerConfig | None = None, recording: bool = False, restore: dict[str, Any] | None = None):
+    def __init__(self, config: BrokerConfig | None = None, recording: bool = False, restore: dict[str, Any] | None = None,
+                 book: BusBook | None = None):
         self.cfg = config or BrokerConfig()
         self.recording = recording
-        self.layout: CacheLayout | None = None
-        self.state = BusState.RUNNING
-        self.epoch = 0
-        self.gen = 0
-        self.control_op = ControlOp.RUN
-        self.control_extra: dict[str, Any] = {}
-        self.pending: PendingOp | None = None
-        self.ranks: dict[int, RankState] = {}
-        self.by_identity: dict[bytes, int] = {}
-        self.queue: collections.deque[Task] = collections.deque()
-        self.inflight: dict[int, Task] = {}
-        self.open_tasks: set[tuple[bytes, int]] = set()
-        self.open_per_client: collections.Counter[bytes] = collections.Counter()
-        self.seq = 0
-        self.last_heartbeat = 0.0
-        self.last_publish = 0.0
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._book = book if book is not None else BusBook()  # metrics (zkv.obs): read at scrape time, never here
+        self._events = self._book.events
+        self.rank_table = RankTable(self.cfg, self._events, recording)
+        self.gens = Generation()
+        self.tasks = TaskTable(self.cfg, self._book, recording, self.rank_table, self.gens)
+        self.control = ControlMachine(self.cfg, self._book, recording, self.rank_table, self.gens, self.tasks)
+        self.recovery = Recovery(self.cfg, self._events, recording, self.rank_table, self.gens, self.control, self.tasks)
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
-        self.book = BusBook()  # metrics (zkv.obs): read at scrape time, never here
-        self.gen_used = False  # a task was dispatched at this generation: its content matters
-        self.gen_reason = ""  # why the generation last moved (status says it)
-        self.keep_cpu = False  # the last clear kept the CPU tier
-        self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
-        self.retry_at: float | None = None  # when to retry a failed broker-started resume
-        self._saved_key: tuple | None = None
         if restore is not None:
-            self._restore(restore)
+            self.recovery.restore(restore)
 
-    @staticmethod
-    def _save_action(snapshot: dict[str, Any]) -> "SaveState":
-        return SaveState(snapshot)
+    # --- read-only views for the loop, the metrics export and tests ---------------------
 
-    @staticmethod
-    def _record_action(event: dict[str, Any]) -> "Record":
-        return Record(event)
+    @property
+    def book(self) -> BusBook:
+        return self._book
 
-    def _internal(self, err: Exception, where: str, counter: str = "internal_errors") -> str:
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """What status reports as ``counters`` (a snapshot; the loop counts in ``book.events``)."""
+        return MappingProxyType(self._book.counters())
+
+    @property
+    def state(self) -> BusState:
+        return self.control.state
+
+    @property
+    def epoch(self) -> int:
+        return self.control.epoch
+
+    @property
+    def pending(self) -> PendingOp | None:
+        return self.control.pending
+
+    @property
+    def gen(self) -> int:
+        return self.gens.gen
+
+    @property
+    def layout(self) -> CacheLayout | None:
+        return self.gens.layout
+
+    @property
+    def ranks(self) -> dict[int, RankState]:
+        return self.rank_table.ranks
+
+    @property
+    def queue(self) -> collections.deque[Task]:
+        return self.tasks.queue
+
+    @property
+    def inflight(self) -> dict[int, Task]:
+        return self.tasks.inflight
+
+    def _internal(self, err: Exception, where: str) -> str:
         """Count and log a bug in a handler; the reason for the ``internal`` error reply."""
-        self.counters[counter] += 1
+        self._events["internal_errors"] += 1
         log.error("internal error handling %s", where, exc_info=err)
         return f"internal error handling {where}: {type(err).__name__}: {err}; the broker keeps serving"
 
@@ -109,49 +133,65 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             self._on_client(client, frames, now, out)
         except Exception as err:  # noqa: BLE001 - every request gets an answer
             ids = P.salvage_ids(frames[0]) if frames else {}
-            out.append(self._error(client, "internal", self._internal(err, "a client request"), **ids))
-        self._save_if_changed(out)
+            out.append(error(client, "internal", self._internal(err, "a client request"), **ids))
+        self.recovery.save_if_changed(out)
         return out
 
     def _on_client(self, client: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
-        self.counters["client_msgs"] += 1
+        self._events["client_msgs"] += 1
         try:
             P.check_frames(frames, 1, 2)
             msg = _decode_request(frames[0])
         except P.ProtocolError as err:
-            self.counters["bad_requests"] += 1
-            self.book.bad_request(err.code)
-            out.append(self._error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
+            self._book.bad_request(err.code)
+            out.append(error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return
         kind = msg["kind"]
         if kind == "submit":
-            self._submit(client, msg, frames, now, out)
+            control = self.control
+            if self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out) and control.state is BusState.RUNNING:
+                self.tasks.dispatch(now, out)
         elif kind == "status":
             self._status(client, msg, now, out)
         elif kind == "ping":
-            out.append(self._reply(client, msg["req"], "ping"))
+            out.append(reply(client, msg["req"], "ping"))
         else:
             if self.recording:
                 params = {k: msg[k] for k in ("keep_cpu", "layout", "timeout_ms") if msg.get(k) is not None}
                 out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
-            getattr(self, "_" + kind)(client, msg, now, out)
+            if kind == "pause":
+                self.control.pause(client, msg, now, out)
+            elif kind == "clear":
+                self.control.clear(client, msg, now, out)
+            else:
+                self.control.resume(client, msg, now, out)
 
     def _status(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
         want = msg.get("wait_ranks") or 0
-        if self._ready_ranks() >= want:
-            out.append(self._reply(client, msg["req"], "status", **self.status(now)))
+        if self.rank_table.ready_count() >= want:
+            out.append(reply(client, msg["req"], "status", **self.status(now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
-            out.append(self._error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
+            out.append(error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
         else:  # held: answered on registration, or with an error at the deadline
-            held, evicted = self.ready_waiters.admit(Waiter(client, msg["req"], want, now + self._timeout_s(msg)))
+            held, evicted = self.ready_waiters.admit(Waiter(client, msg["req"], want, now + self.cfg.timeout_s(msg)))
             if evicted is not None:
-                self.counters["waiters_evicted"] += 1
-                out.append(self._error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
-                                       req=evicted.req))
+                self._events["waiters_evicted"] += 1
+                out.append(error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
+                                 req=evicted.req))
             if not held:
-                self.counters["over_limit"] += 1
-                out.append(self._error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
-                                       f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
+                self._events["over_limit"] += 1
+                out.append(error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
+                                 f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
+
+    def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
+        """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
+        ready = self.rank_table.ready_count()
+        met, expired = self.ready_waiters.settle(now, ready)
+        status = self.status(now) if met else {}
+        for w in met:
+            out.append(reply(w.client, w.req, "status", **status))
+        for w in expired:
+            out.append(error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req))
 
     # --- backend ---------------------------------------------------------------
 
@@ -163,7 +203,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             self._on_rank(identity, frames, now, out)
         except Exception as err:  # noqa: BLE001
             out.append(ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))]))
-        self._save_if_changed(out)
+        self.recovery.save_if_changed(out)
         return out
 
     def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
@@ -171,7 +211,7 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             try:
                 P.check_frames(frames, 1, P.MAX_BATCH)
             except P.ProtocolError as err:
-                self.counters["bad_rank_msgs"] += 1
+                self._events["bad_rank_msgs"] += 1
                 out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
                 return
             for frame in frames:  # each on its own: one bad frame loses no other's credit
@@ -183,32 +223,68 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
         try:
             msg = decode(frame)
         except P.ProtocolError as err:
-            self.counters["bad_rank_msgs"] += 1
+            self._events["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
             return
         kind = msg["kind"]
         if kind == "ready":
             self._ready(identity, msg, now, out)
             return
-        rank = self.by_identity.get(identity)
-        rs = self.ranks.get(rank) if rank is not None else None
-        if rs is None or not rs.alive or rs.identity != identity:
-            self.counters["unregistered_msgs"] += 1
+        rs = self.rank_table.sender(identity)
+        if rs is None:
+            self._events["unregistered_msgs"] += 1
             out.append(ToRank(identity, [P.encode("reregister")]))
             return
         rs.last_seen = now
         if not rs.welcomed:
             rs.welcomed = True
             self._dispatch(now, out)
-        if kind == "hb":
+        if kind == "done":
+            if self.tasks.done(rs, msg, now, out) and self.control.state is BusState.RUNNING:
+                self.tasks.dispatch(now, out)
+        elif kind == "hb":
             if msg.get("stats"):
                 rs.stats = msg["stats"]
             if msg.get("probe"):  # a rank back from a freeze asks if it is still ours
                 out.append(ToRank(identity, [P.encode("hb", probe=True)]))
-        elif kind == "done":
-            self._done(rs, msg, now, out)
         else:
-            self._ack(rs, msg, now, out)
+            self.control.ack(rs, msg, now, out)
+
+    def _dispatch(self, now: float, out: list[Action]) -> None:
+        if self.control.state is BusState.RUNNING:
+            self.tasks.dispatch(now, out)
+
+    def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
+        """A rank registers (or re-registers): checked, reconciled with the
+        bus (``recovery.py``) and welcomed with the bus's state."""
+        table = self.rank_table
+        layout, refusal = table.admit(msg)
+        if layout is None:
+            out.append(ToRank(identity, [P.encode("refused", reason=refusal)]))
+            return
+        rank = msg["rank"]
+        if not table.is_repeat(identity, msg):
+            old = table.ranks.get(rank)
+            if old is not None and old.alive:
+                self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
+            table.register(identity, msg, now)
+        self.gens.adopt_layout(layout)
+        rs = table.ranks[rank]
+        rs.last_seen = now
+        self.recovery.reconcile(rank, msg, layout, now, out)
+        out.append(ToRank(identity, [self.control.welcome(rs)]))
+        if self.recording:
+            assert self.gens.layout is not None
+            out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True, "layout": self.gens.layout.to_wire()}))
+        if self.ready_waiters:
+            self._answer_ready_waiters(now, out)
+        self._dispatch(now, out)
+
+    def _rank_lost(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
+        """A rank died or restarted: fail its tasks now, never leave them hanging."""
+        self.rank_table.lose(rs, reason, now, out)
+        self.tasks.fail_rank(rs, reason, now, out)
+        self.control.rank_lost(reason, now, out)
 
     # --- clock -------------------------------------------------------------------
 
@@ -219,75 +295,38 @@ class BrokerCore(Tasks, Control, Ranks, Recovery):
             self._on_tick(now, out)
         except Exception as err:  # noqa: BLE001 - the clock must keep ticking
             self._internal(err, "a clock tick")
-        self._save_if_changed(out)
+        self.recovery.save_if_changed(out)
         return out
 
     def _on_tick(self, now: float, out: list[Action]) -> None:
-        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
-            self.retry_at = None
-            self.counters["resume_retries"] += 1
-            self._restate(now, out)
-        for rs in self._live_ranks():
-            if (now - rs.last_seen) * 1000 > self.cfg.liveness_ms:
-                self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
-        if (now - self.last_heartbeat) * 1000 >= self.cfg.heartbeat_ms:
-            self.last_heartbeat = now
-            beat = P.encode("hb")
-            for rs in self._live_ranks():
-                out.append(ToRank(rs.identity, [beat]))
-        if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
-            if any(rs.acked_epoch != self.epoch for rs in self._live_ranks()):
-                self.counters["control_repeats"] += 1
-                self._publish(now, out)
+        self.control.retry(now, out)
+        for rs in self.rank_table.silent(now):
+            self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
+        self.rank_table.beat(now, out)
+        self.control.repeat(now, out)
         if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
-        if self.pending is not None and self.pending.joined:
-            self._expire_joined(now, out)
-        if self.pending is not None and now >= self.pending.deadline:
-            lagging = sorted(rs.rank for rs in self._live_ranks() if rs.acked_epoch != self.pending.epoch)
-            ms = round((self.pending.deadline - self.pending.started) * 1000)
-            self._fail_pending(f"{self.pending.op}_timeout", f"ranks {lagging} did not acknowledge {self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
+        self.control.expire(now, out)
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
-        due = [self.last_heartbeat + self.cfg.heartbeat_ms / 1000]
-        if self.epoch:
-            due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
-        if self.pending is not None:
-            due.append(self.pending.deadline)
-            due.extend(self.pending.joined.values())
-        if self.retry_at is not None:
-            due.append(self.retry_at)
+        due = self.rank_table.deadlines() + self.control.deadlines()
         due.append(self.ready_waiters.due)
-        for rs in self._live_ranks():
-            due.append(rs.last_seen + self.cfg.liveness_ms / 1000)
         return max(0.0, min(due) - now)
 
-    # --- helpers -------------------------------------------------------------------
-
     def status(self, now: float) -> dict[str, Any]:
+        control, gens, tasks, ranks = self.control, self.gens, self.tasks, self.rank_table.ranks
         return {
-            "state": self.state.value,
-            "epoch": self.epoch,
-            "gen": self.gen,
-            "gen_reason": self.gen_reason,
+            "state": control.state.value,
+            "epoch": control.epoch,
+            "gen": gens.gen,
+            "gen_reason": gens.reason,
             "world": self.cfg.world,
-            "layout": self.layout.to_wire() if self.layout else None,
-            "ranks": [self.ranks[r].to_json(now) for r in sorted(self.ranks)],
-            "queued": len(self.queue),
-            "inflight": len(self.inflight),
+            "layout": gens.layout.to_wire() if gens.layout else None,
+            "ranks": [ranks[r].to_json(now) for r in sorted(ranks)],
+            "queued": len(tasks.queue),
+            "inflight": len(tasks.inflight),
             "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
-            "pending_op": self.pending.op.value if self.pending else None,
-            "counters": dict(self.counters),
+            "pending_op": control.pending.op.value if control.pending else None,
+            "counters": dict(self._book.counters()),
         }
-
-    def _reply(self, client: bytes, req: int, op: str, **fields: Any) -> ToClient:
-        return ToClient(client, [P.encode("reply", req=req, op=op, **fields)])
-
-    def _error(self, client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
-        return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
-
-    def _outcome(self, client: bytes, task: int, outcome: str, reason: str) -> ToClient:
-        return ToClient(client, [P.encode("outcome", task=task, outcome=outcome, reason=reason, gen=self.gen)])
-
-

@@ -21,6 +21,7 @@ from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_sock
 from ..net.frames import Coalescer, ready_messages, send_message
 from ..wire import protocol as P
 from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
+from ..obs.book import BusBook
 
 log = logging.getLogger("zkv.broker")
 
@@ -32,7 +33,8 @@ class Broker:
 
     def __init__(self, endpoints: Endpoints, config: BrokerConfig | None = None, *,
                  ctx: zmq.Context | None = None, recorder: Callable[[dict], None] | None = None,
-                 allow_remote: bool = False, curve: Curve | None = None, state_file: str | Path | None = None):
+                 allow_remote: bool = False, curve: Curve | None = None, state_file: str | Path | None = None,
+                 book: BusBook | None = None):
         self.endpoints = endpoints
         # The durable control state (state_file.py): a restart keeps what a
         # client set.  Default: next to an ipc:// frontend; tcp needs --state-file.
@@ -45,7 +47,8 @@ class Broker:
         if restore is not None and restore["world"] != world:  # another bus: start afresh, say so
             log.warning("ignoring %s: it is for world size %s, this broker has %s", path, restore["world"], world)
             restore = None
-        self.core = BrokerCore(config, recording=recorder is not None, restore=restore)
+        self.core = BrokerCore(config, recording=recorder is not None, restore=restore, book=book)
+        self.counts = self.core.book.events  # what this loop counts, beside the core
         self.recorder = recorder
         self.ctx = ctx or zmq.Context.instance()
         for address in (endpoints.frontend, endpoints.backend, endpoints.control):
@@ -96,10 +99,10 @@ class Broker:
                 if self._stop in events:
                     break
                 if self.backend in events:
-                    core.counters["backend_wakeups"] += 1
+                    self.counts["backend_wakeups"] += 1
                     self._drain(self.backend, core.on_rank)
                 if self.frontend in events:
-                    core.counters["frontend_wakeups"] += 1
+                    self.counts["frontend_wakeups"] += 1
                     self._drain(self.frontend, core.on_client)
                 self._act(core.on_tick(time.monotonic()))
                 self._flush_tasks()
@@ -127,7 +130,7 @@ class Broker:
                 actions = handler(frames[0], frames[1:], time.monotonic())
             except Exception:  # a bug must not take the bus down: log, count, serve on
                 log.exception("internal error handling a message from %r", frames[0])
-                self.core.counters["internal_errors"] += 1
+                self.counts["internal_errors"] += 1
                 continue
             self._act(actions)
         self._flush_tasks()
@@ -155,12 +158,12 @@ class Broker:
                 try:
                     self.control.send(action.frame, zmq.NOBLOCK)
                 except zmq.Again:
-                    self.core.counters["publish_dropped"] += 1  # the repeat heals it
+                    self.counts["publish_dropped"] += 1  # the repeat heals it
             elif isinstance(action, SaveState) and self.state_file is not None:
                 try:
                     self.state_file.save(action.snapshot)
                 except OSError as err:
-                    self.core.counters["state_save_failed"] += 1
+                    self.counts["state_save_failed"] += 1
                     log.error("cannot save the broker state to %s: %s", self.state_file.path, err)
             elif isinstance(action, Record) and self.recorder is not None:
                 self.recorder(action.event)
@@ -174,5 +177,5 @@ class Broker:
         try:
             send_message(sock, [identity, *frames])
         except zmq.ZMQError as err:  # EHOSTUNREACH (gone peer) or EAGAIN (peer not reading)
-            self.core.counters["undeliverable"] += 1
+            self.counts["undeliverable"] += 1
             log.debug("undeliverable to %r: %s", identity, err)

@@ -1,121 +1,99 @@
-"""Ranks joining and leaving the bus (DESIGN §6, §11): a ``ready`` checked
-against the world size and the layout, registration by session, the welcome
-that tells a rank the bus's state, and a rank lost (dead or restarted) whose
-tasks fail at once.  A mixin of :class:`~zkv.broker.core.BrokerCore`."""
+"""The ranks of the bus (DESIGN §6, §7): who is registered under which
+identity and session, who is alive, and the broker's side of the heartbeat.
+A ``ready`` is checked here against the world size; the welcome, a rank's
+reconciliation with the bus and the failing of a lost rank's tasks are the
+core's, across the parts (``core.py``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import collections
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from .actions import Action, Record, ToRank
-from .records import PendingOp, RankState, Task
+from .records import BrokerConfig, RankState
 
 
-class Ranks:
-    """Registration, the live set and rank loss (mixed into BrokerCore)."""
+class RankTable:
+    """Registered ranks by number and by identity, and their liveness."""
 
-    if TYPE_CHECKING:  # what the mixin uses of BrokerCore
-        cfg: Any
-        counters: Any
-        recording: bool
-        epoch: int
-        gen: int
-        layout: CacheLayout | None
-        control_op: Any
-        control_extra: dict[str, Any]
-        pending: PendingOp | None
-        ranks: dict[int, RankState]
-        by_identity: dict[bytes, int]
-        inflight: dict[int, Task]
-        ready_waiters: Any
-        status: Any
-        _reply: Any
-        _error: Any
-        _outcome: Any
-        _dispatch: Any
-        _finish_task: Any
-        _reconcile: Any
-        _check_pending: Any
-        _fail_pending: Any
+    def __init__(self, cfg: BrokerConfig, counters: collections.Counter[str], recording: bool):
+        self.cfg = cfg
+        self.counters = counters
+        self.recording = recording
+        self.ranks: dict[int, RankState] = {}
+        self.by_identity: dict[bytes, int] = {}
+        self.last_heartbeat = 0.0
 
-    def _ready_ranks(self) -> int:
-        return sum(1 for rs in self.ranks.values() if rs.alive)
-
-    def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
-        """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
-        ready = self._ready_ranks()
-        met, expired = self.ready_waiters.settle(now, ready)
-        status = self.status(now) if met else {}
-        for w in met:
-            out.append(self._reply(w.client, w.req, "status", **status))
-        for w in expired:
-            out.append(self._error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req))
-
-    def _live_ranks(self) -> list[RankState]:
+    def live(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if rs.alive]
 
-    def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def ready_count(self) -> int:
+        return sum(1 for rs in self.ranks.values() if rs.alive)
+
+    def sender(self, identity: bytes) -> RankState | None:
+        """The live rank registered under ``identity``; None: tell it to re-register."""
+        rank = self.by_identity.get(identity)
+        rs = self.ranks.get(rank) if rank is not None else None
+        if rs is None or not rs.alive or rs.identity != identity:
+            return None
+        return rs
+
+    def admit(self, msg: dict) -> tuple[CacheLayout | None, str]:
+        """A ``ready``'s layout, or why the rank is refused."""
         rank, world = msg["rank"], msg["world"]
         if world != self.cfg.world or rank >= world:
             self.counters["refused"] += 1
-            out.append(ToRank(identity, [P.encode("refused", reason=f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}")]))
-            return
+            return None, f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}"
         try:
-            layout = CacheLayout.from_wire(msg["layout"])
+            return CacheLayout.from_wire(msg["layout"]), ""
         except (P.ProtocolError, TypeError) as err:
-            out.append(ToRank(identity, [P.encode("refused", reason=f"bad layout: {err}")]))
-            return
-        old = self.ranks.get(rank)
+            return None, f"bad layout: {err}"
+
+    def is_repeat(self, identity: bytes, msg: dict) -> bool:
+        """The same live process said ``ready`` again (its welcome crossed it)."""
+        old = self.ranks.get(msg["rank"])
         if old is not None and old.alive and old.identity == identity and old.session == msg["session"]:
             self.counters["duplicate_ready"] += 1
-        else:
-            if old is not None and old.alive:
-                self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
-            if old is not None and old.identity != identity:
-                self.by_identity.pop(old.identity, None)
-            self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now, welcomed=old is None)
-            self.by_identity[identity] = rank
-            self.counters["registrations"] += 1
-        if self.layout is None:
-            self.layout = layout
-        rs = self.ranks[rank]
-        rs.last_seen = now
-        self._reconcile(rank, msg, layout, now, out)
-        # A rank joining during a resume with a new layout gets the new layout.
-        extra = dict(self.control_extra)
-        welcome_layout = extra.pop("layout", None) or self.layout.to_wire()
-        out.append(ToRank(identity, [P.encode(
-            "welcome", epoch=self.epoch, op=self.control_op, gen=self.gen, upto=rs.dispatched,
-            layout=welcome_layout, heartbeat_ms=self.cfg.heartbeat_ms, session=rs.session, **extra)]))
-        if self.recording:
-            out.append(Record({"ev": "rank", "t": now, "rank": rank, "up": True, "layout": self.layout.to_wire()}))
-        if self.ready_waiters:
-            self._answer_ready_waiters(now, out)
-        self._dispatch(now, out)
+            return True
+        return False
 
-    def _rank_lost(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
-        """A rank died or restarted: fail its tasks now, never leave them hanging."""
+    def register(self, identity: bytes, msg: dict, now: float) -> None:
+        """A new process (or session) takes the rank over; its predecessor,
+        if it was alive, was lost first (``lose``)."""
+        rank = msg["rank"]
+        old = self.ranks.get(rank)
+        if old is not None and old.identity != identity:
+            self.by_identity.pop(old.identity, None)
+        self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now, welcomed=old is None)
+        self.by_identity[identity] = rank
+        self.counters["registrations"] += 1
+
+    def lose(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
         rs.alive = False
         self.counters["rank_deaths"] += 1
         if self.recording:
             out.append(Record({"ev": "rank", "t": now, "rank": rs.rank, "up": False, "reason": reason}))
-        for seq, task in list(self.inflight.items()):
-            if task.fold is None or rs.rank not in task.fold.waiting:
-                continue
-            task.fold.waiting.discard(rs.rank)
-            task.fold.fail("failed", reason)
-            if not task.reported:
-                task.reported = True
-                out.append(self._outcome(task.client, task.task, "failed", reason))
-            if task.fold.complete:
-                del self.inflight[seq]
-                self._finish_task(task, "failed", reason, now, out, notify=False)
-        rs.inflight = 0
-        if self.pending is not None:
-            if self.cfg.allow_partial:
-                self._check_pending(now, out)
-            else:
-                self._fail_pending("rank_dead", f"{self.pending.op} epoch {self.pending.epoch} failed: {reason}", now, out)
 
+    def silent(self, now: float) -> list[RankState]:
+        """Live ranks past their liveness window."""
+        limit = self.cfg.liveness_ms
+        return [rs for rs in self.live() if (now - rs.last_seen) * 1000 > limit]
+
+    def beat(self, now: float, out: list[Action]) -> None:
+        """Heartbeat every live rank when one is due."""
+        if (now - self.last_heartbeat) * 1000 >= self.cfg.heartbeat_ms:
+            self.last_heartbeat = now
+            beat = P.encode("hb")
+            for rs in self.live():
+                out.append(ToRank(rs.identity, [beat]))
+
+    def upto(self) -> list[int]:
+        """Tasks dispatched to each rank in its session (what a pause names)."""
+        return [self.ranks[r].dispatched if r in self.ranks else 0 for r in range(self.cfg.world)]
+
+    def deadlines(self) -> list[float]:
+        due = [self.last_heartbeat + self.cfg.heartbeat_ms / 1000]
+        window = self.cfg.liveness_ms / 1000
+        due.extend(rs.last_seen + window for rs in self.live())
+        return due

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..wire.layout import CacheLayout
 from ..wire.outcome import RankFold
 from .state import BusState, ControlOp
 
@@ -25,6 +26,10 @@ class BrokerConfig:
     max_open_per_client: int = 10_000  # queued + in-flight tasks of one connection
     max_waiters_per_client: int = 16  # held status{wait_ranks} requests of one connection
     max_waiters: int = 1024  # held status requests of all connections
+
+    def timeout_s(self, msg: dict) -> float:
+        """A request's own ``timeout_ms``, else the op timeout, in seconds."""
+        return (msg.get("timeout_ms") or self.op_timeout_ms) / 1000.0
 
 
 @dataclass
@@ -74,12 +79,16 @@ class Task:
 
 @dataclass
 class PendingOp:
+    """The pause, clear or resume every live rank has yet to ack."""
+
     op: ControlOp
     epoch: int
     started: float
     deadline: float
     waiters: list[tuple[bytes, int]]
     previous_state: BusState  # the state it began from (a broker-started resume: running)
-    extra: dict[str, Any] = field(default_factory=dict)
+    layout: CacheLayout | None = None  # a resume: the layout the bus holds once it completes (None: unchanged)
+    cancelled: int = 0  # a clear: queued tasks it cancelled
+    freed: int = 0  # a clear: what the ranks' acks say they freed
     joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
 

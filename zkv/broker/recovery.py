@@ -1,88 +1,63 @@
 """How the broker keeps one layout and one generation across restarts and
-failures (issue 9), split out of ``core.py``: its durable snapshot,
-the reconciliation of a registering rank with the bus, generation moves, and
-the roll-back of a failed resume.  A mixin of :class:`BrokerCore`; it works on
-the core's state and emits the same actions.
-"""
+failures (DESIGN §11, §12): its durable snapshot (written by ``state_file.py``
+before any reply that reports a change), the restore of a restarted broker,
+and the reconciliation of a registering rank with the bus, which may move the
+generation or make the bus resume."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import collections
+from typing import Any
 
 from ..wire.layout import CacheLayout
-from .state import CACHES_CLEARED, OP_OF_STATE, RUNNING_OR_RESUMING, BusState, ControlOp, on_failure, stable
-
-if TYPE_CHECKING:
-    from .core import Action, PendingOp
-
+from .actions import Action, Record, SaveState
+from .control import ControlMachine
+from .generation import Generation
+from .ranks import RankTable
+from .records import BrokerConfig
+from .state import CACHES_CLEARED, BusState, stable
+from .tasks import TaskTable
 
 
 class Recovery:
-    """Durable state, reconciliation and generation moves (mixed into BrokerCore)."""
+    """The snapshot last saved, and the moves that bring ranks in line with it."""
 
-    if TYPE_CHECKING:  # what the mixin uses of BrokerCore
-        cfg: Any
-        counters: Any
-        pending: PendingOp | None
-        queue: Any
-        recording: bool
-        _begin: Any
-        _finish_task: Any
-        _publish: Any
-        _ready_ranks: Any
-        _record_action: Any
-        _save_action: Any
-        _saved_key: tuple | None
+    def __init__(self, cfg: BrokerConfig, counters: collections.Counter[str], recording: bool,
+                 ranks: RankTable, gens: Generation, control: ControlMachine, tasks: TaskTable):
+        self.cfg = cfg
+        self.counters = counters
+        self.recording = recording
+        self.ranks = ranks
+        self.gens = gens
+        self.control = control
+        self.tasks = tasks
+        self.saved_key: tuple | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What a restarted broker needs to keep the state a client set."""
-        began_from = self.pending.previous_state if self.pending is not None else None
-        return {"state": stable(self.state, began_from).value, "epoch": self.epoch, "gen": self.gen, "gen_used": self.gen_used,
-                "layout": self.layout.to_wire() if self.layout else None, "keep_cpu": self.keep_cpu,
-                "world": self.cfg.world, "gen_reason": self.gen_reason}
+        control, gens = self.control, self.gens
+        began_from = control.pending.previous_state if control.pending is not None else None
+        return {"state": stable(control.state, began_from).value, "epoch": control.epoch, "gen": gens.gen, "gen_used": gens.used,
+                "layout": gens.layout.to_wire() if gens.layout else None, "keep_cpu": gens.keep_cpu,
+                "world": self.cfg.world, "gen_reason": gens.reason}
 
-    def _restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, snap: dict[str, Any]) -> None:
         if snap["world"] != self.cfg.world:
             raise ValueError(f"the state file is for world size {snap['world']}, this broker has {self.cfg.world}")
-        self.state = BusState(snap["state"])
-        self.epoch = snap["epoch"] + 1  # a new epoch: every rank re-learns the state from it
-        self.gen = snap["gen"]
-        self.gen_used = snap.get("gen_used", True)
-        self.gen_reason = snap.get("gen_reason", "")
-        self.keep_cpu = bool(snap.get("keep_cpu")) and self.state == BusState.CLEARED
-        self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
-        self.control_op = OP_OF_STATE[self.state]
-        self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
+        state = BusState(snap["state"])
+        self.gens.restore(snap, cleared=state == BusState.CLEARED)
+        self.control.restore(state, snap["epoch"] + 1)  # a new epoch: every rank re-learns the state from it
         self.counters["restored"] += 1
 
-    def _save_if_changed(self, out: list[Action]) -> None:
-        key = (self.state, self.epoch, self.gen, self.gen_used, self.layout, self.keep_cpu, self.gen_reason,
-               self.pending.previous_state if self.pending is not None else None)
-        if key != self._saved_key:
-            self._saved_key = key
-            out.insert(0, self._save_action(self.snapshot()))  # durable before any reply says it happened
+    def save_if_changed(self, out: list[Action]) -> None:
+        control, gens = self.control, self.gens
+        key = (control.state, control.epoch, gens.gen, gens.used, gens.layout, gens.keep_cpu, gens.reason,
+               control.pending.previous_state if control.pending is not None else None)
+        if key != self.saved_key:
+            self.saved_key = key
+            out.insert(0, SaveState(self.snapshot()))  # durable before any reply says it happened
 
-    def _roll_back_resume(self, op: PendingOp, now: float, out: list[Action]) -> None:
-        """A failed resume leaves no rank on a layout or generation the broker
-        does not hold: a new epoch puts every rank back where the bus was
-        (cleared: free again, at a new generation since some may have
-        allocated; paused: pause again).  A resume the broker started itself
-        (to bring a rank in line) is retried after two heartbeats, and the
-        bus stays not running until it converges."""
-        self.epoch += 1
-        self.state, self.control_op = on_failure(ControlOp.RESUME, op.previous_state)
-        if self.state == BusState.CLEARED:
-            self.gen += 1
-            self.gen_used = False
-            self.control_extra = {"keep_cpu": True} if self.keep_cpu else {}
-        else:
-            self.control_extra = {}
-        if self.state == BusState.RESUMING:  # a resume the broker started: retry it
-            self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
-        self.counters["resume_rollbacks"] += 1
-        self._publish(now, out)
-
-    def _reconcile(self, rank: int, msg: dict, layout: CacheLayout, now: float, out: list[Action]) -> None:
+    def reconcile(self, rank: int, msg: dict, layout: CacheLayout, now: float, out: list[Action]) -> None:
         """Bring a registering rank in line with the bus, never serve it as it is
         when its memory is not the bus's (DESIGN §11, §12).
 
@@ -92,54 +67,41 @@ class Recovery:
         that lost its state), the bus moves to a new generation that every
         client learns; and a rank that must allocate does so only within a
         resume (one the broker starts itself when the bus is running)."""
+        gens = self.gens
         rank_gen = msg["gen"]
-        if self.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
-            if rank_gen > self.gen:
-                self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {self.gen}", now, out)
+        if self.control.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
+            if rank_gen > gens.gen:
+                self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
             return
         has_cache = msg.get("has_cache") is not False
-        needs_alloc = not has_cache or layout != self.layout
-        lost = bool(msg.get("fresh")) or needs_alloc or rank_gen != self.gen
+        needs_alloc = not has_cache or layout != gens.layout
+        lost = bool(msg.get("fresh")) or needs_alloc or rank_gen != gens.gen
         if not lost:
             return
-        if rank_gen > self.gen and not self.gen_used and self._ready_ranks() == 1:
+        if rank_gen > gens.gen and not gens.used and self.ranks.ready_count() == 1:
             # The first rank of a broker that lost its state: take its
             # generation, and count it as used (the old broker served it).
-            self.gen, self.gen_used = rank_gen, True
+            gens.adopt(rank_gen)
             self.counters["gen_adopted"] += 1
             lost = bool(msg.get("fresh")) or needs_alloc
             if not lost:
                 return
-        if rank_gen > self.gen:
-            self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {self.gen}", now, out)
-        elif self.gen_used:
+        if rank_gen > gens.gen:
+            self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
+        elif gens.used:
             why = "restarted with fresh memory" if msg.get("fresh") else (
-                "holds no cache" if not has_cache else "holds another layout" if layout != self.layout else
+                "holds no cache" if not has_cache else "holds another layout" if layout != gens.layout else
                 f"held generation {rank_gen}")
-            self._move_gen(self.gen + 1, f"rank {rank} {why}: the blocks of generation {self.gen} are gone", now, out)
+            self._move_gen(gens.gen + 1, f"rank {rank} {why}: the blocks of generation {gens.gen} are gone", now, out)
         elif needs_alloc:
-            self._restate(now, out)
+            self.control.restate(now, out)
 
     def _move_gen(self, gen: int, reason: str, now: float, out: list[Action]) -> None:
         """The bus's cache content is gone: a new generation, queued tasks
         (submitted against the old one) cancelled, every rank told at a new epoch."""
-        self.gen, self.gen_used, self.gen_reason = gen, False, reason
+        self.gens.move(gen, reason)
         self.counters["gen_moves"] += 1
         if self.recording:
-            out.append(self._record_action({"ev": "gen", "t": now, "gen": gen, "reason": reason}))
-        while self.queue:
-            self._finish_task(self.queue.popleft(), "cancelled", f"cache generation moved to {gen}: {reason}", now, out, notify=True)
-        self._restate(now, out)
-
-    def _restate(self, now: float, out: list[Action]) -> None:
-        """Publish the current state again at a new epoch (new gen and layout
-        reach every rank); a running bus goes through a resume so that a rank
-        that must allocate does it there, and tasks wait until all acked."""
-        self.epoch += 1
-        if self.pending is not None:
-            self.pending.epoch = self.epoch
-        elif self.state in RUNNING_OR_RESUMING:
-            self.epoch -= 1
-            self._begin(None, {}, ControlOp.RESUME, now, out, layout=self.layout.to_wire() if self.layout else None)
-            return
-        self._publish(now, out)
+            out.append(Record({"ev": "gen", "t": now, "gen": gen, "reason": reason}))
+        self.tasks.cancel_queued(f"cache generation moved to {gen}: {reason}", now, out)
+        self.control.restate(now, out)

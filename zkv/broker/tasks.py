@@ -1,67 +1,64 @@
-"""Tasks through the broker (DESIGN §1, §4): admission of a submit, dispatch
-to every rank at once within each rank's credits, the fold of the ranks'
-``done`` replies, and the one place a task ends.  A mixin of
-:class:`~zkv.broker.core.BrokerCore`; it works on the core's state."""
+"""Tasks through the broker (DESIGN §1, §4, §13): admission of a submit
+within the per-client bounds, dispatch to every rank at once within each
+rank's credits, the fold of the ranks' ``done`` replies, and the one place a
+task ends.  Whether the bus may run tasks at all is the control machine's to
+say (``control.py``): the caller asks it, and passes the answer in."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import collections
 
 from ..obs.book import BusBook, task_op
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.outcome import RankFold
-from .actions import Action, Record, ToRank
-from .records import RankState, Task
-from .state import CACHES_CLEARED, BusState
+from .actions import Action, Record, ToRank, error, outcome
+from .generation import Generation
+from .ranks import RankTable
+from .records import BrokerConfig, RankState, Task
 
 
-class Tasks:
-    """Submit, dispatch, done and task ends (mixed into BrokerCore)."""
+class TaskTable:
+    """Queued and in-flight tasks, the tasks each connection holds open, and
+    the dispatch sequence."""
 
-    if TYPE_CHECKING:  # what the mixin uses of BrokerCore
-        cfg: Any
-        book: BusBook
-        counters: Any
-        recording: bool
-        state: BusState
-        gen: int
-        gen_used: bool
-        seq: int
-        queue: Any
-        inflight: dict[int, Task]
-        open_tasks: set[tuple[bytes, int]]
-        open_per_client: Any
-        ranks: dict[int, RankState]
-        _error: Any
-        _outcome: Any
+    def __init__(self, cfg: BrokerConfig, book: BusBook, recording: bool, ranks: RankTable, gens: Generation):
+        self.cfg = cfg
+        self.book = book
+        self.counters = book.events
+        self.recording = recording
+        self.ranks = ranks
+        self.gens = gens
+        self.queue: collections.deque[Task] = collections.deque()
+        self.inflight: dict[int, Task] = {}
+        self.open_tasks: set[tuple[bytes, int]] = set()
+        self.open_per_client: collections.Counter[bytes] = collections.Counter()
+        self.seq = 0
 
-    def _submit(self, client: bytes, msg: dict, frames: list[bytes], now: float, out: list[Action]) -> None:
+    def submit(self, client: bytes, msg: dict, frames: list[bytes], cleared: bool, now: float, out: list[Action]) -> bool:
+        """Queue a task, or end it ``rejected``; ``cleared``: the caches are
+        cleared.  True when it was queued (the caller dispatches)."""
         task_id = msg["task"]
         body = frames[1] if len(frames) == 2 else b""
         key = (client, task_id)
         if key in self.open_tasks:  # not a task of its own: an error, no outcome
-            self.counters["duplicate_tasks"] += 1
             self.book.bad_request("duplicate_task")
-            out.append(self._error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
-            return
+            out.append(error(client, "duplicate_task", f"task {task_id} is still open", task=task_id))
+            return False
         if self.recording:  # every task, also the ones turned away below
             out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": body}))
         reply_to = msg["reply_to"]
         reason = ""
         if len(frames) != 2:
-            self.counters["bad_requests"] += 1
             self.book.bad_request("bad_submit")
             reason = "submit needs a header frame and a body frame"
         elif len(body) > P.MAX_FRAME_BYTES:
-            self.counters["bad_requests"] += 1
             self.book.bad_request("bad_submit")
             reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
         elif not P.is_result_address(reply_to):
-            self.counters["bad_requests"] += 1
             self.book.bad_request("bad_submit")
             reason = f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address (numeric IP, at most {P.MAX_ADDRESS} characters)"
-        elif self.state in CACHES_CLEARED:
+        elif cleared:
             reason = "caches are cleared; resume the bus first (zkv resume)"
         elif len(self.queue) >= self.cfg.max_queue:
             reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
@@ -71,55 +68,86 @@ class Tasks:
         expires = now + msg["timeout_ms"] / 1000 if msg.get("timeout_ms") else None
         task = Task(client, task_id, reply_to, body, now, msg.get("reply_key"), expires)
         if reason:
-            self._finish_task(task, "rejected", reason, now, out, notify=True)
-            return
+            self.finish(task, "rejected", reason, now, out, notify=True)
+            return False
         self.open_tasks.add(key)
         self.open_per_client[client] += 1
         self.queue.append(task)
         self.counters["submitted"] += 1
-        self._dispatch(now, out)
+        return True
 
-    def _done(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
+    def done(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> bool:
+        """Fold a rank's ``done``; True when it freed a credit (the caller dispatches)."""
         task = self.inflight.get(msg["seq"])
         if task is None or task.fold is None or not task.fold.add(rs.rank, msg["outcome"], "", msg.get("bytes") or 0):
             self.counters["stray_done"] += 1
-            return
+            return False
         rs.inflight -= 1
         if task.fold.complete:
             del self.inflight[task.seq]
-            self._finish_task(task, task.fold.outcome, task.fold.reason, now, out, notify=False)
-        self._dispatch(now, out)
+            self.finish(task, task.fold.outcome, task.fold.reason, now, out, notify=False)
+        return True
 
-    def _dispatch(self, now: float, out: list[Action]) -> None:
-        if self.state != BusState.RUNNING or not self.queue:
+    def dispatch(self, now: float, out: list[Action]) -> None:
+        """Send queued tasks to every rank while each has a credit; only for a
+        running bus (the caller checks)."""
+        if not self.queue:
             return
         world = self.cfg.world
-        if len(self.ranks) < world:
+        table = self.ranks.ranks
+        if len(table) < world:
             return
-        ranks = [self.ranks[r] for r in range(world)]
+        ranks = [table[r] for r in range(world)]
         limit = self.cfg.max_inflight_per_rank
         if not all(rs.alive and rs.welcomed for rs in ranks):
             return
         credits = limit - max(rs.inflight for rs in ranks)
+        gen = self.gens.gen
+        sent = 0
         while credits > 0 and self.queue:
             task = self.queue.popleft()
             if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
-                self._finish_task(task, "timeout", "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
+                self.finish(task, "timeout", "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
                 continue
             credits -= 1
             self.seq += 1
             task.seq = self.seq
             task.fold = RankFold(world)
             self.inflight[task.seq] = task
-            self.gen_used = True
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
-                header = F.encode_task(task.seq, rs.dispatched, task.task, task.reply_to, self.gen, task.reply_key or None, rs.session)
+                header = F.encode_task(task.seq, rs.dispatched, task.task, task.reply_to, gen, task.reply_key or None, rs.session)
                 out.append(ToRank(rs.identity, [header, task.body]))
-            self.counters["dispatched"] += 1
+            sent += 1
+        if sent:
+            self.gens.mark_used()
+            self.counters["dispatched"] += sent
 
-    def _finish_task(self, task: Task, outcome: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
+    def cancel_queued(self, reason: str, now: float, out: list[Action]) -> int:
+        """End every queued task ``cancelled`` (caches cleared, generation moved)."""
+        cancelled = 0
+        while self.queue:
+            cancelled += 1
+            self.finish(self.queue.popleft(), "cancelled", reason, now, out, notify=True)
+        return cancelled
+
+    def fail_rank(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
+        """A rank was lost: each task waiting on it fails now, never hangs."""
+        for seq, task in list(self.inflight.items()):
+            if task.fold is None or rs.rank not in task.fold.waiting:
+                continue
+            task.fold.waiting.discard(rs.rank)
+            task.fold.fail("failed", reason)
+            if not task.reported:
+                task.reported = True
+                out.append(outcome(task.client, task.task, "failed", reason, self.gens.gen))
+            if task.fold.complete:
+                del self.inflight[seq]
+                self.finish(task, "failed", reason, now, out, notify=False)
+        rs.inflight = 0
+
+    def finish(self, task: Task, result: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
         """End a task exactly once at the broker; ``notify`` tells the client."""
         key = (task.client, task.task)
         if key in self.open_tasks:
@@ -127,11 +155,10 @@ class Tasks:
             self.open_per_client[task.client] -= 1
             if self.open_per_client[task.client] <= 0:
                 del self.open_per_client[task.client]
-        self.counters[outcome] += 1
+        self.counters[result] += 1
         if notify and not task.reported:
             task.reported = True
-            out.append(self._outcome(task.client, task.task, outcome, reason))
+            out.append(outcome(task.client, task.task, result, reason, self.gens.gen))
         if self.recording:
-            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": outcome, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
-        self.book.task_finished(task_op(task.body), outcome, now - task.submitted, task.fold.bytes if task.fold else 0)
-
+            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": result, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+        self.book.task_finished(task_op(task.body), result, now - task.submitted, task.fold.bytes if task.fold else 0)

@@ -73,9 +73,7 @@ def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
 
 
 def _core(null_book: bool, world: int) -> Any:
-    core = BrokerCore(BrokerConfig(world=world))
-    if null_book:
-        core.book = NullBusBook()
+    core = BrokerCore(BrokerConfig(world=world), book=NullBusBook() if null_book else None)
     for r in range(world):
         core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)], 0.0)
     return core
@@ -153,8 +151,7 @@ def _serve_unmetered(argv: list[str]) -> None:
         from ..broker import Broker
 
         front, back, control, world = args
-        server = Broker(Endpoints(front, back, control), BrokerConfig(world=int(world)))
-        server.core.book = NullBusBook()
+        server = Broker(Endpoints(front, back, control), BrokerConfig(world=int(world)), book=NullBusBook())
     else:
         from ..rank.worker import RankWorker, set_torch_threads
 

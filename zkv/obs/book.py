@@ -19,6 +19,7 @@ target).
 from __future__ import annotations
 
 import bisect
+import collections
 import math
 from typing import Any, Iterable
 
@@ -120,16 +121,19 @@ class TaskSeries:
 
 
 class BusBook:
-    """What the broker books per task and per control operation.
+    """What the broker books: the one book of a broker process.
 
     Call sites (each once per event, on the broker's loop thread):
     ``task_finished`` where a task ends exactly once (the only per-task
     call), ``control_finished`` where a pause / clear / resume completes or
     fails or is answered at once, ``bad_request`` where a frontend message is
-    refused as bad input.  Bytes per rank and op come from the ranks' stats.
+    refused as bad input.  Every other event the broker counts by name in
+    ``events``; ``counters()`` is what status reports of them all.  Bytes per
+    rank and op come from the ranks' stats.
     """
 
     def __init__(self) -> None:
+        self.events: collections.Counter[str] = collections.Counter()  # event name -> count
         self.tasks: _Series = _Series()  # (op, outcome) -> TaskSeries
         self.controls: _Series = _Series()  # (op, result) -> int
         self.control_seconds: _Series = _Series()  # (op,) -> Histogram, completed ops only
@@ -164,6 +168,19 @@ class BusBook:
     def bad_request(self, code: str) -> None:
         key = self.bad_requests.key((code,))
         self.bad_requests[key] = self.bad_requests.get(key, 0) + 1
+
+    def counters(self) -> collections.Counter[str]:
+        """The event counts status reports (``counters``): ``events``, with the
+        bad requests as ``bad_requests`` and a submit of a task still open as
+        ``duplicate_tasks`` (its code), both read off ``bad_requests``."""
+        counts = collections.Counter(self.events)
+        duplicate = self.bad_requests.get(("duplicate_task",), 0)
+        bad = sum(self.bad_requests.values()) - duplicate
+        if bad:
+            counts["bad_requests"] = bad
+        if duplicate:
+            counts["duplicate_tasks"] = duplicate
+        return counts
 
 
 class RankBook:

@@ -1,0 +1,78 @@
+"""What the ranks' cache memory holds for the bus (DESIGN §11, §12): one
+layout and one generation.  The generation moves whenever the content of the
+caches is gone (a clear, a failed resume from cleared, a rank that lost its
+memory once a task ran at this generation), so that no client reads old blocks
+as if they were there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire.layout import CacheLayout
+
+
+class Generation:
+    """The bus's layout and cache generation, and why it last moved."""
+
+    def __init__(self) -> None:
+        self.layout: CacheLayout | None = None
+        self.gen = 0
+        self.used = False  # a task was dispatched at this generation: its content matters
+        self.reason = ""  # why the generation last moved (status says it)
+        self.keep_cpu = False  # the last clear kept the CPU tier
+        self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
+
+    def mark_used(self) -> None:
+        self.used = True
+
+    def adopt_layout(self, layout: CacheLayout) -> None:
+        """The first registered rank names the layout of a bus that has none."""
+        if self.layout is None:
+            self.layout = layout
+
+    def adopt(self, gen: int) -> None:
+        """The first rank of a broker that lost its state: take its generation,
+        counted as used (the old broker served it)."""
+        self.gen, self.used = gen, True
+
+    def move(self, gen: int, reason: str) -> None:
+        self.gen, self.used, self.reason = gen, False, reason
+
+    def cleared(self, keep_cpu: bool) -> None:
+        """A clear begins: the GPU blocks are gone at a new generation."""
+        self.gen += 1
+        self.used = False
+        self.keep_cpu = keep_cpu
+        self.cpu_lost = []
+
+    def reallocated(self) -> None:
+        """A resume from cleared failed: some ranks may have allocated, so a new generation."""
+        self.gen += 1
+        self.used = False
+
+    def cpu_not_kept(self, rank: int) -> None:
+        if self.keep_cpu:
+            self.cpu_lost.append(rank)
+
+    def resumed(self, layout: CacheLayout | None, fields: dict[str, Any]) -> None:
+        """A resume completed on every rank: take its layout, and add to its
+        reply what the bus's memory now is."""
+        if layout is not None:
+            self.layout = layout
+        if self.layout is not None:
+            fields["layout"] = self.layout.to_wire()
+        if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
+            fields["cpu_kept"] = not self.cpu_lost
+            if self.cpu_lost:
+                fields["note"] = f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+            self.keep_cpu = False
+        if self.reason:
+            fields["gen_reason"] = self.reason
+
+    def restore(self, snap: dict[str, Any], cleared: bool) -> None:
+        """Take a restarted broker's generation from its snapshot (``recovery.py``)."""
+        self.gen = snap["gen"]
+        self.used = snap.get("gen_used", True)
+        self.reason = snap.get("gen_reason", "")
+        self.keep_cpu = bool(snap.get("keep_cpu")) and cleared
+        self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
