@@ -40,12 +40,15 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     Transitional: ``msg["x"]``, ``msg.get("x")`` and ``"x" in msg`` read
     field ``x`` as the dict messages once were read (an absent optional reads
-    ``None``; ``in`` is true for a field that is not ``None``), so call sites
-    in ``broker/`` and ``rank/`` not yet moved to attributes keep working.
-    New code reads attributes; the shim goes when the last call site does.
+    ``None``; ``in`` is true for a field that is not ``None``), and ``keys()``
+    and ``==`` with a dict see the map ``as_map()`` gives, so call sites in
+    ``broker/`` and ``rank/`` (and tests) not yet moved to attributes keep
+    working.  Nothing mutates a message.  New code reads attributes; the shim
+    goes when the last call site does.
     """
 
     kind: ClassVar[str]
+    v: ClassVar[int] = VERSION
 
     @classmethod
     def from_wire(cls, frame: bytes) -> Any:
@@ -62,12 +65,19 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         out.update(getattr(self, "extra", None) or {})
         return out
 
+    def as_map(self) -> dict[str, Any]:
+        """The map of the frame: ``to_dict()``, then ``v`` and ``kind``."""
+        return {**self.to_dict(), "v": VERSION, "kind": self.kind}
+
     def to_wire(self) -> bytes:
         """The frame ``protocol.encode(kind, **self.to_dict())`` writes."""
-        return msgpack.packb({**self.to_dict(), "v": VERSION, "kind": self.kind}, use_bin_type=True)
+        return msgpack.packb(self.as_map(), use_bin_type=True)
 
     def __eq__(self, other: object) -> bool:
-        """Same kind, same fields (a fast-path decode is a subclass, ``fast.py``)."""
+        """Same kind, same fields (a fast-path decode is a subclass, ``fast.py``);
+        transitional: equal to a dict that is its ``as_map()``."""
+        if isinstance(other, dict):
+            return self.as_map() == other
         if not isinstance(other, Message):
             return NotImplemented
         names = MESSAGES[self.kind].__struct_fields__
@@ -88,6 +98,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     def __contains__(self, name: str) -> bool:
         return getattr(self, name, None) is not None
+
+    def keys(self) -> Any:
+        return self.as_map().keys()
 
 
 # --- client -> broker (frontend) -------------------------------------------------------
