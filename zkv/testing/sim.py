@@ -175,12 +175,13 @@ class Sim:
                 sr.copies += 1
                 if sr.acked_pause:
                     sr.copies_after_ack += 1
+            nbytes = 0 if ex.refuse else LAYOUT.block_bytes
             result = Result(task=ex.task, rank=rank, world=len(self.ranks), outcome=Outcome.FAILED if ex.refuse else outcome,
-                            reason=ex.refuse, gen=ex.gen, bytes=0 if ex.refuse else LAYOUT.block_bytes)
+                            reason=ex.refuse, gen=ex.gen, bytes=nbytes)
             self.results.append(result)
             self._final(self.book.on_result(result, self.now))
             self._drain_moved()
-            self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result.outcome, result.bytes, ex.gen))
+            self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result.outcome, nbytes, ex.gen))
             count += 1
         return count
 
