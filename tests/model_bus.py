@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zkv.wire import protocol as P
+from zkv.wire.messages import Result
 from zkv.broker.core import BrokerConfig, BrokerCore, Publish, SaveState, ToClient, ToRank
 from zkv.wire.layout import CacheLayout
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
@@ -286,9 +287,7 @@ class Bus:
                     tier[b] = (body.seed, rank, i)
             else:
                 digests = [tier.get(b) for b in ids]
-        result = {"task": ex.task, "rank": rank, "world": self.world, "outcome": outcome, "reason": reason, "gen": ex.gen}
-        if digests is not None:
-            result["digests"] = digests
+        result = Result(task=ex.task, rank=rank, world=self.world, outcome=outcome, reason=reason, gen=ex.gen, digests=digests)
         self.results_in[rank].append(result)
         self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, outcome, 0, ex.gen))
 

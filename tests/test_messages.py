@@ -1,33 +1,45 @@
-"""The typed messages are the schema table's: same kinds, same fields, same frames."""
+"""The typed messages are the schema table's: same kinds, same fields, same frames;
+the vocabulary's words are the strings the wire carries."""
 
 import msgpack
 import pytest
 
+from zkv.wire import fast as F
 from zkv.wire import protocol as P
-from zkv.wire.messages import MESSAGES, Ack, Control, Reply, Submit, from_wire
+from zkv.wire.messages import MESSAGES, Ack, Control, Done, Reply, Submit, from_wire, wire_fields
+from zkv.wire.vocab import ControlOp, Dtype, Op, Outcome, Tier
 
 
 def test_one_class_per_kind_with_the_schema_fields():
     assert set(MESSAGES) == set(P.SCHEMAS)
     for kind, cls in MESSAGES.items():
         required, optional = P.SCHEMAS[kind]
-        names = [f for f in cls.__dataclass_fields__ if f != "extra"]
-        assert names == [*required, *optional] and cls.KIND == kind
+        assert list(wire_fields(cls)) == [*required, *optional] and cls.kind == kind
 
 
 def test_round_trip_equals_the_dict_codec():
     ack = Ack(epoch=3, op="pause", upto=7)
     frame = ack.to_wire()
-    assert P.decode(frame) == {"v": P.VERSION, "kind": "ack", "epoch": 3, "op": "pause", "upto": 7}
-    assert Ack.from_wire(frame) == ack and from_wire(frame) == ack
+    assert frame == P.encode("ack", epoch=3, op="pause", upto=7)
+    assert msgpack.unpackb(frame) == {"v": P.VERSION, "kind": "ack", "epoch": 3, "op": "pause", "upto": 7}
+    assert P.decode(frame) == ack and Ack.from_wire(frame) == ack and from_wire(frame) == ack
     ctl = Control.from_wire(P.encode("control", epoch=2, op="clear", gen=1, upto=[0, 4], keep_cpu=True))
     assert (ctl.epoch, ctl.op, ctl.upto, ctl.keep_cpu, ctl.layout) == (2, "clear", [0, 4], True, None)
 
 
+def test_a_fast_decode_equals_the_message_made_by_hand():
+    done = Done(seq=1, n=1, outcome="ok", gen=3, bytes=64)
+    fast = F.decoder("done")(done.to_wire())
+    assert type(fast) is not Done and isinstance(fast, Done)
+    assert fast == done and not fast != done and done == fast
+    assert fast != Done(seq=1, n=1, outcome="ok", gen=3)
+
+
 def test_a_reply_keeps_the_fields_of_its_op():
-    reply = Reply.from_wire(P.encode("reply", req=4, op="pause", drain_ms=1.5, state="paused"))
-    assert reply.req == 4 and reply.extra == {"drain_ms": 1.5, "state": "paused"}
+    reply = Reply.from_wire(P.encode("reply", req=4, op="pause", drain_ms=1.5, state="paused", note=None))
+    assert reply.req == 4 and reply.extra == {"drain_ms": 1.5, "state": "paused", "note": None}
     assert msgpack.unpackb(reply.to_wire())["drain_ms"] == 1.5
+    assert reply["state"] == "paused" and reply.get("drain_ms") == 1.5 and "note" in reply and "gen" not in reply
 
 
 def test_bad_frames_are_protocol_errors_and_messages_are_frozen():
@@ -39,3 +51,20 @@ def test_bad_frames_are_protocol_errors_and_messages_are_frozen():
         Ack(op="pause")  # epoch is required
     with pytest.raises(AttributeError):
         Ack(epoch=1, op="run").epoch = 2  # type: ignore[misc]
+
+
+def test_the_transitional_dict_reads():
+    ack = P.decode(P.encode("ack", epoch=3, op="pause", upto=7, freed=None))
+    assert ack["kind"] == "ack" and ack["epoch"] == 3 and ack["freed"] is None
+    assert ack.get("upto") == 7 and ack.get("freed") is None and ack.get("freed", 0) == 0 and ack.get("nothing") is None
+    assert "upto" in ack and "freed" not in ack and "nothing" not in ack
+
+
+def test_the_vocabulary_is_the_wire_strings():
+    assert P.OUTCOMES == tuple(Outcome) and P.OPS == tuple(Op) and P.TIERS == tuple(Tier)
+    assert P.DTYPES == tuple(Dtype) and P.CONTROL_OPS == tuple(ControlOp)
+    assert Outcome.OK == "ok" and f"{ControlOp.PAUSE}" == "pause" and str(Tier.CPU) == "cpu"
+    assert msgpack.packb(Outcome.FAILED) == msgpack.packb("failed")
+    assert P.encode("done", seq=1, n=1, outcome=Outcome.OK, gen=1) == P.encode("done", seq=1, n=1, outcome="ok", gen=1)
+    assert F.encode_done(1, 1, Outcome.OK, 1) == F.encode_done(1, 1, "ok", 1)
+    assert [d.itemsize for d in Dtype] == [2, 2, 4]

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from zkv.wire import protocol as P
+from zkv.wire.messages import Result
 
 from zkv.testing.sim import Sim
 
@@ -76,7 +77,7 @@ def test_3_tasks_submitted_while_pausing_and_paused_are_held_then_run_once_after
     sim.request("resume")
     sim.settle()
     assert sim.outcomes[while_pausing] == "ok" and sim.outcomes[while_paused] == "ok"
-    assert sum(1 for r in sim.results if r["task"] == while_paused) == 2  # once per rank, not twice
+    assert sum(1 for r in sim.results if r.task == while_paused) == 2  # once per rank, not twice
 
 
 def test_4_clear_cancels_every_held_task_at_its_client():
@@ -130,10 +131,10 @@ def test_6_result_from_previous_generation_is_ignored_by_the_client():
     sim.ranks[1].running.clear()
     sim.book.gen = 1  # the client learned gen 1 from the clear reply
     sim.book.cancel_all("cleared", sim.now)
-    stale = {"task": t, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 0}
+    stale = Result(task=t, rank=1, world=2, outcome="ok", reason="", gen=0)
     t2 = sim.submit()
     assert sim.book.on_result(stale, sim.now) is None
-    stale_for_new = {"task": t2, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 0}
+    stale_for_new = Result(task=t2, rank=1, world=2, outcome="ok", reason="", gen=0)
     assert sim.book.on_result(stale_for_new, sim.now) is None
     assert sim.book.counters["late_results"] == 1 and sim.book.counters["stale_results"] == 1
     assert t2 in sim.book.open

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from zkv.wire import protocol as P
+from zkv.wire.messages import Result
 from zkv.broker.core import BrokerConfig, BrokerCore, Record, ToRank
 from zkv.wire.layout import CacheLayout
 from zkv.replay import ControlResult, Observation, Observed, ObservingBook, check, format_report, parse_speed, rank_stats_fresh
@@ -388,17 +389,21 @@ def test_stats_are_fresh_only_when_they_cover_every_dispatched_task():
 def test_observing_book_tells_double_reports_from_late_ones():
     book = ObservingBook()
     res = {"world": 2, "outcome": "ok", "reason": "", "gen": 0}
+
+    def result(**fields):
+        return Result(**res, **fields)
+
     for task in (1, 2, 3, 4):
         book.add(task, 0.0, 10.0)
-    book.on_result({**res, "task": 1, "rank": 0}, 1.0)
-    book.on_result({**res, "task": 1, "rank": 0}, 1.0)  # rank 0 again
-    assert book.on_result({**res, "task": 1, "rank": 1}, 1.0).outcome == "ok"
-    book.on_result({**res, "task": 1, "rank": 1}, 1.0)  # after the task ended
+    book.on_result(result(task=1, rank=0), 1.0)
+    book.on_result(result(task=1, rank=0), 1.0)  # rank 0 again
+    assert book.on_result(result(task=1, rank=1), 1.0).outcome == "ok"
+    book.on_result(result(task=1, rank=1), 1.0)  # after the task ended
     book.on_outcome(2, "cancelled", "cleared", 1.0)
-    book.on_result({**res, "task": 2, "rank": 0}, 1.0)  # ran although cancelled
+    book.on_result(result(task=2, rank=0), 1.0)  # ran although cancelled
     book.on_outcome(2, "cancelled", "cleared", 1.0)  # reported twice
     assert [o.task for o in book.expire(20.0)] == [3, 4]
-    book.on_result({**res, "task": 3, "rank": 0}, 21.0)  # late after a client timeout: allowed
+    book.on_result(result(task=3, rank=0), 21.0)  # late after a client timeout: allowed
     book.on_outcome(4, "rejected", "", 21.0)
     assert [t for t, _ in book.anomalies] == [1, 1, 2, 2]
 

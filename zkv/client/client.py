@@ -23,6 +23,7 @@ import zmq
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
+from ..wire.messages import Error, Message, OutcomeMsg, Reply, Result
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
 from ..wire.outcome import TaskOutcome
@@ -73,7 +74,7 @@ class Client:
         self.poller.register(self.pull, zmq.POLLIN)
         self.book = ResultBook()
         self.finished: dict[int, TaskOutcome] = {}
-        self.replies: dict[int, dict] = {}
+        self.replies: dict[int, Reply | Error] = {}
         # Task ids start at a random point: results carry only the id, and a
         # restarted client on a fixed result address (ZKV_RESULT_ADDR) must not
         # take its predecessor's late results for its own tasks.
@@ -149,7 +150,8 @@ class Client:
     # --- requests ------------------------------------------------------------------
 
     def request(self, kind: str, timeout: float | None = None, **fields: Any) -> dict:
-        """Send a control/status request and wait for its reply (bounded)."""
+        """Send a control/status request and wait for its reply (bounded): its
+        fields as a dict (an op's results are its own, docs/protocol.md §4)."""
         return self.await_reply(self.send_request(kind, **fields), timeout, kind)
 
     def send_request(self, kind: str, **fields: Any) -> int:
@@ -176,9 +178,9 @@ class Client:
                 raise ZkvError("no_reply", f"no reply to {what} from {self.broker} within {timeout} s; is the broker running?")
             self._pump(left)
         reply = self.replies.pop(req)
-        if reply["kind"] == "error":
-            raise ZkvError(reply["code"], reply["reason"])
-        return reply
+        if isinstance(reply, Error):
+            raise ZkvError(reply.code, reply.reason)
+        return {"req": reply.req, "op": reply.op, **reply.extra, "v": P.VERSION, "kind": reply.kind}  # as the frame has them
 
     def pause(self, timeout: float = 30.0) -> dict:
         return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS))
@@ -256,30 +258,29 @@ class Client:
                 self.finished[out.task] = out
             self.book.moved.clear()
 
-    def _drain(self, sock: zmq.Socket, decode: Callable[[bytes], dict], handle: Callable[[dict], None]) -> None:
+    def _drain(self, sock: zmq.Socket, decode: Callable[[bytes], Message], handle: Callable[[Any], None]) -> None:
         for frames in ready_messages(sock, 4096):
             try:
                 handle(decode(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
 
-    def _on_pull(self, msg: dict) -> None:
-        if msg["kind"] != "result":
+    def _on_pull(self, msg: Message) -> None:
+        if not isinstance(msg, Result):
             self.book.counters["bad_messages"] += 1
             return
         out = self.book.on_result(msg, time.monotonic())
         if out is not None:
             self.finished[out.task] = out
 
-    def _on_dealer(self, msg: dict) -> None:
-        kind = msg["kind"]
-        if kind == "outcome":
-            out = self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], time.monotonic(), msg.get("gen"))
+    def _on_dealer(self, msg: Message) -> None:
+        if isinstance(msg, OutcomeMsg):
+            out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen)
             if out is not None:
                 self.finished[out.task] = out
-        elif kind in ("reply", "error") and "req" in msg:
-            self.replies[msg["req"]] = msg
-        elif kind == "error" and "task" in msg:
+        elif isinstance(msg, (Reply, Error)) and msg.req is not None:
+            self.replies[msg.req] = msg
+        elif isinstance(msg, Error) and msg.task is not None:
             self.book.counters["task_errors"] += 1
         else:
             self.book.counters["bad_messages"] += 1

@@ -12,6 +12,7 @@ import collections
 import heapq
 from dataclasses import dataclass, field
 
+from ..wire.messages import Result
 from ..wire.outcome import RankFold, TaskOutcome
 
 
@@ -57,45 +58,46 @@ class ResultBook:
             entry.deadline = deadline
             heapq.heappush(self.deadlines, (deadline, task))
 
-    def on_result(self, msg: dict, now: float) -> TaskOutcome | None:
+    def on_result(self, msg: Result, now: float) -> TaskOutcome | None:
         """A rank's result; returns the task's outcome once it is final."""
-        entry = self.open.get(msg["task"])
+        entry = self.open.get(msg.task)
         if entry is None:
             self.counters["late_results"] += 1
             self._late(msg)
             return None
-        if msg["gen"] < self.gen:
+        if msg.gen < self.gen:
             self.counters["stale_results"] += 1
             return None
-        if msg["gen"] > self.gen and self.gen_known:
+        if msg.gen > self.gen and self.gen_known:
             # The task ran on caches of a newer generation than the one it was
             # submitted against: what it read or wrote is not what the caller
             # meant, so it ends cancelled with every other open task.
-            self.moved += self.learn_gen(msg["gen"], "the bus moved to a new cache generation (see zkv status)", now)
+            self.moved += self.learn_gen(msg.gen, "the bus moved to a new cache generation (see zkv status)", now)
             return None
         self.gen_known = True
-        self.gen = max(self.gen, msg["gen"])
+        self.gen = max(self.gen, msg.gen)
         if entry.fold is None:
-            entry.fold = RankFold(msg["world"])
-        rank = msg["rank"]
-        if not entry.fold.add(rank, msg["outcome"], msg.get("reason", ""), msg.get("bytes") or 0):
+            entry.fold = RankFold(msg.world)
+        rank = msg.rank
+        if not entry.fold.add(rank, msg.outcome, msg.reason or "", msg.bytes or 0):
             self.counters["duplicate_results"] += 1
             return None
-        entry.per_rank[rank] = {k: msg[k] for k in ("outcome", "reason", "bytes", "elapsed_us", "digests") if k in msg}
+        entry.per_rank[rank] = {k: v for k, v in (("outcome", msg.outcome), ("reason", msg.reason), ("bytes", msg.bytes),
+                                                  ("elapsed_us", msg.elapsed_us), ("digests", msg.digests)) if v is not None}
         if not entry.fold.complete:
             return None
         return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
 
-    def _late(self, msg: dict) -> None:
-        entry = self.timed_out.get(msg["task"])
+    def _late(self, msg: Result) -> None:
+        entry = self.timed_out.get(msg.task)
         if entry is None:
             return
         if entry.fold is None:
-            entry.fold = RankFold(msg["world"])
-        entry.fold.add(msg["rank"], msg["outcome"])
+            entry.fold = RankFold(msg.world)
+        entry.fold.add(msg.rank, msg.outcome)
         if entry.fold.complete:
-            del self.timed_out[msg["task"]]
-            self._settle(msg["task"])
+            del self.timed_out[msg.task]
+            self._settle(msg.task)
 
     def _settle(self, task: int) -> None:
         self.settled.append(task)

@@ -18,6 +18,7 @@ from ..client import Client, ResultBook, ZkvError
 from ..net.curve import Curve
 from ..trace import LAYOUT_ENV, Op, Trace
 from ..wire.layout import CacheLayout
+from ..wire.messages import Result
 from .checker import ControlResult, Key, Observation, Observed, Report, check, rank_stats_fresh
 
 class ObservingBook(ResultBook):
@@ -35,18 +36,18 @@ class ObservingBook(ResultBook):
         self.ended: dict[int, str] = {}  # task -> "ranks", "bus:<outcome>" or "client"
         self.anomalies: list[tuple[int, str]] = []
 
-    def on_result(self, msg: dict, now: float):
-        task, rank = msg["task"], msg["rank"]
+    def on_result(self, msg: Result, now: float):
+        task, rank = msg.task, msg.rank
         entry = self.open.get(task)
         if entry is not None:
-            if msg["gen"] >= self.gen and entry.fold is not None and rank not in entry.fold.waiting:
+            if msg.gen >= self.gen and entry.fold is not None and rank not in entry.fold.waiting:
                 self.anomalies.append((task, f"rank {rank} reported it twice"))
         else:
             how = self.ended.get(task, "")
             if how == "ranks":
                 self.anomalies.append((task, f"rank {rank} reported it after every rank had answered"))
             elif how in ("bus:cancelled", "bus:rejected"):
-                self.anomalies.append((task, f"rank {rank} ran it ({msg['outcome']}) although the broker said {how[4:]}"))
+                self.anomalies.append((task, f"rank {rank} ran it ({msg.outcome}) although the broker said {how[4:]}"))
         out = super().on_result(msg, now)
         if out is not None:
             self.ended[task] = "ranks"

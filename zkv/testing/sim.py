@@ -13,6 +13,8 @@ import collections
 from dataclasses import dataclass, field
 
 from zkv.wire import protocol as P
+from zkv.wire.messages import Control, Error, Message, Reply, Result
+from zkv.wire.vocab import ControlOp, Outcome
 from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
 from zkv.wire.layout import CacheLayout
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
@@ -54,13 +56,13 @@ class Sim:
         self.broker = BrokerCore(BrokerConfig(world=world, **cfg))
         self.ranks = {r: SimRank(RankCore(r, world, LAYOUT)) for r in range(world)}
         self.to_broker: collections.deque = collections.deque()  # (identity, frame)
-        self.client_in: list[dict] = []  # frontend messages to CLIENT
-        self.results: list[dict] = []  # rank results pushed to reply_to
+        self.client_in: list[Message] = []  # frontend messages to CLIENT
+        self.results: list[Result] = []  # rank results pushed to reply_to
         self.book = ResultBook()
         self.outcomes: dict[int, str] = {}
         self.next_task = 1
         self.next_req = 1
-        self.published: list[dict] = []
+        self.published: list[Control] = []
 
     # --- wiring ------------------------------------------------------------------
 
@@ -76,11 +78,11 @@ class Sim:
             elif isinstance(a, ToClient):
                 msg = P.decode(a.frames[0])
                 self.client_in.append(msg)
-                if msg["kind"] == "outcome":
-                    self._final(self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], self.now, msg.get("gen")))
-                elif msg["kind"] == "reply" and msg["op"] in ("clear", "resume"):  # as zkv.client.Client does
+                if msg.kind == "outcome":
+                    self._final(self.book.on_outcome(msg.task, msg.outcome, msg.reason, self.now, msg.gen))
+                elif msg.kind == "reply" and msg.op in (ControlOp.CLEAR, ControlOp.RESUME):  # as zkv.client.Client does
                     self.book.gen_known = True
-                    for out in self.book.learn_gen(msg["gen"], "cleared", self.now):
+                    for out in self.book.learn_gen(msg.extra["gen"], "cleared", self.now):
                         self._final(out)
                 self._drain_moved()
 
@@ -94,7 +96,7 @@ class Sim:
             elif isinstance(a, (FreeCache, AllocateCache)):
                 sr.cache_ops.append(a)
             elif isinstance(a, Acked):
-                sr.acked_pause = a.op in ("pause", "clear")
+                sr.acked_pause = a.op in (ControlOp.PAUSE, ControlOp.CLEAR)
 
     def _drain_moved(self) -> None:
         moved, self.book.moved = self.book.moved, []
@@ -125,9 +127,9 @@ class Sim:
         self._broker_actions(self.broker.on_client(CLIENT, [P.encode(kind, req=req, **fields)], self.now))
         return req
 
-    def reply(self, req: int) -> dict | None:
+    def reply(self, req: int) -> Reply | Error | None:
         for msg in self.client_in:
-            if msg.get("req") == req and msg["kind"] in ("reply", "error"):
+            if isinstance(msg, (Reply, Error)) and msg.req == req:
                 return msg
         return None
 
@@ -173,12 +175,13 @@ class Sim:
                 sr.copies += 1
                 if sr.acked_pause:
                     sr.copies_after_ack += 1
-            result = {"task": ex.task, "rank": rank, "world": len(self.ranks), "outcome": "failed" if ex.refuse else outcome,
-                      "reason": ex.refuse, "gen": ex.gen, "bytes": 0 if ex.refuse else LAYOUT.block_bytes}
+            nbytes = 0 if ex.refuse else LAYOUT.block_bytes
+            result = Result(task=ex.task, rank=rank, world=len(self.ranks), outcome=Outcome.FAILED if ex.refuse else outcome,
+                            reason=ex.refuse, gen=ex.gen, bytes=nbytes)
             self.results.append(result)
             self._final(self.book.on_result(result, self.now))
             self._drain_moved()
-            self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result["outcome"], result["bytes"], ex.gen))
+            self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, result.outcome, nbytes, ex.gen))
             count += 1
         return count
 

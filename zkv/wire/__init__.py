@@ -1,5 +1,6 @@
-"""The wire contract every party shares: message kinds and their codec, the
-cache layout, task outcomes and how per-rank results fold into one.
+"""The wire contract every party shares: its vocabulary, one typed message
+per kind and their codec, the cache layout, task outcomes and how per-rank
+results fold into one.
 
 Rule: this package imports msgpack, msgspec (the typed fast path of the hot
 kinds, ``fast.py``) and the standard library only, never torch and nothing
@@ -9,6 +10,9 @@ else of zkv.
 from .errors import ZkvError
 from .layout import CacheLayout
 from .outcome import RankFold, TaskOutcome
+from .messages import Message
 from .protocol import ProtocolError, TaskBody
+from .vocab import VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
-__all__ = ["CacheLayout", "ProtocolError", "RankFold", "TaskBody", "TaskOutcome", "ZkvError"]
+__all__ = ["VERSION", "CacheLayout", "ControlOp", "Dtype", "Message", "Op", "Outcome", "ProtocolError", "RankFold", "TaskBody",
+           "TaskOutcome", "Tier", "ZkvError"]

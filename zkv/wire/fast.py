@@ -2,20 +2,23 @@
 ``done``, ``result`` and the task ``body``, the frames every task sends.
 
 Rule 1: it accepts only what :func:`protocol.decode` accepts, and returns the
-very map that would (same keys, values and types, so call sites stay as they
-are).  msgspec decodes a frame into a TypedDict built from the schema table,
-checking types (a bool or a float is not an int), ranges, enums and string
-lengths in C.  A frame it refuses, or cannot show it read the way msgpack
-does, goes to ``protocol.decode``, so every refusal is that codec's own
-ProtocolError, code and reason.  "Read the way msgpack does" is one test: the
-fixmap header counts as many entries as the map has keys.  Then no entry was
-skipped (msgspec skips an unknown field's value without the checks msgpack
-makes) and no key came twice.
+message that would (same class, fields, values and types).  msgspec decodes a
+frame into the kind's message class (messages.py), checking types (a bool or
+a float is not an int), ranges, enums and string lengths in C, refusing an
+unknown field (msgspec would skip its value without the checks msgpack makes)
+and reading a repeated key as msgpack does (the last one wins).  A frame it
+refuses goes to ``protocol.decode``, so every refusal is that codec's own
+ProtocolError, code and reason.  So does a frame not written as a fixmap (more
+than 15 entries: msgpack bounds a map's entries, msgspec does not).
 
-Rule 2: nothing here restates the protocol.  Fields, bounds and enums come
-from protocol.py's tables.  The encoders write the bytes ``protocol.encode``
-writes for the same fields (the golden vectors'), and leave absent optionals
-out, never nil.
+It decodes into a subclass of the message class that requires ``v`` (msgspec
+has no field that is required on the wire yet defaulted in Python); a message
+equals the same message made by hand (``Message.__eq__``).
+
+Rule 2: nothing here restates the protocol.  Fields come from the message
+classes, bounds and enums from protocol.py's tables.  The encoders write the
+bytes ``protocol.encode`` writes for the same fields (the golden vectors'),
+and leave absent optionals out, never nil.
 
 The decoders and the encoder keep no state between calls (and call no
 Python code): one may serve several threads.
@@ -24,20 +27,19 @@ Python code): one may serve several threads.
 from __future__ import annotations
 
 import re
-import types
 import typing
 from typing import Any, Callable, Iterable
 
 import msgspec
 
 from . import protocol as P
+from .messages import MESSAGES, Message
 
 HOT_KINDS = ("submit", "task", "done", "result", "body")
-_FIXMAP = 0x80  # a msgpack map of n < 16 entries is the byte 0x80 + n, then its entries
+_MAP16 = 0xDE  # a msgpack map of n < 16 entries is the byte 0x80 + n, then its entries; 0xde starts a longer one
 # typing's special forms, built from values at import (so the checker sees Any)
 _Annotated: Any = typing.Annotated
 _Literal: Any = typing.Literal
-_TypedDict: Any = typing.TypedDict
 _Z85_KEY = r"\A[%s]{%d}\Z" % ("".join(re.escape(c) for c in sorted(P._Z85)), P.Z85_KEY_LEN)  # \Z: "$" passes a final "\n"
 
 
@@ -67,23 +69,33 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
     raise TypeError(f"the fast codec has no type for {kind}.{name} ({typ}); add one or leave the kind to protocol.decode")
 
 
-def typed_dict(kind: str) -> type:
-    """A TypedDict of ``kind``'s schema: the required fields (and ``v``,
-    ``kind``) required, the optional ones optional and nil-able (``validate``
-    and the call sites take a nil as absent; the key stays, as it does there)."""
+def wire_type(kind: str) -> type[Message]:
+    """``kind``'s message class with its fields bounded as the tables say and
+    ``v`` required; optional fields stay nil-able (``validate`` and the call
+    sites take a nil as absent)."""
     required, optional = P.SCHEMAS[kind]
-    must = {"v": _Literal[P.VERSION], "kind": _Literal[kind], **{n: _field_type(kind, n, t) for n, t in required.items()}}
-    may = {n: typing.Optional[_field_type(kind, n, t)] for n, t in optional.items()}
-    base = _TypedDict(f"{kind.title()}Required", must)
-    return types.new_class(kind.title(), (base,), {"total": False}, lambda ns: ns.update({"__annotations__": may}))
+    fields: list[Any] = [(n, _field_type(kind, n, t)) for n, t in required.items()]
+    fields += [(n, typing.Optional[_field_type(kind, n, t)], None) for n, t in optional.items()]
+    fields.append(("v", _Literal[P.VERSION]))
+    cls = MESSAGES[kind]
+    wire: Any = msgspec.defstruct(cls.__name__, fields, bases=(cls,), module=__name__, kw_only=True, frozen=True,
+                                  forbid_unknown_fields=True, tag=kind)
+    return wire
 
 
-TYPES: dict[str, type] = {kind: typed_dict(kind) for kind in HOT_KINDS}
-_TYPED: dict[str, Callable[[bytes], dict]] = {kind: msgspec.msgpack.Decoder(t).decode for kind, t in TYPES.items()}
-Slow = Callable[[bytes, "tuple[str, ...] | None"], dict]
+class _NoKind(Message, frozen=True, tag="\x00"):
+    """Never a frame's kind: beside it in a union, a message class needs ``kind``
+    (msgspec reads a lone tagged class without one)."""
+
+    never: _Annotated[int, msgspec.Meta(ge=1, le=0)]  # no value passes: this class is never decoded
 
 
-def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.decode) -> Callable[[bytes], dict]:
+TYPES: dict[str, type[Message]] = {kind: wire_type(kind) for kind in HOT_KINDS}
+_TYPED: dict[str, Callable[[bytes], Any]] = {kind: msgspec.msgpack.Decoder(typing.Union[t, _NoKind]).decode for kind, t in TYPES.items()}
+Slow = Callable[[bytes, "tuple[str, ...] | None"], Any]
+
+
+def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.decode) -> Callable[[bytes], Any]:
     """``protocol.decode(frame, expect_kinds)``, through ``hot``'s typed
     decoder first: one per call site, made once.  ``slow`` decodes what the
     typed decoder does not take (a test passes one that counts)."""
@@ -92,14 +104,14 @@ def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.
         raise ValueError(f"{hot!r} is not a hot kind of {kinds}")
     typed, cap = _TYPED[hot], P.MAX_FRAME_BYTES
 
-    def decode(frame: bytes) -> dict:
+    def decode(frame: bytes) -> Any:
         if len(frame) <= cap:
             try:
                 msg = typed(frame)
             except Exception:  # noqa: BLE001 - any refusal: the slow path names it
                 pass
             else:
-                if frame[0] == _FIXMAP + len(msg):
+                if frame[0] < _MAP16:
                     return msg
         return slow(frame, kinds)
 
@@ -111,7 +123,7 @@ _body = decoder("body", ("body",))
 
 
 def decode_body(frame: bytes) -> P.TaskBody:
-    """:func:`protocol.decode_body`, the map read on the typed fast path."""
+    """:func:`protocol.decode_body`, the body read on the typed fast path."""
     return P.task_body(_body(frame))
 
 

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .protocol import DTYPES, LAYOUT_MAX, ProtocolError
-
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from .vocab import Dtype
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class CacheLayout:
     block_size: int = 16
     kv_heads: int = 4
     head_dim: int = 64
-    dtype: str = "bf16"
+    dtype: str = Dtype.BF16.value  # a Dtype's value
 
     def __post_init__(self) -> None:
         for name in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim"):
@@ -34,7 +33,7 @@ class CacheLayout:
     @property
     def block_bytes_per_layer(self) -> int:
         """Bytes of one block of one K (or V) tensor."""
-        return self.kv_heads * self.block_size * self.head_dim * _DTYPE_BYTES[self.dtype]
+        return self.kv_heads * self.block_size * self.head_dim * Dtype(self.dtype).itemsize
 
     @property
     def block_bytes(self) -> int:

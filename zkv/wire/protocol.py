@@ -14,13 +14,14 @@ import array
 import ipaddress
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union, get_args, get_origin
 
 import msgpack
+import msgspec
 
 from .errors import ZkvError
-
-VERSION = 1
+from .messages import MESSAGES, Body, Message, wire_fields
+from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
 MAX_SAFE_INT = 2**53 - 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
 MAX_IDS = 1 << 20
@@ -72,17 +73,17 @@ def uint_bounds(kind: str, name: str) -> tuple[int, int]:
 # list fields: most entries
 LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
 # str fields with a fixed set of values, per (kind, field)
+OUTCOMES = tuple(o.value for o in Outcome)
+OPS = tuple(o.value for o in Op)
+TIERS = tuple(t.value for t in Tier)
+DTYPES = tuple(d.value for d in Dtype)
+CONTROL_OPS = tuple(o.value for o in ControlOp)
+_RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
+_CLIENT_OPS = tuple(o.value for o in CLIENT_OPS)
 ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("done", "outcome"): ("ok", "failed"), ("result", "outcome"): ("ok", "failed"),
-    ("outcome", "outcome"): ("ok", "failed", "cancelled", "rejected", "timeout"),
-    ("ack", "op"): ("pause", "clear", "resume"), ("control", "op"): ("pause", "clear", "resume"),
-    ("welcome", "op"): ("run", "pause", "clear", "resume"),
+    ("done", "outcome"): _RANK_OUTCOMES, ("result", "outcome"): _RANK_OUTCOMES, ("outcome", "outcome"): OUTCOMES,
+    ("ack", "op"): _CLIENT_OPS, ("control", "op"): _CLIENT_OPS, ("welcome", "op"): CONTROL_OPS,
 }
-
-OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout")
-OPS = ("swap_out", "swap_in", "fill", "checksum")
-TIERS = ("gpu", "cpu")
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 class ProtocolError(ZkvError):
@@ -93,41 +94,30 @@ class ProtocolError(ZkvError):
 # (msgpack array of uint or packed little-endian int32 bytes).
 _U, _S, _B, _M, _L, _IDS, _BIN = "uint", "str", "bool", "map", "list", "ids", "bin"
 
-# kind -> (required fields, optional fields)
-SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {
-    # client -> broker (frontend)
-    "submit": ({"task": _U, "reply_to": _S}, {"timeout_ms": _U, "reply_key": _S}),
-    "pause": ({"req": _U}, {"timeout_ms": _U}),
-    "clear": ({"req": _U}, {"timeout_ms": _U, "keep_cpu": _B}),
-    "resume": ({"req": _U}, {"timeout_ms": _U, "layout": _M}),
-    "status": ({"req": _U}, {"wait_ranks": _U, "timeout_ms": _U}),
-    "ping": ({"req": _U}, {}),
-    # broker -> client (frontend)
-    "reply": ({"req": _U, "op": _S}, {}),
-    "error": ({"code": _S, "reason": _S}, {"req": _U, "task": _U}),
-    "outcome": ({"task": _U, "outcome": _S, "reason": _S}, {"gen": _U}),
-    # rank -> broker (backend)
-    "ready": ({"rank": _U, "world": _U, "session": _U, "layout": _M, "gen": _U}, {"pid": _U, "fresh": _B, "has_cache": _B}),
-    "hb": ({}, {"inflight": _U, "stats": _M, "probe": _B}),
-    "done": ({"seq": _U, "n": _U, "outcome": _S, "gen": _U}, {"bytes": _U}),
-    "ack": ({"epoch": _U, "op": _S}, {"upto": _U, "freed": _U, "gen": _U, "layout": _M, "stats": _M, "error": _S, "cpu_kept": _B}),
-    # broker -> rank (backend)
-    "welcome": ({"epoch": _U, "op": _S, "gen": _U, "upto": _U, "layout": _M, "heartbeat_ms": _U}, {"keep_cpu": _B, "session": _U}),
-    "refused": ({"reason": _S}, {}),
-    "reregister": ({}, {}),
-    "task": ({"seq": _U, "n": _U, "task": _U, "reply_to": _S, "gen": _U}, {"reply_key": _S, "session": _U}),
-    # broker -> ranks (PUB)
-    "control": ({"epoch": _U, "op": _S, "gen": _U, "upto": _L}, {"keep_cpu": _B, "layout": _M}),
-    # rank -> client (PUSH)
-    "result": (
-        {"task": _U, "rank": _U, "world": _U, "outcome": _S, "reason": _S, "gen": _U},
-        {"bytes": _U, "elapsed_us": _U, "digests": _L},
-    ),
-    # task body (second frame of submit and task)
-    "body": ({"op": _S}, {"src": _IDS, "dst": _IDS, "tier": _S, "seed": _U}),
-}
 
-CONTROL_OPS = ("run", "pause", "clear", "resume")
+def _schema_type(annotation: Any) -> str:
+    """The schema type of a message field's annotation (``None`` stripped)."""
+    args = tuple(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Union or type(annotation).__name__ == "UnionType":
+        if set(args) == {bytes, list[int]}:
+            return _IDS
+        annotation = args[0] if len(args) == 1 else annotation
+    origin = get_origin(annotation) or annotation
+    found = {int: _U, str: _S, bool: _B, dict: _M, list: _L, bytes: _BIN}.get(origin)
+    if found is None:
+        raise TypeError(f"no schema type for a field of type {annotation!r}")
+    return found
+
+
+def _schema(cls: type[Message]) -> tuple[dict[str, str], dict[str, str]]:
+    info = {f.name: f for f in msgspec.structs.fields(cls)}
+    names = wire_fields(cls)
+    return ({n: _schema_type(info[n].type) for n in names if info[n].required},
+            {n: _schema_type(info[n].type) for n in names if not info[n].required})
+
+
+# kind -> (required fields, optional fields), read off the message classes (messages.py)
+SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {kind: _schema(cls) for kind, cls in MESSAGES.items()}
 
 
 def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
@@ -228,7 +218,7 @@ def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
 
 
 def validate(msg: Any, expect_kinds: Iterable[str] | None = None) -> dict:
-    """Check version, kind and field types; return the message (a dict)."""
+    """Check version, kind and field types of a decoded map; return it."""
     if not isinstance(msg, dict):
         raise ProtocolError("malformed", "a frame must be a msgpack map")
     v = msg.get("v")
@@ -274,15 +264,27 @@ def encode_body(op: str, src: Any = None, dst: Any = None, **extra: Any) -> byte
     return msgpack.packb(body, use_bin_type=True)
 
 
-def decode(frame: bytes, expect_kinds: Iterable[str] | None = None) -> dict:
-    """Decode and validate one frame or raise ProtocolError."""
+def decode(frame: bytes, expect_kinds: Iterable[str] | None = None) -> Any:
+    """Decode and validate one frame as its typed message (messages.py) or
+    raise ProtocolError.  Fields no schema names are ignored, but for a
+    ``reply``'s: its op's results, kept in ``extra``."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=False, max_map_len=_MAX_MAP_LEN)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError("malformed", f"not a msgpack frame ({type(exc).__name__})") from None
-    return validate(msg, expect_kinds)
+    return message(validate(msg, expect_kinds))
+
+
+def message(msg: dict) -> Any:
+    """The typed message of a map ``validate`` accepted."""
+    kind = msg["kind"]
+    cls = MESSAGES[kind]
+    fields = {name: msg[name] for name in wire_fields(cls) if name in msg}
+    if kind == "reply":
+        fields["extra"] = {k: v for k, v in msg.items() if k not in fields and k not in ("v", "kind")}
+    return cls(**fields)
 
 
 _MAX_MAP_LEN = 4096  # no zkv map comes near; bounds a decoder's memory per frame
@@ -341,14 +343,14 @@ def decode_body(frame: bytes) -> TaskBody:
     return task_body(decode(frame, ("body",)))
 
 
-def task_body(msg: dict) -> TaskBody:
-    """The checks of :func:`decode_body` on a body map ``decode`` accepted."""
-    op = msg["op"]
+def task_body(msg: Body) -> TaskBody:
+    """The checks of :func:`decode_body` on a body ``decode`` accepted."""
+    op = msg.op
     if op not in OPS:
         raise ProtocolError("bad_field", f"unknown op {op!r}; expected one of {', '.join(OPS)}")
-    src = unpack_ids(msg.get("src") or [], "src")
-    dst = unpack_ids(msg.get("dst") or [], "dst")
-    tier = msg.get("tier")
+    src = unpack_ids(msg.src or [], "src")
+    dst = unpack_ids(msg.dst or [], "dst")
+    tier = msg.tier
     tier = "gpu" if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
         raise ProtocolError("bad_field", f"tier must be gpu or cpu, got {tier!r}")
@@ -363,7 +365,7 @@ def task_body(msg: dict) -> TaskBody:
         raise ProtocolError("bad_field", "checksum needs src ids")
     elif op == "checksum" and len(src) > MAX_CHECKSUM_IDS:  # its digests must fit one result frame
         raise ProtocolError("too_large", f"checksum of {len(src)} blocks; at most {MAX_CHECKSUM_IDS} per task")
-    return TaskBody(op, src, dst, tier, msg.get("seed") or 0)
+    return TaskBody(op, src, dst, tier, msg.seed or 0)
 
 
 def salvage_ids(frame: bytes) -> dict[str, int]:
