@@ -218,12 +218,11 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
     curve = curve_from(kw)
     cache = None
     if manifest is not None:
-        from ..rank.cache.engine_backend import EngineBackend
         from ..rank.cache.errors import CacheError
-        from ..rank.cache.manifest import attach
+        from ..rank.cache.store import BlockStore
 
         try:
-            cache = EngineBackend(attach(manifest), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(manifest))
+            cache = BlockStore.from_manifest(manifest, layout, rank)
         except CacheError as err:
             _fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
     w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve, cache=cache)

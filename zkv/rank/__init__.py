@@ -1,10 +1,9 @@
 """A tensor-parallel rank: ``core`` is its control state machine (no sockets,
-no torch), ``cache`` the memory it copies (``cache.backend.CacheBackend``:
-zkv's own tensors in ``cache.owned`` or an engine's in
-``cache.engine_backend``), ``worker`` the ZMQ loop and copy executor, and
-``agent`` the same rank embedded in an engine's process.
+no torch), ``cache`` the memory it copies (``cache.store.BlockStore``, on
+zkv's own tensors or an engine's), ``worker`` the ZMQ loop and copy executor,
+and ``agent`` the same rank embedded in an engine's process.
 
-Importing this package does not import torch: ``RankWorker``, ``KVCache``
+Importing this package does not import torch: ``RankWorker``, ``BlockStore``
 and ``RankAgent`` load on first use.
 """
 
@@ -12,7 +11,7 @@ from typing import Any
 
 from .core import RankCore, RankRefused
 
-__all__ = ["KVCache", "RankAgent", "RankCore", "RankRefused", "RankWorker"]
+__all__ = ["BlockStore", "RankAgent", "RankCore", "RankRefused", "RankWorker"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,10 +19,10 @@ def __getattr__(name: str) -> Any:
         from .worker import RankWorker
 
         return RankWorker
-    if name == "KVCache":
-        from .cache.owned import KVCache
+    if name == "BlockStore":
+        from .cache.store import BlockStore
 
-        return KVCache
+        return BlockStore
     if name == "RankAgent":
         from .agent import RankAgent
 

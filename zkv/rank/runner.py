@@ -28,7 +28,8 @@ from ..net.endpoints import make_socket
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
-from .cache.backend import CacheBackend, TaskInvalid
+from .cache.errors import CacheError
+from .cache.store import BlockStore, TaskInvalid
 from .actions import Execute
 
 log = logging.getLogger("zkv.worker")
@@ -104,12 +105,12 @@ class ResultSenders:
 
 
 class TaskRunner:
-    """Runs tasks on ``cache`` and books them in the rank's shared counters.
+    """Runs tasks on ``cache`` (the rank's ``BlockStore``) and books them in the rank's shared counters.
 
     ``session``: the rank's current registration session (read at run time: a
     task queued before a re-registration must not copy)."""
 
-    def __init__(self, cache: CacheBackend, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
+    def __init__(self, cache: BlockStore, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
                  paused_ack: threading.Event, session: Callable[[], int]):
         self.cache = cache
         self.rank = rank
@@ -160,7 +161,7 @@ class TaskRunner:
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
             else:
                 digests = self.cache.checksum(body.tier, body.src)
-        except (P.ProtocolError, TaskInvalid) as err:
+        except (P.ProtocolError, TaskInvalid, CacheError) as err:
             outcome, reason = "failed", str(err)  # a ProtocolError reads "code: reason", the §9 code first
         except Exception as err:  # a copy that blew up must still end the task
             log.exception("task %s failed", ex.task)

@@ -6,7 +6,7 @@ Threads and ownership (no socket is shared between threads):
   the inflight count has a single owner;
 - the executor thread takes work from a FIFO, so a cache free or allocate
   queued after tasks runs after them, and a long copy never stalls the loop;
-- the KV cache (any ``CacheBackend``: zkv's own tensors or an engine's) is
+- the block store (``BlockStore``, on zkv's own tensors or an engine's) is
   used by one thread at a time: the executor, or, while nothing is queued
   on it, the I/O thread running a small task itself (``runner.py``: the
   hand-over cost more than a 1-block copy).  Each thread has its own PUSH
@@ -39,8 +39,7 @@ import zmq
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..wire import protocol as P
-from .cache.backend import CacheBackend
-from .cache.owned import KVCache, pick_device
+from .cache.store import BlockStore, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
 from ..obs.book import RankBook
@@ -61,7 +60,7 @@ class Executor(threading.Thread):
     """Runs queued tasks and cache operations in order, on a thread of its own,
     so a long copy or an allocation never stalls the rank's I/O loop."""
 
-    def __init__(self, ctx: zmq.Context, report_address: str, cache: CacheBackend, rank: int, world: int, curve: Curve | None = None):
+    def __init__(self, ctx: zmq.Context, report_address: str, cache: BlockStore, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
@@ -127,18 +126,19 @@ def set_torch_threads(threads: int = 1) -> None:
 class RankWorker:
     """One rank: connect to the broker, register, and serve until stopped.
 
-    ``cache``: the backend to serve (an engine's, ``EngineBackend``); without
-    it the rank allocates its own ``KVCache`` for ``layout``."""
+    ``cache``: the store to serve (on an engine's memory,
+    ``BlockStore.attached``); without it the rank allocates its own
+    (``BlockStore.owned``) for ``layout``."""
 
     def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout | None = None, *,
                  device: str | torch.device | None = None, ctx: zmq.Context | None = None,
-                 liveness_ms: int = 2000, curve: Curve | None = None, cache: CacheBackend | None = None):
+                 liveness_ms: int = 2000, curve: Curve | None = None, cache: BlockStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
-        self.cache: CacheBackend = cache
+            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank)
+        self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)

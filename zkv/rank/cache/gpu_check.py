@@ -3,7 +3,7 @@
 ``python -m zkv.rank.cache.gpu_check`` on a machine with a GPU (about a
 minute; ``--quick`` fewer repeats) prints:
 
-1. correctness: zkv's own cache (``KVCache``) and the engine-attached copy
+1. correctness: zkv's own cache (``BlockStore.owned``) and the engine-attached copy
    engine swap blocks out and back in bit-identical (BLAKE2b block digests,
    the bus's ``checksum``), through several staging chunks; the copies are
    ordered after the engine's stream (a kernel writes the blocks on the
@@ -40,7 +40,7 @@ import torch
 from . import layouts
 from .bench_copy import _paired, _timed
 from .copier import CopyEngine
-from .owned import KVCache, block_digests
+from .store import BlockStore, block_digests
 from .regions import EngineCache
 from .staging import STAGING_BYTES
 from .tier import CpuTier
@@ -96,9 +96,9 @@ class Rig:
                  staging_bytes: int = STAGING_BYTES, compute_stream: Any = None):
         self.engine, self.dev = engine, dev
         if engine == "owned":
-            self.kv = KVCache(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
-            assert self.kv.copier is not None and self.kv.engine is not None and self.kv.tier is not None
-            self.cache, self.tier, self.copier = self.kv.engine, self.kv.tier, self.kv.copier
+            self.kv = BlockStore.owned(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
+            assert self.kv.copier is not None and self.kv.cache is not None and self.kv.tier is not None
+            self.cache, self.tier, self.copier = self.kv.cache, self.kv.tier, self.kv.copier
         else:  # engine-attached: FastDeploy-style separate per-layer K and V tensors
             shape = (blocks, *size.page_shape)
             ks = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
