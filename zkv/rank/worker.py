@@ -46,6 +46,7 @@ from ..obs.book import RankBook
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .core import RankCore, RankRefused
 from .runner import ResultSenders, TaskRunner
+from .vocab import ControlOp
 
 log = logging.getLogger("zkv.worker")
 
@@ -115,6 +116,12 @@ class Executor(threading.Thread):
         return {"k": "done", "seq": item.seq, "n": item.n, "outcome": "failed", "bytes": 0, "gen": item.gen}
 
 
+def new_session() -> int:
+    """A registration session: unguessable, and never one an earlier process
+    of this rank used (the broker reads a new one as a restart)."""
+    return secrets.randbits(52)
+
+
 def set_torch_threads(threads: int = 1) -> None:
     """For a rank's own process (its entry point calls it, never an import):
     block copies are memory-bound, and intra-op threads only fight the other
@@ -139,7 +146,7 @@ class RankWorker:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
             cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank)
         self.cache = cache
-        self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats)
+        self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
@@ -177,7 +184,7 @@ class RankWorker:
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.executor.stats)
         s.update(self.core.counters)
-        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
+        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op.value, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
                  device=str(self.cache.device))
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
@@ -293,7 +300,7 @@ class RankWorker:
                 self._flush_dones()
                 self._to_broker([action.frame])
             elif kind is Acked:
-                if action.op in ("pause", "clear"):
+                if action.op is ControlOp.PAUSE or action.op is ControlOp.CLEAR:
                     ex.paused_ack.set()
                 else:
                     ex.paused_ack.clear()
