@@ -79,7 +79,8 @@ class RankCore:
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
         self.last_wake = 0.0
-        self.counters: collections.Counter[str] = collections.Counter()
+        # The rank's one book of task outcomes (``tasks_<outcome>``), in every stats it sends.
+        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)
 
     # --- registration ----------------------------------------------------------
 

@@ -18,7 +18,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -31,6 +30,7 @@ from ..wire import protocol as P
 from .cache.errors import CacheError
 from .cache.store import BlockStore, TaskInvalid
 from .actions import Execute
+from .reports import Finished
 
 log = logging.getLogger("zkv.worker")
 
@@ -38,17 +38,6 @@ MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used clo
 INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
 INLINE_MAX_BODY = 4096
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
-
-
-@dataclass(slots=True)
-class Finished:
-    """A task's end as the rank's core books it (``RankCore.on_finished``)."""
-
-    seq: int
-    n: int
-    outcome: str
-    nbytes: int
-    gen: int
 
 
 class ResultSenders:
@@ -105,7 +94,9 @@ class ResultSenders:
 
 
 class TaskRunner:
-    """Runs tasks on ``cache`` (the rank's ``BlockStore``) and books them in the rank's shared counters.
+    """Runs tasks on ``cache`` (the rank's ``BlockStore``) and books what the
+    copy did (bytes, copy times) in the executor's counters; the task's outcome
+    is the core's to count (``RankCore.on_finished``), once per process.
 
     ``session``: the rank's current registration session (read at run time: a
     task queued before a re-registration must not copy)."""
@@ -170,7 +161,6 @@ class TaskRunner:
         elapsed = time.perf_counter() - start
         if outcome == "ok":
             self.book.task_done(op, elapsed, nbytes)
-        self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
         senders.send(ex.reply_to, ex.reply_key, F.encode_result(ex.task, self.rank, self.world, outcome, reason, ex.gen,
                                                                 nbytes, int(elapsed * 1e6), digests))

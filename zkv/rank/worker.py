@@ -32,7 +32,6 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import torch
 import zmq
 
@@ -45,6 +44,7 @@ from ..net.curve import Curve
 from ..obs.book import RankBook
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .core import RankCore, RankRefused
+from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
 from .vocab import ControlOp
 
@@ -59,7 +59,11 @@ _DONES_HOLD_S = 0.0005
 
 class Executor(threading.Thread):
     """Runs queued tasks and cache operations in order, on a thread of its own,
-    so a long copy or an allocation never stalls the rank's I/O loop."""
+    so a long copy or an allocation never stalls the rank's I/O loop.
+
+    Each piece of work ends in one report (``reports.Finished`` or
+    ``CacheDone``) on ``reports``, then one empty frame on the inproc PUSH
+    that wakes the I/O thread: a frame read is a report there to take."""
 
     def __init__(self, ctx: zmq.Context, report_address: str, cache: BlockStore, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
@@ -68,9 +72,10 @@ class Executor(threading.Thread):
         self.cache = cache
         self.curve = curve
         self.work: queue.Queue = queue.Queue()
+        self.reports: collections.deque[Report] = collections.deque()  # appended here, taken by the I/O thread
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
-            dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
+            dict.fromkeys(("bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
                            "dropped_stale_session", "executor_errors", "tasks_inline"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
@@ -93,27 +98,27 @@ class Executor(threading.Thread):
                     log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
-                report.send(msgpack.packb(reply))
+                self.reports.append(reply)
+                report.send(b"")
         finally:
             report.close(linger=0)
             senders.close()
 
-    def _do(self, item: Any, senders: ResultSenders) -> dict:
+    def _do(self, item: Any, senders: ResultSenders) -> Report:
         if isinstance(item, FreeCache):
             freed = self.cache.free(item.keep_cpu)
             self.stats["bytes_freed"] += freed.nbytes
-            return {"k": "cache", "freed": freed.nbytes}
+            return CacheDone(freed.nbytes)
         if isinstance(item, AllocateCache):
             self.cache.allocate(item.layout)
-            return {"k": "cache", "freed": 0, "cpu_kept": self.cache.cpu_kept}
-        done = self.runner.run(item, senders)
-        return {"k": "done", "seq": done.seq, "n": done.n, "outcome": done.outcome, "bytes": done.nbytes, "gen": done.gen}
+            return CacheDone(0, self.cache.cpu_kept)
+        return self.runner.run(item, senders)
 
-    def _failure(self, item: Any, reason: str) -> dict:
+    def _failure(self, item: Any, reason: str) -> Report:
         """The report for work that raised, so the I/O thread's books stay right."""
         if isinstance(item, (FreeCache, AllocateCache)):
-            return {"k": "cache", "freed": 0, "error": reason}
-        return {"k": "done", "seq": item.seq, "n": item.n, "outcome": "failed", "bytes": 0, "gen": item.gen}
+            return CacheDone(0, None, reason)
+        return Finished(item.seq, item.n, "failed", 0, item.gen)
 
 
 def new_session() -> int:
@@ -264,13 +269,14 @@ class RankWorker:
 
     def _drain_reports(self) -> None:
         core = self.core
+        reports = self.executor.reports
 
         def handle(frames: list[bytes]) -> list:
-            rep = msgpack.unpackb(frames[0])
+            rep = reports.popleft()  # appended before its frame was sent
             self._queued -= 1
-            if rep["k"] == "done":
-                return core.on_finished(rep["seq"], rep["n"], rep["outcome"], rep["bytes"], rep["gen"])
-            return core.on_cache_done(rep["freed"], rep.get("error", ""), rep.get("cpu_kept"))
+            if type(rep) is Finished:
+                return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
+            return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
 
         self._drain(self.reports, handle)
 
