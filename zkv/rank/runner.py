@@ -35,8 +35,6 @@ from .reports import Finished
 log = logging.getLogger("zkv.worker")
 
 MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
-INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
-INLINE_MAX_BODY = 4096
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
 
 
@@ -110,23 +108,6 @@ class TaskRunner:
         self.book = book
         self.paused_ack = paused_ack
         self.session = session
-        self._inline_layout: object = None
-        self._inline_blocks = 0
-
-    def small(self, ex: Execute) -> bool:
-        """Whether ``ex`` is cheap enough for the I/O thread to run itself,
-        estimated from the body's size before decoding it: zkv's encoder packs
-        ids as int32, 8 bytes per (src, dst) pair; other encodings are at most
-        ~4x denser, and a body over 4 KiB always goes to the executor, where a
-        long copy delays no heartbeat."""
-        size = len(ex.body)
-        if size > INLINE_MAX_BODY:
-            return False
-        layout = self.cache.layout
-        if layout is not self._inline_layout:  # the layout changes only on an allocation: work its bound out once
-            self._inline_layout = layout
-            self._inline_blocks = max(1, INLINE_MAX_BYTES // max(1, layout.block_bytes))
-        return (size - 24) // 8 <= self._inline_blocks  # src and dst: 8 bytes per block pair
 
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return

@@ -44,6 +44,7 @@ from ..net.curve import Curve
 from ..obs.book import RankBook
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .core import RankCore, RankRefused
+from .batching import DoneBatcher, InlinePolicy
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
 from .vocab import ControlOp
@@ -51,10 +52,6 @@ from .vocab import ControlOp
 log = logging.getLogger("zkv.worker")
 
 _ids = itertools.count()
-# The longest a done waits for company while the loop runs tasks inline: a
-# long run of small tasks must not hold every credit until its end (the
-# broker would book them all at once, on the way to a pause's ack).
-_DONES_HOLD_S = 0.0005
 
 
 class Executor(threading.Thread):
@@ -175,11 +172,10 @@ class RankWorker:
         self._stopper = StopSignal(self.ctx, f"rank-{rank}")
         self._stop = self._stopper.socket
         self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
-        # Work on the executor's queue or running there; while 0, a small task
-        # runs right here on the I/O thread (runner.py), with sockets of its own.
-        self._queued = 0
-        self._dones: list[bytes] = []  # done frames of this wakeup, sent as one message
-        self._dones_since = 0.0  # when the first of them was held
+        # While nothing is queued on the executor, a small task runs right here
+        # on the I/O thread (runner.py), with sockets of its own.
+        self._inline = InlinePolicy()
+        self._dones = DoneBatcher()  # done frames of this wakeup, sent as one message
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
     def stop(self) -> None:
@@ -257,9 +253,8 @@ class RankWorker:
         self._drain(self.dealer, handle)
 
     def _flush_dones(self) -> None:
-        if self._dones:
-            frames, self._dones = self._dones, []
-            self._to_broker(frames)
+        if self._dones.frames:
+            self._to_broker(self._dones.take())
 
     def _to_broker(self, frames: list[bytes]) -> None:
         try:
@@ -270,10 +265,11 @@ class RankWorker:
     def _drain_reports(self) -> None:
         core = self.core
         reports = self.executor.reports
+        inline = self._inline
 
         def handle(frames: list[bytes]) -> list:
             rep = reports.popleft()  # appended before its frame was sent
-            self._queued -= 1
+            inline.queued -= 1
             if type(rep) is Finished:
                 return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
             return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
@@ -283,24 +279,22 @@ class RankWorker:
     def _act(self, actions: list) -> None:
         ex = self.executor
         ex.session = self.core.session  # before any task of this batch is queued
+        inline, dones = self._inline, self._dones
         for action in actions:
             kind = type(action)
             if kind is Execute:
-                if not self._queued and ex.runner.small(action):
-                    if self._dones and time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
+                if inline.inline(action.body, self.cache.layout):
+                    if dones.frames and dones.due(time.perf_counter()):
                         self._flush_dones()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
                 else:
-                    self._queued += 1
+                    inline.queued += 1
                     ex.work.put(action)
             elif kind is ToBroker:
                 if action.done:  # the credits of this wakeup go out together (_flush_dones)
-                    if not self._dones:
-                        self._dones_since = time.perf_counter()
-                    self._dones.append(action.frame)
-                    if len(self._dones) >= P.MAX_BATCH or time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
+                    if dones.add(action.frame, time.perf_counter()):
                         self._flush_dones()
                     continue
                 self._flush_dones()
@@ -313,5 +307,5 @@ class RankWorker:
             elif kind is FreeCache or kind is AllocateCache:
                 if kind is AllocateCache:
                     ex.paused_ack.clear()
-                self._queued += 1
+                inline.queued += 1
                 ex.work.put(action)
