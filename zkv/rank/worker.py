@@ -178,6 +178,17 @@ class RankWorker:
         self._dones = DoneBatcher()  # done frames of this wakeup, sent as one message
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
+    @classmethod
+    def on_manifest(cls, manifest: str, rank: int, world: int, backend: str, control: str, layout: CacheLayout,
+                    **options: Any) -> "RankWorker":
+        """A rank serving the tensors an engine process exported in ``manifest``
+        (``zkv worker --attach``): ``layout`` names the model and sizes zkv's CPU
+        tier (``cpu_blocks``), the engine's block count is its ``gpu_blocks``;
+        each resume reads the manifest again, for a newer generation.  Raises
+        ``CacheError`` when it cannot be mapped (nothing stays mapped).
+        ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
+        return cls(rank, world, backend, control, layout, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
+
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
         self._stopper.stop()
