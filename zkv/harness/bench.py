@@ -286,10 +286,10 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 
 
 def bench_attached_copy(blocks: int, repeats: int) -> dict:
-    """The engine-attached copy engine (``zkv.rank.cache.bench_copy``): a
+    """The engine-attached copy engine (``zkv.harness.bench_copy``): a
     per-layer layout and a block-major one, contiguous and scattered ids,
     each beside a plain ``copy_`` of the same bytes timed interleaved."""
-    from ..rank.cache.bench_copy import bench_copy as attached
+    from .bench_copy import bench_copy as attached
 
     return attached(blocks=blocks, reps=repeats)
 
