@@ -281,7 +281,7 @@ class RankWorker:
         def handle(frames: list[bytes]) -> list:
             rep = reports.popleft()  # appended before its frame was sent
             inline.queued -= 1
-            if type(rep) is Finished:
+            if isinstance(rep, Finished):
                 return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
             return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
 

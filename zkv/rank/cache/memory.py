@@ -39,9 +39,13 @@ class MemorySource(Protocol):
     """What a ``BlockStore`` asks of the memory under its device tier."""
 
     device: torch.device
-    pin: bool | None  # whether the CPU tier is pinned (None: when CUDA exists)
     compute_stream: Any  # the stream copies wait for (None: the current one)
     staging_bytes: int  # device memory for the CUDA copy path's staging buffers
+
+    @property
+    def pin(self) -> bool | None:
+        """Whether the CPU tier is pinned (None: when CUDA exists)."""
+        ...
 
     def acquire(self, layout: CacheLayout) -> EngineCache:
         """The next cache for ``layout``; raise (holding nothing) if there is none."""
@@ -109,11 +113,15 @@ class EngineMemory:
                  source: Callable[[], EngineCache] | None = None, staging_bytes: int = STAGING_BYTES):
         self.device = first.device
         self.compute_stream = compute_stream
-        self.pin = pin
+        self._pin = pin
         self.source = source
         self.staging_bytes = staging_bytes
         self._pending: EngineCache | None = first
         self._lock = threading.Lock()  # hand_over runs on the engine's thread
+
+    @property
+    def pin(self) -> bool | None:
+        return self._pin
 
     def hand_over(self, cache: EngineCache) -> None:
         """Queue the engine's next cache for the next resume (any thread)."""
