@@ -40,12 +40,8 @@ class RankPhase(Enum):
 
 
 class RankCore:
-    """Events in, actions out.  ``now`` is seconds on a monotonic clock.
-
-    ``sessions`` gives the session of each registration (``start``): the
-    broker reads a new one as a restarted rank, so a real rank draws them
-    unguessable and unrepeated (``worker.new_session``); a simulation may
-    count them."""
+    """Events in, actions out.  ``now`` is seconds on a monotonic clock.  ``sessions()``
+    is each registration's session: unguessable in a real rank (``worker.new_session``)."""
 
     def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000,
                  stats: Callable[[], dict[str, Any]] | None = None, *, sessions: Callable[[], int]):
@@ -79,8 +75,7 @@ class RankCore:
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
         self.last_wake = 0.0
-        # The rank's one book of task outcomes (``tasks_<outcome>``), in every stats it sends.
-        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)
+        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)  # the one book of outcomes
 
     # --- registration ----------------------------------------------------------
 
