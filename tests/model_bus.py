@@ -14,6 +14,7 @@ wrote in this generation holds something else.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,9 @@ class Bus:
         self.now = 1000.0
         self.disk: dict[str, Any] | None = None
         self.broker = BrokerCore(BrokerConfig(world=world, **CFG))
-        self.ranks = {r: Rank(RankCore(r, world, LAYOUT, heartbeat_ms=100, liveness_ms=1000)) for r in range(world)}
+        self.sessions = itertools.count(1)  # every registration its own session, restarts too
+        self.ranks = {r: Rank(RankCore(r, world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
+                      for r in range(world)}
         self.to_broker: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
         self.client_in: collections.deque = collections.deque()
         self.results_in: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
@@ -325,7 +328,7 @@ class Bus:
 
     def start_rank(self, rank: int) -> None:
         """A new process: fresh memory, generation 0, its command-line layout."""
-        self.ranks[rank] = Rank(RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000))
+        self.ranks[rank] = Rank(RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
         self._rank_actions(rank, self.ranks[rank].core.start(self.now))
 
     def restart_broker(self) -> None:

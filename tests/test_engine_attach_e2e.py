@@ -13,7 +13,7 @@ import pytest
 
 from zkv.client.client import ZkvError
 from zkv.harness.attached_cluster import AttachedCluster
-from zkv.rank.cache.ipc_check import mapped
+from zkv.harness.ipc_check import mapped
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)

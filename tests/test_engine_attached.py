@@ -1,6 +1,6 @@
-"""Clear and resume of an engine-attached cache: after a clear zkv holds no
-engine memory (StorageWeakRef), keep_cpu really keeps the tier's bytes,
-resume needs a newer generation and keeps the tier only when it still fits."""
+"""Clear and resume of a block store on an engine's cache: after a clear zkv
+holds no engine memory (StorageWeakRef), keep_cpu really keeps the tier's
+bytes, resume needs a newer generation and keeps the tier only when it still fits."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
-from zkv.rank.cache.attached import AttachedCache
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache
+from zkv.rank.cache.store import BlockStore, Freed, TaskInvalid
+from zkv.wire.protocol import TaskBody
 
 
 def engine(blocks: int, block_size: int = 4, generation: int = 1):
@@ -21,57 +22,93 @@ def engine(blocks: int, block_size: int = 4, generation: int = 1):
     return kv, EngineCache.from_tensors(vllm.flash_attn(kv), generation=generation)
 
 
+def resume(store: BlockStore, cache: EngineCache, cpu_rows: int) -> bool:
+    """What a resume does on an attached rank: the engine hands over, the rank allocates."""
+    store.memory.hand_over(cache)
+    store.allocate(store.layout.with_changes(gpu_blocks=cache.num_blocks, cpu_blocks=cpu_rows))
+    return store.cpu_kept
+
+
 def test_after_a_clear_zkv_holds_no_engine_memory_and_refuses_copies():
     kv, cache = engine(8)
-    rank = AttachedCache(cache, cpu_rows=4)
-    rank.swap_out([1, 2], [0, 1])
+    store = BlockStore.attached(cache, cpu_rows=4)
+    store.swap("swap_out", [1, 2], [0, 1])
     refs = [StorageWeakRef(t.untyped_storage()) for t in kv.values()]
-    tier_ref = StorageWeakRef(rank.tier.store.untyped_storage())
+    tier_ref = StorageWeakRef(store.tier.store.untyped_storage())
     block_bytes = cache.descriptor.block_bytes
+    engine_bytes = sum(b.nbytes for b in cache.descriptor.buffers)
     del kv, cache
     assert not any(r.expired() for r in refs)
-    ack = rank.clear(keep_cpu=False)
+    freed = store.free(keep_cpu=False)
     assert all(r.expired() for r in refs), "the engine's free is a real free once the clear acked"
-    assert tier_ref.expired() and ack["cpu_bytes_freed"] == 4 * block_bytes and not ack["cpu_kept"]
-    assert rank.clear() == {"engine_bytes_detached": 0, "cpu_bytes_freed": 0, "cpu_kept": False}
-    with pytest.raises(CacheError) as err:
-        rank.swap_in([0], [0])
-    assert err.value.code == "released"
+    assert tier_ref.expired() and freed == Freed(engine_bytes + 4 * block_bytes, False)
+    assert store.free() == Freed(0, False)
+    with pytest.raises(TaskInvalid, match="cleared"):
+        store.validate(TaskBody("swap_in", [0], [0]))
+    assert store.copier is None and store.cache is None
 
 
 def test_keep_cpu_keeps_the_bytes_for_a_new_generation_with_another_block_count():
     kv, cache = engine(8)
-    rank = AttachedCache(cache, cpu_rows=4)
-    rank.swap_out([5, 6], [2, 3])
+    store = BlockStore.attached(cache, cpu_rows=4)
+    store.swap("swap_out", [5, 6], [2, 3])
     want = [t[:, 5:7].clone() for t in kv.values()]
-    assert rank.clear(keep_cpu=True)["cpu_kept"]
+    assert store.free(keep_cpu=True).cpu_kept
     del kv, cache  # the engine frees, updates, reallocates with more blocks
     kv2, cache2 = engine(32, generation=2)
-    assert rank.resume(cache2, cpu_rows=4) is True
-    rank.swap_in([2, 3], [30, 31])
+    assert resume(store, cache2, cpu_rows=4) is True
+    store.swap("swap_in", [2, 3], [30, 31])
     for t, w in zip(kv2.values(), want):
         assert torch.equal(t[:, 30:32].view(torch.int16), w.view(torch.int16))
 
 
 def test_a_tier_that_no_longer_fits_is_replaced_and_the_caller_is_told():
     _, cache = engine(8)
-    rank = AttachedCache(cache, cpu_rows=4)
-    rank.clear(keep_cpu=True)
+    store = BlockStore.attached(cache, cpu_rows=4)
+    store.free(keep_cpu=True)
     _, other_pages = engine(8, block_size=8, generation=2)
-    assert rank.resume(other_pages, cpu_rows=4) is False
-    rank.clear(keep_cpu=True)
+    assert resume(store, other_pages, cpu_rows=4) is False
+    store.free(keep_cpu=True)
     _, more_rows = engine(8, block_size=8, generation=3)
-    assert rank.resume(more_rows, cpu_rows=6) is False and rank.tier.rows == 6
+    assert resume(store, more_rows, cpu_rows=6) is False and store.tier.rows == 6
 
 
-def test_resume_needs_a_cleared_rank_and_a_newer_generation():
-    _, cache = engine(8, generation=5)
-    rank = AttachedCache(cache, cpu_rows=4)
-    with pytest.raises(CacheError, match="clear first"):
-        rank.resume(engine(8, generation=6)[1], cpu_rows=4)
-    rank.clear()
+def test_resume_needs_a_newer_generation_and_holds_nothing_when_refused():
+    kv, cache = engine(8, generation=5)
+    store = BlockStore.attached(cache, cpu_rows=4)
+    refs = [StorageWeakRef(t.untyped_storage()) for t in kv.values()]
+    del kv, cache
+    store.free(keep_cpu=True)
     for gen in (5, 4):
+        new_kv, new = engine(8, generation=gen)
+        new_refs = [StorageWeakRef(t.untyped_storage()) for t in new_kv.values()]
+        del new_kv
         with pytest.raises(CacheError) as err:
-            rank.resume(engine(8, generation=gen)[1], cpu_rows=4)
+            resume(store, new, cpu_rows=4)
         assert err.value.code == "stale_manifest"
-    assert rank.resume(engine(8, generation=6)[1], cpu_rows=4) is False and rank.attached
+        del new
+        assert all(r.expired() for r in new_refs) and not store.allocated, "a refused cache is not held"
+    assert resume(store, engine(8, generation=6)[1], cpu_rows=4) is True and store.allocated
+    assert all(r.expired() for r in refs) and store.generation == 6
+
+
+def test_a_resume_without_a_clear_detaches_the_old_cache_first():
+    kv, cache = engine(8, generation=1)
+    store = BlockStore.attached(cache, cpu_rows=4)
+    refs = [StorageWeakRef(t.untyped_storage()) for t in kv.values()]
+    del kv, cache
+    assert resume(store, engine(16, generation=2)[1], cpu_rows=4) is True
+    assert all(r.expired() for r in refs) and store.layout.gpu_blocks == 16
+
+
+def test_a_resume_with_nothing_handed_over_or_the_wrong_block_count_fails_naming_why():
+    _, cache = engine(8)
+    store = BlockStore.attached(cache, cpu_rows=4)
+    store.free(keep_cpu=True)
+    with pytest.raises(CacheError) as err:
+        store.allocate(store.layout)
+    assert err.value.code == "no_cache"
+    store.memory.hand_over(engine(16, generation=2)[1])
+    with pytest.raises(CacheError, match="16 blocks.*gpu_blocks=8") as err:
+        store.allocate(store.layout)
+    assert err.value.code == "bad_layout" and not store.allocated and store.tier is not None

@@ -2,7 +2,7 @@
 
 import torch
 
-from zkv.rank.cache.bench_copy import bench_copy, format_table
+from zkv.harness.bench_copy import bench_copy, format_table
 
 
 def test_bench_copy_reports_both_layouts_beside_a_plain_copy():

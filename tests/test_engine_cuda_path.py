@@ -3,7 +3,7 @@
 torch.cuda's streams, events and stream contexts are recording fakes that
 model stream order (tests/fake_cuda.py, the only mocks here); the copies run
 on real CPU tensors, so the bytes are still checked.  On a GPU machine the
-same code runs for real (``python -m zkv.rank.cache.gpu_check``)."""
+same code runs for real (``python -m zkv.harness.gpu_check``)."""
 
 from __future__ import annotations
 
@@ -186,17 +186,16 @@ def test_the_tier_is_pinned_when_cuda_exists(monkeypatch):
 
 
 def test_the_rank_backend_waits_for_the_stream_the_engine_passed(fake_cuda):
-    """RankAgent(compute_stream=s) -> EngineBackend -> AttachedCache -> CopyEngine: copies wait for s."""
-    from zkv.rank.cache.engine_backend import EngineBackend
+    """RankAgent(compute_stream=s) -> BlockStore.attached -> EngineMemory -> CopyEngine: copies wait for s."""
+    from zkv.rank.cache.store import BlockStore
 
     k = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 4, 8)
-    backend = EngineBackend(EngineCache.from_tensors(layouts.per_layer({"k": k})), 8, compute_stream="engine-stream", pin=True)
-    attached = backend.attached
-    attached.copier = CopyEngine(attached.cache, attached.tier, attached.compute_stream, cuda=True)
+    store = BlockStore.attached(EngineCache.from_tensors(layouts.per_layer({"k": k})), 8, compute_stream="engine-stream", pin=True)
+    store.copier = CopyEngine(store.cache, store.tier, store.memory.compute_stream, cuda=True)
     fake_cuda.watch("engine", k)
     fake_cuda.clear()
-    backend.swap("swap_out", [2, 3], [0, 1])
-    assert fake_cuda.calls[0] == ("wait_stream", attached.copier.staged.copy_stream.name, "engine-stream")
+    store.swap("swap_out", [2, 3], [0, 1])
+    assert fake_cuda.calls[0] == ("wait_stream", store.copier.staged.copy_stream.name, "engine-stream")
     assert_ordered_and_synced(fake_cuda)
 
 

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
 from zkv.engines.transformers.engine import TransformersCBEngine  # noqa: E402
-from zkv.rank.cache.owned import block_digests  # noqa: E402
+from zkv.rank.cache.store import block_digests  # noqa: E402
 from zkv.testing.models import load_weights, random_llama, random_tokens  # noqa: E402
 from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
 from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)

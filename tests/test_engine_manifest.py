@@ -16,12 +16,12 @@ import torch
 from zkv.rank.cache import layouts
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.manifest import ShmArena, attach, device_uuid, export_manifest, parse_manifest, _map_cuda
-from zkv.rank.cache.ipc_check import EngineProcess, check, mapped
+from zkv.harness.ipc_check import EngineProcess, check, mapped
 
 
 @pytest.mark.parametrize("layout", ["fastdeploy", "vllm_flash"])
 def test_a_worker_swaps_blocks_of_tensors_another_process_owns_and_release_unmaps_them(layout):
-    """The engine is a separate process (zkv.rank.cache.demo_engine); ipc_check drives it."""
+    """The engine is a separate process (zkv.harness.demo_engine); ipc_check drives it."""
     result = check(layout, "cpu")
     assert result["mapped_attached"] > 0, "the worker maps the engine's files while attached"
     assert result["bytes_ok"], "the engine sees the swapped bytes in its own tensors, at the new ids"

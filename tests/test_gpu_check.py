@@ -1,4 +1,4 @@
-"""The one GPU script (``python -m zkv.rank.cache.gpu_check``) runs end to end on CPU
+"""The one GPU script (``python -m zkv.harness.gpu_check``) runs end to end on CPU
 with small sizes, as CI runs it: every check and every figure is printed, exit 0."""
 
 import itertools
@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, "-m", "zkv.rank.cache.gpu_check", "--device", "cpu", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
@@ -36,7 +36,7 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
 
 
 def test_the_gpu_check_refuses_cuda_where_there_is_none():
-    code = "import torch, sys; torch.cuda.is_available = lambda: False; from zkv.rank.cache.gpu_check import main; sys.exit(main(['--device', 'cuda']))"
+    code = "import torch, sys; torch.cuda.is_available = lambda: False; from zkv.harness.gpu_check import main; sys.exit(main(['--device', 'cuda']))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and "--device cpu" in proc.stderr

@@ -51,7 +51,7 @@ def test_a_fresh_rank_after_tasks_ran_moves_the_generation_and_cancels_what_was_
     sim.request("pause")
     sim.settle()
     queued = sim.submit()
-    sim.ranks[1].core = type(sim.ranks[1].core)(1, 2, LAYOUT)  # a new process
+    sim.ranks[1].core = type(sim.ranks[1].core)(1, 2, LAYOUT, sessions=sim.sessions.__next__)  # a new process
     sim.start_rank(1)
     sim.settle()
     assert sim.broker.gen == 1 and "fresh memory" in sim.broker.gens.reason

@@ -1,9 +1,12 @@
-"""The copy engine on real torch tensors: coalescing, validation, round trips."""
+"""zkv's own block store (``BlockStore.owned``) on real torch tensors:
+coalescing, validation, round trips, clear and reallocation."""
 
 import pytest
 import torch
 
-from zkv.rank.cache.owned import KVCache, TaskInvalid, coalesce
+from zkv.rank.cache.copier import coalesce
+from zkv.rank.cache.errors import CacheError
+from zkv.rank.cache.store import BlockStore, TaskInvalid
 from zkv.wire.layout import CacheLayout
 from zkv.wire.protocol import TaskBody
 
@@ -18,7 +21,7 @@ def test_coalesce_merges_runs_of_consecutive_pairs_in_any_order():
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 def test_swap_out_and_in_round_trip_bit_identical_for_mixed_ids(dtype):
-    cache = KVCache(LAYOUT.with_changes(dtype=dtype))
+    cache = BlockStore.owned(LAYOUT.with_changes(dtype=dtype))
     gpu = [0, 1, 2, 3, 10, 20, 7, 31]  # a run of four and scattered ids
     cpu = [40, 41, 42, 43, 5, 60, 1, 63]
     cache.fill("gpu", gpu, seed=3)
@@ -31,15 +34,16 @@ def test_swap_out_and_in_round_trip_bit_identical_for_mixed_ids(dtype):
     cache.swap("swap_in", cpu, gpu)
     assert cache.checksum("gpu", gpu) == before
     untouched = [b for b in range(LAYOUT.gpu_blocks) if b not in gpu]
-    assert all(bool((t[untouched] == 0).all()) for t in cache.gpu)
+    assert all(bool((t[untouched] == 0).all()) for t in cache.views("gpu"))
 
 
 def test_swap_writes_only_the_destination_blocks_of_every_layer():
-    cache = KVCache(LAYOUT)
+    cache = BlockStore.owned(LAYOUT)
     cache.fill("gpu", [5], seed=1)
     cache.swap("swap_out", [5], [9])
-    for g, c in zip(cache.gpu, cache.cpu):
-        assert torch.equal(g[5].view(torch.int16), c[9].view(torch.int16))  # bits: fill may make NaNs
+    assert len(cache.views("gpu")) == 2 * LAYOUT.layers, "a K and a V region per layer"
+    for g, c in zip(cache.views("gpu"), cache.views("cpu")):
+        assert torch.equal(g[5], c[9])  # bytes: fill may make NaNs
         assert bool((c[8] == 0).all()) and bool((c[10] == 0).all())
 
 
@@ -52,20 +56,26 @@ def test_swap_writes_only_the_destination_blocks_of_every_layer():
     (TaskBody("checksum", [99], [], "gpu"), "out of range"),
 ])
 def test_validate_names_the_problem(body, reason):
-    cache = KVCache(LAYOUT)
-    with pytest.raises(TaskInvalid, match=reason):
+    cache = BlockStore.owned(LAYOUT)
+    with pytest.raises(CacheError, match=reason) as err:
         cache.validate(body)
+    assert err.value.code == "bad_block_id"
 
 
 def test_free_and_allocate_report_bytes_and_refuse_tasks_while_freed():
-    cache = KVCache(LAYOUT)
+    cache = BlockStore.owned(LAYOUT)
     total = cache.nbytes()
-    cpu_bytes = sum(t.numel() * t.element_size() for t in cache.cpu)
+    cpu_bytes = LAYOUT.cpu_blocks * LAYOUT.block_bytes
+    assert cache.tier_nbytes() == {"gpu": LAYOUT.gpu_blocks * LAYOUT.block_bytes, "cpu": cpu_bytes}
     freed = cache.free(keep_cpu=True)
     assert freed.nbytes == total - cpu_bytes and freed.cpu_kept
     assert cache.tier_nbytes() == {"gpu": 0, "cpu": cpu_bytes}
-    assert cache.cpu and not cache.gpu
+    assert cache.tier is not None and not cache.allocated
     with pytest.raises(TaskInvalid, match="cleared"):
         cache.validate(TaskBody("swap_out", [0], [0]))
     bigger = LAYOUT.with_changes(gpu_blocks=48)
-    assert cache.allocate(bigger) == cache.nbytes() and cache.gpu[0].shape[0] == 48
+    assert cache.allocate(bigger) == cache.nbytes() and cache.views("gpu")[0].shape[0] == 48
+    assert cache.cpu_kept, "the same CPU shape: the tier stayed, bit for bit"
+    cache.free(keep_cpu=True)
+    cache.allocate(bigger.with_changes(head_dim=4, kv_heads=4))
+    assert not cache.cpu_kept, "another model shape: a new tier, even with the same page bytes"

@@ -1,10 +1,10 @@
-"""The CUDA control flow of zkv's own cache (``KVCache``), on a machine without a GPU.
+"""The CUDA control flow of zkv's own block store (``BlockStore.owned``), on a machine without a GPU.
 
 CUDA cannot run here, so torch.cuda's streams, events and cache calls are
 recording fakes that model stream order (tests/fake_cuda.py, the only mocks
 in the suite) while the copies run on real CPU tensors.  The owned cache
 shares the engine-attached copy engine (regions over its store, a
-block-major pinned tier); on a GPU machine ``python -m zkv.rank.cache.gpu_check``
+block-major pinned tier); on a GPU machine ``python -m zkv.harness.gpu_check``
 runs the same code for real.
 """
 
@@ -14,19 +14,19 @@ import pytest
 from fake_cuda import fake_cuda_fixture  # noqa: F401  (the fake_cuda fixture)
 
 from zkv.rank.cache.copier import CopyEngine
-from zkv.rank.cache.owned import KVCache
+from zkv.rank.cache.store import BlockStore
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=96, block_size=2, kv_heads=1, head_dim=4)
 CHUNK_ROWS = 8
 
 
-def cuda_like_cache(rec) -> KVCache:
-    cache = KVCache(LAYOUT, "cpu")
-    cache.cuda = True
-    assert cache.engine is not None and cache.tier is not None and cache.gpu_store is not None
-    cache.copier = CopyEngine(cache.engine, cache.tier, staging_bytes=2 * CHUNK_ROWS * cache.tier.row_bytes, cuda=True)
-    rec.watch("engine", cache.gpu_store)
+def cuda_like_cache(rec) -> BlockStore:
+    cache = BlockStore.owned(LAYOUT, "cpu")
+    cache.memory.cuda = True
+    assert cache.cache is not None and cache.tier is not None and cache.memory.store is not None
+    cache.copier = CopyEngine(cache.cache, cache.tier, staging_bytes=2 * CHUNK_ROWS * cache.tier.row_bytes, cuda=True)
+    rec.watch("engine", cache.memory.store)
     rec.watch("tier", cache.tier.store)
     rec.clear()
     return cache
@@ -92,11 +92,11 @@ def test_free_returns_memory_to_the_driver(fake_cuda):
     freed = cache.free(keep_cpu=False)
     assert freed.nbytes > 0 and ("empty_cache",) in fake_cuda.calls
     assert fake_cuda.calls.index(("synchronize",)) < fake_cuda.calls.index(("empty_cache",)), "no free while copies run"
-    assert cache.copier is None and cache.engine is None
+    assert cache.copier is None and cache.cache is None and cache.memory.store is None
 
 
 def test_the_swap_space_is_pinned_on_cuda(fake_cuda):
-    cache = KVCache(LAYOUT, "cpu")
-    cache.cuda = True  # what a cuda device sets; the fakes turn pinned allocations into counted plain ones
+    cache = BlockStore.owned(LAYOUT, "cpu")
+    cache.memory.cuda = True  # what a cuda device sets; the fakes turn pinned allocations into counted plain ones
     cache.allocate(LAYOUT.with_changes(cpu_blocks=128))
     assert cache.tier is not None and cache.tier.pinned and fake_cuda.pinned_allocations == 1

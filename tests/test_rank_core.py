@@ -1,5 +1,7 @@
 """The rank state machine alone: what it acks, when, and what it refuses."""
 
+import itertools
+
 from zkv.wire import protocol as P
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 
@@ -7,7 +9,7 @@ from zkv.testing.sim import LAYOUT
 
 
 def welcomed(op="run", epoch=0, upto=0, gen=0) -> RankCore:
-    core = RankCore(0, 2, LAYOUT)
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
     core.on_broker(P.encode("welcome", epoch=epoch, op=op, gen=gen, upto=upto, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
     return core
@@ -84,7 +86,7 @@ def test_task_from_another_generation_is_refused():
 
 
 def test_welcome_while_cleared_frees_the_fresh_cache_and_acks():
-    core = RankCore(0, 2, LAYOUT)
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
     acts = core.on_broker(P.encode("welcome", epoch=5, op="clear", gen=2, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
     assert any(isinstance(a, FreeCache) for a in acts)
@@ -148,7 +150,7 @@ def test_released_tasks_come_after_the_resume_ack():
 def test_the_phase_moves_joining_registered_probing_and_back():
     from zkv.rank.core import RankPhase
 
-    core = RankCore(0, 2, LAYOUT)
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
     assert core.phase is RankPhase.JOINING and not core.registered
     assert core.on_control(control("pause", 3), 1.0) == [] and core.counters["control_before_welcome"] == 1

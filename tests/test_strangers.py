@@ -2,6 +2,7 @@
 stop, wedge or hijack the bus.  A real broker and real rank processes; the
 stranger is a raw pyzmq socket.  One test per rule of DESIGN §13."""
 
+import itertools
 import subprocess
 import sys
 import threading
@@ -382,7 +383,7 @@ def test_a_checksum_of_the_documented_maximum_fits_one_result(client):
 def test_status_keeps_the_pid_after_a_rank_re_registers():
     from zkv.rank.core import RankCore
 
-    core = RankCore(0, 2, LAYOUT)
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     (first,) = core.start(1.0, pid=4242)
     core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=500,
                             session=P.decode(first.frame)["session"]), 1.0)
@@ -393,7 +394,7 @@ def test_status_keeps_the_pid_after_a_rank_re_registers():
 def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
     from zkv.rank.core import RankCore
 
-    core = RankCore(0, 1, LAYOUT)
+    core = RankCore(0, 1, LAYOUT, sessions=itertools.count(1).__next__)
     (first,) = core.start(1.0, pid=1)
     session = P.decode(first.frame)["session"]
     bad = dict(LAYOUT.to_wire(), gpu_blocks=2**31)

@@ -95,7 +95,7 @@ def _summary(report: dict) -> str:
         lines.append(f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
                      f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s")
     if "copy_attached" in report:
-        from ..rank.cache.bench_copy import format_table
+        from ..harness.bench_copy import format_table
 
         lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
     if "pause" in report:

@@ -216,17 +216,16 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
     set_torch_threads(torch_threads)
     layout = layout_from(kw)
     curve = curve_from(kw)
-    cache = None
-    if manifest is not None:
-        from ..rank.cache.engine_backend import EngineBackend
+    if manifest is None:
+        w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve)
+    else:
+        from ..rank import attach_rank
         from ..rank.cache.errors import CacheError
-        from ..rank.cache.manifest import attach
 
         try:
-            cache = EngineBackend(attach(manifest), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(manifest))
+            w = attach_rank(manifest, rank, world_size, backend, control, layout, liveness_ms=liveness_ms, curve=curve)
         except CacheError as err:
             _fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
-    w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve, cache=cache)
     what = f"attached to {manifest}" if manifest else "of cache"
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB {what}", err=True)
     _stop_on_signals(w.stop)

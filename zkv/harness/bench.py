@@ -241,10 +241,10 @@ def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window
 def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     import torch
 
-    from ..rank.cache.owned import KVCache
+    from ..rank.cache.store import BlockStore
 
     torch.set_num_threads(1)  # as a rank worker runs its copies
-    cache = KVCache(layout, "cpu")
+    cache = BlockStore.owned(layout, "cpu")
     rng = random.Random(2)
     scattered_src = rng.sample(range(layout.gpu_blocks), blocks)
     scattered_dst = rng.sample(range(layout.cpu_blocks), blocks)
@@ -269,7 +269,7 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     di = torch.tensor(scattered_dst)
 
     def gather_scatter() -> None:
-        for g, c in zip(cache.gpu, cache.cpu):
+        for g, c in zip(cache.views("gpu"), cache.views("cpu")):
             c.index_copy_(0, di, g.index_select(0, si))
 
     return {
@@ -286,10 +286,10 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 
 
 def bench_attached_copy(blocks: int, repeats: int) -> dict:
-    """The engine-attached copy engine (``zkv.rank.cache.bench_copy``): a
+    """The engine-attached copy engine (``zkv.harness.bench_copy``): a
     per-layer layout and a block-major one, contiguous and scattered ids,
     each beside a plain ``copy_`` of the same bytes timed interleaved."""
-    from ..rank.cache.bench_copy import bench_copy as attached
+    from .bench_copy import bench_copy as attached
 
     return attached(blocks=blocks, reps=repeats)
 

@@ -1,18 +1,32 @@
 """A tensor-parallel rank: ``core`` is its control state machine (no sockets,
-no torch), ``cache`` the memory it copies (``cache.backend.CacheBackend``:
-zkv's own tensors in ``cache.owned`` or an engine's in
-``cache.engine_backend``), ``worker`` the ZMQ loop and copy executor, and
-``agent`` the same rank embedded in an engine's process.
+no torch), ``cache`` the memory it copies (``cache.store.BlockStore``, on
+zkv's own tensors or an engine's), ``worker`` the ZMQ loop and copy executor,
+and ``agent`` the same rank embedded in an engine's process;
+``attach_rank(manifest, ...)`` is a rank on an engine process's exported
+tensors (``RankWorker.on_manifest``).
 
-Importing this package does not import torch: ``RankWorker``, ``KVCache``
+Importing this package does not import torch: ``RankWorker``, ``BlockStore``
 and ``RankAgent`` load on first use.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .core import RankCore, RankRefused
 
-__all__ = ["KVCache", "RankAgent", "RankCore", "RankRefused", "RankWorker"]
+if TYPE_CHECKING:
+    from ..wire.layout import CacheLayout
+    from .worker import RankWorker
+
+__all__ = ["BlockStore", "RankAgent", "RankCore", "RankRefused", "RankWorker", "attach_rank"]
+
+
+def attach_rank(manifest: str, rank: int, world: int, backend: str, control: str, layout: "CacheLayout",
+                **options: Any) -> "RankWorker":
+    """A ``RankWorker`` on the tensors an engine process exported in
+    ``manifest`` (see ``RankWorker.on_manifest``); call ``serve()`` to run it."""
+    from .worker import RankWorker as Worker
+
+    return Worker.on_manifest(manifest, rank, world, backend, control, layout, **options)
 
 
 def __getattr__(name: str) -> Any:
@@ -20,10 +34,10 @@ def __getattr__(name: str) -> Any:
         from .worker import RankWorker
 
         return RankWorker
-    if name == "KVCache":
-        from .cache.owned import KVCache
+    if name == "BlockStore":
+        from .cache.store import BlockStore
 
-        return KVCache
+        return BlockStore
     if name == "RankAgent":
         from .agent import RankAgent
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..wire.layout import CacheLayout
+from .vocab import ControlOp
 
 
 @dataclass(slots=True)
@@ -52,7 +53,7 @@ class AllocateCache:
 class Acked:
     """Informational: the rank acknowledged ``op`` at ``epoch`` (for instrumentation)."""
 
-    op: str
+    op: ControlOp
     epoch: int
 
 

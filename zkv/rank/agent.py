@@ -24,8 +24,9 @@ import zmq
 
 from ..net.curve import Curve
 from ..wire.layout import CacheLayout
-from .cache.engine_backend import EngineBackend
+from .cache.memory import EngineMemory
 from .cache.regions import EngineCache, TensorEntry
+from .cache.store import BlockStore
 from .core import RankRefused
 from .worker import RankWorker
 
@@ -55,7 +56,7 @@ class RankAgent:
         self._endpoints = (backend, control)
         self._curve = curve
         self._liveness_ms = liveness_ms
-        self.backend = EngineBackend(_as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream)
+        self.store = BlockStore.attached(_as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream)
         self._ctx: zmq.Context | None = None
         self._worker: RankWorker | None = None
         self._thread: threading.Thread | None = None
@@ -65,7 +66,7 @@ class RankAgent:
 
     @property
     def layout(self) -> CacheLayout:
-        return self.backend.layout
+        return self.store.layout
 
     def start(self, timeout: float = 10.0) -> None:
         """Connect, register, and return once the broker welcomed this rank.
@@ -79,7 +80,7 @@ class RankAgent:
             self._ctx = zmq.Context()
             try:
                 self._worker = RankWorker(self.rank, self.world, *self._endpoints, ctx=self._ctx,
-                                          liveness_ms=self._liveness_ms, curve=self._curve, cache=self.backend)
+                                          liveness_ms=self._liveness_ms, curve=self._curve, cache=self.store)
             except BaseException:
                 self._ctx.destroy(linger=0)
                 self._ctx = None
@@ -114,10 +115,13 @@ class RankAgent:
     def attach(self, cache: CacheLike, generation: int | None = None) -> None:
         """Hand the engine's new cache to the rank for the next resume (a new
         generation: default one past the current).  Any thread."""
-        gen = generation if generation is not None else self.backend.generation + 1
-        if isinstance(cache, EngineCache) and (generation is not None or cache.generation <= self.backend.generation):
+        current = self.store.generation or 0
+        gen = generation if generation is not None else current + 1
+        if isinstance(cache, EngineCache) and (generation is not None or cache.generation <= current):
             cache.generation = gen
-        self.backend.hand_over(_as_cache(cache, gen))
+        memory = self.store.memory
+        assert isinstance(memory, EngineMemory)
+        memory.hand_over(_as_cache(cache, gen))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop, join it (bounded), and drop every reference to the
@@ -134,7 +138,7 @@ class RankAgent:
             if self._ctx is not None and not (thread is not None and thread.is_alive()):
                 self._ctx.destroy(linger=0)  # the loop ended: its sockets are closed, this closes any left
                 self._ctx = None
-        self.backend.close()
+        self.store.close()
 
     def stats(self) -> dict[str, Any]:
         worker = self._worker

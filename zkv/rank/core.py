@@ -11,7 +11,6 @@ on the DEALER cannot be acked early; after the ack no task starts until resume.
 from __future__ import annotations
 
 import collections
-import random
 from dataclasses import replace
 from enum import Enum
 from typing import Any, Callable
@@ -21,6 +20,7 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Control
 from .actions import Acked, AllocateCache, Execute, FreeCache, RankAction, ToBroker
+from .vocab import ControlOp
 
 _decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
 
@@ -40,10 +40,11 @@ class RankPhase(Enum):
 
 
 class RankCore:
-    """Events in, actions out.  ``now`` is seconds on a monotonic clock."""
+    """Events in, actions out.  ``now`` is seconds on a monotonic clock.  ``sessions()``
+    is each registration's session: unguessable in a real rank (``worker.new_session``)."""
 
     def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000,
-                 stats: Callable[[], dict[str, Any]] | None = None):
+                 stats: Callable[[], dict[str, Any]] | None = None, *, sessions: Callable[[], int]):
         self.rank = rank
         self.world = world
         self.layout = layout  # the layout of the memory this rank holds (or last held)
@@ -54,12 +55,13 @@ class RankCore:
         self.heartbeat_ms = heartbeat_ms
         self.liveness_ms = liveness_ms
         self.stats = stats  # counters sent in heartbeats and acks
+        self.sessions = sessions
         self.session = 0
         self.pid = 0  # sent in every READY, re-registrations too
         self.phase = RankPhase.JOINING
         self.gen = 0
         self.epoch = 0
-        self.op = "run"
+        self.op = ControlOp.RUN
         self.upto = 0
         self.received = 0  # tasks received in this session (their ``n``)
         self.inflight = 0
@@ -73,7 +75,7 @@ class RankCore:
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
         self.last_wake = 0.0
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)  # the one book of outcomes
 
     # --- registration ----------------------------------------------------------
 
@@ -83,7 +85,7 @@ class RankCore:
         gave up on); an unanswered READY is repeated by ``_repeat_ready``."""
         if pid is not None:
             self.pid = pid
-        self.session = random.getrandbits(52)
+        self.session = self.sessions()
         self.phase = RankPhase.JOINING
         self.received = 0
         self.last_wake = now
@@ -153,7 +155,7 @@ class RankCore:
 
     @property
     def paused(self) -> bool:
-        return self.op in ("pause", "clear")
+        return self.op is ControlOp.PAUSE or self.op is ControlOp.CLEAR
 
     # --- broker messages ---------------------------------------------------------
 
@@ -210,11 +212,11 @@ class RankCore:
             refuse = "reply_to is not a tcp:// or ipc:// address"  # the executor will not connect it either
         elif msg["gen"] != self.gen:
             refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
-        elif not self.has_cache or self.op == "clear":
+        elif not self.has_cache or self.op is ControlOp.CLEAR:
             refuse = "caches are cleared on this rank"
         self.inflight += 1
         ex = Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"), self.session)
-        if not refuse and self.op == "pause" and msg["n"] > self.upto:
+        if not refuse and self.op is ControlOp.PAUSE and msg["n"] > self.upto:
             # Dispatched after the pause we acked: the broker is running again
             # and its newer control message is still on the PUB connection
             # (which this DEALER message overtook).  Hold it; no copy starts
@@ -231,9 +233,9 @@ class RankCore:
         out: list[RankAction] = []
         keep = []
         for ex in self.held:
-            if self.op == "pause" and ex.n > self.upto:
+            if self.op is ControlOp.PAUSE and ex.n > self.upto:
                 keep.append(ex)
-            elif self.op == "clear" or not self.has_cache:
+            elif self.op is ControlOp.CLEAR or not self.has_cache:
                 out.append(replace(ex, refuse="caches are cleared on this rank"))
             else:
                 out.append(ex)
@@ -291,28 +293,29 @@ class RankCore:
         return hello + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now,
                                    welcome=True)
 
-    def _apply(self, epoch: int, op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float,
+    def _apply(self, epoch: int, wire_op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float,
                welcome: bool = False) -> list[RankAction]:
+        op = ControlOp(wire_op)  # the decoders let only these four through
         if epoch < self.epoch and not welcome:
             self.counters["stale_controls"] += 1
             return []
-        if epoch == self.epoch and op == self.op and not welcome:
+        if epoch == self.epoch and op is self.op and not welcome:
             self.counters["repeat_controls"] += 1
-            if op == "pause":
+            if op is ControlOp.PAUSE:
                 self.upto = upto
             return self._maybe_ack(repeat=True)
         self.epoch, self.op = epoch, op
         self.gen = gen  # every new epoch names the bus's generation
         out: list[RankAction] = []
-        if op == "pause":
+        if op is ControlOp.PAUSE:
             self.upto = upto
-        elif op == "clear":
+        elif op is ControlOp.CLEAR:
             self.freed = 0
             if self.has_cache:
                 self.has_cache = False
                 self.cache_op_pending = True
                 out.append(FreeCache(keep_cpu))
-        elif op in ("resume", "run"):  # "run": a (restarted) broker that is running
+        else:  # RESUME, or RUN: a (restarted) broker that is running
             if layout is not None:
                 self.bus_layout = CacheLayout.from_wire(layout)
             if not self.has_cache or self.alloc_error or self.bus_layout != self.layout:
@@ -322,8 +325,8 @@ class RankCore:
                 self.alloc_error = ""
                 self.cpu_kept = None
                 out.append(AllocateCache(self.layout))
-            if op == "run":
-                out.append(Acked("run", epoch))  # nothing to ack on the wire, but no longer paused
+            if op is ControlOp.RUN:
+                out.append(Acked(op, epoch))  # nothing to ack on the wire, but no longer paused
         # Ack first: a resume's ack lifts the "paused" mark before the tasks it
         # releases reach the executor.  (Under a pause, released tasks are
         # already counted in flight, so the ack still waits for them.)
@@ -331,32 +334,33 @@ class RankCore:
 
     def _maybe_ack(self, repeat: bool = False) -> list[RankAction]:
         """Ack the current op if its condition holds (again, on a repeat)."""
-        if self.op == "run" or self.cache_op_pending:
+        op = self.op
+        if op is ControlOp.RUN or self.cache_op_pending:
             return []
-        if self.op == "resume" and self.alloc_error:  # said again on a repeat: the broker fails the resume
+        if op is ControlOp.RESUME and self.alloc_error:  # said again on a repeat: the broker fails the resume
             self.counters["acks"] += 1
-            return [ToBroker(P.encode("ack", epoch=self.epoch, op="resume", gen=self.gen, layout=self.layout.to_wire(),
+            return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, gen=self.gen, layout=self.layout.to_wire(),
                                       error=self.alloc_error))]
-        if self.op == "pause" and (self.received < self.upto or self.inflight):
+        if op is ControlOp.PAUSE and (self.received < self.upto or self.inflight):
             return []
-        if self.op == "clear" and self.inflight:
+        if op is ControlOp.CLEAR and self.inflight:
             return []
         if self.acked_epoch == self.epoch and not repeat:
             return []
         self.acked_epoch = self.epoch
         fields: dict[str, Any] = {"gen": self.gen}
-        if self.op == "pause":
+        if op is ControlOp.PAUSE:
             fields["upto"] = self.upto
-        if self.op == "clear":
+        if op is ControlOp.CLEAR:
             fields["freed"] = self.freed
-        if self.op == "resume":
+        if op is ControlOp.RESUME:
             fields["layout"] = self.layout.to_wire()
             if self.cpu_kept is not None:
                 fields["cpu_kept"] = self.cpu_kept
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
-        return [ToBroker(P.encode("ack", epoch=self.epoch, op=self.op, **fields)), Acked(self.op, self.epoch)]
+        return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, **fields)), Acked(op, self.epoch)]
 
     # --- executor events -----------------------------------------------------------
 

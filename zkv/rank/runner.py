@@ -18,7 +18,6 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -28,26 +27,15 @@ from ..net.endpoints import make_socket
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
-from .cache.backend import CacheBackend, TaskInvalid
+from .cache.errors import CacheError
+from .cache.store import BlockStore, TaskInvalid
 from .actions import Execute
+from .reports import Finished
 
 log = logging.getLogger("zkv.worker")
 
 MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
-INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
-INLINE_MAX_BODY = 4096
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
-
-
-@dataclass(slots=True)
-class Finished:
-    """A task's end as the rank's core books it (``RankCore.on_finished``)."""
-
-    seq: int
-    n: int
-    outcome: str
-    nbytes: int
-    gen: int
 
 
 class ResultSenders:
@@ -104,12 +92,14 @@ class ResultSenders:
 
 
 class TaskRunner:
-    """Runs tasks on ``cache`` and books them in the rank's shared counters.
+    """Runs tasks on ``cache`` (the rank's ``BlockStore``) and books what the
+    copy did (bytes, copy times) in the executor's counters; the task's outcome
+    is the core's to count (``RankCore.on_finished``), once per process.
 
     ``session``: the rank's current registration session (read at run time: a
     task queued before a re-registration must not copy)."""
 
-    def __init__(self, cache: CacheBackend, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
+    def __init__(self, cache: BlockStore, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
                  paused_ack: threading.Event, session: Callable[[], int]):
         self.cache = cache
         self.rank = rank
@@ -118,23 +108,6 @@ class TaskRunner:
         self.book = book
         self.paused_ack = paused_ack
         self.session = session
-        self._inline_layout: object = None
-        self._inline_blocks = 0
-
-    def small(self, ex: Execute) -> bool:
-        """Whether ``ex`` is cheap enough for the I/O thread to run itself,
-        estimated from the body's size before decoding it: zkv's encoder packs
-        ids as int32, 8 bytes per (src, dst) pair; other encodings are at most
-        ~4x denser, and a body over 4 KiB always goes to the executor, where a
-        long copy delays no heartbeat."""
-        size = len(ex.body)
-        if size > INLINE_MAX_BODY:
-            return False
-        layout = self.cache.layout
-        if layout is not self._inline_layout:  # the layout changes only on an allocation: work its bound out once
-            self._inline_layout = layout
-            self._inline_blocks = max(1, INLINE_MAX_BYTES // max(1, layout.block_bytes))
-        return (size - 24) // 8 <= self._inline_blocks  # src and dst: 8 bytes per block pair
 
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return
@@ -160,7 +133,7 @@ class TaskRunner:
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
             else:
                 digests = self.cache.checksum(body.tier, body.src)
-        except (P.ProtocolError, TaskInvalid) as err:
+        except (P.ProtocolError, TaskInvalid, CacheError) as err:
             outcome, reason = "failed", str(err)  # a ProtocolError reads "code: reason", the §9 code first
         except Exception as err:  # a copy that blew up must still end the task
             log.exception("task %s failed", ex.task)
@@ -169,7 +142,6 @@ class TaskRunner:
         elapsed = time.perf_counter() - start
         if outcome == "ok":
             self.book.task_done(op, elapsed, nbytes)
-        self.stats["tasks_" + outcome] += 1
         self.stats["bytes_moved"] += nbytes
         senders.send(ex.reply_to, ex.reply_key, F.encode_result(ex.task, self.rank, self.world, outcome, reason, ex.gen,
                                                                 nbytes, int(elapsed * 1e6), digests))

@@ -6,7 +6,7 @@ Threads and ownership (no socket is shared between threads):
   the inflight count has a single owner;
 - the executor thread takes work from a FIFO, so a cache free or allocate
   queued after tasks runs after them, and a long copy never stalls the loop;
-- the KV cache (any ``CacheBackend``: zkv's own tensors or an engine's) is
+- the block store (``BlockStore``, on zkv's own tensors or an engine's) is
   used by one thread at a time: the executor, or, while nothing is queued
   on it, the I/O thread running a small task itself (``runner.py``: the
   hand-over cost more than a 1-block copy).  Each thread has its own PUSH
@@ -32,45 +32,47 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import torch
 import zmq
 
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..wire import protocol as P
-from .cache.backend import CacheBackend
-from .cache.owned import KVCache, pick_device
+from .cache.store import BlockStore, pick_device
 from ..wire.layout import CacheLayout
 from ..net.curve import Curve
 from ..obs.book import RankBook
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .core import RankCore, RankRefused
+from .batching import DoneBatcher, InlinePolicy
+from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
+from .vocab import ControlOp
 
 log = logging.getLogger("zkv.worker")
 
 _ids = itertools.count()
-# The longest a done waits for company while the loop runs tasks inline: a
-# long run of small tasks must not hold every credit until its end (the
-# broker would book them all at once, on the way to a pause's ack).
-_DONES_HOLD_S = 0.0005
 
 
 class Executor(threading.Thread):
     """Runs queued tasks and cache operations in order, on a thread of its own,
-    so a long copy or an allocation never stalls the rank's I/O loop."""
+    so a long copy or an allocation never stalls the rank's I/O loop.
 
-    def __init__(self, ctx: zmq.Context, report_address: str, cache: CacheBackend, rank: int, world: int, curve: Curve | None = None):
+    Each piece of work ends in one report (``reports.Finished`` or
+    ``CacheDone``) on ``reports``, then one empty frame on the inproc PUSH
+    that wakes the I/O thread: a frame read is a report there to take."""
+
+    def __init__(self, ctx: zmq.Context, report_address: str, cache: BlockStore, rank: int, world: int, curve: Curve | None = None):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
         self.cache = cache
         self.curve = curve
         self.work: queue.Queue = queue.Queue()
+        self.reports: collections.deque[Report] = collections.deque()  # appended here, taken by the I/O thread
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
-            dict.fromkeys(("tasks_ok", "tasks_failed", "bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
+            dict.fromkeys(("bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
                            "dropped_stale_session", "executor_errors", "tasks_inline"), 0))
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
@@ -93,27 +95,33 @@ class Executor(threading.Thread):
                     log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
-                report.send(msgpack.packb(reply))
+                self.reports.append(reply)
+                report.send(b"")
         finally:
             report.close(linger=0)
             senders.close()
 
-    def _do(self, item: Any, senders: ResultSenders) -> dict:
+    def _do(self, item: Any, senders: ResultSenders) -> Report:
         if isinstance(item, FreeCache):
             freed = self.cache.free(item.keep_cpu)
             self.stats["bytes_freed"] += freed.nbytes
-            return {"k": "cache", "freed": freed.nbytes}
+            return CacheDone(freed.nbytes)
         if isinstance(item, AllocateCache):
             self.cache.allocate(item.layout)
-            return {"k": "cache", "freed": 0, "cpu_kept": self.cache.cpu_kept}
-        done = self.runner.run(item, senders)
-        return {"k": "done", "seq": done.seq, "n": done.n, "outcome": done.outcome, "bytes": done.nbytes, "gen": done.gen}
+            return CacheDone(0, self.cache.cpu_kept)
+        return self.runner.run(item, senders)
 
-    def _failure(self, item: Any, reason: str) -> dict:
+    def _failure(self, item: Any, reason: str) -> Report:
         """The report for work that raised, so the I/O thread's books stay right."""
         if isinstance(item, (FreeCache, AllocateCache)):
-            return {"k": "cache", "freed": 0, "error": reason}
-        return {"k": "done", "seq": item.seq, "n": item.n, "outcome": "failed", "bytes": 0, "gen": item.gen}
+            return CacheDone(0, None, reason)
+        return Finished(item.seq, item.n, "failed", 0, item.gen)
+
+
+def new_session() -> int:
+    """A registration session: unguessable, and never one an earlier process
+    of this rank used (the broker reads a new one as a restart)."""
+    return secrets.randbits(52)
 
 
 def set_torch_threads(threads: int = 1) -> None:
@@ -127,19 +135,20 @@ def set_torch_threads(threads: int = 1) -> None:
 class RankWorker:
     """One rank: connect to the broker, register, and serve until stopped.
 
-    ``cache``: the backend to serve (an engine's, ``EngineBackend``); without
-    it the rank allocates its own ``KVCache`` for ``layout``."""
+    ``cache``: the store to serve (on an engine's memory,
+    ``BlockStore.attached``); without it the rank allocates its own
+    (``BlockStore.owned``) for ``layout``."""
 
     def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout | None = None, *,
                  device: str | torch.device | None = None, ctx: zmq.Context | None = None,
-                 liveness_ms: int = 2000, curve: Curve | None = None, cache: CacheBackend | None = None):
+                 liveness_ms: int = 2000, curve: Curve | None = None, cache: BlockStore | None = None):
         self.ctx = ctx or zmq.Context.instance()
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            cache = KVCache(layout, device if device is not None else pick_device(rank), rank)
-        self.cache: CacheBackend = cache
-        self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats)
+            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank)
+        self.cache = cache
+        self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
@@ -163,12 +172,22 @@ class RankWorker:
         self._stopper = StopSignal(self.ctx, f"rank-{rank}")
         self._stop = self._stopper.socket
         self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
-        # Work on the executor's queue or running there; while 0, a small task
-        # runs right here on the I/O thread (runner.py), with sockets of its own.
-        self._queued = 0
-        self._dones: list[bytes] = []  # done frames of this wakeup, sent as one message
-        self._dones_since = 0.0  # when the first of them was held
+        # While nothing is queued on the executor, a small task runs right here
+        # on the I/O thread (runner.py), with sockets of its own.
+        self._inline = InlinePolicy()
+        self._dones = DoneBatcher()  # done frames of this wakeup, sent as one message
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
+
+    @classmethod
+    def on_manifest(cls, manifest: str, rank: int, world: int, backend: str, control: str, layout: CacheLayout,
+                    **options: Any) -> "RankWorker":
+        """A rank serving the tensors an engine process exported in ``manifest``
+        (``zkv worker --attach``): ``layout`` names the model and sizes zkv's CPU
+        tier (``cpu_blocks``), the engine's block count is its ``gpu_blocks``;
+        each resume reads the manifest again, for a newer generation.  Raises
+        ``CacheError`` when it cannot be mapped (nothing stays mapped).
+        ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
+        return cls(rank, world, backend, control, layout, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
@@ -177,7 +196,7 @@ class RankWorker:
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.executor.stats)
         s.update(self.core.counters)
-        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
+        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op.value, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
                  device=str(self.cache.device))
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
@@ -245,9 +264,8 @@ class RankWorker:
         self._drain(self.dealer, handle)
 
     def _flush_dones(self) -> None:
-        if self._dones:
-            frames, self._dones = self._dones, []
-            self._to_broker(frames)
+        if self._dones.frames:
+            self._to_broker(self._dones.take())
 
     def _to_broker(self, frames: list[bytes]) -> None:
         try:
@@ -257,48 +275,48 @@ class RankWorker:
 
     def _drain_reports(self) -> None:
         core = self.core
+        reports = self.executor.reports
+        inline = self._inline
 
         def handle(frames: list[bytes]) -> list:
-            rep = msgpack.unpackb(frames[0])
-            self._queued -= 1
-            if rep["k"] == "done":
-                return core.on_finished(rep["seq"], rep["n"], rep["outcome"], rep["bytes"], rep["gen"])
-            return core.on_cache_done(rep["freed"], rep.get("error", ""), rep.get("cpu_kept"))
+            rep = reports.popleft()  # appended before its frame was sent
+            inline.queued -= 1
+            if isinstance(rep, Finished):
+                return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
+            return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
 
         self._drain(self.reports, handle)
 
     def _act(self, actions: list) -> None:
         ex = self.executor
         ex.session = self.core.session  # before any task of this batch is queued
+        inline, dones = self._inline, self._dones
         for action in actions:
             kind = type(action)
             if kind is Execute:
-                if not self._queued and ex.runner.small(action):
-                    if self._dones and time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
+                if inline.inline(action.body, self.cache.layout):
+                    if dones.frames and dones.due(time.perf_counter()):
                         self._flush_dones()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
                 else:
-                    self._queued += 1
+                    inline.queued += 1
                     ex.work.put(action)
             elif kind is ToBroker:
                 if action.done:  # the credits of this wakeup go out together (_flush_dones)
-                    if not self._dones:
-                        self._dones_since = time.perf_counter()
-                    self._dones.append(action.frame)
-                    if len(self._dones) >= P.MAX_BATCH or time.perf_counter() - self._dones_since >= _DONES_HOLD_S:
+                    if dones.add(action.frame, time.perf_counter()):
                         self._flush_dones()
                     continue
                 self._flush_dones()
                 self._to_broker([action.frame])
             elif kind is Acked:
-                if action.op in ("pause", "clear"):
+                if action.op is ControlOp.PAUSE or action.op is ControlOp.CLEAR:
                     ex.paused_ack.set()
                 else:
                     ex.paused_ack.clear()
             elif kind is FreeCache or kind is AllocateCache:
                 if kind is AllocateCache:
                     ex.paused_ack.clear()
-                self._queued += 1
+                inline.queued += 1
                 ex.work.put(action)

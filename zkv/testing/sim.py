@@ -10,6 +10,7 @@ finishes them, and the simulation records which copies started after an ack.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 
 from zkv.wire import protocol as P
@@ -54,7 +55,8 @@ class Sim:
     def __init__(self, world: int = 2, now: float = 100.0, **cfg):
         self.now = now
         self.broker = BrokerCore(BrokerConfig(world=world, **cfg))
-        self.ranks = {r: SimRank(RankCore(r, world, LAYOUT)) for r in range(world)}
+        self.sessions = itertools.count(1)  # every registration of every rank its own session, in order
+        self.ranks = {r: SimRank(RankCore(r, world, LAYOUT, sessions=self.sessions.__next__)) for r in range(world)}
         self.to_broker: collections.deque = collections.deque()  # (identity, frame)
         self.client_in: list[Message] = []  # frontend messages to CLIENT
         self.results: list[Result] = []  # rank results pushed to reply_to

@@ -59,6 +59,6 @@ def regions(cache_tensor: torch.Tensor, layers: int, block_size: int, kv_heads: 
 
 def model_layout(layout: KVLayout) -> CacheLayout:
     """The model fields a rank on this cache announces; the rank sets ``gpu_blocks`` (its block
-    count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.engine_backend.bus_layout``)."""
+    count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.store.bus_layout``)."""
     return CacheLayout(layers=layout.layers, block_size=layout.block_size, kv_heads=layout.kv_heads,
                        head_dim=layout.head_dim, dtype=_WIRE_DTYPES.get(layout.dtype, "bf16"))

@@ -140,19 +140,19 @@ class CopyEngine:
     def swap_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:
         """Copy engine blocks into tier rows; return bytes moved once the bytes are there."""
         self._check(src_blocks, dst_rows)
-        self.cache.check_ids("src", src_blocks, unique=False)
-        check_ids("dst", dst_rows, self.tier.rows, "cpu", unique=True)
+        check_ids("src", src_blocks, "gpu", self.cache.num_blocks, unique=False)
+        check_ids("dst", dst_rows, "cpu", self.tier.rows, unique=True)
         return self.copy_out(src_blocks, dst_rows, wait_event)
 
     def swap_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
         """Copy tier rows into engine blocks; return bytes moved once the bytes are there."""
         self._check(src_rows, dst_blocks)
-        check_ids("src", src_rows, self.tier.rows, "cpu", unique=False)
-        self.cache.check_ids("dst", dst_blocks, unique=True)
+        check_ids("src", src_rows, "cpu", self.tier.rows, unique=False)
+        check_ids("dst", dst_blocks, "gpu", self.cache.num_blocks, unique=True)
         return self.copy_in(src_rows, dst_blocks, wait_event)
 
     def copy_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:
-        """``swap_out`` for ids a caller has already checked (``check_task``)."""
+        """``swap_out`` for ids a caller has already checked (``BlockStore.validate``)."""
         if self.staged is not None:
             self.staged.swap_out(src_blocks, dst_rows, wait_event)
         else:
@@ -160,7 +160,7 @@ class CopyEngine:
         return len(src_blocks) * self.cache.descriptor.block_bytes
 
     def copy_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
-        """``swap_in`` for ids a caller has already checked (``check_task``)."""
+        """``swap_in`` for ids a caller has already checked (``BlockStore.validate``)."""
         if self.staged is not None:
             self.staged.swap_in(src_rows, dst_blocks, wait_event)
         else:
@@ -172,3 +172,6 @@ class CopyEngine:
             raise CacheError("released", "the engine cache was released (cleared); attach a new generation")
         if len(src) != len(dst) or not src:
             raise CacheError("bad_block_id", f"src and dst must be equally long and non-empty ({len(src)} vs {len(dst)})")
+        for b in (*src, *dst):
+            if type(b) is not int:
+                raise CacheError("bad_block_id", f"block id {b!r} is not an integer")

@@ -342,10 +342,6 @@ class EngineCache:
     def released(self) -> bool:
         return not self.views
 
-    def check_ids(self, what: str, ids: Sequence[int], unique: bool) -> None:
-        """Refuse ids outside the engine's block range (and duplicates where two copies would race)."""
-        check_ids(what, ids, self.num_blocks, "engine", unique)
-
     def storage_refs(self) -> list[Any]:
         """Weak references to every engine storage zkv holds (``expired()`` once nobody does)."""
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -367,11 +363,15 @@ class EngineCache:
         self._derived = {}
 
 
-def check_ids(what: str, ids: Sequence[int], limit: int, tier: str, unique: bool) -> None:
-    """Range-check block ids (``type(x) is int``, in ``[0, limit)``)."""
-    for b in ids:
-        if type(b) is not int or not 0 <= b < limit:
-            raise CacheError("bad_block_id", f"{what} block id {b!r} is out of range for the {tier} tier (0..{limit - 1})")
+def check_ids(what: str, ids: Sequence[int], tier: str, limit: int, unique: bool) -> None:
+    """The one rule for the block ids of a tier of ``limit`` blocks: each in
+    ``[0, limit)``, and none twice where two copies would race into one block.
+    ``ids`` are non-empty ints (the wire decoder checks a task's; ``CopyEngine``
+    its callers')."""
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi >= limit:
+        bad = lo if lo < 0 else hi
+        raise CacheError("bad_block_id", f"{what} block id {bad} is out of range for the {tier} tier (0..{limit - 1})")
     if unique and len(set(ids)) != len(ids):
         raise CacheError("bad_block_id", f"{what} has duplicate block ids (two copies would race into one block)")
 

@@ -1,9 +1,9 @@
 """Every GPU check and figure of the copy path in one run (issue 16, item 3).
 
-``python -m zkv.rank.cache.gpu_check`` on a machine with a GPU (about a
+``python -m zkv.harness.gpu_check`` on a machine with a GPU (about a
 minute; ``--quick`` fewer repeats) prints:
 
-1. correctness: zkv's own cache (``KVCache``) and the engine-attached copy
+1. correctness: zkv's own cache (``BlockStore.owned``) and the engine-attached copy
    engine swap blocks out and back in bit-identical (BLAKE2b block digests,
    the bus's ``checksum``), through several staging chunks; the copies are
    ordered after the engine's stream (a kernel writes the blocks on the
@@ -37,14 +37,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import layouts
+from ..rank.cache import layouts
 from .bench_copy import _paired, _timed
-from .copier import CopyEngine
-from .owned import KVCache, block_digests
-from .regions import EngineCache
-from .staging import STAGING_BYTES
-from .tier import CpuTier
-from ...wire.layout import CacheLayout
+from ..rank.cache.copier import CopyEngine
+from ..rank.cache.store import BlockStore, block_digests
+from ..rank.cache.regions import EngineCache
+from ..rank.cache.staging import STAGING_BYTES
+from ..rank.cache.tier import CpuTier
+from ..wire.layout import CacheLayout
 
 TARGET_RATIO = 0.9
 TARGET_GBPS = 40.0
@@ -96,9 +96,9 @@ class Rig:
                  staging_bytes: int = STAGING_BYTES, compute_stream: Any = None):
         self.engine, self.dev = engine, dev
         if engine == "owned":
-            self.kv = KVCache(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
-            assert self.kv.copier is not None and self.kv.engine is not None and self.kv.tier is not None
-            self.cache, self.tier, self.copier = self.kv.engine, self.kv.tier, self.kv.copier
+            self.kv = BlockStore.owned(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
+            assert self.kv.copier is not None and self.kv.cache is not None and self.kv.tier is not None
+            self.cache, self.tier, self.copier = self.kv.cache, self.kv.tier, self.kv.copier
         else:  # engine-attached: FastDeploy-style separate per-layer K and V tensors
             shape = (blocks, *size.page_shape)
             ks = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
@@ -205,7 +205,7 @@ def check_ipc(device: str) -> dict[str, Any]:
     """``ipc_check`` in a child process (attach an engine's tensors across processes)."""
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "zkv.rank.cache.ipc_check", "--device", device],
+    proc = subprocess.run([sys.executable, "-m", "zkv.harness.ipc_check", "--device", device],
                           capture_output=True, text=True, timeout=300, env=env)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     ok = proc.returncode == 0 and bool(lines) and all(r.get("ok") for r in lines)

@@ -6,7 +6,7 @@ region).  Ids are contiguous (one run per region) or scattered (a random
 sample of the engine's blocks into shuffled tier rows: no runs at all).
 The baseline copies one contiguous tensor of exactly the bytes moved.
 
-``python -m zkv.rank.cache.bench_copy`` prints the table; ``bench_copy()``
+``python -m zkv.harness.bench_copy`` prints the table; ``bench_copy()``
 returns it as a dict (the integrator's ``zkv bench copy`` can print it)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import layouts
-from .copier import CopyEngine
-from .regions import EngineCache
-from .tier import CpuTier
+from ..rank.cache import layouts
+from ..rank.cache.copier import CopyEngine
+from ..rank.cache.regions import EngineCache
+from ..rank.cache.tier import CpuTier
 
 
 def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> list[list[float]]:

@@ -1,0 +1,248 @@
+"""``BlockStore``: one rank's blocks, the one thing its executor copies.
+
+A store is a device tier of regions (``EngineCache``) from a memory source
+(``memory.OwnedMemory``: zkv's own tensors; ``memory.EngineMemory``: an
+engine's, handed over in process or mapped from a manifest), zkv's
+block-major CPU tier (``CpuTier``) and the copy engine between them
+(``CopyEngine``).  What is the same for every source lives here once: the
+ids a task may name, swap, fill, checksum, and the clear and resume rules.
+
+Clear (``free``) drops every view of the device tier before it returns, so
+before the rank acks: zkv's memory is then freed, an engine's is the
+engine's to free.  zkv's CPU tier goes too unless ``keep_cpu``.  Resume
+(``allocate``) takes the source's next cache, which must be a newer
+generation (after a weight update the old KV is wrong, even at the same
+address), and keeps the CPU tier only if the source says its rows still fit
+(``MemorySource.tier_key``); ``cpu_kept`` says whether it did.  On a failure
+the store holds no device tier and the error propagates (the rank stays
+cleared and serving; a later resume tries again).
+
+Tiers are named as on the wire: ``gpu`` is the device tier, ``cpu`` zkv's
+swap space.  ``checksum`` of a block is the BLAKE2b of its page in every
+region, in region order, which is exactly a CPU tier row: a block and the row
+it was swapped to have one digest.  One thread (the rank's executor, or the
+I/O thread while nothing is queued) drives a store."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from ...wire.errors import ReasonError
+from ...wire.layout import CacheLayout
+from ...wire.protocol import TaskBody
+from .copier import CopyEngine
+from .errors import CacheError
+from .memory import EngineMemory, MemorySource, OwnedMemory
+from .regions import EngineCache, check_ids
+from .staging import STAGING_BYTES
+from .tier import CpuTier
+
+__all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "bus_layout", "pick_device", "tensor_bytes"]
+
+
+class TaskInvalid(ReasonError, ValueError):
+    """A task that cannot run on this store (cleared caches); the message is the reason.
+    Bad block ids are ``CacheError("bad_block_id")``."""
+
+
+@dataclass(frozen=True)
+class Freed:
+    """What a clear did: bytes released (zkv's own, or engine memory it stopped
+    viewing) and whether zkv's CPU tier survived it (``keep_cpu``)."""
+
+    nbytes: int
+    cpu_kept: bool
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (copied to host memory), without numpy,
+    which torch does not depend on."""
+    t = t.detach().to("cpu").contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def block_digests(tensors: Sequence[torch.Tensor], ids: Sequence[int]) -> list[bytes]:
+    """A 16-byte BLAKE2b digest of every block: its slice of each tensor, in order."""
+    digests = []
+    for b in ids:
+        h = hashlib.blake2b(digest_size=16)
+        for t in tensors:
+            h.update(tensor_bytes(t[b]))
+        digests.append(h.digest())
+    return digests
+
+
+def pick_device(rank: int) -> torch.device:
+    """``cuda:R`` (modulo the visible GPUs) when CUDA exists, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def bus_layout(cache: EngineCache, cpu_rows: int, base: CacheLayout | None = None) -> CacheLayout:
+    """The layout a rank on an engine's cache announces: the engine's block
+    count and zkv's CPU rows; the other fields describe the model (zkv copies
+    byte pages and does not use them)."""
+    return (base or CacheLayout()).with_changes(gpu_blocks=cache.num_blocks, cpu_blocks=cpu_rows)
+
+
+class BlockStore:
+    """A rank's device tier, CPU tier and copy engine (see the module docstring).
+
+    ``cache`` (the device tier's regions) and ``copier`` are None while cleared;
+    ``tier`` too unless a clear kept it."""
+
+    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0):
+        self.memory = memory
+        self.rank = rank
+        self.layout = layout  # what the rank announces; gpu_blocks / cpu_blocks bound the ids
+        self.cache: EngineCache | None = None
+        self.tier: CpuTier | None = None
+        self.copier: CopyEngine | None = None
+        self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
+        self.generation: int | None = None  # of the device tier last attached
+        self._tier_key: Hashable = None
+        self.allocate(layout)
+
+    @classmethod
+    def owned(cls, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0,
+              staging_bytes: int = STAGING_BYTES) -> "BlockStore":
+        """A store on memory zkv allocates on ``device`` for ``layout``."""
+        return cls(OwnedMemory(device, staging_bytes), layout, rank)
+
+    @classmethod
+    def attached(cls, cache: EngineCache, cpu_rows: int, *, layout: CacheLayout | None = None, rank: int = 0,
+                 compute_stream: Any = None, pin: bool | None = None,
+                 source: Callable[[], EngineCache] | None = None) -> "BlockStore":
+        """A store on an engine's cache; ``layout`` names the model fields to announce."""
+        memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
+        return cls(memory, bus_layout(cache, cpu_rows, layout), rank)
+
+    @classmethod
+    def from_manifest(cls, path: str, layout: CacheLayout, rank: int = 0) -> "BlockStore":
+        """A store on the tensors an engine process exported in ``path``
+        (``manifest.export_manifest``); each resume reads it again, for a newer
+        generation.  ``layout.cpu_blocks`` sizes the CPU tier.  Raises
+        ``CacheError`` if it cannot be mapped (nothing stays mapped)."""
+        from .manifest import attach
+
+        return cls.attached(attach(path), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(path))
+
+    # --- memory ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.memory.device
+
+    @property
+    def allocated(self) -> bool:
+        return self.cache is not None
+
+    def allocate(self, layout: CacheLayout) -> int:
+        """Attach the memory source's next device tier for ``layout`` (a resume,
+        or the first allocation) and return the bytes held; on an error nothing
+        of the device tier stays held and it propagates."""
+        self._drop_device()  # a resume that changes the layout without a clear
+        cache = self.memory.acquire(layout)
+        try:
+            if self.generation is not None and (type(cache.generation) is not int or cache.generation <= self.generation):
+                raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
+            key = self.memory.tier_key(layout, cache.descriptor)
+            kept = self.tier is not None and key == self._tier_key
+            if not kept:
+                self.tier = None  # drop the old rows before allocating new ones
+                self.tier = CpuTier.for_cache(cache.descriptor, layout.cpu_blocks, self.memory.pin)
+                self._tier_key = key
+            assert self.tier is not None
+            self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
+        except BaseException:
+            self.memory.release(cache)
+            raise
+        self.cache, self.layout, self.cpu_kept, self.generation = cache, layout, kept, cache.generation
+        return self.nbytes()
+
+    def free(self, keep_cpu: bool = False) -> Freed:
+        """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
+        freed = self.tier_nbytes()["gpu"]
+        if not keep_cpu and self.tier is not None:
+            freed += self.tier.nbytes
+            self.tier = None
+        self._drop_device()
+        return Freed(freed, self.tier is not None)
+
+    def _drop_device(self) -> None:
+        cache, copier = self.cache, self.copier
+        self.cache = self.copier = None
+        if copier is not None:
+            copier.close()  # the device staging buffers
+        if cache is not None:
+            self.memory.release(cache)
+
+    def close(self) -> None:
+        """Drop everything (the rank stops): the device tier, the tier, anything pending."""
+        self.free(keep_cpu=False)
+        self.memory.close()
+
+    def tier_nbytes(self) -> dict[str, int]:
+        return {"gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
+                "cpu": self.tier.nbytes if self.tier is not None else 0}
+
+    def nbytes(self) -> int:
+        return sum(self.tier_nbytes().values())
+
+    # --- tasks ---------------------------------------------------------------------
+
+    def validate(self, body: TaskBody) -> None:
+        """The one rule for which ids a task may name: ``TaskInvalid`` while
+        cleared, ``CacheError("bad_block_id")`` for an id out of range or
+        twice in a destination."""
+        if self.cache is None:
+            raise TaskInvalid("caches are cleared on this rank")
+        layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
+        op = body.op
+        if op == "swap_out":
+            check_ids("src", body.src, "gpu", layout.gpu_blocks, unique=False)
+            check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+        elif op == "swap_in":
+            check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
+            check_ids("dst", body.dst, "gpu", layout.gpu_blocks, unique=True)
+        elif op == "fill":
+            check_ids("dst", body.dst, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=True)
+        elif op == "checksum":
+            check_ids("src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False)
+
+    def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
+        assert self.copier is not None, "swap on a cleared store"
+        if op == "swap_out":
+            return self.copier.copy_out(src, dst)
+        return self.copier.copy_in(src, dst)
+
+    def views(self, tier: str) -> list[torch.Tensor]:
+        """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""
+        if tier == "gpu":
+            assert self.cache is not None, "the device tier is cleared"
+            return self.cache.views
+        assert self.tier is not None, "the CPU tier is cleared"
+        return self.tier.columns
+
+    def fill(self, tier: str, ids: Sequence[int], seed: int) -> int:
+        """Write deterministic random bytes (per seed, rank and id order) into blocks."""
+        rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
+        index = torch.tensor(list(ids), dtype=torch.long)
+        views = self.views(tier)
+        for view in views:
+            values = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=rng)
+            view.index_copy_(0, index.to(view.device), values.to(view.device))
+        if views and views[0].is_cuda:
+            torch.cuda.synchronize(views[0].device)
+        return len(ids) * sum(v.shape[1] for v in views)
+
+    def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
+        """A 16-byte BLAKE2b digest of every block (its page in every region)."""
+        return block_digests(self.views(tier), ids)
