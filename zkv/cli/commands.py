@@ -1,14 +1,12 @@
-"""The ``zkv`` command line: run the bus and talk to it.
+"""The ``zkv`` command group and the commands that run the bus's processes:
+``broker``, ``worker``, ``up`` and ``keygen`` (the client commands are in
+``control.py``, ``bench`` and ``trace`` in modules of their own).
 
-Every option has an environment-variable fallback (shown in ``--help``);
-client commands print a one-line summary or ``--json``, and exit non-zero on
-any outcome other than ok, with a line that says what to do.
+Every option has an environment-variable fallback (shown in ``--help``).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
 import os
 import signal
@@ -18,19 +16,9 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
-from ..wire.ids import decode_ids
-from .options import broker_options, curve_from, curve_options, layout_from, layout_options
+from .options import broker_options, curve_from, curve_options, fail, layout_from, layout_options, sigterm_as_interrupt
 
 _DEFAULT = Endpoints.default
-
-
-def _sigterm_as_interrupt() -> None:
-    """SIGTERM (and SIGINT, even if inherited as ignored) end a process like
-    Ctrl-C does: sockets closed, exit 0."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
 
 
 def _stop_on_signals(stop: Callable[[], None]) -> None:
@@ -48,62 +36,10 @@ def _stop_on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def _fail(message: str, hint: str = "") -> None:
-    click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
-    sys.exit(1)
-
-
-def _parse_ids(text: str) -> list[int]:
-    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11], by the wire's one parser."""
-    try:
-        return decode_ids(text, "ids")
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
-
-
 def endpoint_options(fn: Callable) -> Callable:
     fn = click.option("--control", default=lambda: _DEFAULT().control, envvar="ZKV_CONTROL", show_envvar=True, help="Broker PUB address for pause/clear/resume.")(fn)
     fn = click.option("--backend", default=lambda: _DEFAULT().backend, envvar="ZKV_BACKEND", show_envvar=True, help="Broker ROUTER address for ranks.")(fn)
     return fn
-
-
-def client_options(fn: Callable) -> Callable:
-    @click.option("--broker", default=lambda: _DEFAULT().frontend, envvar="ZKV_BROKER", show_envvar=True, help="Broker frontend address.")
-    @click.option("--timeout", type=float, default=30.0, show_default=True, envvar="ZKV_TIMEOUT", show_envvar=True, help="Seconds to wait for the outcome.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
-    @curve_options(server=True, client=True)
-    @functools.wraps(fn)
-    def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
-        from ..client.client import Client, ZkvError
-
-        curve = curve_from(kwargs)
-        try:
-            client_cm = Client(broker, request_timeout=timeout, curve=curve)
-        except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback
-            _fail(str(err))
-        try:
-            with client_cm as client:
-                fn(client, timeout, as_json, **kwargs)
-        except ZkvError as err:
-            hints = {
-                "no_reply": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
-                "unreachable": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
-                "not_paused": "run: zkv pause",
-                "not_cleared": "run: zkv clear",
-                "busy": "wait for the running operation, then retry",
-            }
-            if as_json:
-                click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
-                sys.exit(1)
-            _fail(err.reason, hints.get(err.code, ""))
-    return wrapper
-
-
-def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
-    if as_json:
-        click.echo(json.dumps({k: v for k, v in reply.items() if k not in ("v", "kind", "req")}, default=str))
-    else:
-        click.echo(summary)
 
 
 @click.group()
@@ -134,7 +70,7 @@ def _start_metrics(core: Any, port: int | None, addr: str) -> Any:
     try:
         server = start_metrics_server(port, make_registry(core), addr)
     except OSError as err:
-        _fail(f"cannot serve metrics on {addr}:{port}: {err.strerror or err}", "pick another --metrics-port, or 0 for a free one")
+        fail(f"cannot serve metrics on {addr}:{port}: {err.strerror or err}", "pick another --metrics-port, or 0 for a free one")
     click.echo(f"zkv broker: metrics at {server.url}", err=True)
     return server
 
@@ -165,7 +101,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
     """Run the broker (ROUTER frontend, ROUTER backend, PUB control)."""
     from ..broker.loop import Broker
 
-    _sigterm_as_interrupt()  # until the loop can take a stop request
+    sigterm_as_interrupt()  # until the loop can take a stop request
     curve = curve_from(kw)
     if curve is not None and not (curve.ranks_dir and curve.clients_dir):
         raise click.BadParameter("a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)")
@@ -178,7 +114,7 @@ def broker(frontend: str, backend: str, control: str, world_size: int, record: s
         b = Broker(Endpoints(frontend, backend, control), _broker_config(world_size, kw), recorder=recorder, allow_remote=allow_remote, curve=curve,
                    state_file=state_file)
     except ValueError as err:
-        _fail(str(err))
+        fail(str(err))
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
     exporter = _start_metrics(b.core, metrics_port, metrics_addr)
     _stop_on_signals(b.stop)
@@ -212,7 +148,7 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
     from ..rank.worker import RankWorker, set_torch_threads
     from ..rank.core import RankRefused
 
-    _sigterm_as_interrupt()  # until the loop can take a stop request
+    sigterm_as_interrupt()  # until the loop can take a stop request
     set_torch_threads(torch_threads)
     layout = layout_from(kw)
     curve = curve_from(kw)
@@ -225,14 +161,14 @@ def worker(rank: int, world_size: int, backend: str, control: str, device: str |
         try:
             w = attach_rank(manifest, rank, world_size, backend, control, layout, liveness_ms=liveness_ms, curve=curve)
         except CacheError as err:
-            _fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
+            fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
     what = f"attached to {manifest}" if manifest else "of cache"
     click.echo(f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB {what}", err=True)
     _stop_on_signals(w.stop)
     try:
         w.serve()
     except RankRefused as err:
-        _fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options")
+        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options")
     except KeyboardInterrupt:
         pass
 
@@ -255,7 +191,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: b
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     if engine == "transformers":
         if not demo:
-            _fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+            fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
         from ..harness.engine_demo import run_engine_demo
 
         sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
@@ -273,13 +209,13 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: b
         with Client(frontend, request_timeout=0.3) as probe:
             try:
                 probe.ping()
-                _fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
+                fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
     metrics = ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
     cluster_type = AttachedCluster if attach else LocalCluster
     cluster = cluster_type(ranks, layout, directory=runtime_dir, broker_args=metrics)
-    _sigterm_as_interrupt()
+    sigterm_as_interrupt()
     try:
         cluster.start(timeout=120)
         owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
@@ -297,7 +233,7 @@ def up(ranks: int, runtime_dir: str | None, demo: bool, requests: int, attach: b
         names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
         names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
-        _fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
+        fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
     except KeyboardInterrupt:
         click.echo("zkv up: stopping")
     finally:
@@ -321,84 +257,12 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
         click.echo(f"{name}: public {public}, secret {secret}")
 
 
-# --- client commands ----------------------------------------------------------------
-
-
-@main.command()
-@client_options
-@click.option("--wait-ranks", type=int, default=0, help="Wait until this many ranks are registered.")
-@click.option("--watch", is_flag=True, help="Redraw the table until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between --watch redraws.")
-def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
-    """Show the broker state, ranks, queue and counters as a table (--json: the reply)."""
-    from ..obs.status_view import render_status, watch_status
-
-    if watch:
-        if as_json:
-            raise click.UsageError("--watch draws the table; for JSON, run zkv status --json repeatedly")
-        _sigterm_as_interrupt()  # SIGTERM ends the watch like Ctrl-C (watch_status returns on KeyboardInterrupt)
-        watch_status(lambda: client.status(timeout=min(timeout, max(interval, 1.0))), sys.stdout, interval)
-        return
-    st = client.status(timeout=timeout, wait_ranks=wait_ranks)
-    _print_reply(st, as_json, render_status(st))
-
-
-@main.command()
-@click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum"]))
-@click.option("--src", default="", help="Source block ids, e.g. 0-15,32.")
-@click.option("--dst", default="", help="Destination block ids.")
-@click.option("--tier", type=click.Choice(["gpu", "cpu"]), default=None, help="Tier for fill/checksum.")
-@click.option("--seed", type=int, default=None, help="Seed for fill.")
-@client_options
-def submit(client: Any, timeout: float, as_json: bool, op: str, src: str, dst: str, tier: str | None, seed: int | None) -> None:
-    """Run one task on every rank and print its outcome."""
-    out = client.run(op.replace("-", "_"), _parse_ids(src) or None, _parse_ids(dst) or None, timeout, tier=tier, seed=seed)
-    if as_json:
-        data = out.to_json()
-        for r, res in out.per_rank.items():
-            if "digests" in res:
-                data["ranks"][str(r)]["digests"] = [d.hex() for d in res["digests"]]
-        click.echo(json.dumps(data))
-    else:
-        click.echo(f"task {out.task}: {out.outcome}" + (f" ({out.reason})" if out.reason else "") +
-                   f"  {out.bytes} bytes moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks")
-    if not out.ok:
-        if not as_json:
-            click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
-        sys.exit(1)
-
-
-@main.command()
-@client_options
-def pause(client: Any, timeout: float, as_json: bool) -> None:
-    """Stop dispatch and wait until every rank drained its tasks."""
-    r = client.pause(timeout)
-    _print_reply(r, as_json, f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""))
-
-
-@main.command()
-@client_options
-@click.option("--keep-cpu", is_flag=True, help="Keep the CPU swap space; free only device caches.")
-def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
-    """Cancel held tasks and free every rank's caches (needs a paused bus)."""
-    r = client.clear(keep_cpu=keep_cpu, timeout=timeout)
-    _print_reply(r, as_json, f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, {r['freed']} bytes freed" + (f" ({r['note']})" if r.get("noop") else ""))
-
-
-@main.command()
-@client_options
-@click.option("--gpu-blocks", type=int, default=None, help="New device blocks per rank (needs cleared caches).")
-@click.option("--cpu-blocks", type=int, default=None, help="New CPU blocks per rank (needs cleared caches).")
-def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
-    """Reallocate caches if cleared and restart dispatch."""
-    layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
-    r = client.resume(layout or None, timeout)
-    _print_reply(r, as_json, f"running: epoch {r['epoch']}, generation {r['gen']}" + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"))
-
-
 from .bench import bench  # noqa: E402
+from .control import clear, pause, resume, status, submit  # noqa: E402
 
 main.add_command(bench)
+for command in (status, submit, pause, clear, resume):
+    main.add_command(command)
 
 from .trace import trace, replay  # noqa: E402
 

@@ -3,6 +3,8 @@ broker's limits, the cache layout and CurveZMQ."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import Any, Callable
 
 import click
@@ -91,3 +93,17 @@ def curve_from(kw: dict) -> Any:
             raise click.BadParameter("--curve-server / --curve-ranks / --curve-clients need --curve-secret")
         return None
     return Curve(secret, server, ranks, clients)
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM (and SIGINT, even if inherited as ignored) end a process like
+    Ctrl-C does: sockets closed, exit 0."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def fail(message: str, hint: str = "") -> None:
+    click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
+    sys.exit(1)
