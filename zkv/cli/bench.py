@@ -80,7 +80,7 @@ def _summary(report: dict) -> str:
                          f"  (window {vs['window']}, {vs['rounds']} alternating rounds)")
             cpu = lambda r: " ".join(f"{p} {us:.0f}" for p, us in r["cpu_us_per_task"].items())  # noqa: E731
             lines.append(f"  CPU us per task: zkv {cpu(z)} | relay {cpu(raw)}")
-            if key == "bus_1_blocks":  # the targets (issue 16) are for 1-block tasks
+            if key == "bus_1_blocks":  # the targets are for 1-block tasks
                 checks = [("throughput", vs["throughput"], ">=", BUS_TARGETS["throughput"]),
                           ("rtt p50", vs["rtt_p50"], "<=", BUS_TARGETS["rtt_p50"]), ("rtt p99", vs["rtt_p99"], "<=", BUS_TARGETS["rtt_p99"])]
                 lines.append("  vs relay: " + ", ".join(

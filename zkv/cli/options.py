@@ -65,9 +65,9 @@ def layout_from(kwargs: dict) -> Any:
 
 
 def curve_options(server: bool = False, client: bool = True) -> Callable:
-    """CurveZMQ options (DESIGN §10): off unless --curve-secret is given."""
+    """CurveZMQ options (docs/protocol.md §12): off unless --curve-secret is given."""
     def deco(fn: Callable) -> Callable:
-        if server:  # ranks and clients are authorized separately (DESIGN §10)
+        if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
             if not client:  # the broker: client keys for its frontend
                 fn = click.option("--curve-clients", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_CLIENTS", show_envvar=True,
                                   help="Directory of client public keys (*.key) allowed on the frontend.")(fn)

@@ -3,7 +3,7 @@ replicas each with a zkv rank attached in-process to its cache, a client,
 and the swap controller over them.  The demo, the benchmark and the
 end-to-end tests all start this, so they exercise the same path.
 
-``rl_cycle`` is the trainer's step in DESIGN order: pause (every rank
+``rl_cycle`` is the trainer's step in the order of docs/architecture.md: pause (every rank
 drained) -> clear (every rank dropped its views of the engine's cache) ->
 the engines free their caches -> weights updated -> the engines allocate new
 caches -> the ranks take them (a new generation) -> resume.

@@ -1,4 +1,4 @@
-"""Every GPU check and figure of the copy path in one run (issue 16, item 3).
+"""Every GPU check and figure of the copy path in one run.
 
 ``python -m zkv.harness.gpu_check`` on a machine with a GPU (about a
 minute; ``--quick`` fewer repeats) prints:

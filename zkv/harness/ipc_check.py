@@ -4,7 +4,7 @@ blocks out to zkv's tier and back into other ids, and the engine confirms
 the bytes; then release must leave nothing mapped here.
 
 ``python -m zkv.harness.ipc_check --device cuda`` is the GPU check of
-issue 12 (CUDA IPC handles, device by UUID); ``--device cpu`` runs the same
+the cross-process attach (CUDA IPC handles, device by UUID); ``--device cpu`` runs the same
 flow over shared-memory files.  Prints one JSON line per layout; exit
 status 0 when every check passed."""
 

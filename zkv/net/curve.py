@@ -1,8 +1,8 @@
-"""CurveZMQ for a bus reachable from other hosts (DESIGN §10).
+"""CurveZMQ for a bus reachable from other hosts (docs/protocol.md §12).
 
 Every party has a Curve keypair.  The broker is the Curve server of its three
 sockets and authenticates peers through ZAP, with the ZAP domain enforced
-(FIELD-NOTES: without a ZAP handler a CURVE server accepts any key;
+(without a ZAP handler a CURVE server accepts any key;
 CURVE_ALLOW_ANY encrypts but does not authenticate).  Ranks and clients are
 authorized separately, each against its own directory of public keys and its
 own ZAP domain: the backend and control sockets let in rank keys only, the

@@ -1,7 +1,7 @@
 """Where the bus listens, and how every zkv socket is configured.
 
 The embedded default is ``ipc://`` in a private runtime directory (loopback
-only, DESIGN §10).  Socket options live here once so that no socket in zkv is
+only: docs/protocol.md §12).  Socket options live here once so that no socket in zkv is
 made without linger 0, bounded high-water marks and a frame-size cap.
 """
 
@@ -80,7 +80,7 @@ class StopSignal:
 
     def __init__(self, ctx: zmq.Context, name: str):
         self.ctx = ctx
-        # Unguessable: nothing outside this process may name it (DESIGN §13).
+        # Unguessable: nothing outside this process may name it (docs/architecture.md, "Strangers").
         self.address = f"inproc://zkv-stop-{name}-{next(self._ids)}-{secrets.token_hex(8)}"
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -95,7 +95,7 @@ class StopSignal:
 
 
 def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -> None:
-    """Refuse to listen beyond this host without CurveZMQ unless told to (DESIGN §10)."""
+    """Refuse to listen beyond this host without CurveZMQ unless told to (docs/protocol.md §12)."""
     if address.startswith(("ipc://", "inproc://")) or allow_remote or secure:
         return
     if address.startswith("tcp://"):

@@ -54,7 +54,7 @@ def send_message(sock: zmq.Socket, frames: list[bytes], block: bool = False) -> 
 
 
 class Coalescer:
-    """Messages to each peer gathered into one until flushed (issue 16: a
+    """Messages to each peer gathered into one until flushed (a
     message costs both ends ~10 us of Python and I/O thread, its frames a
     fraction of that).  ``add`` returns the gathered frames once a peer has
     ``limit`` messages waiting (send them now); ``take``/``drain`` empty it.

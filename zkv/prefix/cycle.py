@@ -1,4 +1,4 @@
-"""The clear / update cycle (DESIGN.md) for a prefix cache manager and its bus client.
+"""The clear / update cycle (docs/architecture.md) for a prefix cache manager and its bus client.
 
 What an RL trainer does between steps, in this order::
 
