@@ -6,17 +6,20 @@ The states it moves the bus between are looked up in ``state.py``."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 from ..obs.book import BusBook
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Ack, Clear, Map, Pause, Resume
 from .actions import Action, Publish, Record, error, reply
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState
 from .state import ALREADY, IN_PROGRESS, OP_OF_STATE, ON_SUCCESS, RUNNING_OR_RESUMING, STABLE, BusState, ControlOp, on_failure
 from .tasks import TaskTable
+
+Request = Union[Pause, Clear, Resume]  # a client's control request
 
 
 class ControlMachine:
@@ -52,69 +55,69 @@ class ControlMachine:
 
     # --- requests ------------------------------------------------------------------
 
-    def _join_or_busy(self, client: bytes, msg: dict, op: ControlOp, now: float, out: list[Action]) -> bool:
+    def _join_or_busy(self, client: bytes, msg: Request, op: ControlOp, now: float, out: list[Action]) -> bool:
         """A request during a pending op: join it if same op, else say busy."""
         if self.pending is None:
             return False
         if self.pending.op == op:
-            self.pending.waiters.append((client, msg["req"]))
-            mine = now + self.cfg.timeout_s(msg)
+            self.pending.waiters.append((client, msg.req))
+            mine = now + self.cfg.timeout_s(msg.timeout_ms)
             if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
-                self.pending.joined[(client, msg["req"])] = mine
+                self.pending.joined[(client, msg.req)] = mine
         else:
             self.book.control_finished(op, "busy")
-            out.append(error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg["req"]))
+            out.append(error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg.req))
         return True
 
-    def pause(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def pause(self, client: bytes, msg: Pause, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.PAUSE, now, out):
             return
         if self.state in ALREADY[ControlOp.PAUSE]:
-            self.book.control_finished("pause", "noop")
-            out.append(reply(client, msg["req"], ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, drain_ms=0.0, note=f"already {self.state}"))
+            self.book.control_finished(ControlOp.PAUSE, "noop")
+            out.append(reply(client, msg.req, ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, drain_ms=0.0, note=f"already {self.state}"))
             return
-        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.PAUSE, now, out)
+        self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
-    def clear(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def clear(self, client: bytes, msg: Clear, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.CLEAR, now, out):
             return
         if self.state in ALREADY[ControlOp.CLEAR]:
-            self.book.control_finished("clear", "noop")
-            out.append(reply(client, msg["req"], ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, cancelled=0, freed=0, note="already cleared"))
+            self.book.control_finished(ControlOp.CLEAR, "noop")
+            out.append(reply(client, msg.req, ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, cancelled=0, freed=0, note="already cleared"))
             return
         if self.state != BusState.PAUSED:
-            self.book.control_finished("clear", "not_paused")
-            out.append(error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg["req"]))
+            self.book.control_finished(ControlOp.CLEAR, "not_paused")
+            out.append(error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg.req))
             return
         cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
-        keep_cpu = bool(msg.get("keep_cpu"))
+        keep_cpu = bool(msg.keep_cpu)
         self.gens.cleared(keep_cpu)
         # The op's books go in before the first check: with no live rank the
         # clear completes inside begin (tests/test_issue9_core.py).
-        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
+        self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
-    def resume(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
         if self.state in ALREADY[ControlOp.RESUME]:
-            self.book.control_finished("resume", "noop")
-            out.append(reply(client, msg["req"], ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, note="already running"))
+            self.book.control_finished(ControlOp.RESUME, "noop")
+            out.append(reply(client, msg.req, ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, note="already running"))
             return
         layout = self.gens.layout  # always named: no rank resumes on another layout
-        if msg.get("layout") is not None:
+        if msg.layout is not None:
             if self.state != BusState.CLEARED:
-                self.book.control_finished("resume", "not_cleared")
-                out.append(error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg["req"]))
+                self.book.control_finished(ControlOp.RESUME, "not_cleared")
+                out.append(error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg.req))
                 return
             base = layout or CacheLayout()
-            try:
-                layout = CacheLayout.from_wire({**base.to_wire(), **msg["layout"]})
+            try:  # decoded once, here: the op holds it typed, and encodes it only into its frames
+                layout = CacheLayout.from_wire({**base.to_wire(), **msg.layout})
             except (P.ProtocolError, TypeError) as err:
-                self.book.control_finished("resume", "bad_field")
-                out.append(error(client, "bad_field", f"resume layout: {err}", req=msg["req"]))
+                self.book.control_finished(ControlOp.RESUME, "bad_field")
+                out.append(error(client, "bad_field", f"resume layout: {err}", req=msg.req))
                 return
         self.retry_at = None
-        self.begin([(client, msg["req"])], self.cfg.timeout_s(msg), ControlOp.RESUME, now, out, layout=layout)
+        self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)
 
     def begin(self, waiters: list[tuple[bytes, int]], timeout_s: float, op: ControlOp, now: float, out: list[Action],
               layout: CacheLayout | None = None, keep_cpu: bool = False, cancelled: int = 0) -> None:
@@ -169,34 +172,40 @@ class ControlMachine:
 
     # --- acks and the end of an op -------------------------------------------------
 
-    def ack(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> None:
-        if msg["epoch"] != self.epoch or msg["op"] != self.op:
+    def ack(self, rs: RankState, msg: Ack, now: float, out: list[Action]) -> None:
+        if msg.epoch != self.epoch or msg.op != self.op:
             self.counters["stale_acks"] += 1
             return
-        if self.op == ControlOp.PAUSE and msg.get("upto") != rs.dispatched:
+        if self.op == ControlOp.PAUSE and msg.upto != rs.dispatched:
             self.counters["stale_acks"] += 1
             return
         named = self.op_layout
-        if self.op == ControlOp.RESUME and named is not None and msg.get("layout") != named.to_wire() \
-                and (msg.get("layout") is not None or self.gens.layout is None or named != self.gens.layout):
+        if self.op == ControlOp.RESUME and named is not None and not self._on_layout(msg.layout, named):
             self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
-        if msg.get("stats"):
-            rs.stats = msg["stats"]
-        if msg.get("error") and self.op == ControlOp.RESUME:
+        if msg.stats:
+            rs.stats = msg.stats
+        if msg.error and self.op == ControlOp.RESUME:
             self.counters["alloc_failed"] += 1
             if self.pending is not None and self.pending.op == ControlOp.RESUME:
-                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg['error']}", now, out)
+                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg.error}", now, out)
             return
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
             return
         rs.acked_epoch = self.epoch
-        if msg.get("cpu_kept") is False:
+        if msg.cpu_kept is False:
             self.gens.cpu_not_kept(rs.rank)
         if self.pending is not None and self.pending.op == ControlOp.CLEAR:
-            self.pending.freed += msg.get("freed") or 0
+            self.pending.freed += msg.freed or 0
         self._check_pending(now, out)
+
+    def _on_layout(self, acked: Map | None, named: CacheLayout) -> bool:
+        """A resume's ack is for the ``named`` layout: it names that one
+        (parsed once, here), or names none while ``named`` is the bus's own."""
+        if acked is None:
+            return self.gens.layout is not None and named == self.gens.layout
+        return _ack_layout(acked) == named
 
     def _lagging(self, epoch: int) -> list[int]:
         return sorted(rs.rank for rs in self.ranks.live() if rs.acked_epoch != epoch)
@@ -328,3 +337,17 @@ class ControlMachine:
         if self.retry_at is not None:
             due.append(self.retry_at)
         return due
+
+
+_LAYOUT_FIELDS = len(CacheLayout.__dataclass_fields__)
+
+
+def _ack_layout(acked: Map) -> CacheLayout | None:
+    """The whole layout an ack names; None when it names no valid layout
+    (a partial map is not one: a rank acks every field)."""
+    if len(acked) != _LAYOUT_FIELDS:
+        return None
+    try:
+        return CacheLayout.from_wire(acked)
+    except (P.ProtocolError, TypeError):
+        return None

@@ -35,6 +35,7 @@ from ..obs.book import BusBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Ready, Status
 from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
 from .control import ControlMachine
 from .generation import Generation
@@ -146,7 +147,7 @@ class BrokerCore:
             self._book.bad_request(err.code)
             out.append(error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return
-        kind = msg["kind"]
+        kind = msg.kind
         if kind == "submit":
             control = self.control
             if self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out) and control.state is BusState.RUNNING:
@@ -154,10 +155,11 @@ class BrokerCore:
         elif kind == "status":
             self._status(client, msg, now, out)
         elif kind == "ping":
-            out.append(reply(client, msg["req"], "ping"))
+            out.append(reply(client, msg.req, "ping"))
         else:
             if self.recording:
-                params = {k: msg[k] for k in ("keep_cpu", "layout", "timeout_ms") if msg.get(k) is not None}
+                named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
+                params = {k: v for k, v in named if v is not None}
                 out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
             if kind == "pause":
                 self.control.pause(client, msg, now, out)
@@ -166,14 +168,14 @@ class BrokerCore:
             else:
                 self.control.resume(client, msg, now, out)
 
-    def _status(self, client: bytes, msg: dict, now: float, out: list[Action]) -> None:
-        want = msg.get("wait_ranks") or 0
+    def _status(self, client: bytes, msg: Status, now: float, out: list[Action]) -> None:
+        want = msg.wait_ranks or 0
         if self.rank_table.ready_count() >= want:
-            out.append(reply(client, msg["req"], "status", **self.status(now)))
+            out.append(reply(client, msg.req, "status", **self.status(now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
-            out.append(error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg["req"]))
+            out.append(error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg.req))
         else:  # held: answered on registration, or with an error at the deadline
-            held, evicted = self.ready_waiters.admit(Waiter(client, msg["req"], want, now + self.cfg.timeout_s(msg)))
+            held, evicted = self.ready_waiters.admit(Waiter(client, msg.req, want, now + self.cfg.timeout_s(msg.timeout_ms)))
             if evicted is not None:
                 self._events["waiters_evicted"] += 1
                 out.append(error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
@@ -181,7 +183,7 @@ class BrokerCore:
             if not held:
                 self._events["over_limit"] += 1
                 out.append(error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
-                                 f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg["req"]))
+                                 f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg.req))
 
     def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
@@ -219,14 +221,14 @@ class BrokerCore:
             return
         self._on_rank_frame(identity, frames[0], _decode_rank_msg, now, out)
 
-    def _on_rank_frame(self, identity: bytes, frame: bytes, decode: Callable[[bytes], dict], now: float, out: list[Action]) -> None:
+    def _on_rank_frame(self, identity: bytes, frame: bytes, decode: Callable[[bytes], Any], now: float, out: list[Action]) -> None:
         try:
             msg = decode(frame)
         except P.ProtocolError as err:
             self._events["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
             return
-        kind = msg["kind"]
+        kind = msg.kind
         if kind == "ready":
             self._ready(identity, msg, now, out)
             return
@@ -243,9 +245,9 @@ class BrokerCore:
             if self.tasks.done(rs, msg, now, out) and self.control.state is BusState.RUNNING:
                 self.tasks.dispatch(now, out)
         elif kind == "hb":
-            if msg.get("stats"):
-                rs.stats = msg["stats"]
-            if msg.get("probe"):  # a rank back from a freeze asks if it is still ours
+            if msg.stats:
+                rs.stats = msg.stats
+            if msg.probe:  # a rank back from a freeze asks if it is still ours
                 out.append(ToRank(identity, [P.encode("hb", probe=True)]))
         else:
             self.control.ack(rs, msg, now, out)
@@ -254,7 +256,7 @@ class BrokerCore:
         if self.control.state is BusState.RUNNING:
             self.tasks.dispatch(now, out)
 
-    def _ready(self, identity: bytes, msg: dict, now: float, out: list[Action]) -> None:
+    def _ready(self, identity: bytes, msg: Ready, now: float, out: list[Action]) -> None:
         """A rank registers (or re-registers): checked, reconciled with the
         bus (``recovery.py``) and welcomed with the bus's state."""
         table = self.rank_table
@@ -262,7 +264,7 @@ class BrokerCore:
         if layout is None:
             out.append(ToRank(identity, [P.encode("refused", reason=refusal)]))
             return
-        rank = msg["rank"]
+        rank = msg.rank
         if not table.is_repeat(identity, msg):
             old = table.ranks.get(rank)
             if old is not None and old.alive:

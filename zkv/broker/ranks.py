@@ -10,6 +10,7 @@ import collections
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Ready
 from .actions import Action, Record, ToRank
 from .records import BrokerConfig, RankState
 
@@ -39,33 +40,33 @@ class RankTable:
             return None
         return rs
 
-    def admit(self, msg: dict) -> tuple[CacheLayout | None, str]:
+    def admit(self, msg: Ready) -> tuple[CacheLayout | None, str]:
         """A ``ready``'s layout, or why the rank is refused."""
-        rank, world = msg["rank"], msg["world"]
+        rank, world = msg.rank, msg.world
         if world != self.cfg.world or rank >= world:
             self.counters["refused"] += 1
             return None, f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}"
         try:
-            return CacheLayout.from_wire(msg["layout"]), ""
+            return CacheLayout.from_wire(msg.layout), ""
         except (P.ProtocolError, TypeError) as err:
             return None, f"bad layout: {err}"
 
-    def is_repeat(self, identity: bytes, msg: dict) -> bool:
+    def is_repeat(self, identity: bytes, msg: Ready) -> bool:
         """The same live process said ``ready`` again (its welcome crossed it)."""
-        old = self.ranks.get(msg["rank"])
-        if old is not None and old.alive and old.identity == identity and old.session == msg["session"]:
+        old = self.ranks.get(msg.rank)
+        if old is not None and old.alive and old.identity == identity and old.session == msg.session:
             self.counters["duplicate_ready"] += 1
             return True
         return False
 
-    def register(self, identity: bytes, msg: dict, now: float) -> None:
+    def register(self, identity: bytes, msg: Ready, now: float) -> None:
         """A new process (or session) takes the rank over; its predecessor,
         if it was alive, was lost first (``lose``)."""
-        rank = msg["rank"]
+        rank = msg.rank
         old = self.ranks.get(rank)
         if old is not None and old.identity != identity:
             self.by_identity.pop(old.identity, None)
-        self.ranks[rank] = RankState(rank, identity, msg["session"], msg.get("pid") or 0, now, welcomed=old is None)
+        self.ranks[rank] = RankState(rank, identity, msg.session, msg.pid or 0, now, welcomed=old is None)
         self.by_identity[identity] = rank
         self.counters["registrations"] += 1
 

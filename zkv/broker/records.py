@@ -27,9 +27,9 @@ class BrokerConfig:
     max_waiters_per_client: int = 16  # held status{wait_ranks} requests of one connection
     max_waiters: int = 1024  # held status requests of all connections
 
-    def timeout_s(self, msg: dict) -> float:
+    def timeout_s(self, timeout_ms: int | None) -> float:
         """A request's own ``timeout_ms``, else the op timeout, in seconds."""
-        return (msg.get("timeout_ms") or self.op_timeout_ms) / 1000.0
+        return (timeout_ms or self.op_timeout_ms) / 1000.0
 
 
 @dataclass

@@ -10,6 +10,7 @@ import collections
 from typing import Any
 
 from ..wire.layout import CacheLayout
+from ..wire.messages import Ready
 from .actions import Action, Record, SaveState
 from .control import ControlMachine
 from .generation import Generation
@@ -57,7 +58,7 @@ class Recovery:
             self.saved_key = key
             out.insert(0, SaveState(self.snapshot()))  # durable before any reply says it happened
 
-    def reconcile(self, rank: int, msg: dict, layout: CacheLayout, now: float, out: list[Action]) -> None:
+    def reconcile(self, rank: int, msg: Ready, layout: CacheLayout, now: float, out: list[Action]) -> None:
         """Bring a registering rank in line with the bus, never serve it as it is
         when its memory is not the bus's (DESIGN §11, §12).
 
@@ -68,14 +69,15 @@ class Recovery:
         client learns; and a rank that must allocate does so only within a
         resume (one the broker starts itself when the bus is running)."""
         gens = self.gens
-        rank_gen = msg["gen"]
+        rank_gen = msg.gen
         if self.control.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
             if rank_gen > gens.gen:
                 self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
             return
-        has_cache = msg.get("has_cache") is not False
+        has_cache = msg.has_cache is not False
         needs_alloc = not has_cache or layout != gens.layout
-        lost = bool(msg.get("fresh")) or needs_alloc or rank_gen != gens.gen
+        fresh = bool(msg.fresh)
+        lost = fresh or needs_alloc or rank_gen != gens.gen
         if not lost:
             return
         if rank_gen > gens.gen and not gens.used and self.ranks.ready_count() == 1:
@@ -83,13 +85,13 @@ class Recovery:
             # generation, and count it as used (the old broker served it).
             gens.adopt(rank_gen)
             self.counters["gen_adopted"] += 1
-            lost = bool(msg.get("fresh")) or needs_alloc
+            lost = fresh or needs_alloc
             if not lost:
                 return
         if rank_gen > gens.gen:
             self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
         elif gens.used:
-            why = "restarted with fresh memory" if msg.get("fresh") else (
+            why = "restarted with fresh memory" if fresh else (
                 "holds no cache" if not has_cache else "holds another layout" if layout != gens.layout else
                 f"held generation {rank_gen}")
             self._move_gen(gens.gen + 1, f"rank {rank} {why}: the blocks of generation {gens.gen} are gone", now, out)

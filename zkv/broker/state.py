@@ -9,13 +9,19 @@ spell a state as a string.
 Rule 2: this file knows nothing of clients, ranks, epochs or sockets; it knows
 only the control cycle in the abstract (pause -> clear -> resume, DESIGN §2).
 
-The wire carries the same strings as before: both enums are string enums, so a
-state or op packs, prints and compares as its value.
+The ops are the wire's own ``ControlOp`` (``zkv/wire/vocab.py``), re-exported
+here for the tables' readers; the states are a string enum too, so a state or
+op packs, prints and compares as its value.
 """
 
 from __future__ import annotations
 
 from enum import Enum
+
+from ..wire.vocab import ControlOp
+
+__all__ = ["ALREADY", "CACHES_CLEARED", "IN_PROGRESS", "OP_OF_STATE", "ON_FAILURE", "ON_SUCCESS", "RUNNING_OR_RESUMING",
+           "STABLE", "BusState", "ControlOp", "on_failure", "stable"]
 
 
 class _StrEnum(str, Enum):
@@ -38,15 +44,6 @@ class BusState(_StrEnum):
     CLEARING = "clearing"
     CLEARED = "cleared"
     RESUMING = "resuming"
-
-
-class ControlOp(_StrEnum):
-    """The ``op`` the broker publishes in ``control`` and ``welcome``: what ranks must do."""
-
-    RUN = "run"
-    PAUSE = "pause"
-    CLEAR = "clear"
-    RESUME = "resume"
 
 
 # A client's op: the state it puts the bus in while every live rank acks it.

@@ -11,7 +11,9 @@ import collections
 from ..obs.book import BusBook, task_op
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire.messages import Done, Submit
 from ..wire.outcome import RankFold
+from ..wire.vocab import Outcome
 from .actions import Action, Record, ToRank, error, outcome
 from .generation import Generation
 from .ranks import RankTable
@@ -35,10 +37,10 @@ class TaskTable:
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
         self.seq = 0
 
-    def submit(self, client: bytes, msg: dict, frames: list[bytes], cleared: bool, now: float, out: list[Action]) -> bool:
+    def submit(self, client: bytes, msg: Submit, frames: list[bytes], cleared: bool, now: float, out: list[Action]) -> bool:
         """Queue a task, or end it ``rejected``; ``cleared``: the caches are
         cleared.  True when it was queued (the caller dispatches)."""
-        task_id = msg["task"]
+        task_id = msg.task
         body = frames[1] if len(frames) == 2 else b""
         key = (client, task_id)
         if key in self.open_tasks:  # not a task of its own: an error, no outcome
@@ -47,7 +49,7 @@ class TaskTable:
             return False
         if self.recording:  # every task, also the ones turned away below
             out.append(Record({"ev": "submit", "t": now, "client": client.hex(), "task": task_id, "body": body}))
-        reply_to = msg["reply_to"]
+        reply_to = msg.reply_to
         reason = ""
         if len(frames) != 2:
             self.book.bad_request("bad_submit")
@@ -65,10 +67,11 @@ class TaskTable:
         elif self.open_per_client[client] >= self.cfg.max_open_per_client:
             self.counters["over_limit"] += 1
             reason = f"this connection has {self.cfg.max_open_per_client} open tasks (the most it may); wait for some to end"
-        expires = now + msg["timeout_ms"] / 1000 if msg.get("timeout_ms") else None
-        task = Task(client, task_id, reply_to, body, now, msg.get("reply_key"), expires)
+        timeout_ms = msg.timeout_ms
+        expires = now + timeout_ms / 1000 if timeout_ms else None
+        task = Task(client, task_id, reply_to, body, now, msg.reply_key, expires)
         if reason:
-            self.finish(task, "rejected", reason, now, out, notify=True)
+            self.finish(task, Outcome.REJECTED, reason, now, out, notify=True)
             return False
         self.open_tasks.add(key)
         self.open_per_client[client] += 1
@@ -76,10 +79,10 @@ class TaskTable:
         self.counters["submitted"] += 1
         return True
 
-    def done(self, rs: RankState, msg: dict, now: float, out: list[Action]) -> bool:
+    def done(self, rs: RankState, msg: Done, now: float, out: list[Action]) -> bool:
         """Fold a rank's ``done``; True when it freed a credit (the caller dispatches)."""
-        task = self.inflight.get(msg["seq"])
-        if task is None or task.fold is None or not task.fold.add(rs.rank, msg["outcome"], "", msg.get("bytes") or 0):
+        task = self.inflight.get(msg.seq)
+        if task is None or task.fold is None or not task.fold.add(rs.rank, msg.outcome, "", msg.bytes or 0):
             self.counters["stray_done"] += 1
             return False
         rs.inflight -= 1
@@ -107,7 +110,7 @@ class TaskTable:
         while credits > 0 and self.queue:
             task = self.queue.popleft()
             if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
-                self.finish(task, "timeout", "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
+                self.finish(task, Outcome.TIMEOUT, "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
                 continue
             credits -= 1
             self.seq += 1
@@ -129,7 +132,7 @@ class TaskTable:
         cancelled = 0
         while self.queue:
             cancelled += 1
-            self.finish(self.queue.popleft(), "cancelled", reason, now, out, notify=True)
+            self.finish(self.queue.popleft(), Outcome.CANCELLED, reason, now, out, notify=True)
         return cancelled
 
     def fail_rank(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
@@ -138,13 +141,13 @@ class TaskTable:
             if task.fold is None or rs.rank not in task.fold.waiting:
                 continue
             task.fold.waiting.discard(rs.rank)
-            task.fold.fail("failed", reason)
+            task.fold.fail(Outcome.FAILED, reason)
             if not task.reported:
                 task.reported = True
-                out.append(outcome(task.client, task.task, "failed", reason, self.gens.gen))
+                out.append(outcome(task.client, task.task, Outcome.FAILED, reason, self.gens.gen))
             if task.fold.complete:
                 del self.inflight[seq]
-                self.finish(task, "failed", reason, now, out, notify=False)
+                self.finish(task, Outcome.FAILED, reason, now, out, notify=False)
         rs.inflight = 0
 
     def finish(self, task: Task, result: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
