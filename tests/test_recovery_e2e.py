@@ -1,4 +1,4 @@
-"""Issue 9's seven event sequences with real processes (kill -9, SIGSTOP,
+"""Recovery: seven event sequences with real processes (kill -9, SIGSTOP,
 broker restarts), each asserting the rule it used to break:
 
 1. clear before the ranks registered      -> every request is answered
