@@ -19,9 +19,11 @@ from zkv.wire.layout import CacheLayout
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    c = AttachedCluster(2, LAYOUT, directory=tmp_path / "z", quiet=True)
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One attached cluster for the tests that leave it serving (each ends on
+    a completed resume), so its five processes start once."""
+    c = AttachedCluster(2, LAYOUT, directory=tmp_path_factory.mktemp("attach") / "z", quiet=True)
     c.start(timeout=120)
     yield c
     codes = c.stop()
@@ -76,7 +78,7 @@ def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluste
         c.clear(keep_cpu=True, timeout=30)
         with pytest.raises(ZkvError, match=r"rank \d.*stale_manifest.*not newer"):  # the engines did not re-export
             c.resume(timeout=30)
-        good = open(path, "rb").read()  # generation 1: what rank 1 attached last
+        good = open(path, "rb").read()  # what rank 1 attached last
         for manifest, reason in ((b"\x81\xa3not a manifest", "bad_manifest"), (None, "missing_file"),
                                  (good, "stale_manifest")):
             retry_with(manifest)

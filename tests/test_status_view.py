@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 
 import pytest
 
@@ -54,19 +55,23 @@ def test_table_from_a_real_cluster_alive_paused_and_dead():
 
 
 def test_watch_stops_on_event_and_survives_a_silent_broker():
-    stop = threading.Event()
-    calls = []
-
-    def fetch():
-        calls.append(1)
-        if len(calls) == 2:
-            stop.set()
+    def silent():
         raise ZkvError("no_reply", "no reply from the broker within 1 s")
 
     out = io.StringIO()
-    assert watch_status(fetch, out, interval=30, stop=stop, clear=True) == 2  # the set event ends the 30 s wait at once
+    assert watch_status(silent, out, interval=0.01, iterations=2, clear=True) == 2
     assert out.getvalue().count("broker not answering: no reply") == 2
     assert out.getvalue().startswith("\x1b[H\x1b[2J")
+
+    stop = threading.Event()
+
+    def fetch():  # the event is set while the watch waits out its 30 s interval
+        threading.Timer(0.1, stop.set).start()
+        return silent()
+
+    t0 = time.monotonic()
+    assert watch_status(fetch, io.StringIO(), interval=30, stop=stop, clear=False) == 1
+    assert time.monotonic() - t0 < 10, "the set event ends the 30 s wait at once"
 
 
 def test_never_registered_ranks_and_odd_values():

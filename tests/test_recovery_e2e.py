@@ -1,4 +1,4 @@
-"""Issue 9's seven event sequences with real processes (kill -9, SIGSTOP,
+"""Recovery: seven event sequences with real processes (kill -9, SIGSTOP,
 broker restarts), each asserting the rule it used to break:
 
 1. clear before the ranks registered      -> every request is answered
@@ -27,6 +27,16 @@ RANK_FAST = ["--liveness-ms", "1000"]
 @pytest.fixture
 def cluster(tmp_path):
     c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=RANK_FAST, directory=tmp_path / "c")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory):
+    """One started cluster for the sequences that kill or restart nothing and
+    leave the bus as they found it (running, on LAYOUT)."""
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=RANK_FAST, directory=tmp_path_factory.mktemp("serving") / "c")
+    c.start(timeout=60)
     yield c
     c.stop()
 
@@ -175,9 +185,8 @@ def test_5_a_rank_restarted_with_fresh_memory_moves_the_bus_to_a_generation_ever
         assert again.ok and again.per_rank[1]["digests"] != before.per_rank[1]["digests"]
 
 
-def test_6_clear_keep_cpu_keeps_the_cpu_tier_bit_for_bit_and_says_when_it_cannot(cluster):
-    cluster.start(timeout=60)
-    with cluster.client(request_timeout=15) as client:
+def test_6_clear_keep_cpu_keeps_the_cpu_tier_bit_for_bit_and_says_when_it_cannot(serving):
+    with serving.client(request_timeout=15) as client:
         blocks = [0, 17, 63]
         assert client.run("fill", None, blocks, tier="cpu", seed=21, timeout=10).ok
         before = client.run("checksum", blocks, tier="cpu", timeout=10)
@@ -191,11 +200,13 @@ def test_6_clear_keep_cpu_keeps_the_cpu_tier_bit_for_bit_and_says_when_it_cannot
         client.clear(keep_cpu=True)
         reply = client.resume(layout={"cpu_blocks": 32})
         assert reply["cpu_kept"] is False and "could not be kept" in reply["note"]
+        client.pause()
+        client.clear()
+        client.resume(layout={"cpu_blocks": LAYOUT.cpu_blocks})  # as found
 
 
-def test_7_a_failed_allocation_fails_the_resume_naming_the_rank_and_the_rank_stays_usable(cluster):
-    cluster.start(timeout=60)
-    with cluster.client(request_timeout=15) as client:
+def test_7_a_failed_allocation_fails_the_resume_naming_the_rank_and_the_rank_stays_usable(serving):
+    with serving.client(request_timeout=15) as client:
         client.pause()
         client.clear()
         with pytest.raises(ZkvError) as err:  # the issue's value is now refused where it enters (issue 10)

@@ -1,5 +1,7 @@
-"""Issue 9's rules on the sans-IO cores, one exact interleaving each (the
-model-based test explores the rest; test_issue9_e2e.py runs real processes)."""
+"""Recovery on the sans-IO cores (one layout and one generation whatever
+restarts, lost memory never silent, every request answered; docs/architecture.md),
+one exact interleaving each (test_bus_model.py explores the rest;
+test_recovery_e2e.py runs real processes)."""
 
 from zkv.wire import protocol as P
 from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient

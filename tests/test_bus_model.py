@@ -1,4 +1,4 @@
-"""Model-based test of the whole bus (issue 9): hypothesis drives BrokerCore,
+"""Model-based test of the whole bus: hypothesis drives BrokerCore,
 N RankCores and the client's ResultBook (tests/model_bus.py) through client
 requests, rank registration / death / freeze / restart, broker restarts at any
 moment (zero ranks too), lost PUB messages, reordering between connections and
@@ -64,7 +64,7 @@ class BusModel(RuleBasedStateMachine):
 
     @rule(r=WORLD, layout=st.sampled_from(["other", "base"]))
     def resume_while_a_rank_is_frozen(self, r, layout):
-        """Issue 9 sequence 2 in one step: a layout-changing resume reaches some
+        """Recovery sequence 2 (test_recovery_e2e.py) in one step: a layout-changing resume reaches some
         ranks, one is frozen past the liveness window, the resume fails."""
         bus, r = self.bus, self._rank(r)
         target = OTHER if layout == "other" else None
