@@ -47,7 +47,7 @@ from .core import RankCore, RankRefused
 from .batching import DoneBatcher, InlinePolicy
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
-from .vocab import ControlOp
+from ..wire.vocab import ControlOp
 
 log = logging.getLogger("zkv.worker")
 
