@@ -242,7 +242,7 @@ class RankCore:
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
         try:
-            ctl = Control.from_wire(frame)
+            ctl: Control = Control.from_wire(frame)
         except P.ProtocolError:
             self.counters["bad_control_msgs"] += 1
             return []
