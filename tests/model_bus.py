@@ -22,6 +22,7 @@ from zkv.wire import protocol as P
 from zkv.wire.messages import Result
 from zkv.broker.core import BrokerConfig, BrokerCore, Publish, SaveState, ToClient, ToRank
 from zkv.wire.layout import CacheLayout
+from zkv.rank.cache_phase import CachePhase
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
 from zkv.client.results import ResultBook
 
@@ -376,7 +377,7 @@ class Bus:
                     continue
                 if core.gen != self.broker.gen:
                     raise ModelViolation(f"rank {core.rank} serves generation {core.gen}, the broker {self.broker.gen}")
-                if core.has_cache and not core.cache_op_pending and sr.mem.layout != self.broker.layout:
+                if core.cache.phase is CachePhase.SERVING and sr.mem.layout != self.broker.layout:
                     raise ModelViolation(f"rank {core.rank} serves layout {sr.mem.layout}, the broker holds {self.broker.layout}")
         for _task, out in self.outcomes.items():
             assert out in P.OUTCOMES

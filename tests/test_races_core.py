@@ -252,7 +252,7 @@ def test_resume_with_a_new_layout_after_clear_reallocates():
     sim.settle()
     assert sim.reply(r)["kind"] == "reply"
     assert sim.broker.layout.gpu_blocks == 8
-    assert all(sr.core.layout.gpu_blocks == 8 and sr.core.has_cache for sr in sim.ranks.values())
+    assert all(sr.core.layout.gpu_blocks == 8 and sr.core.cache.phase.serves for sr in sim.ranks.values())
     t = sim.submit()
     sim.settle()
     assert sim.outcomes[t] == "ok"
@@ -352,7 +352,7 @@ def test_broker_cancelled_task_settles_after_the_client_timed_out():
 def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back():
     sim = Sim().up()
     sim.pause_and_clear()
-    assert sim.broker.gen == 1 and not any(sr.core.has_cache for sr in sim.ranks.values())
+    assert sim.broker.gen == 1 and not any(sr.core.cache.phase.serves for sr in sim.ranks.values())
     # the broker dies and a fresh one starts: the ranks re-register with it
     from zkv.broker.core import BrokerConfig, BrokerCore
 
@@ -364,7 +364,7 @@ def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back(
     # ranks' generation (1), and because their memory is gone it moves the bus
     # to a new one (issue 9), which it publishes to every rank.
     assert sim.broker.gen == 2 and sim.broker.state == "running"
-    assert all(sr.core.has_cache and sr.core.gen == 2 for sr in sim.ranks.values())
+    assert all(sr.core.cache.phase.serves and sr.core.gen == 2 for sr in sim.ranks.values())
     sim.book.gen = 2  # a client that learned it
     t = sim.submit()
     sim.settle()

@@ -26,10 +26,11 @@ import sys
 import torch
 
 from ..rank.cache import layouts
+from ..rank.cache.dtypes import TORCH_DTYPES
 from ..rank.cache.manifest import ShmArena, export_manifest
+from ..wire.vocab import Dtype
 
 NB, BS, H, D, L = 16, 4, 2, 8, 2
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Shape:
@@ -38,7 +39,7 @@ class Shape:
     def __init__(self, blocks: int = NB, layers: int = L, block_size: int = BS, kv_heads: int = H, head_dim: int = D,
                  dtype: str = ""):
         self.blocks, self.layers, self.block_size, self.kv_heads, self.head_dim = blocks, layers, block_size, kv_heads, head_dim
-        self.dtype = DTYPES.get(dtype)
+        self.dtype = TORCH_DTYPES[Dtype(dtype)] if dtype else None  # none named: each layout its own default
 
     @classmethod
     def parse(cls, args: list[str]) -> "Shape":

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..wire.layout import CacheLayout
-from .vocab import ControlOp
+from ..wire.vocab import ControlOp
 
 
 @dataclass(slots=True)

@@ -18,11 +18,13 @@ from typing import Any, Callable
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Control
+from ..wire.messages import Control, Error, Heartbeat, Map, Refused, Reregister, Task, Welcome
+from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, RankAction, ToBroker
-from .vocab import ControlOp
+from .cache_phase import CachePhase, CacheState
 
 _decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
+_BROKER_KINDS = ("welcome", "hb", "task", "refused", "reregister", "error")  # what the DEALER brings alone
 
 
 class RankPhase(Enum):
@@ -50,8 +52,7 @@ class RankCore:
         self.layout = layout  # the layout of the memory this rank holds (or last held)
         self.bus_layout = layout  # the layout the broker last named
         self.fresh = True  # this process's memory was never part of a bus generation
-        self.alloc_error = ""  # why the last allocation failed (repeated in the resume ack)
-        self.cpu_kept: bool | None = None  # whether the last allocation kept the CPU tier
+        self.cache = CacheState()  # the cache's phase in the clear/resume cycle, and what its acks repeat
         self.heartbeat_ms = heartbeat_ms
         self.liveness_ms = liveness_ms
         self.stats = stats  # counters sent in heartbeats and acks
@@ -66,9 +67,6 @@ class RankCore:
         self.received = 0  # tasks received in this session (their ``n``)
         self.inflight = 0
         self.acked_epoch: int | None = None  # the epoch last acked in this registration
-        self.has_cache = True
-        self.cache_op_pending = False  # a free/allocate is on the executor
-        self.freed = 0  # bytes the last clear freed, repeated in every clear ack
         self.held: list[Execute] = []  # tasks that overtook the control message allowing them
         self.probe_held: list[tuple[bytes, bytes]] = []
         self.last_broker_msg = 0.0
@@ -97,7 +95,7 @@ class RankCore:
         self.counters["ready_sent"] += 1
         return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
                                   layout=self.layout.to_wire(), gen=self.gen, pid=self.pid, fresh=self.fresh,
-                                  has_cache=self.has_cache and not self.alloc_error))]
+                                  has_cache=self.cache.phase.serves))]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
         """The READY is unanswered: send it again with the *same* session.  It
@@ -161,32 +159,30 @@ class RankCore:
 
     def on_broker(self, frame: bytes, now: float) -> list[RankAction]:
         try:
-            msg = P.decode(frame, ("welcome", "hb", "task", "refused", "reregister", "error"))
+            msg: Welcome | Heartbeat | Task | Refused | Reregister | Error = P.decode(frame, _BROKER_KINDS)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
         self.last_broker_msg = now
-        kind = msg["kind"]
-        if kind == "hb":
-            return self._end_probe(now) if msg.get("probe") and self.probing else []
-        if kind == "welcome":
-            if not self._layout_ok(msg.get("layout")):
+        if isinstance(msg, Heartbeat):
+            return self._end_probe(now) if msg.probe and self.probing else []
+        if isinstance(msg, Welcome):
+            if not self._layout_ok(msg.layout):
                 return []
-            if msg.get("session") is not None and msg["session"] != self.session:
+            if msg.session is not None and msg.session != self.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
             return self._welcome(msg, now)
-        if kind == "reregister":
+        if isinstance(msg, Reregister):
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
                 return []
             return self._restart(now)
-        if kind == "refused":
-            raise RankRefused(msg["reason"])
-        if kind == "error":
+        if isinstance(msg, Refused):
+            raise RankRefused(msg.reason)
+        if isinstance(msg, Error):
             self.counters["broker_errors"] += 1
-            return []
-        return []  # "task" comes with a body: see on_task
+        return []  # a lone "task" has no body (tasks come in pairs: see on_task)
 
     def on_task(self, header: bytes, body: bytes, now: float) -> list[RankAction]:
         """A task header + body from the broker."""
@@ -195,28 +191,29 @@ class RankCore:
             self.probe_held.append((header, body))
             return []
         try:
-            msg = _decode_task(header)
+            msg: Task = _decode_task(header)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
-        current = msg.get("session") is None or msg["session"] == self.session
+        session, n, gen = msg.session, msg.n, msg.gen
+        current = session is None or session == self.session
         if current:  # ``received`` counts this session's tasks only
-            self.received = max(self.received, msg["n"])
+            self.received = max(self.received, n)
         refuse = ""
         if not current:
             # Sent to an earlier registration of ours, which the broker gave up on
             # (and failed its tasks): running it could copy into reused blocks.
             self.counters["refused_stale_session"] += 1
             refuse = "dispatched to an earlier registration of this rank; the broker already failed it"
-        elif not P.is_result_address(msg["reply_to"]):
+        elif not P.is_result_address(msg.reply_to):
             refuse = "reply_to is not a tcp:// or ipc:// address"  # the executor will not connect it either
-        elif msg["gen"] != self.gen:
-            refuse = f"task from cache generation {msg['gen']} but the rank is at generation {self.gen}"
-        elif not self.has_cache or self.op is ControlOp.CLEAR:
+        elif gen != self.gen:
+            refuse = f"task from cache generation {gen} but the rank is at generation {self.gen}"
+        elif not self.cache.phase.serves or self.op is ControlOp.CLEAR:
             refuse = "caches are cleared on this rank"
         self.inflight += 1
-        ex = Execute(msg["seq"], msg["n"], msg["task"], msg["reply_to"], msg["gen"], body, refuse, msg.get("reply_key"), self.session)
-        if not refuse and self.op is ControlOp.PAUSE and msg["n"] > self.upto:
+        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, self.session)
+        if not refuse and self.op is ControlOp.PAUSE and n > self.upto:
             # Dispatched after the pause we acked: the broker is running again
             # and its newer control message is still on the PUB connection
             # (which this DEALER message overtook).  Hold it; no copy starts
@@ -235,7 +232,7 @@ class RankCore:
         for ex in self.held:
             if self.op is ControlOp.PAUSE and ex.n > self.upto:
                 keep.append(ex)
-            elif self.op is ControlOp.CLEAR or not self.has_cache:
+            elif self.op is ControlOp.CLEAR or not self.cache.phase.serves:
                 out.append(replace(ex, refuse="caches are cleared on this rank"))
             else:
                 out.append(ex)
@@ -245,7 +242,7 @@ class RankCore:
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
         try:
-            ctl = Control.from_wire(frame)
+            ctl: Control = Control.from_wire(frame)
         except P.ProtocolError:
             self.counters["bad_control_msgs"] += 1
             return []
@@ -257,7 +254,7 @@ class RankCore:
         upto = ctl.upto[self.rank] if self.rank < len(ctl.upto) else 0
         return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, ctl.layout, bool(ctl.keep_cpu), now)
 
-    def _layout_ok(self, wire: Any) -> bool:
+    def _layout_ok(self, wire: Map | None) -> bool:
         """A layout from the broker is checked where it enters, like every value."""
         try:
             CacheLayout.from_wire(wire)
@@ -266,34 +263,33 @@ class RankCore:
             self.counters["bad_broker_msgs"] += 1
             return False
 
-    def _welcome(self, msg: dict, now: float) -> list[RankAction]:
-        if msg["upto"] > self.received:
+    def _welcome(self, msg: Welcome, now: float) -> list[RankAction]:
+        if msg.upto > self.received:
             # The broker sent tasks of this session before this welcome and
             # they never came: the connection they took died (a welcome
             # answering a repeated READY came on the new one).  Register
             # afresh, so the broker fails them now instead of waiting forever.
-            self.counters["tasks_lost_in_transit"] += msg["upto"] - self.received
+            self.counters["tasks_lost_in_transit"] += msg.upto - self.received
             return self._restart(now)
         if self.phase is RankPhase.JOINING:
             self.phase = RankPhase.REGISTERED
-        self.heartbeat_ms = msg["heartbeat_ms"]
+        self.heartbeat_ms = msg.heartbeat_ms
         # 0 for a new session; for the answer to a repeated READY, the tasks
         # dispatched since the first welcome, which came before it.
-        self.received = msg["upto"]
+        self.received = msg.upto
         self.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
         hello: list[RankAction] = [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
-        self.bus_layout = CacheLayout.from_wire(msg["layout"])
+        self.bus_layout = CacheLayout.from_wire(msg.layout)
         self.fresh = False
-        self.gen = msg["gen"]
+        self.gen = msg.gen
         self.counters["welcomes"] += 1
         # The welcome is authoritative, even at a lower epoch.
-        return hello + self._apply(msg["epoch"], msg["op"], msg["gen"], msg["upto"], None, bool(msg.get("keep_cpu")), now,
-                                   welcome=True)
+        return hello + self._apply(msg.epoch, msg.op, msg.gen, msg.upto, None, bool(msg.keep_cpu), now, welcome=True)
 
-    def _apply(self, epoch: int, wire_op: str, gen: int, upto: int, layout: dict | None, keep_cpu: bool, now: float,
+    def _apply(self, epoch: int, wire_op: str, gen: int, upto: int, layout: Map | None, keep_cpu: bool, now: float,
                welcome: bool = False) -> list[RankAction]:
         op = ControlOp(wire_op)  # the decoders let only these four through
         if epoch < self.epoch and not welcome:
@@ -310,20 +306,14 @@ class RankCore:
         if op is ControlOp.PAUSE:
             self.upto = upto
         elif op is ControlOp.CLEAR:
-            self.freed = 0
-            if self.has_cache:
-                self.has_cache = False
-                self.cache_op_pending = True
+            if self.cache.clear():
                 out.append(FreeCache(keep_cpu))
         else:  # RESUME, or RUN: a (restarted) broker that is running
             if layout is not None:
                 self.bus_layout = CacheLayout.from_wire(layout)
-            if not self.has_cache or self.alloc_error or self.bus_layout != self.layout:
+            if not self.cache.phase.serves or self.bus_layout != self.layout:
                 self.layout = self.bus_layout
-                self.has_cache = True
-                self.cache_op_pending = True
-                self.alloc_error = ""
-                self.cpu_kept = None
+                self.cache.allocate()
                 out.append(AllocateCache(self.layout))
             if op is ControlOp.RUN:
                 out.append(Acked(op, epoch))  # nothing to ack on the wire, but no longer paused
@@ -334,13 +324,13 @@ class RankCore:
 
     def _maybe_ack(self, repeat: bool = False) -> list[RankAction]:
         """Ack the current op if its condition holds (again, on a repeat)."""
-        op = self.op
-        if op is ControlOp.RUN or self.cache_op_pending:
+        op, cache = self.op, self.cache
+        if op is ControlOp.RUN or cache.phase.busy:
             return []
-        if op is ControlOp.RESUME and self.alloc_error:  # said again on a repeat: the broker fails the resume
+        if op is ControlOp.RESUME and cache.phase is CachePhase.ALLOC_FAILED:  # said again on a repeat: the broker fails the resume
             self.counters["acks"] += 1
             return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, gen=self.gen, layout=self.layout.to_wire(),
-                                      error=self.alloc_error))]
+                                      error=cache.error))]
         if op is ControlOp.PAUSE and (self.received < self.upto or self.inflight):
             return []
         if op is ControlOp.CLEAR and self.inflight:
@@ -352,11 +342,11 @@ class RankCore:
         if op is ControlOp.PAUSE:
             fields["upto"] = self.upto
         if op is ControlOp.CLEAR:
-            fields["freed"] = self.freed
+            fields["freed"] = cache.freed
         if op is ControlOp.RESUME:
             fields["layout"] = self.layout.to_wire()
-            if self.cpu_kept is not None:
-                fields["cpu_kept"] = self.cpu_kept
+            if cache.cpu_kept is not None:
+                fields["cpu_kept"] = cache.cpu_kept
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
@@ -374,14 +364,9 @@ class RankCore:
         """The executor finished a FreeCache / AllocateCache.  A failed
         allocation leaves no cache (tasks are refused) and fails the resume
         with its reason; the next resume tries again."""
-        self.cache_op_pending = False
-        self.freed += freed
         if error:
             self.counters["alloc_failed"] += 1
-            self.alloc_error = error
-            self.has_cache = False
-        else:
-            self.cpu_kept = cpu_kept
+        self.cache.done(freed, error, cpu_kept)
         return self._maybe_ack()
 
     # --- clock ---------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+from ..wire.vocab import Outcome
+
 
 @dataclass(slots=True)
 class Finished:
@@ -16,7 +18,7 @@ class Finished:
 
     seq: int
     n: int
-    outcome: str
+    outcome: Outcome  # ok or failed
     nbytes: int
     gen: int
 

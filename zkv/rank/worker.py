@@ -47,7 +47,7 @@ from .core import RankCore, RankRefused
 from .batching import DoneBatcher, InlinePolicy
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
-from .vocab import ControlOp
+from ..wire.vocab import ControlOp, Outcome
 
 log = logging.getLogger("zkv.worker")
 
@@ -115,7 +115,7 @@ class Executor(threading.Thread):
         """The report for work that raised, so the I/O thread's books stay right."""
         if isinstance(item, (FreeCache, AllocateCache)):
             return CacheDone(0, None, reason)
-        return Finished(item.seq, item.n, "failed", 0, item.gen)
+        return Finished(item.seq, item.n, Outcome.FAILED, 0, item.gen)
 
 
 def new_session() -> int:

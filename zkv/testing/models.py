@@ -12,6 +12,9 @@ from typing import Any
 import torch
 import transformers
 
+from ..rank.cache.dtypes import TORCH_DTYPES
+from ..wire.vocab import Dtype
+
 #: name -> LlamaConfig arguments
 CONFIGS: dict[str, dict[str, Any]] = {
     # the CI model: 4 layers, hidden 256, 8 heads, 4 KV heads (2.9 M parameters)
@@ -21,7 +24,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bench": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
               "intermediate_size": 1408, "vocab_size": 4000, "max_position_embeddings": 8192},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def random_llama(seed: int, dtype: str = "fp32", config: str = "small") -> transformers.LlamaForCausalLM:
@@ -29,7 +31,7 @@ def random_llama(seed: int, dtype: str = "fp32", config: str = "small") -> trans
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model: Any = transformers.LlamaForCausalLM(cfg)  # Any: mypy reads .to() through transformers' wrappers
-    return model.to(DTYPES[dtype]).eval()
+    return model.to(TORCH_DTYPES[Dtype(dtype)]).eval()
 
 
 def load_weights(model: transformers.PreTrainedModel, seed: int, config: str = "small") -> None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...rank.cache.dtypes import WIRE_DTYPES
 from ...rank.cache.errors import CacheError
 from ...rank.cache.regions import TensorEntry
 from ...wire.layout import CacheLayout
-
-_WIRE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+from ...wire.vocab import Dtype
 
 
 @dataclass(frozen=True)
@@ -61,4 +61,4 @@ def model_layout(layout: KVLayout) -> CacheLayout:
     """The model fields a rank on this cache announces; the rank sets ``gpu_blocks`` (its block
     count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.store.bus_layout``)."""
     return CacheLayout(layers=layout.layers, block_size=layout.block_size, kv_heads=layout.kv_heads,
-                       head_dim=layout.head_dim, dtype=_WIRE_DTYPES.get(layout.dtype, "bf16"))
+                       head_dim=layout.head_dim, dtype=WIRE_DTYPES.get(layout.dtype, Dtype.BF16))

@@ -27,12 +27,12 @@ from typing import Any, Callable, Hashable, Protocol
 import torch
 
 from ...wire.layout import CacheLayout
+from ...wire.vocab import Dtype
 from . import layouts
+from .dtypes import TORCH_DTYPES
 from .errors import CacheError
 from .regions import CacheDescriptor, EngineCache
 from .staging import STAGING_BYTES
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class MemorySource(Protocol):
@@ -82,7 +82,7 @@ class OwnedMemory:
 
     def acquire(self, layout: CacheLayout) -> EngineCache:
         shape = (layout.kv_heads, layout.block_size, layout.head_dim)
-        store = torch.zeros((2 * layout.layers, layout.gpu_blocks, *shape), dtype=TORCH_DTYPES[layout.dtype], device=self.device)
+        store = torch.zeros((2 * layout.layers, layout.gpu_blocks, *shape), dtype=TORCH_DTYPES[Dtype(layout.dtype)], device=self.device)
         tensors = list(store.unbind(0))  # K0, V0, K1, V1, ...
         cache = EngineCache.from_tensors(layouts.zkv_native(tensors[0::2], tensors[1::2]), generation=next(self._generations))
         self.store = store
