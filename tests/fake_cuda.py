@@ -112,9 +112,21 @@ class FakeCuda:
         else:  # the host waits only on what it synchronized
             after = frozenset(self.host_ops | (self.synced or set()))
             self.host_ops.add(oid)
-        self.ops.append(Op(oid, kind, stream.name if stream else None, bool(stream and stream.after_engine),
-                           self.where(dst), self.where(src), dst.is_contiguous() and src.is_contiguous(), non_blocking,
-                           span(dst), span(src), after))
+        self.ops.append(
+            Op(
+                oid,
+                kind,
+                stream.name if stream else None,
+                bool(stream and stream.after_engine),
+                self.where(dst),
+                self.where(src),
+                dst.is_contiguous() and src.is_contiguous(),
+                non_blocking,
+                span(dst),
+                span(src),
+                after,
+            )
+        )
 
 
 class FakeStream:
@@ -194,6 +206,7 @@ def fake_cuda_fixture(monkeypatch):
         def alloc(*args, pin_memory=False, **kw):
             rec.pinned_allocations += bool(pin_memory)
             return real(*args, **kw)
+
         return alloc
 
     def pin_memory(self, *args, **kw):

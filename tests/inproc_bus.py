@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import threading
 
-from zkv.broker.loop import Broker
 from zkv.broker.core import BrokerConfig
+from zkv.broker.loop import Broker
 from zkv.client.client import Client
 from zkv.net.endpoints import Endpoints
-from zkv.wire.layout import CacheLayout
 from zkv.rank.worker import RankWorker
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
 
@@ -23,8 +23,10 @@ class InProcessBus:
         self.endpoints = Endpoints.in_dir(directory)
         config = BrokerConfig(world=world, heartbeat_ms=100)
         self.broker = Broker(self.endpoints, config, recorder=recorder)
-        self.ranks = [RankWorker(r, world, self.endpoints.backend, self.endpoints.control, LAYOUT, device="cpu")
-                      for r in range(world)]
+        self.ranks = [
+            RankWorker(r, world, self.endpoints.backend, self.endpoints.control, LAYOUT, device="cpu")
+            for r in range(world)
+        ]
         self.threads = [threading.Thread(target=x.serve, daemon=True) for x in (self.broker, *self.ranks)]
 
     def __enter__(self) -> "InProcessBus":

@@ -18,13 +18,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from zkv.wire import protocol as P
-from zkv.wire.messages import Result
 from zkv.broker.core import BrokerConfig, BrokerCore, Publish, SaveState, ToClient, ToRank
-from zkv.wire.layout import CacheLayout
+from zkv.client.results import ResultBook
 from zkv.rank.cache_phase import CachePhase
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
-from zkv.client.results import ResultBook
+from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
+from zkv.wire.messages import Result
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=1, kv_heads=1, head_dim=1)
 OTHER = LAYOUT.with_changes(gpu_blocks=6, cpu_blocks=4)
@@ -77,8 +77,10 @@ class Bus:
         self.disk: dict[str, Any] | None = None
         self.broker = BrokerCore(BrokerConfig(world=world, **CFG))
         self.sessions = itertools.count(1)  # every registration its own session, restarts too
-        self.ranks = {r: Rank(RankCore(r, world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
-                      for r in range(world)}
+        self.ranks = {
+            r: Rank(RankCore(r, world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
+            for r in range(world)
+        }
         self.to_broker: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
         self.client_in: collections.deque = collections.deque()
         self.results_in: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
@@ -147,7 +149,9 @@ class Bus:
         req = self.next_req
         self.next_req += 1
         # the broker answers a control op by its deadline; status and ping at once
-        self.requests[req] = Request(kind, self.now + (timeout_ms / 1000 if kind in ("pause", "clear", "resume") else 0))
+        self.requests[req] = Request(
+            kind, self.now + (timeout_ms / 1000 if kind in ("pause", "clear", "resume") else 0)
+        )
         if kind in ("pause", "clear", "resume"):
             fields["timeout_ms"] = timeout_ms
         self._broker_actions(self.broker.on_client(CLIENT, [P.encode(kind, req=req, **fields)], self.now))
@@ -211,8 +215,10 @@ class Bus:
                     continue
                 for r, res in out.per_rank.items():
                     if res["digests"][i] != want[r]:
-                        self.silent_losses.append(f"task {out.task}: {key} on rank {r} holds {res['digests'][i]}, "
-                                                  f"the client wrote {want[r]} in generation {self.book.gen}")
+                        self.silent_losses.append(
+                            f"task {out.task}: {key} on rank {r} holds {res['digests'][i]}, "
+                            f"the client wrote {want[r]} in generation {self.book.gen}"
+                        )
 
     # --- network and processes -----------------------------------------------------
 
@@ -291,7 +297,9 @@ class Bus:
                     tier[b] = (body.seed, rank, i)
             else:
                 digests = [tier.get(b) for b in ids]
-        result = Result(task=ex.task, rank=rank, world=self.world, outcome=outcome, reason=reason, gen=ex.gen, digests=digests)
+        result = Result(
+            task=ex.task, rank=rank, world=self.world, outcome=outcome, reason=reason, gen=ex.gen, digests=digests
+        )
         self.results_in[rank].append(result)
         self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, outcome, 0, ex.gen))
 
@@ -316,8 +324,16 @@ class Bus:
                 return
 
     def _pending_count(self) -> int:
-        n = len(self.client_in) + sum(len(q) for q in self.to_broker.values()) + sum(len(q) for q in self.results_in.values())
-        return n + sum(len(sr.dealer_in) + len(sr.sub_in) + len(sr.work) for sr in self.ranks.values() if sr.alive and not sr.frozen)
+        n = (
+            len(self.client_in)
+            + sum(len(q) for q in self.to_broker.values())
+            + sum(len(q) for q in self.results_in.values())
+        )
+        return n + sum(
+            len(sr.dealer_in) + len(sr.sub_in) + len(sr.work)
+            for sr in self.ranks.values()
+            if sr.alive and not sr.frozen
+        )
 
     def kill_rank(self, rank: int) -> None:
         sr = self.ranks[rank]
@@ -329,7 +345,9 @@ class Bus:
 
     def start_rank(self, rank: int) -> None:
         """A new process: fresh memory, generation 0, its command-line layout."""
-        self.ranks[rank] = Rank(RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
+        self.ranks[rank] = Rank(
+            RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__)
+        )
         self._rank_actions(rank, self.ranks[rank].core.start(self.now))
 
     def restart_broker(self) -> None:
@@ -364,7 +382,9 @@ class Bus:
             raise ModelViolation(f"{self.copies_after_ack} copies between a pause ack and the next resume")
         if self.silent_losses:
             raise ModelViolation("silent loss: " + "; ".join(self.silent_losses))
-        late = [(req, r.kind) for req, r in self.requests.items() if not r.answered and not r.lost and r.deadline < self.now]
+        late = [
+            (req, r.kind) for req, r in self.requests.items() if not r.answered and not r.lost and r.deadline < self.now
+        ]
         if late:
             raise ModelViolation(f"requests not answered by their deadline: {late}")
         if self.broker.counters.get("internal_errors"):
@@ -378,6 +398,8 @@ class Bus:
                 if core.gen != self.broker.gen:
                     raise ModelViolation(f"rank {core.rank} serves generation {core.gen}, the broker {self.broker.gen}")
                 if core.cache.phase is CachePhase.SERVING and sr.mem.layout != self.broker.layout:
-                    raise ModelViolation(f"rank {core.rank} serves layout {sr.mem.layout}, the broker holds {self.broker.layout}")
+                    raise ModelViolation(
+                        f"rank {core.rank} serves layout {sr.mem.layout}, the broker holds {self.broker.layout}"
+                    )
         for _task, out in self.outcomes.items():
             assert out in P.OUTCOMES

@@ -28,7 +28,14 @@ ALLOWED: dict[str, set[str]] = {
     "broker": {"wire", "net", "obs", "broker"},
     "rank": {"wire", "net", "obs", "rank"},
     "client": {"wire", "net", "client"},
-    "engines": {"wire", "net", "rank", "client", "prefix", "engines"},  # adapters for real engines' KV caches; prefix: its Bus and Quarantine
+    "engines": {
+        "wire",
+        "net",
+        "rank",
+        "client",
+        "prefix",
+        "engines",
+    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine
     "prefix": {"wire", "prefix"},  # it reaches the bus only through prefix.bus.Bus
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "client", "trace", "replay", "harness"},
@@ -47,8 +54,13 @@ TORCH_LAYERS = {"rank", "engines"}
 #: as the baseline for the rank's copy engine; the GPU check drives it on
 #: real tensors; the stand-in engine process owns tensors of its own; the random
 #: test models are torch modules.
-TORCH_EXCEPTIONS = {"zkv.harness.bench", "zkv.harness.bench_copy", "zkv.harness.gpu_check", "zkv.harness.demo_engine",
-                    "zkv.testing.models"}
+TORCH_EXCEPTIONS = {
+    "zkv.harness.bench",
+    "zkv.harness.bench_copy",
+    "zkv.harness.gpu_check",
+    "zkv.harness.demo_engine",
+    "zkv.testing.models",
+}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -112,7 +124,9 @@ def violations(module: str, source: str, is_package: bool = False) -> list[str]:
             continue
         to = layer_of(target)
         if to not in ALLOWED[layer] and (module, target) not in KNOWN_EXCEPTIONS:
-            found.append(f"{module}:{line} ({layer}) imports {target} ({to}); {layer} may import only {sorted(ALLOWED[layer])}")
+            found.append(
+                f"{module}:{line} ({layer}) imports {target} ({to}); {layer} may import only {sorted(ALLOWED[layer])}"
+            )
     return found
 
 
@@ -128,8 +142,11 @@ def test_every_module_follows_the_import_rules():
 
 
 def test_every_package_has_an_init():
-    missing = [str(d.relative_to(ROOT)) for d in [PKG, *PKG.rglob("*")] if d.is_dir() and d.name != "__pycache__"
-               and any(d.glob("*.py")) and not (d / "__init__.py").is_file()]
+    missing = [
+        str(d.relative_to(ROOT))
+        for d in [PKG, *PKG.rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").is_file()
+    ]
     assert not missing, f"setup.cfg finds packages by their __init__.py; these have none: {missing}"
 
 
@@ -138,18 +155,23 @@ def test_known_exceptions_are_still_needed():
     used = set()
     for path in all_modules():
         module = module_name(path)
-        used |= {(module, t) for _, t in imports_of(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")}
+        used |= {
+            (module, t) for _, t in imports_of(module, path.read_text(encoding="utf-8"), path.name == "__init__.py")
+        }
     assert KNOWN_EXCEPTIONS <= used, KNOWN_EXCEPTIONS - used
 
 
-@pytest.mark.parametrize("module,source,complaint", [
-    ("zkv.broker.core", "from ..rank import core\n", "broker may import only"),
-    ("zkv.client.client", "def f():\n    from ..broker.loop import Broker\n", "client may import only"),
-    ("zkv.wire.layout", "from ..net.endpoints import Endpoints\n", "wire may import only"),
-    ("zkv.prefix.manager", "import torch\n", "imports torch"),
-    ("zkv.trace.parse", "from ..wire.nothing_here import x\n", "does not exist"),
-    ("zkv.engines2.x", "import os\n", "has no import rule"),
-])
+@pytest.mark.parametrize(
+    "module,source,complaint",
+    [
+        ("zkv.broker.core", "from ..rank import core\n", "broker may import only"),
+        ("zkv.client.client", "def f():\n    from ..broker.loop import Broker\n", "client may import only"),
+        ("zkv.wire.layout", "from ..net.endpoints import Endpoints\n", "wire may import only"),
+        ("zkv.prefix.manager", "import torch\n", "imports torch"),
+        ("zkv.trace.parse", "from ..wire.nothing_here import x\n", "does not exist"),
+        ("zkv.engines2.x", "import os\n", "has no import rule"),
+    ],
+)
 def test_the_checker_catches_a_crossing(module, source, complaint):
     found = violations(module, source)
     assert found and complaint in found[0], found
@@ -189,8 +211,10 @@ def class_violations(module: str, source: str, classes: dict[str, list[str]]) ->
         bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
         mixins = [b for b in bases if b in classes and not _is_exception(b, classes)]
         if len(mixins) > 1 or (mixins and node.name.endswith(("Core", "Manager"))):
-            found.append(f"{module}:{node.lineno} class {node.name} inherits from {', '.join(mixins)}: "
-                         "compose parts that own their fields instead")
+            found.append(
+                f"{module}:{node.lineno} class {node.name} inherits from {', '.join(mixins)}: "
+                "compose parts that own their fields instead"
+            )
     return found
 
 
@@ -219,23 +243,35 @@ def test_tools_live_in_harness_and_modules_stay_small():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("source", [
-    "class BrokerCore(Tasks, Control):\n    pass\n",
-    "class PrefixCacheManager(SwapRunner):\n    pass\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class BrokerCore(Tasks, Control):\n    pass\n",
+        "class PrefixCacheManager(SwapRunner):\n    pass\n",
+    ],
+)
 def test_the_checker_catches_a_mixin_core(source):
-    classes = {"Tasks": [], "Control": [], "SwapRunner": [], "BrokerCore": ["Tasks", "Control"],
-               "PrefixCacheManager": ["SwapRunner"], "ReasonError": ["ZkvError"]}
+    classes = {
+        "Tasks": [],
+        "Control": [],
+        "SwapRunner": [],
+        "BrokerCore": ["Tasks", "Control"],
+        "PrefixCacheManager": ["SwapRunner"],
+        "ReasonError": ["ZkvError"],
+    }
     assert class_violations("zkv.broker.core", source, classes)
     assert not class_violations("zkv.prefix.errors", "class E(ReasonError, ValueError):\n    pass\n", classes)
 
 
-@pytest.mark.parametrize("module,lines,complaint", [
-    ("zkv.rank.cache.gpu_check", 10, "belongs in zkv/harness"),
-    ("zkv.rank.cache.bench_copy", 10, "belongs in zkv/harness"),
-    ("zkv.engines.demo_engine", 10, "belongs in zkv/harness"),
-    ("zkv.broker.core", 401, "at most 400"),
-])
+@pytest.mark.parametrize(
+    "module,lines,complaint",
+    [
+        ("zkv.rank.cache.gpu_check", 10, "belongs in zkv/harness"),
+        ("zkv.rank.cache.bench_copy", 10, "belongs in zkv/harness"),
+        ("zkv.engines.demo_engine", 10, "belongs in zkv/harness"),
+        ("zkv.broker.core", 401, "at most 400"),
+    ],
+)
 def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
     found = floor_violations(module, lines)
     assert found and complaint in found[0], found
@@ -244,20 +280,36 @@ def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
 
 def test_the_lower_layers_load_without_torch():
     """Measured, not parsed: a fresh interpreter imports them and torch stays out."""
-    code = ("import sys, zkv, zkv.wire, zkv.net, zkv.broker, zkv.client, zkv.prefix, zkv.rank, zkv.rank.core, "
-            "zkv.trace, zkv.replay, zkv.testing; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys, zkv, zkv.wire, zkv.net, zkv.broker, zkv.client, zkv.prefix, zkv.rank, zkv.rank.core, "
+        "zkv.trace, zkv.replay, zkv.testing; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_import_zkv_leaves_the_process_alone():
     """No warning filters, no signal handlers, no torch settings on import."""
-    code = ("import signal, warnings; before = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
-            "import zkv, zkv.cli; after = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
-            "print(before == after)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import signal, warnings; before = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
+        "import zkv, zkv.cli; after = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
+        "print(before == after)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"

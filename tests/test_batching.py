@@ -56,7 +56,11 @@ def test_frames_helpers_keep_multipart_messages_whole(tmp_path):
 def registered_core(world: int = 2) -> BrokerCore:
     core = BrokerCore(BrokerConfig(world=world))
     for r in range(world):
-        core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0, pid=1)], 1.0)
+        core.on_rank(
+            f"rank-{r}".encode(),
+            [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0, pid=1)],
+            1.0,
+        )
         core.on_rank(f"rank-{r}".encode(), [P.encode("hb", inflight=0)], 1.0)  # the welcome arrived
     return core
 
@@ -66,7 +70,9 @@ def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[dict]]:
     sent: dict[bytes, list[dict]] = {}
     body = P.encode_body("swap_out", [1], [2])
     for task in range(1, n + 1):
-        for a in frames_of(core.on_client(CLIENT, [P.encode("submit", task=task, reply_to="ipc:///x"), body], 1.0), ToRank):
+        for a in frames_of(
+            core.on_client(CLIENT, [P.encode("submit", task=task, reply_to="ipc:///x"), body], 1.0), ToRank
+        ):
             sent.setdefault(a.identity, []).append(P.decode(a.frames[0]))
     return sent
 
@@ -88,7 +94,13 @@ def test_a_bad_frame_in_a_batch_is_answered_and_costs_no_other_credit():
     core = registered_core()
     sent = submit_tasks(core, 3)
     for identity, headers in sent.items():
-        frames = [done(headers[0]), b"\xc1junk", P.encode("ack", epoch=1, op="pause"), done(headers[1]), done(headers[2])]
+        frames = [
+            done(headers[0]),
+            b"\xc1junk",
+            P.encode("ack", epoch=1, op="pause"),
+            done(headers[1]),
+            done(headers[2]),
+        ]
         errors = [P.decode(a.frames[0]) for a in frames_of(core.on_rank(identity, frames, 2.0), ToRank)]
         assert [(e["kind"], e["code"]) for e in errors] == [("error", "malformed"), ("error", "unknown_kind")]
     assert core.inflight == {} and core.counters["ok"] == 3
@@ -158,6 +170,7 @@ def test_the_broker_sends_the_tasks_of_one_wakeup_as_one_message(endpoints, tmp_
     ranks = [raw_socket(zmq.DEALER, endpoints.backend) for _ in range(2)]
     client = raw_socket(zmq.DEALER, endpoints.frontend)
     try:
+
         def register(r: int) -> None:
             ranks[r].send(P.encode("ready", rank=r, world=2, session=7, layout=LAYOUT.to_wire(), gen=0, pid=1))
 
@@ -195,13 +208,36 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
     try:
         ident, frame = recv_frames(router, 20_000)
         ready = P.decode(frame)
-        router.send_multipart([ident, P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(),
-                                               heartbeat_ms=1000, session=ready["session"])])
+        router.send_multipart(
+            [
+                ident,
+                P.encode(
+                    "welcome",
+                    epoch=0,
+                    op="run",
+                    gen=0,
+                    upto=0,
+                    layout=LAYOUT.to_wire(),
+                    heartbeat_ms=1000,
+                    session=ready["session"],
+                ),
+            ]
+        )
         first_such(router, lambda f: P.decode(f[1])["kind"] == "hb")  # the welcome's confirmation
         tasks: list[bytes] = []
         for n in range(1, 4):
-            tasks += [P.encode("task", seq=n, n=n, task=100 + n, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
-                               session=ready["session"]), P.encode_body("fill", dst=[n], tier="gpu", seed=n)]
+            tasks += [
+                P.encode(
+                    "task",
+                    seq=n,
+                    n=n,
+                    task=100 + n,
+                    reply_to=f"ipc://{tmp_path}/results.sock",
+                    gen=0,
+                    session=ready["session"],
+                ),
+                P.encode_body("fill", dst=[n], tier="gpu", seed=n),
+            ]
         router.send_multipart([ident, *tasks])
         frames = first_such(router, lambda f: P.decode(f[1])["kind"] != "hb")[1:]
         dones = [P.decode(f) for f in frames]
@@ -209,8 +245,21 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
         results = sorted(P.decode(recv_frames(pull)[0])["task"] for _ in range(3))
         assert results == [101, 102, 103]
         router.send_multipart([ident, *tasks[:3]])  # an odd frame count: not a task message, counted, serving on
-        router.send_multipart([ident, P.encode("task", seq=4, n=4, task=104, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
-                                               session=ready["session"]), tasks[1]])
+        router.send_multipart(
+            [
+                ident,
+                P.encode(
+                    "task",
+                    seq=4,
+                    n=4,
+                    task=104,
+                    reply_to=f"ipc://{tmp_path}/results.sock",
+                    gen=0,
+                    session=ready["session"],
+                ),
+                tasks[1],
+            ]
+        )
         assert P.decode(recv_frames(pull)[0])["task"] == 104
         assert worker.core.counters["bad_broker_msgs"] == 1
     finally:

@@ -4,10 +4,9 @@ credits, heartbeats and liveness, status, and bad input."""
 import msgpack
 import pytest
 
-from zkv.wire import protocol as P
 from zkv.broker.core import BrokerConfig, BrokerCore, ToClient, ToRank, frames_of
-
 from zkv.testing.sim import CLIENT, LAYOUT, Sim
+from zkv.wire import protocol as P
 
 
 def ready(rank: int, world: int = 2, session: int = 1, layout=LAYOUT) -> list[bytes]:
@@ -127,17 +126,23 @@ def test_status_reports_ranks_queue_and_counters():
     assert st["counters"]["submitted"] == 1
 
 
-@pytest.mark.parametrize("frames,code", [
-    ([b"\xc1garbage"], "malformed"),
-    ([msgpack.packb([1, 2])], "malformed"),
-    ([msgpack.packb({"v": 2, "kind": "status", "req": 1})], "bad_version"),
-    ([msgpack.packb({"v": 1, "kind": "launch", "req": 1})], "unknown_kind"),
-    ([msgpack.packb({"v": 1, "kind": "status"})], "bad_field"),
-    ([msgpack.packb({"v": 1, "kind": "status", "req": -1})], "bad_field"),
-    ([msgpack.packb({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": {}, "gen": 0})], "unknown_kind"),
-    ([P.encode("status", req=1)] * 3, "malformed"),
-    ([b"\x00" * (P.MAX_FRAME_BYTES + 1)], "too_large"),
-])
+@pytest.mark.parametrize(
+    "frames,code",
+    [
+        ([b"\xc1garbage"], "malformed"),
+        ([msgpack.packb([1, 2])], "malformed"),
+        ([msgpack.packb({"v": 2, "kind": "status", "req": 1})], "bad_version"),
+        ([msgpack.packb({"v": 1, "kind": "launch", "req": 1})], "unknown_kind"),
+        ([msgpack.packb({"v": 1, "kind": "status"})], "bad_field"),
+        ([msgpack.packb({"v": 1, "kind": "status", "req": -1})], "bad_field"),
+        (
+            [msgpack.packb({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": {}, "gen": 0})],
+            "unknown_kind",
+        ),
+        ([P.encode("status", req=1)] * 3, "malformed"),
+        ([b"\x00" * (P.MAX_FRAME_BYTES + 1)], "too_large"),
+    ],
+)
 def test_bad_client_input_gets_an_error_reply_and_the_broker_keeps_serving(frames, code):
     core = BrokerCore(BrokerConfig(world=1))
     (msg,) = decoded(core.on_client(CLIENT, frames, 1.0))

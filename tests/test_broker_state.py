@@ -10,7 +10,11 @@ from zkv.broker.state import ALREADY, IN_PROGRESS, ON_FAILURE, ON_SUCCESS, BusSt
 def test_every_op_has_a_progress_a_success_and_a_failure_state():
     for op in (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME):
         assert op in IN_PROGRESS and op in ON_SUCCESS and op in ON_FAILURE and op in ALREADY
-    assert ON_SUCCESS == {ControlOp.PAUSE: BusState.PAUSED, ControlOp.CLEAR: BusState.CLEARED, ControlOp.RESUME: BusState.RUNNING}
+    assert ON_SUCCESS == {
+        ControlOp.PAUSE: BusState.PAUSED,
+        ControlOp.CLEAR: BusState.CLEARED,
+        ControlOp.RESUME: BusState.RUNNING,
+    }
 
 
 def test_failures_go_back_where_the_op_began():
@@ -81,7 +85,7 @@ def test_the_newest_whole_snapshot_wins_and_a_torn_one_leaves_the_one_before(tmp
     assert loaded is not None and loaded["epoch"] == 3 and len(loaded["gen_reason"]) == 2000  # capped to fit its slot
     data = bytearray(path.read_bytes())
     newest = (3 % 2) * SLOT_BYTES
-    data[newest + 40:newest + 60] = b"\0" * 20  # the host lost power in the middle of the last write
+    data[newest + 40 : newest + 60] = b"\0" * 20  # the host lost power in the middle of the last write
     path.write_bytes(bytes(data))
     assert StateFile(path).load()["epoch"] == 2
     again = StateFile(path)

@@ -5,8 +5,8 @@ import random
 import signal
 
 from zkv.harness.cluster import LocalCluster
-from zkv.wire.layout import CacheLayout
 from zkv.trace import check_recording, load_trace
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
 
@@ -18,7 +18,9 @@ def test_sigterm_waits_for_the_done_of_tasks_in_flight(tmp_path):
     try:
         rng = random.Random(5)
         with c.client() as client:
-            tasks = [client.submit("swap_out", rng.sample(range(128), 64), rng.sample(range(256), 64)) for _ in range(30)]
+            tasks = [
+                client.submit("swap_out", rng.sample(range(128), 64), rng.sample(range(256), 64)) for _ in range(30)
+            ]
             client.ping()  # every submit reached the broker before the stop
             c.broker.send_signal(signal.SIGTERM)
             assert c.broker.wait(timeout=10) == 0

@@ -12,9 +12,9 @@ CI runs a bounded number of examples; ``ZKV_LONG_MODEL=1`` runs the long profile
 import os
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings, strategies as st
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
 from model_bus import ALLOC_LIMIT, OTHER, Bus
 
 LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
@@ -68,7 +68,11 @@ class BusModel(RuleBasedStateMachine):
         ranks, one is frozen past the liveness window, the resume fails."""
         bus, r = self.bus, self._rank(r)
         target = OTHER if layout == "other" else None
-        fields = {"layout": {"gpu_blocks": target.gpu_blocks, "cpu_blocks": target.cpu_blocks}} if target else {"layout": {"gpu_blocks": 8, "cpu_blocks": 8}}
+        fields = (
+            {"layout": {"gpu_blocks": target.gpu_blocks, "cpu_blocks": target.cpu_blocks}}
+            if target
+            else {"layout": {"gpu_blocks": 8, "cpu_blocks": 8}}
+        )
         for op in ("pause", "clear"):  # from a cleared bus, as an operator would
             bus.request(op)
             bus.settle()
@@ -175,7 +179,12 @@ class BusModel(RuleBasedStateMachine):
 BusModel.TestCase.settings = settings(
     max_examples=2000 if LONG else 100,
     stateful_step_count=100 if LONG else 50,
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],  # no tracing "explain" phase: slow on a loaded machine
+    phases=[
+        Phase.explicit,
+        Phase.reuse,
+        Phase.generate,
+        Phase.shrink,
+    ],  # no tracing "explain" phase: slow on a loaded machine
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     derandomize=not LONG,

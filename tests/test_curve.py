@@ -10,9 +10,9 @@ import pytest
 
 from zkv import Client, ZkvError
 from zkv.harness.cluster import LocalCluster
+from zkv.net.curve import Curve, generate_keypair
 from zkv.net.endpoints import Endpoints, check_bind_address
 from zkv.wire.layout import CacheLayout
-from zkv.net.curve import Curve, generate_keypair
 
 
 def free_port() -> int:
@@ -33,10 +33,20 @@ def secured(tmp_path_factory):
     shutil.copy(keys / "client.key", clients)
     ep = Endpoints(*(f"tcp://127.0.0.1:{free_port()}" for _ in range(3)))
     cluster = LocalCluster(
-        2, CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16), quiet=True, endpoints=ep,
-        broker_args=["--curve-secret", str(keys / "broker.key_secret"), "--curve-ranks", str(authorized),
-                     "--curve-clients", str(clients)],
-        worker_args=["--curve-secret", str(keys / "rank.key_secret"), "--curve-server", str(keys / "broker.key")])
+        2,
+        CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16),
+        quiet=True,
+        endpoints=ep,
+        broker_args=[
+            "--curve-secret",
+            str(keys / "broker.key_secret"),
+            "--curve-ranks",
+            str(authorized),
+            "--curve-clients",
+            str(clients),
+        ],
+        worker_args=["--curve-secret", str(keys / "rank.key_secret"), "--curve-server", str(keys / "broker.key")],
+    )
     cluster.start_broker()
     for r in (0, 1):
         cluster.start_worker(r)
@@ -95,6 +105,8 @@ def test_replay_against_a_curve_broker(secured):
     cluster, _, _, me, _ = secured
     buf = io.StringIO()
     dump_records(generate("steady", 10, seed=1, world=2, layout=cluster.layout, max_blocks=4), buf)
-    report = replay(parse_trace(buf.getvalue().splitlines()), cluster.endpoints.frontend, curve=me, speed=None, task_timeout=10)
+    report = replay(
+        parse_trace(buf.getvalue().splitlines()), cluster.endpoints.frontend, curve=me, speed=None, task_timeout=10
+    )
     assert report.ok, report.to_json()
     assert report.to_json()["outcomes"] == {"ok": 10}

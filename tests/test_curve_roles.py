@@ -12,11 +12,11 @@ import pytest
 import zmq
 
 from zkv import Client, ZkvError
-from zkv.wire import protocol as P
 from zkv.harness.cluster import LocalCluster
-from zkv.net.endpoints import Endpoints
-from zkv.wire.layout import CacheLayout
 from zkv.net.curve import Curve, generate_keypair, load_keypair, load_public
+from zkv.net.endpoints import Endpoints
+from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=1, kv_heads=1, head_dim=8)
 
@@ -40,9 +40,20 @@ def roles(tmp_path_factory):
     ep = Endpoints(*(f"tcp://127.0.0.1:{free_port()}" for _ in range(3)))
     # The README's recipe, option for option.
     cluster = LocalCluster(
-        1, LAYOUT, quiet=True, endpoints=ep,
-        broker_args=["--curve-secret", str(keys / "broker.key_secret"), "--curve-ranks", str(ranks), "--curve-clients", str(clients)],
-        worker_args=["--curve-secret", str(keys / "rank0.key_secret"), "--curve-server", str(keys / "broker.key")])
+        1,
+        LAYOUT,
+        quiet=True,
+        endpoints=ep,
+        broker_args=[
+            "--curve-secret",
+            str(keys / "broker.key_secret"),
+            "--curve-ranks",
+            str(ranks),
+            "--curve-clients",
+            str(clients),
+        ],
+        worker_args=["--curve-secret", str(keys / "rank0.key_secret"), "--curve-server", str(keys / "broker.key")],
+    )
     cluster.start_broker()
     cluster.start_worker(0)
     me = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(ranks))
@@ -53,13 +64,24 @@ def roles(tmp_path_factory):
 
 
 def zkv(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+    )
 
 
 def test_the_readme_client_recipe_works_as_written(roles):
     cluster, keys, ranks, _ = roles
-    curve = ["--curve-secret", str(keys / "client.key_secret"), "--curve-server", str(keys / "broker.key"), "--curve-ranks", str(ranks)]
-    res = zkv("submit", "swap-out", "--src", "0", "--dst", "1", "--broker", cluster.endpoints.frontend, *curve, "--json")
+    curve = [
+        "--curve-secret",
+        str(keys / "client.key_secret"),
+        "--curve-server",
+        str(keys / "broker.key"),
+        "--curve-ranks",
+        str(ranks),
+    ]
+    res = zkv(
+        "submit", "swap-out", "--src", "0", "--dst", "1", "--broker", cluster.endpoints.frontend, *curve, "--json"
+    )
     assert res.returncode == 0, res.stderr + res.stdout
     res = zkv("status", "--broker", cluster.endpoints.frontend, *curve, "--json")
     assert res.returncode == 0, res.stderr
@@ -69,8 +91,19 @@ def test_the_readme_client_recipe_works_as_written(roles):
 
 def test_a_broker_needs_both_role_directories(roles):
     _, keys, ranks, _ = roles
-    res = zkv("broker", "--frontend", f"tcp://127.0.0.1:{free_port()}", "--backend", f"tcp://127.0.0.1:{free_port()}",
-              "--control", f"tcp://127.0.0.1:{free_port()}", "--curve-secret", str(keys / "broker.key_secret"), "--curve-ranks", str(ranks))
+    res = zkv(
+        "broker",
+        "--frontend",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--backend",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--control",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--curve-secret",
+        str(keys / "broker.key_secret"),
+        "--curve-ranks",
+        str(ranks),
+    )
     assert res.returncode != 0 and "--curve-clients" in res.stderr and "Traceback" not in res.stderr, res.stderr
 
 

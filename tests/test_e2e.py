@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from zkv import Client
-from zkv.wire import protocol as P
 from zkv.harness.cluster import LocalCluster
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
@@ -34,7 +34,9 @@ def client(cluster):
 
 def zkv_cli(cluster, *args, timeout=60):
     env = dict(os.environ, ZKV_BROKER=cluster.endpoints.frontend)
-    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def raw_dealer(cluster):
@@ -78,14 +80,19 @@ def test_cli_failed_outcome_exits_non_zero_with_one_line_error(cluster):
 
 def test_cli_without_a_broker_says_what_to_do(tmp_path):
     env = dict(os.environ, ZKV_BROKER=f"ipc://{tmp_path}/nobody.sock")
-    res = subprocess.run([sys.executable, "-m", "zkv", "status", "--timeout", "0.5"], capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "zkv", "status", "--timeout", "0.5"], capture_output=True, text=True, timeout=60, env=env
+    )
     assert res.returncode == 1 and "zkv up" in res.stderr
 
 
-@pytest.mark.parametrize("src,dst", [
-    (list(range(16)), list(range(100, 116))),  # one coalesced run
-    ([3, 17, 5, 60, 41, 8, 9, 10], [127, 0, 64, 2, 90, 30, 31, 32]),  # scattered + a short run
-])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (list(range(16)), list(range(100, 116))),  # one coalesced run
+        ([3, 17, 5, 60, 41, 8, 9, 10], [127, 0, 64, 2, 90, 30, 31, 32]),  # scattered + a short run
+    ],
+)
 def test_swap_round_trip_is_bit_identical_on_every_rank(client, src, dst):
     assert client.run("fill", None, src, tier="gpu", seed=11).ok
     before = client.run("checksum", src, tier="gpu")
@@ -102,14 +109,17 @@ def test_swap_round_trip_is_bit_identical_on_every_rank(client, src, dst):
         assert after.per_rank[rank]["digests"] == before.per_rank[rank]["digests"]
 
 
-@pytest.mark.parametrize("frames,code", [
-    ([b"\xc1not msgpack"], "malformed"),
-    ([msgpack.packb({"v": 1, "kind": "explode", "req": 1})], "unknown_kind"),
-    ([msgpack.packb({"v": 99, "kind": "status", "req": 1})], "bad_version"),
-    ([msgpack.packb({"v": 1, "kind": "pause", "req": "one"})], "bad_field"),
-    ([P.encode("ping", req=1)] * 4, "malformed"),
-    ([b"\x00" * (P.MAX_FRAME_BYTES + 10)], "too_large"),
-])
+@pytest.mark.parametrize(
+    "frames,code",
+    [
+        ([b"\xc1not msgpack"], "malformed"),
+        ([msgpack.packb({"v": 1, "kind": "explode", "req": 1})], "unknown_kind"),
+        ([msgpack.packb({"v": 99, "kind": "status", "req": 1})], "bad_version"),
+        ([msgpack.packb({"v": 1, "kind": "pause", "req": "one"})], "bad_field"),
+        ([P.encode("ping", req=1)] * 4, "malformed"),
+        ([b"\x00" * (P.MAX_FRAME_BYTES + 10)], "too_large"),
+    ],
+)
 def test_bad_frontend_input_gets_a_clear_error_and_everything_keeps_serving(cluster, client, frames, code):
     sock = raw_dealer(cluster)
     try:
@@ -135,14 +145,20 @@ def test_frame_over_the_transport_limit_drops_that_peer_only(cluster, client):
     assert_still_serving(client)
 
 
-@pytest.mark.parametrize("body,reason", [
-    (P.encode_body("swap_out", [0, 64], [0, 1]), "out of range"),
-    (P.encode_body("swap_in", [0, 1], [5, 5]), "duplicate"),
-    (P.encode_body("swap_out", [0, 1, 2], [0, 1]), "src has 3 ids but dst has 2"),
-    (msgpack.packb({"v": 1, "kind": "body", "op": "teleport"}), "unknown op"),
-    (msgpack.packb({"v": 1, "kind": "body", "op": "swap_out", "src": b"\x00\x00\x00", "dst": [1]}), "multiple of 4"),
-    (b"\xc1", "not a msgpack frame"),
-])
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        (P.encode_body("swap_out", [0, 64], [0, 1]), "out of range"),
+        (P.encode_body("swap_in", [0, 1], [5, 5]), "duplicate"),
+        (P.encode_body("swap_out", [0, 1, 2], [0, 1]), "src has 3 ids but dst has 2"),
+        (msgpack.packb({"v": 1, "kind": "body", "op": "teleport"}), "unknown op"),
+        (
+            msgpack.packb({"v": 1, "kind": "body", "op": "swap_out", "src": b"\x00\x00\x00", "dst": [1]}),
+            "multiple of 4",
+        ),
+        (b"\xc1", "not a msgpack frame"),
+    ],
+)
 def test_bad_task_fails_on_every_rank_with_the_reason_and_ranks_keep_serving(client, body, reason):
     out = client.wait(client.submit_raw(body, timeout=10))
     assert out.outcome == "failed" and reason in out.reason
@@ -185,7 +201,10 @@ def test_a_client_that_went_away_never_blocks_a_rank(cluster, client, tmp_path):
 
 
 def test_many_pipelined_tasks_each_get_exactly_one_outcome(client):
-    tasks = [client.submit("swap_out" if i % 2 else "swap_in", [i % 64], [i % 128] if i % 2 else [i % 64]) for i in range(500)]
+    tasks = [
+        client.submit("swap_out" if i % 2 else "swap_in", [i % 64], [i % 128] if i % 2 else [i % 64])
+        for i in range(500)
+    ]
     outcomes = [client.wait(t, timeout=30) for t in tasks]
     assert [o.task for o in outcomes] == tasks
     assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]

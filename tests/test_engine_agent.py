@@ -19,10 +19,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
 from zkv.client.client import Client, ZkvError
-from zkv.net.endpoints import Endpoints
-from zkv.rank.agent import RankAgent
 from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
+from zkv.net.endpoints import Endpoints
+from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts
 from zkv.rank.core import RankRefused
 from zkv.wire.layout import CacheLayout
@@ -67,15 +67,23 @@ def make_engine(layout: str, nb: int = NB):
     if layout == "sglang_mha":
         kb = [torch.zeros((nb * P + P, H, D), dtype=bf) for _ in range(L)]  # SGLang pads one page
         vb = [torch.zeros((nb * P + P, H, D), dtype=bf) for _ in range(L)]
-        return kb + vb, sglang.mha(kb, vb, P), lambda b: [t[b * P:(b + 1) * P] for t in kb + vb]
+        return kb + vb, sglang.mha(kb, vb, P), lambda b: [t[b * P : (b + 1) * P] for t in kb + vb]
     if layout == "mla":
         kv = {f"layers.{i}.attn": torch.zeros((nb, BS, 576), dtype=bf) for i in range(L)}
         return list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()]
     raise AssertionError(layout)
 
 
-LAYOUTS = ["zkv_native", "fastdeploy", "vllm_flash_attn", "vllm_flash_attn_hnd", "flashinfer", "transformers_cb",
-           "sglang_mha", "mla"]
+LAYOUTS = [
+    "zkv_native",
+    "fastdeploy",
+    "vllm_flash_attn",
+    "vllm_flash_attn_hnd",
+    "flashinfer",
+    "transformers_cb",
+    "sglang_mha",
+    "mla",
+]
 
 
 def block_bytes(block) -> list[torch.Tensor]:
@@ -90,8 +98,12 @@ class Bus:
         self.broker = Broker(self.endpoints, BrokerConfig(world=world, heartbeat_ms=100))
         self.thread = threading.Thread(target=self.broker.serve, daemon=True)
         self.engines = [make_engine(layout, nb) for _ in range(world)]
-        self.agents = [RankAgent(r, world, self.endpoints.backend, self.endpoints.control, self.engines[r][1], CPU_ROWS,
-                                 layout=LAYOUT) for r in range(world)]
+        self.agents = [
+            RankAgent(
+                r, world, self.endpoints.backend, self.endpoints.control, self.engines[r][1], CPU_ROWS, layout=LAYOUT
+            )
+            for r in range(world)
+        ]
 
     def __enter__(self) -> "Bus":
         self.thread.start()
@@ -178,7 +190,12 @@ def test_clear_drops_every_reference_and_resume_attaches_new_tensors_of_another_
 def test_start_and_stop_are_bounded_idempotent_and_leave_the_process_alone(tmp_path):
     ep = Endpoints.in_dir(tmp_path)
     _, entries, _ = make_engine("flashinfer")
-    before = (torch.get_num_threads(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), list(warnings.filters))
+    before = (
+        torch.get_num_threads(),
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGTERM),
+        list(warnings.filters),
+    )
     agent = RankAgent(0, 1, ep.backend, ep.control, entries, CPU_ROWS)
     with pytest.raises(TimeoutError, match="not registered"):
         agent.start(timeout=0.5)  # no broker
@@ -207,5 +224,10 @@ def test_start_and_stop_are_bounded_idempotent_and_leave_the_process_alone(tmp_p
     finally:
         broker.stop()
         thread.join(timeout=10)
-    after = (torch.get_num_threads(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), list(warnings.filters))
+    after = (
+        torch.get_num_threads(),
+        signal.getsignal(signal.SIGINT),
+        signal.getsignal(signal.SIGTERM),
+        list(warnings.filters),
+    )
     assert before == after

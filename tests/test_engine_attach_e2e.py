@@ -79,8 +79,11 @@ def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluste
         with pytest.raises(ZkvError, match=r"rank \d.*stale_manifest.*not newer"):  # the engines did not re-export
             c.resume(timeout=30)
         good = open(path, "rb").read()  # what rank 1 attached last
-        for manifest, reason in ((b"\x81\xa3not a manifest", "bad_manifest"), (None, "missing_file"),
-                                 (good, "stale_manifest")):
+        for manifest, reason in (
+            (b"\x81\xa3not a manifest", "bad_manifest"),
+            (None, "missing_file"),
+            (good, "stale_manifest"),
+        ):
             retry_with(manifest)
             with pytest.raises(ZkvError, match=rf"rank 1 .*{reason}"):
                 c.resume(timeout=30)
@@ -113,8 +116,25 @@ def test_a_worker_whose_manifest_is_missing_exits_saying_why(tmp_path):
     import sys
 
     ep = tmp_path / "s"
-    out = subprocess.run([sys.executable, "-m", "zkv", "worker", "--rank", "1", "--backend", f"ipc://{ep}-b", "--control",
-                          f"ipc://{ep}-c", "--attach", str(tmp_path / "nope.manifest")],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zkv",
+            "worker",
+            "--rank",
+            "1",
+            "--backend",
+            f"ipc://{ep}-b",
+            "--control",
+            f"ipc://{ep}-c",
+            "--attach",
+            str(tmp_path / "nope.manifest"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+    )
     assert out.returncode != 0
     assert "rank 1 cannot attach" in out.stderr and "missing_file" in out.stderr, out.stderr

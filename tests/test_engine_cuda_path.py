@@ -48,7 +48,9 @@ def per_layer(rec, tensors=3, blocks=48, rows=64, staging_rows=8, shared_store=F
 
 
 def assert_ordered_and_synced(rec):
-    assert not rec.unordered(), f"ops on engine or tier memory before the streams waited for the engine: {rec.unordered()}"
+    assert not rec.unordered(), (
+        f"ops on engine or tier memory before the streams waited for the engine: {rec.unordered()}"
+    )
     assert not rec.unsynced(), "the swap returned before an event covering all its copies completed"
     assert not rec.races(), f"copies on the same bytes in no stream order: {rec.races()[:3]}"
     assert rec.calls[-1][0] == "event.synchronize" and rec.calls[-1][2] is True, "last: a blocking event, synchronized"
@@ -126,8 +128,9 @@ def test_a_scattered_swap_crosses_the_link_once_per_staging_chunk_with_no_host_s
         copier.swap_out(blocks, rows)
     transfers = fake_cuda.on("tier")
     assert len(transfers) == 5, "40 pairs, 8 rows a chunk: five transfers"
-    assert all(t.kind == "copy_" and t.contiguous and t.non_blocking for t in transfers), \
+    assert all(t.kind == "copy_" and t.contiguous and t.non_blocking for t in transfers), (
         "every transfer is one contiguous asynchronous copy between pinned rows and a staging buffer"
+    )
     assert all("engine" not in (t.dst, t.src) for t in transfers), "the link carries staged rows only"
     gathers = [op for op in fake_cuda.on("engine") if op.kind in ("index_select", "index_copy_")]
     assert len(gathers) == 5 * len(ks), "one gather (or scatter) per region per chunk, on the device"
@@ -135,7 +138,9 @@ def test_a_scattered_swap_crosses_the_link_once_per_staging_chunk_with_no_host_s
     if op == "swap_in":
         assert all(torch.equal(k[blocks], w) for k, w in zip(ks, want))
     else:
-        assert all(torch.equal(tier.columns[i][rows].view(torch.int32).view(40, 2, 4, 8), w) for i, w in enumerate(want))
+        assert all(
+            torch.equal(tier.columns[i][rows].view(torch.int32).view(40, 2, 4, 8), w) for i, w in enumerate(want)
+        )
 
 
 def test_regions_equally_spaced_in_one_store_gather_in_one_kernel_per_chunk(fake_cuda):
@@ -151,7 +156,9 @@ def test_contiguous_ids_of_a_one_region_cache_copy_directly_without_staging(fake
     _, copier = one_region(fake_cuda, rows=8, staging_bytes=2 * 3 * 256)
     copier.swap_out(list(range(7)), list(range(1, 8)))
     transfers = fake_cuda.on("tier")
-    assert [(t.src, t.contiguous) for t in transfers] == [("engine", True)] * 3, "7 blocks, 3 a chunk, engine -> pinned rows"
+    assert [(t.src, t.contiguous) for t in transfers] == [("engine", True)] * 3, (
+        "7 blocks, 3 a chunk, engine -> pinned rows"
+    )
     assert copier.staged._staging is None
     assert_ordered_and_synced(fake_cuda)
 
@@ -190,7 +197,9 @@ def test_the_rank_backend_waits_for_the_stream_the_engine_passed(fake_cuda):
     from zkv.rank.cache.store import BlockStore
 
     k = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 4, 8)
-    store = BlockStore.attached(EngineCache.from_tensors(layouts.per_layer({"k": k})), 8, compute_stream="engine-stream", pin=True)
+    store = BlockStore.attached(
+        EngineCache.from_tensors(layouts.per_layer({"k": k})), 8, compute_stream="engine-stream", pin=True
+    )
     store.copier = CopyEngine(store.cache, store.tier, store.memory.compute_stream, cuda=True)
     fake_cuda.watch("engine", k)
     fake_cuda.clear()

@@ -8,7 +8,8 @@ import copy
 import msgpack
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
@@ -70,9 +71,13 @@ def test_a_bad_descriptor_is_refused_on_load(case):
     assert err.value.code == "bad_layout"
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
-                    max_leaves=12))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+        max_leaves=12,
+    )
+)
 def test_any_garbage_gives_a_cache_error_not_a_crash(junk):
     with pytest.raises(CacheError):
         CacheDescriptor.from_dict(junk)
@@ -139,7 +144,8 @@ def test_a_tensor_is_accepted_exactly_when_each_block_is_one_run_and_blocks_do_n
         idx = sorted(t[b].flatten().tolist())
         spans.append((idx[0], idx[-1] + 1, idx == list(range(idx[0], idx[-1] + 1))))
     copyable = all(dense for *_, dense in spans) and all(
-        a[1] <= b[0] or b[1] <= a[0] for i, a in enumerate(spans) for b in spans[i + 1:])
+        a[1] <= b[0] or b[1] <= a[0] for i, a in enumerate(spans) for b in spans[i + 1 :]
+    )
     try:
         cache = EngineCache.from_tensors([TensorEntry("t", t)])
     except CacheError as err:

@@ -9,18 +9,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
+
 from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
 from zkv.engines.transformers.engine import TransformersCBEngine  # noqa: E402
+from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
 from zkv.rank.cache.store import block_digests  # noqa: E402
 from zkv.testing.models import load_weights, random_llama, random_tokens  # noqa: E402
-from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
-from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one torch thread here)
 
 if transformers.__version__ != PINNED_VERSION:
     pytest.skip(f"needs transformers=={PINNED_VERSION}", allow_module_level=True)
 
 PROMPT, TURN1, USER2, TURN2 = 40, 12, 12, 10  # 51 KV tokens after turn 1: 3 full blocks of 16 and a partial one
-
 
 
 def rig_for(model, **kw) -> EngineRig:
@@ -178,7 +178,9 @@ def test_a_failed_swap_out_keeps_the_conversation_resident_and_exact():
         assert rig.controller.swap_out("filler")  # rows 0-3: fine
         assert not rig.controller.swap_out("chat")  # rows 4-7: past the ranks' tiers
         assert rig.controller.stats.failed == {"swap_out:failed": 1}
-        assert "out of range for the cpu tier" in rig.controller.stats.last_reason  # refused by the ranks for the row range, not anything else
+        assert (
+            "out of range for the cpu tier" in rig.controller.stats.last_reason
+        )  # refused by the ranks for the row range, not anything else
         assert rig.replicas[0].conversation("chat").resident
         assert second_turn(rig) == ("resident", expected)
 

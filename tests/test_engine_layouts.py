@@ -39,7 +39,9 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 class Engine:
     """An engine's tensors, and how the engine itself finds block ``b`` in them."""
 
-    def __init__(self, tensors: list[torch.Tensor], entries: list[TensorEntry], block: Callable[[int], list[torch.Tensor]]):
+    def __init__(
+        self, tensors: list[torch.Tensor], entries: list[TensorEntry], block: Callable[[int], list[torch.Tensor]]
+    ):
         self.tensors, self.entries, self.block = tensors, entries, block
 
     def snapshot(self, ids):
@@ -102,20 +104,34 @@ def sglang_engine():
     ks = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     vs = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     tensors = ks + vs
-    return Engine(tensors, sglang.mha(ks, vs, page_size),
-                  lambda b: [t[b * page_size:(b + 1) * page_size] for t in tensors])
+    return Engine(
+        tensors, sglang.mha(ks, vs, page_size), lambda b: [t[b * page_size : (b + 1) * page_size] for t in tensors]
+    )
 
 
-ENGINES = {"zkv": zkv_engine, "fastdeploy": fastdeploy_engine, "vllm_flash": vllm_flash_engine,
-           "vllm_flash_hnd": vllm_flash_hnd_engine, "vllm_mla": vllm_mla_engine, "vllm_cross_layer": vllm_cross_layer_engine,
-           "flashinfer": flashinfer_engine, "transformers_cb": transformers_engine, "sglang": sglang_engine}
+ENGINES = {
+    "zkv": zkv_engine,
+    "fastdeploy": fastdeploy_engine,
+    "vllm_flash": vllm_flash_engine,
+    "vllm_flash_hnd": vllm_flash_hnd_engine,
+    "vllm_mla": vllm_mla_engine,
+    "vllm_cross_layer": vllm_cross_layer_engine,
+    "flashinfer": flashinfer_engine,
+    "transformers_cb": transformers_engine,
+    "sglang": sglang_engine,
+}
 
 
 @pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
-@pytest.mark.parametrize("src,rows,dst", [([0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]),
-                                          ([7, 2, 9, 3], [0, 19, 4, 5], [1, 11, 0, 6]),
-                                          (list(range(10)), list(range(10, 20)), list(range(2, 12)))],
-                         ids=["short runs", "scattered", "one long run"])
+@pytest.mark.parametrize(
+    "src,rows,dst",
+    [
+        ([0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]),
+        ([7, 2, 9, 3], [0, 19, 4, 5], [1, 11, 0, 6]),
+        (list(range(10)), list(range(10, 20)), list(range(2, 12))),
+    ],
+    ids=["short runs", "scattered", "one long run"],
+)
 def test_swap_out_overwrite_swap_in_elsewhere_restores_the_bytes(make, src, rows, dst):
     engine = make()
     cache = EngineCache.from_tensors(engine.entries)
@@ -190,13 +206,16 @@ def test_slots_of_one_sglang_page_must_be_adjacent():
     assert "k_buffer[0]" in str(err.value)
 
 
-@pytest.mark.parametrize("bad", [
-    lambda: vllm.flash_attn({"l0": torch.zeros((3, NB, BS, H, D))}),
-    lambda: vllm.flashinfer({"l0": torch.zeros((NB, BS, H, D))}),
-    lambda: transformers_layout.regions(torch.zeros(100, dtype=torch.uint8), L, BS, H, D, torch.bfloat16),
-    lambda: fastdeploy.regions([torch.zeros((NB, H, BS))]),
-    lambda: EngineCache.from_tensors(layouts.per_layer({"a": torch.zeros((NB, 4)), "b": torch.zeros((NB + 1, 4))})),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: vllm.flash_attn({"l0": torch.zeros((3, NB, BS, H, D))}),
+        lambda: vllm.flashinfer({"l0": torch.zeros((NB, BS, H, D))}),
+        lambda: transformers_layout.regions(torch.zeros(100, dtype=torch.uint8), L, BS, H, D, torch.bfloat16),
+        lambda: fastdeploy.regions([torch.zeros((NB, H, BS))]),
+        lambda: EngineCache.from_tensors(layouts.per_layer({"a": torch.zeros((NB, 4)), "b": torch.zeros((NB + 1, 4))})),
+    ],
+)
 def test_wrong_shapes_are_refused_at_attach(bad):
     with pytest.raises(CacheError) as err:
         bad()
@@ -207,7 +226,16 @@ def test_block_ids_are_checked_against_the_engine_block_count():
     engine = zkv_engine()
     cache = EngineCache.from_tensors(engine.entries)
     copier = CopyEngine(cache, CpuTier.for_cache(cache.descriptor, rows=4))
-    for src, dst in (([NB], [0]), ([-1], [0]), ([True], [0]), ([1.0], [0]), ([0], [4]), ([0, 1], [2, 2]), ([0], [0, 1]), ([], [])):
+    for src, dst in (
+        ([NB], [0]),
+        ([-1], [0]),
+        ([True], [0]),
+        ([1.0], [0]),
+        ([0], [4]),
+        ([0, 1], [2, 2]),
+        ([0], [0, 1]),
+        ([], []),
+    ):
         with pytest.raises(CacheError) as err:
             copier.swap_out(src, dst)
         assert err.value.code == "bad_block_id"
@@ -227,5 +255,5 @@ def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is
     assert [r.offset for r in cache.descriptor.regions] == [0, BS * H * D * 4]
     half = BS * H * D
     with pytest.raises(CacheError, match="'k' and 'kv' overlap"):
-        straddling = t.view(NB, -1)[:, half // 2: half + half // 2]  # the second half of K and the first of V
+        straddling = t.view(NB, -1)[:, half // 2 : half + half // 2]  # the second half of K and the first of V
         EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("kv", straddling)])

@@ -13,10 +13,10 @@ import msgpack
 import pytest
 import torch
 
+from zkv.harness.ipc_check import EngineProcess, check, mapped
 from zkv.rank.cache import layouts
 from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.manifest import ShmArena, attach, device_uuid, export_manifest, parse_manifest, _map_cuda
-from zkv.harness.ipc_check import EngineProcess, check, mapped
+from zkv.rank.cache.manifest import ShmArena, _map_cuda, attach, device_uuid, export_manifest, parse_manifest
 
 
 @pytest.mark.parametrize("layout", ["fastdeploy", "vllm_flash"])
@@ -25,7 +25,9 @@ def test_a_worker_swaps_blocks_of_tensors_another_process_owns_and_release_unmap
     result = check(layout, "cpu")
     assert result["mapped_attached"] > 0, "the worker maps the engine's files while attached"
     assert result["bytes_ok"], "the engine sees the swapped bytes in its own tensors, at the new ids"
-    assert result["released"] and result["mapped_after_release"] == 0, "the worker still maps engine memory after release"
+    assert result["released"] and result["mapped_after_release"] == 0, (
+        "the worker still maps engine memory after release"
+    )
     assert result["engine_still_maps"], "the engine keeps its own memory"
     assert result["files_left"] == [], "the engine unlinks its files"
     assert result["ok"]
@@ -79,9 +81,23 @@ BAD = {
     "file outside shm": (lambda m: m["handles"][0].update(path="/etc/passwd"), "bad_manifest"),
     "not a zkv file": (lambda m: m["handles"][0].update(path="/dev/shm/other"), "bad_manifest"),
     "unknown handle kind": (lambda m: m["handles"][0].update(kind="rdma"), "bad_manifest"),
-    "cuda handle for a cpu buffer": (lambda m: m["handles"].__setitem__(0, {
-        "kind": "cuda_ipc", "device_uuid": "GPU-x", "handle": b"h", "size": 1024, "offset": 0,
-        "ref_counter_handle": b"r", "ref_counter_offset": 0, "event_handle": b"", "event_sync_required": False}), "bad_manifest"),
+    "cuda handle for a cpu buffer": (
+        lambda m: m["handles"].__setitem__(
+            0,
+            {
+                "kind": "cuda_ipc",
+                "device_uuid": "GPU-x",
+                "handle": b"h",
+                "size": 1024,
+                "offset": 0,
+                "ref_counter_handle": b"r",
+                "ref_counter_offset": 0,
+                "event_handle": b"",
+                "event_sync_required": False,
+            },
+        ),
+        "bad_manifest",
+    ),
     "extra field": (lambda m: m.update(evil=1), "bad_manifest"),
     "missing file": (lambda m: m["handles"][0].update(path=m["handles"][0]["path"] + "-gone"), "missing_file"),
     "wrong size": (lambda m: m["handles"][0].update(file_bytes=2048), "size_mismatch"),
@@ -141,6 +157,7 @@ def test_a_cpu_tensor_outside_shared_memory_cannot_be_exported(tmp_path):
 
 def test_a_cuda_buffer_is_found_by_device_uuid_not_index(monkeypatch):
     """CUDA control flow with fakes: the worker's device 1 is the engine's device."""
+
     class Props:
         def __init__(self, i):
             self.uuid = f"GPU-{i}"
@@ -150,11 +167,23 @@ def test_a_cuda_buffer_is_found_by_device_uuid_not_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: Props(i))
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda",
-                        staticmethod(lambda *args: opened.append(args) or torch.UntypedStorage(64)))
+    monkeypatch.setattr(
+        torch.UntypedStorage,
+        "_new_shared_cuda",
+        staticmethod(lambda *args: opened.append(args) or torch.UntypedStorage(64)),
+    )
     assert device_uuid(1) == "GPU-1"
-    h = {"kind": "cuda_ipc", "device_uuid": "GPU-1", "handle": b"h" * 64, "size": 64, "offset": 0,
-         "ref_counter_handle": b"r", "ref_counter_offset": 8, "event_handle": b"e", "event_sync_required": True}
+    h = {
+        "kind": "cuda_ipc",
+        "device_uuid": "GPU-1",
+        "handle": b"h" * 64,
+        "size": 64,
+        "offset": 0,
+        "ref_counter_handle": b"r",
+        "ref_counter_offset": 8,
+        "event_handle": b"e",
+        "event_sync_required": True,
+    }
     flat = _map_cuda(h, "layer0", 64)
     assert flat.numel() == 64 and opened[0][0] == 1 and opened[0][1] == b"h" * 64
     with pytest.raises(CacheError) as err:

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from zkv.testing.models import random_llama  # noqa: E402
 from zkv.harness.cluster import LocalCluster  # noqa: E402
+from zkv.testing.models import random_llama  # noqa: E402
 
 WORKER = """
 import json, os, sys
@@ -92,12 +92,35 @@ def test_one_bus_task_moves_both_tensor_parallel_shards_and_generation_continues
     try:
         ep = cluster.endpoints
         script = tmp_path / "worker.py"
-        script.write_text(WORKER.format(root=root, model=str(tmp_path / "model"), frontend=ep.frontend, backend=ep.backend,
-                                        control=ep.control, out=str(tmp_path)))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(port), str(script)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+        script.write_text(
+            WORKER.format(
+                root=root,
+                model=str(tmp_path / "model"),
+                frontend=ep.frontend,
+                backend=ep.backend,
+                control=ep.control,
+                out=str(tmp_path),
+            )
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(script),
+        ]
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
     finally:
         cluster.stop()

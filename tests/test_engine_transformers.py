@@ -32,8 +32,13 @@ PROMPT, TURN1, USER2, TURN2 = 40, 12, 12, 10  # 40 + 12 - 1 = 51 KV tokens: 3 fu
 
 def llama(seed: int, dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=512, vocab_size=1000, max_position_embeddings=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=512,
+        vocab_size=1000,
+        max_position_embeddings=1024,
         initializer_range=0.2,  # the default 0.02 makes a random model repeat one token
     )
     config._attn_implementation = "sdpa"
@@ -46,7 +51,9 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def engine_for(model, num_blocks: int = 32, prefix_sharing: bool = True) -> TransformersCBEngine:
-    return TransformersCBEngine(build_manager(model, num_blocks=num_blocks, block_size=BLOCK, prefix_sharing=prefix_sharing))
+    return TransformersCBEngine(
+        build_manager(model, num_blocks=num_blocks, block_size=BLOCK, prefix_sharing=prefix_sharing)
+    )
 
 
 def run(engine: TransformersCBEngine, request_id: str):
@@ -324,12 +331,24 @@ def test_tensor_parallel_ranks_swap_their_shards_under_the_same_block_ids(tmp_pa
     llama(0).save_pretrained(tmp_path / "model")
     here = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "worker.py"
-    script.write_text(TP_WORKER.format(root=os.path.dirname(here), tests=here, model=str(tmp_path / "model"), out=str(tmp_path)))
+    script.write_text(
+        TP_WORKER.format(root=os.path.dirname(here), tests=here, model=str(tmp_path / "model"), out=str(tmp_path))
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(script),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

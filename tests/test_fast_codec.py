@@ -17,17 +17,15 @@ import os
 import struct
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import msgspec
+from test_protocol import INVALID, VALID, _message, from_json
 
 from zkv.wire import fast as F
 from zkv.wire import protocol as P
 from zkv.wire.messages import MESSAGES, Message, wire_fields
-
-from test_protocol import INVALID, VALID, _message, from_json
 
 LONG = os.environ.get("ZKV_LONG_FUZZ") == "1"
 HOT = ("submit", "task", "done", "result")
@@ -37,8 +35,17 @@ BASE = {  # one valid map of each hot kind, every optional field present
     "submit": {"task": 1, "reply_to": REPLY_TO, "timeout_ms": 5000, "reply_key": Z85_KEY},
     "task": {"seq": 1, "n": 1, "task": 1, "reply_to": REPLY_TO, "gen": 1, "reply_key": Z85_KEY, "session": 7},
     "done": {"seq": 1, "n": 1, "outcome": "ok", "gen": 1, "bytes": 4096},
-    "result": {"task": 1, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 1, "bytes": 4096, "elapsed_us": 9,
-               "digests": [b"\x01" * 16]},
+    "result": {
+        "task": 1,
+        "rank": 0,
+        "world": 2,
+        "outcome": "ok",
+        "reason": "",
+        "gen": 1,
+        "bytes": 4096,
+        "elapsed_us": 9,
+        "digests": [b"\x01" * 16],
+    },
     "body": {"op": "swap_out", "src": P.pack_ids([1, 2]), "dst": P.pack_ids([3, 4]), "tier": "gpu", "seed": 0},
 }
 
@@ -47,7 +54,11 @@ def same(a, b) -> bool:
     """Equal and of the same types all the way down (``True == 1`` is not enough)."""
     if isinstance(a, Message) and isinstance(b, Message):  # the fast path's class is a subclass of the kind's
         cls = MESSAGES[a.kind]
-        return isinstance(a, cls) and isinstance(b, cls) and all(same(getattr(a, n), getattr(b, n)) for n in cls.__struct_fields__)
+        return (
+            isinstance(a, cls)
+            and isinstance(b, cls)
+            and all(same(getattr(a, n), getattr(b, n)) for n in cls.__struct_fields__)
+        )
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -150,7 +161,9 @@ def test_invalid_vector_raises_the_slow_paths_error(vec):
             F.decode_body(frame)
         with pytest.raises(P.ProtocolError) as slow:
             P.decode_body(frame)
-        assert (fast.value.code, fast.value.reason) == (slow.value.code, slow.value.reason) and fast.value.code == vec["code"]
+        assert (fast.value.code, fast.value.reason) == (slow.value.code, slow.value.reason) and fast.value.code == vec[
+            "code"
+        ]
         return
     kinds = vec["expect_kinds"]
     for hot in F.HOT_KINDS:
@@ -180,7 +193,11 @@ def test_an_integer_field_takes_only_an_int(kind, value):
 
 @pytest.mark.parametrize("v", [True, 1.0, 2, 0, "1", None, _DROP])
 def test_version_is_exactly_the_int_1(v):
-    frame = frame_of("done", BASE["done"], v=v) if v is not _DROP else raw_map([(k, x) for k, x in {**BASE["done"], "kind": "done"}.items()])
+    frame = (
+        frame_of("done", BASE["done"], v=v)
+        if v is not _DROP
+        else raw_map([(k, x) for k, x in {**BASE["done"], "kind": "done"}.items()])
+    )
     assert not check_agrees("done", frame)
     with pytest.raises(P.ProtocolError) as info:
         F.decoder("done")(frame)
@@ -215,12 +232,16 @@ def test_missing_required_field_is_the_slow_paths_error(kind):
         assert not check_agrees(kind, frame_of(kind, BASE[kind], **{name: _DROP}))
 
 
-@pytest.mark.parametrize("extra", [1, "x", None, {"a": [1, 2]}, {1: 2}, [[]], msgpack.ExtType(5, b"x"),
-                                   msgpack.Timestamp(1, 0), 2**64 - 1, -2**63])
+@pytest.mark.parametrize(
+    "extra",
+    [1, "x", None, {"a": [1, 2]}, {1: 2}, [[]], msgpack.ExtType(5, b"x"), msgpack.Timestamp(1, 0), 2**64 - 1, -(2**63)],
+)
 @pytest.mark.parametrize("kind", HOT)
 def test_unknown_field_goes_to_the_slow_path_which_ignores_it(kind, extra):
     assert not check_agrees(kind, frame_of(kind, BASE[kind], zz_extra=extra))
-    assert same(F.decoder(kind)(frame_of(kind, BASE[kind], zz_extra=extra)), F.decoder(kind)(frame_of(kind, BASE[kind])))
+    assert same(
+        F.decoder(kind)(frame_of(kind, BASE[kind], zz_extra=extra)), F.decoder(kind)(frame_of(kind, BASE[kind]))
+    )
 
 
 def test_unknown_field_whose_value_msgpack_refuses_is_refused():
@@ -264,7 +285,9 @@ def test_duplicate_keys_read_as_msgpack_reads_them():
         assert not check_agrees("done", raw_map(pairs))
     assert F.decoder("done")(raw_map(fields + [("seq", 2)])).seq == 2
     assert F.decoder("done")(raw_map(fields + [("bytes", None)])).bytes is None
-    assert same(F.decoder("done", ("ready", "hb", "done", "ack"))(raw_map(fields + [("kind", "hb")])), P.decode(P.encode("hb")))
+    assert same(
+        F.decoder("done", ("ready", "hb", "done", "ack"))(raw_map(fields + [("kind", "hb")])), P.decode(P.encode("hb"))
+    )
 
 
 def test_non_str_keys_go_to_the_slow_path():
@@ -292,7 +315,16 @@ def test_a_map16_header_is_read_by_the_slow_path():
 @pytest.mark.parametrize("kind", ["submit", "task"])
 def test_reply_key_is_a_z85_key(kind):
     assert check_agrees(kind, frame_of(kind, BASE[kind], reply_key=Z85_KEY))
-    for bad in (Z85_KEY + "\n", Z85_KEY[:-1] + "\n", Z85_KEY[:-1], Z85_KEY + "a", Z85_KEY[:-1] + "~", Z85_KEY[:-1] + "é", "", b"x" * 40):
+    for bad in (
+        Z85_KEY + "\n",
+        Z85_KEY[:-1] + "\n",
+        Z85_KEY[:-1],
+        Z85_KEY + "a",
+        Z85_KEY[:-1] + "~",
+        Z85_KEY[:-1] + "é",
+        "",
+        b"x" * 40,
+    ):
         assert not check_agrees(kind, frame_of(kind, BASE[kind], reply_key=bad))
 
 
@@ -340,7 +372,9 @@ def test_checksum_over_the_digest_bound_is_too_large():
 
 def test_frame_over_the_cap_is_too_large():
     frame = frame_of("result", BASE["result"], reason="x" * 100)
-    frame = frame.replace(b"\xd9\x64" + b"x" * 100, b"\xdb" + struct.pack(">I", P.MAX_FRAME_BYTES) + b"x" * P.MAX_FRAME_BYTES)
+    frame = frame.replace(
+        b"\xd9\x64" + b"x" * 100, b"\xdb" + struct.pack(">I", P.MAX_FRAME_BYTES) + b"x" * P.MAX_FRAME_BYTES
+    )
     with pytest.raises(P.ProtocolError) as info:
         F.decoder("result")(frame)
     assert info.value.code == "too_large"
@@ -354,13 +388,15 @@ def test_body_over_the_cap_is_too_large_before_its_ids_are_read():
     assert info.value.code == "too_large" and "frame of" in info.value.reason
 
 
-@pytest.mark.parametrize("src", [P.pack_ids([1, 2]), [1, 2], [2**31 - 1, -2**31], b"", [], None])
+@pytest.mark.parametrize("src", [P.pack_ids([1, 2]), [1, 2], [2**31 - 1, -(2**31)], b"", [], None])
 def test_body_ids_packed_or_as_lists(src):
     frame = frame_of("body", BASE["body"], src=src, dst=src)
     assert check_agrees("body", frame)
 
 
-@pytest.mark.parametrize("src", [b"\x01\x00\x00", [2**31], [True, 1], [1.0, 2.0], ["1", "2"], "1,2", [[1], [2]], [None, None], 5])
+@pytest.mark.parametrize(
+    "src", [b"\x01\x00\x00", [2**31], [True, 1], [1.0, 2.0], ["1", "2"], "1,2", [[1], [2]], [None, None], 5]
+)
 def test_bad_body_ids_get_the_slow_paths_error(src):
     frame = frame_of("body", BASE["body"], src=src, dst=[1, 2])
     check_agrees("body", frame)
@@ -369,8 +405,17 @@ def test_bad_body_ids_get_the_slow_paths_error(src):
 
 
 def test_body_checks_after_decoding_are_the_slow_paths():
-    for changes in ({"op": "swap_sideways"}, {"tier": ""}, {"tier": "nvme"}, {"dst": P.pack_ids([1])}, {"src": None, "dst": None},
-                    {"op": "checksum", "src": None}, {"op": "fill", "dst": b""}, {"seed": -1}, {"seed": 2**53}):
+    for changes in (
+        {"op": "swap_sideways"},
+        {"tier": ""},
+        {"tier": "nvme"},
+        {"dst": P.pack_ids([1])},
+        {"src": None, "dst": None},
+        {"op": "checksum", "src": None},
+        {"op": "fill", "dst": b""},
+        {"seed": -1},
+        {"seed": 2**53},
+    ):
         frame = frame_of("body", BASE["body"], **changes)
         check_agrees("body", frame)
         assert outcome(F.decode_body, frame) == outcome(P.decode_body, frame)
@@ -378,15 +423,78 @@ def test_body_checks_after_decoding_are_the_slow_paths():
 
 # --- the property: generated and mutated maps --------------------------------------------
 
-BOUNDARY = [0, 1, -1, 255, 256, 2**31 - 1, 2**31, 2**40 - 1, 2**40, 2**44 - 1, 2**44, 3_600_000, 3_600_001, 2**53 - 1, 2**53, 2**63 - 1,
-            2**64 - 1, -2**63, True, False, 1.0, 0.0, None, "", "ok", "failed", "cancelled", "gpu", "cpu", "swap_out", "fill",
-            "checksum", "x" * P.MAX_STR, "x" * (P.MAX_STR + 1), "é" * P.MAX_STR, REPLY_TO, "inproc://x", Z85_KEY, Z85_KEY + "\n",
-            b"", b"\x00" * 16, b"\x01\x00\x00\x00", b"\x01\x00\x00", [], [1], [2**31], [True], [b"\x00" * 16], [b"\x00" * 15],
-            {"a": 1}, {1: 2}, {"a": {"b": {"c": {}}}}, [[[]]], msgpack.ExtType(1, b"x")]
-value = st.one_of(st.sampled_from(BOUNDARY), st.integers(-2**63, 2**64 - 1), st.text(max_size=8), st.binary(max_size=20),
-                  st.lists(st.integers(min_value=-2**31, max_value=2**31 - 1), max_size=4))
-key = st.one_of(st.sampled_from(["v", "kind", "seq", "n", "task", "gen", "bytes", "reply_to", "reply_key", "outcome", "src", "tier",
-                                 "zz"]), st.text(max_size=4), st.integers(-2**63, 2**64 - 1), st.none(), st.binary(max_size=4))
+BOUNDARY = [
+    0,
+    1,
+    -1,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**40 - 1,
+    2**40,
+    2**44 - 1,
+    2**44,
+    3_600_000,
+    3_600_001,
+    2**53 - 1,
+    2**53,
+    2**63 - 1,
+    2**64 - 1,
+    -(2**63),
+    True,
+    False,
+    1.0,
+    0.0,
+    None,
+    "",
+    "ok",
+    "failed",
+    "cancelled",
+    "gpu",
+    "cpu",
+    "swap_out",
+    "fill",
+    "checksum",
+    "x" * P.MAX_STR,
+    "x" * (P.MAX_STR + 1),
+    "é" * P.MAX_STR,
+    REPLY_TO,
+    "inproc://x",
+    Z85_KEY,
+    Z85_KEY + "\n",
+    b"",
+    b"\x00" * 16,
+    b"\x01\x00\x00\x00",
+    b"\x01\x00\x00",
+    [],
+    [1],
+    [2**31],
+    [True],
+    [b"\x00" * 16],
+    [b"\x00" * 15],
+    {"a": 1},
+    {1: 2},
+    {"a": {"b": {"c": {}}}},
+    [[[]]],
+    msgpack.ExtType(1, b"x"),
+]
+value = st.one_of(
+    st.sampled_from(BOUNDARY),
+    st.integers(-(2**63), 2**64 - 1),
+    st.text(max_size=8),
+    st.binary(max_size=20),
+    st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), max_size=4),
+)
+key = st.one_of(
+    st.sampled_from(
+        ["v", "kind", "seq", "n", "task", "gen", "bytes", "reply_to", "reply_key", "outcome", "src", "tier", "zz"]
+    ),
+    st.text(max_size=4),
+    st.integers(-(2**63), 2**64 - 1),
+    st.none(),
+    st.binary(max_size=4),
+)
 
 
 @st.composite
@@ -412,7 +520,7 @@ def mutated(draw):
     frame = raw_map(pairs)
     if draw(st.integers(0, 9)) == 0:  # sometimes a byte changed or cut off
         i = draw(st.integers(0, len(frame) - 1))
-        frame = frame[:i] + bytes([draw(st.integers(0, 255))]) + frame[i + 1:] if draw(st.booleans()) else frame[:i]
+        frame = frame[:i] + bytes([draw(st.integers(0, 255))]) + frame[i + 1 :] if draw(st.booleans()) else frame[:i]
     return kind, frame
 
 
@@ -421,8 +529,17 @@ def mutated(draw):
 @given(mutated(), st.sampled_from([None, "socket"]))
 def test_fast_accept_is_slow_accept_and_fast_refuse_is_slow_error(case, where):
     kind, frame = case
-    kinds = {"submit": ("submit", "pause", "clear", "resume", "status", "ping"), "done": ("ready", "hb", "done", "ack"),
-             "task": ("task",), "result": None, "body": ("body",)}[kind] if where else None
+    kinds = (
+        {
+            "submit": ("submit", "pause", "clear", "resume", "status", "ping"),
+            "done": ("ready", "hb", "done", "ack"),
+            "task": ("task",),
+            "result": None,
+            "body": ("body",),
+        }[kind]
+        if where
+        else None
+    )
     check_agrees(kind, frame, kinds)
 
 
@@ -454,8 +571,13 @@ def test_encoder_round_trips_through_protocol_decode(kind):
     @given(_message(kind))
     def check(fields):
         frame = encode(kind, fields)
-        assert frame == P.encode(kind, **{k: fields[k] for k in (*P.SCHEMAS[kind][0], *P.SCHEMAS[kind][1]) if k in fields})
-        assert same(P.decode(frame, (kind,)), MESSAGES[kind](**{k: fields[k] for k in wire_fields(MESSAGES[kind]) if k in fields}))
+        assert frame == P.encode(
+            kind, **{k: fields[k] for k in (*P.SCHEMAS[kind][0], *P.SCHEMAS[kind][1]) if k in fields}
+        )
+        assert same(
+            P.decode(frame, (kind,)),
+            MESSAGES[kind](**{k: fields[k] for k in wire_fields(MESSAGES[kind]) if k in fields}),
+        )
         assert check_agrees(kind, frame)
 
     check()

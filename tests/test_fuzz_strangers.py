@@ -17,8 +17,8 @@ import msgpack
 import pytest
 import zmq
 
-from zkv.wire import protocol as P
 from zkv.harness.cluster import LocalCluster
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=1, kv_heads=1, head_dim=8)
@@ -27,8 +27,8 @@ MESSAGES = int(os.environ.get("ZKV_FUZZ_MESSAGES", 400_000 if LONG else 40_000))
 BATCH = 2_000
 SEED = 20261201
 
-from test_protocol import VALID as VECTORS, from_json as _from_json  # noqa: E402  (the golden vectors, decoded)
-
+from test_protocol import VALID as VECTORS  # noqa: E402  (the golden vectors, decoded)
+from test_protocol import from_json as _from_json
 
 FRONT = [_from_json(v["decoded"]) for v in VECTORS if v["socket"] == "frontend" and v["direction"] == "client->broker"]
 BACK = [_from_json(v["decoded"]) for v in VECTORS if v["socket"] == "backend" and v["direction"] == "rank->broker"]
@@ -42,11 +42,62 @@ def _deep(n):
     return v
 
 
-NASTY = [2**53 - 1, 2**53, 2**64 - 1, -1, -(2**63), 2**40, 0, True, False, 1.0, float("nan"), None, "", "x" * 5000,
-         b"bin", [], {}, _deep(600), list(range(300)), {f"k{i}": i for i in range(300)}, "inproc://zkv-stop-rank-0-0",
-         "tcp://127.0.0.1:1", "ipc:///tmp/zkv-fuzz-nobody.sock", "pause", "ready", "run"]
-FIELDS = ["v", "kind", "req", "task", "reply_to", "reply_key", "timeout_ms", "wait_ranks", "keep_cpu", "layout", "rank", "world",
-          "session", "gen", "pid", "epoch", "op", "upto", "seq", "n", "outcome", "bytes", "freed", "stats", "inflight", "probe"]
+NASTY = [
+    2**53 - 1,
+    2**53,
+    2**64 - 1,
+    -1,
+    -(2**63),
+    2**40,
+    0,
+    True,
+    False,
+    1.0,
+    float("nan"),
+    None,
+    "",
+    "x" * 5000,
+    b"bin",
+    [],
+    {},
+    _deep(600),
+    list(range(300)),
+    {f"k{i}": i for i in range(300)},
+    "inproc://zkv-stop-rank-0-0",
+    "tcp://127.0.0.1:1",
+    "ipc:///tmp/zkv-fuzz-nobody.sock",
+    "pause",
+    "ready",
+    "run",
+]
+FIELDS = [
+    "v",
+    "kind",
+    "req",
+    "task",
+    "reply_to",
+    "reply_key",
+    "timeout_ms",
+    "wait_ranks",
+    "keep_cpu",
+    "layout",
+    "rank",
+    "world",
+    "session",
+    "gen",
+    "pid",
+    "epoch",
+    "op",
+    "upto",
+    "seq",
+    "n",
+    "outcome",
+    "bytes",
+    "freed",
+    "stats",
+    "inflight",
+    "probe",
+]
 
 
 def mutate(rng: random.Random, msg: dict) -> list[bytes]:
@@ -143,7 +194,9 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
                 front.send(P.encode("ping", req=mark))
                 await_reply(front, lambda m, mark=mark: m.get("kind") == "reply" and m.get("req") == mark)
                 back.send(msgpack.packb({"v": 1, "kind": f"fuzz-mark-{mark}"}))
-                await_reply(back, lambda m, mark=mark: m.get("kind") == "error" and f"fuzz-mark-{mark}" in m.get("reason", ""))
+                await_reply(
+                    back, lambda m, mark=mark: m.get("kind") == "error" and f"fuzz-mark-{mark}" in m.get("reason", "")
+                )
             finally:
                 front.close()
                 back.close()
@@ -154,13 +207,19 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
             out = genuine.run("swap_out", [0, 1], [2, 3], timeout=30)
             if not out.ok:
                 st = genuine.status()
-                pytest.fail(f"genuine task failed after {sent}: {out}; broker counters {st['counters']}; "
-                            f"ranks {[(r['rank'], r['alive'], r['last_seen_ms'], r['stats']) for r in st['ranks']]}")
+                pytest.fail(
+                    f"genuine task failed after {sent}: {out}; broker counters {st['counters']}; "
+                    f"ranks {[(r['rank'], r['alive'], r['last_seen_ms'], r['stats']) for r in st['ranks']]}"
+                )
         st = genuine.status()
     elapsed = time.monotonic() - start
     assert st["state"] == "running" and [r["alive"] for r in st["ranks"]] == [True, True]
-    refused = (st["counters"].get("bad_requests", 0) - bad_before.get("bad_requests", 0)
-               + st["counters"].get("bad_rank_msgs", 0) - bad_before.get("bad_rank_msgs", 0))
+    refused = (
+        st["counters"].get("bad_requests", 0)
+        - bad_before.get("bad_requests", 0)
+        + st["counters"].get("bad_rank_msgs", 0)
+        - bad_before.get("bad_rank_msgs", 0)
+    )
     assert refused > 0.6 * sum(sent.values()), (refused, sent)
     # Every message was handled by the codec, none by the last-resort exception handler.
     assert st["counters"].get("internal_errors", 0) == 0, st["counters"]

@@ -14,15 +14,27 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
-    for check in ("owned round trip", "attached round trip", "owned copy stream after the engine stream",
-                  "attached copy stream after the engine stream", "ipc attach (shared memory)"):
+    for check in (
+        "owned round trip",
+        "attached round trip",
+        "owned copy stream after the engine stream",
+        "attached copy stream after the engine stream",
+        "ipc attach (shared memory)",
+    ):
         assert re.search(rf"^  PASS  {re.escape(check)}", text, re.M), f"no PASS line for {check!r}:\n{text}"
-    for engine, size, ids, op in itertools.product(("owned", "attached"), ("16KiB", "2KiB"), ("contiguous", "scattered"),
-                                                   ("swap_out", "swap_in")):
+    for engine, size, ids, op in itertools.product(
+        ("owned", "attached"), ("16KiB", "2KiB"), ("contiguous", "scattered"), ("swap_out", "swap_in")
+    ):
         line = rf"^  {engine} +{size} +\d+ +[\d.]+  {ids} +{op} +[\d.]+ +[\d.]+ +[\d.]+x  n/a$"
         assert re.search(line, text, re.M), f"no figure for {engine} {size} {ids} {op}:\n{text}"
     assert "ALL PASS" in text.splitlines()[-1]
@@ -37,6 +49,12 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
 
 def test_the_gpu_check_refuses_cuda_where_there_is_none():
     code = "import torch, sys; torch.cuda.is_available = lambda: False; from zkv.harness.gpu_check import main; sys.exit(main(['--device', 'cuda']))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 2 and "--device cpu" in proc.stderr

@@ -1,7 +1,8 @@
 """The idle-conversation policy (sans-IO): which parked conversations go to CPU."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zkv.engines.idle_policy import IdlePolicy
 
@@ -26,8 +27,12 @@ def test_bad_settings_are_refused():
         IdlePolicy(idle_after=True)
 
 
-@given(st.lists(st.integers(1, 8), min_size=0, max_size=12), st.integers(0, 40), st.integers(0, 30),
-       st.one_of(st.none(), st.integers(0, 12)))
+@given(
+    st.lists(st.integers(1, 8), min_size=0, max_size=12),
+    st.integers(0, 40),
+    st.integers(0, 30),
+    st.one_of(st.none(), st.integers(0, 12)),
+)
 def test_victims_are_oldest_first_and_restore_the_watermark_when_they_can(sizes, free, min_free, idle_after):
     policy = IdlePolicy(min_free=min_free, idle_after=idle_after)
     names = [f"c{i}" for i in range(len(sizes))]

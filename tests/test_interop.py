@@ -49,7 +49,11 @@ def toolchains() -> None:
     except subprocess.TimeoutExpired:
         _missing("tests/interop/setup.sh --check did not finish within 120 s")
     if proc.returncode != 0:
-        _missing(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"setup.sh --check exited {proc.returncode}")
+        _missing(
+            proc.stderr.strip().splitlines()[-1]
+            if proc.stderr.strip()
+            else f"setup.sh --check exited {proc.returncode}"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -47,14 +47,17 @@ def test_swap_writes_only_the_destination_blocks_of_every_layer():
         assert bool((c[8] == 0).all()) and bool((c[10] == 0).all())
 
 
-@pytest.mark.parametrize("body,reason", [
-    (TaskBody("swap_out", [32], [0]), "src block id 32 is out of range for the gpu tier"),
-    (TaskBody("swap_out", [0], [64]), "dst block id 64 is out of range for the cpu tier"),
-    (TaskBody("swap_in", [0, 1], [3, 3]), "duplicate"),
-    (TaskBody("swap_in", [-1], [3]), "out of range"),
-    (TaskBody("fill", [], [1, 1], "cpu"), "duplicate"),
-    (TaskBody("checksum", [99], [], "gpu"), "out of range"),
-])
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        (TaskBody("swap_out", [32], [0]), "src block id 32 is out of range for the gpu tier"),
+        (TaskBody("swap_out", [0], [64]), "dst block id 64 is out of range for the cpu tier"),
+        (TaskBody("swap_in", [0, 1], [3, 3]), "duplicate"),
+        (TaskBody("swap_in", [-1], [3]), "out of range"),
+        (TaskBody("fill", [], [1, 1], "cpu"), "duplicate"),
+        (TaskBody("checksum", [99], [], "gpu"), "out of range"),
+    ],
+)
 def test_validate_names_the_problem(body, reason):
     cache = BlockStore.owned(LAYOUT)
     with pytest.raises(CacheError, match=reason) as err:

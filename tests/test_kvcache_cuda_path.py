@@ -33,13 +33,17 @@ def cuda_like_cache(rec) -> BlockStore:
 
 
 def assert_ordered_and_synced(rec):
-    assert not rec.unordered(), f"ops on cache memory before the streams waited for the compute stream: {rec.unordered()}"
+    assert not rec.unordered(), (
+        f"ops on cache memory before the streams waited for the compute stream: {rec.unordered()}"
+    )
     assert not rec.unsynced(), "the swap returned before an event covering all its copies completed"
     assert not rec.races(), f"copies on the same bytes in no stream order: {rec.races()[:3]}"
     assert rec.calls[-1][0] == "event.synchronize" and rec.calls[-1][2] is True
 
 
-@pytest.mark.parametrize("src,dst", [([0, 1, 2], [5, 6, 7]), ([3, 9, 1], [0, 30, 12]), (list(range(20)), list(range(40, 60)))])
+@pytest.mark.parametrize(
+    "src,dst", [([0, 1, 2], [5, 6, 7]), ([3, 9, 1], [0, 30, 12]), (list(range(20)), list(range(40, 60)))]
+)
 def test_swaps_wait_for_the_compute_stream_and_return_after_an_event(fake_cuda, src, dst):
     cache = cuda_like_cache(fake_cuda)
     cache.fill("gpu", src, seed=5)
@@ -66,9 +70,13 @@ def test_a_scattered_swap_is_one_gather_and_one_transfer_per_staging_chunk(fake_
     cache.swap(op, blocks, rows) if op == "swap_out" else cache.swap(op, rows, blocks)
     transfers = fake_cuda.on("tier")
     assert len(transfers) == 4, "30 pairs, 8 rows a chunk: four transfers across the link"
-    assert all(t.kind == "copy_" and t.contiguous and t.non_blocking and "engine" not in (t.src, t.dst) for t in transfers)
+    assert all(
+        t.kind == "copy_" and t.contiguous and t.non_blocking and "engine" not in (t.src, t.dst) for t in transfers
+    )
     kernels = [o.kind for o in fake_cuda.on("engine")]
-    assert kernels == ["index_select" if op == "swap_out" else "index_copy_"] * 4, "every layer's K and V in one kernel per chunk"
+    assert kernels == ["index_select" if op == "swap_out" else "index_copy_"] * 4, (
+        "every layer's K and V in one kernel per chunk"
+    )
     assert_ordered_and_synced(fake_cuda)
     assert cache.checksum("cpu", rows) == cache.checksum("gpu", blocks)
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from inproc_bus import LAYOUT, InProcessBus
 from prometheus_client.parser import text_string_to_metric_families
 
-from inproc_bus import LAYOUT, InProcessBus
-from zkv.wire import protocol as P
 from zkv.broker.core import BrokerConfig, BrokerCore
 from zkv.client.client import Client, ZkvError
-from zkv.obs.prometheus import make_registry, metrics_port_from_env, start_metrics_server
 from zkv.obs.book import COPY_BUCKETS_S, BusBook, Histogram, histogram_from_stats, task_op
+from zkv.obs.prometheus import make_registry, metrics_port_from_env, start_metrics_server
+from zkv.wire import protocol as P
+
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -126,8 +127,14 @@ def test_histogram_buckets_and_peer_stats_are_checked():
     assert h.counts == [2, 1, 1] and h.total == 6.0 and h.count == 4
     good = {"counts": [0] * (len(COPY_BUCKETS_S) + 1), "sum": 0.0}
     assert histogram_from_stats(good, COPY_BUCKETS_S) == (good["counts"], 0.0)
-    for bad in ({"counts": [1], "sum": 0.0}, {**good, "sum": float("nan")}, {**good, "counts": [True] + good["counts"][1:]},
-                {**good, "counts": [-1] + good["counts"][1:]}, [1, 2], None):
+    for bad in (
+        {"counts": [1], "sum": 0.0},
+        {**good, "sum": float("nan")},
+        {**good, "counts": [True] + good["counts"][1:]},
+        {**good, "counts": [-1] + good["counts"][1:]},
+        [1, 2],
+        None,
+    ):
         assert histogram_from_stats(bad, COPY_BUCKETS_S) is None
 
 

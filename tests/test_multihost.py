@@ -117,8 +117,10 @@ def test_pause_clear_resume_across_hosts(serving):
 
 def test_unreachable_result_address_times_out_and_no_rank_hangs(serving, bus, lab):
     lab.add_address("client", "10.78.0.13")  # the ranks have no route to 10.78.0.0/24
-    ghosts = [bus.client(name="unrouted", reply_to="tcp://10.78.0.13:*"),
-              bus.client(name="loopback", reply_to="tcp://127.0.0.1:*")]  # the old default
+    ghosts = [
+        bus.client(name="unrouted", reply_to="tcp://10.78.0.13:*"),
+        bus.client(name="loopback", reply_to="tcp://127.0.0.1:*"),
+    ]  # the old default
     try:
         before = {r["rank"]: r["stats"].get("tasks_ok", 0) for r in serving.call("status")["ranks"]}
         start = time.monotonic()
@@ -138,6 +140,7 @@ def test_unreachable_result_address_times_out_and_no_rank_hangs(serving, bus, la
         def counted():
             ranks = serving.call("status")["ranks"]
             return all(r["stats"].get("tasks_ok", 0) >= before[r["rank"]] + 3 for r in ranks)
+
         wait_until(counted, 5, "both ranks report the ghosts' tasks and ours done")
     finally:
         for g in ghosts:

@@ -21,7 +21,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from zkv import Client
 from zkv.net.endpoints import Endpoints
 
-LAYOUT_ARGS = ["--layers", "2", "--gpu-blocks", "32", "--cpu-blocks", "64", "--block-size", "4", "--kv-heads", "2", "--head-dim", "8"]
+LAYOUT_ARGS = [
+    "--layers",
+    "2",
+    "--gpu-blocks",
+    "32",
+    "--cpu-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "8",
+]
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x block_size x kv_heads x head_dim x bf16
 
 
@@ -32,16 +45,20 @@ def free_port() -> int:
 
 
 def zkv(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+    )
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(url, timeout=10) as resp:
         assert resp.status == 200
         text = resp.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -53,9 +70,13 @@ def bus(tmp_path_factory):
     """``zkv up`` with 2 ranks and a metrics port; yields (frontend, metrics url)."""
     directory = tmp_path_factory.mktemp("up")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "zkv", "up", "--ranks", "2", "--runtime-dir", str(directory), *LAYOUT_ARGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "ZKV_METRICS_PORT": str(port)})  # the env fallback of --metrics-port
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zkv", "up", "--ranks", "2", "--runtime-dir", str(directory), *LAYOUT_ARGS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ZKV_METRICS_PORT": str(port)},
+    )  # the env fallback of --metrics-port
     frontend = Endpoints.in_dir(directory).frontend
     try:
         with Client(frontend) as c:
@@ -98,14 +119,18 @@ def test_status_prints_a_table(bus):
     assert lines[0].startswith("bus RUNNING") and "world 2" in lines[0]
     header = next(i for i, line in enumerate(lines) if line.startswith("rank "))
     assert lines[header].split()[:3] == ["rank", "alive", "last"]
-    rows = [line.split() for line in lines[header + 2:header + 4]]
+    rows = [line.split() for line in lines[header + 2 : header + 4]]
     assert [r[:2] for r in rows] == [["0", "yes"], ["1", "yes"]]
 
 
 def test_status_watch_redraws_until_interrupted(bus):
     frontend, _ = bus
-    proc = subprocess.Popen([sys.executable, "-m", "zkv", "status", "--broker", frontend, "--watch", "--interval", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zkv", "status", "--broker", frontend, "--watch", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     redraws, deadline = 0, time.monotonic() + 60
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -126,7 +151,18 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         ep = Endpoints.in_dir(tmp_path)
-        res = zkv("broker", "--frontend", ep.frontend, "--backend", ep.backend, "--control", ep.control, "--metrics-port", str(port), timeout=60)
+        res = zkv(
+            "broker",
+            "--frontend",
+            ep.frontend,
+            "--backend",
+            ep.backend,
+            "--control",
+            ep.control,
+            "--metrics-port",
+            str(port),
+            timeout=60,
+        )
     assert res.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr
 

@@ -10,10 +10,10 @@ import pytest
 pytest.importorskip("matplotlib")
 import matplotlib.image  # noqa: E402
 import numpy as np  # noqa: E402
-
 from inproc_bus import LAYOUT, InProcessBus  # noqa: E402
-from zkv.harness.bench import bench_copy  # noqa: E402
+
 from zkv.client.client import Client  # noqa: E402
+from zkv.harness.bench import bench_copy  # noqa: E402
 from zkv.obs.plots import OP_COLOURS, OUTCOME_COLOURS, plot_bench, plot_trace, read_timeline  # noqa: E402
 from zkv.trace import TraceRecorder, load_trace  # noqa: E402
 
@@ -25,7 +25,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def has_colour(image: np.ndarray, hex_colour: str, tol: float = 0.02) -> bool:
-    rgb = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    rgb = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return bool((np.abs(image[..., :3] - rgb).max(axis=-1) < tol).any())
 
 
@@ -48,7 +48,9 @@ def recording(tmp_path_factory):
             client.wait(t, timeout=30)
         for i in range(5):
             assert client.run("fill", None, [i], timeout=30, tier="gpu", seed=1).ok
-        client.pause(timeout=30)  # results reach the client before the ranks' done reach the broker: drain them into the recording
+        client.pause(
+            timeout=30
+        )  # results reach the client before the ranks' done reach the broker: drain them into the recording
     recorder.close()
     return path
 
@@ -67,13 +69,20 @@ def test_trace_plot_of_a_real_recording(recording, tmp_path):
     assert png_size(out) == (1100, 480)
     image = matplotlib.image.imread(str(out))
     assert image.shape[:2] == (480, 1100)
-    for colour in (OUTCOME_COLOURS["ok"], OUTCOME_COLOURS["cancelled"], OUTCOME_COLOURS["rejected"], OP_COLOURS["pause"]):
+    for colour in (
+        OUTCOME_COLOURS["ok"],
+        OUTCOME_COLOURS["cancelled"],
+        OUTCOME_COLOURS["rejected"],
+        OP_COLOURS["pause"],
+    ):
         assert has_colour(image, colour), colour
 
 
 def test_trace_without_outcomes_is_refused_with_a_hint(tmp_path):
     path = tmp_path / "hand.jsonl"
-    path.write_text('{"zkv_trace": 1, "world": 2, "layout": null}\n{"t": 0, "ev": "submit", "op": "swap_out", "src": [1], "dst": [1]}\n')
+    path.write_text(
+        '{"zkv_trace": 1, "world": 2, "layout": null}\n{"t": 0, "ev": "submit", "op": "swap_out", "src": [1], "dst": [1]}\n'
+    )
     with pytest.raises(ValueError, match="no outcome records.*--record"):
         plot_trace(str(path), str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
@@ -85,11 +94,23 @@ def test_bench_plot_beside_baselines(tmp_path):
     copy = bench_copy(CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=16), 16, 3)
     pct = lambda p50, p99: {"p50": p50, "p99": p99, "mean": p50, "n": 100}  # noqa: E731
     results = {
-        "bus_1_blocks": {"raw_pyzmq_relay": {"rtt_us": pct(260, 460), "tasks_per_s": 39000}, "zkv": {"rtt_us": pct(700, 1500), "tasks_per_s": 9000}},
-        "bus_256_blocks": {"raw_pyzmq_relay": {"rtt_us": pct(300, 500), "tasks_per_s": 35000}, "zkv": {"rtt_us": pct(900, 2000), "tasks_per_s": 4000}},
+        "bus_1_blocks": {
+            "raw_pyzmq_relay": {"rtt_us": pct(260, 460), "tasks_per_s": 39000},
+            "zkv": {"rtt_us": pct(700, 1500), "tasks_per_s": 9000},
+        },
+        "bus_256_blocks": {
+            "raw_pyzmq_relay": {"rtt_us": pct(300, 500), "tasks_per_s": 35000},
+            "zkv": {"rtt_us": pct(900, 2000), "tasks_per_s": 4000},
+        },
         "copy_256_blocks": copy,
-        "pause": {"idle_pause_ms": pct(0.8, 2), "idle_resume_ms": pct(0.7, 1.5), "busy_pause_ms": pct(5, 9),
-                  "busy_drain_ms": pct(4, 8), "busy_overhead_beyond_drain_ms": pct(0.5, 1), "inflight_tasks": 32},
+        "pause": {
+            "idle_pause_ms": pct(0.8, 2),
+            "idle_resume_ms": pct(0.7, 1.5),
+            "busy_pause_ms": pct(5, 9),
+            "busy_drain_ms": pct(4, 8),
+            "busy_overhead_beyond_drain_ms": pct(0.5, 1),
+            "inflight_tasks": 32,
+        },
     }
     out = tmp_path / "bench.png"
     plot_bench(results, str(out))

@@ -11,7 +11,15 @@ from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.testing.fakebus import FakeBus
 
 BS = 4
-LAYOUT = {"layers": 2, "gpu_blocks": 8, "cpu_blocks": 8, "block_size": BS, "kv_heads": 2, "head_dim": 32, "dtype": "bf16"}
+LAYOUT = {
+    "layers": 2,
+    "gpu_blocks": 8,
+    "cpu_blocks": 8,
+    "block_size": BS,
+    "kv_heads": 2,
+    "head_dim": 32,
+    "dtype": "bf16",
+}
 
 
 class ControlBus(FakeBus):

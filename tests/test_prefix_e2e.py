@@ -9,10 +9,10 @@ import signal
 import pytest
 
 from zkv.harness.cluster import LocalCluster
-from zkv.wire.layout import CacheLayout
+from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
 from zkv.prefix import OutOfGpuBlocksError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
-from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
 BS = LAYOUT.block_size
@@ -21,8 +21,13 @@ BS = LAYOUT.block_size
 @pytest.fixture(scope="module")
 def cluster():
     # A long liveness window: a rank stopped with SIGSTOP for a moment is slow, not dead.
-    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=["--heartbeat-ms", "100", "--liveness-ms", "10000"],
-                     worker_args=["--liveness-ms", "10000"]).start(timeout=60)
+    c = LocalCluster(
+        2,
+        LAYOUT,
+        quiet=True,
+        broker_args=["--heartbeat-ms", "100", "--liveness-ms", "10000"],
+        worker_args=["--liveness-ms", "10000"],
+    ).start(timeout=60)
     yield c
     c.stop()
 
@@ -128,8 +133,14 @@ def test_pause_clear_resume_in_the_middle_of_a_workload(client):
 def test_a_workload_with_a_cycle_that_resumes_on_more_gpu_blocks(client):
     manager = manager_for(client)
     try:
-        report = serve_workload(client, manager, 40, workload=ChatWorkload(BS, ChatSpec.for_cache(32), seed=5),
-                                cycle_at=20, cycle_layout={"gpu_blocks": 48})
+        report = serve_workload(
+            client,
+            manager,
+            40,
+            workload=ChatWorkload(BS, ChatSpec.for_cache(32), seed=5),
+            cycle_at=20,
+            cycle_layout={"gpu_blocks": 48},
+        )
         assert report.ok, report.errors
         assert len(report.cycles) == 1 and report.cycles[0]["layout"]["gpu_blocks"] == 48
         assert report.manager["gpu"]["total"] == 48 and report.manager["cpu"]["total"] == LAYOUT.cpu_blocks
@@ -250,7 +261,14 @@ def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
     lines: list[str] = []
     assert run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append), "\n".join(lines)
     text = "\n".join(lines)
-    for expected in ("bit-identical", "requests/s", "hit rate", "swap_out:", "swap_in:", "pause/clear/resume",
-                     "all bit-identical"):
+    for expected in (
+        "bit-identical",
+        "requests/s",
+        "hit rate",
+        "swap_out:",
+        "swap_in:",
+        "pause/clear/resume",
+        "all bit-identical",
+    ):
         assert expected in text, text
     assert "ERROR" not in text

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from zkv.harness.prefix_bench import bench_manager
 from zkv.prefix import (
     BlockLease,
     CacheClearedError,
@@ -17,7 +18,6 @@ from zkv.prefix import (
     PrefixCacheManager,
     block_keys,
 )
-from zkv.harness.prefix_bench import bench_manager
 from zkv.testing.fakebus import FakeBus
 
 BS = 4
@@ -422,8 +422,9 @@ class RandomWorkload(RuleBasedStateMachine):
         self.seen: list[list[int]] = []
         self.steps_since_clear = 0
 
-    def run_request(self, tokens: list[int], outcomes: list[str], use_cache: bool = True,
-                    late_copies_land: bool = False) -> None:
+    def run_request(
+        self, tokens: list[int], outcomes: list[str], use_cache: bool = True, late_copies_land: bool = False
+    ) -> None:
         self.steps_since_clear += 1
         if len(self.running) >= 2:  # bounded concurrency, like a scheduler's batch
             self.finish_request(0)
@@ -449,10 +450,18 @@ class RandomWorkload(RuleBasedStateMachine):
         if late_copies_land:  # timed-out copies landing now would clobber any block reused too early
             self.bus.deliver_late()
 
-    @rule(family=st.integers(0, 2), shared=st.integers(0, 5), variant=st.integers(0, 3),
-          extra=st.integers(0, 6), outcomes=SWAP_OUTCOMES, use_cache=st.booleans(), late=st.booleans())
-    def request(self, family: int, shared: int, variant: int, extra: int, outcomes: list[str],
-                use_cache: bool, late: bool) -> None:
+    @rule(
+        family=st.integers(0, 2),
+        shared=st.integers(0, 5),
+        variant=st.integers(0, 3),
+        extra=st.integers(0, 6),
+        outcomes=SWAP_OUTCOMES,
+        use_cache=st.booleans(),
+        late=st.booleans(),
+    )
+    def request(
+        self, family: int, shared: int, variant: int, extra: int, outcomes: list[str], use_cache: bool, late: bool
+    ) -> None:
         """A prompt sharing a prefix with others; without the cache it may duplicate cached blocks."""
         tokens = prompt(family, shared) + [50_000 + family * 100 + variant * 10 + i for i in range(extra)]
         self.run_request(tokens, outcomes, use_cache, late)

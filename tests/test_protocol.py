@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkv.wire import protocol as P
 from zkv.wire import messages as M
+from zkv.wire import protocol as P
 
 VECTORS = Path(__file__).parent / "vectors"
 
@@ -113,10 +113,17 @@ def test_valid_body_decodes(vec):
     body = P.decode_body(frame)
     expect = vec["body"]
     assert (body.op, body.src, body.dst, body.tier, body.seed) == (
-        expect["op"], expect["src"], expect["dst"], expect["tier"], expect["seed"])
+        expect["op"],
+        expect["src"],
+        expect["dst"],
+        expect["tier"],
+        expect["seed"],
+    )
 
 
-@pytest.mark.parametrize("vec", [b for b in BODIES if b["encode_body"]], ids=_ids([b for b in BODIES if b["encode_body"]]))
+@pytest.mark.parametrize(
+    "vec", [b for b in BODIES if b["encode_body"]], ids=_ids([b for b in BODIES if b["encode_body"]])
+)
 def test_encode_body_reproduces_packed_bodies(vec):
     enc = vec["encode_body"]
     assert P.encode_body(enc["op"], enc["src"], enc["dst"], **enc["extra"]).hex() == vec["hex"]
@@ -173,7 +180,7 @@ def test_more_ids_than_the_cap_is_too_large():
 
 
 def test_pack_ids_is_little_endian_int32():
-    assert P.pack_ids([1, 256, 2**31 - 1]) == bytes.fromhex("01000000" "00010000" "ffffff7f")
+    assert P.pack_ids([1, 256, 2**31 - 1]) == bytes.fromhex("0100000000010000ffffff7f")
     assert P.pack_ids([]) == b""
 
 
@@ -224,10 +231,14 @@ def test_ids_round_trip(ids):
 
 uint = st.integers(min_value=0, max_value=P.MAX_SAFE_INT)
 text = st.text(max_size=40)
-_STRATEGIES = {"uint": uint, "str": text, "bool": st.booleans(),
-               "map": st.dictionaries(st.text(max_size=8), uint, max_size=4),
-               "list": st.lists(uint, max_size=4),
-               "ids": st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8)}
+_STRATEGIES = {
+    "uint": uint,
+    "str": text,
+    "bool": st.booleans(),
+    "map": st.dictionaries(st.text(max_size=8), uint, max_size=4),
+    "list": st.lists(uint, max_size=4),
+    "ids": st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=8),
+}
 
 
 def _field(kind, name, typ):
@@ -265,8 +276,11 @@ def test_every_kind_round_trips(kind):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from(["swap_out", "swap_in"]),
-       st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=1, max_size=64), st.data())
+@given(
+    st.sampled_from(["swap_out", "swap_in"]),
+    st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=1, max_size=64),
+    st.data(),
+)
 def test_swap_body_round_trips(op, src, data):
     dst = data.draw(st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=len(src), max_size=len(src)))
     body = P.decode_body(P.encode_body(op, src, dst))
@@ -297,7 +311,9 @@ def test_largest_safe_integer_passes_and_next_fails():
         P.decode(P.encode("ping", req=P.MAX_SAFE_INT + 1))
 
 
-@pytest.mark.parametrize("n,lo,hi,ok", [(1, 1, 2, True), (2, 1, 2, True), (0, 1, 2, False), (3, 1, 2, False), (2, 1, 1, False)])
+@pytest.mark.parametrize(
+    "n,lo,hi,ok", [(1, 1, 2, True), (2, 1, 2, True), (0, 1, 2, False), (3, 1, 2, False), (2, 1, 1, False)]
+)
 def test_check_frames(n, lo, hi, ok):
     frames = [b"x"] * n
     if ok:
@@ -323,8 +339,10 @@ def test_worked_example_in_the_document_matches_the_vectors():
     assert len(dumps) == 4 and all(d in known for d in dumps)
     assert P.decode(dumps[0]).kind == "submit" and P.decode_body(dumps[1]).src == [3, 4]
     assert P.decode(dumps[2]).kind == "task" and P.decode(dumps[3]).kind == "result"
-    inline = [bytes.fromhex(h) for h in re.findall(r"`((?:[0-9a-f]{2} ){8,}[0-9a-f]{2})`",
-                                                   section.split("**A request and its reply**")[1])]
+    inline = [
+        bytes.fromhex(h)
+        for h in re.findall(r"`((?:[0-9a-f]{2} ){8,}[0-9a-f]{2})`", section.split("**A request and its reply**")[1])
+    ]
     assert len(inline) == 3
     assert P.decode(inline[0]) == M.Ping(req=7)
     assert P.decode(inline[1]) == M.Reply(req=7, op="ping")
@@ -338,7 +356,12 @@ def test_every_error_is_a_zkv_error_with_a_code_and_a_reason():
     from zkv.prefix.manager import CacheClearedError, InvalidBlockError
     from zkv.rank.cache.errors import CacheError
 
-    for err in (P.ProtocolError("bad_field", "x"), CacheError("bad_layout", "y"), CacheClearedError("z"), InvalidBlockError("w")):
+    for err in (
+        P.ProtocolError("bad_field", "x"),
+        CacheError("bad_layout", "y"),
+        CacheClearedError("z"),
+        InvalidBlockError("w"),
+    ):
         assert isinstance(err, ZkvError) and err.code and err.reason
     assert str(CacheClearedError("resume first")) == "resume first" and CacheClearedError("r").code == "cache_cleared"
     assert isinstance(InvalidBlockError("w"), ValueError) and isinstance(CacheError("bad_layout", "y"), ValueError)

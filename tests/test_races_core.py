@@ -7,10 +7,9 @@ import random
 
 import pytest
 
+from zkv.testing.sim import Sim
 from zkv.wire import protocol as P
 from zkv.wire.messages import Result
-
-from zkv.testing.sim import Sim
 
 
 def pause_done(sim, req):

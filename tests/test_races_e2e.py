@@ -250,7 +250,9 @@ def test_10_random_cycles_with_real_processes(client):
 
 
 def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
-    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"], directory=tmp_path / "rb")
+    c = LocalCluster(
+        2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"], directory=tmp_path / "rb"
+    )
     c.start(timeout=60)
     try:
         with c.client(request_timeout=15) as client:

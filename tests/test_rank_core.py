@@ -2,16 +2,17 @@
 
 import itertools
 
-from zkv.wire import protocol as P
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
-
 from zkv.testing.sim import LAYOUT
+from zkv.wire import protocol as P
 
 
 def welcomed(op="run", epoch=0, upto=0, gen=0) -> RankCore:
     core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
-    core.on_broker(P.encode("welcome", epoch=epoch, op=op, gen=gen, upto=upto, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    core.on_broker(
+        P.encode("welcome", epoch=epoch, op=op, gen=gen, upto=upto, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0
+    )
     return core
 
 
@@ -88,7 +89,9 @@ def test_task_from_another_generation_is_refused():
 def test_welcome_while_cleared_frees_the_fresh_cache_and_acks():
     core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
-    acts = core.on_broker(P.encode("welcome", epoch=5, op="clear", gen=2, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    acts = core.on_broker(
+        P.encode("welcome", epoch=5, op="clear", gen=2, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0
+    )
     assert any(isinstance(a, FreeCache) for a in acts)
     (ack,) = sent(core.on_cache_done(freed=10), "ack")
     assert ack["epoch"] == 5 and core.gen == 2
@@ -154,7 +157,9 @@ def test_the_phase_moves_joining_registered_probing_and_back():
     core.start(1.0)
     assert core.phase is RankPhase.JOINING and not core.registered
     assert core.on_control(control("pause", 3), 1.0) == [] and core.counters["control_before_welcome"] == 1
-    core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0)
+    core.on_broker(
+        P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0
+    )
     assert core.phase is RankPhase.REGISTERED and core.acked_epoch is None
     core.on_wake(1.0)
     core.on_wake(1.0 + core.liveness_ms / 1000)
@@ -169,6 +174,17 @@ def test_the_phase_moves_joining_registered_probing_and_back():
 def test_a_welcome_at_a_lower_epoch_is_still_applied():
     core = welcomed(op="run", epoch=5)
     core.on_broker(P.encode("reregister"), 2.0)
-    core.on_broker(P.encode("welcome", epoch=1, op="pause", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100,
-                            session=core.session), 2.0)
+    core.on_broker(
+        P.encode(
+            "welcome",
+            epoch=1,
+            op="pause",
+            gen=0,
+            upto=0,
+            layout=LAYOUT.to_wire(),
+            heartbeat_ms=100,
+            session=core.session,
+        ),
+        2.0,
+    )
     assert core.epoch == 1 and core.op == "pause" and core.acked_epoch == 1

@@ -3,12 +3,11 @@ restarts, lost memory never silent, every request answered; docs/architecture.md
 one exact interleaving each (test_bus_model.py explores the rest;
 test_recovery_e2e.py runs real processes)."""
 
-from zkv.wire import protocol as P
 from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient
 from zkv.prefix import PrefixCacheManager
 from zkv.testing.fakebus import FakeBus
-
 from zkv.testing.sim import LAYOUT, Sim
+from zkv.wire import protocol as P
 
 
 def replies(actions):

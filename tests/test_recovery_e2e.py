@@ -35,7 +35,14 @@ def cluster(tmp_path):
 def serving(tmp_path_factory):
     """One started cluster for the sequences that kill or restart nothing and
     leave the bus as they found it (running, on LAYOUT)."""
-    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=RANK_FAST, directory=tmp_path_factory.mktemp("serving") / "c")
+    c = LocalCluster(
+        2,
+        LAYOUT,
+        quiet=True,
+        broker_args=FAST,
+        worker_args=RANK_FAST,
+        directory=tmp_path_factory.mktemp("serving") / "c",
+    )
     c.start(timeout=60)
     yield c
     c.stop()
@@ -78,8 +85,11 @@ def test_1_pause_and_clear_before_any_rank_registered_are_answered_and_stay_true
         st = client.status(wait_ranks=2, timeout=60)
         assert st["state"] == "cleared" and no_internal_errors(st)
         # the ranks joined a cleared bus: they free their caches (cleared stays cleared)
-        wait_for(client, lambda s: all(r["stats"].get("op") == "clear" and r["stats"].get("cache_bytes") == 0
-                                       for r in s["ranks"]), "ranks to free their caches")
+        wait_for(
+            client,
+            lambda s: all(r["stats"].get("op") == "clear" and r["stats"].get("cache_bytes") == 0 for r in s["ranks"]),
+            "ranks to free their caches",
+        )
         assert client.submit_raw(b"") and client.poll(5)[0].outcome == "rejected"
         assert client.resume(timeout=10)["state"] == "running"
         assert client.run("fill", None, [0, 1], tier="gpu", seed=3, timeout=10).ok
@@ -103,9 +113,17 @@ def test_2_a_failed_resume_with_a_new_layout_rolls_back_and_no_rank_keeps_it(clu
         reply = client.resume(timeout=10)
         assert reply["layout"] == LAYOUT.to_wire()
         # both ranks hold exactly the broker's layout (rank 0 had allocated the new one)
-        st = wait_for(client, lambda s: len(s["ranks"]) == 2 and all(
-            r["stats"].get("cache_bytes") == cache_bytes(LAYOUT) and r["stats"].get("op") == "resume" for r in s["ranks"]),
-            "both ranks on the broker's layout")
+        st = wait_for(
+            client,
+            lambda s: (
+                len(s["ranks"]) == 2
+                and all(
+                    r["stats"].get("cache_bytes") == cache_bytes(LAYOUT) and r["stats"].get("op") == "resume"
+                    for r in s["ranks"]
+                )
+            ),
+            "both ranks on the broker's layout",
+        )
         assert st["layout"] == LAYOUT.to_wire() and no_internal_errors(st)
         blocks = [0, 5, 31]  # block 31 exists only in the old (the broker's) layout
         assert client.run("fill", None, blocks, tier="gpu", seed=7, timeout=10).ok
@@ -138,8 +156,16 @@ def test_3_broker_and_rank_0_killed_while_rank_1_is_frozen_converge_on_one_new_g
         finally:
             cluster.workers[1].send_signal(signal.SIGCONT)  # comes back holding generation 2
         st = client.status(wait_ranks=2, timeout=30)
-        st = wait_for(client, lambda s: s["state"] == "running" and len(s["ranks"]) == 2 and all(r["alive"] for r in s["ranks"])
-                      and all(r["stats"].get("gen") == s["gen"] for r in s["ranks"]), "one generation on both ranks")
+        st = wait_for(
+            client,
+            lambda s: (
+                s["state"] == "running"
+                and len(s["ranks"]) == 2
+                and all(r["alive"] for r in s["ranks"])
+                and all(r["stats"].get("gen") == s["gen"] for r in s["ranks"])
+            ),
+            "one generation on both ranks",
+        )
         assert st["gen"] == 3 and "rank 0" in st["gen_reason"] and "fresh memory" in st["gen_reason"]
         assert client.gen == 3, "status told the client"
         out = client.run("checksum", [1, 2], tier="gpu", timeout=10)
@@ -174,8 +200,11 @@ def test_5_a_rank_restarted_with_fresh_memory_moves_the_bus_to_a_generation_ever
         assert before.ok and other.run("checksum", blocks, tier="gpu", timeout=10).ok
         cluster.kill_worker(1)
         cluster.start_worker(1)
-        st = wait_for(client, lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
-                      "the new generation")
+        st = wait_for(
+            client,
+            lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+            "the new generation",
+        )
         assert "rank 1" in st["gen_reason"] and "fresh memory" in st["gen_reason"]
         # a client that did not ask for status learns it from its next result: no old block reads as there
         out = other.run("checksum", blocks, tier="gpu", timeout=10)

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from zkv.cli.commands import main
 from zkv.harness.cluster import LocalCluster
-from zkv.wire.layout import CacheLayout
 from zkv.replay import format_report, replay
 from zkv.trace import check_recording, compare_outcomes, load_trace
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
@@ -50,11 +50,34 @@ def test_trace_replays_as_expected(cluster, path):
 
 def test_cli_replays_stdin_against_a_broker_as_json(cluster):
     runner = _runner()
-    gen = runner.invoke(main, ["trace", "gen", "steady", "--tasks", "40", "--seed", "2", "--rate", "2000",
-                               "--layers", "2", "--gpu-blocks", "64", "--cpu-blocks", "128", "--kv-heads", "2"])
+    gen = runner.invoke(
+        main,
+        [
+            "trace",
+            "gen",
+            "steady",
+            "--tasks",
+            "40",
+            "--seed",
+            "2",
+            "--rate",
+            "2000",
+            "--layers",
+            "2",
+            "--gpu-blocks",
+            "64",
+            "--cpu-blocks",
+            "128",
+            "--kv-heads",
+            "2",
+        ],
+    )
     assert gen.exit_code == 0, gen.stderr
-    res = runner.invoke(main, ["replay", "-", "--broker", cluster.endpoints.frontend, "--speed", "max", "--json",
-                               "--task-timeout", "10"], input=gen.stdout)
+    res = runner.invoke(
+        main,
+        ["replay", "-", "--broker", cluster.endpoints.frontend, "--speed", "max", "--json", "--task-timeout", "10"],
+        input=gen.stdout,
+    )
     assert res.exit_code == 0, res.stdout + res.stderr
     rep = json.loads(res.stdout)
     assert rep["ok"] and rep["outcomes"] == {"ok": 40} and rep["source"] == "<stdin>"
@@ -64,12 +87,17 @@ def test_cli_replays_stdin_against_a_broker_as_json(cluster):
 
 def test_cli_bad_trace_exits_2_naming_the_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"zkv_trace": 1, "world": 2}\n{"ev": "pause"}\n{"ev": "submit", "op": "swap", "src": [1], "dst": [1]}\n')
+    bad.write_text(
+        '{"zkv_trace": 1, "world": 2}\n{"ev": "pause"}\n{"ev": "submit", "op": "swap", "src": [1], "dst": [1]}\n'
+    )
     runner = _runner()
     for args in (["replay", str(bad)], ["trace", "check", str(bad)]):
         res = runner.invoke(main, args)
         assert res.exit_code == 2
-        assert res.stderr.strip() == f"zkv: error: bad trace: {bad}, line 3: unknown op 'swap'; expected one of swap_out, swap_in, fill, checksum"
+        assert (
+            res.stderr.strip()
+            == f"zkv: error: bad trace: {bad}, line 3: unknown op 'swap'; expected one of swap_out, swap_in, fill, checksum"
+        )
     res = runner.invoke(main, ["replay", "-"], input='{"zkv_trace": 7, "world": 2}\n')
     assert res.exit_code == 2 and "<stdin>, line 1: unsupported trace format version 7" in res.stderr
 
@@ -78,8 +106,30 @@ def test_record_replay_record_gives_the_same_outcomes(tmp_path):
     """gen -> replay with --record (rec1) -> replay rec1 with --record (rec2): same outcomes per task."""
     runner = _runner()
     gen, rec1, rec2 = tmp_path / "gen.jsonl", tmp_path / "rec1.jsonl", tmp_path / "rec2.jsonl"
-    res = runner.invoke(main, ["trace", "gen", "rl-cycle", "--tasks", "24", "--every", "6", "--seed", "9", "-o", str(gen),
-                               "--layers", "2", "--gpu-blocks", "64", "--cpu-blocks", "128", "--kv-heads", "2"])
+    res = runner.invoke(
+        main,
+        [
+            "trace",
+            "gen",
+            "rl-cycle",
+            "--tasks",
+            "24",
+            "--every",
+            "6",
+            "--seed",
+            "9",
+            "-o",
+            str(gen),
+            "--layers",
+            "2",
+            "--gpu-blocks",
+            "64",
+            "--cpu-blocks",
+            "128",
+            "--kv-heads",
+            "2",
+        ],
+    )
     assert res.exit_code == 0, res.stderr
     res = runner.invoke(main, ["replay", str(gen), "--record", str(rec1), "--speed", "max", "--task-timeout", "10"])
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -89,7 +139,11 @@ def test_record_replay_record_gives_the_same_outcomes(tmp_path):
     assert check_recording(first) == []
     res = runner.invoke(main, ["replay", str(rec1), "--record", str(rec2), "--json", "--task-timeout", "10"])
     assert res.exit_code == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["outcomes"] == {"cancelled": 4, "ok": 16, "rejected": 4}  # rejected submits are recorded too
+    assert json.loads(res.stdout)["outcomes"] == {
+        "cancelled": 4,
+        "ok": 16,
+        "rejected": 4,
+    }  # rejected submits are recorded too
     second = load_trace(str(rec2))
     assert compare_outcomes(first, second) == []
     wanted = [s.expects[0][1][0] for s in _in_order(load_trace(str(gen)))]

@@ -50,5 +50,7 @@ def test_client_uses_the_bind_and_advertise_it_is_given(monkeypatch):
         assert host == "127.0.0.1" and port.isdigit()  # the wildcard is never advertised
         bound = c.pull.getsockopt_string(0x20)  # ZMQ_LAST_ENDPOINT
         assert bound == f"tcp://0.0.0.0:{port}"
-    with Client("tcp://127.0.0.1:1", reply_to="tcp://127.0.0.1:*", advertise="tcp://10.9.8.7:*", request_timeout=0.2) as c:
+    with Client(
+        "tcp://127.0.0.1:1", reply_to="tcp://127.0.0.1:*", advertise="tcp://10.9.8.7:*", request_timeout=0.2
+    ) as c:
         assert c.reply_to.startswith("tcp://10.9.8.7:") and c.reply_to != "tcp://10.9.8.7:*"

@@ -6,9 +6,8 @@ meanwhile.  A READY repeated with a fresh session reads as a restart at the
 broker, which fails the task it had just dispatched; repeated with the same
 session it is a duplicate, and the task runs."""
 
-from zkv.wire import protocol as P
-
 from zkv.testing.sim import Sim
+from zkv.wire import protocol as P
 
 HB = 0.5  # the broker's and the ranks' default heartbeat
 
@@ -133,8 +132,12 @@ def test_a_welcome_naming_tasks_that_never_came_makes_the_rank_register_afresh()
     sim = Sim().up()
     core = sim.ranks[1].core
     old = core.session
-    acts = core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=1, layout=core.layout.to_wire(),
-                                   heartbeat_ms=500, session=old), sim.now)
+    acts = core.on_broker(
+        P.encode(
+            "welcome", epoch=0, op="run", gen=0, upto=1, layout=core.layout.to_wire(), heartbeat_ms=500, session=old
+        ),
+        sim.now,
+    )
     (ready,) = [P.decode(a.frame) for a in acts if P.decode(a.frame)["kind"] == "ready"]
     assert ready["session"] != old and not core.registered and core.counters["tasks_lost_in_transit"] == 1
 
@@ -146,6 +149,8 @@ def test_a_rank_back_from_an_outage_gets_tasks_only_once_it_shows_its_welcome_ar
         sim._rank_actions(r, sim.ranks[r].core.on_tick(sim.now))
     sim.deliver_broker()
     task = sim.submit()
-    assert all(sr.dealer_in and all(P.decode(f[0])["kind"] != "task" for f in sr.dealer_in) for sr in sim.ranks.values())
+    assert all(
+        sr.dealer_in and all(P.decode(f[0])["kind"] != "task" for f in sr.dealer_in) for sr in sim.ranks.values()
+    )
     sim.settle()  # the welcomes arrive, each rank says so with a heartbeat, the task goes out
     assert sim.outcomes[task] == "ok"

@@ -10,8 +10,8 @@ import pytest
 
 from zkv.client.client import ZkvError
 from zkv.harness.cluster import LocalCluster
-from zkv.wire.layout import CacheLayout
 from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
 
@@ -25,8 +25,10 @@ def rank_row(text: str, rank: int) -> list[str]:
 
 
 def test_table_from_a_real_cluster_alive_paused_and_dead():
-    with LocalCluster(2, LAYOUT, quiet=True, broker_args=["--liveness-ms", "600", "--heartbeat-ms", "100"]) as cluster, \
-            cluster.client() as client:
+    with (
+        LocalCluster(2, LAYOUT, quiet=True, broker_args=["--liveness-ms", "600", "--heartbeat-ms", "100"]) as cluster,
+        cluster.client() as client,
+    ):
         for i in range(3):
             assert client.run("swap_out", [i], [i], timeout=30).ok
         client.pause(timeout=30)  # the acks bring every rank's fresh stats
@@ -75,9 +77,27 @@ def test_watch_stops_on_event_and_survives_a_silent_broker():
 
 
 def test_never_registered_ranks_and_odd_values():
-    text = render_status({"state": "running", "epoch": 0, "gen": 0, "world": 3, "ranks": [
-        {"rank": 1, "alive": True, "last_seen_ms": 1500.0, "inflight": 2, "pid": 7, "stats": {"copies_after_ack": 1, "bytes_moved": "x"}}],
-        "queued": 0, "inflight": 0, "counters": {"submitted": 4}})
+    text = render_status(
+        {
+            "state": "running",
+            "epoch": 0,
+            "gen": 0,
+            "world": 3,
+            "ranks": [
+                {
+                    "rank": 1,
+                    "alive": True,
+                    "last_seen_ms": 1500.0,
+                    "inflight": 2,
+                    "pid": 7,
+                    "stats": {"copies_after_ack": 1, "bytes_moved": "x"},
+                }
+            ],
+            "queued": 0,
+            "inflight": 0,
+            "counters": {"submitted": 4},
+        }
+    )
     assert rank_row(text, 0)[1:3] == ["never", "registered"]
     assert rank_row(text, 2)[1:3] == ["never", "registered"]
     assert rank_row(text, 1)[2:4] == ["1.5", "s"]
@@ -88,7 +108,15 @@ def test_never_registered_ranks_and_odd_values():
 
 
 def test_the_table_says_why_the_generation_moved():
-    st = {"state": "running", "epoch": 3, "gen": 2, "world": 1, "ranks": [], "queued": 0, "inflight": 0,
-          "gen_reason": "a rank restarted with its memory gone"}
+    st = {
+        "state": "running",
+        "epoch": 3,
+        "gen": 2,
+        "world": 1,
+        "ranks": [],
+        "queued": 0,
+        "inflight": 0,
+        "gen_reason": "a rank restarted with its memory gone",
+    }
     assert "generation 2 because a rank restarted with its memory gone" in render_status(st).splitlines()
     assert "because" not in render_status({**st, "gen_reason": ""})

@@ -13,13 +13,13 @@ import pytest
 import zmq
 
 from zkv import Client, ZkvError
-from zkv.wire import protocol as P
-from zkv.broker.loop import Broker
 from zkv.broker.core import BrokerConfig
+from zkv.broker.loop import Broker
 from zkv.harness.cluster import LocalCluster, layout_args
 from zkv.net.endpoints import Endpoints
-from zkv.wire.layout import CacheLayout
 from zkv.rank.worker import RankWorker
+from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=1, kv_heads=1, head_dim=8)
 
@@ -66,9 +66,18 @@ def counters(client) -> dict:
 # --- 1. result addresses --------------------------------------------------------------
 
 
-BAD_REPLY_TO = ["inproc://zkv-stop-rank-0-0", "inproc://zkv-stop-broker-0", "inproc://zeromq.zap.01", "tcp://",
-                "udp://127.0.0.1:5", "tcp://127.0.0.1:1" + "1" * 600, "ipc://a\x00b",
-                "tcp://no-such-host.invalid:5555", "tcp://127.0.0.1:*", "tcp://lo;127.0.0.1:5555"]
+BAD_REPLY_TO = [
+    "inproc://zkv-stop-rank-0-0",
+    "inproc://zkv-stop-broker-0",
+    "inproc://zeromq.zap.01",
+    "tcp://",
+    "udp://127.0.0.1:5",
+    "tcp://127.0.0.1:1" + "1" * 600,
+    "ipc://a\x00b",
+    "tcp://no-such-host.invalid:5555",
+    "tcp://127.0.0.1:*",
+    "tcp://lo;127.0.0.1:5555",
+]
 
 
 def test_a_client_cannot_name_an_address_inside_a_zkv_process(cluster, client):
@@ -103,16 +112,44 @@ def test_a_rank_refuses_an_inproc_result_address_from_its_broker(tmp_path):
         ident, frame = router.recv_multipart()
         ready = P.decode(frame)
         assert ready["kind"] == "ready" and ident != b"rank-0", "a rank's identity must not be guessable"
-        router.send_multipart([ident, P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(),
-                                               heartbeat_ms=1000, session=ready["session"])])
+        router.send_multipart(
+            [
+                ident,
+                P.encode(
+                    "welcome",
+                    epoch=0,
+                    op="run",
+                    gen=0,
+                    upto=0,
+                    layout=LAYOUT.to_wire(),
+                    heartbeat_ms=1000,
+                    session=ready["session"],
+                ),
+            ]
+        )
         body = P.encode_body("fill", dst=[0], tier="gpu", seed=1)
         for n, reply_to in enumerate([worker._stopper.address, worker._report_address, "inproc://zeromq.zap.01"], 1):
-            router.send_multipart([ident, P.encode("task", seq=n, n=n, task=n, reply_to=reply_to, gen=0, session=ready["session"]), body])
+            router.send_multipart(
+                [ident, P.encode("task", seq=n, n=n, task=n, reply_to=reply_to, gen=0, session=ready["session"]), body]
+            )
             done = next_kind(router, "done")
             assert (done["seq"], done["outcome"]) == (n, "failed")
         assert thread.is_alive(), "a named inproc address stopped the rank"
-        router.send_multipart([ident, P.encode("task", seq=9, n=4, task=9, reply_to=f"ipc://{tmp_path}/results.sock", gen=0,
-                                               session=ready["session"]), body])
+        router.send_multipart(
+            [
+                ident,
+                P.encode(
+                    "task",
+                    seq=9,
+                    n=4,
+                    task=9,
+                    reply_to=f"ipc://{tmp_path}/results.sock",
+                    gen=0,
+                    session=ready["session"],
+                ),
+                body,
+            ]
+        )
         assert pull.poll(10_000)
         result = P.decode(pull.recv())
         assert (result["task"], result["outcome"]) == (9, "ok")
@@ -176,7 +213,9 @@ def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear()
     assert P.decode(pub.frame, ("control",))["gen"] == P.MAX_COUNTER + 1
 
 
-@pytest.mark.parametrize("field,value", [("timeout_ms", 2**53 - 1), ("timeout_ms", P.MAX_TIMEOUT_MS + 1), ("wait_ranks", 3)])
+@pytest.mark.parametrize(
+    "field,value", [("timeout_ms", 2**53 - 1), ("timeout_ms", P.MAX_TIMEOUT_MS + 1), ("wait_ranks", 3)]
+)
 def test_out_of_range_request_integers_are_refused_with_their_req(cluster, client, field, value):
     sock = raw(cluster.endpoints.frontend)
     try:
@@ -197,8 +236,16 @@ def deep(n):
     return v
 
 
-@pytest.mark.parametrize("stats", [deep(1022), deep(P.MAX_NEST_DEPTH + 2), {f"k{i}": i for i in range(300)},
-                                   {"x": "y" * 5000}, {"big": [1] * 200, "more": [2] * 100}])
+@pytest.mark.parametrize(
+    "stats",
+    [
+        deep(1022),
+        deep(P.MAX_NEST_DEPTH + 2),
+        {f"k{i}": i for i in range(300)},
+        {"x": "y" * 5000},
+        {"big": [1] * 200, "more": [2] * 100},
+    ],
+)
 def test_stats_that_would_not_encode_are_refused_on_arrival(cluster, client, stats):
     sock = raw(cluster.endpoints.backend)
     try:
@@ -282,7 +329,9 @@ def test_open_tasks_are_bounded_per_client_and_queued_ones_expire(lonely_broker)
     try:
         body = P.encode_body("swap_out", [0], [1])
         for task in range(1, 8):
-            sock.send_multipart([P.encode("submit", task=task, reply_to="ipc:///tmp/nobody.sock", timeout_ms=100), body])
+            sock.send_multipart(
+                [P.encode("submit", task=task, reply_to="ipc:///tmp/nobody.sock", timeout_ms=100), body]
+            )
         rejected = drain(sock, 2)
         assert [(m["task"], m["outcome"]) for m in rejected] == [(6, "rejected"), (7, "rejected")]
         assert "open tasks" in rejected[0]["reason"]
@@ -295,7 +344,11 @@ def test_a_queued_task_past_its_timeout_never_runs():
     from zkv.broker.core import BrokerCore, SaveState, ToClient, ToRank
 
     core = BrokerCore(BrokerConfig(world=1))
-    out = core.on_client(b"c", [P.encode("submit", task=1, reply_to="ipc:///tmp/c", timeout_ms=100), P.encode_body("swap_out", [0], [1])], 0.0)
+    out = core.on_client(
+        b"c",
+        [P.encode("submit", task=1, reply_to="ipc:///tmp/c", timeout_ms=100), P.encode_body("swap_out", [0], [1])],
+        0.0,
+    )
     assert [a for a in out if not isinstance(a, SaveState)] == []  # queued: nothing sent
     out = core.on_rank(b"r0", [ready(world=1)], 1.0)
     assert not [a for a in out if isinstance(a, ToRank) and len(a.frames) == 2], "an expired task was dispatched"
@@ -309,9 +362,26 @@ def test_a_queued_task_past_its_timeout_never_runs():
 
 def test_a_misconfigured_rank_cannot_evict_the_live_one(cluster, client):
     deaths = counters(client).get("rank_deaths", 0)
-    intruder = subprocess.Popen([sys.executable, "-m", "zkv", "worker", "--rank", "1", "--world-size", "3",
-                                 "--backend", cluster.endpoints.backend, "--control", cluster.endpoints.control,
-                                 *layout_args(LAYOUT)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    intruder = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zkv",
+            "worker",
+            "--rank",
+            "1",
+            "--world-size",
+            "3",
+            "--backend",
+            cluster.endpoints.backend,
+            "--control",
+            cluster.endpoints.control,
+            *layout_args(LAYOUT),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while intruder.poll() is None:  # tasks keep running on the real rank 1 meanwhile
             out = client.run("swap_out", [0], [1], timeout=20)
@@ -344,10 +414,18 @@ def test_a_version_that_only_equals_1_is_bad_version(cluster, client, v):
         front.send(msgpack.packb({"v": v, "kind": "ping", "req": 5}))
         msg = recv(front)
         assert (msg["code"], msg["req"]) == ("bad_version", 5)
-        back.send(msgpack.packb({"v": v, "kind": "ready", "rank": 0, "world": 2, "session": 9, "layout": LAYOUT.to_wire(), "gen": 0}))
+        back.send(
+            msgpack.packb(
+                {"v": v, "kind": "ready", "rank": 0, "world": 2, "session": 9, "layout": LAYOUT.to_wire(), "gen": 0}
+            )
+        )
         assert recv(back)["code"] == "bad_version"
-        front.send_multipart([P.encode("submit", task=1, reply_to="ipc:///tmp/zkv-nobody.sock"),
-                              msgpack.packb({"v": v, "kind": "body", "op": "fill", "dst": [0]})])
+        front.send_multipart(
+            [
+                P.encode("submit", task=1, reply_to="ipc:///tmp/zkv-nobody.sock"),
+                msgpack.packb({"v": v, "kind": "body", "op": "fill", "dst": [0]}),
+            ]
+        )
     finally:
         front.close()
         back.close()
@@ -355,9 +433,13 @@ def test_a_version_that_only_equals_1_is_bad_version(cluster, client, v):
 
 
 def test_rank_failures_carry_the_error_code_and_tier_empty_is_refused(client):
-    out = client.wait(client.submit_raw(msgpack.packb({"v": 1, "kind": "body", "op": "fill", "dst": P.pack_ids([0]), "tier": ""}), 20))
+    out = client.wait(
+        client.submit_raw(msgpack.packb({"v": 1, "kind": "body", "op": "fill", "dst": P.pack_ids([0]), "tier": ""}), 20)
+    )
     assert out.outcome == "failed" and codes(out) == {"bad_field"}, out
-    out = client.wait(client.submit_raw(msgpack.packb({"v": True, "kind": "body", "op": "fill", "dst": P.pack_ids([0])}), 20))
+    out = client.wait(
+        client.submit_raw(msgpack.packb({"v": True, "kind": "body", "op": "fill", "dst": P.pack_ids([0])}), 20)
+    )
     assert out.outcome == "failed" and codes(out) == {"bad_version"}, out
 
 
@@ -385,8 +467,19 @@ def test_status_keeps_the_pid_after_a_rank_re_registers():
 
     core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     (first,) = core.start(1.0, pid=4242)
-    core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=500,
-                            session=P.decode(first.frame)["session"]), 1.0)
+    core.on_broker(
+        P.encode(
+            "welcome",
+            epoch=0,
+            op="run",
+            gen=0,
+            upto=0,
+            layout=LAYOUT.to_wire(),
+            heartbeat_ms=500,
+            session=P.decode(first.frame)["session"],
+        ),
+        1.0,
+    )
     (again,) = core.on_broker(P.encode("reregister"), 2.0)
     assert P.decode(again.frame)["pid"] == 4242
 
@@ -398,8 +491,18 @@ def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
     (first,) = core.start(1.0, pid=1)
     session = P.decode(first.frame)["session"]
     bad = dict(LAYOUT.to_wire(), gpu_blocks=2**31)
-    assert core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=bad, heartbeat_ms=500, session=session), 1.0) == []
+    assert (
+        core.on_broker(
+            P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=bad, heartbeat_ms=500, session=session), 1.0
+        )
+        == []
+    )
     assert not core.registered and core.counters["bad_broker_msgs"] == 1
-    core.on_broker(P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=500, session=session), 1.0)
+    core.on_broker(
+        P.encode(
+            "welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=500, session=session
+        ),
+        1.0,
+    )
     assert core.on_control(P.encode("control", epoch=1, op="resume", gen=0, upto=[0], layout=bad), 1.1) == []
     assert core.layout == LAYOUT and core.counters["bad_broker_msgs"] == 2

@@ -28,7 +28,9 @@ def _tool(name: str) -> list[str]:
 
 
 def test_ruff_is_clean():
-    res = subprocess.run(_tool("ruff") + ["check", "--no-cache", "zkv", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        _tool("ruff") + ["check", "--no-cache", "zkv", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 

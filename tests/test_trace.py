@@ -11,13 +11,30 @@ import signal
 
 import pytest
 
-from zkv.wire import protocol as P
-from zkv.wire.messages import Result
 from zkv.broker.core import BrokerConfig, BrokerCore, Record, ToRank
+from zkv.replay import (
+    ControlResult,
+    Observation,
+    Observed,
+    ObservingBook,
+    check,
+    format_report,
+    parse_speed,
+    rank_stats_fresh,
+)
+from zkv.trace import (
+    TraceError,
+    TraceRecorder,
+    check_recording,
+    compare_outcomes,
+    decode_ids,
+    encode_ids,
+    generate,
+    parse_trace,
+)
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
-from zkv.replay import ControlResult, Observation, Observed, ObservingBook, check, format_report, parse_speed, rank_stats_fresh
-from zkv.trace import (TraceError, TraceRecorder, check_recording, compare_outcomes, decode_ids, encode_ids, generate,
-                       parse_trace)
+from zkv.wire.messages import Result
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_heads=2, head_dim=64)
 HEADER = json.dumps({"zkv_trace": 1, "world": 2, "layout": LAYOUT.to_wire()})
@@ -54,7 +71,12 @@ def test_hand_written_trace_defaults_and_expectations():
         '{"t": 0.8, "ev": "resume", "layout": {"gpu_blocks": 32}, "expect": ["ok", "noop"]}',
     )
     assert [(op.ev, op.line, op.client, op.t) for op in t.ops] == [
-        ("submit", 4, "c0", 0.0), ("pause", 5, "ctl", 0.5), ("submit", 6, "c0", 0.5), ("clear", 7, "ctl", 0.7), ("resume", 8, "ctl", 0.8)]
+        ("submit", 4, "c0", 0.0),
+        ("pause", 5, "ctl", 0.5),
+        ("submit", 6, "c0", 0.5),
+        ("clear", 7, "ctl", 0.7),
+        ("resume", 8, "ctl", 0.8),
+    ]
     first, second = t.tasks[("c0", 1)], t.tasks[("c0", 2)]
     assert P.decode_body(t.ops[0].body) == P.TaskBody("swap_out", [0, 1, 2, 3], [4, 5, 6, 7])
     assert P.decode_body(t.ops[2].body) == P.TaskBody("fill", [], [1], "cpu", 2)
@@ -73,9 +95,27 @@ BAD = [
     ('{"ev": "pause"}', [], 1, "first record must be the header"),
     (HEADER, ['{"t": 1, "ev": "pause"}', '{"t": 0.5, "ev": "resume"}'], 3, "time goes backwards"),
     (HEADER, ['{"ev": "submit", "op": "swap_out", "src": "0-x", "dst": [1]}'], 2, "'0-x' is not an id"),
-    (HEADER, ['{"ev": "submit", "op": "swap_out", "src": [1], "dst": [1], "expect": "fine"}'], 2, "unknown outcome 'fine'"),
-    (HEADER, ['{"ev": "submit", "op": "swap_out", "src": [1], "dst": [1], "expcet": "ok"}'], 2, "unknown field 'expcet'"),
-    (HEADER, ['{"ev": "submit", "task": 1, "op": "checksum", "src": [1]}', '{"ev": "submit", "task": 1, "op": "checksum", "src": [2]}'], 3, "already submitted at line 2"),
+    (
+        HEADER,
+        ['{"ev": "submit", "op": "swap_out", "src": [1], "dst": [1], "expect": "fine"}'],
+        2,
+        "unknown outcome 'fine'",
+    ),
+    (
+        HEADER,
+        ['{"ev": "submit", "op": "swap_out", "src": [1], "dst": [1], "expcet": "ok"}'],
+        2,
+        "unknown field 'expcet'",
+    ),
+    (
+        HEADER,
+        [
+            '{"ev": "submit", "task": 1, "op": "checksum", "src": [1]}',
+            '{"ev": "submit", "task": 1, "op": "checksum", "src": [2]}',
+        ],
+        3,
+        "already submitted at line 2",
+    ),
     (HEADER, ['{"ev": "outcome", "client": "c0", "task": 4, "outcome": "ok"}'], 2, "no earlier submit record names"),
     (HEADER, ['{"ev": "pause", "keep_cpu": true}'], 2, "keep_cpu belongs to clear"),
     ('{"zkv_trace": 1, "world": 0}', [], 1, "world must be a positive integer"),
@@ -98,11 +138,13 @@ def test_empty_trace_is_an_error():
 
 
 def test_appended_sessions_scope_clients_and_continue_time():
-    t = parse('{"t": 1, "ev": "submit", "client": "aa", "task": 1, "op": "checksum", "src": [0]}',
-              '{"t": 2, "ev": "outcome", "client": "aa", "task": 1, "outcome": "ok"}',
-              HEADER,
-              '{"t": 0.5, "ev": "submit", "client": "aa", "task": 1, "op": "checksum", "src": [0]}',
-              '{"t": 0.6, "ev": "outcome", "client": "aa", "task": 1, "outcome": "failed"}')
+    t = parse(
+        '{"t": 1, "ev": "submit", "client": "aa", "task": 1, "op": "checksum", "src": [0]}',
+        '{"t": 2, "ev": "outcome", "client": "aa", "task": 1, "outcome": "ok"}',
+        HEADER,
+        '{"t": 0.5, "ev": "submit", "client": "aa", "task": 1, "op": "checksum", "src": [0]}',
+        '{"t": 0.6, "ev": "outcome", "client": "aa", "task": 1, "outcome": "failed"}',
+    )
     assert t.segments == 2
     assert [(op.client, op.t) for op in t.ops] == [("aa", 1.0), ("s1/aa", 2.5)]
     assert [s.recorded for s in t.tasks.values()] == [[(3, "ok")], [(6, "failed")]]
@@ -139,7 +181,9 @@ class CoreHarness:
         for a in actions:  # ranks finish every dispatched task at once
             if isinstance(a, ToRank) and len(a.frames) == 2:
                 head = P.decode(a.frames[0])
-                self.rank(int(a.identity[5:]), P.encode("done", seq=head["seq"], n=head["n"], outcome="ok", gen=head["gen"]))
+                self.rank(
+                    int(a.identity[5:]), P.encode("done", seq=head["seq"], n=head["n"], outcome="ok", gen=head["gen"])
+                )
         return actions
 
     def submit(self, client, task, body):
@@ -173,10 +217,33 @@ def test_recorder_writes_a_replayable_trace_from_broker_records(tmp_path):
     records = [json.loads(x) for x in lines]
     assert records[0]["zkv_trace"] == 1 and records[0]["world"] == 2 and records[0]["layout"] == LAYOUT.to_wire()
     assert [r["ev"] for r in records[1:]] == [
-        "rank", "rank", "submit", "outcome", "submit", "outcome", "pause", "control", "submit", "clear", "outcome",
-        "control", "resume", "control", "submit", "outcome"]
+        "rank",
+        "rank",
+        "submit",
+        "outcome",
+        "submit",
+        "outcome",
+        "pause",
+        "control",
+        "submit",
+        "clear",
+        "outcome",
+        "control",
+        "resume",
+        "control",
+        "submit",
+        "outcome",
+    ]
     first = records[3]
-    assert first == {"t": first["t"], "ev": "submit", "client": a.hex(), "task": 1, "op": "swap_out", "src": "0-3,9", "dst": "4-8"}
+    assert first == {
+        "t": first["t"],
+        "ev": "submit",
+        "client": a.hex(),
+        "task": 1,
+        "op": "swap_out",
+        "src": "0-3,9",
+        "dst": "4-8",
+    }
     assert 0 < first["t"] < 1  # seconds since the recorder started, not the broker's clock
     assert records[5]["tier"] == "cpu" and records[5]["seed"] == 7 and records[5]["dst"] == [3]
     assert records[11]["outcome"] == "cancelled" and records[11]["task"] == 2
@@ -218,16 +285,20 @@ def test_recorder_survives_its_helper_dying(tmp_path):
 
 
 def test_a_layout_in_a_rank_record_fills_a_null_header():
-    t = parse('{"ev": "rank", "rank": 0, "up": true, "layout": %s}' % json.dumps(LAYOUT.to_wire()),
-              header='{"zkv_trace": 1, "world": 2, "layout": null}')
+    t = parse(
+        '{"ev": "rank", "rank": 0, "up": true, "layout": %s}' % json.dumps(LAYOUT.to_wire()),
+        header='{"zkv_trace": 1, "world": 2, "layout": null}',
+    )
     assert t.layout == LAYOUT
 
 
 def test_recording_with_a_missing_or_double_outcome_is_flagged():
-    t = parse('{"ev": "submit", "client": "x", "task": 1, "op": "checksum", "src": [0]}',
-              '{"ev": "submit", "client": "x", "task": 2, "op": "checksum", "src": [0]}',
-              '{"ev": "outcome", "client": "x", "task": 2, "outcome": "ok"}',
-              '{"ev": "outcome", "client": "x", "task": 2, "outcome": "ok"}')
+    t = parse(
+        '{"ev": "submit", "client": "x", "task": 1, "op": "checksum", "src": [0]}',
+        '{"ev": "submit", "client": "x", "task": 2, "op": "checksum", "src": [0]}',
+        '{"ev": "outcome", "client": "x", "task": 2, "outcome": "ok"}',
+        '{"ev": "outcome", "client": "x", "task": 2, "outcome": "ok"}',
+    )
     problems = check_recording(t)
     assert [p["lines"] for p in problems] == [[2], [3, 4, 5]]
 
@@ -272,7 +343,9 @@ def test_generator_rejects_unknown_shapes():
 def _recording(clients, outcomes):
     lines = [HEADER]
     for i, (client, outcome) in enumerate(zip(clients, outcomes)):
-        lines.append(json.dumps({"t": i, "ev": "submit", "client": client, "task": i, "op": "checksum", "src": [i % 2]}))
+        lines.append(
+            json.dumps({"t": i, "ev": "submit", "client": client, "task": i, "op": "checksum", "src": [i % 2]})
+        )
         lines.append(json.dumps({"t": i, "ev": "outcome", "client": client, "task": i, "outcome": outcome}))
     return parse_trace(lines, f"rec-{clients[0]}")
 
@@ -307,8 +380,15 @@ def good_observation(trace):
     obs.outcomes[("c0", 1)].append(Observed("ok", "", 1.0))
     obs.outcomes[("c0", 2)].append(Observed("cancelled", "cleared", 5.0))
     for op in trace.controls():
-        obs.controls.append(ControlResult(op.line, op.ev, op.client, "ok", "", 2.0, {"drain_ms": 1.5} if op.ev == "pause" else {}, op.expect))
-    ranks = [{"rank": r, "alive": True, "pid": 10 + r, "dispatched": 1, "stats": {"copies_after_ack": 3, "tasks_ok": 1}} for r in range(2)]
+        obs.controls.append(
+            ControlResult(
+                op.line, op.ev, op.client, "ok", "", 2.0, {"drain_ms": 1.5} if op.ev == "pause" else {}, op.expect
+            )
+        )
+    ranks = [
+        {"rank": r, "alive": True, "pid": 10 + r, "dispatched": 1, "stats": {"copies_after_ack": 3, "tasks_ok": 1}}
+        for r in range(2)
+    ]
     obs.ranks_before, obs.ranks_after = ranks, json.loads(json.dumps(ranks))
     return obs
 
@@ -336,8 +416,14 @@ def test_checker_names_the_violating_lines():
     obs.anomalies.append((("c0", 1), "rank 0 reported it twice"))
     rep = check(t, obs)
     got = [(v["kind"], v["lines"]) for v in rep.violations]
-    assert got == [("unexpected_outcome", [2]), ("duplicate_outcome", [4]), ("reported_twice", [2]),
-                   ("unexpected_control", [7]), ("copy_while_paused", [3, 6]), ("copy_while_paused", [3, 6])]
+    assert got == [
+        ("unexpected_outcome", [2]),
+        ("duplicate_outcome", [4]),
+        ("reported_twice", [2]),
+        ("unexpected_control", [7]),
+        ("copy_while_paused", [3, 6]),
+        ("copy_while_paused", [3, 6]),
+    ]
     assert not rep.ok and "line 7: [unexpected_control]" in format_report(rep)
     assert "rank 1 ran work while paused: copies_after_ack +1" in rep.violations[-1]["message"]
 
@@ -355,11 +441,14 @@ def test_checker_flags_missing_outcomes_expectations_from_outcome_records_and_st
 
 
 def test_checker_holds_cancellations_to_fifo_order():
-    t = parse('{"ev": "submit", "task": 1, "op": "checksum", "src": [0], "expect": ["ok", "cancelled"]}',  # line 2
-              '{"ev": "submit", "task": 2, "op": "checksum", "src": [0], "expect": ["ok", "cancelled"]}',  # 3
-              '{"ev": "submit", "client": "c1", "task": 1, "op": "checksum", "src": [0]}',  # 4
-              '{"ev": "pause"}', '{"ev": "clear"}',  # 5, 6
-              '{"ev": "submit", "task": 3, "op": "checksum", "src": [0]}')  # 7
+    t = parse(
+        '{"ev": "submit", "task": 1, "op": "checksum", "src": [0], "expect": ["ok", "cancelled"]}',  # line 2
+        '{"ev": "submit", "task": 2, "op": "checksum", "src": [0], "expect": ["ok", "cancelled"]}',  # 3
+        '{"ev": "submit", "client": "c1", "task": 1, "op": "checksum", "src": [0]}',  # 4
+        '{"ev": "pause"}',
+        '{"ev": "clear"}',  # 5, 6
+        '{"ev": "submit", "task": 3, "op": "checksum", "src": [0]}',
+    )  # 7
     obs = Observation(duration_s=1.0, stats_fresh=True, ranks_after=[])
     obs.submitted = set(t.tasks)
     for key, outcome in [(("c0", 1), "cancelled"), (("c0", 2), "ok"), (("c1", 1), "ok"), (("c0", 3), "ok")]:
@@ -377,8 +466,13 @@ def test_a_restarted_rank_starts_its_counters_from_zero():
 
 
 def test_stats_are_fresh_only_when_they_cover_every_dispatched_task():
-    st = {"inflight": 0, "ranks": [{"alive": True, "dispatched": 5, "stats": {"tasks_ok": 4, "tasks_failed": 1}},
-                                   {"alive": False, "dispatched": 9, "stats": {}}]}
+    st = {
+        "inflight": 0,
+        "ranks": [
+            {"alive": True, "dispatched": 5, "stats": {"tasks_ok": 4, "tasks_failed": 1}},
+            {"alive": False, "dispatched": 9, "stats": {}},
+        ],
+    }
     assert rank_stats_fresh(st)
     st["ranks"][0]["dispatched"] = 6
     assert not rank_stats_fresh(st)

@@ -2,14 +2,18 @@
 
 import collections
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zkv.broker.waiters import Waiter, WaiterBook
 
-steps = st.lists(st.one_of(
-    st.tuples(st.just("admit"), st.integers(0, 5), st.integers(1, 3), st.floats(0, 10)),
-    st.tuples(st.just("settle"), st.integers(0, 3), st.floats(0, 10)),
-), max_size=200)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 5), st.integers(1, 3), st.floats(0, 10)),
+        st.tuples(st.just("settle"), st.integers(0, 3), st.floats(0, 10)),
+    ),
+    max_size=200,
+)
 
 
 @settings(max_examples=300, deadline=None)

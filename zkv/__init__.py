@@ -10,8 +10,8 @@ settings, no torch import).
 """
 
 from .client import Client
-from .wire.errors import ZkvError
 from .wire import CacheLayout, TaskOutcome
+from .wire.errors import ZkvError
 
 __all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
 __version__ = "0.1.0"

@@ -16,7 +16,17 @@ from .actions import Action, Publish, Record, error, reply
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState
-from .state import ALREADY, IN_PROGRESS, OP_OF_STATE, ON_SUCCESS, RUNNING_OR_RESUMING, STABLE, BusState, ControlOp, on_failure
+from .state import (
+    ALREADY,
+    IN_PROGRESS,
+    ON_SUCCESS,
+    OP_OF_STATE,
+    RUNNING_OR_RESUMING,
+    STABLE,
+    BusState,
+    ControlOp,
+    on_failure,
+)
 from .tasks import TaskTable
 
 Request = Union[Pause, Clear, Resume]  # a client's control request
@@ -25,7 +35,9 @@ Request = Union[Pause, Clear, Resume]  # a client's control request
 class ControlMachine:
     """The bus state, its epoch, the op published to the ranks, and the op in progress."""
 
-    def __init__(self, cfg: BrokerConfig, book: BusBook, recording: bool, ranks: RankTable, gens: Generation, tasks: TaskTable):
+    def __init__(
+        self, cfg: BrokerConfig, book: BusBook, recording: bool, ranks: RankTable, gens: Generation, tasks: TaskTable
+    ):
         self.cfg = cfg
         self.book = book
         self.counters = book.events
@@ -66,7 +78,14 @@ class ControlMachine:
                 self.pending.joined[(client, msg.req)] = mine
         else:
             self.book.control_finished(op, "busy")
-            out.append(error(client, "busy", f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes", req=msg.req))
+            out.append(
+                error(
+                    client,
+                    "busy",
+                    f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes",
+                    req=msg.req,
+                )
+            )
         return True
 
     def pause(self, client: bytes, msg: Pause, now: float, out: list[Action]) -> None:
@@ -74,7 +93,19 @@ class ControlMachine:
             return
         if self.state in ALREADY[ControlOp.PAUSE]:
             self.book.control_finished(ControlOp.PAUSE, "noop")
-            out.append(reply(client, msg.req, ControlOp.PAUSE, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, drain_ms=0.0, note=f"already {self.state}"))
+            out.append(
+                reply(
+                    client,
+                    msg.req,
+                    ControlOp.PAUSE,
+                    noop=True,
+                    state=self.state,
+                    epoch=self.epoch,
+                    gen=self.gens.gen,
+                    drain_ms=0.0,
+                    note=f"already {self.state}",
+                )
+            )
             return
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
@@ -83,7 +114,20 @@ class ControlMachine:
             return
         if self.state in ALREADY[ControlOp.CLEAR]:
             self.book.control_finished(ControlOp.CLEAR, "noop")
-            out.append(reply(client, msg.req, ControlOp.CLEAR, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, cancelled=0, freed=0, note="already cleared"))
+            out.append(
+                reply(
+                    client,
+                    msg.req,
+                    ControlOp.CLEAR,
+                    noop=True,
+                    state=self.state,
+                    epoch=self.epoch,
+                    gen=self.gens.gen,
+                    cancelled=0,
+                    freed=0,
+                    note="already cleared",
+                )
+            )
             return
         if self.state != BusState.PAUSED:
             self.book.control_finished(ControlOp.CLEAR, "not_paused")
@@ -94,20 +138,41 @@ class ControlMachine:
         self.gens.cleared(keep_cpu)
         # The op's books go in before the first check: with no live rank the
         # clear completes inside begin (tests/test_issue9_core.py).
-        self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
+        self.begin(
+            [(client, msg.req)],
+            self.cfg.timeout_s(msg.timeout_ms),
+            ControlOp.CLEAR,
+            now,
+            out,
+            keep_cpu=keep_cpu,
+            cancelled=cancelled,
+        )
 
     def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
         if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
         if self.state in ALREADY[ControlOp.RESUME]:
             self.book.control_finished(ControlOp.RESUME, "noop")
-            out.append(reply(client, msg.req, ControlOp.RESUME, noop=True, state=self.state, epoch=self.epoch, gen=self.gens.gen, note="already running"))
+            out.append(
+                reply(
+                    client,
+                    msg.req,
+                    ControlOp.RESUME,
+                    noop=True,
+                    state=self.state,
+                    epoch=self.epoch,
+                    gen=self.gens.gen,
+                    note="already running",
+                )
+            )
             return
         layout = self.gens.layout  # always named: no rank resumes on another layout
         if msg.layout is not None:
             if self.state != BusState.CLEARED:
                 self.book.control_finished(ControlOp.RESUME, "not_cleared")
-                out.append(error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg.req))
+                out.append(
+                    error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg.req)
+                )
                 return
             base = layout or CacheLayout()
             try:  # decoded once, here: the op holds it typed, and encodes it only into its frames
@@ -119,8 +184,17 @@ class ControlMachine:
         self.retry_at = None
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)
 
-    def begin(self, waiters: list[tuple[bytes, int]], timeout_s: float, op: ControlOp, now: float, out: list[Action],
-              layout: CacheLayout | None = None, keep_cpu: bool = False, cancelled: int = 0) -> None:
+    def begin(
+        self,
+        waiters: list[tuple[bytes, int]],
+        timeout_s: float,
+        op: ControlOp,
+        now: float,
+        out: list[Action],
+        layout: CacheLayout | None = None,
+        keep_cpu: bool = False,
+        cancelled: int = 0,
+    ) -> None:
         """Start ``op`` at a new epoch; ``layout`` (a resume) and ``keep_cpu``
         (a clear) travel in its control message."""
         # A resume the broker started itself began from a running bus.
@@ -145,7 +219,13 @@ class ControlMachine:
 
     def publish(self, now: float, out: list[Action]) -> None:
         self.last_publish = now
-        out.append(Publish(P.encode("control", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=self.ranks.upto(), **self._named())))
+        out.append(
+            Publish(
+                P.encode(
+                    "control", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=self.ranks.upto(), **self._named()
+                )
+            )
+        )
 
     def welcome(self, rs: RankState) -> bytes:
         """A registered rank's welcome: the bus's state now.  A rank joining
@@ -153,8 +233,17 @@ class ControlMachine:
         layout = self.op_layout or self.gens.layout
         assert layout is not None  # the first ready named one
         keep = {"keep_cpu": True} if self.op_keep_cpu else {}
-        return P.encode("welcome", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=rs.dispatched, layout=layout.to_wire(),
-                        heartbeat_ms=self.cfg.heartbeat_ms, session=rs.session, **keep)
+        return P.encode(
+            "welcome",
+            epoch=self.epoch,
+            op=self.op,
+            gen=self.gens.gen,
+            upto=rs.dispatched,
+            layout=layout.to_wire(),
+            heartbeat_ms=self.cfg.heartbeat_ms,
+            session=rs.session,
+            **keep,
+        )
 
     def restate(self, now: float, out: list[Action]) -> None:
         """Publish the current state again at a new epoch (new gen and layout
@@ -188,7 +277,12 @@ class ControlMachine:
         if msg.error and self.op == ControlOp.RESUME:
             self.counters["alloc_failed"] += 1
             if self.pending is not None and self.pending.op == ControlOp.RESUME:
-                self._fail_pending("alloc_failed", f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg.error}", now, out)
+                self._fail_pending(
+                    "alloc_failed",
+                    f"rank {rs.rank} could not allocate its caches for resume epoch {self.epoch}: {msg.error}",
+                    now,
+                    out,
+                )
             return
         if rs.acked_epoch == self.epoch:
             self.counters["repeat_acks"] += 1
@@ -287,7 +381,9 @@ class ControlMachine:
             if self.cfg.allow_partial:
                 self._check_pending(now, out)
             else:
-                self._fail_pending("rank_dead", f"{self.pending.op} epoch {self.pending.epoch} failed: {reason}", now, out)
+                self._fail_pending(
+                    "rank_dead", f"{self.pending.op} epoch {self.pending.epoch} failed: {reason}", now, out
+                )
 
     # --- the clock ---------------------------------------------------------------------
 
@@ -311,8 +407,13 @@ class ControlMachine:
             self._expire_joined(now, out)
         if self.pending is not None and now >= self.pending.deadline:
             ms = round((self.pending.deadline - self.pending.started) * 1000)
-            self._fail_pending(f"{self.pending.op}_timeout", f"ranks {self._lagging(self.pending.epoch)} did not acknowledge "
-                               f"{self.pending.op} epoch {self.pending.epoch} within {ms} ms", now, out)
+            self._fail_pending(
+                f"{self.pending.op}_timeout",
+                f"ranks {self._lagging(self.pending.epoch)} did not acknowledge "
+                f"{self.pending.op} epoch {self.pending.epoch} within {ms} ms",
+                now,
+                out,
+            )
 
     def _expire_joined(self, now: float, out: list[Action]) -> None:
         """A request that joined an op in progress with a shorter timeout gets
@@ -324,8 +425,15 @@ class ControlMachine:
             if now >= deadline:
                 del op.joined[key]
                 op.waiters.remove(key)
-                out.append(error(key[0], f"{op.op}_timeout", f"ranks {self._lagging(op.epoch)} did not acknowledge {op.op} epoch {op.epoch} "
-                                 f"within this request's timeout_ms; the {op.op} is still in progress", req=key[1]))
+                out.append(
+                    error(
+                        key[0],
+                        f"{op.op}_timeout",
+                        f"ranks {self._lagging(op.epoch)} did not acknowledge {op.op} epoch {op.epoch} "
+                        f"within this request's timeout_ms; the {op.op} is still in progress",
+                        req=key[1],
+                    )
+                )
 
     def deadlines(self) -> list[float]:
         due = []

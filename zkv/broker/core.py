@@ -46,8 +46,20 @@ from .state import CACHES_CLEARED, BusState
 from .tasks import TaskTable
 from .waiters import Waiter, WaiterBook
 
-__all__ = ["Action", "BrokerConfig", "BrokerCore", "PendingOp", "Publish", "RankState", "Record", "SaveState", "Task",
-           "ToClient", "ToRank", "frames_of"]
+__all__ = [
+    "Action",
+    "BrokerConfig",
+    "BrokerCore",
+    "PendingOp",
+    "Publish",
+    "RankState",
+    "Record",
+    "SaveState",
+    "Task",
+    "ToClient",
+    "ToRank",
+    "frames_of",
+]
 
 log = logging.getLogger("zkv.broker")
 # the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
@@ -60,8 +72,13 @@ class BrokerCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock.
     ``book`` (default: a new :class:`BusBook`) counts and books what happens."""
 
-    def __init__(self, config: BrokerConfig | None = None, recording: bool = False, restore: dict[str, Any] | None = None,
-                 book: BusBook | None = None):
+    def __init__(
+        self,
+        config: BrokerConfig | None = None,
+        recording: bool = False,
+        restore: dict[str, Any] | None = None,
+        book: BusBook | None = None,
+    ):
         self.cfg = config or BrokerConfig()
         self.recording = recording
         self._book = book if book is not None else BusBook()  # metrics (zkv.obs): read at scrape time, never here
@@ -70,7 +87,9 @@ class BrokerCore:
         self.gens = Generation()
         self.tasks = TaskTable(self.cfg, self._book, recording, self.rank_table, self.gens)
         self.control = ControlMachine(self.cfg, self._book, recording, self.rank_table, self.gens, self.tasks)
-        self.recovery = Recovery(self.cfg, self._events, recording, self.rank_table, self.gens, self.control, self.tasks)
+        self.recovery = Recovery(
+            self.cfg, self._events, recording, self.rank_table, self.gens, self.control, self.tasks
+        )
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
         if restore is not None:
             self.recovery.restore(restore)
@@ -150,7 +169,10 @@ class BrokerCore:
         kind = msg.kind
         if kind == "submit":
             control = self.control
-            if self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out) and control.state is BusState.RUNNING:
+            if (
+                self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out)
+                and control.state is BusState.RUNNING
+            ):
                 self.tasks.dispatch(now, out)
         elif kind == "status":
             self._status(client, msg, now, out)
@@ -173,17 +195,39 @@ class BrokerCore:
         if self.rank_table.ready_count() >= want:
             out.append(reply(client, msg.req, "status", **self.status(now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
-            out.append(error(client, "bad_field", f"status.wait_ranks {want} exceeds the world size {self.cfg.world}", req=msg.req))
+            out.append(
+                error(
+                    client,
+                    "bad_field",
+                    f"status.wait_ranks {want} exceeds the world size {self.cfg.world}",
+                    req=msg.req,
+                )
+            )
         else:  # held: answered on registration, or with an error at the deadline
-            held, evicted = self.ready_waiters.admit(Waiter(client, msg.req, want, now + self.cfg.timeout_s(msg.timeout_ms)))
+            held, evicted = self.ready_waiters.admit(
+                Waiter(client, msg.req, want, now + self.cfg.timeout_s(msg.timeout_ms))
+            )
             if evicted is not None:
                 self._events["waiters_evicted"] += 1
-                out.append(error(evicted.client, "over_limit", "held status request dropped: the broker holds too many; retry later",
-                                 req=evicted.req))
+                out.append(
+                    error(
+                        evicted.client,
+                        "over_limit",
+                        "held status request dropped: the broker holds too many; retry later",
+                        req=evicted.req,
+                    )
+                )
             if not held:
                 self._events["over_limit"] += 1
-                out.append(error(client, "over_limit", f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
-                                 f"per connection, {self.cfg.max_waiters} in all); retry later", req=msg.req))
+                out.append(
+                    error(
+                        client,
+                        "over_limit",
+                        f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
+                        f"per connection, {self.cfg.max_waiters} in all); retry later",
+                        req=msg.req,
+                    )
+                )
 
     def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
@@ -193,7 +237,9 @@ class BrokerCore:
         for w in met:
             out.append(reply(w.client, w.req, "status", **status))
         for w in expired:
-            out.append(error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req))
+            out.append(
+                error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req)
+            )
 
     # --- backend ---------------------------------------------------------------
 
@@ -204,7 +250,9 @@ class BrokerCore:
         try:
             self._on_rank(identity, frames, now, out)
         except Exception as err:  # noqa: BLE001
-            out.append(ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))]))
+            out.append(
+                ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))])
+            )
         self.recovery.save_if_changed(out)
         return out
 
@@ -221,7 +269,9 @@ class BrokerCore:
             return
         self._on_rank_frame(identity, frames[0], _decode_rank_msg, now, out)
 
-    def _on_rank_frame(self, identity: bytes, frame: bytes, decode: Callable[[bytes], Any], now: float, out: list[Action]) -> None:
+    def _on_rank_frame(
+        self, identity: bytes, frame: bytes, decode: Callable[[bytes], Any], now: float, out: list[Action]
+    ) -> None:
         try:
             msg = decode(frame)
         except P.ProtocolError as err:
@@ -303,7 +353,9 @@ class BrokerCore:
     def _on_tick(self, now: float, out: list[Action]) -> None:
         self.control.retry(now, out)
         for rs in self.rank_table.silent(now):
-            self._rank_lost(rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out)
+            self._rank_lost(
+                rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out
+            )
         self.rank_table.beat(now, out)
         self.control.repeat(now, out)
         if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due

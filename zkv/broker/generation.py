@@ -64,7 +64,9 @@ class Generation:
         if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
             fields["cpu_kept"] = not self.cpu_lost
             if self.cpu_lost:
-                fields["note"] = f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+                fields["note"] = (
+                    f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+                )
             self.keep_cpu = False
         if self.reason:
             fields["gen_reason"] = self.reason

@@ -15,13 +15,13 @@ from typing import Callable
 
 import zmq
 
-from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
-from .state_file import StateFile, default_state_path
+from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
 from ..net.frames import Coalescer, ready_messages, send_message
-from ..wire import protocol as P
-from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 from ..obs.book import BusBook
+from ..wire import protocol as P
+from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
+from .state_file import StateFile, default_state_path
 
 log = logging.getLogger("zkv.broker")
 
@@ -31,10 +31,18 @@ _DRAIN_BATCH = 512  # messages per socket per wakeup, so one side cannot starve 
 class Broker:
     """Bind the frontend, backend and control sockets and serve until stopped."""
 
-    def __init__(self, endpoints: Endpoints, config: BrokerConfig | None = None, *,
-                 ctx: zmq.Context | None = None, recorder: Callable[[dict], None] | None = None,
-                 allow_remote: bool = False, curve: Curve | None = None, state_file: str | Path | None = None,
-                 book: BusBook | None = None):
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        config: BrokerConfig | None = None,
+        *,
+        ctx: zmq.Context | None = None,
+        recorder: Callable[[dict], None] | None = None,
+        allow_remote: bool = False,
+        curve: Curve | None = None,
+        state_file: str | Path | None = None,
+        book: BusBook | None = None,
+    ):
         self.endpoints = endpoints
         # The durable control state (state_file.py): a restart keeps what a
         # client set.  Default: next to an ipc:// frontend; tcp needs --state-file.
@@ -78,7 +86,7 @@ class Broker:
             sock.close(linger=0)
         for address in (self.endpoints.frontend, self.endpoints.backend, self.endpoints.control):
             if address.startswith("ipc://"):
-                Path(address[len("ipc://"):]).unlink(missing_ok=True)  # leave no stale socket files
+                Path(address[len("ipc://") :]).unlink(missing_ok=True)  # leave no stale socket files
         if self.auth is not None:
             self.auth.stop()
         if self.state_file is not None:

@@ -91,4 +91,3 @@ class PendingOp:
     cancelled: int = 0  # a clear: queued tasks it cancelled
     freed: int = 0  # a clear: what the ranks' acks say they freed
     joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
-

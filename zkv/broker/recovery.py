@@ -23,8 +23,16 @@ from .tasks import TaskTable
 class Recovery:
     """The snapshot last saved, and the moves that bring ranks in line with it."""
 
-    def __init__(self, cfg: BrokerConfig, counters: collections.Counter[str], recording: bool,
-                 ranks: RankTable, gens: Generation, control: ControlMachine, tasks: TaskTable):
+    def __init__(
+        self,
+        cfg: BrokerConfig,
+        counters: collections.Counter[str],
+        recording: bool,
+        ranks: RankTable,
+        gens: Generation,
+        control: ControlMachine,
+        tasks: TaskTable,
+    ):
         self.cfg = cfg
         self.counters = counters
         self.recording = recording
@@ -38,9 +46,16 @@ class Recovery:
         """What a restarted broker needs to keep the state a client set."""
         control, gens = self.control, self.gens
         began_from = control.pending.previous_state if control.pending is not None else None
-        return {"state": stable(control.state, began_from).value, "epoch": control.epoch, "gen": gens.gen, "gen_used": gens.used,
-                "layout": gens.layout.to_wire() if gens.layout else None, "keep_cpu": gens.keep_cpu,
-                "world": self.cfg.world, "gen_reason": gens.reason}
+        return {
+            "state": stable(control.state, began_from).value,
+            "epoch": control.epoch,
+            "gen": gens.gen,
+            "gen_used": gens.used,
+            "layout": gens.layout.to_wire() if gens.layout else None,
+            "keep_cpu": gens.keep_cpu,
+            "world": self.cfg.world,
+            "gen_reason": gens.reason,
+        }
 
     def restore(self, snap: dict[str, Any]) -> None:
         if snap["world"] != self.cfg.world:
@@ -52,8 +67,16 @@ class Recovery:
 
     def save_if_changed(self, out: list[Action]) -> None:
         control, gens = self.control, self.gens
-        key = (control.state, control.epoch, gens.gen, gens.used, gens.layout, gens.keep_cpu, gens.reason,
-               control.pending.previous_state if control.pending is not None else None)
+        key = (
+            control.state,
+            control.epoch,
+            gens.gen,
+            gens.used,
+            gens.layout,
+            gens.keep_cpu,
+            gens.reason,
+            control.pending.previous_state if control.pending is not None else None,
+        )
         if key != self.saved_key:
             self.saved_key = key
             out.insert(0, SaveState(self.snapshot()))  # durable before any reply says it happened
@@ -72,7 +95,9 @@ class Recovery:
         rank_gen = msg.gen
         if self.control.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
             if rank_gen > gens.gen:
-                self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
+                self._move_gen(
+                    rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
+                )
             return
         has_cache = msg.has_cache is not False
         needs_alloc = not has_cache or layout != gens.layout
@@ -89,11 +114,21 @@ class Recovery:
             if not lost:
                 return
         if rank_gen > gens.gen:
-            self._move_gen(rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out)
+            self._move_gen(
+                rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
+            )
         elif gens.used:
-            why = "restarted with fresh memory" if fresh else (
-                "holds no cache" if not has_cache else "holds another layout" if layout != gens.layout else
-                f"held generation {rank_gen}")
+            why = (
+                "restarted with fresh memory"
+                if fresh
+                else (
+                    "holds no cache"
+                    if not has_cache
+                    else "holds another layout"
+                    if layout != gens.layout
+                    else f"held generation {rank_gen}"
+                )
+            )
             self._move_gen(gens.gen + 1, f"rank {rank} {why}: the blocks of generation {gens.gen} are gone", now, out)
         elif needs_alloc:
             self.control.restate(now, out)

@@ -20,8 +20,20 @@ from enum import Enum
 
 from ..wire.vocab import ControlOp
 
-__all__ = ["ALREADY", "CACHES_CLEARED", "IN_PROGRESS", "OP_OF_STATE", "ON_FAILURE", "ON_SUCCESS", "RUNNING_OR_RESUMING",
-           "STABLE", "BusState", "ControlOp", "on_failure", "stable"]
+__all__ = [
+    "ALREADY",
+    "CACHES_CLEARED",
+    "IN_PROGRESS",
+    "OP_OF_STATE",
+    "ON_FAILURE",
+    "ON_SUCCESS",
+    "RUNNING_OR_RESUMING",
+    "STABLE",
+    "BusState",
+    "ControlOp",
+    "on_failure",
+    "stable",
+]
 
 
 class _StrEnum(str, Enum):

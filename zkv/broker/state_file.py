@@ -37,7 +37,7 @@ _STATES = ("running", "paused", "cleared")
 def default_state_path(frontend: str) -> Path | None:
     """Next to an ``ipc://`` frontend; ``None`` for other transports (pass ``--state-file``)."""
     if frontend.startswith("ipc://"):
-        return Path(frontend[len("ipc://"):]).parent / FILE_NAME
+        return Path(frontend[len("ipc://") :]).parent / FILE_NAME
     return None
 
 
@@ -92,7 +92,7 @@ class StateFile:
         try:
             if data[:1] == b"{" and len(data) < SLOT_BYTES:  # one plain snapshot: a file from before the slots
                 return check_snapshot(json.loads(data))
-            slots = [_read_slot(data[i:i + SLOT_BYTES]) for i in range(0, min(len(data), 2 * SLOT_BYTES), SLOT_BYTES)]
+            slots = [_read_slot(data[i : i + SLOT_BYTES]) for i in range(0, min(len(data), 2 * SLOT_BYTES), SLOT_BYTES)]
             whole = [slot for slot in slots if slot is not None]
             if not whole:
                 raise ValueError("no whole snapshot in either slot")
@@ -108,8 +108,11 @@ class StateFile:
         if len(snapshot.get("gen_reason") or "") > _REASON_CHARS:
             snapshot = dict(snapshot, gen_reason=snapshot["gen_reason"][:_REASON_CHARS])
         body = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
-        line = json.dumps({"seq": self.seq + 1, "crc": zlib.crc32(body.encode()), "snapshot": snapshot}, sort_keys=True,
-                          separators=(",", ":")).encode()
+        line = json.dumps(
+            {"seq": self.seq + 1, "crc": zlib.crc32(body.encode()), "snapshot": snapshot},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
         if len(line) >= SLOT_BYTES:
             raise OSError(f"a broker snapshot of {len(line)} bytes does not fit a {SLOT_BYTES}-byte slot")
         self.seq += 1

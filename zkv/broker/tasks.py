@@ -37,7 +37,9 @@ class TaskTable:
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
         self.seq = 0
 
-    def submit(self, client: bytes, msg: Submit, frames: list[bytes], cleared: bool, now: float, out: list[Action]) -> bool:
+    def submit(
+        self, client: bytes, msg: Submit, frames: list[bytes], cleared: bool, now: float, out: list[Action]
+    ) -> bool:
         """Queue a task, or end it ``rejected``; ``cleared``: the caches are
         cleared.  True when it was queued (the caller dispatches)."""
         task_id = msg.task
@@ -66,7 +68,9 @@ class TaskTable:
             reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
         elif self.open_per_client[client] >= self.cfg.max_open_per_client:
             self.counters["over_limit"] += 1
-            reason = f"this connection has {self.cfg.max_open_per_client} open tasks (the most it may); wait for some to end"
+            reason = (
+                f"this connection has {self.cfg.max_open_per_client} open tasks (the most it may); wait for some to end"
+            )
         timeout_ms = msg.timeout_ms
         expires = now + timeout_ms / 1000 if timeout_ms else None
         task = Task(client, task_id, reply_to, body, now, msg.reply_key, expires)
@@ -110,7 +114,14 @@ class TaskTable:
         while credits > 0 and self.queue:
             task = self.queue.popleft()
             if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
-                self.finish(task, Outcome.TIMEOUT, "the task's timeout_ms passed while it was queued; it never ran", now, out, notify=True)
+                self.finish(
+                    task,
+                    Outcome.TIMEOUT,
+                    "the task's timeout_ms passed while it was queued; it never ran",
+                    now,
+                    out,
+                    notify=True,
+                )
                 continue
             credits -= 1
             self.seq += 1
@@ -120,7 +131,9 @@ class TaskTable:
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
-                header = F.encode_task(task.seq, rs.dispatched, task.task, task.reply_to, gen, task.reply_key or None, rs.session)
+                header = F.encode_task(
+                    task.seq, rs.dispatched, task.task, task.reply_to, gen, task.reply_key or None, rs.session
+                )
                 out.append(ToRank(rs.identity, [header, task.body]))
             sent += 1
         if sent:
@@ -163,5 +176,17 @@ class TaskTable:
             task.reported = True
             out.append(outcome(task.client, task.task, result, reason, self.gens.gen))
         if self.recording:
-            out.append(Record({"ev": "outcome", "t": now, "client": task.client.hex(), "task": task.task, "outcome": result, "reason": reason, "latency_ms": round((now - task.submitted) * 1000, 3)}))
+            out.append(
+                Record(
+                    {
+                        "ev": "outcome",
+                        "t": now,
+                        "client": task.client.hex(),
+                        "task": task.task,
+                        "outcome": result,
+                        "reason": reason,
+                        "latency_ms": round((now - task.submitted) * 1000, 3),
+                    }
+                )
+            )
         self.book.task_finished(task_op(task.body), result, now - task.submitted, task.fold.bytes if task.fold else 0)

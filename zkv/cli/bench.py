@@ -21,8 +21,18 @@ def _fmt(res: dict) -> str:
 @click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine"]), default="all")
 @click.option("--quick", is_flag=True, help="Fewer iterations (a smoke run).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--plot", "plot_png", type=click.Path(dir_okay=False), default=None, help="Also draw the report beside its baselines into this PNG (needs matplotlib).")
-@click.option("--metrics-cost", is_flag=True, help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.")
+@click.option(
+    "--plot",
+    "plot_png",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also draw the report beside its baselines into this PNG (needs matplotlib).",
+)
+@click.option(
+    "--metrics-cost",
+    is_flag=True,
+    help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.",
+)
 def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> None:
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, runs only when named)."""
     if what == "engine":
@@ -39,17 +49,22 @@ def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_c
     if what in ("all", "bus"):
         for ids in (1, 256):
             say(f"bus: {ids}-block tasks, zkv and the raw relay in alternating rounds ...")
-            report[f"bus_{ids}_blocks"] = bench_bus(ids, layout, n(1000 if ids == 1 else 300), n(10000 if ids == 1 else 1000),
-                                                    rounds=1 if quick else 3)
+            report[f"bus_{ids}_blocks"] = bench_bus(
+                ids, layout, n(1000 if ids == 1 else 300), n(10000 if ids == 1 else 1000), rounds=1 if quick else 3
+            )
     if metrics_cost and what in ("all", "bus"):
         from ..harness.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
 
         say("bus with and without metrics ...")
-        report["metrics_cost"] = {"core": bench_metrics_overhead(rounds=6 if quick else 30),
-                                  "bus": bench_bus_with_metrics(rounds=1 if quick else 3, n_tput=n(5000))}
+        report["metrics_cost"] = {
+            "core": bench_metrics_overhead(rounds=6 if quick else 30),
+            "bus": bench_bus_with_metrics(rounds=1 if quick else 3, n_tput=n(5000)),
+        }
     if what in ("all", "copy"):
         say("copy ...")
-        report["copy_256_blocks"] = bench_copy(CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20))
+        report["copy_256_blocks"] = bench_copy(
+            CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20)
+        )
         say("copy: engine-attached caches ...")
         report["copy_attached"] = bench_attached_copy(256, n(15))
     if what in ("all", "pause"):
@@ -61,10 +76,13 @@ def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_c
         say("manager: bookkeeping per request (fake bus) ...")
         bookkeeping = bench_manager(n_requests=n(500))
         say("manager: chat workload on a local cluster ...")
-        report["manager"] = {"bookkeeping": bookkeeping, "cluster": bench_manager_cluster(requests=n(200), layout=layout)}
+        report["manager"] = {
+            "bookkeeping": bookkeeping,
+            "cluster": bench_manager_cluster(requests=n(200), layout=layout),
+        }
     if plot_png:
-        from .trace import draw_plot
         from ..obs.plots import plot_bench
+        from .trace import draw_plot
 
         say(f"wrote {draw_plot(plot_bench, report, plot_png)}")
     click.echo(_fmt(report) if as_json else _summary(report))
@@ -75,45 +93,69 @@ def _summary(report: dict) -> str:
     for key in ("bus_1_blocks", "bus_256_blocks"):
         if key in report:
             raw, z, vs = report[key]["raw_pyzmq_relay"], report[key]["zkv"], report[key]["vs_relay"]
-            lines.append(f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s, rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
-                         f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us"
-                         f"  (window {vs['window']}, {vs['rounds']} alternating rounds)")
+            lines.append(
+                f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s, rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
+                f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us"
+                f"  (window {vs['window']}, {vs['rounds']} alternating rounds)"
+            )
             cpu = lambda r: " ".join(f"{p} {us:.0f}" for p, us in r["cpu_us_per_task"].items())  # noqa: E731
             lines.append(f"  CPU us per task: zkv {cpu(z)} | relay {cpu(raw)}")
             if key == "bus_1_blocks":  # the targets are for 1-block tasks
-                checks = [("throughput", vs["throughput"], ">=", BUS_TARGETS["throughput"]),
-                          ("rtt p50", vs["rtt_p50"], "<=", BUS_TARGETS["rtt_p50"]), ("rtt p99", vs["rtt_p99"], "<=", BUS_TARGETS["rtt_p99"])]
-                lines.append("  vs relay: " + ", ".join(
-                    f"{name} {v:.2f}x ({'ok' if (v >= t if op == '>=' else v <= t) else 'MISSED'}: target {op} {t}x)" for name, v, op, t in checks))
+                checks = [
+                    ("throughput", vs["throughput"], ">=", BUS_TARGETS["throughput"]),
+                    ("rtt p50", vs["rtt_p50"], "<=", BUS_TARGETS["rtt_p50"]),
+                    ("rtt p99", vs["rtt_p99"], "<=", BUS_TARGETS["rtt_p99"]),
+                ]
+                lines.append(
+                    "  vs relay: "
+                    + ", ".join(
+                        f"{name} {v:.2f}x ({'ok' if (v >= t if op == '>=' else v <= t) else 'MISSED'}: target {op} {t}x)"
+                        for name, v, op, t in checks
+                    )
+                )
     if "metrics_cost" in report:
         c, b = report["metrics_cost"]["core"], report["metrics_cost"]["bus"]
-        lines.append(f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
-                     f" (hook calls alone {c['hook_calls_alone_us_per_task']:.2f} us); bus {b['median_metered']:.0f} tasks/s with metrics, scraped"
-                     f" | {b['median_plain']:.0f} tasks/s without ({b['metered_vs_plain_pct']:+.1f} %), broker CPU {b['broker_cpu_metered_vs_plain_pct']:+.1f} %")
+        lines.append(
+            f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
+            f" (hook calls alone {c['hook_calls_alone_us_per_task']:.2f} us); bus {b['median_metered']:.0f} tasks/s with metrics, scraped"
+            f" | {b['median_plain']:.0f} tasks/s without ({b['metered_vs_plain_pct']:+.1f} %), broker CPU {b['broker_cpu_metered_vs_plain_pct']:+.1f} %"
+        )
     if "copy_256_blocks" in report:
         c = report["copy_256_blocks"]
-        lines.append(f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
-                     f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s")
+        lines.append(
+            f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
+            f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s"
+        )
     if "copy_attached" in report:
         from ..harness.bench_copy import format_table
 
         lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
     if "pause" in report:
         p = report["pause"]
-        lines.append(f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms")
-        lines.append(f"pause with {p['inflight_tasks']} tasks in flight: p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
-                     f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms"
-                     f" ({'ok' if p['busy_overhead_beyond_drain_ms']['p99'] <= BUS_TARGETS['pause_overhead_p99_ms'] else 'MISSED'}:"
-                     f" target <= {BUS_TARGETS['pause_overhead_p99_ms']} ms)")
+        lines.append(
+            f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms"
+        )
+        lines.append(
+            f"pause with {p['inflight_tasks']} tasks in flight: p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
+            f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms"
+            f" ({'ok' if p['busy_overhead_beyond_drain_ms']['p99'] <= BUS_TARGETS['pause_overhead_p99_ms'] else 'MISSED'}:"
+            f" target <= {BUS_TARGETS['pause_overhead_p99_ms']} ms)"
+        )
     if "manager" in report:
         m, w = report["manager"]["bookkeeping"], report["manager"]["cluster"]
-        lines.append(f"manager per request ({m['prompt_tokens']}-token prompts, {m['block_size']}-token blocks, fake bus):"
-                     f" match+allocate+insert+release {m['us_per_request']:.0f} us"
-                     f"  | block keys alone {m['baseline_block_keys_us']:.0f} us, flat dict cache {m['baseline_dict_cache_us']:.0f} us")
-        swaps = ", ".join(f"{op} {c.get('issued', 0)} tasks/{c.get('blocks', 0)} blocks" for op, c in w["swaps"].items())
-        lines.append(f"manager chat workload on {w['ranks']} ranks: {w['requests_per_s']:.0f} requests/s, hit rate GPU {w['gpu_hit_rate']:.1%}"
-                     f" CPU {w['cpu_hit_rate']:.1%}, {swaps}, {w['bytes_moved'] / 2**20:.0f} MiB moved"
-                     f"  | no cache (fill every block) {w['baseline_no_cache_requests_per_s']:.0f} requests/s")
+        lines.append(
+            f"manager per request ({m['prompt_tokens']}-token prompts, {m['block_size']}-token blocks, fake bus):"
+            f" match+allocate+insert+release {m['us_per_request']:.0f} us"
+            f"  | block keys alone {m['baseline_block_keys_us']:.0f} us, flat dict cache {m['baseline_dict_cache_us']:.0f} us"
+        )
+        swaps = ", ".join(
+            f"{op} {c.get('issued', 0)} tasks/{c.get('blocks', 0)} blocks" for op, c in w["swaps"].items()
+        )
+        lines.append(
+            f"manager chat workload on {w['ranks']} ranks: {w['requests_per_s']:.0f} requests/s, hit rate GPU {w['gpu_hit_rate']:.1%}"
+            f" CPU {w['cpu_hit_rate']:.1%}, {swaps}, {w['bytes_moved'] / 2**20:.0f} MiB moved"
+            f"  | no cache (fill every block) {w['baseline_no_cache_requests_per_s']:.0f} requests/s"
+        )
     return "\n".join(lines)
 
 

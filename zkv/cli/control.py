@@ -30,8 +30,22 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def client_options(fn: Callable) -> Callable:
-    @click.option("--broker", default=lambda: _DEFAULT().frontend, envvar="ZKV_BROKER", show_envvar=True, help="Broker frontend address.")
-    @click.option("--timeout", type=float, default=30.0, show_default=True, envvar="ZKV_TIMEOUT", show_envvar=True, help="Seconds to wait for the outcome.")
+    @click.option(
+        "--broker",
+        default=lambda: _DEFAULT().frontend,
+        envvar="ZKV_BROKER",
+        show_envvar=True,
+        help="Broker frontend address.",
+    )
+    @click.option(
+        "--timeout",
+        type=float,
+        default=30.0,
+        show_default=True,
+        envvar="ZKV_TIMEOUT",
+        show_envvar=True,
+        help="Seconds to wait for the outcome.",
+    )
     @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
@@ -58,6 +72,7 @@ def client_options(fn: Callable) -> Callable:
                 click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
                 sys.exit(1)
             fail(err.reason, hints.get(err.code, ""))
+
     return wrapper
 
 
@@ -72,7 +87,13 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 @client_options
 @click.option("--wait-ranks", type=int, default=0, help="Wait until this many ranks are registered.")
 @click.option("--watch", is_flag=True, help="Redraw the table until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds between --watch redraws.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between --watch redraws.",
+)
 def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
     """Show the broker state, ranks, queue and counters as a table (--json: the reply)."""
     from ..obs.status_view import render_status, watch_status
@@ -94,9 +115,13 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: b
 @click.option("--tier", type=click.Choice(["gpu", "cpu"]), default=None, help="Tier for fill/checksum.")
 @click.option("--seed", type=int, default=None, help="Seed for fill.")
 @client_options
-def submit(client: Any, timeout: float, as_json: bool, op: str, src: str, dst: str, tier: str | None, seed: int | None) -> None:
+def submit(
+    client: Any, timeout: float, as_json: bool, op: str, src: str, dst: str, tier: str | None, seed: int | None
+) -> None:
     """Run one task on every rank and print its outcome."""
-    out = client.run(op.replace("-", "_"), _parse_ids(src) or None, _parse_ids(dst) or None, timeout, tier=tier, seed=seed)
+    out = client.run(
+        op.replace("-", "_"), _parse_ids(src) or None, _parse_ids(dst) or None, timeout, tier=tier, seed=seed
+    )
     if as_json:
         data = out.to_json()
         for r, res in out.per_rank.items():
@@ -104,8 +129,11 @@ def submit(client: Any, timeout: float, as_json: bool, op: str, src: str, dst: s
                 data["ranks"][str(r)]["digests"] = [d.hex() for d in res["digests"]]
         click.echo(json.dumps(data))
     else:
-        click.echo(f"task {out.task}: {out.outcome}" + (f" ({out.reason})" if out.reason else "") +
-                   f"  {out.bytes} bytes moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks")
+        click.echo(
+            f"task {out.task}: {out.outcome}"
+            + (f" ({out.reason})" if out.reason else "")
+            + f"  {out.bytes} bytes moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks"
+        )
     if not out.ok:
         if not as_json:
             click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
@@ -117,7 +145,11 @@ def submit(client: Any, timeout: float, as_json: bool, op: str, src: str, dst: s
 def pause(client: Any, timeout: float, as_json: bool) -> None:
     """Stop dispatch and wait until every rank drained its tasks."""
     r = client.pause(timeout)
-    _print_reply(r, as_json, f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""))
+    _print_reply(
+        r,
+        as_json,
+        f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""),
+    )
 
 
 @click.command()
@@ -126,7 +158,12 @@ def pause(client: Any, timeout: float, as_json: bool) -> None:
 def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
     """Cancel held tasks and free every rank's caches (needs a paused bus)."""
     r = client.clear(keep_cpu=keep_cpu, timeout=timeout)
-    _print_reply(r, as_json, f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, {r['freed']} bytes freed" + (f" ({r['note']})" if r.get("noop") else ""))
+    _print_reply(
+        r,
+        as_json,
+        f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, {r['freed']} bytes freed"
+        + (f" ({r['note']})" if r.get("noop") else ""),
+    )
 
 
 @click.command()
@@ -137,4 +174,9 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
     """Reallocate caches if cleared and restart dispatch."""
     layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
     r = client.resume(layout or None, timeout)
-    _print_reply(r, as_json, f"running: epoch {r['epoch']}, generation {r['gen']}" + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"))
+    _print_reply(
+        r,
+        as_json,
+        f"running: epoch {r['epoch']}, generation {r['gen']}"
+        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"),
+    )

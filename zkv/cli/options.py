@@ -23,15 +23,85 @@ def broker_options(fn: Callable) -> Callable:
 
     d = BrokerConfig()
     opts = [
-        click.option("--max-inflight", type=int, default=d.max_inflight_per_rank, show_default=True, envvar="ZKV_MAX_INFLIGHT", show_envvar=True, help="Credits: tasks in flight per rank."),
-        click.option("--max-queue", type=int, default=d.max_queue, show_default=True, envvar="ZKV_MAX_QUEUE", show_envvar=True, help="Tasks held before submissions are rejected."),
-        click.option("--heartbeat-ms", type=int, default=d.heartbeat_ms, show_default=True, envvar="ZKV_HEARTBEAT_MS", show_envvar=True, help="Heartbeat interval, both ways."),
-        click.option("--liveness-ms", type=int, default=d.liveness_ms, show_default=True, envvar="ZKV_LIVENESS_MS", show_envvar=True, help="Silence after which a rank is dead."),
-        click.option("--op-timeout-ms", type=int, default=d.op_timeout_ms, show_default=True, envvar="ZKV_OP_TIMEOUT_MS", show_envvar=True, help="Default bound on pause/clear/resume."),
-        click.option("--max-open-per-client", type=int, default=d.max_open_per_client, show_default=True, envvar="ZKV_MAX_OPEN_PER_CLIENT", show_envvar=True, help="Open tasks (queued or in flight) one client connection may hold; more are rejected."),
-        click.option("--max-waiters-per-client", type=int, default=d.max_waiters_per_client, show_default=True, envvar="ZKV_MAX_WAITERS_PER_CLIENT", show_envvar=True, help="Held status --wait-ranks requests per client connection."),
-        click.option("--max-waiters", type=int, default=d.max_waiters, show_default=True, envvar="ZKV_MAX_WAITERS", show_envvar=True, help="Held status --wait-ranks requests in all."),
-        click.option("--allow-partial", is_flag=True, envvar="ZKV_ALLOW_PARTIAL", show_envvar=True, help="A rank dying during pause/clear/resume completes it without that rank instead of failing it."),
+        click.option(
+            "--max-inflight",
+            type=int,
+            default=d.max_inflight_per_rank,
+            show_default=True,
+            envvar="ZKV_MAX_INFLIGHT",
+            show_envvar=True,
+            help="Credits: tasks in flight per rank.",
+        ),
+        click.option(
+            "--max-queue",
+            type=int,
+            default=d.max_queue,
+            show_default=True,
+            envvar="ZKV_MAX_QUEUE",
+            show_envvar=True,
+            help="Tasks held before submissions are rejected.",
+        ),
+        click.option(
+            "--heartbeat-ms",
+            type=int,
+            default=d.heartbeat_ms,
+            show_default=True,
+            envvar="ZKV_HEARTBEAT_MS",
+            show_envvar=True,
+            help="Heartbeat interval, both ways.",
+        ),
+        click.option(
+            "--liveness-ms",
+            type=int,
+            default=d.liveness_ms,
+            show_default=True,
+            envvar="ZKV_LIVENESS_MS",
+            show_envvar=True,
+            help="Silence after which a rank is dead.",
+        ),
+        click.option(
+            "--op-timeout-ms",
+            type=int,
+            default=d.op_timeout_ms,
+            show_default=True,
+            envvar="ZKV_OP_TIMEOUT_MS",
+            show_envvar=True,
+            help="Default bound on pause/clear/resume.",
+        ),
+        click.option(
+            "--max-open-per-client",
+            type=int,
+            default=d.max_open_per_client,
+            show_default=True,
+            envvar="ZKV_MAX_OPEN_PER_CLIENT",
+            show_envvar=True,
+            help="Open tasks (queued or in flight) one client connection may hold; more are rejected.",
+        ),
+        click.option(
+            "--max-waiters-per-client",
+            type=int,
+            default=d.max_waiters_per_client,
+            show_default=True,
+            envvar="ZKV_MAX_WAITERS_PER_CLIENT",
+            show_envvar=True,
+            help="Held status --wait-ranks requests per client connection.",
+        ),
+        click.option(
+            "--max-waiters",
+            type=int,
+            default=d.max_waiters,
+            show_default=True,
+            envvar="ZKV_MAX_WAITERS",
+            show_envvar=True,
+            help="Held status --wait-ranks requests in all.",
+        ),
+        click.option(
+            "--allow-partial",
+            is_flag=True,
+            envvar="ZKV_ALLOW_PARTIAL",
+            show_envvar=True,
+            help="A rank dying during pause/clear/resume completes it without that rank instead of failing it.",
+        ),
     ]
     return stacked(fn, opts)
 
@@ -42,13 +112,69 @@ def layout_options(fn: Callable) -> Callable:
 
     d = CacheLayout()
     opts = [
-        click.option("--layers", type=int, default=d.layers, show_default=True, envvar="ZKV_LAYERS", show_envvar=True, help="Transformer layers (a K and a V tensor each)."),
-        click.option("--gpu-blocks", type=int, default=d.gpu_blocks, show_default=True, envvar="ZKV_GPU_BLOCKS", show_envvar=True, help="Device cache blocks per rank."),
-        click.option("--cpu-blocks", type=int, default=d.cpu_blocks, show_default=True, envvar="ZKV_CPU_BLOCKS", show_envvar=True, help="CPU swap-space blocks per rank."),
-        click.option("--block-size", type=int, default=d.block_size, show_default=True, envvar="ZKV_BLOCK_SIZE", show_envvar=True, help="Tokens per block."),
-        click.option("--kv-heads", type=int, default=d.kv_heads, show_default=True, envvar="ZKV_KV_HEADS", show_envvar=True, help="KV heads per rank (this rank's shard)."),
-        click.option("--head-dim", type=int, default=d.head_dim, show_default=True, envvar="ZKV_HEAD_DIM", show_envvar=True, help="Head dimension."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=d.dtype, show_default=True, envvar="ZKV_DTYPE", show_envvar=True, help="Cache element type."),
+        click.option(
+            "--layers",
+            type=int,
+            default=d.layers,
+            show_default=True,
+            envvar="ZKV_LAYERS",
+            show_envvar=True,
+            help="Transformer layers (a K and a V tensor each).",
+        ),
+        click.option(
+            "--gpu-blocks",
+            type=int,
+            default=d.gpu_blocks,
+            show_default=True,
+            envvar="ZKV_GPU_BLOCKS",
+            show_envvar=True,
+            help="Device cache blocks per rank.",
+        ),
+        click.option(
+            "--cpu-blocks",
+            type=int,
+            default=d.cpu_blocks,
+            show_default=True,
+            envvar="ZKV_CPU_BLOCKS",
+            show_envvar=True,
+            help="CPU swap-space blocks per rank.",
+        ),
+        click.option(
+            "--block-size",
+            type=int,
+            default=d.block_size,
+            show_default=True,
+            envvar="ZKV_BLOCK_SIZE",
+            show_envvar=True,
+            help="Tokens per block.",
+        ),
+        click.option(
+            "--kv-heads",
+            type=int,
+            default=d.kv_heads,
+            show_default=True,
+            envvar="ZKV_KV_HEADS",
+            show_envvar=True,
+            help="KV heads per rank (this rank's shard).",
+        ),
+        click.option(
+            "--head-dim",
+            type=int,
+            default=d.head_dim,
+            show_default=True,
+            envvar="ZKV_HEAD_DIM",
+            show_envvar=True,
+            help="Head dimension.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["bf16", "fp16", "fp32"]),
+            default=d.dtype,
+            show_default=True,
+            envvar="ZKV_DTYPE",
+            show_envvar=True,
+            help="Cache element type.",
+        ),
     ]
     return stacked(fn, opts)
 
@@ -57,7 +183,9 @@ def layout_from(kwargs: dict) -> Any:
     from ..wire.layout import CacheLayout
     from ..wire.protocol import ProtocolError
 
-    fields = {k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")}
+    fields = {
+        k: kwargs.pop(k) for k in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
+    }
     try:
         return CacheLayout(**fields)
     except ProtocolError as err:
@@ -66,18 +194,44 @@ def layout_from(kwargs: dict) -> Any:
 
 def curve_options(server: bool = False, client: bool = True) -> Callable:
     """CurveZMQ options (docs/protocol.md §12): off unless --curve-secret is given."""
+
     def deco(fn: Callable) -> Callable:
         if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
             if not client:  # the broker: client keys for its frontend
-                fn = click.option("--curve-clients", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_CLIENTS", show_envvar=True,
-                                  help="Directory of client public keys (*.key) allowed on the frontend.")(fn)
-            fn = click.option("--curve-ranks", type=click.Path(exists=True, file_okay=False), default=None, envvar="ZKV_CURVE_RANKS", show_envvar=True,
-                              help="Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.")(fn)
+                fn = click.option(
+                    "--curve-clients",
+                    type=click.Path(exists=True, file_okay=False),
+                    default=None,
+                    envvar="ZKV_CURVE_CLIENTS",
+                    show_envvar=True,
+                    help="Directory of client public keys (*.key) allowed on the frontend.",
+                )(fn)
+            fn = click.option(
+                "--curve-ranks",
+                type=click.Path(exists=True, file_okay=False),
+                default=None,
+                envvar="ZKV_CURVE_RANKS",
+                show_envvar=True,
+                help="Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.",
+            )(fn)
         if client:
-            fn = click.option("--curve-server", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SERVER", show_envvar=True,
-                              help="The broker's public key file (broker.key).")(fn)
-        return click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None, envvar="ZKV_CURVE_SECRET", show_envvar=True,
-                            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.")(fn)
+            fn = click.option(
+                "--curve-server",
+                type=click.Path(exists=True, dir_okay=False),
+                default=None,
+                envvar="ZKV_CURVE_SERVER",
+                show_envvar=True,
+                help="The broker's public key file (broker.key).",
+            )(fn)
+        return click.option(
+            "--curve-secret",
+            type=click.Path(exists=True, dir_okay=False),
+            default=None,
+            envvar="ZKV_CURVE_SECRET",
+            show_envvar=True,
+            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.",
+        )(fn)
+
     return deco
 
 
@@ -98,8 +252,10 @@ def curve_from(kw: dict) -> Any:
 def sigterm_as_interrupt() -> None:
     """SIGTERM (and SIGINT, even if inherited as ignored) end a process like
     Ctrl-C does: sockets closed, exit 0."""
+
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
 

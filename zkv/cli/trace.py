@@ -38,18 +38,47 @@ def _load(path: str) -> Any:
 
 @click.command()
 @click.argument("trace_file", metavar="FILE", type=str)
-@click.option("--broker", default=None, envvar="ZKV_REPLAY_BROKER", show_envvar=True,
-              help="Replay against this running broker's frontend instead of an embedded local cluster.")
-@click.option("--speed", default="1", show_default=True,
-              help="Timing: 1 = as recorded, 2.5 = 2.5x faster, max = as fast as possible.")
-@click.option("--record", type=click.Path(dir_okay=False), default=None,
-              help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).")
-@click.option("--task-timeout", type=float, default=30.0, show_default=True, help="Seconds a task may take before it ends 'timeout'.")
-@click.option("--op-timeout", type=float, default=30.0, show_default=True, help="Seconds a pause / clear / resume may take.")
+@click.option(
+    "--broker",
+    default=None,
+    envvar="ZKV_REPLAY_BROKER",
+    show_envvar=True,
+    help="Replay against this running broker's frontend instead of an embedded local cluster.",
+)
+@click.option(
+    "--speed",
+    default="1",
+    show_default=True,
+    help="Timing: 1 = as recorded, 2.5 = 2.5x faster, max = as fast as possible.",
+)
+@click.option(
+    "--record",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).",
+)
+@click.option(
+    "--task-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds a task may take before it ends 'timeout'.",
+)
+@click.option(
+    "--op-timeout", type=float, default=30.0, show_default=True, help="Seconds a pause / clear / resume may take."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @curve_options(server=True, client=True)
-def replay(trace_file: str, broker: str | None, speed: str, record: str | None, task_timeout: float, op_timeout: float, as_json: bool,
-           **curve_kw: Any) -> None:
+def replay(
+    trace_file: str,
+    broker: str | None,
+    speed: str,
+    record: str | None,
+    task_timeout: float,
+    op_timeout: float,
+    as_json: bool,
+    **curve_kw: Any,
+) -> None:
     """Replay a trace FILE (- for stdin) and check what the bus did.
 
     Checks that every task got exactly one outcome, that outcomes match the
@@ -58,23 +87,29 @@ def replay(trace_file: str, broker: str | None, speed: str, record: str | None, 
     latency.  Exits 1 on any violation, naming the trace lines.
     """
     from ..client.client import ZkvError
-    from ..replay import format_report, parse_speed, replay as replay_running, replay_embedded
+    from ..replay import format_report, parse_speed, replay_embedded
+    from ..replay import replay as replay_running
 
     try:
         factor = parse_speed(speed)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--speed") from None
     if record and broker:
-        raise click.UsageError("--record needs the embedded cluster; to record against --broker, start that broker with --record")
+        raise click.UsageError(
+            "--record needs the embedded cluster; to record against --broker, start that broker with --record"
+        )
     curve = curve_from(curve_kw)
     if curve is not None and not broker:
-        raise click.UsageError("--curve-* options are for --broker: the embedded cluster listens on private ipc:// sockets")
+        raise click.UsageError(
+            "--curve-* options are for --broker: the embedded cluster listens on private ipc:// sockets"
+        )
     if curve is not None and not curve.ranks_dir:
         raise click.UsageError("a Curve client needs --curve-ranks: the rank public keys its result socket lets in")
     trace = _load(trace_file)
     bar: Any = None
     kwargs: dict[str, Any] = {"speed": factor, "task_timeout": task_timeout, "op_timeout": op_timeout}
     if sys.stderr.isatty() and trace.ops:
+
         def progress(n: int) -> None:  # the bar starts with the first record, not with the cluster
             nonlocal bar
             if bar is None:
@@ -116,26 +151,76 @@ def trace() -> None:
 @click.argument("shape", type=click.Choice(["steady", "bursty", "rl-cycle"]))
 @click.option("--tasks", type=click.IntRange(min=0), default=100, show_default=True, help="Tasks in the trace.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same trace).")
-@click.option("--world-size", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks the trace is made for.")
+@click.option(
+    "--world-size", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks the trace is made for."
+)
 @layout_options
 @click.option("--rate", type=float, default=200.0, show_default=True, help="steady / rl-cycle: tasks per second.")
-@click.option("--clients", type=click.IntRange(min=1), default=None, help="Submitting clients (steady/rl-cycle 1, bursty 2).")
+@click.option(
+    "--clients", type=click.IntRange(min=1), default=None, help="Submitting clients (steady/rl-cycle 1, bursty 2)."
+)
 @click.option("--burst", type=click.IntRange(min=1), default=16, show_default=True, help="bursty: tasks per burst.")
 @click.option("--gap", type=float, default=0.05, show_default=True, help="bursty: seconds between bursts.")
-@click.option("--every", type=click.IntRange(min=1), default=20, show_default=True, help="rl-cycle: running tasks between pause/clear/resume cycles.")
-@click.option("--held", type=click.IntRange(min=0), default=2, show_default=True, help="rl-cycle: tasks arriving while paused, and again while cleared.")
+@click.option(
+    "--every",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="rl-cycle: running tasks between pause/clear/resume cycles.",
+)
+@click.option(
+    "--held",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="rl-cycle: tasks arriving while paused, and again while cleared.",
+)
 @click.option("--max-blocks", type=click.IntRange(min=1), default=8, show_default=True, help="Most blocks per task.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, allow_dash=True), default="-", show_default=True, help="File to write (- for stdout).")
-def gen(shape: str, tasks: int, seed: int, world_size: int, rate: float, clients: int | None, burst: int, gap: float,
-        every: int, held: int, max_blocks: int, output: str, **layout_kw: Any) -> None:
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default="-",
+    show_default=True,
+    help="File to write (- for stdout).",
+)
+def gen(
+    shape: str,
+    tasks: int,
+    seed: int,
+    world_size: int,
+    rate: float,
+    clients: int | None,
+    burst: int,
+    gap: float,
+    every: int,
+    held: int,
+    max_blocks: int,
+    output: str,
+    **layout_kw: Any,
+) -> None:
     """Write a synthetic trace of SHAPE: steady, bursty or rl-cycle."""
-    from ..wire.protocol import ProtocolError
     from ..trace import dump_records, generate
+    from ..wire.protocol import ProtocolError
 
     layout = layout_from(layout_kw)
     try:
-        records = list(generate(shape, tasks, seed, world=world_size, layout=layout, rate=rate, clients=clients,
-                                burst=burst, gap=gap, every=every, held=held, max_blocks=max_blocks))
+        records = list(
+            generate(
+                shape,
+                tasks,
+                seed,
+                world=world_size,
+                layout=layout,
+                rate=rate,
+                clients=clients,
+                burst=burst,
+                gap=gap,
+                every=every,
+                held=held,
+                max_blocks=max_blocks,
+            )
+        )
     except (ValueError, ProtocolError) as err:
         raise click.UsageError(str(err)) from None
     with click.open_file(output, "w") as out:
@@ -157,15 +242,26 @@ def check_cmd(trace_file: str, as_json: bool) -> None:
     recorded = any(s.recorded for s in t.tasks.values())
     problems = check_recording(t) if recorded else []
     ops = {ev: sum(1 for op in t.ops if op.ev == ev) for ev in ("submit", "pause", "clear", "resume")}
-    summary = {"ok": not problems, "source": t.source, "world": t.world, "layout": t.layout.to_wire() if t.layout else None,
-               "segments": t.segments, "ops": ops, "duration_s": round(t.ops[-1].t - t.ops[0].t, 6) if t.ops else 0.0,
-               "expectations": sum(len(s.expects) for s in t.tasks.values()), "recording": recorded, "problems": problems}
+    summary = {
+        "ok": not problems,
+        "source": t.source,
+        "world": t.world,
+        "layout": t.layout.to_wire() if t.layout else None,
+        "segments": t.segments,
+        "ops": ops,
+        "duration_s": round(t.ops[-1].t - t.ops[0].t, 6) if t.ops else 0.0,
+        "expectations": sum(len(s.expects) for s in t.tasks.values()),
+        "recording": recorded,
+        "problems": problems,
+    }
     if as_json:
         click.echo(json.dumps(summary))
     else:
-        click.echo(f"{t.source}: valid trace v1, world {t.world}, {ops['submit']} submits, {ops['pause']} pause, "
-                   f"{ops['clear']} clear, {ops['resume']} resume over {summary['duration_s']} s"
-                   + (f", {t.segments} sessions" if t.segments > 1 else ""))
+        click.echo(
+            f"{t.source}: valid trace v1, world {t.world}, {ops['submit']} submits, {ops['pause']} pause, "
+            f"{ops['clear']} clear, {ops['resume']} resume over {summary['duration_s']} s"
+            + (f", {t.segments} sessions" if t.segments > 1 else "")
+        )
         for p in problems:
             click.echo(f"  line {', '.join(map(str, p['lines']))}: {p['message']}")
     if problems:

@@ -20,16 +20,16 @@ from typing import Any, Callable, Sequence
 
 import zmq
 
+from ..net.curve import RESULTS_DOMAIN, Curve
+from ..net.endpoints import Endpoints, make_socket, runtime_dir
+from ..net.frames import ready_messages, send_message
+from ..net.reply_address import advertised, default_bind
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..wire.messages import Error, Message, OutcomeMsg, Reply, Result
-from ..net.endpoints import Endpoints, make_socket, runtime_dir
-from ..net.frames import ready_messages, send_message
 from ..wire.outcome import TaskOutcome
-from ..net.reply_address import advertised, default_bind
 from .results import ResultBook
-from ..net.curve import RESULTS_DOMAIN, Curve
 
 _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
 
@@ -42,8 +42,16 @@ class Client:
     ``advertise`` (``ZKV_RESULT_ADVERTISE``) is the address ranks are told to
     push to when it is not the bound one (NAT, a 0.0.0.0 bind)."""
 
-    def __init__(self, broker: str | None = None, *, reply_to: str | None = None, advertise: str | None = None,
-                 ctx: zmq.Context | None = None, request_timeout: float = 30.0, curve: Curve | None = None):
+    def __init__(
+        self,
+        broker: str | None = None,
+        *,
+        reply_to: str | None = None,
+        advertise: str | None = None,
+        ctx: zmq.Context | None = None,
+        request_timeout: float = 30.0,
+        curve: Curve | None = None,
+    ):
         self.broker = broker or Endpoints.default().frontend
         self.ctx = ctx or zmq.Context.instance()
         self.request_timeout = request_timeout
@@ -84,8 +92,16 @@ class Client:
 
     # --- tasks ---------------------------------------------------------------------
 
-    def submit(self, op: str, src: Sequence[int] | bytes | None = None, dst: Sequence[int] | bytes | None = None,
-               timeout: float = 30.0, *, tier: str | None = None, seed: int | None = None) -> int:
+    def submit(
+        self,
+        op: str,
+        src: Sequence[int] | bytes | None = None,
+        dst: Sequence[int] | bytes | None = None,
+        timeout: float = 30.0,
+        *,
+        tier: str | None = None,
+        seed: int | None = None,
+    ) -> int:
         """Send one task to every rank; return its id.  The outcome comes from wait/poll."""
         extra: dict[str, Any] = {}
         if tier is not None:
@@ -127,8 +143,14 @@ class Client:
         self.finished.clear()
         return done
 
-    def run(self, op: str, src: Sequence[int] | None = None, dst: Sequence[int] | None = None,
-            timeout: float = 30.0, **extra: Any) -> TaskOutcome:
+    def run(
+        self,
+        op: str,
+        src: Sequence[int] | None = None,
+        dst: Sequence[int] | None = None,
+        timeout: float = 30.0,
+        **extra: Any,
+    ) -> TaskOutcome:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
 
@@ -164,8 +186,11 @@ class Client:
         try:
             send_message(self.dealer, frames, block=True)  # bounded by SNDTIMEO
         except zmq.Again:
-            raise ZkvError("unreachable", f"cannot send to {self.broker}: no connection the broker accepted; is it running "
-                                          f"(and are the CurveZMQ keys right)?") from None
+            raise ZkvError(
+                "unreachable",
+                f"cannot send to {self.broker}: no connection the broker accepted; is it running "
+                f"(and are the CurveZMQ keys right)?",
+            ) from None
 
     def await_reply(self, req: int, timeout: float | None = None, what: str = "request") -> dict:
         """The reply to ``req``; raises ZkvError on an error reply or none in time.
@@ -175,18 +200,28 @@ class Client:
         while req not in self.replies:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ZkvError("no_reply", f"no reply to {what} from {self.broker} within {timeout} s; is the broker running?")
+                raise ZkvError(
+                    "no_reply", f"no reply to {what} from {self.broker} within {timeout} s; is the broker running?"
+                )
             self._pump(left)
         reply = self.replies.pop(req)
         if isinstance(reply, Error):
             raise ZkvError(reply.code, reply.reason)
-        return {"req": reply.req, "op": reply.op, **reply.extra, "v": P.VERSION, "kind": reply.kind}  # as the frame has them
+        return {
+            "req": reply.req,
+            "op": reply.op,
+            **reply.extra,
+            "v": P.VERSION,
+            "kind": reply.kind,
+        }  # as the frame has them
 
     def pause(self, timeout: float = 30.0) -> dict:
         return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS))
 
     def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
-        reply = self.request("clear", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS), keep_cpu=keep_cpu)
+        reply = self.request(
+            "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
+        )
         self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
         return reply
 
@@ -203,7 +238,9 @@ class Client:
         A generation newer than the client's ends its open tasks (``gen_reason`` says why)."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
-            reply = self.request("status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS))
+            reply = self.request(
+                "status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS)
+            )
         else:
             reply = self.request("status", timeout)
         self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation", told=False)

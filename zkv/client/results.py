@@ -82,8 +82,17 @@ class ResultBook:
         if not entry.fold.add(rank, msg.outcome, msg.reason or "", msg.bytes or 0):
             self.counters["duplicate_results"] += 1
             return None
-        entry.per_rank[rank] = {k: v for k, v in (("outcome", msg.outcome), ("reason", msg.reason), ("bytes", msg.bytes),
-                                                  ("elapsed_us", msg.elapsed_us), ("digests", msg.digests)) if v is not None}
+        entry.per_rank[rank] = {
+            k: v
+            for k, v in (
+                ("outcome", msg.outcome),
+                ("reason", msg.reason),
+                ("bytes", msg.bytes),
+                ("elapsed_us", msg.elapsed_us),
+                ("digests", msg.digests),
+            )
+            if v is not None
+        }
         if not entry.fold.complete:
             return None
         return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
@@ -122,7 +131,9 @@ class ResultBook:
         reason = f"cache generation moved from {old} to {gen}: {reason}"
         return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
 
-    def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None) -> TaskOutcome | None:
+    def on_outcome(
+        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None
+    ) -> TaskOutcome | None:
         """A final outcome decided by the broker (rejected, cancelled, rank died);
         ``gen`` (the broker's generation) may tell the book the bus moved on."""
         done = self._book_outcome(task, outcome, reason, now)  # this task's own word first

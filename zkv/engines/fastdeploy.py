@@ -19,16 +19,28 @@ from ..rank.cache.layouts import expect_dims
 from ..rank.cache.regions import TensorEntry
 
 
-def regions(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor] | None = None,
-            key_scales: Sequence[torch.Tensor] | None = None,
-            value_scales: Sequence[torch.Tensor] | None = None) -> list[TensorEntry]:
+def regions(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor] | None = None,
+    key_scales: Sequence[torch.Tensor] | None = None,
+    value_scales: Sequence[torch.Tensor] | None = None,
+) -> list[TensorEntry]:
     """``key_caches_{i}`` / ``value_caches_{i}`` (then the scales), one region each."""
     entries = []
-    groups = [("key_caches", key_caches, 4), ("value_caches", value_caches, 4),
-              ("key_cache_scales", key_scales, 3), ("value_cache_scales", value_scales, 3)]
+    groups = [
+        ("key_caches", key_caches, 4),
+        ("value_caches", value_caches, 4),
+        ("key_cache_scales", key_scales, 3),
+        ("value_cache_scales", value_scales, 3),
+    ]
     for prefix, tensors, dims in groups:
         for i, t in enumerate(tensors or ()):
             name = f"{prefix}_{i}"
-            expect_dims(name, t, dims, "[blocks, kv_heads, block_size, head_dim]" if dims == 4 else "[blocks, kv_heads, block_size]")
+            expect_dims(
+                name,
+                t,
+                dims,
+                "[blocks, kv_heads, block_size, head_dim]" if dims == 4 else "[blocks, kv_heads, block_size]",
+            )
             entries.append(TensorEntry(name, t))
     return entries

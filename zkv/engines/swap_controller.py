@@ -60,8 +60,15 @@ class SwapStats:
 class SwapController:
     """Conversations over ``replicas`` with KV swapped out to zkv's CPU tier when idle."""
 
-    def __init__(self, replicas: Sequence[TransformersCBEngine], bus: Bus, cpu_rows: int, *,
-                 policy: IdlePolicy | None = None, timeout: float = 10.0):
+    def __init__(
+        self,
+        replicas: Sequence[TransformersCBEngine],
+        bus: Bus,
+        cpu_rows: int,
+        *,
+        policy: IdlePolicy | None = None,
+        timeout: float = 10.0,
+    ):
         if not replicas:
             raise ValueError("at least one engine replica")
         if type(cpu_rows) is not int or cpu_rows < 1:
@@ -91,7 +98,9 @@ class SwapController:
         how = "resident" if self.replicas[0].conversation(conversation).resident else "recomputed"
         if conversation in self._swapped:
             how = "swapped_in" if self.swap_in(conversation) else "recomputed"
-        reused = {engine.continue_request(conversation, new_tokens, max_new_tokens=max_new_tokens) for engine in self.replicas}
+        reused = {
+            engine.continue_request(conversation, new_tokens, max_new_tokens=max_new_tokens) for engine in self.replicas
+        }
         if reused != {how != "recomputed"}:
             raise ReplicasDiverged(f"{conversation!r}: replicas disagree on resident KV ({reused}, expected {how})")
         if how == "resident":
@@ -143,8 +152,11 @@ class SwapController:
         """Swap out the conversations the policy picks now; return those that went."""
         self.reap()
         engine = self.replicas[0]
-        resident = {c: len(engine.block_table(c)) for c in self.policy.resident
-                    if c in engine.parked() and engine.conversation(c).resident}
+        resident = {
+            c: len(engine.block_table(c))
+            for c in self.policy.resident
+            if c in engine.parked() and engine.conversation(c).resident
+        }
         gone = []
         for conv in self.policy.victims(self.tick, engine.free_block_count(), resident):
             if self.swap_out(conv):
@@ -297,4 +309,3 @@ class SwapController:
         if any(v != values[0] for v in values[1:]):
             raise ReplicasDiverged(f"replicas disagree on the {what}: {values}")
         return values[0]
-

@@ -45,8 +45,15 @@ class TPBus:
     def wait(self, task: int, timeout: float | None = None) -> TaskOutcome:
         if self.client is not None:
             out = self.client.wait(task, timeout)
-            self._share({"task": out.task, "outcome": out.outcome, "reason": out.reason, "bytes": out.bytes,
-                         "ranks": sorted(out.per_rank)})
+            self._share(
+                {
+                    "task": out.task,
+                    "outcome": out.outcome,
+                    "reason": out.reason,
+                    "bytes": out.bytes,
+                    "ranks": sorted(out.per_rank),
+                }
+            )
             return out
         got = self._share(None)
         if got["outcome"] == "timeout":
@@ -67,6 +74,10 @@ class TPBus:
         if value is not None:
             size[0] = len(payload)
         dist.broadcast(size, 0, group=self.group)
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if value is not None else torch.empty(int(size[0]), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if value is not None
+            else torch.empty(int(size[0]), dtype=torch.uint8)
+        )
         dist.broadcast(buf, 0, group=self.group)
         return value if value is not None else msgpack.unpackb(buf.numpy().tobytes())

@@ -13,16 +13,23 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .ipc_check import EngineProcess
 from ..wire.layout import CacheLayout
 from .cluster import LocalCluster
+from .ipc_check import EngineProcess
 
 
 class AttachedCluster(LocalCluster):
     """``LocalCluster`` plus one engine process per rank that owns the rank's cache."""
 
-    def __init__(self, ranks: int = 2, layout: CacheLayout | None = None, *, engine_layout: str = "fastdeploy",
-                 generation: int = 1, **kwargs):
+    def __init__(
+        self,
+        ranks: int = 2,
+        layout: CacheLayout | None = None,
+        *,
+        engine_layout: str = "fastdeploy",
+        generation: int = 1,
+        **kwargs,
+    ):
         super().__init__(ranks, layout, **kwargs)
         self.engine_layout = engine_layout
         self.generation = generation
@@ -33,13 +40,27 @@ class AttachedCluster(LocalCluster):
 
     def _shape(self, blocks: int | None = None) -> list[str]:
         lay = self.layout
-        return ["--blocks", str(blocks or lay.gpu_blocks), "--layers", str(lay.layers), "--block-size", str(lay.block_size),
-                "--kv-heads", str(lay.kv_heads), "--head-dim", str(lay.head_dim), "--dtype", lay.dtype]
+        return [
+            "--blocks",
+            str(blocks or lay.gpu_blocks),
+            "--layers",
+            str(lay.layers),
+            "--block-size",
+            str(lay.block_size),
+            "--kv-heads",
+            str(lay.kv_heads),
+            "--head-dim",
+            str(lay.head_dim),
+            "--dtype",
+            lay.dtype,
+        ]
 
     def start_engines(self) -> None:
         for rank in range(self.ranks):
             if rank not in self.engines:
-                self.engines[rank] = EngineProcess(self.engine_layout, self.manifest(rank), self.generation, "cpu", self._shape())
+                self.engines[rank] = EngineProcess(
+                    self.engine_layout, self.manifest(rank), self.generation, "cpu", self._shape()
+                )
 
     def start_worker(self, rank: int, extra: Sequence[str] = ()):
         return super().start_worker(rank, ["--attach", self.manifest(rank), *extra])

@@ -30,7 +30,6 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from .stats import cpu_seconds, percentiles
 
-
 # The targets for 1-block tasks beside the relay, and for a pause's cost beyond its drain.
 BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "pause_overhead_p99_ms": 2.0}
 
@@ -103,8 +102,14 @@ def _relay_rank(back: str) -> None:
         d.send(b"done")
 
 
-def _measure(submit: Callable[[], Any], collect: Callable[[Any], None], n_latency: int, n_tput: int, window: int,
-             pids: dict[str, int] | None = None) -> dict:
+def _measure(
+    submit: Callable[[], Any],
+    collect: Callable[[Any], None],
+    n_latency: int,
+    n_tput: int,
+    window: int,
+    pids: dict[str, int] | None = None,
+) -> dict:
     """Round trips with one task in flight, then pipelined throughput with
     ``window`` in flight (the oldest collected first, as an engine would);
     with ``pids``, the CPU each of those processes spent per pipelined task."""
@@ -153,8 +158,11 @@ class RawRelay:
         if not ready.wait(30):
             self.close()
             raise RuntimeError("raw relay did not start")
-        self.pids = {"client": os.getpid(), "broker": self.procs[0].pid or 0,
-                     **{f"rank{r}": p.pid or 0 for r, p in enumerate(self.procs[1:])}}
+        self.pids = {
+            "client": os.getpid(),
+            "broker": self.procs[0].pid or 0,
+            **{f"rank{r}": p.pid or 0 for r, p in enumerate(self.procs[1:])},
+        }
         self.header = self.pull_addr.encode()
         self.body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
 
@@ -187,11 +195,16 @@ class ZkvBus:
         rng = random.Random(1)
         self.cluster = LocalCluster(ranks, layout, quiet=True).start()
         self.client = self.cluster.client()
-        self.body = P.encode_body("swap_out", rng.sample(range(layout.gpu_blocks), ids), rng.sample(range(layout.cpu_blocks), ids))
+        self.body = P.encode_body(
+            "swap_out", rng.sample(range(layout.gpu_blocks), ids), rng.sample(range(layout.cpu_blocks), ids)
+        )
         self.bytes_per_task = ids * layout.block_bytes * ranks
         broker = self.cluster.broker
-        self.pids = {"client": os.getpid(), "broker": broker.pid if broker else 0,
-                     **{f"rank{r}": w.pid for r, w in sorted(self.cluster.workers.items())}}
+        self.pids = {
+            "client": os.getpid(),
+            "broker": broker.pid if broker else 0,
+            **{f"rank{r}": w.pid for r, w in sorted(self.cluster.workers.items())},
+        }
 
     def submit(self) -> int:
         return self.client.submit_raw(self.body)
@@ -224,14 +237,24 @@ def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window
             bus.close()
     out: dict[str, Any] = {}
     for name, results in runs.items():
-        out[name] = {"tasks_per_s": statistics.median(r["tasks_per_s"] for r in results),
-                     "tasks_per_s_rounds": [r["tasks_per_s"] for r in results],
-                     "rtt_us": percentiles([x for r in results for x in r["rtt_samples_us"]], mean=True),
-                     "cpu_us_per_task": {p: round(statistics.median(r["cpu_us_per_task"][p] for r in results), 1) for p in results[0]["cpu_us_per_task"]}}
+        out[name] = {
+            "tasks_per_s": statistics.median(r["tasks_per_s"] for r in results),
+            "tasks_per_s_rounds": [r["tasks_per_s"] for r in results],
+            "rtt_us": percentiles([x for r in results for x in r["rtt_samples_us"]], mean=True),
+            "cpu_us_per_task": {
+                p: round(statistics.median(r["cpu_us_per_task"][p] for r in results), 1)
+                for p in results[0]["cpu_us_per_task"]
+            },
+        }
     out["zkv"]["bytes_per_task"] = bus.bytes_per_task
     z, r = out["zkv"], out["raw_pyzmq_relay"]
-    out["vs_relay"] = {"throughput": z["tasks_per_s"] / r["tasks_per_s"], "rtt_p50": z["rtt_us"]["p50"] / r["rtt_us"]["p50"],
-                       "rtt_p99": z["rtt_us"]["p99"] / r["rtt_us"]["p99"], "window": window, "rounds": rounds}
+    out["vs_relay"] = {
+        "throughput": z["tasks_per_s"] / r["tasks_per_s"],
+        "rtt_p50": z["rtt_us"]["p50"] / r["rtt_us"]["p50"],
+        "rtt_p99": z["rtt_us"]["p99"] / r["rtt_us"]["p99"],
+        "window": window,
+        "rounds": rounds,
+    }
     return out
 
 
@@ -311,7 +334,14 @@ def bench_pause(layout: CacheLayout, cycles: int, inflight: int) -> dict:
             tasks = []
             for _ in range(inflight):
                 k = 64
-                tasks.append((time.perf_counter(), client.submit("swap_out", rng.sample(range(layout.gpu_blocks), k), rng.sample(range(layout.cpu_blocks), k))))
+                tasks.append(
+                    (
+                        time.perf_counter(),
+                        client.submit(
+                            "swap_out", rng.sample(range(layout.gpu_blocks), k), rng.sample(range(layout.cpu_blocks), k)
+                        ),
+                    )
+                )
             t0 = time.perf_counter()
             client.pause()
             t_reply = time.perf_counter()

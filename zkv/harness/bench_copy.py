@@ -46,21 +46,40 @@ def _paired(base: list[float], ours: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, ours))
 
 
-def _engine(layout: str, engine_blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int,
-            dtype: torch.dtype, device: torch.device) -> EngineCache:
+def _engine(
+    layout: str,
+    engine_blocks: int,
+    layers: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> EngineCache:
     if layout == "per_layer":
         shape = (engine_blocks, kv_heads, block_size, head_dim)
         ks = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
         vs = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
         return EngineCache.from_tensors(layouts.zkv_native(ks, vs))
     es = torch.empty(0, dtype=dtype).element_size()
-    flat = torch.ones(engine_blocks * layers * 2 * block_size * kv_heads * head_dim * es, dtype=torch.uint8, device=device)
+    flat = torch.ones(
+        engine_blocks * layers * 2 * block_size * kv_heads * head_dim * es, dtype=torch.uint8, device=device
+    )
     return EngineCache.from_tensors(layouts.per_layer({"cache_tensor": flat.view(engine_blocks, -1)}))
 
 
-def bench_copy(blocks: int = 256, layers: int = 4, kv_heads: int = 8, block_size: int = 16, head_dim: int = 64,
-               dtype: torch.dtype = torch.bfloat16, reps: int = 15, device: str | None = None, seed: int = 0,
-               threads: int | None = 1) -> dict[str, Any]:
+def bench_copy(
+    blocks: int = 256,
+    layers: int = 4,
+    kv_heads: int = 8,
+    block_size: int = 16,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    reps: int = 15,
+    device: str | None = None,
+    seed: int = 0,
+    threads: int | None = 1,
+) -> dict[str, Any]:
     """GB/s of swap_out / swap_in per layout and id pattern, and of the baseline copy_.
 
     ``threads`` sets torch's intra-op threads for the run (restored after);
@@ -74,8 +93,17 @@ def bench_copy(blocks: int = 256, layers: int = 4, kv_heads: int = 8, block_size
         torch.set_num_threads(saved)
 
 
-def _run(blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, reps: int,
-         device: str | None, seed: int) -> dict[str, Any]:
+def _run(
+    blocks: int,
+    layers: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    reps: int,
+    device: str | None,
+    seed: int,
+) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(seed)
     engine_blocks = 2 * blocks
@@ -95,29 +123,47 @@ def _run(blocks: int, layers: int, kv_heads: int, block_size: int, head_dim: int
         row: dict[str, Any] = {"regions": len(cache.descriptor.regions), "mib": nbytes / 2**20}
         for name, (block_ids, rows) in patterns.items():
             # The lambdas run inside _timed, within this iteration (B023 does not apply).
-            base_out, t_out, base_in, t_in = _timed([
-                lambda: dst.copy_(src, non_blocking=nb), lambda: copier.swap_out(block_ids, rows),  # noqa: B023
-                lambda: src.copy_(dst, non_blocking=nb), lambda: copier.swap_in(rows, block_ids)], reps, dev)  # noqa: B023
-            gbps = {key: nbytes / statistics.median(ts) / 1e9
-                    for key, ts in (("out", t_out), ("in", t_in), ("copy_out", base_out), ("copy_in", base_in))}
-            row[name] = {"out_gbps": gbps["out"], "in_gbps": gbps["in"], "copy_out_gbps": gbps["copy_out"],
-                         "copy_in_gbps": gbps["copy_in"], "out_vs_copy": _paired(base_out, t_out),
-                         "in_vs_copy": _paired(base_in, t_in)}
+            base_out, t_out, base_in, t_in = _timed(
+                [
+                    lambda: dst.copy_(src, non_blocking=nb),
+                    lambda: copier.swap_out(block_ids, rows),  # noqa: B023
+                    lambda: src.copy_(dst, non_blocking=nb),
+                    lambda: copier.swap_in(rows, block_ids),
+                ],
+                reps,
+                dev,
+            )  # noqa: B023
+            gbps = {
+                key: nbytes / statistics.median(ts) / 1e9
+                for key, ts in (("out", t_out), ("in", t_in), ("copy_out", base_out), ("copy_in", base_in))
+            }
+            row[name] = {
+                "out_gbps": gbps["out"],
+                "in_gbps": gbps["in"],
+                "copy_out_gbps": gbps["copy_out"],
+                "copy_in_gbps": gbps["copy_in"],
+                "out_vs_copy": _paired(base_out, t_out),
+                "in_vs_copy": _paired(base_in, t_in),
+            }
         result["layouts"][layout] = row
         cache.release()
     return result
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
-             "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
-             f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10} {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}"]
+    lines = [
+        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
+        "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
+        f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10} {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
+    ]
     for layout, row in result["layouts"].items():
         for name in ("contiguous", "scattered"):
             c = row[name]
-            lines.append(f"{layout:12} {row['regions']:>7} {row['mib']:>5.0f}  {name:10} {c['copy_out_gbps']:>9.2f} "
-                         f"{c['out_gbps']:>6.2f} ({c['out_vs_copy']:.2f}x) {c['copy_in_gbps']:>9.2f} "
-                         f"{c['in_gbps']:>6.2f} ({c['in_vs_copy']:.2f}x)")
+            lines.append(
+                f"{layout:12} {row['regions']:>7} {row['mib']:>5.0f}  {name:10} {c['copy_out_gbps']:>9.2f} "
+                f"{c['out_gbps']:>6.2f} ({c['out_vs_copy']:.2f}x) {c['copy_in_gbps']:>9.2f} "
+                f"{c['in_gbps']:>6.2f} ({c['in_vs_copy']:.2f}x)"
+            )
     return "\n".join(lines)
 
 

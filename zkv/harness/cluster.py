@@ -24,18 +24,37 @@ from ..wire.layout import CacheLayout
 
 def layout_args(layout: CacheLayout) -> list[str]:
     return [
-        "--layers", str(layout.layers), "--gpu-blocks", str(layout.gpu_blocks), "--cpu-blocks", str(layout.cpu_blocks),
-        "--block-size", str(layout.block_size), "--kv-heads", str(layout.kv_heads), "--head-dim", str(layout.head_dim),
-        "--dtype", layout.dtype,
+        "--layers",
+        str(layout.layers),
+        "--gpu-blocks",
+        str(layout.gpu_blocks),
+        "--cpu-blocks",
+        str(layout.cpu_blocks),
+        "--block-size",
+        str(layout.block_size),
+        "--kv-heads",
+        str(layout.kv_heads),
+        "--head-dim",
+        str(layout.head_dim),
+        "--dtype",
+        layout.dtype,
     ]
 
 
 class LocalCluster:
     """Start, wait for, and stop a broker and ``ranks`` workers on ipc:// endpoints."""
 
-    def __init__(self, ranks: int = 2, layout: CacheLayout | None = None, *, directory: str | Path | None = None,
-                 broker_args: Sequence[str] = (), worker_args: Sequence[str] = (), quiet: bool = False,
-                 endpoints: Endpoints | None = None):
+    def __init__(
+        self,
+        ranks: int = 2,
+        layout: CacheLayout | None = None,
+        *,
+        directory: str | Path | None = None,
+        broker_args: Sequence[str] = (),
+        worker_args: Sequence[str] = (),
+        quiet: bool = False,
+        endpoints: Endpoints | None = None,
+    ):
         self.ranks = ranks
         self.layout = layout or CacheLayout()
         self._own_dir = directory is None
@@ -59,12 +78,32 @@ class LocalCluster:
         return ["--backend", ep.backend, "--control", ep.control]
 
     def start_broker(self) -> None:
-        self.broker = self._spawn(["broker", "--frontend", self.endpoints.frontend, *self._ep_args(),
-                                   "--world-size", str(self.ranks), *self.broker_args])
+        self.broker = self._spawn(
+            [
+                "broker",
+                "--frontend",
+                self.endpoints.frontend,
+                *self._ep_args(),
+                "--world-size",
+                str(self.ranks),
+                *self.broker_args,
+            ]
+        )
 
     def start_worker(self, rank: int, extra: Sequence[str] = ()) -> subprocess.Popen:
-        proc = self._spawn(["worker", "--rank", str(rank), "--world-size", str(self.ranks), *self._ep_args(),
-                            *layout_args(self.layout), *self.worker_args, *extra])
+        proc = self._spawn(
+            [
+                "worker",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(self.ranks),
+                *self._ep_args(),
+                *layout_args(self.layout),
+                *self.worker_args,
+                *extra,
+            ]
+        )
         self.workers[rank] = proc
         return proc
 

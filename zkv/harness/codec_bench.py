@@ -22,25 +22,52 @@ def bench_codec(number: int = 20_000, repeats: int = 5) -> dict[str, dict[str, d
     for the frames of a 1-block swap task on a 2-rank bus."""
     body = P.encode_body("swap_out", [7], [3])
     cases: dict[str, tuple[dict[str, Any], Callable[[], bytes], Callable[[], bytes]]] = {
-        "submit": ({"task": 1 << 40, "reply_to": _REPLY_TO},
-                   lambda: P.encode("submit", task=1 << 40, reply_to=_REPLY_TO),
-                   lambda: F.encode_submit(1 << 40, _REPLY_TO)),
-        "task": ({"seq": 123_456, "n": 61_728, "task": 1 << 40, "reply_to": _REPLY_TO, "gen": 3, "session": 987_654_321},
-                 lambda: P.encode("task", seq=123_456, n=61_728, task=1 << 40, reply_to=_REPLY_TO, gen=3, session=987_654_321),
-                 lambda: F.encode_task(123_456, 61_728, 1 << 40, _REPLY_TO, 3, None, 987_654_321)),
-        "done": ({"seq": 123_456, "n": 61_728, "outcome": "ok", "gen": 3, "bytes": 65_536},
-                 lambda: P.encode("done", seq=123_456, n=61_728, outcome="ok", gen=3, bytes=65_536),
-                 lambda: F.encode_done(123_456, 61_728, "ok", 3, 65_536)),
-        "result": ({"task": 1 << 40, "rank": 1, "world": 2, "outcome": "ok", "reason": "", "gen": 3, "bytes": 65_536, "elapsed_us": 87},
-                   lambda: P.encode("result", task=1 << 40, rank=1, world=2, outcome="ok", reason="", gen=3, bytes=65_536, elapsed_us=87),
-                   lambda: F.encode_result(1 << 40, 1, 2, "ok", "", 3, 65_536, 87)),
+        "submit": (
+            {"task": 1 << 40, "reply_to": _REPLY_TO},
+            lambda: P.encode("submit", task=1 << 40, reply_to=_REPLY_TO),
+            lambda: F.encode_submit(1 << 40, _REPLY_TO),
+        ),
+        "task": (
+            {"seq": 123_456, "n": 61_728, "task": 1 << 40, "reply_to": _REPLY_TO, "gen": 3, "session": 987_654_321},
+            lambda: P.encode(
+                "task", seq=123_456, n=61_728, task=1 << 40, reply_to=_REPLY_TO, gen=3, session=987_654_321
+            ),
+            lambda: F.encode_task(123_456, 61_728, 1 << 40, _REPLY_TO, 3, None, 987_654_321),
+        ),
+        "done": (
+            {"seq": 123_456, "n": 61_728, "outcome": "ok", "gen": 3, "bytes": 65_536},
+            lambda: P.encode("done", seq=123_456, n=61_728, outcome="ok", gen=3, bytes=65_536),
+            lambda: F.encode_done(123_456, 61_728, "ok", 3, 65_536),
+        ),
+        "result": (
+            {
+                "task": 1 << 40,
+                "rank": 1,
+                "world": 2,
+                "outcome": "ok",
+                "reason": "",
+                "gen": 3,
+                "bytes": 65_536,
+                "elapsed_us": 87,
+            },
+            lambda: P.encode(
+                "result", task=1 << 40, rank=1, world=2, outcome="ok", reason="", gen=3, bytes=65_536, elapsed_us=87
+            ),
+            lambda: F.encode_result(1 << 40, 1, 2, "ok", "", 3, 65_536, 87),
+        ),
     }
-    sockets = {"submit": ("submit", "pause", "clear", "resume", "status", "ping"), "task": ("task",), "done": ("ready", "hb", "done", "ack"),
-               "result": None}
+    sockets = {
+        "submit": ("submit", "pause", "clear", "resume", "status", "ping"),
+        "task": ("task",),
+        "done": ("ready", "hb", "done", "ack"),
+        "result": None,
+    }
     report: dict[str, dict[str, dict[str, float]]] = {}
     for kind, (fields, old_encode, new_encode) in cases.items():
-        report[kind] = {"decode": _decoding(kind, P.encode(kind, **fields), sockets[kind], number, repeats),
-                        "encode": _pair(old_encode, new_encode, number, repeats)}
+        report[kind] = {
+            "decode": _decoding(kind, P.encode(kind, **fields), sockets[kind], number, repeats),
+            "encode": _pair(old_encode, new_encode, number, repeats),
+        }
         assert new_encode() == old_encode()
     assert F.decode_body(body) == P.decode_body(body)
     report["body"] = {"decode": _pair(lambda: P.decode_body(body), lambda: F.decode_body(body), number, repeats)}

@@ -17,8 +17,8 @@ import time
 from typing import Any, Callable
 
 from ..client.client import Client
-from ..wire.layout import CacheLayout
 from ..prefix import PrefixCacheManager
+from ..wire.layout import CacheLayout
 from .workload import ChatSpec, ChatWorkload, serve_workload
 
 
@@ -29,11 +29,17 @@ def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None]) -> b
     cpu_ids = rng.sample(range(layout.cpu_blocks), n)
     steps = [c.run("fill", None, gpu_ids, tier="gpu", seed=1)]
     before = c.run("checksum", gpu_ids, tier="gpu")
-    steps += [c.run("swap_out", gpu_ids, cpu_ids), c.run("fill", None, gpu_ids, tier="gpu", seed=2),
-              c.run("swap_in", cpu_ids, gpu_ids)]
+    steps += [
+        c.run("swap_out", gpu_ids, cpu_ids),
+        c.run("fill", None, gpu_ids, tier="gpu", seed=2),
+        c.run("swap_in", cpu_ids, gpu_ids),
+    ]
     after = c.run("checksum", gpu_ids, tier="gpu")
-    same = before.ok and after.ok and all(
-        before.per_rank[r]["digests"] == after.per_rank[r]["digests"] for r in before.per_rank)
+    same = (
+        before.ok
+        and after.ok
+        and all(before.per_rank[r]["digests"] == after.per_rank[r]["digests"] for r in before.per_rank)
+    )
     echo(f"round trip of {n} blocks on {len(before.per_rank)} ranks: {'bit-identical' if same else 'MISMATCH'}")
     bad = [s for s in steps if not s.ok]
     for s in bad:
@@ -45,8 +51,13 @@ def _mib(n: float) -> str:
     return f"{n / 2**10:.0f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
-def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[str], None] = print,
-             update: Callable[[], Any] | None = None) -> bool:
+def run_demo(
+    broker: str,
+    layout: CacheLayout,
+    requests: int,
+    echo: Callable[[str], None] = print,
+    update: Callable[[], Any] | None = None,
+) -> bool:
     """Round trip, then ``requests`` chat requests through the prefix cache manager.
 
     ``update``: runs between the cycle's clear and its resume (with ``--attach``
@@ -56,40 +67,65 @@ def run_demo(broker: str, layout: CacheLayout, requests: int, echo: Callable[[st
         spec = ChatSpec.for_cache(layout.gpu_blocks)
         manager = PrefixCacheManager(c, layout.block_size, layout.gpu_blocks, layout.cpu_blocks, swap_timeout=10.0)
         workload = ChatWorkload(layout.block_size, spec, seed=1)
-        echo(f"prefix cache: {requests} chat requests, {spec.system_prompts} system prompts x "
-             f"{spec.conversations} Zipf-popular conversations, on {layout.gpu_blocks} GPU + "
-             f"{layout.cpu_blocks} CPU blocks of {layout.block_size} tokens "
-             f"({_mib(layout.block_bytes)} per block per rank); pause/clear/resume at request {requests // 2}")
+        echo(
+            f"prefix cache: {requests} chat requests, {spec.system_prompts} system prompts x "
+            f"{spec.conversations} Zipf-popular conversations, on {layout.gpu_blocks} GPU + "
+            f"{layout.cpu_blocks} CPU blocks of {layout.block_size} tokens "
+            f"({_mib(layout.block_bytes)} per block per rank); pause/clear/resume at request {requests // 2}"
+        )
         t0 = time.perf_counter()
-        report = serve_workload(c, manager, requests, workload=workload, verify=True,
-                                cycle_at=requests // 2 if requests >= 2 else None, cycle_update=update)
+        report = serve_workload(
+            c,
+            manager,
+            requests,
+            workload=workload,
+            verify=True,
+            cycle_at=requests // 2 if requests >= 2 else None,
+            cycle_update=update,
+        )
         wall = time.perf_counter() - t0
         s = report.summary()
         st = report.manager
-        echo(f"  served {report.served}/{report.requests} requests in {wall:.2f} s: "
-             f"{s['requests_per_s']:.0f} requests/s ({report.compute_tasks} compute + "
-             f"{report.checksum_tasks} checksum tasks besides the swaps)")
-        echo(f"  hit rate over {st['queried_blocks']} prompt blocks: GPU {s['gpu_hit_rate']:.1%}, "
-             f"CPU {s['cpu_hit_rate']:.1%} (swapped back in), miss {1 - s['gpu_hit_rate'] - s['cpu_hit_rate']:.1%}")
+        echo(
+            f"  served {report.served}/{report.requests} requests in {wall:.2f} s: "
+            f"{s['requests_per_s']:.0f} requests/s ({report.compute_tasks} compute + "
+            f"{report.checksum_tasks} checksum tasks besides the swaps)"
+        )
+        echo(
+            f"  hit rate over {st['queried_blocks']} prompt blocks: GPU {s['gpu_hit_rate']:.1%}, "
+            f"CPU {s['cpu_hit_rate']:.1%} (swapped back in), miss {1 - s['gpu_hit_rate'] - s['cpu_hit_rate']:.1%}"
+        )
         for op in ("swap_out", "swap_in"):
             sw = s["swaps"][op]
             outcomes = {k: sw[k] for k in ("ok", "failed", "cancelled", "rejected", "timeout") if sw[k]}
-            echo(f"  {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks, outcomes {outcomes or '{}'}")
-        echo(f"  bytes moved by swaps: {_mib(s['bytes_moved'])}; dropped when the CPU was full: "
-             f"{st['dropped_cpu_blocks']} CPU blocks, {st['dropped_gpu_blocks']} GPU blocks")
+            echo(
+                f"  {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks, outcomes {outcomes or '{}'}"
+            )
+        echo(
+            f"  bytes moved by swaps: {_mib(s['bytes_moved'])}; dropped when the CPU was full: "
+            f"{st['dropped_cpu_blocks']} CPU blocks, {st['dropped_gpu_blocks']} GPU blocks"
+        )
         for cycle in report.cycles:
-            echo(f"  pause/clear/resume: drain {cycle['pause'].get('drain_ms', 0):.1f} ms, "
-                 f"clear {cycle['clear'].get('clear_ms', 0):.1f} ms ({_mib(cycle['clear'].get('freed', 0))} freed), "
-                 f"resume {cycle['resume'].get('resume_ms', 0):.1f} ms")
+            echo(
+                f"  pause/clear/resume: drain {cycle['pause'].get('drain_ms', 0):.1f} ms, "
+                f"clear {cycle['clear'].get('clear_ms', 0):.1f} ms ({_mib(cycle['clear'].get('freed', 0))} freed), "
+                f"resume {cycle['resume'].get('resume_ms', 0):.1f} ms"
+            )
         if report.cycles:
             gpu_after, cpu_after = report.hit_rates_since_cycle()
-            echo(f"  after the cycle the cache restarted empty and filled again: hit rate since then "
-                 f"GPU {gpu_after:.1%}, CPU {cpu_after:.1%}")
-        echo(f"  {report.verified_hit_blocks} cache-hit blocks checked on every rank against the digests taken "
-             f"when they were computed: {'all bit-identical' if not report.errors else 'PROBLEMS'}")
-        echo(f"  end: GPU {st['gpu']['used']}/{st['gpu']['total']} blocks used, CPU {st['cpu']['used']}/"
-             f"{st['cpu']['total']}, quarantined {sum(st['quarantined_blocks'].values())}; invariants "
-             f"{'hold' if not report.errors else 'see below'}")
+            echo(
+                f"  after the cycle the cache restarted empty and filled again: hit rate since then "
+                f"GPU {gpu_after:.1%}, CPU {cpu_after:.1%}"
+            )
+        echo(
+            f"  {report.verified_hit_blocks} cache-hit blocks checked on every rank against the digests taken "
+            f"when they were computed: {'all bit-identical' if not report.errors else 'PROBLEMS'}"
+        )
+        echo(
+            f"  end: GPU {st['gpu']['used']}/{st['gpu']['total']} blocks used, CPU {st['cpu']['used']}/"
+            f"{st['cpu']['total']}, quarantined {sum(st['quarantined_blocks'].values())}; invariants "
+            f"{'hold' if not report.errors else 'see below'}"
+        )
         for error in report.errors:
             echo(f"  ERROR {error}")
         swaps_ok = all(s["swaps"][op]["issued"] == s["swaps"][op]["ok"] for op in ("swap_out", "swap_in"))

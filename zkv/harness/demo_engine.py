@@ -36,15 +36,34 @@ NB, BS, H, D, L = 16, 4, 2, 8, 2
 class Shape:
     """The engine's cache dimensions (defaults: a small test cache)."""
 
-    def __init__(self, blocks: int = NB, layers: int = L, block_size: int = BS, kv_heads: int = H, head_dim: int = D,
-                 dtype: str = ""):
-        self.blocks, self.layers, self.block_size, self.kv_heads, self.head_dim = blocks, layers, block_size, kv_heads, head_dim
+    def __init__(
+        self,
+        blocks: int = NB,
+        layers: int = L,
+        block_size: int = BS,
+        kv_heads: int = H,
+        head_dim: int = D,
+        dtype: str = "",
+    ):
+        self.blocks, self.layers, self.block_size, self.kv_heads, self.head_dim = (
+            blocks,
+            layers,
+            block_size,
+            kv_heads,
+            head_dim,
+        )
         self.dtype = TORCH_DTYPES[Dtype(dtype)] if dtype else None  # none named: each layout its own default
 
     @classmethod
     def parse(cls, args: list[str]) -> "Shape":
-        names = {"--blocks": "blocks", "--layers": "layers", "--block-size": "block_size", "--kv-heads": "kv_heads",
-                 "--head-dim": "head_dim", "--dtype": "dtype"}
+        names = {
+            "--blocks": "blocks",
+            "--layers": "layers",
+            "--block-size": "block_size",
+            "--kv-heads": "kv_heads",
+            "--head-dim": "head_dim",
+            "--dtype": "dtype",
+        }
         kw: dict = {}
         for flag, value in zip(args[::2], args[1::2]):
             if flag not in names:
@@ -68,11 +87,21 @@ def make(arena: ShmArena, layout: str, device: str, shape: Shape | None = None):
         dtype = s.dtype or torch.bfloat16
         ks = [new(f"key_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
         vs = [new(f"value_caches_{i}", (nb, h, bs, d), dtype) for i in range(s.layers)]
-        return ks + vs, layouts.per_layer({f"key_caches_{i}": k for i, k in enumerate(ks)} | {f"value_caches_{i}": v for i, v in enumerate(vs)}), lambda b: [t[b] for t in ks + vs]
+        return (
+            ks + vs,
+            layouts.per_layer(
+                {f"key_caches_{i}": k for i, k in enumerate(ks)} | {f"value_caches_{i}": v for i, v in enumerate(vs)}
+            ),
+            lambda b: [t[b] for t in ks + vs],
+        )
     if layout == "vllm_flash":
         dtype = s.dtype or torch.float16
         kv = {f"layer.{i}": new(f"layer.{i}", (2, nb, bs, h, d), dtype) for i in range(s.layers)}
-        return list(kv.values()), layouts.per_layer({f"{n}.{half}": t[j] for n, t in kv.items() for j, half in enumerate("kv")}), lambda b: [t[:, b] for t in kv.values()]
+        return (
+            list(kv.values()),
+            layouts.per_layer({f"{n}.{half}": t[j] for n, t in kv.items() for j, half in enumerate("kv")}),
+            lambda b: [t[:, b] for t in kv.values()],
+        )
     raise SystemExit(f"unknown layout {layout!r}")
 
 

@@ -54,9 +54,16 @@ def swap_vs_recompute(rig: EngineRig, tokens: int, reps: int) -> dict[str, Any]:
         identical &= not set(old) & set(engines[0].block_table(name))
         ctrl.forget(name)
     kv_bytes = len(old) * engines[0].layout.block_bytes
-    return {"tokens": tokens, "kv_bytes_per_rank": kv_bytes, "ranks": len(engines),
-            "recompute_prefill_s": _best(recompute), "swap_in_s": _best(swap_in), "swap_out_s": _best(swap_out),
-            "speedup": _best(recompute) / _best(swap_in), "bytes_identical": identical}
+    return {
+        "tokens": tokens,
+        "kv_bytes_per_rank": kv_bytes,
+        "ranks": len(engines),
+        "recompute_prefill_s": _best(recompute),
+        "swap_in_s": _best(swap_in),
+        "swap_out_s": _best(swap_out),
+        "speedup": _best(recompute) / _best(swap_in),
+        "bytes_identical": identical,
+    }
 
 
 def _decode_round(engine: Any, tag: str, batch: int, prompt: int, new_tokens: int) -> float:
@@ -77,7 +84,9 @@ def decode_without_zkv(engine: Any, batch: int, prompt: int, new_tokens: int, ro
     return max(_decode_round(engine, f"bare{r}", batch, prompt, new_tokens) for r in range(rounds))
 
 
-def decode_with_zkv(rig: EngineRig, bare: Any, batch: int, prompt: int, new_tokens: int, rounds: int) -> dict[str, float]:
+def decode_with_zkv(
+    rig: EngineRig, bare: Any, batch: int, prompt: int, new_tokens: int, rounds: int
+) -> dict[str, float]:
     """Best tokens/s of the rig's replica 0 (a rank attached, the bus running) and, alternating with it, of the bare
     engine beside the running bus (what the process-level threads cost without the attach)."""
     attached: list[float] = []
@@ -89,15 +98,28 @@ def decode_with_zkv(rig: EngineRig, bare: Any, batch: int, prompt: int, new_toke
     return {"with_zkv_tokens_per_s": max(attached), "bare_beside_running_bus_tokens_per_s": max(beside)}
 
 
-def bench_engine(dtype: str = "fp32", sizes: tuple[int, ...] = (1024, 4096), reps: int = 1, ranks: int = 1,
-                 threads: int = 1, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def bench_engine(
+    dtype: str = "fp32",
+    sizes: tuple[int, ...] = (1024, 4096),
+    reps: int = 1,
+    ranks: int = 1,
+    threads: int = 1,
+    say: Callable[[str], None] = lambda m: None,
+) -> dict[str, Any]:
     old = set_threads(threads)
     try:
         model = random_llama(0, dtype, "bench")
         blocks = max(sizes) // 32 * 2 + 16
         report: dict[str, Any] = {"model": "bench", "dtype": dtype, "torch_threads": threads, "ranks": ranks}
-        rig = EngineRig(model, ranks=ranks, num_blocks=blocks, block_size=32, cpu_rows=max(sizes) // 32 + 8,
-                        max_batch_tokens=max(sizes), timeout=60.0)
+        rig = EngineRig(
+            model,
+            ranks=ranks,
+            num_blocks=blocks,
+            block_size=32,
+            cpu_rows=max(sizes) // 32 + 8,
+            max_batch_tokens=max(sizes),
+            timeout=60.0,
+        )
         shape = {"batch": 4, "prompt": 64, "new_tokens": 33, "rounds": 4}
         say("engine: decode throughput without zkv ...")
         bare = rig.new_engine()  # before the rig starts: no zkv thread or process exists yet
@@ -109,26 +131,36 @@ def bench_engine(dtype: str = "fp32", sizes: tuple[int, ...] = (1024, 4096), rep
             for n in sizes:
                 say(f"engine: swap-in vs recompute, {n} tokens ...")
                 report[f"swap_vs_recompute_{n}"] = swap_vs_recompute(rig, n, reps)
-        report["decode"] = {**shape, "without_zkv_tokens_per_s": without, **decode,
-                            "ratio": decode["with_zkv_tokens_per_s"] / without}
+        report["decode"] = {
+            **shape,
+            "without_zkv_tokens_per_s": without,
+            **decode,
+            "ratio": decode["with_zkv_tokens_per_s"] / without,
+        }
         return report
     finally:
         set_threads(old)
 
 
 def summary(report: dict[str, Any]) -> str:
-    lines = [f"engine bench: random Llama 'bench' ({report['parameters'] / 1e6:.1f} M parameters, {report['dtype']}), "
-             f"{report['ranks']} rank(s), torch threads {report['torch_threads']}"]
+    lines = [
+        f"engine bench: random Llama 'bench' ({report['parameters'] / 1e6:.1f} M parameters, {report['dtype']}), "
+        f"{report['ranks']} rank(s), torch threads {report['torch_threads']}"
+    ]
     for key, r in report.items():
         if key.startswith("swap_vs_recompute_"):
-            lines.append(f"  {r['tokens']:5d} tokens ({r['kv_bytes_per_rank'] / 2**20:.1f} MiB KV per rank): recompute prefill "
-                         f"{r['recompute_prefill_s'] * 1e3:.1f} ms | swap-in through the bus {r['swap_in_s'] * 1e3:.1f} ms "
-                         f"({r['speedup']:.0f}x), swap-out {r['swap_out_s'] * 1e3:.1f} ms; bytes "
-                         f"{'identical' if r['bytes_identical'] else 'MISMATCH'}")
+            lines.append(
+                f"  {r['tokens']:5d} tokens ({r['kv_bytes_per_rank'] / 2**20:.1f} MiB KV per rank): recompute prefill "
+                f"{r['recompute_prefill_s'] * 1e3:.1f} ms | swap-in through the bus {r['swap_in_s'] * 1e3:.1f} ms "
+                f"({r['speedup']:.0f}x), swap-out {r['swap_out_s'] * 1e3:.1f} ms; bytes "
+                f"{'identical' if r['bytes_identical'] else 'MISMATCH'}"
+            )
     d = report["decode"]
-    lines.append(f"  decode, batch {d['batch']} x {d['new_tokens'] - 1} tokens: with zkv attached {d['with_zkv_tokens_per_s']:.1f} "
-                 f"tokens/s | without zkv {d['without_zkv_tokens_per_s']:.1f} tokens/s (ratio {d['ratio']:.2f}); "
-                 f"a bare engine beside the running bus {d['bare_beside_running_bus_tokens_per_s']:.1f} tokens/s")
+    lines.append(
+        f"  decode, batch {d['batch']} x {d['new_tokens'] - 1} tokens: with zkv attached {d['with_zkv_tokens_per_s']:.1f} "
+        f"tokens/s | without zkv {d['without_zkv_tokens_per_s']:.1f} tokens/s (ratio {d['ratio']:.2f}); "
+        f"a bare engine beside the running bus {d['bare_beside_running_bus_tokens_per_s']:.1f} tokens/s"
+    )
     return "\n".join(lines)
 
 

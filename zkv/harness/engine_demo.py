@@ -54,8 +54,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
-def serve_chat(rig: EngineRig, plan: ChatPlan, cycle_at: int | None, weights_seed: int,
-               echo: Callable[[str], None]) -> dict:
+def serve_chat(
+    rig: EngineRig, plan: ChatPlan, cycle_at: int | None, weights_seed: int, echo: Callable[[str], None]
+) -> dict:
     """Serve ``plan`` through ``rig``'s controller; run the RL cycle before round ``cycle_at``."""
     ctrl = rig.controller
     rng = random.Random(plan.seed + 1)
@@ -67,10 +68,12 @@ def serve_chat(rig: EngineRig, plan: ChatPlan, cycle_at: int | None, weights_see
         if index == cycle_at:
             cycle = rig.rl_cycle(lambda: load_weights(rig.model, weights_seed))
             cleared = set(started)
-            echo(f"  RL cycle before round {index}: pause {_ms(cycle['pause_s'])}, clear {_ms(cycle['clear_s'])} "
-                 f"(bus) + engine free {_ms(cycle['engine_free_s'])} (cache storage expired: {cycle['storage_expired']}), "
-                 f"weight update {_ms(cycle['update_s'])}, new cache {_ms(cycle['rebuild_s'])}, "
-                 f"resume {_ms(cycle['resume_s'])} (generation {cycle['generation']})")
+            echo(
+                f"  RL cycle before round {index}: pause {_ms(cycle['pause_s'])}, clear {_ms(cycle['clear_s'])} "
+                f"(bus) + engine free {_ms(cycle['engine_free_s'])} (cache storage expired: {cycle['storage_expired']}), "
+                f"weight update {_ms(cycle['update_s'])}, new cache {_ms(cycle['rebuild_s'])}, "
+                f"resume {_ms(cycle['resume_s'])} (generation {cycle['generation']})"
+            )
         start = time.perf_counter()
         for c in picked:
             name = f"chat{c}"
@@ -113,52 +116,87 @@ def probe(rig: EngineRig) -> dict:
     recompute_s = []
     for e in engines:
         start = time.perf_counter()
-        e.submit("probe", list(conv.tokens[:conv.kv_len]), max_new_tokens=1, keep=False)
+        e.submit("probe", list(conv.tokens[: conv.kv_len]), max_new_tokens=1, keep=False)
         e.run_until_idle()
         recompute_s.append(time.perf_counter() - start)
         e.result("probe")
-    return {"name": name, "tokens": conv.kv_len, "blocks": len(old), "moved": not set(old) & set(new),
-            "identical": swapped_in and before == after, "swap_in_s": swap_in_s, "recompute_s": recompute_s[0]}
+    return {
+        "name": name,
+        "tokens": conv.kv_len,
+        "blocks": len(old),
+        "moved": not set(old) & set(new),
+        "identical": swapped_in and before == after,
+        "swap_in_s": swap_in_s,
+        "recompute_s": recompute_s[0],
+    }
 
 
-def run_engine_demo(ranks: int = 2, plan: ChatPlan | None = None, dtype: str = "fp32",
-                    echo: Callable[[str], None] = print) -> bool:
+def run_engine_demo(
+    ranks: int = 2, plan: ChatPlan | None = None, dtype: str = "fp32", echo: Callable[[str], None] = print
+) -> bool:
     plan = plan or ChatPlan()
     old_threads = set_threads(1)
     try:
         model = random_llama(0, dtype)
         # ~3 conversations' worth of blocks: the rest must live on CPU between their turns
-        with EngineRig(model, ranks=ranks, num_blocks=48, block_size=16, cpu_rows=256, prefix_sharing=False,
-                       policy=IdlePolicy(min_free=12, idle_after=2)) as rig:
+        with EngineRig(
+            model,
+            ranks=ranks,
+            num_blocks=48,
+            block_size=16,
+            cpu_rows=256,
+            prefix_sharing=False,
+            policy=IdlePolicy(min_free=12, idle_after=2),
+        ) as rig:
             ctrl = rig.controller
-            echo(f"transformers {rig.version}: random Llama ({rig.parameters / 1e6:.1f} M parameters, {dtype}), "
-                 f"{ranks} engine replicas, each with a zkv rank attached in-process to its cache "
-                 f"({rig.replicas[0].layout.num_blocks} blocks of {rig.replicas[0].layout.block_size} tokens); "
-                 f"broker at {rig.frontend}")
-            echo(f"chat: {plan.conversations} conversations, {plan.rounds} rounds of {plan.per_round} turns, "
-                 f"{plan.reply} tokens per reply; policy: swap out after {ctrl.policy.idle_after} idle rounds "
-                 f"or when fewer than {ctrl.policy.min_free} blocks are free")
+            echo(
+                f"transformers {rig.version}: random Llama ({rig.parameters / 1e6:.1f} M parameters, {dtype}), "
+                f"{ranks} engine replicas, each with a zkv rank attached in-process to its cache "
+                f"({rig.replicas[0].layout.num_blocks} blocks of {rig.replicas[0].layout.block_size} tokens); "
+                f"broker at {rig.frontend}"
+            )
+            echo(
+                f"chat: {plan.conversations} conversations, {plan.rounds} rounds of {plan.per_round} turns, "
+                f"{plan.reply} tokens per reply; policy: swap out after {ctrl.policy.idle_after} idle rounds "
+                f"or when fewer than {ctrl.policy.min_free} blocks are free"
+            )
             report = serve_chat(rig, plan, plan.rounds // 2, weights_seed=1, echo=echo)
             p = probe(rig)
         turns, s = report["turns"], ctrl.stats
         returning = sum(turns[k] for k in ("resident", "swapped_in", "recomputed"))
-        echo(f"  {report['generated']} tokens generated in {report['busy_s']:.2f} s: "
-             f"{report['generated'] / report['busy_s']:.1f} tokens/s per replica (swaps included)")
-        echo(f"  {returning} returning turns: {turns['resident']} still resident, {turns['swapped_in']} swapped in "
-             f"instead of a prefill, {turns['recomputed']} recomputed ({turns['recomputed_after_cycle']} of them the first turn after the RL clear "
-             f"dropped all KV of the old weights; hit rate {(turns['resident'] + turns['swapped_in']) / max(1, returning):.0%}, "
-             f"before the cycle {turns['swapped_in']} of {turns['swapped_in'] + turns['recomputed'] - turns['recomputed_after_cycle']} "
-             f"not resident were swapped in)")
-        echo(f"  swaps: {s.swap_outs} out ({s.blocks_out} blocks), {s.swap_ins} in ({s.blocks_in} blocks), "
-             f"failed {dict(s.failed) or 'none'}")
+        echo(
+            f"  {report['generated']} tokens generated in {report['busy_s']:.2f} s: "
+            f"{report['generated'] / report['busy_s']:.1f} tokens/s per replica (swaps included)"
+        )
+        echo(
+            f"  {returning} returning turns: {turns['resident']} still resident, {turns['swapped_in']} swapped in "
+            f"instead of a prefill, {turns['recomputed']} recomputed ({turns['recomputed_after_cycle']} of them the first turn after the RL clear "
+            f"dropped all KV of the old weights; hit rate {(turns['resident'] + turns['swapped_in']) / max(1, returning):.0%}, "
+            f"before the cycle {turns['swapped_in']} of {turns['swapped_in'] + turns['recomputed'] - turns['recomputed_after_cycle']} "
+            f"not resident were swapped in)"
+        )
+        echo(
+            f"  swaps: {s.swap_outs} out ({s.blocks_out} blocks), {s.swap_ins} in ({s.blocks_in} blocks), "
+            f"failed {dict(s.failed) or 'none'}"
+        )
         rate = p["recompute_s"] / max(1, p["tokens"])
         saved = rate * s.tokens_swapped_in - sum(s.swap_in_s)
-        echo(f"  {p['name']} ({p['tokens']} tokens, {p['blocks']} blocks): swap-in {_ms(p['swap_in_s'])} vs recompute "
-             f"of its prefill {_ms(p['recompute_s'])} ({p['recompute_s'] / max(p['swap_in_s'], 1e-9):.1f}x); "
-             f"round trip into other block ids: {'bit-identical on every rank' if p['identical'] and p['moved'] else 'MISMATCH'}")
-        echo(f"  prefill time saved by the {s.swap_ins} swap-ins ({s.tokens_swapped_in} tokens): about "
-             f"{saved:.2f} s (recompute at this run's {rate * 1e3:.2f} ms/token minus {sum(s.swap_in_s):.2f} s of swap-ins)")
-        return bool(p["identical"] and p["moved"] and report["cycle"] and report["cycle"]["storage_expired"]
-                    and not s.failed and turns["swapped_in"] > 0)
+        echo(
+            f"  {p['name']} ({p['tokens']} tokens, {p['blocks']} blocks): swap-in {_ms(p['swap_in_s'])} vs recompute "
+            f"of its prefill {_ms(p['recompute_s'])} ({p['recompute_s'] / max(p['swap_in_s'], 1e-9):.1f}x); "
+            f"round trip into other block ids: {'bit-identical on every rank' if p['identical'] and p['moved'] else 'MISMATCH'}"
+        )
+        echo(
+            f"  prefill time saved by the {s.swap_ins} swap-ins ({s.tokens_swapped_in} tokens): about "
+            f"{saved:.2f} s (recompute at this run's {rate * 1e3:.2f} ms/token minus {sum(s.swap_in_s):.2f} s of swap-ins)"
+        )
+        return bool(
+            p["identical"]
+            and p["moved"]
+            and report["cycle"]
+            and report["cycle"]["storage_expired"]
+            and not s.failed
+            and turns["swapped_in"] > 0
+        )
     finally:
         set_threads(old_threads)

@@ -27,9 +27,21 @@ from .cluster import LocalCluster
 class EngineRig:
     """Start with ``with EngineRig(model, ...) as rig``; ``rig.controller`` drives the conversations."""
 
-    def __init__(self, model: Any, *, ranks: int = 2, num_blocks: int = 32, block_size: int = 16, cpu_rows: int = 128,
-                 prefix_sharing: bool = False, max_batch_tokens: int = 256, policy: IdlePolicy | None = None,
-                 timeout: float = 10.0, ready_timeout: float = 60.0, rank_rows: Sequence[int] | None = None):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        ranks: int = 2,
+        num_blocks: int = 32,
+        block_size: int = 16,
+        cpu_rows: int = 128,
+        prefix_sharing: bool = False,
+        max_batch_tokens: int = 256,
+        policy: IdlePolicy | None = None,
+        timeout: float = 10.0,
+        ready_timeout: float = 60.0,
+        rank_rows: Sequence[int] | None = None,
+    ):
         """``rank_rows``: each rank's CPU tier rows when they differ from ``cpu_rows`` (the controller's), to test a
         mis-sized rank."""
         self.model = model
@@ -38,8 +50,12 @@ class EngineRig:
         self.rank_rows = list(rank_rows) if rank_rows is not None else [cpu_rows] * ranks
         self.timeout = timeout
         self.ready_timeout = ready_timeout
-        self._engine_args: dict[str, Any] = {"num_blocks": num_blocks, "block_size": block_size,
-                                             "max_batch_tokens": max_batch_tokens, "prefix_sharing": prefix_sharing}
+        self._engine_args: dict[str, Any] = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "max_batch_tokens": max_batch_tokens,
+            "prefix_sharing": prefix_sharing,
+        }
         self._policy = policy
         self.cluster = LocalCluster(ranks, quiet=True)
         self.replicas: list[TransformersCBEngine] = []
@@ -75,12 +91,21 @@ class EngineRig:
         try:
             self.replicas = [self.new_engine() for _ in range(self.ranks)]
             for rank, engine in enumerate(self.replicas):
-                self.agents.append(attach.start_rank(engine, rank, self.ranks, self.cluster.endpoints, self.rank_rows[rank],
-                                                     timeout=self.ready_timeout))
+                self.agents.append(
+                    attach.start_rank(
+                        engine,
+                        rank,
+                        self.ranks,
+                        self.cluster.endpoints,
+                        self.rank_rows[rank],
+                        timeout=self.ready_timeout,
+                    )
+                )
             self.cluster.wait_ready(self.ready_timeout)
             self.client = Client(self.frontend)
-            self._controller = SwapController(self.replicas, self.client, self.cpu_rows, policy=self._policy,
-                                              timeout=self.timeout)
+            self._controller = SwapController(
+                self.replicas, self.client, self.cpu_rows, policy=self._policy, timeout=self.timeout
+            )
         except BaseException:
             self.stop()
             raise
@@ -132,7 +157,6 @@ class EngineRig:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
 
 
 def hold_ids(replicas: list[TransformersCBEngine], ids: list[int]) -> list[list[int]]:

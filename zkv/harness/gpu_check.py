@@ -38,13 +38,13 @@ from typing import Any, Callable
 import torch
 
 from ..rank.cache import layouts
-from .bench_copy import _paired, _timed
 from ..rank.cache.copier import CopyEngine
-from ..rank.cache.store import BlockStore, block_digests
 from ..rank.cache.regions import EngineCache
 from ..rank.cache.staging import STAGING_BYTES
+from ..rank.cache.store import BlockStore, block_digests
 from ..rank.cache.tier import CpuTier
 from ..wire.layout import CacheLayout
+from .bench_copy import _paired, _timed
 
 TARGET_RATIO = 0.9
 TARGET_GBPS = 40.0
@@ -74,8 +74,15 @@ class Size:
         return 2 * self.layers * self.tokens * self.heads * self.head_dim * 2
 
     def layout(self, gpu_blocks: int, cpu_blocks: int) -> CacheLayout:
-        return CacheLayout(layers=self.layers, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks, block_size=self.tokens,
-                           kv_heads=self.heads, head_dim=self.head_dim, dtype="bf16")
+        return CacheLayout(
+            layers=self.layers,
+            gpu_blocks=gpu_blocks,
+            cpu_blocks=cpu_blocks,
+            block_size=self.tokens,
+            kv_heads=self.heads,
+            head_dim=self.head_dim,
+            dtype="bf16",
+        )
 
 
 GPU_SIZES = (Size(32), Size(4))  # 2 MiB and 256 KiB blocks
@@ -92,8 +99,16 @@ def say(line: str) -> None:
 class Rig:
     """One engine's cache and tier: ``out(blocks, rows)``, ``into(rows, blocks)`` and a byte check."""
 
-    def __init__(self, engine: str, size: Size, blocks: int, rows: int, dev: torch.device,
-                 staging_bytes: int = STAGING_BYTES, compute_stream: Any = None):
+    def __init__(
+        self,
+        engine: str,
+        size: Size,
+        blocks: int,
+        rows: int,
+        dev: torch.device,
+        staging_bytes: int = STAGING_BYTES,
+        compute_stream: Any = None,
+    ):
         self.engine, self.dev = engine, dev
         if engine == "owned":
             self.kv = BlockStore.owned(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
@@ -123,7 +138,10 @@ class Rig:
         """Engine blocks equal tier rows, byte for byte, in every region (compared on the device)."""
         b = torch.tensor(blocks, device=self.dev)
         r = torch.tensor(rows)
-        return all(torch.equal(v.index_select(0, b), c.index_select(0, r).to(self.dev)) for v, c in zip(self.cache.views, self.tier.columns))
+        return all(
+            torch.equal(v.index_select(0, b), c.index_select(0, r).to(self.dev))
+            for v, c in zip(self.cache.views, self.tier.columns)
+        )
 
     def digests(self, tier: str, ids: list[int]) -> list[bytes]:
         return block_digests(self.cache.views if tier == "gpu" else self.tier.columns, ids)
@@ -141,8 +159,10 @@ class Rig:
 def patterns(blocks: int, seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
     """Contiguous ids, and scattered engine blocks (of twice as many) into a shuffled run of tier rows."""
     rng = random.Random(seed)
-    return {"contiguous": (list(range(blocks)), list(range(blocks))),
-            "scattered": (rng.sample(range(2 * blocks), blocks), rng.sample(range(blocks), blocks))}
+    return {
+        "contiguous": (list(range(blocks)), list(range(blocks))),
+        "scattered": (rng.sample(range(2 * blocks), blocks), rng.sample(range(blocks), blocks)),
+    }
 
 
 # --- (a) correctness -----------------------------------------------------------------
@@ -164,8 +184,14 @@ def check_round_trip(engine: str, size: Size, dev: torch.device) -> dict[str, An
             v.zero_()
         rig.into(rows, dst)
         in_ok = rig.digests("gpu", dst) == before
-        return {"check": f"{engine} round trip", "ok": out_ok and in_ok, "swap_out_bit_identical": out_ok,
-                "swap_in_bit_identical": in_ok, "blocks": len(src), "chunks": -(-len(src) // 8)}
+        return {
+            "check": f"{engine} round trip",
+            "ok": out_ok and in_ok,
+            "swap_out_bit_identical": out_ok,
+            "swap_in_bit_identical": in_ok,
+            "blocks": len(src),
+            "chunks": -(-len(src) // 8),
+        }
     finally:
         rig.close()
 
@@ -175,7 +201,11 @@ def check_ordering(engine: str, size: Size, dev: torch.device) -> dict[str, Any]
     swap_out, without a sync: the tier must hold the written bytes.  ``unordered_copy_saw_stale``
     is a control: the same copy on a stream that does not wait (True shows the check can fail)."""
     if dev.type != "cuda":
-        return {"check": f"{engine} copy stream after the engine stream", "ok": True, "skipped": "no CUDA streams on cpu"}
+        return {
+            "check": f"{engine} copy stream after the engine stream",
+            "ok": True,
+            "skipped": "no CUDA streams on cpu",
+        }
     engine_stream = torch.cuda.Stream(device=dev) if engine == "attached" else torch.cuda.current_stream(dev)
     rig = Rig(engine, size, 64, 64, dev, compute_stream=engine_stream if engine == "attached" else None)
     try:
@@ -195,8 +225,11 @@ def check_ordering(engine: str, size: Size, dev: torch.device) -> dict[str, Any]
         with torch.cuda.stream(side):
             stale.copy_(rig.cache.views[0])  # no wait for the engine's stream
         torch.cuda.synchronize(dev)
-        return {"check": f"{engine} copy stream after the engine stream", "ok": ok,
-                "unordered_copy_saw_stale": bool((stale != 0x5A).any())}
+        return {
+            "check": f"{engine} copy stream after the engine stream",
+            "ok": ok,
+            "unordered_copy_saw_stale": bool((stale != 0x5A).any()),
+        }
     finally:
         rig.close()
 
@@ -205,12 +238,21 @@ def check_ipc(device: str) -> dict[str, Any]:
     """``ipc_check`` in a child process (attach an engine's tensors across processes)."""
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "zkv.harness.ipc_check", "--device", device],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zkv.harness.ipc_check", "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     ok = proc.returncode == 0 and bool(lines) and all(r.get("ok") for r in lines)
-    return {"check": f"ipc attach ({'CUDA IPC' if device == 'cuda' else 'shared memory'})", "ok": ok,
-            "layouts": {r.get("layout"): r.get("ok") for r in lines}, **({} if ok else {"stderr": proc.stderr[-2000:]})}
+    return {
+        "check": f"ipc attach ({'CUDA IPC' if device == 'cuda' else 'shared memory'})",
+        "ok": ok,
+        "layouts": {r.get("layout"): r.get("ok") for r in lines},
+        **({} if ok else {"stderr": proc.stderr[-2000:]}),
+    }
 
 
 # --- (b) bandwidth -------------------------------------------------------------------
@@ -224,26 +266,41 @@ def bandwidth(engine: str, size: Size, dev: torch.device, reps: int) -> dict[str
     cuda = dev.type == "cuda"
     dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=dev)
     host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    result: dict[str, Any] = {"engine": engine, "size": size.name, "block_bytes": rig.block_bytes, "blocks": blocks,
-                              "mib": nbytes / 2**20, "regions": len(rig.cache.descriptor.regions)}
+    result: dict[str, Any] = {
+        "engine": engine,
+        "size": size.name,
+        "block_bytes": rig.block_bytes,
+        "blocks": blocks,
+        "mib": nbytes / 2**20,
+        "regions": len(rig.cache.descriptor.regions),
+    }
     try:
         for name, (ids, rows) in patterns(blocks).items():
             rig.randomize(7)
             rig.out(ids, rows)
             out_ok = rig.same(ids, rows)
-            dst = random.Random(8).sample(range(2 * blocks), blocks) if name == "scattered" else [b + blocks for b in ids]
+            dst = (
+                random.Random(8).sample(range(2 * blocks), blocks) if name == "scattered" else [b + blocks for b in ids]
+            )
             rig.into(rows, dst)
             in_ok = rig.same(dst, rows)
             fns: list[Callable[[], Any]] = [
-                lambda: host_buf.copy_(dev_buf, non_blocking=cuda), lambda: rig.out(ids, rows),  # noqa: B023
-                lambda: dev_buf.copy_(host_buf, non_blocking=cuda), lambda: rig.into(rows, ids)]  # noqa: B023
+                lambda: host_buf.copy_(dev_buf, non_blocking=cuda),
+                lambda: rig.out(ids, rows),  # noqa: B023
+                lambda: dev_buf.copy_(host_buf, non_blocking=cuda),
+                lambda: rig.into(rows, ids),
+            ]  # noqa: B023
             base_out, t_out, base_in, t_in = _timed(fns, reps, dev)
             row: dict[str, Any] = {}
             for op, base, ours in (("swap_out", base_out, t_out), ("swap_in", base_in, t_in)):
                 gbps, pinned = nbytes / statistics.median(ours) / 1e9, nbytes / statistics.median(base) / 1e9
                 ratio = _paired(base, ours)
-                row[op] = {"gbps": gbps, "pinned_copy_gbps": pinned, "ratio": ratio,
-                           "pass": (ratio >= TARGET_RATIO and gbps >= TARGET_GBPS) if cuda else None}
+                row[op] = {
+                    "gbps": gbps,
+                    "pinned_copy_gbps": pinned,
+                    "ratio": ratio,
+                    "pass": (ratio >= TARGET_RATIO and gbps >= TARGET_GBPS) if cuda else None,
+                }
             row["bytes_ok"] = out_ok and in_ok
             result[name] = row
     finally:
@@ -261,8 +318,17 @@ def environment(dev: torch.device) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(dev)
         env.update(gpu=props.name, cuda=torch.version.cuda, memory_gib=round(props.total_memory / 2**30, 1))
         try:
-            q = subprocess.run(["nvidia-smi", "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current",
-                                "--format=csv,noheader", f"--id={dev.index or 0}"], capture_output=True, text=True, timeout=30)
+            q = subprocess.run(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current",
+                    "--format=csv,noheader",
+                    f"--id={dev.index or 0}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             env["pcie_gen_now_max_width"] = q.stdout.strip()
         except (OSError, subprocess.SubprocessError):
             env["pcie_gen_now_max_width"] = "unknown (no nvidia-smi)"
@@ -291,9 +357,13 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
         report["checks"].append(r)
         extra = {k: v for k, v in r.items() if k not in ("check", "ok")}
         say(f"  {verdict(r['ok'])}  {r['check']}  {json.dumps(extra)}")
-    say(f"(b) bandwidth: {BLOCKS} blocks, GB/s beside a pinned contiguous copy_ of the same bytes (median of {reps},"
-        f" interleaved); targets >= {TARGET_RATIO}x and >= {TARGET_GBPS:.0f} GB/s one way{'' if dev.type == 'cuda' else ' (n/a on cpu)'}")
-    say(f"  {'engine':9} {'block':7} {'regions':>7} {'MiB':>5}  {'ids':10} {'op':8} {'GB/s':>7} {'pinned':>7} {'ratio':>6}  verdict")
+    say(
+        f"(b) bandwidth: {BLOCKS} blocks, GB/s beside a pinned contiguous copy_ of the same bytes (median of {reps},"
+        f" interleaved); targets >= {TARGET_RATIO}x and >= {TARGET_GBPS:.0f} GB/s one way{'' if dev.type == 'cuda' else ' (n/a on cpu)'}"
+    )
+    say(
+        f"  {'engine':9} {'block':7} {'regions':>7} {'MiB':>5}  {'ids':10} {'op':8} {'GB/s':>7} {'pinned':>7} {'ratio':>6}  verdict"
+    )
     for size in sizes:
         for engine in ("owned", "attached"):
             try:
@@ -307,9 +377,11 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
             for name in ("contiguous", "scattered"):
                 for op in ("swap_out", "swap_in"):
                     c = r[name][op]
-                    say(f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8} {c['gbps']:>7.2f}"
+                    say(
+                        f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8} {c['gbps']:>7.2f}"
                         f" {c['pinned_copy_gbps']:>7.2f} {c['ratio']:>5.2f}x  {verdict(c['pass'])}"
-                        f"{'' if r[name]['bytes_ok'] else '  BYTES DIFFER'}")
+                        f"{'' if r[name]['bytes_ok'] else '  BYTES DIFFER'}"
+                    )
     report["seconds"] = time.perf_counter() - t0
     failed = [c["check"] for c in report["checks"] if not c["ok"]]
     for r in report["bandwidth"]:
@@ -318,7 +390,11 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
             continue
         for name in ("contiguous", "scattered"):
             failed += [f"{r['engine']} {r['size']} {name} bytes"] if not r[name]["bytes_ok"] else []
-            failed += [f"{r['engine']} {r['size']} {name} {op}" for op in ("swap_out", "swap_in") if r[name][op]["pass"] is False]
+            failed += [
+                f"{r['engine']} {r['size']} {name} {op}"
+                for op in ("swap_out", "swap_in")
+                if r[name][op]["pass"] is False
+            ]
     report["failed"] = failed
     say(f"{'ALL PASS' if not failed else 'FAILED: ' + '; '.join(failed)}  ({report['seconds']:.0f} s)")
     return report
@@ -326,7 +402,9 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default when present) or cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (default when present) or cpu"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--no-ipc", action="store_true", help="skip the cross-process attach check")
     parser.add_argument("--json", dest="json_path", default=None, help="also write every figure to this file")

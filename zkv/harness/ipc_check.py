@@ -34,9 +34,13 @@ class EngineProcess:
     def __init__(self, layout: str, manifest: str, generation: int, device: str = "cpu", shape: Sequence[str] = ()):
         root = str(Path(__file__).resolve().parents[3])  # the tree this zkv was imported from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        self.proc = subprocess.Popen([sys.executable, "-m", "zkv.harness.demo_engine", layout, manifest,
-                                      str(generation), device, *shape],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zkv.harness.demo_engine", layout, manifest, str(generation), device, *shape],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             self.tag = self.reply(120).split()[1]
         except BaseException:
@@ -99,8 +103,12 @@ def check(layout: str, device: str = "cpu", workdir: str | None = None) -> dict[
         try:
             cache = attach(path, expect_generation=5)
             refs = cache.storage_refs()
-            out: dict[str, Any] = {"layout": layout, "device": str(cache.device), "regions": len(cache.descriptor.regions),
-                                   "mapped_attached": mapped(engine.tag)}
+            out: dict[str, Any] = {
+                "layout": layout,
+                "device": str(cache.device),
+                "regions": len(cache.descriptor.regions),
+                "mapped_attached": mapped(engine.tag),
+            }
             copier = CopyEngine(cache, CpuTier.for_cache(cache.descriptor, rows=8))
             src, rows, dst = [3, 4, 5, 9], [0, 1, 2, 7], [12, 13, 14, 0]
             before = engine.digest(src)
@@ -119,8 +127,13 @@ def check(layout: str, device: str = "cpu", workdir: str | None = None) -> dict[
         finally:
             engine.close()
         out["files_left"] = [p for p in os.listdir("/dev/shm") if engine.tag in p]
-    out["ok"] = bool(out["bytes_ok"] and out["released"] and out["mapped_after_release"] == 0 and not out["files_left"]
-                     and (device != "cpu" or (out["mapped_attached"] > 0 and out["engine_still_maps"])))
+    out["ok"] = bool(
+        out["bytes_ok"]
+        and out["released"]
+        and out["mapped_after_release"] == 0
+        and not out["files_left"]
+        and (device != "cpu" or (out["mapped_attached"] > 0 and out["engine_still_maps"]))
+    )
     return out
 
 

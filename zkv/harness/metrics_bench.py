@@ -26,10 +26,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..wire import protocol as P
 from ..broker.core import BrokerConfig, BrokerCore
-from ..wire.layout import CacheLayout
 from ..obs.book import BusBook, task_op
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
 from .stats import cpu_seconds
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
@@ -67,15 +67,27 @@ class NullRankBook:
 def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
     body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
     submits = [[P.encode("submit", task=i + 1, reply_to="ipc:///tmp/zkv-bench-client"), body] for i in range(tasks)]
-    dones = [[(f"rank-{r}".encode(), [P.encode("done", seq=i + 1, n=i + 1, outcome="ok", gen=0, bytes=ids * LAYOUT.block_bytes)])
-              for r in range(world)] for i in range(tasks)]
+    dones = [
+        [
+            (
+                f"rank-{r}".encode(),
+                [P.encode("done", seq=i + 1, n=i + 1, outcome="ok", gen=0, bytes=ids * LAYOUT.block_bytes)],
+            )
+            for r in range(world)
+        ]
+        for i in range(tasks)
+    ]
     return submits, dones
 
 
 def _core(null_book: bool, world: int) -> Any:
     core = BrokerCore(BrokerConfig(world=world), book=NullBusBook() if null_book else None)
     for r in range(world):
-        core.on_rank(f"rank-{r}".encode(), [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)], 0.0)
+        core.on_rank(
+            f"rank-{r}".encode(),
+            [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)],
+            0.0,
+        )
     return core
 
 
@@ -106,7 +118,7 @@ def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2,
     submits, dones = _frames(tasks, world, ids)
     runs: dict[bool, list[float]] = {True: [], False: []}  # null book?
     for i in range(rounds):  # alternate the order, so drift hits both
-        for null_book in ((True, False) if i % 2 == 0 else (False, True)):
+        for null_book in (True, False) if i % 2 == 0 else (False, True):
             runs[null_book].append(_run_core(null_book, submits, dones, world))
     plain, booked = runs[True], runs[False]
     hooks = min(_run_hooks(tasks, world, submits[0][1]) for _ in range(rounds))
@@ -125,13 +137,17 @@ def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2,
     med = statistics.median
     ratio = med(m / p for p, m in zip(plain, booked))
     return {
-        "tasks_per_round": tasks, "rounds": rounds, "world": world, "ids_per_task": ids,
+        "tasks_per_round": tasks,
+        "rounds": rounds,
+        "world": world,
+        "ids_per_task": ids,
         "null_book_core_us_per_task": {"median": med(plain) * 1e6, "min": min(plain) * 1e6},
         "core_us_per_task": {"median": med(booked) * 1e6, "min": min(booked) * 1e6},
         "overhead_of_core_pct_median_of_rounds": (ratio - 1) * 100,
         "overhead_us_per_task": (med(booked) - med(plain)) * 1e6,
         "hook_calls_alone_us_per_task": hooks * 1e6,
-        "scrape_ms": scrape * 1e3, "scrape_bytes": len(text),
+        "scrape_ms": scrape * 1e3,
+        "scrape_bytes": len(text),
     }
 
 
@@ -157,7 +173,9 @@ def _serve_unmetered(argv: list[str]) -> None:
 
         set_torch_threads(1)  # this is the rank process's entry point
         rank, world, back, control, layout = args
-        server = RankWorker(int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu")
+        server = RankWorker(
+            int(rank), int(world), back, control, CacheLayout.from_wire(json.loads(layout)), device="cpu"
+        )
         server.executor.book = NullRankBook()  # type: ignore[assignment]
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     server.serve()
@@ -170,15 +188,27 @@ def _unmetered_cluster(ranks: int, layout: CacheLayout) -> LocalCluster:
 
     class UnmeteredCluster(LocalCluster):
         def _run(self, args: list[str]) -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, "-m", "zkv.harness.metrics_bench", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return subprocess.Popen(
+                [sys.executable, "-m", "zkv.harness.metrics_bench", *args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
         def start_broker(self) -> None:
             ep = self.endpoints
             self.broker = self._run(["broker", ep.frontend, ep.backend, ep.control, str(self.ranks)])
 
         def start_worker(self, rank: int, extra: Any = ()) -> subprocess.Popen:
-            proc = self.workers[rank] = self._run(["worker", str(rank), str(self.ranks), self.endpoints.backend,
-                                                   self.endpoints.control, json.dumps(self.layout.to_wire())])
+            proc = self.workers[rank] = self._run(
+                [
+                    "worker",
+                    str(rank),
+                    str(self.ranks),
+                    self.endpoints.backend,
+                    self.endpoints.control,
+                    json.dumps(self.layout.to_wire()),
+                ]
+            )
             return proc
 
     return UnmeteredCluster(ranks, layout, quiet=True)
@@ -192,7 +222,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64, scrape_every_s: float = 1.0) -> dict[str, Any]:
+def bench_bus_with_metrics(
+    rounds: int = 3, n_tput: int = 5000, window: int = 64, scrape_every_s: float = 1.0
+) -> dict[str, Any]:
     """Pipelined 1-block swap_out throughput of a local cluster with metrics
     (``zkv broker --metrics-port``, ``/metrics`` scraped every ``scrape_every_s``
     during the run) and without (no-op books, no exporter), alternated ``rounds`` times."""
@@ -216,10 +248,13 @@ def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64
             scrapes[0] += 1
 
     for i in range(rounds):
-        for with_metrics in ((False, True) if i % 2 == 0 else (True, False)):
+        for with_metrics in (False, True) if i % 2 == 0 else (True, False):
             port = _free_port()
-            cluster = (LocalCluster(2, layout, quiet=True, broker_args=["--metrics-port", str(port)]) if with_metrics
-                       else _unmetered_cluster(2, layout))
+            cluster = (
+                LocalCluster(2, layout, quiet=True, broker_args=["--metrics-port", str(port)])
+                if with_metrics
+                else _unmetered_cluster(2, layout)
+            )
             stop = threading.Event()
             with cluster, cluster.client() as client:
                 scraper = threading.Thread(target=scrape, args=(stop, f"http://127.0.0.1:{port}/metrics"), daemon=True)
@@ -241,12 +276,19 @@ def bench_bus_with_metrics(rounds: int = 3, n_tput: int = 5000, window: int = 64
                     scraper.join(timeout=10)
             (metered if with_metrics else plain).append(res["tasks_per_s"])
     med = statistics.median
-    return {"rounds": rounds, "tasks_per_round": n_tput, "window": window,
-            "plain_tasks_per_s": plain, "metered_tasks_per_s": metered, "scrapes": scrapes[0],
-            "median_plain": med(plain), "median_metered": med(metered),
-            "metered_vs_plain_pct": (med(metered) / med(plain) - 1) * 100,
-            "broker_cpu_us_per_task": {"plain": cpu[False], "metered": cpu[True]},
-            "broker_cpu_metered_vs_plain_pct": (med(cpu[True]) / med(cpu[False]) - 1) * 100}
+    return {
+        "rounds": rounds,
+        "tasks_per_round": n_tput,
+        "window": window,
+        "plain_tasks_per_s": plain,
+        "metered_tasks_per_s": metered,
+        "scrapes": scrapes[0],
+        "median_plain": med(plain),
+        "median_metered": med(metered),
+        "metered_vs_plain_pct": (med(metered) / med(plain) - 1) * 100,
+        "broker_cpu_us_per_task": {"plain": cpu[False], "metered": cpu[True]},
+        "broker_cpu_metered_vs_plain_pct": (med(cpu[True]) / med(cpu[False]) - 1) * 100,
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover

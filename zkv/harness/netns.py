@@ -71,7 +71,7 @@ def remove_stale() -> list[str]:
         name = line.split()[0] if line.split() else ""
         if not name.startswith(PREFIX):
             continue
-        pid = name[len(PREFIX):].split("-", 1)[0]
+        pid = name[len(PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             _ip("netns", "del", name, check=False)
             removed.append(name)
@@ -121,7 +121,8 @@ class Lab:
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"{self.tag}-"))
         self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {
-            role: Host(role, f"{self.tag}-{role}", f"{subnet}.{10 + i}", f"v{i}") for i, role in enumerate(roles)}
+            role: Host(role, f"{self.tag}-{role}", f"{subnet}.{10 + i}", f"v{i}") for i, role in enumerate(roles)
+        }
         self.procs: list[Proc] = []
         self._made: list[str] = []
 
@@ -135,7 +136,20 @@ class Lab:
             _ip("-n", self.switch, "link", "set", "br0", "up")
             for host in self.hosts.values():
                 self._add_ns(host.ns)
-                _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", "eth0", "netns", host.ns)
+                _ip(
+                    "-n",
+                    self.switch,
+                    "link",
+                    "add",
+                    host.port,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    "eth0",
+                    "netns",
+                    host.ns,
+                )
                 _ip("-n", self.switch, "link", "set", host.port, "master", "br0")
                 _ip("-n", self.switch, "link", "set", host.port, "up")
                 _ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
@@ -162,16 +176,30 @@ class Lab:
 
     # --- processes -------------------------------------------------------------------
 
-    def spawn(self, role: str, name: str, argv: Sequence[str], *, stdin: Any = subprocess.DEVNULL,
-              stdout: Any = None, env: dict[str, str] | None = None) -> Proc:
+    def spawn(
+        self,
+        role: str,
+        name: str,
+        argv: Sequence[str],
+        *,
+        stdin: Any = subprocess.DEVNULL,
+        stdout: Any = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
         """Run ``argv`` on ``role``'s host; its stderr (and stdout unless piped) go to a log."""
         host = self.hosts[role]
         log = self.dir / f"{name}.log"
         logf = open(log, "ab")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        popen = subprocess.Popen(["ip", "netns", "exec", host.ns, *argv], stdin=stdin,
-                                 stdout=logf if stdout is None else stdout, stderr=logf, env=full_env,
-                                 preexec_fn=_die_with_parent, start_new_session=True)
+        popen = subprocess.Popen(
+            ["ip", "netns", "exec", host.ns, *argv],
+            stdin=stdin,
+            stdout=logf if stdout is None else stdout,
+            stderr=logf,
+            env=full_env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
         logf.close()
         proc = Proc(name, host, popen, log)
         self.procs.append(proc)
@@ -215,7 +243,7 @@ class Lab:
 
 # --- the client agent ------------------------------------------------------------------
 
-AGENT = r'''
+AGENT = r"""
 import json, sys, time
 from zkv import Client, ZkvError
 from zkv.net.curve import Curve
@@ -259,7 +287,7 @@ for line in sys.stdin:
     except Exception as err:
         print(json.dumps({"ok": False, "code": type(err).__name__, "reason": str(err)}), flush=True)
 client.close()
-'''
+"""
 
 
 class AgentError(Exception):
@@ -275,8 +303,9 @@ class ClientAgent:
 
     def __init__(self, lab: Lab, role: str, name: str, config: dict, start_timeout: float = 20.0):
         self.lab = lab
-        self.proc = lab.spawn(role, name, [sys.executable, "-c", AGENT, json.dumps(config)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.proc = lab.spawn(
+            role, name, [sys.executable, "-c", AGENT, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self._buf = b""
         self.reply_to = self._read(start_timeout)["ready"]
 
@@ -287,7 +316,9 @@ class ClientAgent:
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"client agent {self.proc.name} did not answer within {timeout} s\n{self.proc.tail()}")
+                raise TimeoutError(
+                    f"client agent {self.proc.name} did not answer within {timeout} s\n{self.proc.tail()}"
+                )
             if select.select([out], [], [], left)[0]:
                 chunk = os.read(out.fileno(), 65536)
                 if not chunk:
@@ -323,8 +354,22 @@ class Bus:
 
     lab: Lab
     world: int = 2
-    layout: Sequence[str] = ("--layers", "2", "--gpu-blocks", "32", "--cpu-blocks", "32", "--block-size", "4",
-                             "--kv-heads", "2", "--head-dim", "16", "--dtype", "fp32")
+    layout: Sequence[str] = (
+        "--layers",
+        "2",
+        "--gpu-blocks",
+        "32",
+        "--cpu-blocks",
+        "32",
+        "--block-size",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--dtype",
+        "fp32",
+    )
     broker_args: Sequence[str] = ()
     worker_args: Sequence[str] = ()
     broker: Proc | None = None
@@ -348,8 +393,12 @@ class Bus:
         self.ranks_dir = self.lab.dir / "ranks"
         self.clients_dir = self.lab.dir / "clients"
         ranks = [f"rank{r}" for r in range(self.world)]
-        subprocess.run([sys.executable, "-m", "zkv", "keygen", str(self.keys), "broker", *ranks, "client"], check=True,
-                       capture_output=True, timeout=60)
+        subprocess.run(
+            [sys.executable, "-m", "zkv", "keygen", str(self.keys), "broker", *ranks, "client"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         for directory, names in ((self.ranks_dir, ranks), (self.clients_dir, ["client"])):
             directory.mkdir(exist_ok=True)
             for name in names:
@@ -357,27 +406,77 @@ class Bus:
 
     # The only place that knows the Curve command-line flags.
     def broker_curve_args(self) -> list[str]:
-        return ["--curve-secret", str(self.keys / "broker.key_secret"), "--curve-ranks", str(self.ranks_dir),
-                "--curve-clients", str(self.clients_dir)]
+        return [
+            "--curve-secret",
+            str(self.keys / "broker.key_secret"),
+            "--curve-ranks",
+            str(self.ranks_dir),
+            "--curve-clients",
+            str(self.clients_dir),
+        ]
 
     def worker_curve_args(self, rank: int) -> list[str]:
-        return ["--curve-secret", str(self.keys / f"rank{rank}.key_secret"), "--curve-server", str(self.keys / "broker.key")]
+        return [
+            "--curve-secret",
+            str(self.keys / f"rank{rank}.key_secret"),
+            "--curve-server",
+            str(self.keys / "broker.key"),
+        ]
 
     def client_curve(self) -> dict:
-        return {"secret_file": str(self.keys / "client.key_secret"), "server_public_file": str(self.keys / "broker.key"),
-                "ranks_dir": str(self.ranks_dir)}
+        return {
+            "secret_file": str(self.keys / "client.key_secret"),
+            "server_public_file": str(self.keys / "broker.key"),
+            "ranks_dir": str(self.ranks_dir),
+        }
 
     def start_broker(self) -> Proc:
-        self.broker = self.lab.spawn("broker", "broker", [
-            sys.executable, "-m", "zkv", "broker", "--frontend", self.address("frontend"), "--backend", self.address("backend"),
-            "--control", self.address("control"), "--world-size", str(self.world), *self.broker_curve_args(), *self.broker_args])
+        self.broker = self.lab.spawn(
+            "broker",
+            "broker",
+            [
+                sys.executable,
+                "-m",
+                "zkv",
+                "broker",
+                "--frontend",
+                self.address("frontend"),
+                "--backend",
+                self.address("backend"),
+                "--control",
+                self.address("control"),
+                "--world-size",
+                str(self.world),
+                *self.broker_curve_args(),
+                *self.broker_args,
+            ],
+        )
         return self.broker
 
     def start_worker(self, rank: int) -> Proc:
-        self.workers[rank] = self.lab.spawn(f"rank{rank}", f"rank{rank}", [
-            sys.executable, "-m", "zkv", "worker", "--rank", str(rank), "--world-size", str(self.world),
-            "--backend", self.address("backend"), "--control", self.address("control"), "--device", "cpu",
-            *self.layout, *self.worker_curve_args(rank), *self.worker_args])
+        self.workers[rank] = self.lab.spawn(
+            f"rank{rank}",
+            f"rank{rank}",
+            [
+                sys.executable,
+                "-m",
+                "zkv",
+                "worker",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(self.world),
+                "--backend",
+                self.address("backend"),
+                "--control",
+                self.address("control"),
+                "--device",
+                "cpu",
+                *self.layout,
+                *self.worker_curve_args(rank),
+                *self.worker_args,
+            ],
+        )
         return self.workers[rank]
 
     def start(self) -> "Bus":

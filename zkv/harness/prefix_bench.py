@@ -23,22 +23,33 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..testing.fakebus import FakeBus
 from ..prefix.manager import PrefixCacheManager
 from ..prefix.radix import block_keys
+from ..testing.fakebus import FakeBus
 
 
-def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: int = 64,
-                  shared_prompts: int = 4, shared_fraction: float = 0.5,
-                  gpu_requests: int = 4, cpu_requests: int = 16, revisit_every: int = 4) -> dict[str, object]:
+def bench_manager(
+    n_requests: int = 500,
+    prompt_tokens: int = 4096,
+    block_size: int = 64,
+    shared_prompts: int = 4,
+    shared_fraction: float = 0.5,
+    gpu_requests: int = 4,
+    cpu_requests: int = 16,
+    revisit_every: int = 4,
+) -> dict[str, object]:
     """µs per request of match + allocate + insert + release, plus the cache's stats and baselines.
 
     ``gpu_requests`` / ``cpu_requests`` size the tiers in whole prompts.
     """
     blocks_per_prompt = -(-prompt_tokens // block_size)
     bus = FakeBus()
-    manager = PrefixCacheManager(bus, block_size, num_gpu_blocks=gpu_requests * blocks_per_prompt,
-                                 num_cpu_blocks=cpu_requests * blocks_per_prompt)
+    manager = PrefixCacheManager(
+        bus,
+        block_size,
+        num_gpu_blocks=gpu_requests * blocks_per_prompt,
+        num_cpu_blocks=cpu_requests * blocks_per_prompt,
+    )
     shared_len = int(prompt_tokens * shared_fraction)
     prefixes = [list(range(p * 1_000_000, p * 1_000_000 + shared_len)) for p in range(shared_prompts)]
     unique_len = prompt_tokens - shared_len
@@ -88,16 +99,21 @@ def bench_manager(n_requests: int = 500, prompt_tokens: int = 4096, block_size: 
 
 def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 2, seed: int = 1) -> dict[str, Any]:
     """The chat workload through the manager on a real LocalCluster, and without a cache."""
-    from .cluster import LocalCluster
     from ..wire.layout import CacheLayout
+    from .cluster import LocalCluster
     from .workload import ChatSpec, ChatWorkload, serve_workload
 
     layout = layout or CacheLayout()
     spec = ChatSpec.for_cache(layout.gpu_blocks)
     with LocalCluster(ranks, layout, quiet=True) as cluster, cluster.client() as client:
         # Warm up connections and the ranks' copy paths (not measured).
-        serve_workload(client, PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks),
-                       20, workload=ChatWorkload(layout.block_size, spec, seed=seed + 1000), verify=False)
+        serve_workload(
+            client,
+            PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks),
+            20,
+            workload=ChatWorkload(layout.block_size, spec, seed=seed + 1000),
+            verify=False,
+        )
 
         prompts = ChatWorkload(layout.block_size, spec, seed=seed)
         stream = [prompts.next_request() for _ in range(requests)]
@@ -110,8 +126,9 @@ def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 
         no_cache_s = time.perf_counter() - start
 
         manager = PrefixCacheManager(client, layout.block_size, layout.gpu_blocks, layout.cpu_blocks)
-        report = serve_workload(client, manager, requests, workload=ChatWorkload(layout.block_size, spec, seed=seed),
-                                verify=False)
+        report = serve_workload(
+            client, manager, requests, workload=ChatWorkload(layout.block_size, spec, seed=seed), verify=False
+        )
         if not report.ok:
             raise RuntimeError(f"workload errors: {report.errors[:3]}")
     summary = report.summary()

@@ -38,11 +38,11 @@ class ChatSpec:
     """Shape of the synthetic workload, in tokens and blocks."""
 
     system_prompts: int = 4
-    system_blocks: int = 8       # each system prompt, in full blocks
+    system_blocks: int = 8  # each system prompt, in full blocks
     conversations: int = 24
-    zipf_s: float = 0.6          # popularity skew of conversations (and of system prompts)
+    zipf_s: float = 0.6  # popularity skew of conversations (and of system prompts)
     turn_tokens: tuple[int, int] = (48, 128)
-    max_blocks: int = 64         # a conversation longer than this starts over
+    max_blocks: int = 64  # a conversation longer than this starts over
 
     @classmethod
     def for_cache(cls, gpu_blocks: int) -> "ChatSpec":
@@ -51,8 +51,13 @@ class ChatSpec:
         of twice that size.  The defaults are for 256 blocks."""
         if gpu_blocks >= 256:
             return cls()
-        return cls(system_prompts=2, system_blocks=max(1, gpu_blocks // 32), conversations=8,
-                   turn_tokens=(8, 40), max_blocks=max(3, gpu_blocks // 5))
+        return cls(
+            system_prompts=2,
+            system_blocks=max(1, gpu_blocks // 32),
+            conversations=8,
+            turn_tokens=(8, 40),
+            max_blocks=max(3, gpu_blocks // 5),
+        )
 
 
 class ChatWorkload:
@@ -99,11 +104,11 @@ def _zipf_cum(n: int, s: float) -> list[float]:
 class WorkloadReport:
     requests: int = 0
     served: int = 0
-    out_of_blocks: int = 0        # requests refused: too few GPU blocks even after eviction
+    out_of_blocks: int = 0  # requests refused: too few GPU blocks even after eviction
     elapsed_s: float = 0.0
     prompt_blocks: int = 0
     verified_hit_blocks: int = 0  # cache hits checked bit for bit on every rank
-    compute_tasks: int = 0        # fill tasks (the stand-in for the engine's forward pass)
+    compute_tasks: int = 0  # fill tasks (the stand-in for the engine's forward pass)
     checksum_tasks: int = 0
     cycles: list[dict[str, Any]] = field(default_factory=list)
     before_cycle: dict[str, int] = field(default_factory=dict)  # hit counters just before the last cycle
@@ -121,8 +126,10 @@ class WorkloadReport:
         queried = self.manager["queried_blocks"] - self.before_cycle["queried_blocks"]
         if not queried:
             return 0.0, 0.0
-        return ((self.manager["gpu_hit_blocks"] - self.before_cycle["gpu_hit_blocks"]) / queried,
-                (self.manager["cpu_hit_blocks"] - self.before_cycle["cpu_hit_blocks"]) / queried)
+        return (
+            (self.manager["gpu_hit_blocks"] - self.before_cycle["gpu_hit_blocks"]) / queried,
+            (self.manager["cpu_hit_blocks"] - self.before_cycle["cpu_hit_blocks"]) / queried,
+        )
 
     @property
     def requests_per_s(self) -> float:
@@ -160,10 +167,20 @@ class _Verifier:
         return [tuple(bytes(d) for d in row) for row in zip(*columns)]
 
 
-def serve_workload(client: Any, manager: PrefixCacheManager, requests: int, *,
-                   workload: ChatWorkload | None = None, verify: bool = True, cycle_at: int | None = None,
-                   cycle_layout: dict | None = None, cycle_update: Callable[[], Any] | None = None, check_every: int = 10,
-                   task_timeout: float = 30.0, on_request: Callable[[int], None] | None = None) -> WorkloadReport:
+def serve_workload(
+    client: Any,
+    manager: PrefixCacheManager,
+    requests: int,
+    *,
+    workload: ChatWorkload | None = None,
+    verify: bool = True,
+    cycle_at: int | None = None,
+    cycle_layout: dict | None = None,
+    cycle_update: Callable[[], Any] | None = None,
+    check_every: int = 10,
+    task_timeout: float = 30.0,
+    on_request: Callable[[int], None] | None = None,
+) -> WorkloadReport:
     """Serve ``requests`` requests through ``manager`` with ``client`` (a ``zkv.client.Client``).
 
     ``cycle_at``: run a pause / clear / resume cycle before that request (the
@@ -221,8 +238,16 @@ def _check_manager(manager: PrefixCacheManager) -> str | None:
     return None
 
 
-def _serve_one(client: Any, manager: PrefixCacheManager, tokens: list[int], number: int, verify: bool,
-               verifier: _Verifier, report: WorkloadReport, task_timeout: float) -> str | None:
+def _serve_one(
+    client: Any,
+    manager: PrefixCacheManager,
+    tokens: list[int],
+    number: int,
+    verify: bool,
+    verifier: _Verifier,
+    report: WorkloadReport,
+    task_timeout: float,
+) -> str | None:
     bs = manager.block_size
     total_blocks = -(-len(tokens) // bs)
     cached = manager.match(tokens[:-1])  # the last token is always computed, for its logits
@@ -253,8 +278,10 @@ def _serve_one(client: Any, manager: PrefixCacheManager, tokens: list[int], numb
                     return f"hit on block {position} whose contents were never computed"
                 if rows[position] != want:
                     where = "swapped back from the CPU" if position >= cached.gpu_hit_blocks else "on the GPU"
-                    return (f"block {position} ({where}, gpu block {cached.block_ids[position]}) "
-                            "differs from what was computed into it")
+                    return (
+                        f"block {position} ({where}, gpu block {cached.block_ids[position]}) "
+                        "differs from what was computed into it"
+                    )
             report.verified_hit_blocks += cached.num_blocks
             before = manager.locate(tokens[: len(keys) * bs])
             for offset in range(len(full_fresh)):

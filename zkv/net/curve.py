@@ -91,7 +91,9 @@ class Curve:
     def broker_domains(self) -> dict[str, str]:
         """The broker's ZAP domains and the directory each authorizes."""
         if not self.ranks_dir or not self.clients_dir:
-            raise ValueError("a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)")
+            raise ValueError(
+                "a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)"
+            )
         return {RANKS_DOMAIN: self.ranks_dir, CLIENTS_DOMAIN: self.clients_dir}
 
     def results_domains(self) -> dict[str, str]:

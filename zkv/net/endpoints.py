@@ -99,9 +99,11 @@ def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -
     if address.startswith(("ipc://", "inproc://")) or allow_remote or secure:
         return
     if address.startswith("tcp://"):
-        host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+        host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
         if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
             return
-        raise ValueError(f"refusing to bind {address}: not loopback; configure CurveZMQ (--curve-secret, "
-                         f"--curve-ranks and --curve-clients) or pass --allow-remote to listen unauthenticated")
+        raise ValueError(
+            f"refusing to bind {address}: not loopback; configure CurveZMQ (--curve-secret, "
+            f"--curve-ranks and --curve-clients) or pass --allow-remote to listen unauthenticated"
+        )
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")

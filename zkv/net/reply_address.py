@@ -23,9 +23,9 @@ _WILDCARDS = ("0.0.0.0", "::", "*")
 
 def split_tcp(address: str) -> tuple[str, str]:
     """``tcp://HOST:PORT`` -> (HOST without brackets, PORT); ValueError otherwise."""
-    if not address.startswith("tcp://") or ":" not in address[len("tcp://"):]:
+    if not address.startswith("tcp://") or ":" not in address[len("tcp://") :]:
         raise ValueError(f"{address!r} is not a tcp://HOST:PORT address")
-    host, port = address[len("tcp://"):].rsplit(":", 1)
+    host, port = address[len("tcp://") :].rsplit(":", 1)
     return host.strip("[]"), port
 
 
@@ -38,7 +38,9 @@ def route_source(broker: str) -> str:
     (a UDP ``connect`` only looks up the route); loopback if there is none."""
     host, port = split_tcp(broker)
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port) if port.isdigit() else 9, type=socket.SOCK_DGRAM)[0]
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, int(port) if port.isdigit() else 9, type=socket.SOCK_DGRAM
+        )[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)
             return probe.getsockname()[0]

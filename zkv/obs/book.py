@@ -25,10 +25,44 @@ from typing import Any, Iterable
 
 # Bucket upper bounds (the +Inf bucket is implicit).  Round trips on this
 # machine are ~0.3 ms at p50; a pause drains in ms to seconds.
-RTT_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-COPY_BUCKETS_S = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RTT_BUCKETS_S = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+COPY_BUCKETS_S = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
 CONTROL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
+BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
 
 OPS = ("swap_out", "swap_in", "fill", "checksum")
 COPY_OPS = ("swap_out", "swap_in")
@@ -49,14 +83,14 @@ def task_op(body: bytes, _get: Any = _OP_BY_BYTES.get) -> str:
     it later, or an op zkv does not know, books as ``other``.
     """
     if body[1:17] == _ZKV_HEAD and len(body) > 17:
-        return _get(body[18:body[17] - 0x8E], OTHER)  # body[17] is the fixstr byte 0xa0 + n; op = body[18:18 + n]
+        return _get(body[18 : body[17] - 0x8E], OTHER)  # body[17] is the fixstr byte 0xa0 + n; op = body[18:18 + n]
     i = body.find(_OP_KEY, 0, 24)
     if i < 0 or len(body) < i + 4:
         return OTHER
     n = body[i + 3] - 0xA0
     if not 0 < n <= 8:
         return OTHER
-    return _get(body[i + 4:i + 4 + n], OTHER)
+    return _get(body[i + 4 : i + 4 + n], OTHER)
 
 
 class Histogram:
@@ -94,7 +128,7 @@ def histogram_from_stats(value: Any, bounds: tuple[float, ...]) -> tuple[list[in
     counts, total = value.get("counts"), value.get("sum")
     if not isinstance(counts, list) or len(counts) != len(bounds) + 1:
         return None
-    if not all(type(c) is int and 0 <= c < 2 ** 53 for c in counts):
+    if not all(type(c) is int and 0 <= c < 2**53 for c in counts):
         return None
     if not (type(total) is int or type(total) is float) or not math.isfinite(total) or total < 0:
         return None
@@ -139,8 +173,16 @@ class BusBook:
         self.control_seconds: _Series = _Series()  # (op,) -> Histogram, completed ops only
         self.bad_requests: _Series = _Series()  # (code,) -> int
 
-    def task_finished(self, op: str, outcome: str, rtt_s: float, nbytes: int,
-                      _rtt: tuple = RTT_BUCKETS_S, _size: tuple = BYTES_BUCKETS, _bisect: Any = bisect.bisect_left) -> None:
+    def task_finished(
+        self,
+        op: str,
+        outcome: str,
+        rtt_s: float,
+        nbytes: int,
+        _rtt: tuple = RTT_BUCKETS_S,
+        _size: tuple = BYTES_BUCKETS,
+        _bisect: Any = bisect.bisect_left,
+    ) -> None:
         series = self.tasks.get((op, outcome))
         if series is None:
             key = self.tasks.key((op, outcome))
@@ -199,4 +241,7 @@ class RankBook:
             self.bytes_by_op[op] += nbytes
 
     def to_stats(self) -> dict[str, Any]:
-        return {"copy_seconds": {op: h.to_stats() for op, h in self.copy.items()}, "bytes_by_op": dict(self.bytes_by_op)}
+        return {
+            "copy_seconds": {op: h.to_stats() for op, h in self.copy.items()},
+            "bytes_by_op": dict(self.bytes_by_op),
+        }

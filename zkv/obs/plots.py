@@ -13,7 +13,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-OUTCOME_COLOURS = {"ok": "#2b7bba", "failed": "#d62728", "cancelled": "#ff7f0e", "rejected": "#9467bd", "timeout": "#111111"}
+OUTCOME_COLOURS = {
+    "ok": "#2b7bba",
+    "failed": "#d62728",
+    "cancelled": "#ff7f0e",
+    "rejected": "#9467bd",
+    "timeout": "#111111",
+}
 OP_COLOURS = {"pause": "#f2c744", "clear": "#e8645a", "resume": "#7cc47c"}
 STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
 
@@ -105,7 +111,9 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     pause / clear / resume shaded; write ``out_png`` and return its path."""
     tl = read_timeline(trace_path)
     if not tl.tasks:
-        raise ValueError(f"{trace_path} has no outcome records to plot: record one with zkv broker --record, or zkv replay --record")
+        raise ValueError(
+            f"{trace_path} has no outcome records to plot: record one with zkv broker --record, or zkv replay --record"
+        )
     fig, axes = _figure(11, 4.8)
     ax = axes[0][0]
     # The bus state between ops: paused (pause done .. resume done), cleared (clear done .. resume done).
@@ -120,13 +128,29 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     if state in STATE_COLOURS:
         ax.axvspan(since, max(tl.end, since), color=STATE_COLOURS[state], zorder=0, lw=0)
     for op, start, end, ok in tl.ops:
-        ax.axvspan(start, max(end, start + tl.end * 1e-3), color=OP_COLOURS[op], alpha=0.8 if ok else 0.35,
-                   hatch=None if ok else "//", zorder=1, lw=0)
+        ax.axvspan(
+            start,
+            max(end, start + tl.end * 1e-3),
+            color=OP_COLOURS[op],
+            alpha=0.8 if ok else 0.35,
+            hatch=None if ok else "//",
+            zorder=1,
+            lw=0,
+        )
     for op, t in tl.requests:
         ax.axvline(t, color=OP_COLOURS[op], lw=1.5, zorder=1)
     for t, rank in tl.rank_lost:
         ax.axvline(t, color="#d62728", ls="--", lw=1, zorder=2)
-        ax.annotate(f"rank {rank} lost", (t, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8, color="#d62728")
+        ax.annotate(
+            f"rank {rank} lost",
+            (t, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="#d62728",
+        )
     latencies = [lat * 1000 for _, lat, _ in tl.tasks]
     positive = [x for x in latencies if x > 0]
     if positive and max(positive) / min(positive) > 50:
@@ -134,12 +158,21 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     floor = min(positive) / 2 if positive else 0.001
     for outcome in sorted({o for _, _, o in tl.tasks}, key=lambda o: (o != "ok", o)):
         pts = [(s, max(lat * 1000, floor)) for s, lat, o in tl.tasks if o == outcome]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14, color=OUTCOME_COLOURS.get(outcome, "#7f7f7f"),
-                   label=f"{outcome} ({len(pts)})", zorder=3, edgecolors="none")
+        ax.scatter(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            s=14,
+            color=OUTCOME_COLOURS.get(outcome, "#7f7f7f"),
+            label=f"{outcome} ({len(pts)})",
+            zorder=3,
+            edgecolors="none",
+        )
     from matplotlib.patches import Patch
 
     handles, _ = ax.get_legend_handles_labels()
-    handles += [Patch(color=c, label=f"{op} in progress") for op, c in OP_COLOURS.items() if any(o[0] == op for o in tl.ops)]
+    handles += [
+        Patch(color=c, label=f"{op} in progress") for op, c in OP_COLOURS.items() if any(o[0] == op for o in tl.ops)
+    ]
     handles += [Patch(color=c, label=f"bus {s}") for s, c in STATE_COLOURS.items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     ax.set_xlabel("time since the trace started (s), by task submission")
@@ -149,7 +182,11 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     ax.set_xlim(max(0.0, first - 0.02 * span), tl.end + 0.02 * span)  # a recording starts when the broker does
     ax.grid(True, axis="y", alpha=0.3)
     ok_ms = sorted(lat * 1000 for _, lat, o in tl.tasks if o == "ok")
-    summary = f"{len(tl.tasks)} tasks" + (f", ok p50 {ok_ms[len(ok_ms) // 2]:.2f} ms, p99 {ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))]:.2f} ms" if ok_ms else "")
+    summary = f"{len(tl.tasks)} tasks" + (
+        f", ok p50 {ok_ms[len(ok_ms) // 2]:.2f} ms, p99 {ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))]:.2f} ms"
+        if ok_ms
+        else ""
+    )
     ax.set_title(title or f"{trace_path}: {summary}", fontsize=10)
     fig.savefig(out_png)
     return out_png
@@ -183,46 +220,99 @@ def plot_bench(results: dict[str, Any], out_png: str, title: str = "zkv bench (b
     if bus:
         names = [k.split("_")[1] + "-block tasks" for k in bus]
         short = [k.split("_")[1] + "-block" for k in bus]
-        panels.append(lambda ax: _bars(ax, names, {
-            "zkv": [results[k]["zkv"]["tasks_per_s"] for k in bus],
-            "raw pyzmq relay": [results[k]["raw_pyzmq_relay"]["tasks_per_s"] for k in bus]}, "tasks/s", "bus throughput (pipelined)"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                names,
+                {
+                    "zkv": [results[k]["zkv"]["tasks_per_s"] for k in bus],
+                    "raw pyzmq relay": [results[k]["raw_pyzmq_relay"]["tasks_per_s"] for k in bus],
+                },
+                "tasks/s",
+                "bus throughput (pipelined)",
+            )
+        )
         labels = [f"{n}\n{q}" for n in short for q in ("p50", "p99")]
-        panels.append(lambda ax: _bars(ax, labels, {
-            "zkv": [results[k]["zkv"]["rtt_us"][q] for k in bus for q in ("p50", "p99")],
-            "raw pyzmq relay": [results[k]["raw_pyzmq_relay"]["rtt_us"][q] for k in bus for q in ("p50", "p99")]},
-            "µs", "task round trip (one in flight)"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                labels,
+                {
+                    "zkv": [results[k]["zkv"]["rtt_us"][q] for k in bus for q in ("p50", "p99")],
+                    "raw pyzmq relay": [
+                        results[k]["raw_pyzmq_relay"]["rtt_us"][q] for k in bus for q in ("p50", "p99")
+                    ],
+                },
+                "µs",
+                "task round trip (one in flight)",
+            )
+        )
     if "copy_256_blocks" in results:
         c = results["copy_256_blocks"]
-        panels.append(lambda ax: _bars(ax, ["contiguous ids", "scattered ids"], {
-            "zkv copy engine": [c["zkv_contiguous_ids_GBps"], c["zkv_scattered_ids_GBps"]],
-            "plain copy_ / index_select": [c["baseline_plain_contiguous_copy_GBps"], c["baseline_index_select_copy_GBps"]]},
-            "GB/s", f"block copies ({c['bytes'] / 2**20:.3g} MiB per copy)"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                ["contiguous ids", "scattered ids"],
+                {
+                    "zkv copy engine": [c["zkv_contiguous_ids_GBps"], c["zkv_scattered_ids_GBps"]],
+                    "plain copy_ / index_select": [
+                        c["baseline_plain_contiguous_copy_GBps"],
+                        c["baseline_index_select_copy_GBps"],
+                    ],
+                },
+                "GB/s",
+                f"block copies ({c['bytes'] / 2**20:.3g} MiB per copy)",
+            )
+        )
     if "pause" in results:
         p = results["pause"]
-        panels.append(lambda ax: _bars(ax, ["p50", "p99"], {
-            "pause, idle": [p["idle_pause_ms"]["p50"], p["idle_pause_ms"]["p99"]],
-            "resume, idle": [p["idle_resume_ms"]["p50"], p["idle_resume_ms"]["p99"]],
-            f"pause, {p['inflight_tasks']} in flight": [p["busy_pause_ms"]["p50"], p["busy_pause_ms"]["p99"]],
-            "of which drain": [p["busy_drain_ms"]["p50"], p["busy_drain_ms"]["p99"]]}, "ms", "pause / resume"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                ["p50", "p99"],
+                {
+                    "pause, idle": [p["idle_pause_ms"]["p50"], p["idle_pause_ms"]["p99"]],
+                    "resume, idle": [p["idle_resume_ms"]["p50"], p["idle_resume_ms"]["p99"]],
+                    f"pause, {p['inflight_tasks']} in flight": [p["busy_pause_ms"]["p50"], p["busy_pause_ms"]["p99"]],
+                    "of which drain": [p["busy_drain_ms"]["p50"], p["busy_drain_ms"]["p99"]],
+                },
+                "ms",
+                "pause / resume",
+            )
+        )
     if "manager" in results:
         w = results["manager"]["cluster"]
-        panels.append(lambda ax: _bars(ax, ["chat workload"], {
-            "prefix cache manager": [w["requests_per_s"]], "no cache": [w["baseline_no_cache_requests_per_s"]]},
-            "requests/s", "prefix cache manager"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                ["chat workload"],
+                {"prefix cache manager": [w["requests_per_s"]], "no cache": [w["baseline_no_cache_requests_per_s"]]},
+                "requests/s",
+                "prefix cache manager",
+            )
+        )
     if "metrics_cost" in results:
         m = results["metrics_cost"]["bus"]
-        panels.append(lambda ax: _bars(ax, ["median of rounds"], {
-            "with metrics (scraped)": [m["median_metered"]], "no-op books, no exporter": [m["median_plain"]]},
-            "tasks/s", "bus throughput with and without metrics"))
+        panels.append(
+            lambda ax: _bars(
+                ax,
+                ["median of rounds"],
+                {"with metrics (scraped)": [m["median_metered"]], "no-op books, no exporter": [m["median_plain"]]},
+                "tasks/s",
+                "bus throughput with and without metrics",
+            )
+        )
     if not panels:
-        raise ValueError("nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager, metrics_cost (zkv bench --json)")
+        raise ValueError(
+            "nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager, metrics_cost (zkv bench --json)"
+        )
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = _figure(4.2 * cols, 3.4 * rows, rows, cols)
     flat = [ax for row in axes for ax in row]
     for draw, ax in zip(panels, flat):
         draw(ax)
-    for ax in flat[len(panels):]:
+    for ax in flat[len(panels) :]:
         ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
     fig.savefig(out_png)

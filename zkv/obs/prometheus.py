@@ -32,24 +32,38 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .book import (BYTES_BUCKETS, CONTROL_BUCKETS_S, COPY_BUCKETS_S, COPY_OPS, OPS, RTT_BUCKETS_S, BusBook,
-                           histogram_from_stats)
+from .book import (
+    BYTES_BUCKETS,
+    CONTROL_BUCKETS_S,
+    COPY_BUCKETS_S,
+    COPY_OPS,
+    OPS,
+    RTT_BUCKETS_S,
+    BusBook,
+    histogram_from_stats,
+)
 
 PORT_ENV = "ZKV_METRICS_PORT"
 ADDR_ENV = "ZKV_METRICS_ADDR"
 STATES = ("running", "pausing", "paused", "clearing", "cleared", "resuming")
 
 # rank stats key -> (stale message kind); broker counter key -> kind
-_RANK_STALE = {"stale_controls": "control", "stale_welcomes": "welcome",
-               "refused_stale_session": "task_session", "dropped_stale_session": "task_session"}
+_RANK_STALE = {
+    "stale_controls": "control",
+    "stale_welcomes": "welcome",
+    "refused_stale_session": "task_session",
+    "dropped_stale_session": "task_session",
+}
 _BROKER_STALE = {"stale_acks": "ack", "stray_done": "done"}
 
 
 def _uint(value: Any) -> int | None:
-    return value if type(value) is int and 0 <= value < 2 ** 53 else None
+    return value if type(value) is int and 0 <= value < 2**53 else None
 
 
-def _histogram(family: HistogramMetricFamily, labels: list[str], bounds: tuple[float, ...], counts: list[int], total: float) -> None:
+def _histogram(
+    family: HistogramMetricFamily, labels: list[str], bounds: tuple[float, ...], counts: list[int], total: float
+) -> None:
     cumulative, buckets = 0, []
     for bound, n in zip((*bounds, math.inf), counts):
         cumulative += n
@@ -72,9 +86,17 @@ class BusCollector(Collector):
         yield from self._rank_metrics(ranks)
         if self.book is not None:
             yield from self._book_metrics(self.book)
-        und = CounterMetricFamily("zkv_undeliverable", "Messages that could not be handed to their peer (gone or not reading): broker replies and rank results.", labels=["source", "rank"])
+        und = CounterMetricFamily(
+            "zkv_undeliverable",
+            "Messages that could not be handed to their peer (gone or not reading): broker replies and rank results.",
+            labels=["source", "rank"],
+        )
         und.add_metric(["broker", ""], counters.get("undeliverable", 0))
-        stale = CounterMetricFamily("zkv_stale_messages", "Acks, results and controls from an earlier epoch, generation or session: counted and ignored.", labels=["kind", "rank"])
+        stale = CounterMetricFamily(
+            "zkv_stale_messages",
+            "Acks, results and controls from an earlier epoch, generation or session: counted and ignored.",
+            labels=["kind", "rank"],
+        )
         for key, kind in _BROKER_STALE.items():
             stale.add_metric([kind, ""], counters.get(key, 0))
         for rs in ranks:
@@ -91,7 +113,9 @@ class BusCollector(Collector):
                 stale.add_metric([kind, str(rs.rank)], value)
         yield und
         yield stale
-        events = CounterMetricFamily("zkv_broker_events", "Every event the broker core counts (its status counters), by name.", labels=["event"])
+        events = CounterMetricFamily(
+            "zkv_broker_events", "Every event the broker core counts (its status counters), by name.", labels=["event"]
+        )
         for name, value in sorted(counters.items()):
             events.add_metric([name], value)
         yield events
@@ -104,26 +128,58 @@ class BusCollector(Collector):
         yield state
         yield GaugeMetricFamily("zkv_epoch", "Pause/clear/resume epoch (bumps on every control op).", value=core.epoch)
         yield GaugeMetricFamily("zkv_generation", "Cache generation (bumps on every clear).", value=core.gen)
-        yield GaugeMetricFamily("zkv_queue_depth", "Tasks queued at the broker, not yet dispatched.", value=len(core.queue))
-        yield GaugeMetricFamily("zkv_tasks_inflight", "Tasks dispatched to the ranks and not yet ended.", value=len(core.inflight))
+        yield GaugeMetricFamily(
+            "zkv_queue_depth", "Tasks queued at the broker, not yet dispatched.", value=len(core.queue)
+        )
+        yield GaugeMetricFamily(
+            "zkv_tasks_inflight", "Tasks dispatched to the ranks and not yet ended.", value=len(core.inflight)
+        )
         yield GaugeMetricFamily("zkv_world_size", "Ranks a task runs on.", value=core.cfg.world)
-        yield GaugeMetricFamily("zkv_ranks_alive", "Ranks registered and answering.", value=sum(1 for rs in ranks if rs.alive))
+        yield GaugeMetricFamily(
+            "zkv_ranks_alive", "Ranks registered and answering.", value=sum(1 for rs in ranks if rs.alive)
+        )
         pending = core.pending
-        op = GaugeMetricFamily("zkv_control_pending", "1 while a pause/clear/resume is waiting for the ranks' acks.", labels=["op"])
+        op = GaugeMetricFamily(
+            "zkv_control_pending", "1 while a pause/clear/resume is waiting for the ranks' acks.", labels=["op"]
+        )
         for name in ("pause", "clear", "resume"):
             op.add_metric([name], 1.0 if pending is not None and pending.op == name else 0.0)
         yield op
 
     def _rank_metrics(self, ranks: list) -> Iterator[Any]:
         now = time.monotonic()
-        alive = GaugeMetricFamily("zkv_rank_alive", "1 while the rank answers heartbeats, 0 once declared dead.", labels=["rank"])
-        inflight = GaugeMetricFamily("zkv_rank_inflight", "Tasks dispatched to the rank and not yet done (the broker's count).", labels=["rank"])
-        seen = GaugeMetricFamily("zkv_rank_last_seen_seconds", "Seconds since the broker last heard from the rank.", labels=["rank"])
-        cache = GaugeMetricFamily("zkv_cache_bytes", "Cache bytes allocated on the rank, per tier (as of its last heartbeat).", labels=["rank", "tier"])
-        tasks = CounterMetricFamily("zkv_rank_tasks", "Tasks the rank executed, by its own result (as of its last heartbeat).", labels=["rank", "outcome"])
-        after_ack = CounterMetricFamily("zkv_rank_copies_after_ack", "Copies a rank started after acking a pause. Must stay 0: anything else is a bug.", labels=["rank"])
-        moved = CounterMetricFamily("zkv_bytes_moved", "Bytes a rank copied, by op (as of its last heartbeat).", labels=["op", "rank"])
-        copy = HistogramMetricFamily("zkv_copy_seconds", "Time a rank spent on one successful swap task (validate, copy, hand off the result).", labels=["rank", "op"])
+        alive = GaugeMetricFamily(
+            "zkv_rank_alive", "1 while the rank answers heartbeats, 0 once declared dead.", labels=["rank"]
+        )
+        inflight = GaugeMetricFamily(
+            "zkv_rank_inflight", "Tasks dispatched to the rank and not yet done (the broker's count).", labels=["rank"]
+        )
+        seen = GaugeMetricFamily(
+            "zkv_rank_last_seen_seconds", "Seconds since the broker last heard from the rank.", labels=["rank"]
+        )
+        cache = GaugeMetricFamily(
+            "zkv_cache_bytes",
+            "Cache bytes allocated on the rank, per tier (as of its last heartbeat).",
+            labels=["rank", "tier"],
+        )
+        tasks = CounterMetricFamily(
+            "zkv_rank_tasks",
+            "Tasks the rank executed, by its own result (as of its last heartbeat).",
+            labels=["rank", "outcome"],
+        )
+        after_ack = CounterMetricFamily(
+            "zkv_rank_copies_after_ack",
+            "Copies a rank started after acking a pause. Must stay 0: anything else is a bug.",
+            labels=["rank"],
+        )
+        moved = CounterMetricFamily(
+            "zkv_bytes_moved", "Bytes a rank copied, by op (as of its last heartbeat).", labels=["op", "rank"]
+        )
+        copy = HistogramMetricFamily(
+            "zkv_copy_seconds",
+            "Time a rank spent on one successful swap task (validate, copy, hand off the result).",
+            labels=["rank", "op"],
+        )
         for rs in ranks:
             r = str(rs.rank)
             alive.add_metric([r], 1.0 if rs.alive else 0.0)
@@ -158,22 +214,38 @@ class BusCollector(Collector):
         yield from (alive, inflight, seen, cache, tasks, moved, after_ack, copy)
 
     def _book_metrics(self, book: BusBook) -> Iterator[Any]:
-        rtt = HistogramMetricFamily("zkv_task_round_trip_seconds", "Submit to final outcome of a task, at the broker.", labels=["op", "outcome"])
-        count = CounterMetricFamily("zkv_tasks", "Tasks ended, by op and outcome (each task exactly once).", labels=["op", "outcome"])
-        size = HistogramMetricFamily("zkv_task_size_bytes", "Bytes an ok task moved, summed over its ranks.", labels=["op"])
+        rtt = HistogramMetricFamily(
+            "zkv_task_round_trip_seconds", "Submit to final outcome of a task, at the broker.", labels=["op", "outcome"]
+        )
+        count = CounterMetricFamily(
+            "zkv_tasks", "Tasks ended, by op and outcome (each task exactly once).", labels=["op", "outcome"]
+        )
+        size = HistogramMetricFamily(
+            "zkv_task_size_bytes", "Bytes an ok task moved, summed over its ranks.", labels=["op"]
+        )
         for (op, outcome), series in list(book.tasks.items()):
             counts, total = series.rtt.snapshot()
             _histogram(rtt, [op, outcome], RTT_BUCKETS_S, counts, total)
             count.add_metric([op, outcome], sum(counts))
             if series.size is not None:
                 _histogram(size, [op], BYTES_BUCKETS, *series.size.snapshot())
-        controls = CounterMetricFamily("zkv_control_ops", "Pause/clear/resume requests by result: ok, noop, or the error code (rank_dead, pause_timeout, busy, not_paused, ...).", labels=["op", "result"])
+        controls = CounterMetricFamily(
+            "zkv_control_ops",
+            "Pause/clear/resume requests by result: ok, noop, or the error code (rank_dead, pause_timeout, busy, not_paused, ...).",
+            labels=["op", "result"],
+        )
         for (op, result), v in list(book.controls.items()):
             controls.add_metric([op, result], v)
-        ctl = HistogramMetricFamily("zkv_control_duration_seconds", "Completed pause (drain), clear and resume: request to the last rank's ack.", labels=["op"])
+        ctl = HistogramMetricFamily(
+            "zkv_control_duration_seconds",
+            "Completed pause (drain), clear and resume: request to the last rank's ack.",
+            labels=["op"],
+        )
         for (op,), h in list(book.control_seconds.items()):
             _histogram(ctl, [op], CONTROL_BUCKETS_S, *h.snapshot())
-        bad = CounterMetricFamily("zkv_bad_requests", "Frontend messages refused as bad input, by error code.", labels=["code"])
+        bad = CounterMetricFamily(
+            "zkv_bad_requests", "Frontend messages refused as bad input, by error code.", labels=["code"]
+        )
         for (code,), v in list(book.bad_requests.items()):
             bad.add_metric([code], v)
         yield from (rtt, count, size, controls, ctl, bad)
@@ -229,7 +301,9 @@ def start_metrics_server(port: int, registry: CollectorRegistry, addr: str | Non
 def start_metrics_server(port: None, registry: CollectorRegistry, addr: str | None = None) -> MetricsServer | None: ...
 
 
-def start_metrics_server(port: int | None, registry: CollectorRegistry, addr: str | None = None) -> MetricsServer | None:
+def start_metrics_server(
+    port: int | None, registry: CollectorRegistry, addr: str | None = None
+) -> MetricsServer | None:
     """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread.
 
     ``port`` None falls back to ``$ZKV_METRICS_PORT`` (no variable: returns

@@ -54,36 +54,45 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"generation {st.get('gen')} because {st['gen_reason']}")
     layout = st.get("layout") or {}
     if layout:
-        lines.append(f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / {layout.get('cpu_blocks')} CPU blocks, "
-                     f"block {layout.get('block_size')} tokens, {layout.get('kv_heads')} kv heads x {layout.get('head_dim')}, {layout.get('dtype')}")
+        lines.append(
+            f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / {layout.get('cpu_blocks')} CPU blocks, "
+            f"block {layout.get('block_size')} tokens, {layout.get('kv_heads')} kv heads x {layout.get('head_dim')}, {layout.get('dtype')}"
+        )
     lines.append("")
     rows = []
     seen = set()
     for r in st.get("ranks") or []:
         stats = r.get("stats") or {}
         seen.add(r.get("rank"))
-        rows.append([
-            str(r.get("rank", "?")),
-            "yes" if r.get("alive") else "DEAD",
-            human_age(r.get("last_seen_ms")),
-            str(r.get("inflight", "-")),
-            str(stats.get("tasks_ok", "-")),
-            str(stats.get("tasks_failed", "-")),
-            human_bytes(stats.get("bytes_moved")),
-            human_bytes(stats.get("cache_bytes")),
-            str(stats.get("undeliverable", "-")),
-            str(r.get("pid", "-")),
-        ])
+        rows.append(
+            [
+                str(r.get("rank", "?")),
+                "yes" if r.get("alive") else "DEAD",
+                human_age(r.get("last_seen_ms")),
+                str(r.get("inflight", "-")),
+                str(stats.get("tasks_ok", "-")),
+                str(stats.get("tasks_failed", "-")),
+                human_bytes(stats.get("bytes_moved")),
+                human_bytes(stats.get("cache_bytes")),
+                str(stats.get("undeliverable", "-")),
+                str(r.get("pid", "-")),
+            ]
+        )
     world = st.get("world")
     if isinstance(world, int):
         for rank in range(world):
             if rank not in seen:
                 rows.append([str(rank), "never registered", "-", "-", "-", "-", "-", "-", "-", "-"])
         rows.sort(key=lambda row: int(row[0]) if row[0].isdigit() else -1)
-    lines += _table(["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "cache", "undeliv.", "pid"], rows)
+    lines += _table(
+        ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "cache", "undeliv.", "pid"],
+        rows,
+    )
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
-        lines.append(f"WARNING: ranks {', '.join(after_ack)} started copies after acking a pause (copies_after_ack > 0)")
+        lines.append(
+            f"WARNING: ranks {', '.join(after_ack)} started copies after acking a pause (copies_after_ack > 0)"
+        )
     counters = st.get("counters") or {}
     if counters:
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))
@@ -91,9 +100,15 @@ def render_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def watch_status(fetch: Callable[[], dict[str, Any]], out: TextIO, interval: float = 1.0, *,
-                 stop: threading.Event | None = None, iterations: int | None = None,
-                 clear: bool | None = None) -> int:
+def watch_status(
+    fetch: Callable[[], dict[str, Any]],
+    out: TextIO,
+    interval: float = 1.0,
+    *,
+    stop: threading.Event | None = None,
+    iterations: int | None = None,
+    clear: bool | None = None,
+) -> int:
     """Redraw ``render_status(fetch())`` every ``interval`` seconds until Ctrl-C,
     ``stop`` is set, or ``iterations`` redraws; return the redraws.
 
@@ -111,7 +126,10 @@ def watch_status(fetch: Callable[[], dict[str, Any]], out: TextIO, interval: flo
             except Exception as err:  # noqa: BLE001 — a watch outlives a broker restart
                 body = f"broker not answering: {getattr(err, 'reason', None) or err}"
             stamp = time.strftime("%H:%M:%S")
-            out.write((_CLEAR_SCREEN if clear else ("" if n == 0 else "\n")) + f"zkv status at {stamp} (every {interval:g} s, Ctrl-C to stop)\n{body}\n")
+            out.write(
+                (_CLEAR_SCREEN if clear else ("" if n == 0 else "\n"))
+                + f"zkv status at {stamp} (every {interval:g} s, Ctrl-C to stop)\n{body}\n"
+            )
             out.flush()
             n += 1
             if iterations is not None and n >= iterations:

@@ -14,6 +14,7 @@ from .allocator import (
     OutOfBlocksError,
 )
 from .bus import Bus, ControlBus
+from .cycle import drain_and_clear, pause_clear_resume
 from .manager import (
     BlockLease,
     CacheClearedError,
@@ -25,12 +26,27 @@ from .manager import (
     PrefixCacheManager,
 )
 from .radix import NodeState, RadixNode, RadixTree, block_keys
-from .cycle import drain_and_clear, pause_clear_resume
 
 __all__ = [
-    "BlockAllocator", "BlockAllocatorError", "DoubleFreeError", "ForeignBlockError", "OutOfBlocksError",
-    "Bus", "ControlBus", "BlockLease", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
-    "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager",
-    "NodeState", "RadixNode", "RadixTree", "block_keys",
-    "drain_and_clear", "pause_clear_resume",
+    "BlockAllocator",
+    "BlockAllocatorError",
+    "DoubleFreeError",
+    "ForeignBlockError",
+    "OutOfBlocksError",
+    "Bus",
+    "ControlBus",
+    "BlockLease",
+    "CacheClearedError",
+    "InsertResult",
+    "InvalidBlockError",
+    "InvalidLeaseError",
+    "OutOfGpuBlocksError",
+    "PrefixCacheError",
+    "PrefixCacheManager",
+    "NodeState",
+    "RadixNode",
+    "RadixTree",
+    "block_keys",
+    "drain_and_clear",
+    "pause_clear_resume",
 ]

@@ -61,8 +61,8 @@ class BlockAllocator:
                 f"{self.tier}: asked for {count} blocks, only {len(self._free_stack)} of {self.num_blocks} free"
             )
         stack = self._free_stack
-        taken = stack[len(stack) - count:]
-        del stack[len(stack) - count:]
+        taken = stack[len(stack) - count :]
+        del stack[len(stack) - count :]
         taken.reverse()
         in_use = self._in_use
         for block in taken:
@@ -103,7 +103,8 @@ class BlockAllocator:
         for block in ids:
             if not self._owns(block):
                 raise ForeignBlockError(
-                    f"{self.tier}: {block!r} is not a block id of this tier (0..{self.num_blocks - 1})")
+                    f"{self.tier}: {block!r} is not a block id of this tier (0..{self.num_blocks - 1})"
+                )
             if not self._in_use[block] or block in seen:
                 raise DoubleFreeError(f"{self.tier}: block {block} freed twice")
             seen.add(block)

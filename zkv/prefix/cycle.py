@@ -37,8 +37,9 @@ from .bus import ControlBus
 from .manager import PrefixCacheManager
 
 
-def drain_and_clear(client: ControlBus, manager: PrefixCacheManager, *, keep_cpu: bool = False,
-                    timeout: float = 30.0) -> dict[str, Any]:
+def drain_and_clear(
+    client: ControlBus, manager: PrefixCacheManager, *, keep_cpu: bool = False, timeout: float = 30.0
+) -> dict[str, Any]:
     """Pause every rank, free the manager's quarantine, clear the caches, reset the manager.
 
     Returns ``{"pause": reply, "clear": reply, "quarantine_freed": blocks}``.
@@ -57,8 +58,9 @@ def drain_and_clear(client: ControlBus, manager: PrefixCacheManager, *, keep_cpu
     return {"pause": paused, "clear": cleared, "quarantine_freed": freed}
 
 
-def resume(client: ControlBus, manager: PrefixCacheManager, layout: dict | None = None, *,
-           timeout: float = 30.0) -> dict[str, Any]:
+def resume(
+    client: ControlBus, manager: PrefixCacheManager, layout: dict | None = None, *, timeout: float = 30.0
+) -> dict[str, Any]:
     """Resume the bus (optionally with a new layout) and serve again on its layout.
 
     ``layout`` holds only the fields that change (e.g. ``{"gpu_blocks": 512}``);
@@ -76,9 +78,15 @@ def resume(client: ControlBus, manager: PrefixCacheManager, layout: dict | None 
     return {"resume": reply, "layout": current}
 
 
-def pause_clear_resume(client: ControlBus, manager: PrefixCacheManager, layout: dict | None = None, *,
-                       keep_cpu: bool = False, update: Callable[[], Any] | None = None,
-                       timeout: float = 30.0) -> dict[str, Any]:
+def pause_clear_resume(
+    client: ControlBus,
+    manager: PrefixCacheManager,
+    layout: dict | None = None,
+    *,
+    keep_cpu: bool = False,
+    update: Callable[[], Any] | None = None,
+    timeout: float = 30.0,
+) -> dict[str, Any]:
     """The whole cycle: ``drain_and_clear``, then ``update()`` (new weights), then ``resume``.
 
     If ``update`` raises, the bus and the manager stay cleared (consistent) and

@@ -16,8 +16,14 @@ from .swaps import HeldBlocks
 from .tiers import Tiers
 
 
-def check_invariants(tiers: Tiers, live_leases: Collection[BlockLease], private_owner: Mapping[int, BlockLease],
-                     quarantine: Quarantine[HeldBlocks], epoch: int, cleared: bool) -> None:
+def check_invariants(
+    tiers: Tiers,
+    live_leases: Collection[BlockLease],
+    private_owner: Mapping[int, BlockLease],
+    quarantine: Quarantine[HeldBlocks],
+    epoch: int,
+    cleared: bool,
+) -> None:
     """Raise AssertionError unless every block has exactly one owner and the tree is consistent.
 
     O(tree + blocks); for tests and debugging.  Assumes no swap is being awaited.
@@ -66,8 +72,7 @@ def check_invariants(tiers: Tiers, live_leases: Collection[BlockLease], private_
         else:
             raise AssertionError(f"{node!r} is still swapping outside a call")
         if node.ref_count != refs.get(id(node), 0):
-            raise AssertionError(
-                f"{node!r}: ref_count {node.ref_count}, live leases hold {refs.get(id(node), 0)}")
+            raise AssertionError(f"{node!r}: ref_count {node.ref_count}, live leases hold {refs.get(id(node), 0)}")
         pinned = sum(child.state is NodeState.ON_GPU for child in node.children.values())
         if node.num_gpu_children != pinned:
             raise AssertionError(f"{node!r}: num_gpu_children {node.num_gpu_children}, actual {pinned}")
@@ -83,8 +88,10 @@ def check_invariants(tiers: Tiers, live_leases: Collection[BlockLease], private_
             claim(owners, block, f"quarantine of task {task}", entry.tier)
     for owners, allocator in ((gpu_owner, tiers.gpu), (cpu_owner, tiers.cpu)):
         if sorted(owners) != allocator.allocated_ids():
-            raise AssertionError(f"{allocator.tier}: owned blocks != allocated blocks "
-                                 f"(owned only: {sorted(set(owners) - set(allocator.allocated_ids()))}, "
-                                 f"allocated only: {sorted(set(allocator.allocated_ids()) - set(owners))})")
+            raise AssertionError(
+                f"{allocator.tier}: owned blocks != allocated blocks "
+                f"(owned only: {sorted(set(owners) - set(allocator.allocated_ids()))}, "
+                f"allocated only: {sorted(set(allocator.allocated_ids()) - set(owners))})"
+            )
     if cleared and (len(tree) or tiers.gpu.num_blocks or tiers.cpu.num_blocks):
         raise AssertionError("cleared, yet caches are held")

@@ -17,8 +17,8 @@ class BlockLease:
 
     block_ids: list[int]
     epoch: int
-    gpu_hit_blocks: int = 0   # match only: blocks that were already on the GPU
-    cpu_hit_blocks: int = 0   # match only: blocks swapped in from the CPU
+    gpu_hit_blocks: int = 0  # match only: blocks that were already on the GPU
+    cpu_hit_blocks: int = 0  # match only: blocks swapped in from the CPU
     released: bool = False
     nodes: list[RadixNode] = field(default_factory=list, repr=False)
     keys: list[bytes] = field(default_factory=list, repr=False)  # match only: block keys of the tokens asked for
@@ -30,6 +30,6 @@ class BlockLease:
 
 @dataclass(frozen=True)
 class InsertResult:
-    new_blocks: int           # blocks that became new tree nodes
-    duplicate_blocks: int     # already cached on the GPU elsewhere: the caller's block stays private
-    adopted_from_cpu: int     # cached on the CPU only: the node moved onto the caller's block
+    new_blocks: int  # blocks that became new tree nodes
+    duplicate_blocks: int  # already cached on the GPU elsewhere: the caller's block stays private
+    adopted_from_cpu: int  # cached on the CPU only: the node moved onto the caller's block

@@ -49,13 +49,33 @@ from .radix import ROOT_KEY, NodeState, RadixNode, block_keys
 from .swaps import SwapRunner
 from .tiers import Tiers
 
-__all__ = ["BlockLease", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError",
-           "OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager"]
+__all__ = [
+    "BlockLease",
+    "CacheClearedError",
+    "InsertResult",
+    "InvalidBlockError",
+    "InvalidLeaseError",
+    "OutOfGpuBlocksError",
+    "PrefixCacheError",
+    "PrefixCacheManager",
+]
 
 #: every counter ``stats()`` reports, in its order (the swap runner keeps those it moves)
-COUNTERS = ("lookups", "lookups_while_cleared", "queried_blocks", "gpu_hit_blocks", "cpu_hit_blocks",
-            "swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "duplicate_inserts",
-            "late_outcomes", "reclaimed_blocks", "resets", "generation_resets")
+COUNTERS = (
+    "lookups",
+    "lookups_while_cleared",
+    "queried_blocks",
+    "gpu_hit_blocks",
+    "cpu_hit_blocks",
+    "swapped_out_blocks",
+    "dropped_gpu_blocks",
+    "dropped_cpu_blocks",
+    "duplicate_inserts",
+    "late_outcomes",
+    "reclaimed_blocks",
+    "resets",
+    "generation_resets",
+)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -70,8 +90,15 @@ class PrefixCacheManager:
     leases, and a ``SwapRunner`` that owns the bus, the swaps and the quarantine.
     """
 
-    def __init__(self, bus: Bus, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 swap_timeout: float = 10.0, quarantine_timed_out: bool = True) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        swap_timeout: float = 10.0,
+        quarantine_timed_out: bool = True,
+    ) -> None:
         _check_block_size(block_size)
         self._swaps = SwapRunner(bus, swap_timeout, quarantine_timed_out)
         self._block_size = block_size
@@ -159,7 +186,7 @@ class PrefixCacheManager:
         if len(reuse) == blocks:
             return reuse
         parent = reuse[-1] if reuse else ROOT_KEY
-        return reuse + block_keys(tokens[len(reuse) * bs: blocks * bs], bs, parent_key=parent)
+        return reuse + block_keys(tokens[len(reuse) * bs : blocks * bs], bs, parent_key=parent)
 
     def allocate(self, num_blocks: int) -> BlockLease:
         """Lease ``num_blocks`` fresh GPU blocks, evicting cached blocks if needed.
@@ -180,7 +207,9 @@ class PrefixCacheManager:
         self._live_leases.add(lease)
         return lease
 
-    def insert(self, tokens: Sequence[int], gpu_block_ids: Sequence[int], known_keys: Sequence[bytes] = ()) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int], gpu_block_ids: Sequence[int], known_keys: Sequence[bytes] = ()
+    ) -> InsertResult:
         """Cache the first ``len(gpu_block_ids)`` full blocks of ``tokens``.
 
         ``gpu_block_ids[i]`` holds block ``i``: either the block a match returned
@@ -196,8 +225,7 @@ class PrefixCacheManager:
             return InsertResult(0, 0, 0)
         ids = list(gpu_block_ids)
         if len(ids) > len(tokens) // self._block_size:
-            raise InvalidBlockError(
-                f"{len(ids)} block ids for {len(tokens) // self._block_size} full blocks of tokens")
+            raise InvalidBlockError(f"{len(ids)} block ids for {len(tokens) // self._block_size} full blocks of tokens")
         if len(set(ids)) != len(ids):
             raise InvalidBlockError("the same block id appears twice")
         keys = self._keys_for(tokens, len(ids), known_keys)
@@ -211,7 +239,8 @@ class PrefixCacheManager:
             if block not in self._private_owner:
                 raise InvalidBlockError(
                     f"block {block!r} at position {position} is neither a block from allocate() "
-                    "nor the cached block there")
+                    "nor the cached block there"
+                )
 
         now = next(self._clock)
         new = duplicate = adopted = 0
@@ -266,8 +295,10 @@ class PrefixCacheManager:
         no lease, no swap, no LRU update; an empty list while cleared."""
         if self._cleared:
             return []
-        return ["gpu" if node.state is NodeState.ON_GPU else "cpu" if node.state is NodeState.ON_CPU
-                else node.state.value for node in self._tiers.tree.walk(block_keys(tokens, self._block_size))]
+        return [
+            "gpu" if node.state is NodeState.ON_GPU else "cpu" if node.state is NodeState.ON_CPU else node.state.value
+            for node in self._tiers.tree.walk(block_keys(tokens, self._block_size))
+        ]
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
@@ -370,8 +401,9 @@ class PrefixCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block has exactly one owner and the
         tree is consistent (``invariants.py``; for tests and debugging)."""
-        check_invariants(self._tiers, self._live_leases, self._private_owner, self._swaps.quarantine,
-                         self._epoch, self._cleared)
+        check_invariants(
+            self._tiers, self._live_leases, self._private_owner, self._swaps.quarantine, self._epoch, self._cleared
+        )
 
     # ------------------------------------------------------------- internals
 

@@ -6,7 +6,7 @@ hold and asks the bus when.  Sans-IO: it only keeps the books."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, ItemsView, ValuesView
+from collections.abc import ItemsView, Iterable, ValuesView
 from typing import Generic, TypeVar
 
 T = TypeVar("T")

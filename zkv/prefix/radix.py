@@ -42,7 +42,7 @@ def block_keys(tokens: Sequence[int], block_size: int, parent_key: bytes = ROOT_
     key = parent_key
     for start in range(0, full_blocks * stride, stride):
         digest = blake2b(key, digest_size=KEY_BYTES)
-        digest.update(data[start:start + stride])
+        digest.update(data[start : start + stride])
         key = digest.digest()
         keys.append(key)
     return keys
@@ -54,7 +54,7 @@ class NodeState(enum.Enum):
     ON_GPU = "on_gpu"
     SWAPPING_OUT = "swapping_out"  # holds its GPU block and the CPU block being written
     ON_CPU = "on_cpu"
-    SWAPPING_IN = "swapping_in"    # holds its CPU block and the GPU block being written
+    SWAPPING_IN = "swapping_in"  # holds its CPU block and the GPU block being written
 
 
 # States that keep a parent on the GPU: a block on (or coming to) the GPU is only
@@ -71,12 +71,27 @@ class RadixNode:
     """One cached full block; ``ref_count`` counts the leases that use it."""
 
     __slots__ = (
-        "key", "parent", "children", "depth", "state", "gpu_block", "cpu_block",
-        "ref_count", "last_access", "num_gpu_children", "attached",
+        "key",
+        "parent",
+        "children",
+        "depth",
+        "state",
+        "gpu_block",
+        "cpu_block",
+        "ref_count",
+        "last_access",
+        "num_gpu_children",
+        "attached",
     )
 
-    def __init__(self, key: bytes, parent: RadixNode | None, state: NodeState,
-                 gpu_block: int | None = None, cpu_block: int | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        parent: RadixNode | None,
+        state: NodeState,
+        gpu_block: int | None = None,
+        cpu_block: int | None = None,
+    ) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
@@ -90,8 +105,10 @@ class RadixNode:
         self.attached = True
 
     def __repr__(self) -> str:
-        return (f"RadixNode(depth={self.depth}, key={self.key.hex()[:8]}, {self.state.name}, "
-                f"gpu={self.gpu_block}, cpu={self.cpu_block}, refs={self.ref_count})")
+        return (
+            f"RadixNode(depth={self.depth}, key={self.key.hex()[:8]}, {self.state.name}, "
+            f"gpu={self.gpu_block}, cpu={self.cpu_block}, refs={self.ref_count})"
+        )
 
 
 class RadixTree:
@@ -116,8 +133,14 @@ class RadixTree:
             node = child
         return path
 
-    def add_child(self, parent: RadixNode, key: bytes, state: NodeState,
-                  gpu_block: int | None = None, cpu_block: int | None = None) -> RadixNode:
+    def add_child(
+        self,
+        parent: RadixNode,
+        key: bytes,
+        state: NodeState,
+        gpu_block: int | None = None,
+        cpu_block: int | None = None,
+    ) -> RadixNode:
         if key in parent.children:
             raise KeyError(f"key {key.hex()} already cached under this parent")
         node = RadixNode(key, parent, state, gpu_block, cpu_block)

@@ -81,7 +81,8 @@ class SwapRunner:
                 quarantined = sum(len(e.block_ids) for e in self.quarantine.values() if e.tier == "gpu")
                 raise OutOfGpuBlocksError(
                     f"need {count} GPU blocks, {tiers.gpu.num_free} free after evicting every unreferenced block"
-                    f" ({quarantined} quarantined behind timed-out swaps)")
+                    f" ({quarantined} quarantined behind timed-out swaps)"
+                )
             count = tiers.gpu.num_free
         return tiers.gpu.alloc(count)
 
@@ -149,7 +150,7 @@ class SwapRunner:
         for node in cpu_run:
             tiers.tree.set_state(node, NodeState.SWAPPING_IN)  # shields them from CPU eviction
         gpu_ids = self.take_gpu_blocks(tiers, len(cpu_run), allow_fewer=True)
-        moving, staying = cpu_run[: len(gpu_ids)], cpu_run[len(gpu_ids):]
+        moving, staying = cpu_run[: len(gpu_ids)], cpu_run[len(gpu_ids) :]
         for node in staying:
             tiers.tree.set_state(node, NodeState.ON_CPU)
         for node, block in zip(moving, gpu_ids):

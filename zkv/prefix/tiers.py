@@ -12,8 +12,13 @@ from .radix import LeafQueue, NodeState, RadixNode, RadixTree
 
 
 def is_gpu_victim(node: RadixNode) -> bool:
-    return (node.attached and node.state is NodeState.ON_GPU and node.ref_count == 0
-            and node.num_gpu_children == 0 and node.parent is not None)  # never the root
+    return (
+        node.attached
+        and node.state is NodeState.ON_GPU
+        and node.ref_count == 0
+        and node.num_gpu_children == 0
+        and node.parent is not None
+    )  # never the root
 
 
 def is_cpu_victim(node: RadixNode) -> bool:

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 __all__ = ["BlockStore", "RankAgent", "RankCore", "RankRefused", "RankWorker", "attach_rank"]
 
 
-def attach_rank(manifest: str, rank: int, world: int, backend: str, control: str, layout: "CacheLayout",
-                **options: Any) -> "RankWorker":
+def attach_rank(
+    manifest: str, rank: int, world: int, backend: str, control: str, layout: "CacheLayout", **options: Any
+) -> "RankWorker":
     """A ``RankWorker`` on the tensors an engine process exported in
     ``manifest`` (see ``RankWorker.on_manifest``); call ``serve()`` to run it."""
     from .worker import RankWorker as Worker

@@ -48,15 +48,28 @@ class RankAgent:
     announce (its gpu_blocks / cpu_blocks are replaced by the cache's).
     ``compute_stream``: the engine's CUDA stream that copies wait for."""
 
-    def __init__(self, rank: int, world: int, backend: str, control: str, cache: CacheLike, cpu_rows: int, *,
-                 compute_stream: Any = None, curve: Curve | None = None, layout: CacheLayout | None = None,
-                 liveness_ms: int = 2000):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        backend: str,
+        control: str,
+        cache: CacheLike,
+        cpu_rows: int,
+        *,
+        compute_stream: Any = None,
+        curve: Curve | None = None,
+        layout: CacheLayout | None = None,
+        liveness_ms: int = 2000,
+    ):
         self.rank = rank
         self.world = world
         self._endpoints = (backend, control)
         self._curve = curve
         self._liveness_ms = liveness_ms
-        self.store = BlockStore.attached(_as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream)
+        self.store = BlockStore.attached(
+            _as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream
+        )
         self._ctx: zmq.Context | None = None
         self._worker: RankWorker | None = None
         self._thread: threading.Thread | None = None
@@ -79,8 +92,15 @@ class RankAgent:
                 return
             self._ctx = zmq.Context()
             try:
-                self._worker = RankWorker(self.rank, self.world, *self._endpoints, ctx=self._ctx,
-                                          liveness_ms=self._liveness_ms, curve=self._curve, cache=self.store)
+                self._worker = RankWorker(
+                    self.rank,
+                    self.world,
+                    *self._endpoints,
+                    ctx=self._ctx,
+                    liveness_ms=self._liveness_ms,
+                    curve=self._curve,
+                    cache=self.store,
+                )
             except BaseException:
                 self._ctx.destroy(linger=0)
                 self._ctx = None
@@ -97,7 +117,9 @@ class RankAgent:
             raise error
         if error is not None:
             raise RuntimeError(f"rank {self.rank} stopped before it registered: {error!r}") from error
-        raise TimeoutError(f"rank {self.rank} was not registered by the broker at {self._endpoints[0]} within {timeout} s")
+        raise TimeoutError(
+            f"rank {self.rank} was not registered by the broker at {self._endpoints[0]} within {timeout} s"
+        )
 
     def _run(self) -> None:
         worker = self._worker

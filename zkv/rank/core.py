@@ -45,8 +45,17 @@ class RankCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock.  ``sessions()``
     is each registration's session: unguessable in a real rank (``worker.new_session``)."""
 
-    def __init__(self, rank: int, world: int, layout: CacheLayout, heartbeat_ms: int = 500, liveness_ms: int = 2000,
-                 stats: Callable[[], dict[str, Any]] | None = None, *, sessions: Callable[[], int]):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        layout: CacheLayout,
+        heartbeat_ms: int = 500,
+        liveness_ms: int = 2000,
+        stats: Callable[[], dict[str, Any]] | None = None,
+        *,
+        sessions: Callable[[], int],
+    ):
         self.rank = rank
         self.world = world
         self.layout = layout  # the layout of the memory this rank holds (or last held)
@@ -73,7 +82,9 @@ class RankCore:
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
         self.last_wake = 0.0
-        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)  # the one book of outcomes
+        self.counters: collections.Counter[str] = collections.Counter(
+            tasks_ok=0, tasks_failed=0
+        )  # the one book of outcomes
 
     # --- registration ----------------------------------------------------------
 
@@ -93,9 +104,21 @@ class RankCore:
     def _send_ready(self, now: float) -> list[RankAction]:
         self.last_ready_sent = now
         self.counters["ready_sent"] += 1
-        return [ToBroker(P.encode("ready", rank=self.rank, world=self.world, session=self.session,
-                                  layout=self.layout.to_wire(), gen=self.gen, pid=self.pid, fresh=self.fresh,
-                                  has_cache=self.cache.phase.serves))]
+        return [
+            ToBroker(
+                P.encode(
+                    "ready",
+                    rank=self.rank,
+                    world=self.world,
+                    session=self.session,
+                    layout=self.layout.to_wire(),
+                    gen=self.gen,
+                    pid=self.pid,
+                    fresh=self.fresh,
+                    has_cache=self.cache.phase.serves,
+                )
+            )
+        ]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
         """The READY is unanswered: send it again with the *same* session.  It
@@ -278,7 +301,9 @@ class RankCore:
         # dispatched since the first welcome, which came before it.
         self.received = msg.upto
         self.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
-        hello: list[RankAction] = [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
+        hello: list[RankAction] = [
+            ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))
+        ]
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
@@ -289,8 +314,17 @@ class RankCore:
         # The welcome is authoritative, even at a lower epoch.
         return hello + self._apply(msg.epoch, msg.op, msg.gen, msg.upto, None, bool(msg.keep_cpu), now, welcome=True)
 
-    def _apply(self, epoch: int, wire_op: str, gen: int, upto: int, layout: Map | None, keep_cpu: bool, now: float,
-               welcome: bool = False) -> list[RankAction]:
+    def _apply(
+        self,
+        epoch: int,
+        wire_op: str,
+        gen: int,
+        upto: int,
+        layout: Map | None,
+        keep_cpu: bool,
+        now: float,
+        welcome: bool = False,
+    ) -> list[RankAction]:
         op = ControlOp(wire_op)  # the decoders let only these four through
         if epoch < self.epoch and not welcome:
             self.counters["stale_controls"] += 1
@@ -327,10 +361,22 @@ class RankCore:
         op, cache = self.op, self.cache
         if op is ControlOp.RUN or cache.phase.busy:
             return []
-        if op is ControlOp.RESUME and cache.phase is CachePhase.ALLOC_FAILED:  # said again on a repeat: the broker fails the resume
+        if (
+            op is ControlOp.RESUME and cache.phase is CachePhase.ALLOC_FAILED
+        ):  # said again on a repeat: the broker fails the resume
             self.counters["acks"] += 1
-            return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, gen=self.gen, layout=self.layout.to_wire(),
-                                      error=cache.error))]
+            return [
+                ToBroker(
+                    P.encode(
+                        "ack",
+                        epoch=self.epoch,
+                        op=op.value,
+                        gen=self.gen,
+                        layout=self.layout.to_wire(),
+                        error=cache.error,
+                    )
+                )
+            ]
         if op is ControlOp.PAUSE and (self.received < self.upto or self.inflight):
             return []
         if op is ControlOp.CLEAR and self.inflight:

@@ -28,9 +28,9 @@ from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.vocab import Op, Outcome
+from .actions import Execute
 from .cache.errors import CacheError
 from .cache.store import BlockStore, TaskInvalid
-from .actions import Execute
 from .reports import Finished
 
 log = logging.getLogger("zkv.worker")
@@ -102,8 +102,16 @@ class TaskRunner:
     ``session``: the rank's current registration session (read at run time: a
     task queued before a re-registration must not copy)."""
 
-    def __init__(self, cache: BlockStore, rank: int, world: int, stats: collections.Counter[str], book: RankBook,
-                 paused_ack: threading.Event, session: Callable[[], int]):
+    def __init__(
+        self,
+        cache: BlockStore,
+        rank: int,
+        world: int,
+        stats: collections.Counter[str],
+        book: RankBook,
+        paused_ack: threading.Event,
+        session: Callable[[], int],
+    ):
         self.cache = cache
         self.rank = rank
         self.world = world
@@ -146,6 +154,11 @@ class TaskRunner:
         if outcome is _OK:
             self.book.task_done(op, elapsed, nbytes)
         self.stats["bytes_moved"] += nbytes
-        senders.send(ex.reply_to, ex.reply_key, F.encode_result(ex.task, self.rank, self.world, outcome, reason, ex.gen,
-                                                                nbytes, int(elapsed * 1e6), digests))
+        senders.send(
+            ex.reply_to,
+            ex.reply_key,
+            F.encode_result(
+                ex.task, self.rank, self.world, outcome, reason, ex.gen, nbytes, int(elapsed * 1e6), digests
+            ),
+        )
         return Finished(ex.seq, ex.n, outcome, nbytes, ex.gen)

@@ -35,19 +35,19 @@ from typing import Any
 import torch
 import zmq
 
+from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
-from ..wire import protocol as P
-from .cache.store import BlockStore, pick_device
-from ..wire.layout import CacheLayout
-from ..net.curve import Curve
 from ..obs.book import RankBook
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
+from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
-from .core import RankCore, RankRefused
 from .batching import DoneBatcher, InlinePolicy
+from .cache.store import BlockStore, pick_device
+from .core import RankCore, RankRefused
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
-from ..wire.vocab import ControlOp, Outcome
 
 log = logging.getLogger("zkv.worker")
 
@@ -62,7 +62,15 @@ class Executor(threading.Thread):
     ``CacheDone``) on ``reports``, then one empty frame on the inproc PUSH
     that wakes the I/O thread: a frame read is a report there to take."""
 
-    def __init__(self, ctx: zmq.Context, report_address: str, cache: BlockStore, rank: int, world: int, curve: Curve | None = None):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        report_address: str,
+        cache: BlockStore,
+        rank: int,
+        world: int,
+        curve: Curve | None = None,
+    ):
         super().__init__(name=f"zkv-exec-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
@@ -72,8 +80,19 @@ class Executor(threading.Thread):
         self.reports: collections.deque[Report] = collections.deque()  # appended here, taken by the I/O thread
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
-            dict.fromkeys(("bytes_moved", "bytes_freed", "undeliverable", "copies_after_ack",
-                           "dropped_stale_session", "executor_errors", "tasks_inline"), 0))
+            dict.fromkeys(
+                (
+                    "bytes_moved",
+                    "bytes_freed",
+                    "undeliverable",
+                    "copies_after_ack",
+                    "dropped_stale_session",
+                    "executor_errors",
+                    "tasks_inline",
+                ),
+                0,
+            )
+        )
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
         self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
@@ -139,9 +158,20 @@ class RankWorker:
     ``BlockStore.attached``); without it the rank allocates its own
     (``BlockStore.owned``) for ``layout``."""
 
-    def __init__(self, rank: int, world: int, backend: str, control: str, layout: CacheLayout | None = None, *,
-                 device: str | torch.device | None = None, ctx: zmq.Context | None = None,
-                 liveness_ms: int = 2000, curve: Curve | None = None, cache: BlockStore | None = None):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        backend: str,
+        control: str,
+        layout: CacheLayout | None = None,
+        *,
+        device: str | torch.device | None = None,
+        ctx: zmq.Context | None = None,
+        liveness_ms: int = 2000,
+        curve: Curve | None = None,
+        cache: BlockStore | None = None,
+    ):
         self.ctx = ctx or zmq.Context.instance()
         if cache is None:
             if layout is None:
@@ -179,15 +209,18 @@ class RankWorker:
         self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
 
     @classmethod
-    def on_manifest(cls, manifest: str, rank: int, world: int, backend: str, control: str, layout: CacheLayout,
-                    **options: Any) -> "RankWorker":
+    def on_manifest(
+        cls, manifest: str, rank: int, world: int, backend: str, control: str, layout: CacheLayout, **options: Any
+    ) -> "RankWorker":
         """A rank serving the tensors an engine process exported in ``manifest``
         (``zkv worker --attach``): ``layout`` names the model and sizes zkv's CPU
         tier (``cpu_blocks``), the engine's block count is its ``gpu_blocks``;
         each resume reads the manifest again, for a newer generation.  Raises
         ``CacheError`` when it cannot be mapped (nothing stays mapped).
         ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
-        return cls(rank, world, backend, control, layout, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
+        return cls(
+            rank, world, backend, control, layout, cache=BlockStore.from_manifest(manifest, layout, rank), **options
+        )
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
@@ -196,8 +229,13 @@ class RankWorker:
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.executor.stats)
         s.update(self.core.counters)
-        s.update(gen=self.core.gen, epoch=self.core.epoch, op=self.core.op.value, cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
-                 device=str(self.cache.device))
+        s.update(
+            gen=self.core.gen,
+            epoch=self.core.epoch,
+            op=self.core.op.value,
+            cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
+            device=str(self.cache.device),
+        )
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
         return s

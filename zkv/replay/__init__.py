@@ -23,6 +23,17 @@ from .checker import COUNTERS, ControlResult, Observation, Observed, Report, che
 from .driver import ObservingBook, Replayer, parse_speed, replay, replay_embedded
 
 __all__ = [
-    "COUNTERS", "ControlResult", "Observation", "ObservingBook", "Observed", "Replayer", "Report", "check",
-    "format_report", "parse_speed", "rank_stats_fresh", "replay", "replay_embedded",
+    "COUNTERS",
+    "ControlResult",
+    "Observation",
+    "ObservingBook",
+    "Observed",
+    "Replayer",
+    "Report",
+    "check",
+    "format_report",
+    "parse_speed",
+    "rank_stats_fresh",
+    "replay",
+    "replay_embedded",
 ]

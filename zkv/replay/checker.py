@@ -125,15 +125,20 @@ def check(trace: Trace, obs: Observation) -> Report:
     labels = {spec.key: spec for spec in specs}
     for key, message in obs.anomalies:
         named = labels.get(key)
-        violations.add("reported_twice", [named.line] if named else [],
-                       f"task {named.label if named else key} (line {named.line if named else '?'}): {message}",
-                       task=named.label if named else str(key))
+        violations.add(
+            "reported_twice",
+            [named.line] if named else [],
+            f"task {named.label if named else key} (line {named.line if named else '?'}): {message}",
+            task=named.label if named else str(key),
+        )
     for cr in obs.controls:
         if cr.expect is not None and cr.result not in cr.expect:
             because = f" ({cr.reason})" if cr.reason else ""
-            violations.add("unexpected_control", [cr.line],
-                           f"{cr.op} by {cr.client} (line {cr.line}): {cr.result}{because}, "
-                           f"expected {' or '.join(cr.expect)}")
+            violations.add(
+                "unexpected_control",
+                [cr.line],
+                f"{cr.op} by {cr.client} (line {cr.line}): {cr.result}{because}, expected {' or '.join(cr.expect)}",
+            )
     ranks = _rank_deltas(obs.ranks_before, obs.ranks_after)
     _check_paused_ranks(trace, obs, ranks, violations)
     done = sum(counts.values())
@@ -147,8 +152,18 @@ def check(trace: Trace, obs: Observation) -> Report:
         throughput_tasks_per_s=round(done / obs.duration_s, 1) if obs.duration_s > 0 else 0.0,
         duration_s=round(obs.duration_s, 4),
         controls=_control_figures(obs),
-        control_results=[{"line": cr.line, "op": cr.op, "client": cr.client, "result": cr.result, "reason": cr.reason,
-                          "wall_ms": round(cr.wall_ms, 3), **cr.fields} for cr in obs.controls],
+        control_results=[
+            {
+                "line": cr.line,
+                "op": cr.op,
+                "client": cr.client,
+                "result": cr.result,
+                "reason": cr.reason,
+                "wall_ms": round(cr.wall_ms, 3),
+                **cr.fields,
+            }
+            for cr in obs.controls
+        ],
         ranks=ranks,
         notes=list(obs.notes),
         source=trace.source,
@@ -157,8 +172,9 @@ def check(trace: Trace, obs: Observation) -> Report:
     )
 
 
-def _check_outcomes(specs: list, obs: Observation, violations: _Violations
-                    ) -> tuple[collections.Counter[str], list[float], list[float]]:
+def _check_outcomes(
+    specs: list, obs: Observation, violations: _Violations
+) -> tuple[collections.Counter[str], list[float], list[float]]:
     """Every replayed task got exactly one outcome, one its expectations allow."""
     counts: collections.Counter[str] = collections.Counter()
     lat_all: list[float] = []
@@ -167,15 +183,20 @@ def _check_outcomes(specs: list, obs: Observation, violations: _Violations
         seen = obs.outcomes.get(spec.key, [])
         what = f"task {spec.label} ({spec.summary}, line {spec.line})"
         if spec.key not in obs.submitted:
-            violations.add("not_replayed", [spec.line], f"{what} was never submitted (the replay stopped early)",
-                           task=spec.label)
+            violations.add(
+                "not_replayed", [spec.line], f"{what} was never submitted (the replay stopped early)", task=spec.label
+            )
             continue
         if not seen:
             violations.add("no_outcome", [spec.line], f"{what} got no outcome", task=spec.label)
             continue
         if len(seen) > 1:
-            violations.add("duplicate_outcome", [spec.line],
-                           f"{what} got {len(seen)} outcomes: {', '.join(o.outcome for o in seen)}", task=spec.label)
+            violations.add(
+                "duplicate_outcome",
+                [spec.line],
+                f"{what} got {len(seen)} outcomes: {', '.join(o.outcome for o in seen)}",
+                task=spec.label,
+            )
         first = seen[0]
         counts[first.outcome] += 1
         lat_all.append(first.latency_ms)
@@ -185,9 +206,12 @@ def _check_outcomes(specs: list, obs: Observation, violations: _Violations
             if first.outcome not in allowed:
                 because = f" ({first.reason})" if first.reason else ""
                 at = "" if line == spec.line else f" by line {line}"
-                violations.add("unexpected_outcome", [spec.line, line],
-                               f"{what}: outcome {first.outcome}{because}, expected {' or '.join(allowed)}{at}",
-                               task=spec.label)
+                violations.add(
+                    "unexpected_outcome",
+                    [spec.line, line],
+                    f"{what}: outcome {first.outcome}{because}, expected {' or '.join(allowed)}{at}",
+                    task=spec.label,
+                )
     return counts, lat_all, lat_ok
 
 
@@ -206,26 +230,35 @@ def _check_fifo(trace: Trace, obs: Observation, violations: _Violations) -> None
             if outcome == "cancelled" and cancelled is None:
                 first_cancel[(segment, op.client)] = spec
             elif outcome in ("ok", "failed") and cancelled is not None:
-                violations.add("fifo", [cancelled.line, spec.line],
-                               f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {cancelled.label} "
-                               f"(line {cancelled.line}), submitted before it by the same client, was cancelled: "
-                               "a clear cancels a suffix of the FIFO queue", task=spec.label)
+                violations.add(
+                    "fifo",
+                    [cancelled.line, spec.line],
+                    f"task {spec.label} (line {spec.line}) ran ({outcome}) although task {cancelled.label} "
+                    f"(line {cancelled.line}), submitted before it by the same client, was cancelled: "
+                    "a clear cancels a suffix of the FIFO queue",
+                    task=spec.label,
+                )
 
 
-def _check_paused_ranks(trace: Trace, obs: Observation, ranks: list[dict[str, Any]],
-                        violations: _Violations) -> None:
+def _check_paused_ranks(trace: Trace, obs: Observation, ranks: list[dict[str, Any]], violations: _Violations) -> None:
     """No rank's work counters moved while the bus was paused."""
     pause_lines = [op.line for op in trace.ops if op.ev in ("pause", "clear")]
     for row in ranks:
         moved = {name: row[name] for name in COUNTERS if row[name] > 0}
         if moved:
-            violations.add("copy_while_paused", pause_lines,
-                           f"rank {row['rank']} ran work while paused: "
-                           + ", ".join(f"{k} +{v}" for k, v in moved.items()), rank=row["rank"])
+            violations.add(
+                "copy_while_paused",
+                pause_lines,
+                f"rank {row['rank']} ran work while paused: " + ", ".join(f"{k} +{v}" for k, v in moved.items()),
+                rank=row["rank"],
+            )
     if pause_lines and (obs.ranks_after is None or not obs.stats_fresh):
-        violations.add("unverified", [],
-                       "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
-                       + ("" if obs.ranks_after is not None else " (no status)"))
+        violations.add(
+            "unverified",
+            [],
+            "could not read fresh rank stats after the replay, so 'no copy while paused' is unchecked"
+            + ("" if obs.ranks_after is not None else " (no status)"),
+        )
 
 
 def _control_figures(obs: Observation) -> dict[str, dict[str, Any]]:
@@ -246,19 +279,27 @@ def _control_figures(obs: Observation) -> dict[str, dict[str, Any]]:
 
 def format_report(report: Report, max_violations: int = 40) -> str:
     """The human summary ``zkv replay`` prints."""
+
     def pct(d: dict[str, float]) -> str:
         return "none" if not d.get("n") else f"p50 {d['p50']} ms, p99 {d['p99']} ms, max {d['max']} ms (n={d['n']})"
 
-    lines = [f"replayed {report.source} against {report.target}: {report.tasks} tasks, "
-             f"{len(report.control_results)} control ops in {report.duration_s:.3f} s ({report.throughput_tasks_per_s} tasks/s)"]
+    lines = [
+        f"replayed {report.source} against {report.target}: {report.tasks} tasks, "
+        f"{len(report.control_results)} control ops in {report.duration_s:.3f} s ({report.throughput_tasks_per_s} tasks/s)"
+    ]
     lines.append("outcomes: " + (", ".join(f"{k} {v}" for k, v in report.outcomes.items()) or "none"))
     lines.append(f"latency (ok tasks): {pct(report.latency_ms)}")
     for op, d in report.controls.items():
         res = ", ".join(f"{k} {v}" for k, v in d["results"].items())
-        bus = next((f"; bus {k} {pct(v)}" for k, v in d.items() if k.endswith("_ms") and k != "wall_ms" and v.get("n")), "")
+        bus = next(
+            (f"; bus {k} {pct(v)}" for k, v in d.items() if k.endswith("_ms") and k != "wall_ms" and v.get("n")), ""
+        )
         lines.append(f"{op}: {res}; wall {pct(d['wall_ms'])}{bus}")
     if report.ranks:
-        lines.append("ranks: " + "; ".join(f"rank {r['rank']} " + ", ".join(f"{k} {r[k]}" for k in COUNTERS) for r in report.ranks))
+        lines.append(
+            "ranks: "
+            + "; ".join(f"rank {r['rank']} " + ", ".join(f"{k} {r[k]}" for k in COUNTERS) for r in report.ranks)
+        )
     for note in report.notes:
         lines.append(f"note: {note}")
     if report.ok:
@@ -270,8 +311,9 @@ def format_report(report: Report, max_violations: int = 40) -> str:
             lines.append(f"  {where}[{v['kind']}] {v['message']}")
         if len(report.violations) > max_violations:
             kinds = collections.Counter(v["kind"] for v in report.violations[max_violations:])
-            lines.append(f"  ... and {len(report.violations) - max_violations} more ("
-                         + ", ".join(f"{k} {n}" for k, n in kinds.items()) + "); --json lists them all")
+            lines.append(
+                f"  ... and {len(report.violations) - max_violations} more ("
+                + ", ".join(f"{k} {n}" for k, n in kinds.items())
+                + "); --json lists them all"
+            )
     return "\n".join(lines)
-
-

@@ -21,6 +21,7 @@ from ..wire.layout import CacheLayout
 from ..wire.messages import Result
 from .checker import ControlResult, Key, Observation, Observed, Report, check, rank_stats_fresh
 
+
 class ObservingBook(ResultBook):
     """A ResultBook that also notices the bus reporting a task twice.
 
@@ -55,7 +56,9 @@ class ObservingBook(ResultBook):
 
     def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None):
         if task not in self.open and self.ended.get(task, "client") != "client":
-            self.anomalies.append((task, f"the broker reported {outcome} after the task had ended ({self.ended[task]})"))
+            self.anomalies.append(
+                (task, f"the broker reported {outcome} after the task had ended ({self.ended[task]})")
+            )
         out = super().on_outcome(task, outcome, reason, now, gen)
         if out is not None:
             self.ended[task] = f"bus:{outcome}"
@@ -77,9 +80,19 @@ class ObservingBook(ResultBook):
 class Replayer:
     """Play a trace through real clients; see the module docstring for ordering."""
 
-    def __init__(self, trace: Trace, address: str, *, speed: float | None = 1.0, task_timeout: float = 30.0,
-                 op_timeout: float = 30.0, stats_wait: float = 3.0, ctx: zmq.Context | None = None,
-                 progress: Callable[[int], None] | None = None, curve: Curve | None = None):
+    def __init__(
+        self,
+        trace: Trace,
+        address: str,
+        *,
+        speed: float | None = 1.0,
+        task_timeout: float = 30.0,
+        op_timeout: float = 30.0,
+        stats_wait: float = 3.0,
+        ctx: zmq.Context | None = None,
+        progress: Callable[[int], None] | None = None,
+        curve: Curve | None = None,
+    ):
         if speed is not None and speed <= 0:
             raise ValueError("speed must be positive (or None for as fast as possible)")
         self.trace = trace
@@ -164,14 +177,20 @@ class Replayer:
                 reply = c.resume(op.params.get("layout"), timeout)
             result = "noop" if reply.get("noop") else "ok"
             reason = reply.get("note", "")
-            fields = {k: reply[k] for k in ("state", "epoch", "gen", "drain_ms", "clear_ms", "resume_ms", "cancelled", "freed") if k in reply}
+            fields = {
+                k: reply[k]
+                for k in ("state", "epoch", "gen", "drain_ms", "clear_ms", "resume_ms", "cancelled", "freed")
+                if k in reply
+            }
             for other in self.clients.values():  # one application: every client learns the generation
                 if other is not c and "gen" in reply:
                     other.adopt_gen(reply["gen"], f"client {op.client} ran {op.ev}")
         except ZkvError as err:
             result, reason = err.code, err.reason
         wall_ms = (time.perf_counter() - start) * 1000
-        self.obs.controls.append(ControlResult(op.line, op.ev, op.client, result, reason, round(wall_ms, 3), fields, op.expect))
+        self.obs.controls.append(
+            ControlResult(op.line, op.ev, op.client, result, reason, round(wall_ms, 3), fields, op.expect)
+        )
         for label in self.clients:
             self._collect(label)
 
@@ -231,7 +250,9 @@ class Replayer:
                     assert isinstance(book, ObservingBook)
                     for task, message in book.anomalies:
                         obs.anomalies.append((self.keys.get((label, task), (label, f"#{task}")), message))
-                    obs.late_messages += sum(book.counters[k] for k in ("late_results", "late_outcomes", "stale_results"))
+                    obs.late_messages += sum(
+                        book.counters[k] for k in ("late_results", "late_outcomes", "stale_results")
+                    )
             finally:
                 for c in self.clients.values():
                     c.close()
@@ -264,8 +285,9 @@ def replay(trace: Trace, address: str, **kwargs: Any) -> Report:
     return check(trace, Replayer(trace, address, **kwargs).run())
 
 
-def replay_embedded(trace: Trace, *, record: str | None = None, heartbeat_ms: int = 100,
-                    start_timeout: float = 120.0, **kwargs: Any) -> Report:
+def replay_embedded(
+    trace: Trace, *, record: str | None = None, heartbeat_ms: int = 100, start_timeout: float = 120.0, **kwargs: Any
+) -> Report:
     """Start a LocalCluster with the trace's world size and layout, replay, stop it.
 
     ``record`` passes ``--record`` to its broker (the layout goes into the
@@ -289,7 +311,9 @@ def replay_embedded(trace: Trace, *, record: str | None = None, heartbeat_ms: in
             else:
                 os.environ[LAYOUT_ENV] = old
         obs = Replayer(trace, cluster.endpoints.frontend, **kwargs).run()
-        obs.target = f"an embedded cluster ({trace.world} ranks, {layout.gpu_blocks} GPU / {layout.cpu_blocks} CPU blocks)"
+        obs.target = (
+            f"an embedded cluster ({trace.world} ranks, {layout.gpu_blocks} GPU / {layout.cpu_blocks} CPU blocks)"
+        )
     finally:
         codes = cluster.stop()
     if any(codes.values()):

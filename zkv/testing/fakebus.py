@@ -61,9 +61,9 @@ class FakeBus:
         self.submitted: list[SubmittedTask] = []
         self._script: deque[str] = deque()
         self._task_ids = itertools.count(1)
-        self._finished: dict[int, TaskOutcome] = {}       # not yet returned by wait/poll
+        self._finished: dict[int, TaskOutcome] = {}  # not yet returned by wait/poll
         self._running_late: dict[int, SubmittedTask] = {}  # timed out, copy still to come
-        self._settled: list[int] = []                      # timed out, copy since landed
+        self._settled: list[int] = []  # timed out, copy since landed
         self.settles = settles
         if not settles:
             self.settled = None  # type: ignore[assignment]  # a bus without the method
@@ -89,8 +89,9 @@ class FakeBus:
             return task
         copied = {"ok": len(src), "failed": len(src) // 2}.get(outcome, 0)
         self._copy(record, copied)
-        self._finished[task] = TaskOutcome(task, outcome, "" if outcome == "ok" else f"scripted {outcome}",
-                                           copied * self.block_bytes)
+        self._finished[task] = TaskOutcome(
+            task, outcome, "" if outcome == "ok" else f"scripted {outcome}", copied * self.block_bytes
+        )
         return task
 
     def wait(self, task: int, timeout: float | None = None) -> TaskOutcome:

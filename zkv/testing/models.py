@@ -18,11 +18,25 @@ from ..wire.vocab import Dtype
 #: name -> LlamaConfig arguments
 CONFIGS: dict[str, dict[str, Any]] = {
     # the CI model: 4 layers, hidden 256, 8 heads, 4 KV heads (2.9 M parameters)
-    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "intermediate_size": 512, "vocab_size": 1000, "max_position_embeddings": 1024},
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "vocab_size": 1000,
+        "max_position_embeddings": 1024,
+    },
     # the benchmark model (27.7 M parameters), conversations up to 4k tokens
-    "bench": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "intermediate_size": 1408, "vocab_size": 4000, "max_position_embeddings": 8192},
+    "bench": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1408,
+        "vocab_size": 4000,
+        "max_position_embeddings": 8192,
+    },
 }
 
 

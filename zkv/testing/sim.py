@@ -13,13 +13,13 @@ import collections
 import itertools
 from dataclasses import dataclass, field
 
+from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
+from zkv.client.results import ResultBook
+from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Control, Error, Message, Reply, Result
 from zkv.wire.vocab import ControlOp, Outcome
-from zkv.broker.core import BrokerConfig, BrokerCore, Publish, ToClient, ToRank
-from zkv.wire.layout import CacheLayout
-from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
-from zkv.client.results import ResultBook
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
 CLIENT = b"client-A"
@@ -178,8 +178,15 @@ class Sim:
                 if sr.acked_pause:
                     sr.copies_after_ack += 1
             nbytes = 0 if ex.refuse else LAYOUT.block_bytes
-            result = Result(task=ex.task, rank=rank, world=len(self.ranks), outcome=Outcome.FAILED if ex.refuse else outcome,
-                            reason=ex.refuse, gen=ex.gen, bytes=nbytes)
+            result = Result(
+                task=ex.task,
+                rank=rank,
+                world=len(self.ranks),
+                outcome=Outcome.FAILED if ex.refuse else outcome,
+                reason=ex.refuse,
+                gen=ex.gen,
+                bytes=nbytes,
+            )
             self.results.append(result)
             self._final(self.book.on_result(result, self.now))
             self._drain_moved()

@@ -21,15 +21,53 @@ loader, a recording's books), ``compare`` (two traces' outcomes),
 
 from ..wire.ids import decode_ids, encode_ids
 from .compare import compare_outcomes, outcome_table
-from .format import (ACTION_EVENTS, CONTROL_REQUESTS, DEFAULT_CONTROL_CLIENT, DEFAULT_TASK_CLIENT, EVENTS, FORMAT_VERSION,
-                     INFO_EVENTS, LAYOUT_ENV, Header, Op, TaskSpec, Trace, TraceError, dump_records, header_record)
-from .synthetic import SHAPES, generate
+from .format import (
+    ACTION_EVENTS,
+    CONTROL_REQUESTS,
+    DEFAULT_CONTROL_CLIENT,
+    DEFAULT_TASK_CLIENT,
+    EVENTS,
+    FORMAT_VERSION,
+    INFO_EVENTS,
+    LAYOUT_ENV,
+    Header,
+    Op,
+    TaskSpec,
+    Trace,
+    TraceError,
+    dump_records,
+    header_record,
+)
 from .parse import check_recording, load_trace, parse_trace
 from .recorder import TraceRecorder, encode_event, format_events
+from .synthetic import SHAPES, generate
 
 __all__ = [
-    "ACTION_EVENTS", "CONTROL_REQUESTS", "DEFAULT_CONTROL_CLIENT", "DEFAULT_TASK_CLIENT", "EVENTS", "FORMAT_VERSION",
-    "INFO_EVENTS", "LAYOUT_ENV", "SHAPES", "Header", "Op", "TaskSpec", "Trace", "TraceError", "TraceRecorder",
-    "check_recording", "compare_outcomes", "decode_ids", "dump_records", "encode_event", "encode_ids",
-    "format_events", "generate", "header_record", "load_trace", "outcome_table", "parse_trace",
+    "ACTION_EVENTS",
+    "CONTROL_REQUESTS",
+    "DEFAULT_CONTROL_CLIENT",
+    "DEFAULT_TASK_CLIENT",
+    "EVENTS",
+    "FORMAT_VERSION",
+    "INFO_EVENTS",
+    "LAYOUT_ENV",
+    "SHAPES",
+    "Header",
+    "Op",
+    "TaskSpec",
+    "Trace",
+    "TraceError",
+    "TraceRecorder",
+    "check_recording",
+    "compare_outcomes",
+    "decode_ids",
+    "dump_records",
+    "encode_event",
+    "encode_ids",
+    "format_events",
+    "generate",
+    "header_record",
+    "load_trace",
+    "outcome_table",
+    "parse_trace",
 ]

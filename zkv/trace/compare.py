@@ -7,6 +7,7 @@ from typing import Any
 
 from .format import TaskSpec, Trace
 
+
 def outcome_table(trace: Trace) -> dict[tuple[int, int], tuple[list[str], int]]:
     """(client rank, task index) -> (recorded outcome sequence, submit line).
 
@@ -32,13 +33,24 @@ def compare_outcomes(a: Trace, b: Trace) -> list[dict[str, Any]]:
     bodies_a = {op.key: op.body for op in a.submits()}
     bodies_b = {op.key: op.body for op in b.submits()}
     if sorted(bodies_a.values()) != sorted(bodies_b.values()):
-        return [{"kind": "different_tasks", "lines_a": [], "lines_b": [],
-                 "message": f"the traces do not submit the same tasks ({len(bodies_a)} vs {len(bodies_b)} submits, or different bodies)"}]
+        return [
+            {
+                "kind": "different_tasks",
+                "lines_a": [],
+                "lines_b": [],
+                "message": f"the traces do not submit the same tasks ({len(bodies_a)} vs {len(bodies_b)} submits, or different bodies)",
+            }
+        ]
     diffs = []
     for k in sorted(set(ta) | set(tb)):
         (oa, la), (ob, lb) = ta.get(k, ([], 0)), tb.get(k, ([], 0))
         if oa != ob:
-            diffs.append({"kind": "different_outcomes", "lines_a": [la], "lines_b": [lb],
-                          "message": f"{a.source} line {la}: {oa or 'no outcome'} but {b.source} line {lb}: {ob or 'no outcome'}"})
+            diffs.append(
+                {
+                    "kind": "different_outcomes",
+                    "lines_a": [la],
+                    "lines_b": [lb],
+                    "message": f"{a.source} line {la}: {oa or 'no outcome'} but {b.source} line {lb}: {ob or 'no outcome'}",
+                }
+            )
     return diffs
-

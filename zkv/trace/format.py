@@ -121,4 +121,3 @@ def dump_records(records: Iterable[dict[str, Any]], out: IO[str]) -> None:
 
 def _now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-

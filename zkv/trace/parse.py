@@ -12,8 +12,22 @@ from typing import Any, Iterable, TextIO
 from ..wire import protocol as P
 from ..wire.ids import decode_ids
 from ..wire.layout import CacheLayout
-from .format import (CONTROL_REQUESTS, DEFAULT_CONTROL_CLIENT, DEFAULT_TASK_CLIENT, EVENTS, FORMAT_VERSION, _CONTROL_KEYS,
-                     _OUTCOME_KEYS, _SUBMIT_KEYS, Header, Op, TaskSpec, Trace, TraceError)
+from .format import (
+    _CONTROL_KEYS,
+    _OUTCOME_KEYS,
+    _SUBMIT_KEYS,
+    CONTROL_REQUESTS,
+    DEFAULT_CONTROL_CLIENT,
+    DEFAULT_TASK_CLIENT,
+    EVENTS,
+    FORMAT_VERSION,
+    Header,
+    Op,
+    TaskSpec,
+    Trace,
+    TraceError,
+)
+
 
 def _expect_list(value: Any, allowed: Iterable[str] | None, line: int, source: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
@@ -39,7 +53,9 @@ def _number(rec: dict, name: str, line: int, source: str) -> float | None:
 def _header(rec: dict, line: int, source: str) -> Header:
     version = rec.get("zkv_trace")
     if version != FORMAT_VERSION:
-        raise TraceError(line, f"unsupported trace format version {version!r}; this zkv reads version {FORMAT_VERSION}", source)
+        raise TraceError(
+            line, f"unsupported trace format version {version!r}; this zkv reads version {FORMAT_VERSION}", source
+        )
     world = rec.get("world")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise TraceError(line, f"header: world must be a positive integer, got {world!r}", source)
@@ -78,7 +94,6 @@ def _body(rec: dict, line: int, source: str) -> tuple[bytes, str]:
         extra["seed"] = rec["seed"]
     n = len(src if src is not None else dst or [])
     return P.encode_body(op, src, dst, **extra), f"{op} {n} block{'s' if n != 1 else ''}"
-
 
 
 def _label(value: Any, what: str, line: int, source: str) -> Any:
@@ -172,7 +187,9 @@ class _Parser:
             self.header = h
             return
         if h.world != self.header.world:
-            raise self.fail(f"appended session has world {h.world}, but the trace started with world {self.header.world}")
+            raise self.fail(
+                f"appended session has world {h.world}, but the trace started with world {self.header.world}"
+            )
         self.segment += 1
         self.offset, self.seg_t = self.last_t, 0.0
 
@@ -235,7 +252,7 @@ def _control_params(rec: dict, ev: str, line: int, source: str) -> dict[str, Any
         raise TraceError(line, f"keep_cpu belongs to clear, not {ev}", source)
     if ev == "resume" and rec.get("layout") is not None:
         if not isinstance(rec["layout"], dict):
-            raise TraceError(line, "resume layout must be an object like {\"gpu_blocks\": 128}", source)
+            raise TraceError(line, 'resume layout must be an object like {"gpu_blocks": 128}', source)
         params["layout"] = rec["layout"]
     elif "layout" in rec:
         raise TraceError(line, f"layout belongs to resume, not {ev}", source)
@@ -259,8 +276,17 @@ def check_recording(trace: Trace) -> list[dict[str, Any]]:
     for spec in trace.tasks.values():
         if len(spec.recorded) != 1:
             lines = [spec.line] + [ln for ln, _ in spec.recorded]
-            what = "no outcome record" if not spec.recorded else f"{len(spec.recorded)} outcome records ({', '.join(o for _, o in spec.recorded)})"
-            problems.append({"kind": "recorded_outcomes", "lines": lines, "task": spec.label,
-                             "message": f"task {spec.label} (line {spec.line}) has {what}"})
+            what = (
+                "no outcome record"
+                if not spec.recorded
+                else f"{len(spec.recorded)} outcome records ({', '.join(o for _, o in spec.recorded)})"
+            )
+            problems.append(
+                {
+                    "kind": "recorded_outcomes",
+                    "lines": lines,
+                    "task": spec.label,
+                    "message": f"task {spec.label} (line {spec.line}) has {what}",
+                }
+            )
     return problems
-

@@ -20,7 +20,8 @@ import msgpack
 from ..wire import protocol as P
 from ..wire.ids import encode_ids
 from ..wire.layout import CacheLayout
-from .format import LAYOUT_ENV, _CONTROL_KEYS, _now_iso, header_record
+from .format import _CONTROL_KEYS, LAYOUT_ENV, _now_iso, header_record
+
 
 def _submit_fields(body: bytes) -> dict[str, Any]:
     try:
@@ -44,7 +45,13 @@ def encode_event(ev: dict[str, Any], t0: float) -> dict[str, Any]:
     kind = ev.get("ev")
     t = round(max(0.0, ev.get("t", t0) - t0), 6)
     if kind == "submit":
-        return {"t": t, "ev": "submit", "client": ev.get("client"), "task": ev.get("task"), **_submit_fields(ev.get("body", b""))}
+        return {
+            "t": t,
+            "ev": "submit",
+            "client": ev.get("client"),
+            "task": ev.get("task"),
+            **_submit_fields(ev.get("body", b"")),
+        }
     rest = {k: v for k, v in ev.items() if k not in ("ev", "t", "op", "body")}
     if kind == "request":
         return {"t": t, "ev": ev.get("op"), **{k: v for k, v in rest.items() if k in _CONTROL_KEYS}}
@@ -115,8 +122,16 @@ class TraceRecorder:
     each broker session adds its own header (a new segment when replayed).
     """
 
-    def __init__(self, path: str, world: int, layout: CacheLayout | dict | None = None, *,
-                 flush_interval: float = 0.25, clock=time.monotonic, helper: bool = True):
+    def __init__(
+        self,
+        path: str,
+        world: int,
+        layout: CacheLayout | dict | None = None,
+        *,
+        flush_interval: float = 0.25,
+        clock=time.monotonic,
+        helper: bool = True,
+    ):
         if layout is None and os.environ.get(LAYOUT_ENV):
             try:
                 layout = CacheLayout.from_wire(json.loads(os.environ[LAYOUT_ENV]))
@@ -133,14 +148,22 @@ class TraceRecorder:
         self._closed = False
         self._seq = 0
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(header_record(world, layout, source="record", created=_now_iso(), pid=os.getpid())) + "\n")
+            f.write(
+                json.dumps(header_record(world, layout, source="record", created=_now_iso(), pid=os.getpid())) + "\n"
+            )
         self._file: TextIO | None = None
         self._proc: subprocess.Popen | None = None
         if helper:
             try:
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # find zkv as we did
-                self._proc = subprocess.Popen([sys.executable, "-c", _HELPER, path, repr(self.t0)], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE, bufsize=0, start_new_session=True, env=env)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", _HELPER, path, repr(self.t0)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    bufsize=0,
+                    start_new_session=True,
+                    env=env,
+                )
             except OSError:
                 self._proc = None
         self._thread = threading.Thread(target=self._run, name="zkv-trace-writer", daemon=True)
@@ -232,4 +255,3 @@ class TraceRecorder:
                 proc.stdout.close()
             if self._file is not None:
                 self._file.close()
-

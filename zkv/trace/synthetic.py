@@ -21,9 +21,21 @@ def _task_fields(rng: random.Random, layout: CacheLayout, i: int, max_blocks: in
     return {"op": "swap_in", "src": encode_ids(cpu), "dst": encode_ids(gpu)}
 
 
-def generate(shape: str, tasks: int = 100, seed: int = 0, *, world: int = 2, layout: CacheLayout | None = None,
-             rate: float = 200.0, clients: int | None = None, burst: int = 16, gap: float = 0.05,
-             every: int = 20, held: int = 2, max_blocks: int = 8) -> Iterator[dict[str, Any]]:
+def generate(
+    shape: str,
+    tasks: int = 100,
+    seed: int = 0,
+    *,
+    world: int = 2,
+    layout: CacheLayout | None = None,
+    rate: float = 200.0,
+    clients: int | None = None,
+    burst: int = 16,
+    gap: float = 0.05,
+    every: int = 20,
+    held: int = 2,
+    max_blocks: int = 8,
+) -> Iterator[dict[str, Any]]:
     """Records of a synthetic trace (header first), with the outcome each task should get.
 
     - ``steady``: tasks at ``rate`` per second, round-robin over ``clients`` (1).
@@ -47,8 +59,14 @@ def generate(shape: str, tasks: int = 100, seed: int = 0, *, world: int = 2, lay
     def task(i: int, t: float, expect: str) -> dict[str, Any]:
         c = i % n_clients
         counters[c] += 1
-        return {"t": round(t, 6), "ev": "submit", "client": f"c{c}", "task": counters[c],
-                **_task_fields(rng, layout, i, max_blocks), "expect": expect}
+        return {
+            "t": round(t, 6),
+            "ev": "submit",
+            "client": f"c{c}",
+            "task": counters[c],
+            **_task_fields(rng, layout, i, max_blocks),
+            "expect": expect,
+        }
 
     if shape == "steady":
         for i in range(tasks):

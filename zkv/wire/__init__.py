@@ -9,10 +9,23 @@ else of zkv.
 
 from .errors import ZkvError
 from .layout import CacheLayout
-from .outcome import RankFold, TaskOutcome
 from .messages import Message
+from .outcome import RankFold, TaskOutcome
 from .protocol import ProtocolError, TaskBody
 from .vocab import VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
-__all__ = ["VERSION", "CacheLayout", "ControlOp", "Dtype", "Message", "Op", "Outcome", "ProtocolError", "RankFold", "TaskBody",
-           "TaskOutcome", "Tier", "ZkvError"]
+__all__ = [
+    "VERSION",
+    "CacheLayout",
+    "ControlOp",
+    "Dtype",
+    "Message",
+    "Op",
+    "Outcome",
+    "ProtocolError",
+    "RankFold",
+    "TaskBody",
+    "TaskOutcome",
+    "Tier",
+    "ZkvError",
+]

@@ -40,7 +40,10 @@ _MAP16 = 0xDE  # a msgpack map of n < 16 entries is the byte 0x80 + n, then its 
 # typing's special forms, built from values at import (so the checker sees Any)
 _Annotated: Any = typing.Annotated
 _Literal: Any = typing.Literal
-_Z85_KEY = r"\A[%s]{%d}\Z" % ("".join(re.escape(c) for c in sorted(P._Z85)), P.Z85_KEY_LEN)  # \Z: "$" passes a final "\n"
+_Z85_KEY = r"\A[%s]{%d}\Z" % (
+    "".join(re.escape(c) for c in sorted(P._Z85)),
+    P.Z85_KEY_LEN,
+)  # \Z: "$" passes a final "\n"
 
 
 def _str(name: str) -> Any:
@@ -66,7 +69,9 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
     if (typ, name) == ("list", "digests"):
         digest = _Annotated[bytes, msgspec.Meta(min_length=P.DIGEST_BYTES, max_length=P.DIGEST_BYTES)]
         return _Annotated[list[digest], msgspec.Meta(max_length=P.LIST_MAX["digests"])]  # type: ignore[valid-type]
-    raise TypeError(f"the fast codec has no type for {kind}.{name} ({typ}); add one or leave the kind to protocol.decode")
+    raise TypeError(
+        f"the fast codec has no type for {kind}.{name} ({typ}); add one or leave the kind to protocol.decode"
+    )
 
 
 def wire_type(kind: str) -> type[Message]:
@@ -78,8 +83,16 @@ def wire_type(kind: str) -> type[Message]:
     fields += [(n, typing.Optional[_field_type(kind, n, t)], None) for n, t in optional.items()]
     fields.append(("v", _Literal[P.VERSION]))
     cls = MESSAGES[kind]
-    wire: Any = msgspec.defstruct(cls.__name__, fields, bases=(cls,), module=__name__, kw_only=True, frozen=True,
-                                  forbid_unknown_fields=True, tag=kind)
+    wire: Any = msgspec.defstruct(
+        cls.__name__,
+        fields,
+        bases=(cls,),
+        module=__name__,
+        kw_only=True,
+        frozen=True,
+        forbid_unknown_fields=True,
+        tag=kind,
+    )
     return wire
 
 
@@ -91,7 +104,9 @@ class _NoKind(Message, frozen=True, tag="\x00"):
 
 
 TYPES: dict[str, type[Message]] = {kind: wire_type(kind) for kind in HOT_KINDS}
-_TYPED: dict[str, Callable[[bytes], Any]] = {kind: msgspec.msgpack.Decoder(typing.Union[t, _NoKind]).decode for kind, t in TYPES.items()}
+_TYPED: dict[str, Callable[[bytes], Any]] = {
+    kind: msgspec.msgpack.Decoder(typing.Union[t, _NoKind]).decode for kind, t in TYPES.items()
+}
 Slow = Callable[[bytes, "tuple[str, ...] | None"], Any]
 
 
@@ -143,7 +158,9 @@ def encode_submit(task: int, reply_to: str, timeout_ms: int | None = None, reply
     return _encode(msg)
 
 
-def encode_task(seq: int, n: int, task: int, reply_to: str, gen: int, reply_key: str | None = None, session: int | None = None) -> bytes:
+def encode_task(
+    seq: int, n: int, task: int, reply_to: str, gen: int, reply_key: str | None = None, session: int | None = None
+) -> bytes:
     msg: dict[str, Any] = {"seq": seq, "n": n, "task": task, "reply_to": reply_to, "gen": gen}
     if reply_key is not None:
         msg["reply_key"] = reply_key
@@ -158,11 +175,22 @@ def encode_done(seq: int, n: int, outcome: str, gen: int, nbytes: int | None = N
     """``nbytes`` travels as ``bytes``."""
     if nbytes is None:
         return _encode({"seq": seq, "n": n, "outcome": outcome, "gen": gen, "v": P.VERSION, "kind": "done"})
-    return _encode({"seq": seq, "n": n, "outcome": outcome, "gen": gen, "bytes": nbytes, "v": P.VERSION, "kind": "done"})
+    return _encode(
+        {"seq": seq, "n": n, "outcome": outcome, "gen": gen, "bytes": nbytes, "v": P.VERSION, "kind": "done"}
+    )
 
 
-def encode_result(task: int, rank: int, world: int, outcome: str, reason: str, gen: int,
-                  nbytes: int | None = None, elapsed_us: int | None = None, digests: list[bytes] | None = None) -> bytes:
+def encode_result(
+    task: int,
+    rank: int,
+    world: int,
+    outcome: str,
+    reason: str,
+    gen: int,
+    nbytes: int | None = None,
+    elapsed_us: int | None = None,
+    digests: list[bytes] | None = None,
+) -> bytes:
     """``nbytes`` travels as ``bytes``."""
     msg: dict[str, Any] = {"task": task, "rank": rank, "world": world, "outcome": outcome, "reason": reason, "gen": gen}
     if nbytes is not None:

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from .protocol import MAX_IDS
 
+
 def encode_ids(ids: Sequence[int]) -> list[int] | str:
     """``[0,1,2,3,8]`` -> ``"0-3,8"`` when runs make it shorter, else the list."""
     n = len(ids)
@@ -34,7 +35,7 @@ def decode_ids(value: Any, what: str = "ids") -> list[int]:
     """A JSON array of integers, or a string like ``"0-3,8,10-11"``."""
     if isinstance(value, list):
         for x in value:
-            if not isinstance(x, int) or isinstance(x, bool) or not -2**31 <= x < 2**31:
+            if not isinstance(x, int) or isinstance(x, bool) or not -(2**31) <= x < 2**31:
                 raise ValueError(f"{what}: {x!r} is not a block id (an int32)")
         return value
     if isinstance(value, str):
@@ -54,5 +55,4 @@ def decode_ids(value: Any, what: str = "ids") -> list[int]:
         if len(ids) > MAX_IDS:
             raise ValueError(f"{what}: more than {MAX_IDS} ids")
         return ids
-    raise ValueError(f"{what} must be a list of ids or a range string like \"0-3,8\", got {type(value).__name__}")
-
+    raise ValueError(f'{what} must be a list of ids or a range string like "0-3,8", got {type(value).__name__}')

@@ -26,7 +26,9 @@ class CacheLayout:
         for name in ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if type(value) is not int or not 0 < value <= LAYOUT_MAX[name]:
-                raise ProtocolError("bad_field", f"layout.{name} must be an integer in 1..{LAYOUT_MAX[name]}, got {value!r}")
+                raise ProtocolError(
+                    "bad_field", f"layout.{name} must be an integer in 1..{LAYOUT_MAX[name]}, got {value!r}"
+                )
         if self.dtype not in DTYPES:
             raise ProtocolError("bad_field", f"layout.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

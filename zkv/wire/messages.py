@@ -293,13 +293,34 @@ class Body(Message, frozen=True):
 
 
 #: kind -> its class, in the order of docs/protocol.md §4.
-_CLASSES: tuple[type[Message], ...] = (Submit, Pause, Clear, Resume, Status, Ping, Reply, Error, OutcomeMsg, Ready, Heartbeat,
-                                        Done, Ack, Welcome, Refused, Reregister, Task, Control, Result, Body)
+_CLASSES: tuple[type[Message], ...] = (
+    Submit,
+    Pause,
+    Clear,
+    Resume,
+    Status,
+    Ping,
+    Reply,
+    Error,
+    OutcomeMsg,
+    Ready,
+    Heartbeat,
+    Done,
+    Ack,
+    Welcome,
+    Refused,
+    Reregister,
+    Task,
+    Control,
+    Result,
+    Body,
+)
 for _cls in _CLASSES:
     _cls.kind = str(_cls.__struct_config__.tag)  # the tag msgspec checks, readable as ``msg.kind``
 MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in _CLASSES}
 _WIRE_FIELDS: dict[str, tuple[str, ...]] = {
-    kind: tuple(n for n in cls.__struct_fields__ if n != "extra") for kind, cls in MESSAGES.items()}
+    kind: tuple(n for n in cls.__struct_fields__ if n != "extra") for kind, cls in MESSAGES.items()
+}
 
 
 def wire_fields(cls: type[Message]) -> tuple[str, ...]:
@@ -314,4 +335,12 @@ def from_wire(frame: bytes, expect_kinds: tuple[str, ...] | None = None) -> Mess
     return decode(frame, expect_kinds)
 
 
-__all__ = ["MESSAGES", "Message", "Ids", "Map", "from_wire", "wire_fields", *(cls.__name__ for cls in MESSAGES.values())]
+__all__ = [
+    "MESSAGES",
+    "Message",
+    "Ids",
+    "Map",
+    "from_wire",
+    "wire_fields",
+    *(cls.__name__ for cls in MESSAGES.values()),
+]

@@ -34,7 +34,9 @@ class TaskOutcome:
             "reason": self.reason,
             "bytes": self.bytes,
             "elapsed_ms": round(self.elapsed_s * 1000, 3),
-            "ranks": {str(r): {k: v for k, v in res.items() if k != "digests"} for r, res in sorted(self.per_rank.items())},
+            "ranks": {
+                str(r): {k: v for k, v in res.items() if k != "digests"} for r, res in sorted(self.per_rank.items())
+            },
         }
 
 

@@ -22,6 +22,7 @@ import msgspec
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
+
 MAX_SAFE_INT = 2**53 - 1
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
 MAX_IDS = 1 << 20
@@ -47,29 +48,45 @@ MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
 MAX_NEST_ITEMS = 256  # entries of a map / list field, nested ones counted too
 MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world of them)
 # layout fields (§4.8): block ids are int32; the rest far beyond any model
-LAYOUT_MAX: dict[str, int] = {"layers": 4096, "gpu_blocks": 2**31 - 1, "cpu_blocks": 2**31 - 1, "block_size": 65536,
-                              "kv_heads": 65536, "head_dim": 65536}
+LAYOUT_MAX: dict[str, int] = {
+    "layers": 4096,
+    "gpu_blocks": 2**31 - 1,
+    "cpu_blocks": 2**31 - 1,
+    "block_size": 65536,
+    "kv_heads": 65536,
+    "head_dim": 65536,
+}
 RESULT_SCHEMES = ("tcp://", "ipc://")  # reply_to: never inproc:// (it would reach our own sockets)
 Z85_KEY_LEN = 40
 
 # uint fields whose maximum is not MAX_SAFE_INT (inclusive; minimum is 0 unless listed)
 UINT_MAX: dict[str, int] = {
-    "world": MAX_WORLD, "rank": MAX_WORLD - 1,
-    "wait_ranks": MAX_WORLD, "timeout_ms": MAX_TIMEOUT_MS, "heartbeat_ms": MAX_TIMEOUT_MS,
-    "bytes": MAX_BYTES, "freed": MAX_BYTES, "pid": MAX_PID,
+    "world": MAX_WORLD,
+    "rank": MAX_WORLD - 1,
+    "wait_ranks": MAX_WORLD,
+    "timeout_ms": MAX_TIMEOUT_MS,
+    "heartbeat_ms": MAX_TIMEOUT_MS,
+    "bytes": MAX_BYTES,
+    "freed": MAX_BYTES,
+    "pid": MAX_PID,
 }
 UINT_MIN: dict[str, int] = {"world": 1, "heartbeat_ms": 1}
 # Counters a broker may adopt from a rank: below MAX_COUNTER, so that the +1 per
 # op the broker then adds (and sends in control / welcome / task, which take
 # up to MAX_SAFE_INT) stays safe for 2^52 more ops.
 ADOPTED_MAX: dict[tuple[str, str], int] = {
-    ("ready", "gen"): MAX_COUNTER, ("ack", "gen"): MAX_COUNTER, ("ack", "epoch"): MAX_COUNTER, ("done", "gen"): MAX_COUNTER,
+    ("ready", "gen"): MAX_COUNTER,
+    ("ack", "gen"): MAX_COUNTER,
+    ("ack", "epoch"): MAX_COUNTER,
+    ("done", "gen"): MAX_COUNTER,
 }
 
 
 def uint_bounds(kind: str, name: str) -> tuple[int, int]:
     """The inclusive range of uint field ``name`` in a ``kind`` message."""
     return UINT_MIN.get(name, 0), ADOPTED_MAX.get((kind, name), UINT_MAX.get(name, MAX_SAFE_INT))
+
+
 # list fields: most entries
 LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
 # str fields with a fixed set of values, per (kind, field)
@@ -81,8 +98,12 @@ CONTROL_OPS = tuple(o.value for o in ControlOp)
 _RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
 _CLIENT_OPS = tuple(o.value for o in CLIENT_OPS)
 ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("done", "outcome"): _RANK_OUTCOMES, ("result", "outcome"): _RANK_OUTCOMES, ("outcome", "outcome"): OUTCOMES,
-    ("ack", "op"): _CLIENT_OPS, ("control", "op"): _CLIENT_OPS, ("welcome", "op"): CONTROL_OPS,
+    ("done", "outcome"): _RANK_OUTCOMES,
+    ("result", "outcome"): _RANK_OUTCOMES,
+    ("outcome", "outcome"): OUTCOMES,
+    ("ack", "op"): _CLIENT_OPS,
+    ("control", "op"): _CLIENT_OPS,
+    ("welcome", "op"): CONTROL_OPS,
 }
 
 
@@ -112,8 +133,10 @@ def _schema_type(annotation: Any) -> str:
 def _schema(cls: type[Message]) -> tuple[dict[str, str], dict[str, str]]:
     info = {f.name: f for f in msgspec.structs.fields(cls)}
     names = wire_fields(cls)
-    return ({n: _schema_type(info[n].type) for n in names if info[n].required},
-            {n: _schema_type(info[n].type) for n in names if not info[n].required})
+    return (
+        {n: _schema_type(info[n].type) for n in names if info[n].required},
+        {n: _schema_type(info[n].type) for n in names if not info[n].required},
+    )
 
 
 # kind -> (required fields, optional fields), read off the message classes (messages.py)
@@ -138,7 +161,7 @@ def is_result_address(address: Any) -> bool:
         return len(address) > len("ipc://")
     if not address.startswith("tcp://"):
         return False
-    host, _, port = address[len("tcp://"):].rpartition(":")
+    host, _, port = address[len("tcp://") :].rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536 or not port.isascii():
         return False
     if host.startswith("[") and host.endswith("]"):
@@ -204,7 +227,10 @@ def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
     elif typ == _L:
         ok = isinstance(value, list)
         if ok and len(value) > LIST_MAX.get(name, MAX_NEST_ITEMS):
-            raise ProtocolError("too_large" if name == "digests" else "bad_field", f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries")
+            raise ProtocolError(
+                "too_large" if name == "digests" else "bad_field",
+                f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries",
+            )
         if ok and name == "upto" and not all(is_uint(x) for x in value):
             raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
         if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
@@ -320,7 +346,7 @@ def unpack_ids(value: Any, field: str = "ids") -> list[int]:
         if len(value) > MAX_IDS:
             raise ProtocolError("too_large", f"{field}: more than {MAX_IDS} ids")
         for x in value:
-            if type(x) is not int or not -2**31 <= x < 2**31:  # the same range as packed int32
+            if type(x) is not int or not -(2**31) <= x < 2**31:  # the same range as packed int32
                 raise ProtocolError("bad_field", f"{field}: ids must be int32 integers")
         return value
     raise ProtocolError("bad_field", f"{field}: ids must be an array of integers or packed int32 bytes")

@@ -24,14 +24,32 @@ from .layout import model_layout, regions
 def cache_entries(engine: TransformersCBEngine) -> list[TensorEntry]:
     """The engine's current cache as regions zkv can copy block by block."""
     layout = engine.layout
-    return regions(engine.cache_tensor, layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, layout.dtype)
+    return regions(
+        engine.cache_tensor, layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, layout.dtype
+    )
 
 
-def start_rank(engine: TransformersCBEngine, rank: int, world: int, endpoints: Endpoints, cpu_rows: int, *,
-               timeout: float = 30.0, **agent_args: Any) -> RankAgent:
+def start_rank(
+    engine: TransformersCBEngine,
+    rank: int,
+    world: int,
+    endpoints: Endpoints,
+    cpu_rows: int,
+    *,
+    timeout: float = 30.0,
+    **agent_args: Any,
+) -> RankAgent:
     """A rank of the bus on ``engine``'s cache, registered with the broker when this returns."""
-    agent = RankAgent(rank, world, endpoints.backend, endpoints.control, cache_entries(engine), cpu_rows,
-                      layout=model_layout(engine.layout), **agent_args)
+    agent = RankAgent(
+        rank,
+        world,
+        endpoints.backend,
+        endpoints.control,
+        cache_entries(engine),
+        cpu_rows,
+        layout=model_layout(engine.layout),
+        **agent_args,
+    )
     agent.start(timeout)
     return agent
 

@@ -111,7 +111,9 @@ class TransformersCBEngine:
 
     # -------------------------------------------------------------- requests
 
-    def submit(self, request_id: str, input_ids: list[int], max_new_tokens: int | None = None, keep: bool = True) -> None:
+    def submit(
+        self, request_id: str, input_ids: list[int], max_new_tokens: int | None = None, keep: bool = True
+    ) -> None:
         """Queue a new request; with ``keep`` its KV is parked when it finishes."""
         if request_id in self._conversations:
             raise ValueError(f"conversation {request_id!r} is parked: continue_request or forget it")
@@ -174,7 +176,11 @@ class TransformersCBEngine:
         deadline = time.monotonic() + timeout
         while request_id not in self._results:
             try:
-                output = output_queue.get(timeout=max(0.0, deadline - time.monotonic())) if timeout else output_queue.get_nowait()
+                output = (
+                    output_queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    if timeout
+                    else output_queue.get_nowait()
+                )
             except queue.Empty:
                 return None
             self._results[output.request_id] = output
@@ -344,7 +350,12 @@ class TransformersCBEngine:
         def finish_request(request_id: str) -> None:
             state = scheduler.active_requests.get(request_id)
             table = self._allocator().block_table
-            if request_id in self._keep and state is not None and state.status == RequestStatus.FINISHED and request_id in table:
+            if (
+                request_id in self._keep
+                and state is not None
+                and state.status == RequestStatus.FINISHED
+                and request_id in table
+            ):
                 with self._lock:
                     self._keep.discard(request_id)
                     tokens = tuple(state.initial_tokens) + tuple(state.generated_tokens)

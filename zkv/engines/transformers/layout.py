@@ -45,20 +45,29 @@ class KVLayout:
         return cache_tensor.view(self.dtype).view(shape)
 
 
-def regions(cache_tensor: torch.Tensor, layers: int, block_size: int, kv_heads: int, head_dim: int,
-            dtype: torch.dtype) -> list[TensorEntry]:
+def regions(
+    cache_tensor: torch.Tensor, layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> list[TensorEntry]:
     """The flat uint8 cache as one region, a row per block id (scratch rows included)."""
     if not isinstance(cache_tensor, torch.Tensor) or cache_tensor.dtype != torch.uint8 or cache_tensor.dim() != 1:
         raise CacheError("bad_layout", "tensor 'cache_tensor' must be one flat uint8 tensor")
     page = layers * 2 * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
     if cache_tensor.numel() % page or not cache_tensor.is_contiguous():
-        raise CacheError("bad_layout", f"tensor 'cache_tensor' of {cache_tensor.numel()} bytes is not a contiguous "
-                         f"whole number of {page}-byte blocks")
+        raise CacheError(
+            "bad_layout",
+            f"tensor 'cache_tensor' of {cache_tensor.numel()} bytes is not a contiguous "
+            f"whole number of {page}-byte blocks",
+        )
     return [TensorEntry("cache_tensor", cache_tensor.view(-1, page))]
 
 
 def model_layout(layout: KVLayout) -> CacheLayout:
     """The model fields a rank on this cache announces; the rank sets ``gpu_blocks`` (its block
     count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.store.bus_layout``)."""
-    return CacheLayout(layers=layout.layers, block_size=layout.block_size, kv_heads=layout.kv_heads,
-                       head_dim=layout.head_dim, dtype=WIRE_DTYPES.get(layout.dtype, Dtype.BF16))
+    return CacheLayout(
+        layers=layout.layers,
+        block_size=layout.block_size,
+        kv_heads=layout.kv_heads,
+        head_dim=layout.head_dim,
+        dtype=WIRE_DTYPES.get(layout.dtype, Dtype.BF16),
+    )

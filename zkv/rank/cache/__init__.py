@@ -3,12 +3,23 @@
 layout adapters and cross-process manifests.  Torch only; nothing here knows
 about sockets or the protocol."""
 
-from .errors import CacheError
-from .regions import EngineCache, RegionSpec, CacheDescriptor
-from .tier import CpuTier
 from .copier import CopyEngine
+from .errors import CacheError
 from .memory import EngineMemory, MemorySource, OwnedMemory
+from .regions import CacheDescriptor, EngineCache, RegionSpec
 from .store import BlockStore, TaskInvalid
+from .tier import CpuTier
 
-__all__ = ["BlockStore", "CacheError", "CacheDescriptor", "CopyEngine", "CpuTier", "EngineCache", "EngineMemory",
-           "MemorySource", "OwnedMemory", "RegionSpec", "TaskInvalid"]
+__all__ = [
+    "BlockStore",
+    "CacheError",
+    "CacheDescriptor",
+    "CopyEngine",
+    "CpuTier",
+    "EngineCache",
+    "EngineMemory",
+    "MemorySource",
+    "OwnedMemory",
+    "RegionSpec",
+    "TaskInvalid",
+]

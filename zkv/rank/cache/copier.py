@@ -63,7 +63,7 @@ def _copy_rows_cpu(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, i
     memmove = ctypes.memmove
     for s, d, n in runs:
         if n >= SLICE_COPY_MIN_ROWS:
-            dst[d:d + n].copy_(src[s:s + n])
+            dst[d : d + n].copy_(src[s : s + n])
         elif ss == ds == page:
             memmove(dp + d * ds, sp + s * ss, n * page)
         else:
@@ -87,9 +87,9 @@ def _copy_groups_cpu(groups: list[CpuGroup], runs: list[tuple[int, int, int]], o
             if count == 1 or n * count < SLICE_COPY_MIN_ROWS:
                 rest.append((s, d, n))
             elif out:
-                np.copyto(tier_np[d:d + n], engine_np[:, s:s + n].transpose(1, 0, 2))
+                np.copyto(tier_np[d : d + n], engine_np[:, s : s + n].transpose(1, 0, 2))
             else:
-                np.copyto(engine_np[:, d:d + n], tier_np[s:s + n].transpose(1, 0, 2))
+                np.copyto(engine_np[:, d : d + n], tier_np[s : s + n].transpose(1, 0, 2))
         for view, column in zip(views, columns) if rest else ():
             if out:
                 _copy_rows_cpu(view, column, rest)
@@ -110,15 +110,23 @@ class CopyEngine:
     ``cuda`` forces the CUDA control flow (the recording fakes of the tests
     run it on CPU tensors); by default it follows the cache's device."""
 
-    def __init__(self, cache: EngineCache, tier: CpuTier, compute_stream: Any = None,
-                 staging_bytes: int = STAGING_BYTES, cuda: bool | None = None):
+    def __init__(
+        self,
+        cache: EngineCache,
+        tier: CpuTier,
+        compute_stream: Any = None,
+        staging_bytes: int = STAGING_BYTES,
+        cuda: bool | None = None,
+    ):
         if not tier.fits(cache.descriptor):
             raise CacheError("bad_layout", "the CPU tier's rows do not match the cache's regions (page shape differs)")
         self.cache = cache
         self.tier = tier
         self.cuda = cache.device.type == "cuda" if cuda is None else cuda
         if self.cuda and cache.device.type == "cuda" and not tier.pinned:
-            raise CacheError("bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)")
+            raise CacheError(
+                "bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)"
+            )
         self.staged = StagedCopier(cache, tier.store, compute_stream, staging_bytes) if self.cuda else None
 
     def _groups_cpu(self, views: list[torch.Tensor]) -> list[CpuGroup]:
@@ -127,8 +135,17 @@ class CopyEngine:
         (``EngineCache.derived``), so its release drops them, numpy views too."""
         out, i = [], 0
         for g in group_regions(views, 1):
-            tier3 = self.tier.store[:, g.column:g.column + g.count * g.page].view(self.tier.rows, g.count, g.page)
-            out.append((g.source, tier3, views[i:i + g.count], self.tier.columns[i:i + g.count], g.source.numpy(), tier3.numpy()))
+            tier3 = self.tier.store[:, g.column : g.column + g.count * g.page].view(self.tier.rows, g.count, g.page)
+            out.append(
+                (
+                    g.source,
+                    tier3,
+                    views[i : i + g.count],
+                    self.tier.columns[i : i + g.count],
+                    g.source.numpy(),
+                    tier3.numpy(),
+                )
+            )
             i += g.count
         return out
 
@@ -156,7 +173,9 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_out(src_blocks, dst_rows, wait_event)
         else:
-            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_blocks, dst_rows), out=True)
+            _copy_groups_cpu(
+                self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_blocks, dst_rows), out=True
+            )
         return len(src_blocks) * self.cache.descriptor.block_bytes
 
     def copy_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
@@ -164,14 +183,18 @@ class CopyEngine:
         if self.staged is not None:
             self.staged.swap_in(src_rows, dst_blocks, wait_event)
         else:
-            _copy_groups_cpu(self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_rows, dst_blocks), out=False)
+            _copy_groups_cpu(
+                self.cache.derived("cpu_groups", self._groups_cpu), coalesce(src_rows, dst_blocks), out=False
+            )
         return len(src_rows) * self.cache.descriptor.block_bytes
 
     def _check(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if self.cache.released:
             raise CacheError("released", "the engine cache was released (cleared); attach a new generation")
         if len(src) != len(dst) or not src:
-            raise CacheError("bad_block_id", f"src and dst must be equally long and non-empty ({len(src)} vs {len(dst)})")
+            raise CacheError(
+                "bad_block_id", f"src and dst must be equally long and non-empty ({len(src)} vs {len(dst)})"
+            )
         for b in (*src, *dst):
             if type(b) is not int:
                 raise CacheError("bad_block_id", f"block id {b!r} is not an integer")

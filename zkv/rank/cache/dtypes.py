@@ -10,7 +10,11 @@ import torch
 
 from ...wire.vocab import Dtype
 
-TORCH_DTYPES: dict[Dtype, torch.dtype] = {Dtype.BF16: torch.bfloat16, Dtype.FP16: torch.float16, Dtype.FP32: torch.float32}
+TORCH_DTYPES: dict[Dtype, torch.dtype] = {
+    Dtype.BF16: torch.bfloat16,
+    Dtype.FP16: torch.float16,
+    Dtype.FP32: torch.float32,
+}
 WIRE_DTYPES: dict[torch.dtype, Dtype] = {t: d for d, t in TORCH_DTYPES.items()}  # a torch dtype's wire name
 
 __all__ = ["TORCH_DTYPES", "WIRE_DTYPES"]

@@ -13,8 +13,19 @@ from __future__ import annotations
 
 from ...wire.errors import ZkvError
 
-CODES = frozenset({"bad_layout", "bad_block_id", "released", "bad_manifest", "missing_file",
-                   "size_mismatch", "stale_manifest", "no_device", "no_cache"})
+CODES = frozenset(
+    {
+        "bad_layout",
+        "bad_block_id",
+        "released",
+        "bad_manifest",
+        "missing_file",
+        "size_mismatch",
+        "stale_manifest",
+        "no_device",
+        "no_cache",
+    }
+)
 
 
 class CacheError(ZkvError, ValueError):

@@ -23,13 +23,13 @@ import os
 import stat
 import uuid
 from dataclasses import dataclass
-from typing import cast, Any, Sequence
+from typing import Any, Sequence, cast
 
 import msgpack
 import torch
 
 from .errors import CacheError
-from .regions import MAX_INT, CacheDescriptor, EngineCache, TensorEntry, canonicalize, _storage_bytes
+from .regions import MAX_INT, CacheDescriptor, EngineCache, TensorEntry, _storage_bytes, canonicalize
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
@@ -81,6 +81,7 @@ class ShmArena:
 
 # --- engine side: export ---------------------------------------------------------
 
+
 def device_uuid(index: int) -> str:
     """The UUID of CUDA device ``index`` as this process numbers it."""
     return str(torch.cuda.get_device_properties(index).uuid)
@@ -88,13 +89,27 @@ def device_uuid(index: int) -> str:
 
 def _cuda_handle(storage: torch.UntypedStorage) -> dict[str, Any]:
     dev, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
-    return {"kind": "cuda_ipc", "device_uuid": device_uuid(storage.device.index if storage.device.index is not None else dev),
-            "handle": bytes(handle), "size": size, "offset": offset, "ref_counter_handle": bytes(rc_handle),
-            "ref_counter_offset": rc_offset, "event_handle": bytes(ev_handle or b""), "event_sync_required": bool(ev_sync)}
+    return {
+        "kind": "cuda_ipc",
+        "device_uuid": device_uuid(storage.device.index if storage.device.index is not None else dev),
+        "handle": bytes(handle),
+        "size": size,
+        "offset": offset,
+        "ref_counter_handle": bytes(rc_handle),
+        "ref_counter_offset": rc_offset,
+        "event_handle": bytes(ev_handle or b""),
+        "event_sync_required": bool(ev_sync),
+    }
 
 
-def export_manifest(path: str, entries: Sequence[TensorEntry], generation: int, arena: ShmArena | None = None,
-                    num_blocks: int | None = None, instance: str | None = None) -> dict[str, Any]:
+def export_manifest(
+    path: str,
+    entries: Sequence[TensorEntry],
+    generation: int,
+    arena: ShmArena | None = None,
+    num_blocks: int | None = None,
+    instance: str | None = None,
+) -> dict[str, Any]:
     """Describe the engine's tensors, write the manifest to ``path`` atomically, return it.
 
     CPU tensors must come from ``arena``; CUDA tensors are shared by IPC handle.
@@ -108,11 +123,19 @@ def export_manifest(path: str, entries: Sequence[TensorEntry], generation: int, 
             continue
         file = arena.path_of(storage) if arena is not None else None
         if file is None:
-            raise CacheError("bad_layout", f"CPU tensor {spec.name!r} is not in shared memory: allocate it with ShmArena.tensor")
+            raise CacheError(
+                "bad_layout", f"CPU tensor {spec.name!r} is not in shared memory: allocate it with ShmArena.tensor"
+            )
         handles.append({"kind": "shm", "path": file, "file_bytes": os.stat(file).st_size, "offset": 0})
     del flats
-    manifest = {"zkv_manifest": MANIFEST_VERSION, "instance": instance or PROCESS_INSTANCE, "generation": generation,
-                "nonce": uuid.uuid4().hex, "descriptor": descriptor.to_dict(), "handles": handles}
+    manifest = {
+        "zkv_manifest": MANIFEST_VERSION,
+        "instance": instance or PROCESS_INSTANCE,
+        "generation": generation,
+        "nonce": uuid.uuid4().hex,
+        "descriptor": descriptor.to_dict(),
+        "handles": handles,
+    }
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(msgpack.packb(manifest, use_bin_type=True))
@@ -121,6 +144,7 @@ def export_manifest(path: str, entries: Sequence[TensorEntry], generation: int, 
 
 
 # --- worker side: read and map ---------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -150,9 +174,17 @@ def _check(where: str, value: Any, kind: type, limit: int = MAX_INT) -> Any:
 
 _HANDLE_FIELDS = {
     "shm": {"kind": str, "path": str, "file_bytes": int, "offset": int},
-    "cuda_ipc": {"kind": str, "device_uuid": str, "handle": bytes, "size": int, "offset": int,
-                 "ref_counter_handle": bytes, "ref_counter_offset": int, "event_handle": bytes,
-                 "event_sync_required": bool},
+    "cuda_ipc": {
+        "kind": str,
+        "device_uuid": str,
+        "handle": bytes,
+        "size": int,
+        "offset": int,
+        "ref_counter_handle": bytes,
+        "ref_counter_offset": int,
+        "event_handle": bytes,
+        "event_sync_required": bool,
+    },
 }
 
 
@@ -189,11 +221,18 @@ def parse_manifest(data: bytes, shm_dir: str = SHM_DIR) -> Manifest:
             if os.path.dirname(path) != shm_dir or not os.path.basename(path).startswith(SHM_PREFIX):
                 raise _bad(f"handles[{i}].path {path!r} is not a {SHM_PREFIX}* file in {shm_dir}")
             if h["offset"] + spec.nbytes > h["file_bytes"]:
-                raise _bad(f"buffer {spec.name!r} ({spec.nbytes} bytes at {h['offset']}) is past its file's {h['file_bytes']} bytes")
+                raise _bad(
+                    f"buffer {spec.name!r} ({spec.nbytes} bytes at {h['offset']}) is past its file's {h['file_bytes']} bytes"
+                )
         elif h["offset"] > MAX_INT or h["size"] < spec.nbytes:
             raise _bad(f"buffer {spec.name!r} of {spec.nbytes} bytes does not fit its IPC storage of {h['size']}")
-    return Manifest(_check("instance", m["instance"], str), _check("generation", m["generation"], int),
-                    _check("nonce", m["nonce"], str), descriptor, tuple(handles))
+    return Manifest(
+        _check("instance", m["instance"], str),
+        _check("generation", m["generation"], int),
+        _check("nonce", m["nonce"], str),
+        descriptor,
+        tuple(handles),
+    )
 
 
 def read_manifest(path: str, shm_dir: str = SHM_DIR) -> Manifest:
@@ -214,11 +253,15 @@ def _map_shm(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise CacheError("missing_file", f"shared-memory file {path!r} of buffer {spec_name!r} does not exist") from None
+        raise CacheError(
+            "missing_file", f"shared-memory file {path!r} of buffer {spec_name!r} does not exist"
+        ) from None
     if not stat.S_ISREG(st.st_mode):
         raise _bad(f"shared-memory file {path!r} of buffer {spec_name!r} is not a regular file")
     if st.st_size != h["file_bytes"]:
-        raise CacheError("size_mismatch", f"shared-memory file {path!r} has {st.st_size} bytes, the manifest says {h['file_bytes']}")
+        raise CacheError(
+            "size_mismatch", f"shared-memory file {path!r} has {st.st_size} bytes, the manifest says {h['file_bytes']}"
+        )
     storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, True, h["file_bytes"]))
     return _storage_bytes(storage).narrow(0, h["offset"], nbytes)
 
@@ -236,23 +279,39 @@ def _map_cuda(h: dict[str, Any], spec_name: str, nbytes: int) -> torch.Tensor:
     torch.cuda._lazy_init()  # as torch's own rebuild_cuda_tensor does before opening a handle
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
-            index, h["handle"], h["size"], h["offset"], h["ref_counter_handle"], h["ref_counter_offset"],
-            h["event_handle"], h["event_sync_required"])
+            index,
+            h["handle"],
+            h["size"],
+            h["offset"],
+            h["ref_counter_handle"],
+            h["ref_counter_offset"],
+            h["event_handle"],
+            h["event_sync_required"],
+        )
     except RuntimeError as exc:
         raise _bad(f"CUDA IPC open of buffer {spec_name!r} failed: {exc}") from None
     return _storage_bytes(storage).narrow(0, 0, nbytes)
 
 
-def attach(path: str, expect_generation: int | None = None, expect_nonce: str | None = None,
-           expect_instance: str | None = None, shm_dir: str = SHM_DIR) -> EngineCache:
+def attach(
+    path: str,
+    expect_generation: int | None = None,
+    expect_nonce: str | None = None,
+    expect_instance: str | None = None,
+    shm_dir: str = SHM_DIR,
+) -> EngineCache:
     """Map a manifest's buffers and return the engine cache; ``release()`` unmaps it.
 
     A generation, nonce or engine instance other than the expected one is ``stale_manifest``."""
     m = read_manifest(path, shm_dir)
     if expect_instance is not None and m.instance != expect_instance:
-        raise CacheError("stale_manifest", f"manifest {path!r} is from engine instance {m.instance}, expected {expect_instance}")
+        raise CacheError(
+            "stale_manifest", f"manifest {path!r} is from engine instance {m.instance}, expected {expect_instance}"
+        )
     if expect_generation is not None and m.generation != expect_generation:
-        raise CacheError("stale_manifest", f"manifest {path!r} is generation {m.generation}, expected {expect_generation}")
+        raise CacheError(
+            "stale_manifest", f"manifest {path!r} is generation {m.generation}, expected {expect_generation}"
+        )
     if expect_nonce is not None and m.nonce != expect_nonce:
         raise CacheError("stale_manifest", f"manifest {path!r} has nonce {m.nonce}, expected {expect_nonce}")
     flats: list[torch.Tensor] = []

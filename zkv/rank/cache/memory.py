@@ -82,9 +82,13 @@ class OwnedMemory:
 
     def acquire(self, layout: CacheLayout) -> EngineCache:
         shape = (layout.kv_heads, layout.block_size, layout.head_dim)
-        store = torch.zeros((2 * layout.layers, layout.gpu_blocks, *shape), dtype=TORCH_DTYPES[Dtype(layout.dtype)], device=self.device)
+        store = torch.zeros(
+            (2 * layout.layers, layout.gpu_blocks, *shape), dtype=TORCH_DTYPES[Dtype(layout.dtype)], device=self.device
+        )
         tensors = list(store.unbind(0))  # K0, V0, K1, V1, ...
-        cache = EngineCache.from_tensors(layouts.zkv_native(tensors[0::2], tensors[1::2]), generation=next(self._generations))
+        cache = EngineCache.from_tensors(
+            layouts.zkv_native(tensors[0::2], tensors[1::2]), generation=next(self._generations)
+        )
         self.store = store
         return cache
 
@@ -109,8 +113,15 @@ class EngineMemory:
     next one (``hand_over`` first, else ``source()``), which must be a newer
     generation (the store checks) with the bus layout's block count."""
 
-    def __init__(self, first: EngineCache, *, compute_stream: Any = None, pin: bool | None = None,
-                 source: Callable[[], EngineCache] | None = None, staging_bytes: int = STAGING_BYTES):
+    def __init__(
+        self,
+        first: EngineCache,
+        *,
+        compute_stream: Any = None,
+        pin: bool | None = None,
+        source: Callable[[], EngineCache] | None = None,
+        staging_bytes: int = STAGING_BYTES,
+    ):
         self.device = first.device
         self.compute_stream = compute_stream
         self._pin = pin
@@ -135,13 +146,19 @@ class EngineMemory:
             new, self._pending = self._pending, None
         if new is None:
             if self.source is None:
-                raise CacheError("no_cache", "no new engine cache to attach for this resume "
-                                 "(in process: RankAgent.attach(new tensors) before the resume)")
+                raise CacheError(
+                    "no_cache",
+                    "no new engine cache to attach for this resume "
+                    "(in process: RankAgent.attach(new tensors) before the resume)",
+                )
             new = self.source()  # CacheError: missing, bad or unreadable manifest (nothing mapped)
         if new.num_blocks != layout.gpu_blocks:
             new.release()
-            raise CacheError("bad_layout", f"the engine's new cache has {new.num_blocks} blocks, the bus layout "
-                             f"says gpu_blocks={layout.gpu_blocks} (resume with that gpu_blocks)")
+            raise CacheError(
+                "bad_layout",
+                f"the engine's new cache has {new.num_blocks} blocks, the bus layout "
+                f"says gpu_blocks={layout.gpu_blocks} (resume with that gpu_blocks)",
+            )
         self.device = new.device
         return new
 

@@ -22,7 +22,6 @@ overlap) is refused here, at attach time, with ``CacheError("bad_layout")``.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Iterable, Sequence
@@ -38,8 +37,19 @@ MAX_REGIONS = 4096
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in ("bfloat16", "float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
-                 "float8_e4m3fn", "float8_e5m2")
+    for name in (
+        "bfloat16",
+        "float16",
+        "float32",
+        "float64",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
     if hasattr(torch, name)
 }
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -65,7 +75,7 @@ class BufferSpec:
     name: str
     nbytes: int
     device: str  # "cpu" or "cuda"; which GPU is the manifest's business (by UUID)
-    dtype: str   # the element type the engine's tensors use on it (informational)
+    dtype: str  # the element type the engine's tensors use on it (informational)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "nbytes": self.nbytes, "device": self.device, "dtype": self.dtype}
@@ -74,11 +84,17 @@ class BufferSpec:
     def from_dict(cls, data: Any, where: str) -> "BufferSpec":
         fields = _fields(data, where, ("name", "nbytes", "device", "dtype"))
         if fields["device"] not in DEVICE_KINDS:
-            raise CacheError("bad_layout", f"{where}.device must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}")
+            raise CacheError(
+                "bad_layout", f"{where}.device must be one of {', '.join(DEVICE_KINDS)}, got {fields['device']!r}"
+            )
         if fields["dtype"] not in DTYPES:
             raise CacheError("bad_layout", f"{where}.dtype {fields['dtype']!r} is not a known dtype")
-        return cls(_name(f"{where}.name", fields["name"]), _uint(f"{where}.nbytes", fields["nbytes"], 1),
-                   fields["device"], fields["dtype"])
+        return cls(
+            _name(f"{where}.name", fields["name"]),
+            _uint(f"{where}.nbytes", fields["nbytes"], 1),
+            fields["device"],
+            fields["dtype"],
+        )
 
 
 @dataclass(frozen=True)
@@ -97,16 +113,26 @@ class RegionSpec:
         return self.offset, self.offset + (num_blocks - 1) * self.row_stride + self.page_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "buffer": self.buffer, "offset": self.offset, "row_stride": self.row_stride,
-                "page_bytes": self.page_bytes, "units_per_block": self.units_per_block}
+        return {
+            "name": self.name,
+            "buffer": self.buffer,
+            "offset": self.offset,
+            "row_stride": self.row_stride,
+            "page_bytes": self.page_bytes,
+            "units_per_block": self.units_per_block,
+        }
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "RegionSpec":
         f = _fields(data, where, ("name", "buffer", "offset", "row_stride", "page_bytes", "units_per_block"))
-        return cls(_name(f"{where}.name", f["name"]), _uint(f"{where}.buffer", f["buffer"]),
-                   _uint(f"{where}.offset", f["offset"]), _uint(f"{where}.row_stride", f["row_stride"], 1),
-                   _uint(f"{where}.page_bytes", f["page_bytes"], 1),
-                   _uint(f"{where}.units_per_block", f["units_per_block"], 1))
+        return cls(
+            _name(f"{where}.name", f["name"]),
+            _uint(f"{where}.buffer", f["buffer"]),
+            _uint(f"{where}.offset", f["offset"]),
+            _uint(f"{where}.row_stride", f["row_stride"], 1),
+            _uint(f"{where}.page_bytes", f["page_bytes"], 1),
+            _uint(f"{where}.units_per_block", f["units_per_block"], 1),
+        )
 
 
 def _fields(data: Any, where: str, names: Sequence[str]) -> dict[str, Any]:
@@ -150,13 +176,21 @@ class CacheDescriptor:
             raise CacheError("bad_layout", "region names must be unique")
         for r in self.regions:
             if r.buffer >= len(self.buffers):
-                raise CacheError("bad_layout", f"region {r.name!r} names buffer {r.buffer}, there are {len(self.buffers)}")
+                raise CacheError(
+                    "bad_layout", f"region {r.name!r} names buffer {r.buffer}, there are {len(self.buffers)}"
+                )
             if r.row_stride < r.page_bytes and self.num_blocks > 1:
-                raise CacheError("bad_layout", f"region {r.name!r}: pages overlap (row stride {r.row_stride} < page {r.page_bytes} bytes)")
+                raise CacheError(
+                    "bad_layout",
+                    f"region {r.name!r}: pages overlap (row stride {r.row_stride} < page {r.page_bytes} bytes)",
+                )
             end = r.span(self.num_blocks)[1]
             if end > self.buffers[r.buffer].nbytes:
-                raise CacheError("bad_layout", f"region {r.name!r} ends at byte {end}, past buffer "
-                                 f"{self.buffers[r.buffer].name!r} of {self.buffers[r.buffer].nbytes} bytes")
+                raise CacheError(
+                    "bad_layout",
+                    f"region {r.name!r} ends at byte {end}, past buffer "
+                    f"{self.buffers[r.buffer].name!r} of {self.buffers[r.buffer].nbytes} bytes",
+                )
         self._check_overlaps()
 
     def _check_overlaps(self) -> None:
@@ -168,8 +202,10 @@ class CacheDescriptor:
             active = [a for a in active if a.buffer == r.buffer and a.span(self.num_blocks)[1] > start]
             for other in active:
                 if _overlap(other, r, self.num_blocks):
-                    raise CacheError("bad_layout", f"regions {other.name!r} and {r.name!r} overlap in buffer "
-                                     f"{self.buffers[r.buffer].name!r}")
+                    raise CacheError(
+                        "bad_layout",
+                        f"regions {other.name!r} and {r.name!r} overlap in buffer {self.buffers[r.buffer].name!r}",
+                    )
             active.append(r)
 
     @functools.cached_property
@@ -183,8 +219,12 @@ class CacheDescriptor:
         return tuple((r.name, r.page_bytes) for r in self.regions)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": DESCRIPTOR_VERSION, "num_blocks": self.num_blocks,
-                "buffers": [b.to_dict() for b in self.buffers], "regions": [r.to_dict() for r in self.regions]}
+        return {
+            "version": DESCRIPTOR_VERSION,
+            "num_blocks": self.num_blocks,
+            "buffers": [b.to_dict() for b in self.buffers],
+            "regions": [r.to_dict() for r in self.regions],
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> "CacheDescriptor":
@@ -200,6 +240,7 @@ class CacheDescriptor:
 
 
 # --- canonicalizing the engine's tensors -----------------------------------------
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -224,31 +265,50 @@ def _describe_tensor(t: torch.Tensor, name: str, units_per_block: int) -> tuple[
     inner = sorted(((t.stride(d), t.shape[d], d) for d in range(1, t.dim()) if t.shape[d] > 1))
     outer = [(s, d) for s, size, d in inner if s > unit_stride and units > 1]
     if outer:
-        raise CacheError("bad_layout", f"{where}: the block dimension is not outermost in storage "
-                         f"(dim {outer[-1][1]} has stride {outer[-1][0]} > the block stride {unit_stride})")
+        raise CacheError(
+            "bad_layout",
+            f"{where}: the block dimension is not outermost in storage "
+            f"(dim {outer[-1][1]} has stride {outer[-1][0]} > the block stride {unit_stride})",
+        )
     expected = 1
     for stride, size, d in inner:
         if stride != expected:
-            raise CacheError("bad_layout", f"{where}: a block's page is not one contiguous run of bytes "
-                             f"(dim {d} has stride {stride}, a dense page needs {expected})")
+            raise CacheError(
+                "bad_layout",
+                f"{where}: a block's page is not one contiguous run of bytes "
+                f"(dim {d} has stride {stride}, a dense page needs {expected})",
+            )
         expected *= size
     unit_elems = expected
     if units > 1 and unit_stride < unit_elems:
-        raise CacheError("bad_layout", f"{where}: pages overlap (block stride {unit_stride} < page {unit_elems} elements)")
+        raise CacheError(
+            "bad_layout", f"{where}: pages overlap (block stride {unit_stride} < page {unit_elems} elements)"
+        )
     if units_per_block > 1 and units > 1 and unit_stride != unit_elems:
-        raise CacheError("bad_layout", f"{where}: slots of one block are not adjacent (slot stride {unit_stride}, "
-                         f"slot size {unit_elems} elements)")
+        raise CacheError(
+            "bad_layout",
+            f"{where}: slots of one block are not adjacent (slot stride {unit_stride}, "
+            f"slot size {unit_elems} elements)",
+        )
     blocks = units // units_per_block
     if blocks < 1:
         raise CacheError("bad_layout", f"{where}: fewer than {units_per_block} slots, not one block")
-    return int(t.storage_offset()) * es, int(unit_stride) * units_per_block * es, int(unit_elems) * units_per_block * es, int(blocks)
+    return (
+        int(t.storage_offset()) * es,
+        int(unit_stride) * units_per_block * es,
+        int(unit_elems) * units_per_block * es,
+        int(blocks),
+    )
 
 
 def _split_leading(entry: TensorEntry) -> Iterable[tuple[str, torch.Tensor]]:
     t = entry.tensor
     if not 0 <= entry.block_dim < max(t.dim(), 1):
-        raise CacheError("bad_layout", f"tensor {entry.name!r}: block_dim {entry.block_dim} is not a dimension of shape {tuple(t.shape)}")
-    lead = tuple(t.shape[:entry.block_dim])
+        raise CacheError(
+            "bad_layout",
+            f"tensor {entry.name!r}: block_dim {entry.block_dim} is not a dimension of shape {tuple(t.shape)}",
+        )
+    lead = tuple(t.shape[: entry.block_dim])
     for index in product(*map(range, lead)):
         sub = t[index] if index else t
         yield (f"{entry.name}[{','.join(map(str, index))}]" if index else entry.name), sub
@@ -259,7 +319,9 @@ def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def canonicalize(entries: Sequence[TensorEntry], num_blocks: int | None = None) -> tuple[CacheDescriptor, list[torch.Tensor]]:
+def canonicalize(
+    entries: Sequence[TensorEntry], num_blocks: int | None = None
+) -> tuple[CacheDescriptor, list[torch.Tensor]]:
     """The descriptor of ``entries`` plus one flat uint8 tensor per buffer.
 
     Tensors sharing a storage share a buffer; identical regions (layers that
@@ -271,15 +333,22 @@ def canonicalize(entries: Sequence[TensorEntry], num_blocks: int | None = None) 
     found: list[tuple[RegionSpec, int]] = []
     for entry in entries:
         if not isinstance(entry.tensor, torch.Tensor):
-            raise CacheError("bad_layout", f"tensor {entry.name!r} is a {type(entry.tensor).__name__}, not a torch.Tensor")
+            raise CacheError(
+                "bad_layout", f"tensor {entry.name!r} is a {type(entry.tensor).__name__}, not a torch.Tensor"
+            )
         if entry.tensor.device.type not in DEVICE_KINDS or entry.tensor.dtype not in DTYPE_NAMES:
-            raise CacheError("bad_layout", f"tensor {entry.name!r}: {entry.tensor.device.type} / {entry.tensor.dtype} is not supported")
+            raise CacheError(
+                "bad_layout",
+                f"tensor {entry.name!r}: {entry.tensor.device.type} / {entry.tensor.dtype} is not supported",
+            )
         _uint(f"tensor {entry.name!r} units_per_block", entry.units_per_block, 1)
         storage = entry.tensor.untyped_storage()
         key = (str(storage.device), storage.data_ptr())
         if key not in keys:
             keys[key] = len(buffers)
-            buffers.append(BufferSpec(entry.name, storage.nbytes(), storage.device.type, DTYPE_NAMES[entry.tensor.dtype]))
+            buffers.append(
+                BufferSpec(entry.name, storage.nbytes(), storage.device.type, DTYPE_NAMES[entry.tensor.dtype])
+            )
             flats.append(_storage_bytes(storage))
         for name, sub in _split_leading(entry):
             offset, stride, page, blocks = _describe_tensor(sub, name, entry.units_per_block)
@@ -314,13 +383,18 @@ class EngineCache:
             raise CacheError("bad_layout", f"{len(flats)} buffers for a descriptor of {len(descriptor.buffers)}")
         for spec, flat in zip(descriptor.buffers, flats):
             if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < spec.nbytes:
-                raise CacheError("size_mismatch", f"buffer {spec.name!r} has {flat.numel()} bytes, the descriptor says {spec.nbytes}")
+                raise CacheError(
+                    "size_mismatch", f"buffer {spec.name!r} has {flat.numel()} bytes, the descriptor says {spec.nbytes}"
+                )
         self.descriptor = descriptor
         self.generation = generation
         self._flats: list[torch.Tensor] = list(flats)
         self.views: list[torch.Tensor] = [
-            self._flats[r.buffer].as_strided((descriptor.num_blocks, r.page_bytes), (r.row_stride, 1),
-                                             self._flats[r.buffer].storage_offset() + r.offset)
+            self._flats[r.buffer].as_strided(
+                (descriptor.num_blocks, r.page_bytes),
+                (r.row_stride, 1),
+                self._flats[r.buffer].storage_offset() + r.offset,
+            )
             for r in descriptor.regions
         ]
         self._derived: dict[Any, Any] = {}
@@ -330,7 +404,9 @@ class EngineCache:
         self.device: torch.device = devices.pop()
 
     @classmethod
-    def from_tensors(cls, entries: Sequence[TensorEntry], num_blocks: int | None = None, generation: int = 0) -> "EngineCache":
+    def from_tensors(
+        cls, entries: Sequence[TensorEntry], num_blocks: int | None = None, generation: int = 0
+    ) -> "EngineCache":
         descriptor, flats = canonicalize(entries, num_blocks)
         return cls(descriptor, flats, generation)
 
@@ -345,6 +421,7 @@ class EngineCache:
     def storage_refs(self) -> list[Any]:
         """Weak references to every engine storage zkv holds (``expired()`` once nobody does)."""
         from torch.multiprocessing.reductions import StorageWeakRef
+
         return [StorageWeakRef(flat.untyped_storage()) for flat in self._flats]
 
     def derived(self, key: Any, build: Callable[[list[torch.Tensor]], Any]) -> Any:
@@ -376,5 +453,13 @@ def check_ids(what: str, ids: Sequence[int], tier: str, limit: int, unique: bool
         raise CacheError("bad_block_id", f"{what} has duplicate block ids (two copies would race into one block)")
 
 
-__all__ = ["BufferSpec", "RegionSpec", "CacheDescriptor", "TensorEntry", "EngineCache", "canonicalize",
-           "check_ids", "DTYPES"]
+__all__ = [
+    "BufferSpec",
+    "RegionSpec",
+    "CacheDescriptor",
+    "TensorEntry",
+    "EngineCache",
+    "canonicalize",
+    "check_ids",
+    "DTYPES",
+]

@@ -55,7 +55,7 @@ def plan(pairs: Sequence[tuple[int, int]], limit: int) -> list[Chunk]:
     """Chunks of at most ``limit`` of ``pairs`` = (tier row, engine block), sorted by row."""
     chunks = []
     for pos in range(0, len(pairs), limit):
-        part = pairs[pos:pos + limit]
+        part = pairs[pos : pos + limit]
         b0 = part[0][1]
         run = all(b == b0 + i for i, (_, b) in enumerate(part))
         row_runs, start = [], 0
@@ -99,15 +99,20 @@ def group_regions(views: Sequence[torch.Tensor], word: int) -> list[Group]:
         step = None
         while j < len(views):
             v = views[j]
-            if (v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or v.shape != first.shape
-                    or v.stride() != first.stride()):
+            if (
+                v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or v.shape != first.shape
+                or v.stride() != first.stride()
+            ):
                 break
             gap = v.storage_offset() - views[j - 1].storage_offset()
             if gap <= 0 or (step is not None and gap != step):
                 break
             step, j = gap, j + 1
         count, page = j - i, first.shape[1]
-        grouped = first.as_strided((count, first.shape[0], page), (step or page, first.stride(0), 1), first.storage_offset())
+        grouped = first.as_strided(
+            (count, first.shape[0], page), (step or page, first.stride(0), 1), first.storage_offset()
+        )
         groups.append(Group(grouped.view(_WORDS[word]), column // word, count, page // word))
         column += count * page
         i = j
@@ -117,15 +122,23 @@ def group_regions(views: Sequence[torch.Tensor], word: int) -> list[Group]:
 class StagedCopier:
     """The CUDA path of one ``CopyEngine`` (see the module docstring); one thread drives it."""
 
-    def __init__(self, cache: EngineCache, store: torch.Tensor, compute_stream: Any = None,
-                 staging_bytes: int = STAGING_BYTES):
+    def __init__(
+        self, cache: EngineCache, store: torch.Tensor, compute_stream: Any = None, staging_bytes: int = STAGING_BYTES
+    ):
         self.cache = cache  # its views are engine memory: taken per swap, never kept here (release drops them)
         self.store = store  # the pinned tier, [rows, row_bytes] uint8
         self.device = cache.device
         self.compute_stream = compute_stream
         views, row_bytes = cache.views, store.shape[1]
-        self.word = word_bytes(row_bytes, store.data_ptr(), *(int(x) for v in views for x in (
-            v.shape[1], v.stride(0), v.storage_offset(), v.untyped_storage().data_ptr())))
+        self.word = word_bytes(
+            row_bytes,
+            store.data_ptr(),
+            *(
+                int(x)
+                for v in views
+                for x in (v.shape[1], v.stride(0), v.storage_offset(), v.untyped_storage().data_ptr())
+            ),
+        )
         self.specs = [(g.column, g.count, g.page) for g in group_regions(views, self.word)]
         self.direct = len(views) == 1 and views[0].is_contiguous() and views[0].shape[1] == row_bytes
         self.chunk_rows = max(1, staging_bytes // 2 // row_bytes)
@@ -148,7 +161,9 @@ class StagedCopier:
 
     def _buffers(self) -> torch.Tensor:
         if self._staging is None:
-            self._staging = torch.empty((2, self.chunk_rows, self.store.shape[1]), dtype=torch.uint8, device=self.device)
+            self._staging = torch.empty(
+                (2, self.chunk_rows, self.store.shape[1]), dtype=torch.uint8, device=self.device
+            )
             self._group_views = [[self._group_view(buf, *spec) for spec in self.specs] for buf in self._staging]
         return self._staging
 
@@ -166,12 +181,14 @@ class StagedCopier:
     def _group_view(self, staging: torch.Tensor, column: int, count: int, page: int) -> torch.Tensor:
         """A staging buffer's columns of one group as ``[count, rows, page]`` words (built once: a
         chunk slices it, one view op instead of four per region and chunk)."""
-        cols = staging.view(_WORDS[self.word])[:, column:column + count * page]
+        cols = staging.view(_WORDS[self.word])[:, column : column + count * page]
         return cols.view(self.chunk_rows, count, page).transpose(0, 1)
 
     def _sources(self) -> list[torch.Tensor]:
         """Each group's engine memory as ``[count, blocks, page]`` words (kept by the cache, not here)."""
-        return self.cache.derived(("groups", self.word), lambda views: [g.source for g in group_regions(views, self.word)])
+        return self.cache.derived(
+            ("groups", self.word), lambda views: [g.source for g in group_regions(views, self.word)]
+        )
 
     # --- swaps -----------------------------------------------------------------------
 
@@ -193,7 +210,7 @@ class StagedCopier:
     @staticmethod
     def _chunk_index(index: torch.Tensor | None, chunk: Chunk) -> torch.Tensor:
         assert index is not None, "an indexed chunk without an uploaded index"
-        return index[chunk.pos:chunk.pos + chunk.n]
+        return index[chunk.pos : chunk.pos + chunk.n]
 
     def _is_direct(self, chunk: Chunk) -> bool:
         return self.direct and chunk.block_start is not None and len(chunk.row_runs) == 1
@@ -226,9 +243,9 @@ class StagedCopier:
                 b0, row = c.block_start or 0, c.row_runs[0][0]
                 with torch.cuda.stream(self.xfer_stream):
                     if out:
-                        self.store[row:row + c.n].copy_(views[0][b0:b0 + c.n], non_blocking=True)
+                        self.store[row : row + c.n].copy_(views[0][b0 : b0 + c.n], non_blocking=True)
                     else:
-                        views[0][b0:b0 + c.n].copy_(self.store[row:row + c.n], non_blocking=True)
+                        views[0][b0 : b0 + c.n].copy_(self.store[row : row + c.n], non_blocking=True)
                 continue
             h, buf = staged % 2, self._buffers()[staged % 2]
             with torch.cuda.stream(fill):
@@ -238,33 +255,37 @@ class StagedCopier:
                     self._gather(c, sources, self._group_views[h], index)
                 else:
                     for row, off, n in c.row_runs:
-                        buf[off:off + n].copy_(self.store[row:row + n], non_blocking=True)
+                        buf[off : off + n].copy_(self.store[row : row + n], non_blocking=True)
                 self._filled[h].record(fill)
             with torch.cuda.stream(drain):
                 drain.wait_event(self._filled[h])
                 if out:
                     for row, off, n in c.row_runs:
-                        self.store[row:row + n].copy_(buf[off:off + n], non_blocking=True)
+                        self.store[row : row + n].copy_(buf[off : off + n], non_blocking=True)
                 else:
                     self._scatter(c, sources, self._group_views[h], index)
                 self._freed[h].record(drain)
             staged += 1
         self._finish()
 
-    def _gather(self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None) -> None:
+    def _gather(
+        self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None
+    ) -> None:
         """Engine blocks of chunk ``c`` -> staging rows, one kernel per group (on the current stream)."""
         b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
         for source, view in zip(sources, staged):
             if idx is None:
-                view[:, :c.n].copy_(source[:, b0:b0 + c.n], non_blocking=True)
+                view[:, : c.n].copy_(source[:, b0 : b0 + c.n], non_blocking=True)
             else:
-                torch.index_select(source, 1, idx, out=view[:, :c.n])
+                torch.index_select(source, 1, idx, out=view[:, : c.n])
 
-    def _scatter(self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None) -> None:
+    def _scatter(
+        self, c: Chunk, sources: list[torch.Tensor], staged: list[torch.Tensor], index: torch.Tensor | None
+    ) -> None:
         """Staging rows -> engine blocks of chunk ``c``, one kernel per group (on the current stream)."""
         b0, idx = c.block_start or 0, None if c.block_start is not None else self._chunk_index(index, c)
         for source, view in zip(sources, staged):
             if idx is None:
-                source[:, b0:b0 + c.n].copy_(view[:, :c.n], non_blocking=True)
+                source[:, b0 : b0 + c.n].copy_(view[:, : c.n], non_blocking=True)
             else:
-                source.index_copy_(1, idx, view[:, :c.n])
+                source.index_copy_(1, idx, view[:, : c.n])

@@ -110,15 +110,24 @@ class BlockStore:
         self.allocate(layout)
 
     @classmethod
-    def owned(cls, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0,
-              staging_bytes: int = STAGING_BYTES) -> "BlockStore":
+    def owned(
+        cls, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0, staging_bytes: int = STAGING_BYTES
+    ) -> "BlockStore":
         """A store on memory zkv allocates on ``device`` for ``layout``."""
         return cls(OwnedMemory(device, staging_bytes), layout, rank)
 
     @classmethod
-    def attached(cls, cache: EngineCache, cpu_rows: int, *, layout: CacheLayout | None = None, rank: int = 0,
-                 compute_stream: Any = None, pin: bool | None = None,
-                 source: Callable[[], EngineCache] | None = None) -> "BlockStore":
+    def attached(
+        cls,
+        cache: EngineCache,
+        cpu_rows: int,
+        *,
+        layout: CacheLayout | None = None,
+        rank: int = 0,
+        compute_stream: Any = None,
+        pin: bool | None = None,
+        source: Callable[[], EngineCache] | None = None,
+    ) -> "BlockStore":
         """A store on an engine's cache; ``layout`` names the model fields to announce."""
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
         return cls(memory, bus_layout(cache, cpu_rows, layout), rank)
@@ -150,7 +159,9 @@ class BlockStore:
         self._drop_device()  # a resume that changes the layout without a clear
         cache = self.memory.acquire(layout)
         try:
-            if self.generation is not None and (type(cache.generation) is not int or cache.generation <= self.generation):
+            if self.generation is not None and (
+                type(cache.generation) is not int or cache.generation <= self.generation
+            ):
                 raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
@@ -189,8 +200,10 @@ class BlockStore:
         self.memory.close()
 
     def tier_nbytes(self) -> dict[str, int]:
-        return {"gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
-                "cpu": self.tier.nbytes if self.tier is not None else 0}
+        return {
+            "gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
+            "cpu": self.tier.nbytes if self.tier is not None else 0,
+        }
 
     def nbytes(self) -> int:
         return sum(self.tier_nbytes().values())
@@ -212,9 +225,13 @@ class BlockStore:
             check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
             check_ids("dst", body.dst, "gpu", layout.gpu_blocks, unique=True)
         elif op == "fill":
-            check_ids("dst", body.dst, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=True)
+            check_ids(
+                "dst", body.dst, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=True
+            )
         elif op == "checksum":
-            check_ids("src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False)
+            check_ids(
+                "src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False
+            )
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (ids validated); return bytes moved once they are there."""

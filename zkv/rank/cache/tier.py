@@ -32,7 +32,7 @@ class CpuTier:
         self.columns: list[torch.Tensor] = []
         start = 0
         for _, page in self.page_shape:
-            self.columns.append(self.store[:, start:start + page])
+            self.columns.append(self.store[:, start : start + page])
             start += page
 
     @classmethod
