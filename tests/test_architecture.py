@@ -299,9 +299,9 @@ def test_the_lower_layers_load_without_torch():
 def test_import_zkv_leaves_the_process_alone():
     """No warning filters, no signal handlers, no torch settings on import."""
     code = (
-        "import signal, warnings; before = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
-        "import zkv, zkv.cli; after = (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
-        "print(before == after)"
+        "import signal, warnings; "
+        "state = lambda: (list(warnings.filters), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)); "
+        "before = state(); import zkv, zkv.cli; print(before == state())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

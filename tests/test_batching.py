@@ -1,4 +1,4 @@
-"""Messages of one wakeup travel together (issue 16, docs/protocol.md §3,
+"""Messages of one wakeup travel together (docs/protocol.md §3,
 §10.3): the broker sends a rank the tasks it dispatched in one wakeup as one
 message of header/body pairs, and a rank returns the ``done`` frames of one
 wakeup as one message.  Nothing is reordered, held back, or lost to a bad

@@ -1,6 +1,6 @@
-"""Strangers (issue 10): no well-formed or malformed message from a peer can
+"""Strangers: no well-formed or malformed message from a peer can
 stop, wedge or hijack the bus.  A real broker and real rank processes; the
-stranger is a raw pyzmq socket.  One test per rule of DESIGN §13."""
+stranger is a raw pyzmq socket.  One test per rule of docs/architecture.md, "Strangers"."""
 
 import itertools
 import subprocess

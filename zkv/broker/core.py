@@ -14,7 +14,7 @@ generation), ``recovery.py`` (:class:`Recovery`: the durable snapshot and a
 registering rank's reconciliation); the bus states and their transitions in
 ``state.py``.  The actions and records are re-exported here.
 
-Invariants it keeps (DESIGN §1-§7):
+Invariants it keeps (docs/architecture.md, "The rules"):
 - a task is dispatched to every rank at once, and only while running with all
   ``world`` ranks alive and each holding a free credit;
 - every submitted task ends exactly once: ranks report ok/failed to the

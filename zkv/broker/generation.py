@@ -1,5 +1,6 @@
-"""What the ranks' cache memory holds for the bus (DESIGN §11, §12): one
-layout and one generation.  The generation moves whenever the content of the
+"""What the ranks' cache memory holds for the bus: one layout and one
+generation (docs/architecture.md, "One layout, one generation, whatever
+restarts").  The generation moves whenever the content of the
 caches is gone (a clear, a failed resume from cleared, a rank that lost its
 memory once a task ran at this generation), so that no client reads old blocks
 as if they were there."""

@@ -1,4 +1,4 @@
-"""Tasks through the broker (DESIGN §1, §4, §13): admission of a submit
+"""Tasks through the broker (docs/protocol.md §7): admission of a submit
 within the per-client bounds, dispatch to every rank at once within each
 rank's credits, the fold of the ranks' ``done`` replies, and the one place a
 task ends.  Whether the bus may run tasks at all is the control machine's to

@@ -110,7 +110,7 @@ class Executor(threading.Thread):
                     return
                 try:
                     reply = self._do(item, senders)
-                except Exception as err:  # noqa: BLE001 - this thread must never die (issue 9, sequence 7)
+                except Exception as err:  # noqa: BLE001 - this thread must never die: a dead executor looks alive
                     log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
