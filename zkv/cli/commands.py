@@ -267,7 +267,7 @@ def worker(
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
-    from ..rank.core import RankRefused
+    from ..rank.registration import RankRefused
     from ..rank.worker import RankWorker, set_torch_threads
 
     sigterm_as_interrupt()  # until the loop can take a stop request

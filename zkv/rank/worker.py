@@ -45,7 +45,8 @@ from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
 from .cache.store import BlockStore, pick_device
-from .core import RankCore, RankRefused
+from .core import RankCore
+from .registration import RankRefused
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
 
@@ -327,7 +328,7 @@ class RankWorker:
 
     def _act(self, actions: list) -> None:
         ex = self.executor
-        ex.session = self.core.session  # before any task of this batch is queued
+        ex.session = self.core.registration.session  # before any task of this batch is queued
         inline, dones = self._inline, self._dones
         for action in actions:
             kind = type(action)
