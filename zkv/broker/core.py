@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from ..obs.book import BusBook
+from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
@@ -259,7 +260,7 @@ class BrokerCore:
     def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         if len(frames) > 1:  # the done frames of one rank wakeup (docs/protocol.md §10.3)
             try:
-                P.check_frames(frames, 1, P.MAX_BATCH)
+                P.check_frames(frames, 1, bounds.MAX_BATCH)
             except P.ProtocolError as err:
                 self._events["bad_rank_msgs"] += 1
                 out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))

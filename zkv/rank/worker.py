@@ -39,7 +39,7 @@ from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..obs.book import RankBook
-from ..wire import protocol as P
+from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
@@ -292,7 +292,7 @@ class RankWorker:
             now = time.monotonic()
             if len(frames) == 1:
                 return core.on_broker(frames[0], now)
-            if len(frames) % 2 or len(frames) > 2 * P.MAX_BATCH:  # tasks come as header/body pairs
+            if len(frames) % 2 or len(frames) > 2 * bounds.MAX_BATCH:  # tasks come as header/body pairs
                 core.counters["bad_broker_msgs"] += 1
                 return []
             out: list = []
