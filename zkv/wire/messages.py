@@ -38,13 +38,12 @@ def _kind_of(class_name: str) -> str:
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind", tag=_kind_of):
     """The base of every message.
 
-    Transitional: ``msg["x"]``, ``msg.get("x")`` and ``"x" in msg`` read
-    field ``x`` as the dict messages once were read (an absent optional reads
-    ``None``; ``in`` is true for a field that is not ``None``), and ``keys()``
-    and ``==`` with a dict see the map ``as_map()`` gives, so call sites in
-    ``broker/`` and ``rank/`` (and tests) not yet moved to attributes keep
-    working.  Nothing mutates a message.  New code reads attributes; the shim
-    goes when the last call site does.
+    Read its fields as attributes; the library does (``broker/``, ``rank/``,
+    ``client/`` and every layer above them).  Transitional, for tests that
+    still read frames as maps: ``msg["x"]``, ``msg.get("x")`` and ``"x" in
+    msg`` read field ``x`` (an absent optional reads ``None``; ``in`` is true
+    for a field that is not ``None``), and ``keys()`` and ``==`` with a dict
+    see the map ``as_map()`` gives.  Nothing mutates a message.
     """
 
     kind: ClassVar[str]
