@@ -2,7 +2,7 @@
 
 It owns the inflight count (only the rank's I/O thread touches it, so it needs
 no lock) and decides, for each event, what to send and what the executor must
-do.  The rule it exists for (DESIGN §3, §5): a pause is acknowledged only when
+do.  The rule it exists for (docs/protocol.md §10.4): a pause is acknowledged only when
 every task dispatched before the pause (``upto``, counted per registration
 session) has been received *and* finished, so a PUB pause that overtakes tasks
 on the DEALER cannot be acked early; after the ack no task starts until resume.
