@@ -21,7 +21,8 @@ from typing import Any
 from zkv.broker.core import BrokerConfig, BrokerCore, Publish, SaveState, ToClient, ToRank
 from zkv.client.results import ResultBook
 from zkv.rank.cache_phase import CachePhase
-from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, RankRefused, ToBroker
+from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
+from zkv.rank.registration import RankRefused
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Result
@@ -280,7 +281,7 @@ class Bus:
         ids = list(body.dst if body.op == "fill" else body.src)
         if ex.refuse:
             outcome = "failed"
-        elif ex.session != sr.core.session:
+        elif ex.session != sr.core.registration.session:
             outcome, reason = "failed", "stale session"
         elif tier is None or mem.layout is None:
             outcome, reason = "failed", "caches are cleared on this rank"

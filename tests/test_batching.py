@@ -1,4 +1,4 @@
-"""Messages of one wakeup travel together (issue 16, docs/protocol.md §3,
+"""Messages of one wakeup travel together (docs/protocol.md §3,
 §10.3): the broker sends a rank the tasks it dispatched in one wakeup as one
 message of header/body pairs, and a rank returns the ``done`` frames of one
 wakeup as one message.  Nothing is reordered, held back, or lost to a bad
@@ -16,6 +16,7 @@ from zkv.net.endpoints import Endpoints
 from zkv.net.frames import Coalescer, ready_messages, send_message
 from zkv.rank.worker import RankWorker
 from zkv.testing.sim import CLIENT, LAYOUT
+from zkv.wire import bounds
 from zkv.wire import protocol as P
 
 
@@ -109,7 +110,7 @@ def test_a_bad_frame_in_a_batch_is_answered_and_costs_no_other_credit():
 def test_a_batch_over_the_cap_is_malformed_and_books_nothing():
     core = registered_core(world=1)
     (headers,) = submit_tasks(core, 1).values()
-    acts = core.on_rank(b"rank-0", [done(headers[0])] * (P.MAX_BATCH + 1), 2.0)
+    acts = core.on_rank(b"rank-0", [done(headers[0])] * (bounds.MAX_BATCH + 1), 2.0)
     (err,) = [P.decode(a.frames[0]) for a in frames_of(acts, ToRank)]
     assert err["code"] == "malformed"
     assert len(core.inflight) == 1

@@ -1,5 +1,5 @@
 """``zkv bench bus`` runs zkv and the raw relay in alternating rounds and
-reports issue 16's comparison; a small run checks every figure is there and
+reports the bus beside the relay; a small run checks every figure is there and
 sane (speed itself is the benchmark's business, never a test's)."""
 
 from zkv.cli.bench import _summary

@@ -1,4 +1,4 @@
-"""Curve roles (issue 10, item 6): ranks and clients are authorized
+"""Curve roles: ranks and clients are authorized
 separately, so a rank key cannot submit and a client key cannot register; the
 README's recipe works as written, through the CLI."""
 

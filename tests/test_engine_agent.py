@@ -24,7 +24,7 @@ from zkv.engines.transformers import layout as transformers_layout
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts
-from zkv.rank.core import RankRefused
+from zkv.rank.registration import RankRefused
 from zkv.wire.layout import CacheLayout
 
 NB, BS, H, D, L, P = 12, 4, 2, 8, 2, 4

@@ -160,7 +160,7 @@ def test_release_leaves_blocks_another_request_shares():
 
 
 def test_block_order_error_shows_in_the_bytes():
-    """Two full blocks exchanged barely move the logits (ENGINES.md), so order is checked on the bytes."""
+    """Two full blocks exchanged barely move the logits, so order is checked on the bytes."""
     engine = engine_for(llama(0))
     first_turn(engine)
     rows = engine.block_rows()

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_protocol import INVALID, VALID, _message, from_json
 
+from zkv.wire import bounds
 from zkv.wire import fast as F
 from zkv.wire import protocol as P
 from zkv.wire.messages import MESSAGES, Message, wire_fields
@@ -347,14 +348,14 @@ def test_bad_utf8_and_surrogates_in_a_str_field_are_malformed():
 
 def test_enums_and_bounds_come_from_the_tables():
     assert not check_agrees("done", frame_of("done", BASE["done"], outcome="cancelled"))
-    assert not check_agrees("done", frame_of("done", BASE["done"], gen=P.MAX_COUNTER + 1))  # adopted: below 2^40
-    assert check_agrees("done", frame_of("done", BASE["done"], gen=P.MAX_COUNTER))
+    assert not check_agrees("done", frame_of("done", BASE["done"], gen=bounds.MAX_COUNTER + 1))  # adopted: below 2^40
+    assert check_agrees("done", frame_of("done", BASE["done"], gen=bounds.MAX_COUNTER))
     assert check_agrees("task", frame_of("task", BASE["task"], gen=P.MAX_SAFE_INT))
     assert not check_agrees("result", frame_of("result", BASE["result"], world=0))
-    assert not check_agrees("result", frame_of("result", BASE["result"], rank=P.MAX_WORLD))
-    assert check_agrees("result", frame_of("result", BASE["result"], rank=P.MAX_WORLD - 1, world=P.MAX_WORLD))
-    assert not check_agrees("submit", frame_of("submit", BASE["submit"], timeout_ms=P.MAX_TIMEOUT_MS + 1))
-    assert not check_agrees("done", frame_of("done", BASE["done"], bytes=P.MAX_BYTES + 1))
+    assert not check_agrees("result", frame_of("result", BASE["result"], rank=bounds.MAX_WORLD))
+    assert check_agrees("result", frame_of("result", BASE["result"], rank=bounds.MAX_WORLD - 1, world=bounds.MAX_WORLD))
+    assert not check_agrees("submit", frame_of("submit", BASE["submit"], timeout_ms=bounds.MAX_TIMEOUT_MS + 1))
+    assert not check_agrees("done", frame_of("done", BASE["done"], bytes=bounds.MAX_BYTES + 1))
 
 
 def test_digests():

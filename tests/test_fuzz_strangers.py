@@ -1,4 +1,4 @@
-"""A bounded, seeded fuzz of the broker's frontend and backend (issue 10):
+"""A bounded, seeded fuzz of the broker's frontend and backend:
 mutations of the golden valid vectors, sent by strangers on raw sockets, with
 a genuine client served after every batch.  No process may exit, nothing may
 hang.  ``ZKV_LONG_FUZZ=1`` runs the long profile (``ZKV_FUZZ_MESSAGES``
@@ -16,6 +16,8 @@ import time
 import msgpack
 import pytest
 import zmq
+from test_protocol import VALID as VECTORS  # the golden vectors, decoded
+from test_protocol import from_json as _from_json
 
 from zkv.harness.cluster import LocalCluster
 from zkv.wire import protocol as P
@@ -27,8 +29,6 @@ MESSAGES = int(os.environ.get("ZKV_FUZZ_MESSAGES", 400_000 if LONG else 40_000))
 BATCH = 2_000
 SEED = 20261201
 
-from test_protocol import VALID as VECTORS  # noqa: E402  (the golden vectors, decoded)
-from test_protocol import from_json as _from_json
 
 FRONT = [_from_json(v["decoded"]) for v in VECTORS if v["socket"] == "frontend" and v["direction"] == "client->broker"]
 BACK = [_from_json(v["decoded"]) for v in VECTORS if v["socket"] == "backend" and v["direction"] == "rank->broker"]

@@ -48,7 +48,10 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
 
 
 def test_the_gpu_check_refuses_cuda_where_there_is_none():
-    code = "import torch, sys; torch.cuda.is_available = lambda: False; from zkv.harness.gpu_check import main; sys.exit(main(['--device', 'cuda']))"
+    code = (
+        "import torch, sys; torch.cuda.is_available = lambda: False; "
+        "from zkv.harness.gpu_check import main; sys.exit(main(['--device', 'cuda']))"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

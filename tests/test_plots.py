@@ -81,7 +81,8 @@ def test_trace_plot_of_a_real_recording(recording, tmp_path):
 def test_trace_without_outcomes_is_refused_with_a_hint(tmp_path):
     path = tmp_path / "hand.jsonl"
     path.write_text(
-        '{"zkv_trace": 1, "world": 2, "layout": null}\n{"t": 0, "ev": "submit", "op": "swap_out", "src": [1], "dst": [1]}\n'
+        '{"zkv_trace": 1, "world": 2, "layout": null}\n'
+        '{"t": 0, "ev": "submit", "op": "swap_out", "src": [1], "dst": [1]}\n'
     )
     with pytest.raises(ValueError, match="no outcome records.*--record"):
         plot_trace(str(path), str(tmp_path / "x.png"))

@@ -1,5 +1,5 @@
-"""The pause / clear / resume helper over a scripted control client: the DESIGN
-order, and a consistent manager whichever step of the bus fails."""
+"""The pause / clear / resume helper over a scripted control client: the order of
+docs/architecture.md ("The clear / update cycle"), and a consistent manager whichever step of the bus fails."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pause / clear / resume: every race of DESIGN §2-§7, as exact interleavings
+"""Pause / clear / resume: every race of docs/architecture.md's rules, as exact interleavings
 of the sans-IO broker and rank cores (the end-to-end versions run real
 processes in test_races_e2e.py)."""
 
@@ -257,6 +257,35 @@ def test_resume_with_a_new_layout_after_clear_reallocates():
     assert sim.outcomes[t] == "ok"
 
 
+def _random_request(sim: Sim, rng: random.Random, submitted: list) -> None:
+    """A submit, a control request, or nothing, at random."""
+    action = rng.random()
+    if action < 0.45:
+        submitted.append(sim.submit())
+    elif action < 0.6:
+        sim.request("pause")
+    elif action < 0.7:
+        sim.request("clear")
+    elif action < 0.85:
+        sim.request("resume")
+
+
+def _random_delivery(sim: Sim, rng: random.Random) -> None:
+    """Deliver a random part of what is in flight to one rank or the broker,
+    PUB messages possibly lost."""
+    r = rng.randrange(2)
+    step = rng.random()
+    if step < 0.3:
+        sim.deliver_dealer(r, rng.randint(1, 3))
+    elif step < 0.5:
+        sim.deliver_pub(r, drop=rng.random() < 0.2)
+    elif step < 0.8:
+        sim.finish(r, rng.randint(1, 3))
+    else:
+        sim.deliver_broker(rng.randint(1, 4))
+    sim.finish_cache_ops(r)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_10_random_cycles_every_task_one_outcome_no_copy_while_paused(seed):
     """Random pause/clear/resume cycles (250 per seed, 1,000 in all) with random
@@ -268,28 +297,9 @@ def test_10_random_cycles_every_task_one_outcome_no_copy_while_paused(seed):
     while sim.broker.counters["pause_ok"] < 250:
         steps += 1
         assert steps < 20_000, "cycles stopped completing"
-        action = rng.random()
-        if action < 0.45:
-            submitted.append(sim.submit())
-        elif action < 0.6:
-            sim.request("pause")
-        elif action < 0.7:
-            sim.request("clear")
-        elif action < 0.85:
-            sim.request("resume")
-        # deliver a random part of what is in flight, in a random order
+        _random_request(sim, rng, submitted)
         for _ in range(rng.randint(0, 6)):
-            r = rng.randrange(2)
-            step = rng.random()
-            if step < 0.3:
-                sim.deliver_dealer(r, rng.randint(1, 3))
-            elif step < 0.5:
-                sim.deliver_pub(r, drop=rng.random() < 0.2)
-            elif step < 0.8:
-                sim.finish(r, rng.randint(1, 3))
-            else:
-                sim.deliver_broker(rng.randint(1, 4))
-            sim.finish_cache_ops(r)
+            _random_delivery(sim, rng)
         if rng.random() < 0.2:
             sim.tick(0.011)
         if rng.random() < 0.3:
@@ -361,7 +371,7 @@ def test_a_restarted_broker_takes_the_ranks_generation_and_they_get_caches_back(
     sim.settle()
     # A broker with no state file cannot know the bus was cleared: it takes the
     # ranks' generation (1), and because their memory is gone it moves the bus
-    # to a new one (issue 9), which it publishes to every rank.
+    # to a new one, which it publishes to every rank.
     assert sim.broker.gen == 2 and sim.broker.state == "running"
     assert all(sr.core.cache.phase.serves and sr.core.gen == 2 for sr in sim.ranks.values())
     sim.book.gen = 2  # a client that learned it

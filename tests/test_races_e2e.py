@@ -187,7 +187,7 @@ def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_then_a_restart
     assert all(o.outcome == "failed" and "rank 1" in o.reason for o in outs), outs
     cluster.start_worker(1)
     cluster.wait_ready(timeout=60)
-    # its memory is fresh: the bus moved to a new generation, and status tells the client (issue 9)
+    # its memory is fresh: the bus moved to a new generation, and status tells the client
     assert "rank 1 restarted with fresh memory" in client.status()["gen_reason"]
     assert client.run("swap_out", [0], [0], timeout=10).ok
 

@@ -1,6 +1,7 @@
 """The rank's batching and inline policies alone, on a fake clock (numbers, no sleeping)."""
 
 from zkv.rank.batching import DONES_HOLD_S, INLINE_MAX_BODY, DoneBatcher, InlinePolicy
+from zkv.wire import bounds
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
@@ -26,7 +27,7 @@ def test_a_done_waits_for_company_at_most_the_hold_time():
 def test_a_full_batch_flushes_at_once():
     b = DoneBatcher(hold_s=1.0, limit=3)
     assert [b.add(b"d", 0.0) for _ in range(3)] == [False, False, True]
-    assert DoneBatcher().limit == P.MAX_BATCH and DoneBatcher().hold_s == DONES_HOLD_S
+    assert DoneBatcher().limit == bounds.MAX_BATCH and DoneBatcher().hold_s == DONES_HOLD_S
 
 
 def body(n: int) -> bytes:

@@ -99,9 +99,9 @@ def test_welcome_while_cleared_frees_the_fresh_cache_and_acks():
 
 def test_silent_broker_makes_the_rank_register_again_with_a_new_session():
     core = welcomed()
-    session = core.session
+    session = core.registration.session
     assert sent(core.on_tick(1.05), "ready") == []
-    (ready,) = sent(core.on_tick(1.0 + core.liveness_ms / 1000 + 0.01), "ready")
+    (ready,) = sent(core.on_tick(1.0 + core.registration.liveness_ms / 1000 + 0.01), "ready")
     assert ready["session"] != session and not core.registered
 
 
@@ -116,10 +116,10 @@ def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
 
 def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its_rank():
     core = welcomed()
-    old = core.session
+    old = core.registration.session
     core.on_wake(1.1)
-    assert core.on_wake(1.1 + core.liveness_ms / 2000 - 0.05) == []
-    (probe,) = sent(core.on_wake(1.1 + core.liveness_ms / 1000), "hb")
+    assert core.on_wake(1.1 + core.registration.liveness_ms / 2000 - 0.05) == []
+    (probe,) = sent(core.on_wake(1.1 + core.registration.liveness_ms / 1000), "hb")
     assert probe["probe"] is True and core.counters["frozen"] == 1
     header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=old)
     body = P.encode_body("swap_out", [0], [0])
@@ -134,11 +134,11 @@ def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its
 def test_a_frozen_rank_still_registered_runs_its_held_tasks():
     core = welcomed()
     core.on_wake(1.0)
-    sent(core.on_wake(1.0 + core.liveness_ms / 1000), "hb")
-    header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=core.session)
+    sent(core.on_wake(1.0 + core.registration.liveness_ms / 1000), "hb")
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=core.registration.session)
     assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) == []
     (ex,) = [a for a in core.on_broker(P.encode("hb", probe=True), 5.0) if isinstance(a, Execute)]
-    assert ex.refuse == "" and ex.task == 1 and not core.probing
+    assert ex.refuse == "" and ex.task == 1 and not core.registration.probing
 
 
 def test_released_tasks_come_after_the_resume_ack():
@@ -151,24 +151,24 @@ def test_released_tasks_come_after_the_resume_ack():
 
 
 def test_the_phase_moves_joining_registered_probing_and_back():
-    from zkv.rank.core import RankPhase
+    from zkv.rank.registration import RankPhase
 
     core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
     core.start(1.0)
-    assert core.phase is RankPhase.JOINING and not core.registered
+    assert core.registration.phase is RankPhase.JOINING and not core.registered
     assert core.on_control(control("pause", 3), 1.0) == [] and core.counters["control_before_welcome"] == 1
     core.on_broker(
         P.encode("welcome", epoch=0, op="run", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100), 1.0
     )
-    assert core.phase is RankPhase.REGISTERED and core.acked_epoch is None
+    assert core.registration.phase is RankPhase.REGISTERED and core.acked_epoch is None
     core.on_wake(1.0)
-    core.on_wake(1.0 + core.liveness_ms / 1000)
-    assert core.phase is RankPhase.PROBING and core.registered
+    core.on_wake(1.0 + core.registration.liveness_ms / 1000)
+    assert core.registration.phase is RankPhase.PROBING and core.registered
     core.on_broker(P.encode("hb", probe=True), 5.0)
-    assert core.phase is RankPhase.REGISTERED
-    core.on_wake(5.0 + core.liveness_ms / 1000)
+    assert core.registration.phase is RankPhase.REGISTERED
+    core.on_wake(5.0 + core.registration.liveness_ms / 1000)
     core.on_broker(P.encode("reregister"), 9.0)
-    assert core.phase is RankPhase.JOINING
+    assert core.registration.phase is RankPhase.JOINING
 
 
 def test_a_welcome_at_a_lower_epoch_is_still_applied():
@@ -183,7 +183,7 @@ def test_a_welcome_at_a_lower_epoch_is_still_applied():
             upto=0,
             layout=LAYOUT.to_wire(),
             heartbeat_ms=100,
-            session=core.session,
+            session=core.registration.session,
         ),
         2.0,
     )

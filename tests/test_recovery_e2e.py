@@ -238,7 +238,7 @@ def test_7_a_failed_allocation_fails_the_resume_naming_the_rank_and_the_rank_sta
     with serving.client(request_timeout=15) as client:
         client.pause()
         client.clear()
-        with pytest.raises(ZkvError) as err:  # the issue's value is now refused where it enters (issue 10)
+        with pytest.raises(ZkvError) as err:  # a value past the bound is refused where it enters
             client.resume(layout={"gpu_blocks": 1099511627776}, timeout=10)
         assert err.value.code == "bad_field" and "gpu_blocks" in err.value.reason
         with pytest.raises(ZkvError) as err:  # in range, but no allocator can satisfy it

@@ -50,7 +50,7 @@ def readies(frames: list[bytes]) -> list[dict]:
 def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_task_succeeds():
     sim = Sim().up()
     cable = Cable(sim)
-    old_session = sim.ranks[1].core.session
+    old_session = sim.ranks[1].core.registration.session
     # The link goes down.  Both sides time out: the broker declares rank 1
     # dead, rank 1 registers again (a fresh session: it had been registered).
     while sim.broker.ranks[1].alive or not cable.outbox:
@@ -74,7 +74,7 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
     # Rank 1 has still heard nothing: its timers fire again and it repeats its READY.
     # (rank 1 -> broker works now: what it sends arrives.)
     again = []
-    for _ in range(int(sim.ranks[1].core.liveness_ms / 1000 / (HB / 5)) + 2):
+    for _ in range(int(sim.ranks[1].core.registration.liveness_ms / 1000 / (HB / 5)) + 2):
         step(sim, cable, HB / 5)
         again += readies(cable.outbox)
         cable.deliver_to_broker()
@@ -84,7 +84,7 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
     assert sim.outcomes[task] == "ok", [m for m in sim.client_in if m["kind"] == "outcome"]
     assert {m["session"] for m in again} == {first["session"]}, "a repeated READY keeps its session"
     assert sim.broker.counters["duplicate_ready"] >= 1
-    assert sim.ranks[1].core.registered and sim.ranks[1].core.session == first["session"]
+    assert sim.ranks[1].core.registered and sim.ranks[1].core.registration.session == first["session"]
     # and the bus still pauses with the exact count: the duplicate welcomes
     # came after the task on the same connection and say so (upto).
     req = sim.request("pause")
@@ -95,7 +95,7 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
 def test_a_registered_rank_that_loses_the_broker_takes_a_fresh_session_and_keeps_it_until_welcomed():
     sim = Sim().up()
     core = sim.ranks[1].core
-    registered = core.session
+    registered = core.registration.session
     t = sim.now
     readies_sent = []
     for i in range(1, 40):  # 4 s of silence from the broker
@@ -114,7 +114,9 @@ def test_a_welcome_repeated_after_tasks_sets_the_received_count_from_its_upto():
     sim.settle()
     core = sim.ranks[1].core
     # The rank repeats its READY (same session), the broker answers a duplicate.
-    frame = P.encode("ready", rank=1, world=2, session=core.session, layout=core.layout.to_wire(), gen=core.gen, pid=0)
+    frame = P.encode(
+        "ready", rank=1, world=2, session=core.registration.session, layout=core.layout.to_wire(), gen=core.gen, pid=0
+    )
     sim._broker_actions(sim.broker.on_rank(b"rank-1", [frame], sim.now))
     assert sim.broker.counters["duplicate_ready"] == 1
     sim.deliver_dealer(1)
@@ -131,7 +133,7 @@ def test_a_welcome_naming_tasks_that_never_came_makes_the_rank_register_afresh()
     at once, rather than wait for a done that never comes."""
     sim = Sim().up()
     core = sim.ranks[1].core
-    old = core.session
+    old = core.registration.session
     acts = core.on_broker(
         P.encode(
             "welcome", epoch=0, op="run", gen=0, upto=1, layout=core.layout.to_wire(), heartbeat_ms=500, session=old

@@ -1,6 +1,6 @@
-"""Strangers (issue 10): no well-formed or malformed message from a peer can
+"""Strangers: no well-formed or malformed message from a peer can
 stop, wedge or hijack the bus.  A real broker and real rank processes; the
-stranger is a raw pyzmq socket.  One test per rule of DESIGN §13."""
+stranger is a raw pyzmq socket.  One test per rule of docs/architecture.md, "Strangers"."""
 
 import itertools
 import subprocess
@@ -18,6 +18,7 @@ from zkv.broker.loop import Broker
 from zkv.harness.cluster import LocalCluster, layout_args
 from zkv.net.endpoints import Endpoints
 from zkv.rank.worker import RankWorker
+from zkv.wire import bounds
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
@@ -206,15 +207,15 @@ def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear()
     from zkv.broker.core import BrokerCore, Publish
 
     core = BrokerCore(BrokerConfig(world=1))
-    core.on_rank(b"r", [ready(world=1, gen=P.MAX_COUNTER)], 1.0)
+    core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_COUNTER)], 1.0)
     core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
-    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=P.MAX_COUNTER)], 1.2)
+    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_COUNTER)], 1.2)
     (pub,) = [a for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, Publish)]
-    assert P.decode(pub.frame, ("control",))["gen"] == P.MAX_COUNTER + 1
+    assert P.decode(pub.frame, ("control",))["gen"] == bounds.MAX_COUNTER + 1
 
 
 @pytest.mark.parametrize(
-    "field,value", [("timeout_ms", 2**53 - 1), ("timeout_ms", P.MAX_TIMEOUT_MS + 1), ("wait_ranks", 3)]
+    "field,value", [("timeout_ms", 2**53 - 1), ("timeout_ms", bounds.MAX_TIMEOUT_MS + 1), ("wait_ranks", 3)]
 )
 def test_out_of_range_request_integers_are_refused_with_their_req(cluster, client, field, value):
     sock = raw(cluster.endpoints.frontend)
@@ -298,11 +299,11 @@ def test_held_status_requests_are_bounded_per_client_and_in_all(lonely_broker):
         try:
             for s in strangers[:2]:  # each may hold 16: the other 24 are refused at once
                 for req in range(40):
-                    s.send(P.encode("status", req=req, wait_ranks=1, timeout_ms=P.MAX_TIMEOUT_MS))
+                    s.send(P.encode("status", req=req, wait_ranks=1, timeout_ms=bounds.MAX_TIMEOUT_MS))
                 assert {e["code"] for e in drain(s, 24)} == {"over_limit"}
             assert len(broker.core.ready_waiters) == 32  # the global cap
             for req in range(40):  # a third connection gets room only up to a fair share
-                strangers[2].send(P.encode("status", req=req, wait_ranks=1, timeout_ms=P.MAX_TIMEOUT_MS))
+                strangers[2].send(P.encode("status", req=req, wait_ranks=1, timeout_ms=bounds.MAX_TIMEOUT_MS))
             replies = [recv(strangers[2])]
             while strangers[2].poll(500):
                 replies.append(recv(strangers[2]))

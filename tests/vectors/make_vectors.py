@@ -685,7 +685,7 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         "",
     ),
     ("body_not_msgpack", b"\xc1\xc1", "decode_body", None, "malformed", ""),
-    # --- strangers (issue 10): well-formed values outside the documented bounds (§2.1)
+    # --- strangers: well-formed values outside the documented bounds (§2.1)
     (
         "version_true",
         m({"v": True, "kind": "ping", "req": 1}),

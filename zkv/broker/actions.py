@@ -2,7 +2,7 @@
 message to publish, a trace record, a durable snapshot to write.
 
 Slotted, not frozen: several are made per task, and a frozen dataclass's
-``__init__`` costs ~3 us, six times a plain one (issue 16).  Treat them as
+``__init__`` costs ~3 us, six times a plain one.  Treat them as
 values all the same."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The control machine (DESIGN §2, §5): pause, clear and resume requests,
-joining or refusing a request while one is in progress, publishing the
+"""The control machine: pause, clear and resume requests (what starts no op
+is in ``admission.py``), joining or refusing a request while one is in progress, publishing the
 control message at each epoch (and repeating it until every rank acked),
 counting the ranks' acks, and the success or failure that ends an operation.
 The states it moves the bus between are looked up in ``state.py``."""
@@ -11,13 +11,13 @@ from typing import Any, Union
 from ..obs.book import BusBook
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ack, Clear, Map, Pause, Resume
+from ..wire.messages import Ack, Clear, Pause, Resume
 from .actions import Action, Publish, Record, error, reply
+from .admission import Refusal, check_clear, noop_reply, resume_layout
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState
 from .state import (
-    ALREADY,
     IN_PROGRESS,
     ON_SUCCESS,
     OP_OF_STATE,
@@ -88,99 +88,50 @@ class ControlMachine:
             )
         return True
 
+    def _starts_no_op(self, op: ControlOp, client: bytes, msg: Request, now: float, out: list[Action]) -> bool:
+        """Join the op in progress, say busy, or answer a noop on a bus already there."""
+        if self._join_or_busy(client, msg, op, now, out):
+            return True
+        action = noop_reply(op, client, msg.req, self.state, self.epoch, self.gens.gen)
+        if action is None:
+            return False
+        self.book.control_finished(op, "noop")
+        out.append(action)
+        return True
+
+    def _refuse(self, op: ControlOp, client: bytes, msg: Request, refusal: Refusal, out: list[Action]) -> None:
+        self.book.control_finished(op, refusal.code)
+        out.append(error(client, refusal.code, refusal.reason, req=msg.req))
+
     def pause(self, client: bytes, msg: Pause, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, ControlOp.PAUSE, now, out):
-            return
-        if self.state in ALREADY[ControlOp.PAUSE]:
-            self.book.control_finished(ControlOp.PAUSE, "noop")
-            out.append(
-                reply(
-                    client,
-                    msg.req,
-                    ControlOp.PAUSE,
-                    noop=True,
-                    state=self.state,
-                    epoch=self.epoch,
-                    gen=self.gens.gen,
-                    drain_ms=0.0,
-                    note=f"already {self.state}",
-                )
-            )
+        if self._starts_no_op(ControlOp.PAUSE, client, msg, now, out):
             return
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
     def clear(self, client: bytes, msg: Clear, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, ControlOp.CLEAR, now, out):
+        if self._starts_no_op(ControlOp.CLEAR, client, msg, now, out):
             return
-        if self.state in ALREADY[ControlOp.CLEAR]:
-            self.book.control_finished(ControlOp.CLEAR, "noop")
-            out.append(
-                reply(
-                    client,
-                    msg.req,
-                    ControlOp.CLEAR,
-                    noop=True,
-                    state=self.state,
-                    epoch=self.epoch,
-                    gen=self.gens.gen,
-                    cancelled=0,
-                    freed=0,
-                    note="already cleared",
-                )
-            )
-            return
-        if self.state != BusState.PAUSED:
-            self.book.control_finished(ControlOp.CLEAR, "not_paused")
-            out.append(error(client, "not_paused", "clear needs a paused bus: run zkv pause first", req=msg.req))
+        try:
+            check_clear(self.state)
+        except Refusal as refusal:
+            self._refuse(ControlOp.CLEAR, client, msg, refusal, out)
             return
         cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
         keep_cpu = bool(msg.keep_cpu)
         self.gens.cleared(keep_cpu)
         # The op's books go in before the first check: with no live rank the
-        # clear completes inside begin (tests/test_issue9_core.py).
-        self.begin(
-            [(client, msg.req)],
-            self.cfg.timeout_s(msg.timeout_ms),
-            ControlOp.CLEAR,
-            now,
-            out,
-            keep_cpu=keep_cpu,
-            cancelled=cancelled,
-        )
+        # clear completes inside begin.
+        timeout_s = self.cfg.timeout_s(msg.timeout_ms)
+        self.begin([(client, msg.req)], timeout_s, ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
     def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
-        if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
+        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
             return
-        if self.state in ALREADY[ControlOp.RESUME]:
-            self.book.control_finished(ControlOp.RESUME, "noop")
-            out.append(
-                reply(
-                    client,
-                    msg.req,
-                    ControlOp.RESUME,
-                    noop=True,
-                    state=self.state,
-                    epoch=self.epoch,
-                    gen=self.gens.gen,
-                    note="already running",
-                )
-            )
+        try:
+            layout = resume_layout(msg.layout, self.state, self.gens.layout)
+        except Refusal as refusal:
+            self._refuse(ControlOp.RESUME, client, msg, refusal, out)
             return
-        layout = self.gens.layout  # always named: no rank resumes on another layout
-        if msg.layout is not None:
-            if self.state != BusState.CLEARED:
-                self.book.control_finished(ControlOp.RESUME, "not_cleared")
-                out.append(
-                    error(client, "not_cleared", "a new layout needs cleared caches: run zkv clear first", req=msg.req)
-                )
-                return
-            base = layout or CacheLayout()
-            try:  # decoded once, here: the op holds it typed, and encodes it only into its frames
-                layout = CacheLayout.from_wire({**base.to_wire(), **msg.layout})
-            except (P.ProtocolError, TypeError) as err:
-                self.book.control_finished(ControlOp.RESUME, "bad_field")
-                out.append(error(client, "bad_field", f"resume layout: {err}", req=msg.req))
-                return
         self.retry_at = None
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)
 
@@ -269,7 +220,7 @@ class ControlMachine:
             self.counters["stale_acks"] += 1
             return
         named = self.op_layout
-        if self.op == ControlOp.RESUME and named is not None and not self._on_layout(msg.layout, named):
+        if self.op == ControlOp.RESUME and named is not None and not self.gens.is_acked_layout(msg.layout, named):
             self.counters["stale_acks"] += 1  # resumed with another layout: wait for the repeat
             return
         if msg.stats:
@@ -293,13 +244,6 @@ class ControlMachine:
         if self.pending is not None and self.pending.op == ControlOp.CLEAR:
             self.pending.freed += msg.freed or 0
         self._check_pending(now, out)
-
-    def _on_layout(self, acked: Map | None, named: CacheLayout) -> bool:
-        """A resume's ack is for the ``named`` layout: it names that one
-        (parsed once, here), or names none while ``named`` is the bus's own."""
-        if acked is None:
-            return self.gens.layout is not None and named == self.gens.layout
-        return _ack_layout(acked) == named
 
     def _lagging(self, epoch: int) -> list[int]:
         return sorted(rs.rank for rs in self.ranks.live() if rs.acked_epoch != epoch)
@@ -445,17 +389,3 @@ class ControlMachine:
         if self.retry_at is not None:
             due.append(self.retry_at)
         return due
-
-
-_LAYOUT_FIELDS = len(CacheLayout.__dataclass_fields__)
-
-
-def _ack_layout(acked: Map) -> CacheLayout | None:
-    """The whole layout an ack names; None when it names no valid layout
-    (a partial map is not one: a rank acks every field)."""
-    if len(acked) != _LAYOUT_FIELDS:
-        return None
-    try:
-        return CacheLayout.from_wire(acked)
-    except (P.ProtocolError, TypeError):
-        return None

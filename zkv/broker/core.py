@@ -14,7 +14,7 @@ generation), ``recovery.py`` (:class:`Recovery`: the durable snapshot and a
 registering rank's reconciliation); the bus states and their transitions in
 ``state.py``.  The actions and records are re-exported here.
 
-Invariants it keeps (DESIGN §1-§7):
+Invariants it keeps (docs/architecture.md, "The rules"):
 - a task is dispatched to every rank at once, and only while running with all
   ``world`` ranks alive and each holding a free credit;
 - every submitted task ends exactly once: ranks report ok/failed to the
@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from ..obs.book import BusBook
+from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
@@ -259,7 +260,7 @@ class BrokerCore:
     def _on_rank(self, identity: bytes, frames: list[bytes], now: float, out: list[Action]) -> None:
         if len(frames) > 1:  # the done frames of one rank wakeup (docs/protocol.md §10.3)
             try:
-                P.check_frames(frames, 1, P.MAX_BATCH)
+                P.check_frames(frames, 1, bounds.MAX_BATCH)
             except P.ProtocolError as err:
                 self._events["bad_rank_msgs"] += 1
                 out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))

@@ -1,5 +1,6 @@
-"""What the ranks' cache memory holds for the bus (DESIGN §11, §12): one
-layout and one generation.  The generation moves whenever the content of the
+"""What the ranks' cache memory holds for the bus: one layout and one
+generation (docs/architecture.md, "One layout, one generation, whatever
+restarts").  The generation moves whenever the content of the
 caches is gone (a clear, a failed resume from cleared, a rank that lost its
 memory once a task ran at this generation), so that no client reads old blocks
 as if they were there."""
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Map
+
+_LAYOUT_FIELDS = len(CacheLayout.__dataclass_fields__)
 
 
 class Generation:
@@ -78,3 +83,16 @@ class Generation:
         self.reason = snap.get("gen_reason", "")
         self.keep_cpu = bool(snap.get("keep_cpu")) and cleared
         self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
+
+    def is_acked_layout(self, acked: Map | None, named: CacheLayout) -> bool:
+        """A resume's ack is for the ``named`` layout: it names that one
+        (parsed once, here; a partial map is none, a rank acks every field),
+        or names none while ``named`` is the bus's own."""
+        if acked is None:
+            return self.layout is not None and named == self.layout
+        if len(acked) != _LAYOUT_FIELDS:
+            return False
+        try:
+            return CacheLayout.from_wire(acked) == named
+        except (P.ProtocolError, TypeError):
+            return False

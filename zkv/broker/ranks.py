@@ -1,4 +1,4 @@
-"""The ranks of the bus (DESIGN §6, §7): who is registered under which
+"""The ranks of the bus (docs/protocol.md §10): who is registered under which
 identity and session, who is alive, and the broker's side of the heartbeat.
 A ``ready`` is checked here against the world size; the welcome, a rank's
 reconciliation with the bus and the failing of a lost rank's tasks are the

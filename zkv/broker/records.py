@@ -21,7 +21,7 @@ class BrokerConfig:
     control_repeat_ms: int = 100
     op_timeout_ms: int = 30_000
     allow_partial: bool = False  # a dead rank completes (not fails) a pending op
-    # Per-client bounds (DESIGN §13): a flooding or vanished client holds at most
+    # Per-client bounds (docs/architecture.md, "Strangers"): a flooding or vanished client holds at most
     # this much broker state, and every piece of it expires.
     max_open_per_client: int = 10_000  # queued + in-flight tasks of one connection
     max_waiters_per_client: int = 16  # held status{wait_ranks} requests of one connection

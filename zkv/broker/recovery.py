@@ -1,5 +1,5 @@
 """How the broker keeps one layout and one generation across restarts and
-failures (DESIGN §11, §12): its durable snapshot (written by ``state_file.py``
+failures (docs/architecture.md, "One layout, one generation"): its durable snapshot (written by ``state_file.py``
 before any reply that reports a change), the restore of a restarted broker,
 and the reconciliation of a registering rank with the bus, which may move the
 generation or make the bus resume."""
@@ -83,7 +83,7 @@ class Recovery:
 
     def reconcile(self, rank: int, msg: Ready, layout: CacheLayout, now: float, out: list[Action]) -> None:
         """Bring a registering rank in line with the bus, never serve it as it is
-        when its memory is not the bus's (DESIGN §11, §12).
+        when its memory is not the bus's.
 
         Its memory is *lost* for the bus when the process is new (``fresh``),
         holds no cache, another layout, or another generation.  Then, if a task

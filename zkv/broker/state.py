@@ -7,7 +7,7 @@ restart), lives here in this file, as tables where it fits.  ``core.py``,
 spell a state as a string.
 
 Rule 2: this file knows nothing of clients, ranks, epochs or sockets; it knows
-only the control cycle in the abstract (pause -> clear -> resume, DESIGN §2).
+only the control cycle in the abstract (pause -> clear -> resume).
 
 The ops are the wire's own ``ControlOp`` (``zkv/wire/vocab.py``), re-exported
 here for the tables' readers; the states are a string enum too, so a state or

@@ -12,7 +12,7 @@ use (~10 us): a process killed at any instant leaves both slots whole (a
 write() completes before a signal is taken), and a host that loses power in
 the middle of one leaves the other, older snapshot to load.  The bytes reach
 the disk on a background thread right after (``fdatasync``), so no reply
-waits on it (issue 16: a temporary file, fsync and rename cost 0.6-1 ms per
+waits on it (a temporary file, fsync and rename cost 0.6-1 ms per
 save, 1.2-2 ms per pause).  Each slot is a line of JSON (``cat`` shows them).
 """
 

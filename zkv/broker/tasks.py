@@ -1,4 +1,4 @@
-"""Tasks through the broker (DESIGN §1, §4, §13): admission of a submit
+"""Tasks through the broker (docs/protocol.md §7): admission of a submit
 within the per-client bounds, dispatch to every rank at once within each
 rank's credits, the fold of the ranks' ``done`` replies, and the one place a
 task ends.  Whether the bus may run tasks at all is the control machine's to
@@ -61,7 +61,10 @@ class TaskTable:
             reason = f"task body of {len(body)} bytes exceeds {P.MAX_FRAME_BYTES}"
         elif not P.is_result_address(reply_to):
             self.book.bad_request("bad_submit")
-            reason = f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address (numeric IP, at most {P.MAX_ADDRESS} characters)"
+            reason = (
+                f"reply_to {reply_to[:80]!r} is not an ipc://PATH or tcp://IP:PORT address "
+                f"(numeric IP, at most {P.MAX_ADDRESS} characters)"
+            )
         elif cleared:
             reason = "caches are cleared; resume the bus first (zkv resume)"
         elif len(self.queue) >= self.cfg.max_queue:

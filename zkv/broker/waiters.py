@@ -2,7 +2,7 @@
 
 A client may ask the broker to hold a status request until N ranks are up.
 Without bounds a client that floods such requests and vanishes makes the
-broker hold (and scan on every wakeup) any number of them (issue 10).  Here
+broker hold (and scan on every wakeup) any number of them.  Here
 each connection holds at most ``per_client``, all together at most ``total``,
 every one expires at its deadline, and nothing is scanned until one is due.
 When the total is reached, a connection holding fewer than the one holding the

@@ -1,6 +1,6 @@
 """The ``zkv`` command line: ``commands`` (the click group and the processes),
-``control`` (the client commands), ``options`` (shared options), ``trace``
-(``zkv trace`` / ``zkv replay``), ``bench``.
+``up`` (all of them on this machine), ``control`` (the client commands),
+``options`` (shared options), ``trace`` (``zkv trace`` / ``zkv replay``), ``bench``.
 
 :func:`run` is the process entry point (the ``zkv`` console script and
 ``python -m zkv``); process-wide settings belong there, not in an import.

@@ -94,8 +94,10 @@ def _summary(report: dict) -> str:
         if key in report:
             raw, z, vs = report[key]["raw_pyzmq_relay"], report[key]["zkv"], report[key]["vs_relay"]
             lines.append(
-                f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s, rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
-                f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s, rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us"
+                f"{key}: zkv {z['tasks_per_s']:.0f} tasks/s,"
+                f" rtt p50 {z['rtt_us']['p50']:.0f} us p99 {z['rtt_us']['p99']:.0f} us"
+                f"  | raw relay {raw['tasks_per_s']:.0f} tasks/s,"
+                f" rtt p50 {raw['rtt_us']['p50']:.0f} us p99 {raw['rtt_us']['p99']:.0f} us"
                 f"  (window {vs['window']}, {vs['rounds']} alternating rounds)"
             )
             cpu = lambda r: " ".join(f"{p} {us:.0f}" for p, us in r["cpu_us_per_task"].items())  # noqa: E731
@@ -109,22 +111,28 @@ def _summary(report: dict) -> str:
                 lines.append(
                     "  vs relay: "
                     + ", ".join(
-                        f"{name} {v:.2f}x ({'ok' if (v >= t if op == '>=' else v <= t) else 'MISSED'}: target {op} {t}x)"
+                        f"{name} {v:.2f}x ({'ok' if (v >= t if op == '>=' else v <= t) else 'MISSED'}:"
+                        f" target {op} {t}x)"
                         for name, v, op, t in checks
                     )
                 )
     if "metrics_cost" in report:
         c, b = report["metrics_cost"]["core"], report["metrics_cost"]["bus"]
         lines.append(
-            f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
-            f" (hook calls alone {c['hook_calls_alone_us_per_task']:.2f} us); bus {b['median_metered']:.0f} tasks/s with metrics, scraped"
-            f" | {b['median_plain']:.0f} tasks/s without ({b['metered_vs_plain_pct']:+.1f} %), broker CPU {b['broker_cpu_metered_vs_plain_pct']:+.1f} %"
+            f"metrics cost: broker core {c['core_us_per_task']['median']:.1f} us/task | "
+            f"no-op book {c['null_book_core_us_per_task']['median']:.1f} us/task"
+            f" (hook calls alone {c['hook_calls_alone_us_per_task']:.2f} us); "
+            f"bus {b['median_metered']:.0f} tasks/s with metrics, scraped"
+            f" | {b['median_plain']:.0f} tasks/s without ({b['metered_vs_plain_pct']:+.1f} %), "
+            f"broker CPU {b['broker_cpu_metered_vs_plain_pct']:+.1f} %"
         )
     if "copy_256_blocks" in report:
         c = report["copy_256_blocks"]
         lines.append(
-            f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
-            f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s"
+            f"copy 256 blocks ({c['bytes'] / 2**20:.0f} MiB): zkv contiguous {c['zkv_contiguous_ids_GBps']:.2f} GB/s, "
+            f"scattered {c['zkv_scattered_ids_GBps']:.2f} GB/s"
+            f"  | plain copy_ {c['baseline_plain_contiguous_copy_GBps']:.2f} GB/s, "
+            f"index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s"
         )
     if "copy_attached" in report:
         from ..harness.bench_copy import format_table
@@ -132,27 +140,32 @@ def _summary(report: dict) -> str:
         lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
     if "pause" in report:
         p = report["pause"]
+        overhead, target = p["busy_overhead_beyond_drain_ms"], BUS_TARGETS["pause_overhead_p99_ms"]
         lines.append(
-            f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms"
+            f"pause idle p50 {p['idle_pause_ms']['p50']:.2f} ms p99 {p['idle_pause_ms']['p99']:.2f} ms; "
+            f"resume p50 {p['idle_resume_ms']['p50']:.2f} ms p99 {p['idle_resume_ms']['p99']:.2f} ms"
         )
         lines.append(
-            f"pause with {p['inflight_tasks']} tasks in flight: p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
-            f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms + overhead p50 {p['busy_overhead_beyond_drain_ms']['p50']:.2f} ms p99 {p['busy_overhead_beyond_drain_ms']['p99']:.2f} ms"
-            f" ({'ok' if p['busy_overhead_beyond_drain_ms']['p99'] <= BUS_TARGETS['pause_overhead_p99_ms'] else 'MISSED'}:"
-            f" target <= {BUS_TARGETS['pause_overhead_p99_ms']} ms)"
+            f"pause with {p['inflight_tasks']} tasks in flight:"
+            f" p50 {p['busy_pause_ms']['p50']:.2f} ms p99 {p['busy_pause_ms']['p99']:.2f} ms"
+            f" = drain p99 {p['busy_drain_ms']['p99']:.2f} ms"
+            f" + overhead p50 {overhead['p50']:.2f} ms p99 {overhead['p99']:.2f} ms"
+            f" ({'ok' if overhead['p99'] <= target else 'MISSED'}: target <= {target} ms)"
         )
     if "manager" in report:
         m, w = report["manager"]["bookkeeping"], report["manager"]["cluster"]
         lines.append(
             f"manager per request ({m['prompt_tokens']}-token prompts, {m['block_size']}-token blocks, fake bus):"
             f" match+allocate+insert+release {m['us_per_request']:.0f} us"
-            f"  | block keys alone {m['baseline_block_keys_us']:.0f} us, flat dict cache {m['baseline_dict_cache_us']:.0f} us"
+            f"  | block keys alone {m['baseline_block_keys_us']:.0f} us, "
+            f"flat dict cache {m['baseline_dict_cache_us']:.0f} us"
         )
         swaps = ", ".join(
             f"{op} {c.get('issued', 0)} tasks/{c.get('blocks', 0)} blocks" for op, c in w["swaps"].items()
         )
         lines.append(
-            f"manager chat workload on {w['ranks']} ranks: {w['requests_per_s']:.0f} requests/s, hit rate GPU {w['gpu_hit_rate']:.1%}"
+            f"manager chat workload on {w['ranks']} ranks: {w['requests_per_s']:.0f} requests/s,"
+            f" hit rate GPU {w['gpu_hit_rate']:.1%}"
             f" CPU {w['cpu_hit_rate']:.1%}, {swaps}, {w['bytes_moved'] / 2**20:.0f} MiB moved"
             f"  | no cache (fill every block) {w['baseline_no_cache_requests_per_s']:.0f} requests/s"
         )

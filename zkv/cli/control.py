@@ -161,8 +161,8 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
     _print_reply(
         r,
         as_json,
-        f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, {r['freed']} bytes freed"
-        + (f" ({r['note']})" if r.get("noop") else ""),
+        f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, "
+        f"{r['freed']} bytes freed" + (f" ({r['note']})" if r.get("noop") else ""),
     )
 
 

@@ -1,5 +1,5 @@
 """Click options shared by the zkv commands (one definition each): the
-broker's limits, the cache layout and CurveZMQ."""
+broker's limits, the cache layout, CurveZMQ and the metrics exporter."""
 
 from __future__ import annotations
 
@@ -212,7 +212,8 @@ def curve_options(server: bool = False, client: bool = True) -> Callable:
                 default=None,
                 envvar="ZKV_CURVE_RANKS",
                 show_envvar=True,
-                help="Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.",
+                help="Directory of rank public keys (*.key): allowed on the broker's backend, "
+                "and to push results to a client.",
             )(fn)
         if client:
             fn = click.option(
@@ -247,6 +248,26 @@ def curve_from(kw: dict) -> Any:
             raise click.BadParameter("--curve-server / --curve-ranks / --curve-clients need --curve-secret")
         return None
     return Curve(secret, server, ranks, clients)
+
+
+def metrics_options(fn: Callable) -> Callable:
+    """The Prometheus exporter of the broker (docs/operations.md): off unless a port is given."""
+    fn = click.option(
+        "--metrics-addr",
+        default="127.0.0.1",
+        show_default=True,
+        envvar="ZKV_METRICS_ADDR",
+        show_envvar=True,
+        help="Address the /metrics endpoint binds (loopback unless you ask for more).",
+    )(fn)
+    return click.option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=None,
+        envvar="ZKV_METRICS_PORT",
+        show_envvar=True,
+        help="Serve Prometheus metrics (the ranks' included) on http://ADDR:PORT/metrics; 0 picks a free port.",
+    )(fn)
 
 
 def sigterm_as_interrupt() -> None:

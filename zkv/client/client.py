@@ -24,6 +24,7 @@ from ..net.curve import RESULTS_DOMAIN, Curve
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
 from ..net.reply_address import advertised, default_bind
+from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
@@ -216,17 +217,17 @@ class Client:
         }  # as the frame has them
 
     def pause(self, timeout: float = 30.0) -> dict:
-        return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS))
+        return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS))
 
     def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
         reply = self.request(
-            "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), P.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
+            "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
         )
         self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
         return reply
 
     def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
-        fields: dict[str, Any] = {"timeout_ms": min(int(timeout * 1000), P.MAX_TIMEOUT_MS)}
+        fields: dict[str, Any] = {"timeout_ms": min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS)}
         if layout:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
@@ -239,7 +240,7 @@ class Client:
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
             reply = self.request(
-                "status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), P.MAX_TIMEOUT_MS)
+                "status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), bounds.MAX_TIMEOUT_MS)
             )
         else:
             reply = self.request("status", timeout)

@@ -263,7 +263,8 @@ class SwapController:
         return outcome, time.perf_counter() - start
 
     def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
-        """Rejected/cancelled never copied and a rank-reported failure means every rank answered; a timeout may copy late."""
+        """Rejected/cancelled never copied and a rank-reported failure means every rank answered;
+        a timeout may copy late."""
         if outcome.outcome == "timeout" or (outcome.outcome == "failed" and not outcome.per_rank):
             self._quarantine.hold(outcome.task, (blocks, rows))
             return

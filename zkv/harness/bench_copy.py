@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -122,17 +123,16 @@ def _run(
         nb = dev.type == "cuda"
         row: dict[str, Any] = {"regions": len(cache.descriptor.regions), "mib": nbytes / 2**20}
         for name, (block_ids, rows) in patterns.items():
-            # The lambdas run inside _timed, within this iteration (B023 does not apply).
             base_out, t_out, base_in, t_in = _timed(
                 [
-                    lambda: dst.copy_(src, non_blocking=nb),
-                    lambda: copier.swap_out(block_ids, rows),  # noqa: B023
-                    lambda: src.copy_(dst, non_blocking=nb),
-                    lambda: copier.swap_in(rows, block_ids),
+                    partial(dst.copy_, src, non_blocking=nb),
+                    partial(copier.swap_out, block_ids, rows),
+                    partial(src.copy_, dst, non_blocking=nb),
+                    partial(copier.swap_in, rows, block_ids),
                 ],
                 reps,
                 dev,
-            )  # noqa: B023
+            )
             gbps = {
                 key: nbytes / statistics.median(ts) / 1e9
                 for key, ts in (("out", t_out), ("in", t_in), ("copy_out", base_out), ("copy_in", base_in))
@@ -154,7 +154,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
         "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
-        f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10} {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
+        f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10}"
+        f" {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
     ]
     for layout, row in result["layouts"].items():
         for name in ("contiguous", "scattered"):

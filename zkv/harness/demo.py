@@ -99,7 +99,8 @@ def run_demo(
             sw = s["swaps"][op]
             outcomes = {k: sw[k] for k in ("ok", "failed", "cancelled", "rejected", "timeout") if sw[k]}
             echo(
-                f"  {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks, outcomes {outcomes or '{}'}"
+                f"  {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks,"
+                f" outcomes {outcomes or '{}'}"
             )
         echo(
             f"  bytes moved by swaps: {_mib(s['bytes_moved'])}; dropped when the CPU was full: "

@@ -157,8 +157,9 @@ def summary(report: dict[str, Any]) -> str:
             )
     d = report["decode"]
     lines.append(
-        f"  decode, batch {d['batch']} x {d['new_tokens'] - 1} tokens: with zkv attached {d['with_zkv_tokens_per_s']:.1f} "
-        f"tokens/s | without zkv {d['without_zkv_tokens_per_s']:.1f} tokens/s (ratio {d['ratio']:.2f}); "
+        f"  decode, batch {d['batch']} x {d['new_tokens'] - 1} tokens: "
+        f"with zkv attached {d['with_zkv_tokens_per_s']:.1f} tokens/s | "
+        f"without zkv {d['without_zkv_tokens_per_s']:.1f} tokens/s (ratio {d['ratio']:.2f}); "
         f"a bare engine beside the running bus {d['bare_beside_running_bus_tokens_per_s']:.1f} tokens/s"
     )
     return "\n".join(lines)

@@ -70,7 +70,8 @@ def serve_chat(
             cleared = set(started)
             echo(
                 f"  RL cycle before round {index}: pause {_ms(cycle['pause_s'])}, clear {_ms(cycle['clear_s'])} "
-                f"(bus) + engine free {_ms(cycle['engine_free_s'])} (cache storage expired: {cycle['storage_expired']}), "
+                f"(bus) + engine free {_ms(cycle['engine_free_s'])} "
+                f"(cache storage expired: {cycle['storage_expired']}), "
                 f"weight update {_ms(cycle['update_s'])}, new cache {_ms(cycle['rebuild_s'])}, "
                 f"resume {_ms(cycle['resume_s'])} (generation {cycle['generation']})"
             )
@@ -170,9 +171,10 @@ def run_engine_demo(
         )
         echo(
             f"  {returning} returning turns: {turns['resident']} still resident, {turns['swapped_in']} swapped in "
-            f"instead of a prefill, {turns['recomputed']} recomputed ({turns['recomputed_after_cycle']} of them the first turn after the RL clear "
-            f"dropped all KV of the old weights; hit rate {(turns['resident'] + turns['swapped_in']) / max(1, returning):.0%}, "
-            f"before the cycle {turns['swapped_in']} of {turns['swapped_in'] + turns['recomputed'] - turns['recomputed_after_cycle']} "
+            f"instead of a prefill, {turns['recomputed']} recomputed ({turns['recomputed_after_cycle']} of them "
+            f"the first turn after the RL clear dropped all KV of the old weights; "
+            f"hit rate {(turns['resident'] + turns['swapped_in']) / max(1, returning):.0%}, before the cycle "
+            f"{turns['swapped_in']} of {turns['swapped_in'] + turns['recomputed'] - turns['recomputed_after_cycle']} "
             f"not resident were swapped in)"
         )
         echo(
@@ -184,11 +186,13 @@ def run_engine_demo(
         echo(
             f"  {p['name']} ({p['tokens']} tokens, {p['blocks']} blocks): swap-in {_ms(p['swap_in_s'])} vs recompute "
             f"of its prefill {_ms(p['recompute_s'])} ({p['recompute_s'] / max(p['swap_in_s'], 1e-9):.1f}x); "
-            f"round trip into other block ids: {'bit-identical on every rank' if p['identical'] and p['moved'] else 'MISMATCH'}"
+            "round trip into other block ids: "
+            f"{'bit-identical on every rank' if p['identical'] and p['moved'] else 'MISMATCH'}"
         )
         echo(
             f"  prefill time saved by the {s.swap_ins} swap-ins ({s.tokens_swapped_in} tokens): about "
-            f"{saved:.2f} s (recompute at this run's {rate * 1e3:.2f} ms/token minus {sum(s.swap_in_s):.2f} s of swap-ins)"
+            f"{saved:.2f} s (recompute at this run's {rate * 1e3:.2f} ms/token "
+            f"minus {sum(s.swap_in_s):.2f} s of swap-ins)"
         )
         return bool(
             p["identical"]

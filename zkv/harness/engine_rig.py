@@ -112,7 +112,8 @@ class EngineRig:
         return self
 
     def rl_cycle(self, update_weights: Callable[[], None]) -> dict[str, Any]:
-        """Pause -> clear -> engines free -> ``update_weights()`` -> new caches -> ranks attach -> resume; timings in s."""
+        """Pause -> clear -> engines free -> ``update_weights()`` -> new caches -> ranks attach -> resume;
+        timings in s."""
         assert self.client is not None
         t: dict[str, Any] = {}
         start = time.perf_counter()

@@ -31,59 +31,19 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..rank.cache import layouts
-from ..rank.cache.copier import CopyEngine
-from ..rank.cache.regions import EngineCache
 from ..rank.cache.staging import STAGING_BYTES
-from ..rank.cache.store import BlockStore, block_digests
-from ..rank.cache.tier import CpuTier
-from ..wire.layout import CacheLayout
 from .bench_copy import _paired, _timed
+from .copy_rig import Rig, Size, patterns
 
 TARGET_RATIO = 0.9
 TARGET_GBPS = 40.0
 BLOCKS = 256
-
-
-@dataclass(frozen=True)
-class Size:
-    """A model's KV block: ``layers`` x K/V pages of ``tokens x heads x head_dim`` bf16."""
-
-    layers: int
-    tokens: int = 16
-    heads: int = 8
-    head_dim: int = 128
-
-    @property
-    def name(self) -> str:
-        kib = self.block_bytes // 1024
-        return f"{kib // 1024}MiB" if kib % 1024 == 0 else f"{kib}KiB"
-
-    @property
-    def page_shape(self) -> tuple[int, int, int]:
-        return (self.heads, self.tokens, self.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.layers * self.tokens * self.heads * self.head_dim * 2
-
-    def layout(self, gpu_blocks: int, cpu_blocks: int) -> CacheLayout:
-        return CacheLayout(
-            layers=self.layers,
-            gpu_blocks=gpu_blocks,
-            cpu_blocks=cpu_blocks,
-            block_size=self.tokens,
-            kv_heads=self.heads,
-            head_dim=self.head_dim,
-            dtype="bf16",
-        )
-
 
 GPU_SIZES = (Size(32), Size(4))  # 2 MiB and 256 KiB blocks
 CPU_SIZES = (Size(4, tokens=8, heads=2, head_dim=64), Size(2, tokens=4, heads=2, head_dim=32))  # 16 KiB, 2 KiB
@@ -91,78 +51,6 @@ CPU_SIZES = (Size(4, tokens=8, heads=2, head_dim=64), Size(2, tokens=4, heads=2,
 
 def say(line: str) -> None:
     print(line, flush=True)
-
-
-# --- the engines under test ----------------------------------------------------------
-
-
-class Rig:
-    """One engine's cache and tier: ``out(blocks, rows)``, ``into(rows, blocks)`` and a byte check."""
-
-    def __init__(
-        self,
-        engine: str,
-        size: Size,
-        blocks: int,
-        rows: int,
-        dev: torch.device,
-        staging_bytes: int = STAGING_BYTES,
-        compute_stream: Any = None,
-    ):
-        self.engine, self.dev = engine, dev
-        if engine == "owned":
-            self.kv = BlockStore.owned(size.layout(blocks, rows), dev, staging_bytes=staging_bytes)
-            assert self.kv.copier is not None and self.kv.cache is not None and self.kv.tier is not None
-            self.cache, self.tier, self.copier = self.kv.cache, self.kv.tier, self.kv.copier
-        else:  # engine-attached: FastDeploy-style separate per-layer K and V tensors
-            shape = (blocks, *size.page_shape)
-            ks = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
-            vs = [torch.zeros(shape, dtype=torch.bfloat16, device=dev) for _ in range(size.layers)]
-            self.cache = EngineCache.from_tensors(layouts.zkv_native(ks, vs))
-            self.tier = CpuTier.for_cache(self.cache.descriptor, rows, pin=dev.type == "cuda")
-            self.copier = CopyEngine(self.cache, self.tier, compute_stream, staging_bytes)
-        self.block_bytes = self.cache.descriptor.block_bytes
-
-    def out(self, blocks: list[int], rows: list[int]) -> None:
-        self.copier.swap_out(blocks, rows)
-
-    def into(self, rows: list[int], blocks: list[int]) -> None:
-        self.copier.swap_in(rows, blocks)
-
-    def randomize(self, seed: int) -> None:
-        gen = torch.Generator(device=self.dev).manual_seed(seed)
-        for v in self.cache.views:
-            v.copy_(torch.randint(0, 256, v.shape, dtype=torch.uint8, device=self.dev, generator=gen))
-
-    def same(self, blocks: list[int], rows: list[int]) -> bool:
-        """Engine blocks equal tier rows, byte for byte, in every region (compared on the device)."""
-        b = torch.tensor(blocks, device=self.dev)
-        r = torch.tensor(rows)
-        return all(
-            torch.equal(v.index_select(0, b), c.index_select(0, r).to(self.dev))
-            for v, c in zip(self.cache.views, self.tier.columns)
-        )
-
-    def digests(self, tier: str, ids: list[int]) -> list[bytes]:
-        return block_digests(self.cache.views if tier == "gpu" else self.tier.columns, ids)
-
-    def close(self) -> None:
-        self.copier.close()
-        self.cache.release()
-        if self.engine == "owned":
-            self.kv.free()
-        if self.dev.type == "cuda":
-            torch.cuda.synchronize(self.dev)
-            torch.cuda.empty_cache()
-
-
-def patterns(blocks: int, seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
-    """Contiguous ids, and scattered engine blocks (of twice as many) into a shuffled run of tier rows."""
-    rng = random.Random(seed)
-    return {
-        "contiguous": (list(range(blocks)), list(range(blocks))),
-        "scattered": (rng.sample(range(2 * blocks), blocks), rng.sample(range(blocks), blocks)),
-    }
 
 
 # --- (a) correctness -----------------------------------------------------------------
@@ -285,11 +173,11 @@ def bandwidth(engine: str, size: Size, dev: torch.device, reps: int) -> dict[str
             rig.into(rows, dst)
             in_ok = rig.same(dst, rows)
             fns: list[Callable[[], Any]] = [
-                lambda: host_buf.copy_(dev_buf, non_blocking=cuda),
-                lambda: rig.out(ids, rows),  # noqa: B023
-                lambda: dev_buf.copy_(host_buf, non_blocking=cuda),
-                lambda: rig.into(rows, ids),
-            ]  # noqa: B023
+                partial(host_buf.copy_, dev_buf, non_blocking=cuda),
+                partial(rig.out, ids, rows),
+                partial(dev_buf.copy_, host_buf, non_blocking=cuda),
+                partial(rig.into, rows, ids),
+            ]
             base_out, t_out, base_in, t_in = _timed(fns, reps, dev)
             row: dict[str, Any] = {}
             for op, base, ours in (("swap_out", base_out, t_out), ("swap_in", base_in, t_in)):
@@ -359,10 +247,12 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
         say(f"  {verdict(r['ok'])}  {r['check']}  {json.dumps(extra)}")
     say(
         f"(b) bandwidth: {BLOCKS} blocks, GB/s beside a pinned contiguous copy_ of the same bytes (median of {reps},"
-        f" interleaved); targets >= {TARGET_RATIO}x and >= {TARGET_GBPS:.0f} GB/s one way{'' if dev.type == 'cuda' else ' (n/a on cpu)'}"
+        f" interleaved); targets >= {TARGET_RATIO}x and >= {TARGET_GBPS:.0f} GB/s one way"
+        f"{'' if dev.type == 'cuda' else ' (n/a on cpu)'}"
     )
     say(
-        f"  {'engine':9} {'block':7} {'regions':>7} {'MiB':>5}  {'ids':10} {'op':8} {'GB/s':>7} {'pinned':>7} {'ratio':>6}  verdict"
+        f"  {'engine':9} {'block':7} {'regions':>7} {'MiB':>5}  {'ids':10} {'op':8}"
+        f" {'GB/s':>7} {'pinned':>7} {'ratio':>6}  verdict"
     )
     for size in sizes:
         for engine in ("owned", "attached"):
@@ -378,8 +268,8 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
                 for op in ("swap_out", "swap_in"):
                     c = r[name][op]
                     say(
-                        f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8} {c['gbps']:>7.2f}"
-                        f" {c['pinned_copy_gbps']:>7.2f} {c['ratio']:>5.2f}x  {verdict(c['pass'])}"
+                        f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8}"
+                        f" {c['gbps']:>7.2f} {c['pinned_copy_gbps']:>7.2f} {c['ratio']:>5.2f}x  {verdict(c['pass'])}"
                         f"{'' if r[name]['bytes_ok'] else '  BYTES DIFFER'}"
                     )
     report["seconds"] = time.perf_counter() - t0

@@ -5,10 +5,10 @@ there yet, a link that goes down, an address that is not 127.0.0.1).  This
 harness gives every role its own network stack: one namespace per host, each
 with a veth ``eth0`` on a private subnet, plugged into a bridge that lives in
 a namespace of its own, so nothing of it touches the machine's real network.
-It runs the real CLI (``python -m zkv broker`` / ``worker``) in those
-namespaces with ``ip netns exec``, and clients as a small agent process that
-drives ``zkv.Client`` and answers JSON lines, so a test can talk to a client
-that lives on another "host".
+It runs processes in those namespaces with ``ip netns exec`` (``netns_bus``
+lays the real CLI, ``python -m zkv broker`` / ``worker``, out on them), and
+clients as a small agent process that drives ``zkv.Client`` and answers JSON
+lines, so a test can talk to a client that lives on another "host".
 
 It imports nothing from zkv: what runs in the namespaces is what a user runs.
 Needs root (or CAP_SYS_ADMIN + CAP_NET_ADMIN) and iproute2; ``unavailable()``
@@ -29,12 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 PREFIX = "zkvmh"  # every namespace this harness makes: zkvmh<pid>-<role>
-PORTS = {"frontend": 5555, "backend": 5556, "control": 5557}
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -263,11 +262,13 @@ def call(method, a):
     if op == "reply_to":
         return client.reply_to
     if op == "submit":
-        return client.submit(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0), tier=a.get("tier"), seed=a.get("seed"))
+        return client.submit(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0),
+                             tier=a.get("tier"), seed=a.get("seed"))
     if op == "wait":
         return outcome(client.wait(a["task"], a.get("timeout")))
     if op == "run":
-        return outcome(client.run(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0), tier=a.get("tier"), seed=a.get("seed")))
+        return outcome(client.run(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0),
+                                  tier=a.get("tier"), seed=a.get("seed")))
     if op == "send_request":
         return client.send_request(a.pop("kind"), **a)
     if op == "await_reply":
@@ -343,150 +344,3 @@ class ClientAgent:
         if self.proc.popen.stdin:
             self.proc.popen.stdin.close()
         self.lab.stop(self.proc, timeout=5)
-
-
-# --- a zkv bus across hosts --------------------------------------------------------------
-
-
-@dataclass
-class Bus:
-    """A Curve-secured zkv bus on a Lab: a broker host, rank hosts, client hosts."""
-
-    lab: Lab
-    world: int = 2
-    layout: Sequence[str] = (
-        "--layers",
-        "2",
-        "--gpu-blocks",
-        "32",
-        "--cpu-blocks",
-        "32",
-        "--block-size",
-        "4",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "16",
-        "--dtype",
-        "fp32",
-    )
-    broker_args: Sequence[str] = ()
-    worker_args: Sequence[str] = ()
-    broker: Proc | None = None
-    workers: dict[int, Proc] = field(default_factory=dict)
-    keys: Path = Path()  # set by make_keys: every NAME.key / NAME.key_secret
-    ranks_dir: Path = Path()  # set by make_keys: the ranks' public keys (broker backend, clients' result PULL)
-    clients_dir: Path = Path()  # set by make_keys: the clients' public keys (broker frontend)
-
-    @property
-    def broker_host(self) -> Host:
-        return self.lab.hosts["broker"]
-
-    def address(self, which: str) -> str:
-        return self.broker_host.tcp(PORTS[which])
-
-    def make_keys(self) -> None:
-        """``zkv keygen`` for every party; the ranks' and the clients' public
-        keys go in separate directories, since each role is authorized apart
-        (the broker's secret stays with it)."""
-        self.keys = self.lab.dir / "keys"
-        self.ranks_dir = self.lab.dir / "ranks"
-        self.clients_dir = self.lab.dir / "clients"
-        ranks = [f"rank{r}" for r in range(self.world)]
-        subprocess.run(
-            [sys.executable, "-m", "zkv", "keygen", str(self.keys), "broker", *ranks, "client"],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        for directory, names in ((self.ranks_dir, ranks), (self.clients_dir, ["client"])):
-            directory.mkdir(exist_ok=True)
-            for name in names:
-                shutil.copy(self.keys / f"{name}.key", directory)
-
-    # The only place that knows the Curve command-line flags.
-    def broker_curve_args(self) -> list[str]:
-        return [
-            "--curve-secret",
-            str(self.keys / "broker.key_secret"),
-            "--curve-ranks",
-            str(self.ranks_dir),
-            "--curve-clients",
-            str(self.clients_dir),
-        ]
-
-    def worker_curve_args(self, rank: int) -> list[str]:
-        return [
-            "--curve-secret",
-            str(self.keys / f"rank{rank}.key_secret"),
-            "--curve-server",
-            str(self.keys / "broker.key"),
-        ]
-
-    def client_curve(self) -> dict:
-        return {
-            "secret_file": str(self.keys / "client.key_secret"),
-            "server_public_file": str(self.keys / "broker.key"),
-            "ranks_dir": str(self.ranks_dir),
-        }
-
-    def start_broker(self) -> Proc:
-        self.broker = self.lab.spawn(
-            "broker",
-            "broker",
-            [
-                sys.executable,
-                "-m",
-                "zkv",
-                "broker",
-                "--frontend",
-                self.address("frontend"),
-                "--backend",
-                self.address("backend"),
-                "--control",
-                self.address("control"),
-                "--world-size",
-                str(self.world),
-                *self.broker_curve_args(),
-                *self.broker_args,
-            ],
-        )
-        return self.broker
-
-    def start_worker(self, rank: int) -> Proc:
-        self.workers[rank] = self.lab.spawn(
-            f"rank{rank}",
-            f"rank{rank}",
-            [
-                sys.executable,
-                "-m",
-                "zkv",
-                "worker",
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(self.world),
-                "--backend",
-                self.address("backend"),
-                "--control",
-                self.address("control"),
-                "--device",
-                "cpu",
-                *self.layout,
-                *self.worker_curve_args(rank),
-                *self.worker_args,
-            ],
-        )
-        return self.workers[rank]
-
-    def start(self) -> "Bus":
-        self.make_keys()
-        # Ranks first: over TCP they must cope with a broker that is not there yet.
-        for rank in range(self.world):
-            self.start_worker(rank)
-        self.start_broker()
-        return self
-
-    def client(self, role: str = "client", name: str = "client", **config: Any) -> ClientAgent:
-        cfg = {"broker": self.address("frontend"), "curve": self.client_curve(), **config}
-        return ClientAgent(self.lab, role, name, cfg)

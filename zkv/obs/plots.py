@@ -304,7 +304,8 @@ def plot_bench(results: dict[str, Any], out_png: str, title: str = "zkv bench (b
         )
     if not panels:
         raise ValueError(
-            "nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager, metrics_cost (zkv bench --json)"
+            "nothing to plot: the results have none of bus_*_blocks, copy_256_blocks, pause, manager, metrics_cost"
+            " (zkv bench --json)"
         )
     cols = min(3, len(panels))
     rows = (len(panels) + cols - 1) // cols

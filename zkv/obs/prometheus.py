@@ -231,7 +231,8 @@ class BusCollector(Collector):
                 _histogram(size, [op], BYTES_BUCKETS, *series.size.snapshot())
         controls = CounterMetricFamily(
             "zkv_control_ops",
-            "Pause/clear/resume requests by result: ok, noop, or the error code (rank_dead, pause_timeout, busy, not_paused, ...).",
+            "Pause/clear/resume requests by result: ok, noop, or the error code"
+            " (rank_dead, pause_timeout, busy, not_paused, ...).",
             labels=["op", "result"],
         )
         for (op, result), v in list(book.controls.items()):

@@ -55,8 +55,9 @@ def render_status(st: dict[str, Any]) -> str:
     layout = st.get("layout") or {}
     if layout:
         lines.append(
-            f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / {layout.get('cpu_blocks')} CPU blocks, "
-            f"block {layout.get('block_size')} tokens, {layout.get('kv_heads')} kv heads x {layout.get('head_dim')}, {layout.get('dtype')}"
+            f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / "
+            f"{layout.get('cpu_blocks')} CPU blocks, block {layout.get('block_size')} tokens, "
+            f"{layout.get('kv_heads')} kv heads x {layout.get('head_dim')}, {layout.get('dtype')}"
         )
     lines.append("")
     rows = []

@@ -11,9 +11,12 @@ from collections.abc import Collection, Mapping
 
 from .lease import BlockLease
 from .quarantine import Quarantine
-from .radix import NodeState
+from .radix import NodeState, RadixNode
 from .swaps import HeldBlocks
 from .tiers import Tiers
+
+#: block -> what owns it (a node, a lease, a quarantine entry)
+Owners = dict[int, object]
 
 
 def check_invariants(
@@ -28,19 +31,29 @@ def check_invariants(
 
     O(tree + blocks); for tests and debugging.  Assumes no swap is being awaited.
     """
-    tree = tiers.tree
     tiers.gpu.check()
     tiers.cpu.check()
-    gpu_owner: dict[int, object] = {}
-    cpu_owner: dict[int, object] = {}
+    gpu_owner: Owners = {}
+    cpu_owner: Owners = {}
+    refs = _lease_references(live_leases, epoch)
+    _check_tree(tiers, refs, gpu_owner, cpu_owner)
+    _check_private_blocks(private_owner, live_leases, gpu_owner)
+    _check_quarantine(quarantine, gpu_owner, cpu_owner)
+    _check_owned_is_allocated(tiers, gpu_owner, cpu_owner)
+    _check_cleared(tiers, cleared)
 
-    def claim(owners: dict[int, object], block: int | None, owner: object, tier: str) -> None:
-        if block is None:
-            raise AssertionError(f"{owner!r} should hold a {tier} block")
-        if block in owners:
-            raise AssertionError(f"{tier} block {block} owned by {owners[block]!r} and {owner!r}")
-        owners[block] = owner
 
+def _claim(owners: Owners, block: int | None, owner: object, tier: str) -> None:
+    """``owner`` holds ``block``, which nothing else may hold."""
+    if block is None:
+        raise AssertionError(f"{owner!r} should hold a {tier} block")
+    if block in owners:
+        raise AssertionError(f"{tier} block {block} owned by {owners[block]!r} and {owner!r}")
+    owners[block] = owner
+
+
+def _lease_references(live_leases: Collection[BlockLease], epoch: int) -> dict[int, int]:
+    """Live leases are unreleased, of this epoch and hold attached nodes; returns the references per node id."""
     refs: dict[int, int] = {}
     for lease in live_leases:
         if lease.released or lease.epoch != epoch:
@@ -49,43 +62,79 @@ def check_invariants(
             refs[id(node)] = refs.get(id(node), 0) + 1
             if not node.attached:
                 raise AssertionError(f"lease holds detached {node!r}")
+    return refs
+
+
+def _check_tree(tiers: Tiers, refs: Mapping[int, int], gpu_owner: Owners, cpu_owner: Owners) -> None:
+    """Every node is linked, resident on one tier and counted right; the tree's size is its count of nodes."""
+    tree = tiers.tree
     count = 0
     for node in tree.iter_nodes():
         count += 1
-        parent = node.parent
-        if parent is None or parent.children.get(node.key) is not node or node.depth != parent.depth + 1:
-            raise AssertionError(f"{node!r} is not linked to its parent")
-        if not node.attached:
-            raise AssertionError(f"{node!r} is in the tree but marked detached")
-        if node.state is NodeState.ON_GPU:
-            claim(gpu_owner, node.gpu_block, node, "gpu")
-            if node.cpu_block is not None:
-                raise AssertionError(f"{node!r} on the GPU also holds a CPU block")
-            if parent is not tree.root and parent.state is not NodeState.ON_GPU:
-                raise AssertionError(f"{node!r} is on the GPU but its parent is not")
-        elif node.state is NodeState.ON_CPU:
-            claim(cpu_owner, node.cpu_block, node, "cpu")
-            if node.gpu_block is not None:
-                raise AssertionError(f"{node!r} on the CPU also holds a GPU block")
-            if node.ref_count:
-                raise AssertionError(f"{node!r} on the CPU is referenced")
-        else:
-            raise AssertionError(f"{node!r} is still swapping outside a call")
-        if node.ref_count != refs.get(id(node), 0):
-            raise AssertionError(f"{node!r}: ref_count {node.ref_count}, live leases hold {refs.get(id(node), 0)}")
-        pinned = sum(child.state is NodeState.ON_GPU for child in node.children.values())
-        if node.num_gpu_children != pinned:
-            raise AssertionError(f"{node!r}: num_gpu_children {node.num_gpu_children}, actual {pinned}")
+        parent = _check_link(node)
+        _check_residency(node, parent, tree.root, gpu_owner, cpu_owner)
+        _check_counts(node, refs)
     if count != len(tree):
         raise AssertionError(f"tree counts {len(tree)} nodes, found {count}")
+
+
+def _check_link(node: RadixNode) -> RadixNode:
+    """A node in the tree is its parent's child one level down, and marked attached; returns the parent."""
+    parent = node.parent
+    if parent is None or parent.children.get(node.key) is not node or node.depth != parent.depth + 1:
+        raise AssertionError(f"{node!r} is not linked to its parent")
+    if not node.attached:
+        raise AssertionError(f"{node!r} is in the tree but marked detached")
+    return parent
+
+
+def _check_residency(node: RadixNode, parent: RadixNode, root: RadixNode, gpu_owner: Owners, cpu_owner: Owners) -> None:
+    """A node owns a block of exactly one tier; GPU residency is prefix-closed; CPU nodes are unreferenced."""
+    if node.state is NodeState.ON_GPU:
+        _claim(gpu_owner, node.gpu_block, node, "gpu")
+        if node.cpu_block is not None:
+            raise AssertionError(f"{node!r} on the GPU also holds a CPU block")
+        if parent is not root and parent.state is not NodeState.ON_GPU:
+            raise AssertionError(f"{node!r} is on the GPU but its parent is not")
+    elif node.state is NodeState.ON_CPU:
+        _claim(cpu_owner, node.cpu_block, node, "cpu")
+        if node.gpu_block is not None:
+            raise AssertionError(f"{node!r} on the CPU also holds a GPU block")
+        if node.ref_count:
+            raise AssertionError(f"{node!r} on the CPU is referenced")
+    else:
+        raise AssertionError(f"{node!r} is still swapping outside a call")
+
+
+def _check_counts(node: RadixNode, refs: Mapping[int, int]) -> None:
+    """A node's reference count is its live leases', and it counts its GPU children right."""
+    if node.ref_count != refs.get(id(node), 0):
+        raise AssertionError(f"{node!r}: ref_count {node.ref_count}, live leases hold {refs.get(id(node), 0)}")
+    pinned = sum(child.state is NodeState.ON_GPU for child in node.children.values())
+    if node.num_gpu_children != pinned:
+        raise AssertionError(f"{node!r}: num_gpu_children {node.num_gpu_children}, actual {pinned}")
+
+
+def _check_private_blocks(
+    private_owner: Mapping[int, BlockLease], live_leases: Collection[BlockLease], gpu_owner: Owners
+) -> None:
+    """A private GPU block belongs to the live lease that allocated it."""
     for block, lease in private_owner.items():
         if lease not in live_leases or block not in lease.block_ids:
             raise AssertionError(f"private gpu block {block} belongs to no live lease")
-        claim(gpu_owner, block, lease, "gpu")
+        _claim(gpu_owner, block, lease, "gpu")
+
+
+def _check_quarantine(quarantine: Quarantine[HeldBlocks], gpu_owner: Owners, cpu_owner: Owners) -> None:
+    """The quarantine owns the blocks of its timed-out tasks."""
     for task, entry in quarantine.items():
         for block in entry.block_ids:
             owners = gpu_owner if entry.tier == "gpu" else cpu_owner
-            claim(owners, block, f"quarantine of task {task}", entry.tier)
+            _claim(owners, block, f"quarantine of task {task}", entry.tier)
+
+
+def _check_owned_is_allocated(tiers: Tiers, gpu_owner: Owners, cpu_owner: Owners) -> None:
+    """The blocks with an owner are exactly the blocks each allocator handed out."""
     for owners, allocator in ((gpu_owner, tiers.gpu), (cpu_owner, tiers.cpu)):
         if sorted(owners) != allocator.allocated_ids():
             raise AssertionError(
@@ -93,5 +142,9 @@ def check_invariants(
                 f"(owned only: {sorted(set(owners) - set(allocator.allocated_ids()))}, "
                 f"allocated only: {sorted(set(allocator.allocated_ids()) - set(owners))})"
             )
-    if cleared and (len(tree) or tiers.gpu.num_blocks or tiers.cpu.num_blocks):
+
+
+def _check_cleared(tiers: Tiers, cleared: bool) -> None:
+    """Cleared caches hold no tree and no blocks."""
+    if cleared and (len(tiers.tree) or tiers.gpu.num_blocks or tiers.cpu.num_blocks):
         raise AssertionError("cleared, yet caches are held")

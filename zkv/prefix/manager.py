@@ -46,6 +46,7 @@ from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, Out
 from .invariants import check_invariants
 from .lease import BlockLease, InsertResult
 from .radix import ROOT_KEY, NodeState, RadixNode, block_keys
+from .report import COUNTERS, stats_of
 from .swaps import SwapRunner
 from .tiers import Tiers
 
@@ -59,23 +60,6 @@ __all__ = [
     "PrefixCacheError",
     "PrefixCacheManager",
 ]
-
-#: every counter ``stats()`` reports, in its order (the swap runner keeps those it moves)
-COUNTERS = (
-    "lookups",
-    "lookups_while_cleared",
-    "queried_blocks",
-    "gpu_hit_blocks",
-    "cpu_hit_blocks",
-    "swapped_out_blocks",
-    "dropped_gpu_blocks",
-    "dropped_cpu_blocks",
-    "duplicate_inserts",
-    "late_outcomes",
-    "reclaimed_blocks",
-    "resets",
-    "generation_resets",
-)
 
 
 def _check_block_size(block_size: int) -> None:
@@ -375,28 +359,8 @@ class PrefixCacheManager:
     # ------------------------------------------------------------ reporting
 
     def stats(self) -> dict[str, Any]:
-        mine, swaps = self._counters, self._swaps.counters
-        counters = {name: mine[name] if name in mine else swaps[name] for name in COUNTERS}
-        queried = counters["queried_blocks"]
-        tiers = self._tiers
-        nodes_by_state = dict.fromkeys((state.name for state in NodeState), 0)
-        for node in tiers.tree.iter_nodes():
-            nodes_by_state[node.state.name] += 1
-        gpu, cpu = tiers.gpu, tiers.cpu
-        return {
-            "epoch": self._epoch,
-            "cleared": self._cleared,
-            "block_size": self._block_size,
-            "gpu_hit_rate": counters["gpu_hit_blocks"] / queried if queried else 0.0,
-            "cpu_hit_rate": counters["cpu_hit_blocks"] / queried if queried else 0.0,
-            "gpu": {"total": gpu.num_blocks, "used": gpu.num_used, "free": gpu.num_free},
-            "cpu": {"total": cpu.num_blocks, "used": cpu.num_used, "free": cpu.num_free},
-            "nodes": nodes_by_state,
-            "quarantined_blocks": self._swaps.quarantined_blocks(),
-            "quarantined_tasks": len(self._swaps.quarantine),
-            "swaps": {op: dict(values) for op, values in self._swaps.swap_stats.items()},
-            **counters,
-        }
+        """Counters, hit rates and the tiers' occupancy (``report.py``)."""
+        return stats_of(self._tiers, self._swaps, self._counters, self._epoch, self._cleared, self._block_size)
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block has exactly one owner and the

@@ -11,7 +11,8 @@ and ``RankAgent`` load on first use.
 
 from typing import TYPE_CHECKING, Any
 
-from .core import RankCore, RankRefused
+from .core import RankCore
+from .registration import RankRefused
 
 if TYPE_CHECKING:
     from ..wire.layout import CacheLayout

@@ -3,7 +3,7 @@ a cache operation for the executor, an ack to note.
 
 ``ToBroker`` and ``Execute`` are made per task, so they are slotted, not
 frozen (a frozen dataclass's ``__init__`` costs ~3 us, six times a plain
-one, issue 16); treat them as values all the same."""
+one); treat them as values all the same."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from ..wire.layout import CacheLayout
 from .cache.memory import EngineMemory
 from .cache.regions import EngineCache, TensorEntry
 from .cache.store import BlockStore
-from .core import RankRefused
+from .registration import RankRefused
 from .worker import RankWorker
 
 CacheLike = EngineCache | Sequence[TensorEntry]

@@ -14,7 +14,7 @@ company at most ``hold_s``."""
 
 from __future__ import annotations
 
-from ..wire import protocol as P
+from ..wire import bounds
 from ..wire.layout import CacheLayout
 
 INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
@@ -32,7 +32,7 @@ class DoneBatcher:
 
     __slots__ = ("hold_s", "limit", "frames", "since")
 
-    def __init__(self, hold_s: float = DONES_HOLD_S, limit: int = P.MAX_BATCH):
+    def __init__(self, hold_s: float = DONES_HOLD_S, limit: int = bounds.MAX_BATCH):
         self.hold_s = hold_s
         self.limit = limit
         self.frames: list[bytes] = []

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 from dataclasses import replace
-from enum import Enum
 from typing import Any, Callable
 
 from ..wire import fast as F
@@ -22,28 +21,15 @@ from ..wire.messages import Control, Error, Heartbeat, Map, Refused, Reregister,
 from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
+from .registration import RankPhase, RankRefused, Registration
 
 _decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
 _BROKER_KINDS = ("welcome", "hb", "task", "refused", "reregister", "error")  # what the DEALER brings alone
 
 
-class RankPhase(Enum):
-    """Where a rank stands with its broker.
-
-    JOINING: a READY is out (first start, ``reregister``, a silent broker), no
-    welcome for it yet: controls are ignored (the welcome carries the state)
-    and no heartbeat goes out.  REGISTERED: welcomed in the current session.
-    PROBING: registered, but back from a freeze: it asked the broker whether it
-    is still its rank, and holds every task until the answer."""
-
-    JOINING = "joining"
-    REGISTERED = "registered"
-    PROBING = "probing"
-
-
 class RankCore:
     """Events in, actions out.  ``now`` is seconds on a monotonic clock.  ``sessions()``
-    is each registration's session: unguessable in a real rank (``worker.new_session``)."""
+    makes each registration's session (see ``Registration``)."""
 
     def __init__(
         self,
@@ -62,13 +48,8 @@ class RankCore:
         self.bus_layout = layout  # the layout the broker last named
         self.fresh = True  # this process's memory was never part of a bus generation
         self.cache = CacheState()  # the cache's phase in the clear/resume cycle, and what its acks repeat
-        self.heartbeat_ms = heartbeat_ms
-        self.liveness_ms = liveness_ms
+        self.registration = Registration(sessions, heartbeat_ms, liveness_ms)  # phase, session, the link's clock
         self.stats = stats  # counters sent in heartbeats and acks
-        self.sessions = sessions
-        self.session = 0
-        self.pid = 0  # sent in every READY, re-registrations too
-        self.phase = RankPhase.JOINING
         self.gen = 0
         self.epoch = 0
         self.op = ControlOp.RUN
@@ -78,13 +59,8 @@ class RankCore:
         self.acked_epoch: int | None = None  # the epoch last acked in this registration
         self.held: list[Execute] = []  # tasks that overtook the control message allowing them
         self.probe_held: list[tuple[bytes, bytes]] = []
-        self.last_broker_msg = 0.0
-        self.last_heartbeat_sent = 0.0
-        self.last_ready_sent = 0.0
-        self.last_wake = 0.0
-        self.counters: collections.Counter[str] = collections.Counter(
-            tasks_ok=0, tasks_failed=0
-        )  # the one book of outcomes
+        # the one book of outcomes
+        self.counters: collections.Counter[str] = collections.Counter(tasks_ok=0, tasks_failed=0)
 
     # --- registration ----------------------------------------------------------
 
@@ -93,16 +69,14 @@ class RankCore:
         Only for a new process or a registration the broker ended (or we
         gave up on); an unanswered READY is repeated by ``_repeat_ready``."""
         if pid is not None:
-            self.pid = pid
-        self.session = self.sessions()
-        self.phase = RankPhase.JOINING
+            self.registration.pid = pid
+        self.registration.begin(now)
         self.received = 0
-        self.last_wake = now
-        self.last_broker_msg = now
         return self._send_ready(now)
 
     def _send_ready(self, now: float) -> list[RankAction]:
-        self.last_ready_sent = now
+        reg = self.registration
+        reg.last_ready_sent = now
         self.counters["ready_sent"] += 1
         return [
             ToBroker(
@@ -110,10 +84,10 @@ class RankCore:
                     "ready",
                     rank=self.rank,
                     world=self.world,
-                    session=self.session,
+                    session=reg.session,
                     layout=self.layout.to_wire(),
                     gen=self.gen,
-                    pid=self.pid,
+                    pid=reg.pid,
                     fresh=self.fresh,
                     has_cache=self.cache.phase.serves,
                 )
@@ -139,19 +113,15 @@ class RankCore:
         every task until it answers: ``hb{probe}`` means we are still its rank
         and the tasks run; ``reregister`` means they were failed, so we
         register again and they are refused, never copied."""
-        gap = now - self.last_wake
-        self.last_wake = now
-        if self.phase is RankPhase.REGISTERED and gap * 1000 > self.liveness_ms / 2:
+        if self.registration.woke(now):
             self.counters["frozen"] += 1
-            self.phase = RankPhase.PROBING
             return [ToBroker(P.encode("hb", inflight=self.inflight, probe=True))]
         return []
 
     def _end_probe(self, now: float) -> list[RankAction]:
         """Run the tasks held during a probe through the normal path (a task
         of a session we left is refused there)."""
-        if self.phase is RankPhase.PROBING:
-            self.phase = RankPhase.REGISTERED
+        self.registration.probe_answered()
         held, self.probe_held = self.probe_held, []
         out: list[RankAction] = []
         for header, body in held:
@@ -161,16 +131,12 @@ class RankCore:
     @property
     def registered(self) -> bool:
         """Welcomed in the current session (probing or not)."""
-        return self.phase is not RankPhase.JOINING
-
-    @property
-    def probing(self) -> bool:
-        return self.phase is RankPhase.PROBING
+        return self.registration.registered
 
     def _restart(self, now: float) -> list[RankAction]:
         """Register again; tasks held by a probe then go through the normal
         path, where their old session refuses them."""
-        probing = self.probing
+        probing = self.registration.probing
         out = self.start(now)
         return out + self._end_probe(now) if probing else out
 
@@ -186,13 +152,13 @@ class RankCore:
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
-        self.last_broker_msg = now
+        self.registration.last_broker_msg = now
         if isinstance(msg, Heartbeat):
-            return self._end_probe(now) if msg.probe and self.probing else []
+            return self._end_probe(now) if msg.probe and self.registration.probing else []
         if isinstance(msg, Welcome):
             if not self._layout_ok(msg.layout):
                 return []
-            if msg.session is not None and msg.session != self.session:
+            if msg.session is not None and msg.session != self.registration.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
             return self._welcome(msg, now)
@@ -209,8 +175,9 @@ class RankCore:
 
     def on_task(self, header: bytes, body: bytes, now: float) -> list[RankAction]:
         """A task header + body from the broker."""
-        self.last_broker_msg = now
-        if self.probing:  # is it still ours to run?  wait for the broker's answer
+        reg = self.registration
+        reg.last_broker_msg = now
+        if reg.phase is RankPhase.PROBING:  # is it still ours to run?  wait for the broker's answer
             self.probe_held.append((header, body))
             return []
         try:
@@ -219,7 +186,7 @@ class RankCore:
             self.counters["bad_broker_msgs"] += 1
             return []
         session, n, gen = msg.session, msg.n, msg.gen
-        current = session is None or session == self.session
+        current = session is None or session == reg.session
         if current:  # ``received`` counts this session's tasks only
             self.received = max(self.received, n)
         refuse = ""
@@ -235,7 +202,7 @@ class RankCore:
         elif not self.cache.phase.serves or self.op is ControlOp.CLEAR:
             refuse = "caches are cleared on this rank"
         self.inflight += 1
-        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, self.session)
+        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, reg.session)
         if not refuse and self.op is ControlOp.PAUSE and n > self.upto:
             # Dispatched after the pause we acked: the broker is running again
             # and its newer control message is still on the PUB connection
@@ -294,13 +261,13 @@ class RankCore:
             # afresh, so the broker fails them now instead of waiting forever.
             self.counters["tasks_lost_in_transit"] += msg.upto - self.received
             return self._restart(now)
-        if self.phase is RankPhase.JOINING:
-            self.phase = RankPhase.REGISTERED
-        self.heartbeat_ms = msg.heartbeat_ms
+        reg = self.registration
+        reg.welcomed()
+        reg.heartbeat_ms = msg.heartbeat_ms
         # 0 for a new session; for the answer to a repeated READY, the tasks
         # dispatched since the first welcome, which came before it.
         self.received = msg.upto
-        self.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
+        reg.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
         hello: list[RankAction] = [
             ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))
         ]
@@ -361,9 +328,8 @@ class RankCore:
         op, cache = self.op, self.cache
         if op is ControlOp.RUN or cache.phase.busy:
             return []
-        if (
-            op is ControlOp.RESUME and cache.phase is CachePhase.ALLOC_FAILED
-        ):  # said again on a repeat: the broker fails the resume
+        if op is ControlOp.RESUME and cache.phase is CachePhase.ALLOC_FAILED:
+            # said again on a repeat: the broker fails the resume
             self.counters["acks"] += 1
             return [
                 ToBroker(
@@ -418,24 +384,16 @@ class RankCore:
     # --- clock ---------------------------------------------------------------------
 
     def on_tick(self, now: float) -> list[RankAction]:
-        if self.phase is RankPhase.JOINING:
-            if (now - self.last_ready_sent) * 1000 >= self.liveness_ms / 2:
-                return self._repeat_ready(now)
-            return []
-        if (now - self.last_broker_msg) * 1000 > self.liveness_ms:
+        reg = self.registration
+        if reg.phase is RankPhase.JOINING:
+            return self._repeat_ready(now) if reg.ready_due(now) else []
+        if reg.broker_silent(now):
             self.counters["broker_silent"] += 1  # the broker will declare us dead, or has: a new registration
             return self._restart(now)
-        if (now - self.last_heartbeat_sent) * 1000 >= self.heartbeat_ms:
-            self.last_heartbeat_sent = now
+        if reg.heartbeat_due(now):
+            reg.last_heartbeat_sent = now
             return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
         return []
 
     def next_deadline(self, now: float) -> float:
-        if not self.registered:
-            return max(0.0, self.last_ready_sent + self.liveness_ms / 2000 - now)
-        due = min(self.last_heartbeat_sent + self.heartbeat_ms / 1000, self.last_broker_msg + self.liveness_ms / 1000)
-        return max(0.0, due - now)
-
-
-class RankRefused(Exception):
-    """The broker will not take this rank (wrong world size or layout)."""
+        return self.registration.next_deadline(now)

@@ -2,7 +2,7 @@
 
 Both threads of a rank run tasks through a :class:`TaskRunner`: the
 executor thread for work queued behind other work, and the I/O thread itself
-for a small task when nothing is queued (issue 16: handing a 1-block copy to
+for a small task when nothing is queued (handing a 1-block copy to
 another thread cost two thread wake-ups, a report message and the GIL's
 hand-overs, several times the copy).  Either way only one thread runs a
 task at a time (the I/O thread runs one only while the executor's queue is

@@ -39,13 +39,14 @@ from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..obs.book import RankBook
-from ..wire import protocol as P
+from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
 from .cache.store import BlockStore, pick_device
-from .core import RankCore, RankRefused
+from .core import RankCore
+from .registration import RankRefused
 from .reports import CacheDone, Finished, Report
 from .runner import ResultSenders, TaskRunner
 
@@ -110,7 +111,7 @@ class Executor(threading.Thread):
                     return
                 try:
                     reply = self._do(item, senders)
-                except Exception as err:  # noqa: BLE001 - this thread must never die (issue 9, sequence 7)
+                except Exception as err:  # noqa: BLE001 - this thread must never die: a dead executor looks alive
                     log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
@@ -291,7 +292,7 @@ class RankWorker:
             now = time.monotonic()
             if len(frames) == 1:
                 return core.on_broker(frames[0], now)
-            if len(frames) % 2 or len(frames) > 2 * P.MAX_BATCH:  # tasks come as header/body pairs
+            if len(frames) % 2 or len(frames) > 2 * bounds.MAX_BATCH:  # tasks come as header/body pairs
                 core.counters["bad_broker_msgs"] += 1
                 return []
             out: list = []
@@ -327,7 +328,7 @@ class RankWorker:
 
     def _act(self, actions: list) -> None:
         ex = self.executor
-        ex.session = self.core.session  # before any task of this batch is queued
+        ex.session = self.core.registration.session  # before any task of this batch is queued
         inline, dones = self._inline, self._dones
         for action in actions:
             kind = type(action)

@@ -285,7 +285,8 @@ def format_report(report: Report, max_violations: int = 40) -> str:
 
     lines = [
         f"replayed {report.source} against {report.target}: {report.tasks} tasks, "
-        f"{len(report.control_results)} control ops in {report.duration_s:.3f} s ({report.throughput_tasks_per_s} tasks/s)"
+        f"{len(report.control_results)} control ops in {report.duration_s:.3f} s "
+        f"({report.throughput_tasks_per_s} tasks/s)"
     ]
     lines.append("outcomes: " + (", ".join(f"{k} {v}" for k, v in report.outcomes.items()) or "none"))
     lines.append(f"latency (ok tasks): {pct(report.latency_ms)}")

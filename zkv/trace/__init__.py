@@ -6,7 +6,7 @@ A trace is a header line followed by one record per line (``docs/traces.md``
 is the normative description)::
 
     {"zkv_trace": 1, "world": 2, "layout": {"layers": 2, "gpu_blocks": 64, ...}}
-    {"t": 0.000, "ev": "submit", "client": "c0", "task": 1, "op": "swap_out", "src": "0-3", "dst": [9, 4, 7, 8], "expect": "ok"}
+    {"t": 0.000, "ev": "submit", "client": "c0", "task": 1, "op": "swap_out", "src": "0-3", "dst": [9, 4, 7, 8]}
     {"t": 0.010, "ev": "pause", "client": "ctl", "expect": "ok"}
     {"t": 0.011, "ev": "outcome", "client": "c0", "task": 1, "outcome": "ok", "latency_ms": 1.3}
 

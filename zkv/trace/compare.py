@@ -38,7 +38,8 @@ def compare_outcomes(a: Trace, b: Trace) -> list[dict[str, Any]]:
                 "kind": "different_tasks",
                 "lines_a": [],
                 "lines_b": [],
-                "message": f"the traces do not submit the same tasks ({len(bodies_a)} vs {len(bodies_b)} submits, or different bodies)",
+                "message": f"the traces do not submit the same tasks "
+                f"({len(bodies_a)} vs {len(bodies_b)} submits, or different bodies)",
             }
         ]
     diffs = []
@@ -50,7 +51,8 @@ def compare_outcomes(a: Trace, b: Trace) -> list[dict[str, Any]]:
                     "kind": "different_outcomes",
                     "lines_a": [la],
                     "lines_b": [lb],
-                    "message": f"{a.source} line {la}: {oa or 'no outcome'} but {b.source} line {lb}: {ob or 'no outcome'}",
+                    "message": f"{a.source} line {la}: {oa or 'no outcome'} "
+                    f"but {b.source} line {lb}: {ob or 'no outcome'}",
                 }
             )
     return diffs

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .protocol import DTYPES, LAYOUT_MAX, ProtocolError
+from .bounds import LAYOUT_MAX
+from .protocol import DTYPES, ProtocolError
 from .vocab import Dtype
 
 

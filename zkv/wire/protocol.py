@@ -19,76 +19,25 @@ from typing import Any, Iterable, Sequence, Union, get_args, get_origin
 import msgpack
 import msgspec
 
+from .bounds import (
+    DIGEST_BYTES,
+    LIST_MAX,
+    MAX_ADDRESS,
+    MAX_CHECKSUM_IDS,
+    MAX_FRAME_BYTES,
+    MAX_IDS,
+    MAX_NEST_DEPTH,
+    MAX_NEST_ITEMS,
+    MAX_SAFE_INT,
+    MAX_STATS_BYTES,
+    MAX_STR,
+    Z85_KEY_LEN,
+    uint_bounds,
+)
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
-MAX_SAFE_INT = 2**53 - 1
-MAX_FRAME_BYTES = 16 * 1024 * 1024  # application cap, answered with too_large
-MAX_IDS = 1 << 20
-# Under load the broker sends a rank the tasks of one wakeup as one message
-# (header/body pairs) and a rank returns the ``done`` frames of one wakeup as
-# one message (docs/protocol.md §3, §10.3): at most this many per message.
-MAX_BATCH = 64
-
-# --- bounds on what a peer sends (docs/protocol.md §2.1 lists the same) -------
-# Every value from a peer is checked against these where it enters (``validate``),
-# so nothing stored, incremented or echoed later can leave the safe range or
-# fail to encode.
-MAX_COUNTER = 2**40 - 1  # gen, epoch: +1 per op, so 2^40 keeps +1 safe for ever
-MAX_WORLD = 256  # world, wait_ranks (and rank < world)
-MAX_TIMEOUT_MS = 3_600_000  # timeout_ms, heartbeat_ms: one hour
-MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays < 2^53
-MAX_PID = 2**32 - 1
-MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
-DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
-MAX_STR = 4096  # any str field, in characters
-MAX_ADDRESS = 512  # reply_to
-MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
-MAX_NEST_ITEMS = 256  # entries of a map / list field, nested ones counted too
-MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world of them)
-# layout fields (§4.8): block ids are int32; the rest far beyond any model
-LAYOUT_MAX: dict[str, int] = {
-    "layers": 4096,
-    "gpu_blocks": 2**31 - 1,
-    "cpu_blocks": 2**31 - 1,
-    "block_size": 65536,
-    "kv_heads": 65536,
-    "head_dim": 65536,
-}
-RESULT_SCHEMES = ("tcp://", "ipc://")  # reply_to: never inproc:// (it would reach our own sockets)
-Z85_KEY_LEN = 40
-
-# uint fields whose maximum is not MAX_SAFE_INT (inclusive; minimum is 0 unless listed)
-UINT_MAX: dict[str, int] = {
-    "world": MAX_WORLD,
-    "rank": MAX_WORLD - 1,
-    "wait_ranks": MAX_WORLD,
-    "timeout_ms": MAX_TIMEOUT_MS,
-    "heartbeat_ms": MAX_TIMEOUT_MS,
-    "bytes": MAX_BYTES,
-    "freed": MAX_BYTES,
-    "pid": MAX_PID,
-}
-UINT_MIN: dict[str, int] = {"world": 1, "heartbeat_ms": 1}
-# Counters a broker may adopt from a rank: below MAX_COUNTER, so that the +1 per
-# op the broker then adds (and sends in control / welcome / task, which take
-# up to MAX_SAFE_INT) stays safe for 2^52 more ops.
-ADOPTED_MAX: dict[tuple[str, str], int] = {
-    ("ready", "gen"): MAX_COUNTER,
-    ("ack", "gen"): MAX_COUNTER,
-    ("ack", "epoch"): MAX_COUNTER,
-    ("done", "gen"): MAX_COUNTER,
-}
-
-
-def uint_bounds(kind: str, name: str) -> tuple[int, int]:
-    """The inclusive range of uint field ``name`` in a ``kind`` message."""
-    return UINT_MIN.get(name, 0), ADOPTED_MAX.get((kind, name), UINT_MAX.get(name, MAX_SAFE_INT))
-
-
-# list fields: most entries
-LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
 # str fields with a fixed set of values, per (kind, field)
 OUTCOMES = tuple(o.value for o in Outcome)
 OPS = tuple(o.value for o in Op)
@@ -202,44 +151,63 @@ def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | Non
         check_nested(item, where, depth + 1, budget)
 
 
+def _check_uint(kind: str, name: str, value: Any) -> bool:
+    lo, hi = uint_bounds(kind, name)
+    if type(value) is int and value >= 0 and not lo <= value <= hi:
+        raise ProtocolError("bad_field", f"{kind}.{name} must be in {lo}..{hi}, got {value}")
+    return is_uint(value)
+
+
+def _check_str(kind: str, name: str, value: Any) -> bool:
+    if not isinstance(value, str):
+        return False
+    if len(value) > MAX_STR:
+        raise ProtocolError("bad_field", f"{kind}.{name} is longer than {MAX_STR} characters")
+    allowed = ENUMS.get((kind, name))
+    if allowed is not None and value not in allowed:
+        raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return True
+
+
+def _check_map(kind: str, name: str, value: Any) -> bool:
+    if not isinstance(value, dict):
+        return False
+    check_nested(value, f"{kind}.{name}")
+    if name == "stats" and len(msgpack.packb(value, use_bin_type=True)) > MAX_STATS_BYTES:
+        raise ProtocolError("bad_field", f"{kind}.stats encodes to more than {MAX_STATS_BYTES} bytes")
+    return True
+
+
+def _check_list(kind: str, name: str, value: Any) -> bool:
+    if not isinstance(value, list):
+        return False
+    most = LIST_MAX.get(name, MAX_NEST_ITEMS)
+    if len(value) > most:
+        code = "too_large" if name == "digests" else "bad_field"
+        raise ProtocolError(code, f"{kind}.{name} has more than {most} entries")
+    if name == "upto" and not all(is_uint(x) for x in value):
+        raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
+    if name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
+        raise ProtocolError("bad_field", f"{kind}.digests must be {DIGEST_BYTES}-byte bins")
+    return True
+
+
+#: field type -> its check: False for a value of the wrong type (the caller
+#: names it), ProtocolError for one out of its bounds.
+_FIELD_CHECKS: dict[str, Any] = {
+    _U: _check_uint,
+    _S: _check_str,
+    _B: lambda kind, name, value: isinstance(value, bool),
+    _M: _check_map,
+    _L: _check_list,
+    _BIN: lambda kind, name, value: isinstance(value, (bytes, bytearray)),
+    _IDS: lambda kind, name, value: isinstance(value, (bytes, bytearray, list)),
+}
+
+
 def _check_field(kind: str, name: str, value: Any, typ: str) -> None:
-    ok = True
-    if typ == _U:
-        lo, hi = uint_bounds(kind, name)
-        if type(value) is int and value >= 0 and not lo <= value <= hi:
-            raise ProtocolError("bad_field", f"{kind}.{name} must be in {lo}..{hi}, got {value}")
-        ok = is_uint(value)
-    elif typ == _S:
-        ok = isinstance(value, str)
-        if ok and len(value) > MAX_STR:
-            raise ProtocolError("bad_field", f"{kind}.{name} is longer than {MAX_STR} characters")
-        allowed = ENUMS.get((kind, name))
-        if ok and allowed is not None and value not in allowed:
-            raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {value!r}")
-    elif typ == _B:
-        ok = isinstance(value, bool)
-    elif typ == _M:
-        ok = isinstance(value, dict)
-        if ok:
-            check_nested(value, f"{kind}.{name}")
-            if name == "stats" and len(msgpack.packb(value, use_bin_type=True)) > MAX_STATS_BYTES:
-                raise ProtocolError("bad_field", f"{kind}.stats encodes to more than {MAX_STATS_BYTES} bytes")
-    elif typ == _L:
-        ok = isinstance(value, list)
-        if ok and len(value) > LIST_MAX.get(name, MAX_NEST_ITEMS):
-            raise ProtocolError(
-                "too_large" if name == "digests" else "bad_field",
-                f"{kind}.{name} has more than {LIST_MAX.get(name, MAX_NEST_ITEMS)} entries",
-            )
-        if ok and name == "upto" and not all(is_uint(x) for x in value):
-            raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
-        if ok and name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
-            raise ProtocolError("bad_field", f"{kind}.digests must be {DIGEST_BYTES}-byte bins")
-    elif typ == _BIN:
-        ok = isinstance(value, (bytes, bytearray))
-    elif typ == _IDS:
-        ok = isinstance(value, (bytes, bytearray, list))
-    if not ok:
+    check = _FIELD_CHECKS.get(typ)
+    if check is not None and not check(kind, name, value):
         raise ProtocolError("bad_field", f"{kind}.{name} must be {typ}, got {type(value).__name__}")
 
 

@@ -4,9 +4,10 @@ layout adapters and cross-process manifests.  Torch only; nothing here knows
 about sockets or the protocol."""
 
 from .copier import CopyEngine
+from .descriptor import CacheDescriptor, RegionSpec
 from .errors import CacheError
 from .memory import EngineMemory, MemorySource, OwnedMemory
-from .regions import CacheDescriptor, EngineCache, RegionSpec
+from .regions import EngineCache
 from .store import BlockStore, TaskInvalid
 from .tier import CpuTier
 

@@ -2,8 +2,8 @@
 
 ``swap_out(blocks -> rows)`` and ``swap_in(rows -> blocks)`` sort the id
 pairs and coalesce runs of consecutive (src, dst) into one slice copy per
-region: no index tensors, no ``index_put_`` temporaries (FIELD-NOTES
-"Speed"); on CPU a short run is a ``memmove`` per row (``_copy_rows_cpu``).
+region: no index tensors, no ``index_put_`` temporaries (each costs a fresh
+buffer and its page faults); on CPU a short run is a ``memmove`` per row (``_copy_rows_cpu``).
 On CUDA (``staging``) the pairs are gathered on the device into staging
 buffers laid out like tier rows and cross the link in one contiguous
 transfer per chunk to or from the pinned tier: no host-side scatter, no
@@ -79,7 +79,7 @@ def _copy_groups_cpu(groups: list[CpuGroup], runs: list[tuple[int, int, int]], o
     moves at least SLICE_COPY_MIN_ROWS pages is one strided copy for the whole group (zkv's own
     store: every layer's K and V at once); the others go region by region (``_copy_rows_cpu``).
     The strided copy is numpy's ``copyto`` on views of the same memory: ~3 us for one block of
-    8 pages where torch's ``copy_`` takes ~15 us to set up its iterator (issue 16's profile:
+    8 pages where torch's ``copy_`` takes ~15 us to set up its iterator (profiled:
     a quarter of a rank's time on 1-block tasks); for long runs both stream at memory speed."""
     for _, _, views, columns, engine_np, tier_np in groups:
         count, rest = engine_np.shape[0], []

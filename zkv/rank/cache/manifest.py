@@ -28,8 +28,9 @@ from typing import Any, Sequence, cast
 import msgpack
 import torch
 
+from .descriptor import MAX_INT, CacheDescriptor
 from .errors import CacheError
-from .regions import MAX_INT, CacheDescriptor, EngineCache, TensorEntry, _storage_bytes, canonicalize
+from .regions import EngineCache, TensorEntry, _storage_bytes, canonicalize
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
@@ -222,7 +223,8 @@ def parse_manifest(data: bytes, shm_dir: str = SHM_DIR) -> Manifest:
                 raise _bad(f"handles[{i}].path {path!r} is not a {SHM_PREFIX}* file in {shm_dir}")
             if h["offset"] + spec.nbytes > h["file_bytes"]:
                 raise _bad(
-                    f"buffer {spec.name!r} ({spec.nbytes} bytes at {h['offset']}) is past its file's {h['file_bytes']} bytes"
+                    f"buffer {spec.name!r} ({spec.nbytes} bytes at {h['offset']}) "
+                    f"is past its file's {h['file_bytes']} bytes"
                 )
         elif h["offset"] > MAX_INT or h["size"] < spec.nbytes:
             raise _bad(f"buffer {spec.name!r} of {spec.nbytes} bytes does not fit its IPC storage of {h['size']}")

@@ -29,9 +29,10 @@ import torch
 from ...wire.layout import CacheLayout
 from ...wire.vocab import Dtype
 from . import layouts
+from .descriptor import CacheDescriptor
 from .dtypes import TORCH_DTYPES
 from .errors import CacheError
-from .regions import CacheDescriptor, EngineCache
+from .regions import EngineCache
 from .staging import STAGING_BYTES
 
 

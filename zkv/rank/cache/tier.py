@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
+from .descriptor import CacheDescriptor
 from .errors import CacheError
-from .regions import CacheDescriptor
 
 
 class CpuTier:

@@ -1,0 +1,60 @@
+"""What a control request gets before any op starts: the reply of a request
+the bus already satisfies (a noop), or the refusal of one it cannot start.
+Pure functions of the bus state, so that the control machine only joins,
+begins and ends ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
+from ..wire.messages import Map
+from .actions import Action, reply
+from .state import ALREADY, BusState, ControlOp
+
+#: The op's own fields in a noop reply, in the order a real reply has them.
+_NOOP_FIELDS: dict[ControlOp, dict[str, Any]] = {
+    ControlOp.PAUSE: {"drain_ms": 0.0},
+    ControlOp.CLEAR: {"cancelled": 0, "freed": 0},
+    ControlOp.RESUME: {},
+}
+_NOOP_NOTE = {ControlOp.CLEAR: "already cleared", ControlOp.RESUME: "already running"}
+
+
+class Refusal(Exception):
+    """A request the bus cannot start: answered ``error{code, reason}``."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def noop_reply(op: ControlOp, client: bytes, req: int, state: BusState, epoch: int, gen: int) -> Action | None:
+    """The reply to ``op`` on a bus already in the state it asks for, else None."""
+    if state not in ALREADY[op]:
+        return None
+    note = _NOOP_NOTE.get(op, f"already {state}")
+    return reply(client, req, op, noop=True, state=state, epoch=epoch, gen=gen, **_NOOP_FIELDS[op], note=note)
+
+
+def check_clear(state: BusState) -> None:
+    """A clear frees memory only on a paused bus (every rank drained)."""
+    if state != BusState.PAUSED:
+        raise Refusal("not_paused", "clear needs a paused bus: run zkv pause first")
+
+
+def resume_layout(named: Map | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:
+    """The layout a resume names, decoded once (always named, so that no rank
+    resumes on another layout): the current one, or the request's changes
+    over it, which need cleared caches."""
+    if named is None:
+        return current
+    if state != BusState.CLEARED:
+        raise Refusal("not_cleared", "a new layout needs cleared caches: run zkv clear first")
+    base = current or CacheLayout()
+    try:
+        return CacheLayout.from_wire({**base.to_wire(), **named})
+    except (P.ProtocolError, TypeError) as err:
+        raise Refusal("bad_field", f"resume layout: {err}") from None
