@@ -113,10 +113,11 @@ class Bus:
                         sr.sub_in.append(a.frame)
             elif isinstance(a, ToClient):
                 msg = P.decode(a.frames[0])
-                if "req" in msg and msg["req"] in self.requests:
-                    self.requests[msg["req"]].answered = True
-                if msg["kind"] == "error" and msg.get("code") == "internal":
-                    raise ModelViolation(f"internal error: {msg['reason']}")
+                req = getattr(msg, "req", None)
+                if req is not None and req in self.requests:
+                    self.requests[req].answered = True
+                if msg.kind == "error" and msg.code == "internal":
+                    raise ModelViolation(f"internal error: {msg.reason}")
                 self.client_in.append(msg)
             elif isinstance(a, SaveState):
                 self.disk = dict(a.snapshot)
@@ -166,16 +167,16 @@ class Bus:
         if not self.client_in:
             return
         msg = self.client_in.popleft()
-        if msg["kind"] == "outcome":
-            self._final(self.book.on_outcome(msg["task"], msg["outcome"], msg["reason"], self.now, msg.get("gen")))
-        elif msg["kind"] == "reply" and msg["op"] in ("clear", "resume"):  # as zkv.client.Client does
+        if msg.kind == "outcome":
+            self._final(self.book.on_outcome(msg.task, msg.outcome, msg.reason, self.now, msg.gen))
+        elif msg.kind == "reply" and msg.op in ("clear", "resume"):  # as zkv.client.Client does
             self.book.gen_known = True
-            if msg["gen"] > self.book.gen:
-                self.book.gen = msg["gen"]
+            if msg.extra["gen"] > self.book.gen:
+                self.book.gen = msg.extra["gen"]
                 for out in self.book.cancel_all("cleared", self.now):
                     self._final(out)
-        elif msg["kind"] == "reply" and msg["op"] == "status":
-            for out in self.book.learn_gen(msg["gen"], msg.get("gen_reason", ""), self.now):
+        elif msg.kind == "reply" and msg.op == "status":
+            for out in self.book.learn_gen(msg.extra["gen"], msg.extra.get("gen_reason", ""), self.now):
                 self._final(out)
         self._drain_moved()
 

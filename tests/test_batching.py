@@ -18,6 +18,7 @@ from zkv.rank.worker import RankWorker
 from zkv.testing.sim import CLIENT, LAYOUT
 from zkv.wire import bounds
 from zkv.wire import protocol as P
+from zkv.wire.messages import Reply, Task
 
 
 def test_the_coalescer_gathers_per_peer_and_hands_back_a_full_batch():
@@ -66,9 +67,9 @@ def registered_core(world: int = 2) -> BrokerCore:
     return core
 
 
-def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[dict]]:
+def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[Task]]:
     """Submit ``n`` tasks; the task headers each rank was sent."""
-    sent: dict[bytes, list[dict]] = {}
+    sent: dict[bytes, list[Task]] = {}
     body = P.encode_body("swap_out", [1], [2])
     for task in range(1, n + 1):
         for a in frames_of(
@@ -78,8 +79,8 @@ def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[dict]]:
     return sent
 
 
-def done(header: dict) -> bytes:
-    return P.encode("done", seq=header["seq"], n=header["n"], outcome="ok", gen=0, bytes=64)
+def done(header: Task) -> bytes:
+    return P.encode("done", seq=header.seq, n=header.n, outcome="ok", gen=0, bytes=64)
 
 
 def test_a_message_of_done_frames_returns_every_credit():
@@ -103,7 +104,7 @@ def test_a_bad_frame_in_a_batch_is_answered_and_costs_no_other_credit():
             done(headers[2]),
         ]
         errors = [P.decode(a.frames[0]) for a in frames_of(core.on_rank(identity, frames, 2.0), ToRank)]
-        assert [(e["kind"], e["code"]) for e in errors] == [("error", "malformed"), ("error", "unknown_kind")]
+        assert [(e.kind, e.code) for e in errors] == [("error", "malformed"), ("error", "unknown_kind")]
     assert core.inflight == {} and core.counters["ok"] == 3
 
 
@@ -112,7 +113,7 @@ def test_a_batch_over_the_cap_is_malformed_and_books_nothing():
     (headers,) = submit_tasks(core, 1).values()
     acts = core.on_rank(b"rank-0", [done(headers[0])] * (bounds.MAX_BATCH + 1), 2.0)
     (err,) = [P.decode(a.frames[0]) for a in frames_of(acts, ToRank)]
-    assert err["code"] == "malformed"
+    assert err.code == "malformed"
     assert len(core.inflight) == 1
 
 
@@ -146,17 +147,17 @@ def first_such(sock: zmq.Socket, wanted, timeout_s: float = 20.0) -> list[bytes]
 
 
 def is_heartbeat(frames: list[bytes]) -> bool:
-    return len(frames) == 1 and P.decode(frames[0]) == {"v": 1, "kind": "hb"}
+    return len(frames) == 1 and P.decode(frames[0]).as_map() == {"v": 1, "kind": "hb"}
 
 
 def next_message(sock: zmq.Socket, welcome_first: bool = False) -> list[bytes]:
     """The next message from the broker that is not its plain heartbeat."""
     if welcome_first:
-        assert P.decode(first_such(sock, lambda f: not is_heartbeat(f))[0])["kind"] == "welcome"
+        assert P.decode(first_such(sock, lambda f: not is_heartbeat(f))[0]).kind == "welcome"
     return first_such(sock, lambda f: not is_heartbeat(f))
 
 
-def status(client: zmq.Socket, req: int) -> dict:
+def status(client: zmq.Socket, req: int) -> Reply:
     client.send(P.encode("status", req=req))
     return P.decode(recv_frames(client)[0])
 
@@ -176,22 +177,22 @@ def test_the_broker_sends_the_tasks_of_one_wakeup_as_one_message(endpoints, tmp_
             ranks[r].send(P.encode("ready", rank=r, world=2, session=7, layout=LAYOUT.to_wire(), gen=0, pid=1))
 
         register(0)
-        assert P.decode(recv_frames(ranks[0])[0])["kind"] == "welcome"
+        assert P.decode(recv_frames(ranks[0])[0]).kind == "welcome"
         body = P.encode_body("swap_out", [1], [2])
         for task in range(1, 6):
             client.send_multipart([P.encode("submit", task=task, reply_to=f"ipc://{tmp_path}/r"), body])
-        assert status(client, 1)["queued"] == 5  # the frontend is one connection: submits came first
+        assert status(client, 1).extra["queued"] == 5  # the frontend is one connection: submits came first
         register(1)
         for r, sock in enumerate(ranks):
             frames = next_message(sock, r == 1)
             headers = [P.decode(f) for f in frames[0::2]]
-            assert len(frames) == 10 and [h["task"] for h in headers] == [1, 2, 3, 4, 5], r
+            assert len(frames) == 10 and [h.task for h in headers] == [1, 2, 3, 4, 5], r
             assert frames[1::2] == [body] * 5
             sock.send_multipart([done(h) for h in headers])
             sock.send(P.encode("hb", probe=True))  # answered after the dones before it on this connection
-            first_such(sock, lambda f: P.decode(f[0]).get("probe") is True)
+            first_such(sock, lambda f: getattr(P.decode(f[0]), "probe", None) is True)
         reply = status(client, 2)
-        assert reply["inflight"] == 0 and reply["counters"]["ok"] == 5
+        assert reply.extra["inflight"] == 0 and reply.extra["counters"]["ok"] == 5
     finally:
         broker.stop()
         thread.join(timeout=10)
@@ -220,11 +221,11 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
                     upto=0,
                     layout=LAYOUT.to_wire(),
                     heartbeat_ms=1000,
-                    session=ready["session"],
+                    session=ready.session,
                 ),
             ]
         )
-        first_such(router, lambda f: P.decode(f[1])["kind"] == "hb")  # the welcome's confirmation
+        first_such(router, lambda f: P.decode(f[1]).kind == "hb")  # the welcome's confirmation
         tasks: list[bytes] = []
         for n in range(1, 4):
             tasks += [
@@ -235,15 +236,15 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
                     task=100 + n,
                     reply_to=f"ipc://{tmp_path}/results.sock",
                     gen=0,
-                    session=ready["session"],
+                    session=ready.session,
                 ),
                 P.encode_body("fill", dst=[n], tier="gpu", seed=n),
             ]
         router.send_multipart([ident, *tasks])
-        frames = first_such(router, lambda f: P.decode(f[1])["kind"] != "hb")[1:]
+        frames = first_such(router, lambda f: P.decode(f[1]).kind != "hb")[1:]
         dones = [P.decode(f) for f in frames]
-        assert [(d["kind"], d["seq"], d["outcome"]) for d in dones] == [("done", n, "ok") for n in (1, 2, 3)]
-        results = sorted(P.decode(recv_frames(pull)[0])["task"] for _ in range(3))
+        assert [(d.kind, d.seq, d.outcome) for d in dones] == [("done", n, "ok") for n in (1, 2, 3)]
+        results = sorted(P.decode(recv_frames(pull)[0]).task for _ in range(3))
         assert results == [101, 102, 103]
         router.send_multipart([ident, *tasks[:3]])  # an odd frame count: not a task message, counted, serving on
         router.send_multipart(
@@ -256,12 +257,12 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
                     task=104,
                     reply_to=f"ipc://{tmp_path}/results.sock",
                     gen=0,
-                    session=ready["session"],
+                    session=ready.session,
                 ),
                 tasks[1],
             ]
         )
-        assert P.decode(recv_frames(pull)[0])["task"] == 104
+        assert P.decode(recv_frames(pull)[0]).task == 104
         assert worker.core.counters["bad_broker_msgs"] == 1
     finally:
         worker.stop()

@@ -21,9 +21,9 @@ def test_ready_gets_welcome_with_layout_and_state():
     core = BrokerCore(BrokerConfig(world=2))
     acts = core.on_rank(b"rank-0", ready(0), 1.0)
     (welcome,) = decoded(acts, ToRank)
-    assert welcome["kind"] == "welcome"
-    assert welcome["op"] == "run" and welcome["epoch"] == 0 and welcome["upto"] == 0
-    assert welcome["layout"] == LAYOUT.to_wire()
+    assert welcome.kind == "welcome"
+    assert welcome.op == "run" and welcome.epoch == 0 and welcome.upto == 0
+    assert welcome.layout == LAYOUT.to_wire()
     assert core.status(1.0)["ranks"][0]["alive"] is True
 
 
@@ -31,7 +31,7 @@ def test_ready_gets_welcome_with_layout_and_state():
 def test_ready_that_does_not_fit_is_refused(rank, world):
     core = BrokerCore(BrokerConfig(world=2))
     (msg,) = decoded(core.on_rank(b"x", ready(rank, world), 1.0), ToRank)
-    assert msg["kind"] == "refused" and "world" in msg["reason"]
+    assert msg.kind == "refused" and "world" in msg.reason
     assert core.ranks == {}
 
 
@@ -47,7 +47,7 @@ def test_submit_is_held_until_every_rank_registered_then_fanned_out():
     assert sorted(a.identity for a in tasks) == [b"rank-0", b"rank-1"]
     for a in tasks:
         header = P.decode(a.frames[0])
-        assert header["task"] == 7 and header["n"] == 1 and header["reply_to"] == "ipc:///x"
+        assert header.task == 7 and header.n == 1 and header.reply_to == "ipc:///x"
         assert a.frames[1] == body  # forwarded untouched
 
 
@@ -98,8 +98,8 @@ def test_heartbeats_flow_and_a_silent_rank_is_declared_dead_failing_its_tasks():
     st = sim.broker.status(sim.now)
     assert [r["alive"] for r in st["ranks"]] == [True, False]
     assert sim.outcomes[t] == "failed"
-    (out,) = [m for m in sim.client_in if m["kind"] == "outcome"]
-    assert "rank 1" in out["reason"] and "stopped answering" in out["reason"]
+    (out,) = [m for m in sim.client_in if m.kind == "outcome"]
+    assert "rank 1" in out.reason and "stopped answering" in out.reason
     assert st["counters"]["rank_deaths"] == 1
 
 
@@ -121,9 +121,9 @@ def test_status_reports_ranks_queue_and_counters():
     sim.submit()
     req = sim.request("status")
     st = sim.reply(req)
-    assert st["state"] == "paused" and st["queued"] == 1 and st["world"] == 2
-    assert [r["rank"] for r in st["ranks"]] == [0, 1]
-    assert st["counters"]["submitted"] == 1
+    assert st.extra["state"] == "paused" and st.extra["queued"] == 1 and st.extra["world"] == 2
+    assert [r["rank"] for r in st.extra["ranks"]] == [0, 1]
+    assert st.extra["counters"]["submitted"] == 1
 
 
 @pytest.mark.parametrize(
@@ -146,9 +146,9 @@ def test_status_reports_ranks_queue_and_counters():
 def test_bad_client_input_gets_an_error_reply_and_the_broker_keeps_serving(frames, code):
     core = BrokerCore(BrokerConfig(world=1))
     (msg,) = decoded(core.on_client(CLIENT, frames, 1.0))
-    assert msg["kind"] == "error" and msg["code"] == code and msg["reason"]
+    assert msg.kind == "error" and msg.code == code and msg.reason
     (ok,) = decoded(core.on_client(CLIENT, [P.encode("ping", req=9)], 1.0))
-    assert ok["kind"] == "reply" and ok["req"] == 9
+    assert ok.kind == "reply" and ok.req == 9
     assert core.counters["bad_requests"] == 1
 
 
@@ -157,28 +157,28 @@ def test_submit_with_duplicate_open_task_id_or_bad_reply_to_is_refused():
     t = sim.submit()
     frames = [P.encode("submit", task=t, reply_to="ipc:///sim/client"), P.encode_body("swap_out", [0], [0])]
     (err,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
-    assert err["code"] == "duplicate_task"
+    assert err.code == "duplicate_task"
     frames = [P.encode("submit", task=99, reply_to="http://evil"), P.encode_body("swap_out", [0], [0])]
     (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
-    assert out["kind"] == "outcome" and out["outcome"] == "rejected"
+    assert out.kind == "outcome" and out.outcome == "rejected"
     (out,) = decoded(sim.broker.on_client(CLIENT, frames[:1], sim.now))
-    assert out["outcome"] == "rejected" and "body" in out["reason"]
+    assert out.outcome == "rejected" and "body" in out.reason
 
 
 def test_queue_full_rejects_with_a_reason():
     sim = Sim(max_queue=2)
     for _ in range(3):
         sim.submit()
-    rejected = [m for m in sim.client_in if m["kind"] == "outcome"]
-    assert len(rejected) == 1 and "queue full" in rejected[0]["reason"]
+    rejected = [m for m in sim.client_in if m.kind == "outcome"]
+    assert len(rejected) == 1 and "queue full" in rejected[0].reason
 
 
 def test_bad_rank_message_gets_an_error_and_unregistered_rank_is_told_to_reregister():
     core = BrokerCore(BrokerConfig(world=1))
     (err,) = decoded(core.on_rank(b"rank-0", [b"junk"], 1.0), ToRank)
-    assert err["kind"] == "error" and err["code"] == "malformed"
+    assert err.kind == "error" and err.code == "malformed"
     (msg,) = decoded(core.on_rank(b"rank-0", [P.encode("hb")], 1.0), ToRank)
-    assert msg["kind"] == "reregister"
+    assert msg.kind == "reregister"
 
 
 def test_restarted_rank_takes_over_and_its_lost_tasks_fail():
@@ -205,7 +205,7 @@ def test_publish_carries_upto_per_rank():
         sim.submit()
     sim.request("pause")
     pub = sim.published[-1]
-    assert pub["op"] == "pause" and pub["upto"] == [3, 3] and pub["epoch"] == 1
+    assert pub.op == "pause" and pub.upto == [3, 3] and pub.epoch == 1
 
 
 def test_rank_registering_during_a_resume_with_a_new_layout_gets_the_new_layout():
@@ -217,7 +217,7 @@ def test_rank_registering_during_a_resume_with_a_new_layout_gets_the_new_layout(
     sim.deliver_pub(0)  # rank 0 reallocates; its ack is on the way
     sim.start_rank(1)  # joins mid-resume
     sim.settle()
-    assert sim.reply(req)["kind"] == "reply"
+    assert sim.reply(req).kind == "reply"
     assert all(sr.core.layout.gpu_blocks == 8 for sr in sim.ranks.values())
 
 
@@ -230,19 +230,19 @@ def test_resume_ack_with_the_old_layout_does_not_complete_a_layout_change():
         sim.broker.on_rank(f"rank-{r}".encode(), [wrong], sim.now)
     assert sim.reply(req) is None
     sim.settle()
-    assert sim.reply(req)["kind"] == "reply"
+    assert sim.reply(req).kind == "reply"
 
 
 def test_error_replies_echo_a_readable_req_or_task():
     core = BrokerCore(BrokerConfig(world=1))
     (err,) = decoded(core.on_client(CLIENT, [msgpack.packb({"v": 7, "kind": "status", "req": 42})], 1.0))
-    assert err["code"] == "bad_version" and err["req"] == 42
+    assert err.code == "bad_version" and err.req == 42
     (err,) = decoded(core.on_client(CLIENT, [msgpack.packb({"v": 1, "kind": "submit", "task": 5})], 1.0))
-    assert err["code"] == "bad_field" and err["task"] == 5
+    assert err.code == "bad_field" and err.task == 5
 
 
 def test_oversized_task_body_is_rejected_at_the_broker():
     sim = Sim().up()
     frames = [P.encode("submit", task=1, reply_to="ipc:///sim/c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
     (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
-    assert out["outcome"] == "rejected" and "exceeds" in out["reason"]
+    assert out.outcome == "rejected" and "exceeds" in out.reason

@@ -144,8 +144,8 @@ def authorized_act(frames: list[bytes], backend: bool) -> bool:
     except P.ProtocolError:
         return False
     if backend:
-        return msg["kind"] == "ready" and msg["world"] == 2
-    return msg["kind"] in ("pause", "clear", "resume")
+        return msg.kind == "ready" and msg.world == 2
+    return msg.kind in ("pause", "clear", "resume")
 
 
 @pytest.fixture(scope="module")

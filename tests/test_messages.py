@@ -39,7 +39,8 @@ def test_a_reply_keeps_the_fields_of_its_op():
     reply = Reply.from_wire(P.encode("reply", req=4, op="pause", drain_ms=1.5, state="paused", note=None))
     assert reply.req == 4 and reply.extra == {"drain_ms": 1.5, "state": "paused", "note": None}
     assert msgpack.unpackb(reply.to_wire())["drain_ms"] == 1.5
-    assert reply["state"] == "paused" and reply.get("drain_ms") == 1.5 and "note" in reply and "gen" not in reply
+    assert reply.extra["state"] == "paused" and reply.extra.get("drain_ms") == 1.5
+    assert "note" in reply.extra and "gen" not in reply.extra
 
 
 def test_bad_frames_are_protocol_errors_and_messages_are_frozen():
@@ -53,11 +54,19 @@ def test_bad_frames_are_protocol_errors_and_messages_are_frozen():
         Ack(epoch=1, op="run").epoch = 2  # type: ignore[misc]
 
 
-def test_the_transitional_dict_reads():
+def test_a_message_is_read_by_attribute_not_as_a_dict():
     ack = P.decode(P.encode("ack", epoch=3, op="pause", upto=7, freed=None))
-    assert ack["kind"] == "ack" and ack["epoch"] == 3 and ack["freed"] is None
-    assert ack.get("upto") == 7 and ack.get("freed") is None and ack.get("freed", 0) == 0 and ack.get("nothing") is None
-    assert "upto" in ack and "freed" not in ack and "nothing" not in ack
+    assert ack.kind == "ack" and ack.epoch == 3 and ack.upto == 7 and ack.freed is None
+    with pytest.raises(TypeError):
+        ack["epoch"]
+    with pytest.raises(TypeError):
+        "upto" in ack  # noqa: B015
+    assert not hasattr(ack, "get") and not hasattr(ack, "keys")
+    assert ack != ack.as_map() and ack.as_map() == {"v": 1, "kind": "ack", "epoch": 3, "op": "pause", "upto": 7}
+    reply = P.decode(P.encode("reply", req=1, op="status", state="running"))
+    with pytest.raises(TypeError):
+        reply["state"]
+    assert not hasattr(reply, "get") and reply.extra == {"state": "running"}
 
 
 def test_the_vocabulary_is_the_wire_strings():

@@ -14,7 +14,7 @@ from zkv.wire.messages import Result
 
 def pause_done(sim, req):
     r = sim.reply(req)
-    return r is not None and r["kind"] == "reply"
+    return r is not None and r.kind == "reply"
 
 
 def test_1_pause_acks_only_after_every_inflight_task_finished_and_no_copy_after():
@@ -38,7 +38,7 @@ def test_1_pause_acks_only_after_every_inflight_task_finished_and_no_copy_after(
     sim.finish(1, 1)
     sim.deliver_broker()
     reply = sim.reply(req)
-    assert reply["kind"] == "reply" and reply["state"] == "paused"
+    assert reply.kind == "reply" and reply.extra["state"] == "paused"
     assert all(sim.outcomes[t] == "ok" for t in tasks)
     assert all(sr.copies_after_ack == 0 and sr.acked_pause for sr in sim.ranks.values())
 
@@ -88,12 +88,13 @@ def test_4_clear_cancels_every_held_task_at_its_client():
     creq = sim.request("clear")
     sim.settle()
     reply = sim.reply(creq)
-    assert reply["kind"] == "reply" and reply["cancelled"] == 5 and reply["gen"] == 1 and reply["freed"] > 0
+    assert reply.kind == "reply" and reply.extra["cancelled"] == 5
+    assert reply.extra["gen"] == 1 and reply.extra["freed"] > 0
     assert [sim.outcomes[t] for t in held] == ["cancelled"] * 5
     assert sim.results == []  # nothing ran
     late = sim.submit()
     assert sim.outcomes[late] == "rejected"
-    assert "cleared" in [m for m in sim.client_in if m.get("task") == late][0]["reason"]
+    assert "cleared" in [m for m in sim.client_in if getattr(m, "task", None) == late][0].reason
 
 
 def test_5_stale_ack_from_an_earlier_epoch_does_not_complete_the_current_pause():
@@ -191,9 +192,9 @@ def test_9a_rank_that_never_acks_fails_the_pause_naming_it_within_the_timeout():
     assert sim.reply(req) is None
     sim.tick(0.2)
     err = sim.reply(req)
-    assert err["kind"] == "error" and err["code"] == "pause_timeout" and "[1]" in err["reason"]
+    assert err.kind == "error" and err.code == "pause_timeout" and "[1]" in err.reason
     assert sim.broker.state == "running"  # undone with a new epoch, nothing waits forever
-    assert sim.published[-1]["op"] == "resume"
+    assert sim.published[-1].op == "resume"
 
 
 def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_and_its_tasks():
@@ -211,7 +212,7 @@ def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_and_its_tasks(
         sim.deliver_broker()
         sim.tick(0.0)
     err = sim.reply(req)
-    assert err["kind"] == "error" and err["code"] == "rank_dead" and "rank 1" in err["reason"]
+    assert err.kind == "error" and err.code == "rank_dead" and "rank 1" in err.reason
     assert sim.outcomes[t] == "failed"
 
 
@@ -225,23 +226,23 @@ def test_9c_allow_partial_completes_the_pause_without_the_dead_rank():
         sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))
         sim.deliver_broker()
         sim.tick(0.0)
-    assert sim.reply(req)["kind"] == "reply"
+    assert sim.reply(req).kind == "reply"
 
 
 def test_noops_and_wrong_order_say_so():
     sim = Sim().up()
     r = sim.request("resume")
-    assert sim.reply(r)["noop"] is True
+    assert sim.reply(r).extra["noop"] is True
     r = sim.request("clear")
-    assert sim.reply(r)["code"] == "not_paused"
+    assert sim.reply(r).code == "not_paused"
     sim.request("pause")
     r = sim.request("clear")
-    assert sim.reply(r)["code"] == "busy"
+    assert sim.reply(r).code == "busy"
     sim.settle()
     r = sim.request("pause")
-    assert sim.reply(r)["noop"] is True
+    assert sim.reply(r).extra["noop"] is True
     r = sim.request("resume", layout={"gpu_blocks": 8})
-    assert sim.reply(r)["code"] == "not_cleared"
+    assert sim.reply(r).code == "not_cleared"
 
 
 def test_resume_with_a_new_layout_after_clear_reallocates():
@@ -249,7 +250,7 @@ def test_resume_with_a_new_layout_after_clear_reallocates():
     sim.pause_and_clear()
     r = sim.request("resume", layout={"gpu_blocks": 8})
     sim.settle()
-    assert sim.reply(r)["kind"] == "reply"
+    assert sim.reply(r).kind == "reply"
     assert sim.broker.layout.gpu_blocks == 8
     assert all(sr.core.layout.gpu_blocks == 8 and sr.core.cache.phase.serves for sr in sim.ranks.values())
     t = sim.submit()
@@ -387,7 +388,7 @@ def test_tasks_dispatched_after_a_failed_pause_overtake_the_resume_and_are_held_
     sim.ranks[1].sub_in.clear()
     sim.deliver_broker()
     sim.tick(0.2)  # the pause fails: the broker runs again (new epoch, "resume")
-    assert sim.reply(req)["code"] == "pause_timeout" and sim.broker.state == "running"
+    assert sim.reply(req).code == "pause_timeout" and sim.broker.state == "running"
     t = sim.submit()
     sim.deliver_dealer(0)  # the task overtakes the resume on rank 0
     assert not sim.ranks[0].running and sim.ranks[0].core.held

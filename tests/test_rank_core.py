@@ -25,7 +25,7 @@ def task(n, gen=0) -> list[bytes]:
 
 
 def sent(actions, kind):
-    return [P.decode(a.frame) for a in actions if isinstance(a, ToBroker) and P.decode(a.frame)["kind"] == kind]
+    return [P.decode(a.frame) for a in actions if isinstance(a, ToBroker) and P.decode(a.frame).kind == kind]
 
 
 def test_ack_waits_for_received_upto_and_zero_inflight():
@@ -38,7 +38,7 @@ def test_ack_waits_for_received_upto_and_zero_inflight():
     assert ex2.refuse == "", "a task dispatched before the pause runs"
     acts = core.on_finished(2, 2, "ok", 0, 0)
     (ack,) = sent(acts, "ack")
-    assert ack == {**ack, "epoch": 1, "op": "pause", "upto": 2}
+    assert ack.as_map() == {**ack.as_map(), "epoch": 1, "op": "pause", "upto": 2}
     assert any(isinstance(a, Acked) for a in acts)
 
 
@@ -69,7 +69,7 @@ def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
     assert [a for a in acts if isinstance(a, FreeCache)] == [FreeCache(keep_cpu=True)]
     assert sent(acts, "ack") == []
     (ack,) = sent(core.on_cache_done(freed=1234), "ack")
-    assert ack["op"] == "clear" and ack["freed"] == 1234 and ack["gen"] == 1
+    assert ack.op == "clear" and ack.freed == 1234 and ack.gen == 1
     (ex,) = [a for a in core.on_task(*task(1, gen=1), 1.0) if isinstance(a, Execute)]
     assert "cleared" in ex.refuse
     core.on_finished(1, 1, "failed", 0, 1)
@@ -77,7 +77,7 @@ def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
     (alloc,) = [a for a in acts if isinstance(a, AllocateCache)]
     assert alloc.layout.gpu_blocks == 8 and sent(acts, "ack") == []
     (ack,) = sent(core.on_cache_done(), "ack")
-    assert ack["op"] == "resume" and ack["layout"]["gpu_blocks"] == 8
+    assert ack.op == "resume" and ack.layout["gpu_blocks"] == 8
 
 
 def test_task_from_another_generation_is_refused():
@@ -94,7 +94,7 @@ def test_welcome_while_cleared_frees_the_fresh_cache_and_acks():
     )
     assert any(isinstance(a, FreeCache) for a in acts)
     (ack,) = sent(core.on_cache_done(freed=10), "ack")
-    assert ack["epoch"] == 5 and core.gen == 2
+    assert ack.epoch == 5 and core.gen == 2
 
 
 def test_silent_broker_makes_the_rank_register_again_with_a_new_session():
@@ -102,7 +102,7 @@ def test_silent_broker_makes_the_rank_register_again_with_a_new_session():
     session = core.registration.session
     assert sent(core.on_tick(1.05), "ready") == []
     (ready,) = sent(core.on_tick(1.0 + core.registration.liveness_ms / 1000 + 0.01), "ready")
-    assert ready["session"] != session and not core.registered
+    assert ready.session != session and not core.registered
 
 
 def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
@@ -111,7 +111,7 @@ def test_a_repeated_clear_ack_still_carries_the_bytes_freed():
     core.on_control(control("clear", 2, gen=1), 1.0)
     core.on_cache_done(freed=777)
     (ack,) = sent(core.on_control(control("clear", 2, gen=1), 1.0), "ack")
-    assert ack["freed"] == 777
+    assert ack.freed == 777
 
 
 def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its_rank():
@@ -120,7 +120,7 @@ def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its
     core.on_wake(1.1)
     assert core.on_wake(1.1 + core.registration.liveness_ms / 2000 - 0.05) == []
     (probe,) = sent(core.on_wake(1.1 + core.registration.liveness_ms / 1000), "hb")
-    assert probe["probe"] is True and core.counters["frozen"] == 1
+    assert probe.probe is True and core.counters["frozen"] == 1
     header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=old)
     body = P.encode_body("swap_out", [0], [0])
     assert core.on_task(header, body, 5.0) == [], "held: maybe the broker already failed it"
@@ -128,7 +128,7 @@ def test_a_frozen_rank_holds_tasks_until_the_broker_says_whether_it_is_still_its
     acts = core.on_broker(P.encode("reregister"), 5.0)
     (ready,) = sent(acts, "ready")
     (ex,) = [a for a in acts if isinstance(a, Execute)]
-    assert ready["session"] != old and "earlier registration" in ex.refuse
+    assert ready.session != old and "earlier registration" in ex.refuse
 
 
 def test_a_frozen_rank_still_registered_runs_its_held_tasks():

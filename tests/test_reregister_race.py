@@ -8,6 +8,7 @@ session it is a duplicate, and the task runs."""
 
 from zkv.testing.sim import Sim
 from zkv.wire import protocol as P
+from zkv.wire.messages import Ready
 
 HB = 0.5  # the broker's and the ranks' default heartbeat
 
@@ -43,8 +44,8 @@ def step(sim: Sim, cable: Cable, dt: float) -> None:
     sim.finish(0)
 
 
-def readies(frames: list[bytes]) -> list[dict]:
-    return [m for m in map(P.decode, frames) if m["kind"] == "ready"]
+def readies(frames: list[bytes]) -> list[Ready]:
+    return [m for m in map(P.decode, frames) if m.kind == "ready"]
 
 
 def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_task_succeeds():
@@ -57,7 +58,7 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
         step(sim, cable, HB / 5)
         assert sim.now < 110, "neither side noticed the outage"
     first = readies(cable.outbox)[0]
-    assert first["session"] != old_session and not sim.ranks[1].core.registered
+    assert first.session != old_session and not sim.ranks[1].core.registered
     task = sim.submit()  # queued: rank 1 is dead
     for _ in range(8):  # the outage lasts 1.6 s more (4-5 s in all, as in the multi-host test)
         step(sim, cable, HB / 5)
@@ -65,8 +66,8 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
     # rank 1 -> broker recovers first: the READY gets through and the broker
     # welcomes rank 1; broker -> rank 1 is still in backoff.
     cable.deliver_to_broker()
-    assert sim.broker.ranks[1].alive and sim.broker.ranks[1].session == first["session"]
-    kinds = [P.decode(frames[0])["kind"] for frames in sim.ranks[1].dealer_in]
+    assert sim.broker.ranks[1].alive and sim.broker.ranks[1].session == first.session
+    kinds = [P.decode(frames[0]).kind for frames in sim.ranks[1].dealer_in]
     # a reregister for each heartbeat it sent during the outage (stale by now),
     # then a welcome for each of its READYs; the task waits until the rank
     # shows it has its welcome (that connection's way back may be dead)
@@ -81,15 +82,15 @@ def test_a_ready_repeated_before_its_welcome_arrives_keeps_the_session_and_the_t
     assert again, "an unanswered READY is repeated"
     # Now everything flows: the welcome (and its duplicates) and the task reach rank 1.
     sim.settle()
-    assert sim.outcomes[task] == "ok", [m for m in sim.client_in if m["kind"] == "outcome"]
-    assert {m["session"] for m in again} == {first["session"]}, "a repeated READY keeps its session"
+    assert sim.outcomes[task] == "ok", [m for m in sim.client_in if m.kind == "outcome"]
+    assert {m.session for m in again} == {first.session}, "a repeated READY keeps its session"
     assert sim.broker.counters["duplicate_ready"] >= 1
-    assert sim.ranks[1].core.registered and sim.ranks[1].core.registration.session == first["session"]
+    assert sim.ranks[1].core.registered and sim.ranks[1].core.registration.session == first.session
     # and the bus still pauses with the exact count: the duplicate welcomes
     # came after the task on the same connection and say so (upto).
     req = sim.request("pause")
     sim.settle()
-    assert sim.reply(req)["state"] == "paused" and sim.reply(req)["ranks_acked"] == 2
+    assert sim.reply(req).extra["state"] == "paused" and sim.reply(req).extra["ranks_acked"] == 2
 
 
 def test_a_registered_rank_that_loses_the_broker_takes_a_fresh_session_and_keeps_it_until_welcomed():
@@ -99,9 +100,9 @@ def test_a_registered_rank_that_loses_the_broker_takes_a_fresh_session_and_keeps
     t = sim.now
     readies_sent = []
     for i in range(1, 40):  # 4 s of silence from the broker
-        readies_sent += [P.decode(a.frame) for a in core.on_tick(t + i * 0.1) if P.decode(a.frame)["kind"] == "ready"]
+        readies_sent += [P.decode(a.frame) for a in core.on_tick(t + i * 0.1) if P.decode(a.frame).kind == "ready"]
     assert len(readies_sent) >= 2
-    sessions = {m["session"] for m in readies_sent}
+    sessions = {m.session for m in readies_sent}
     assert len(sessions) == 1 and registered not in sessions
 
 
@@ -123,7 +124,7 @@ def test_a_welcome_repeated_after_tasks_sets_the_received_count_from_its_upto():
     assert core.received == 1
     req = sim.request("pause")
     sim.settle()
-    assert sim.reply(req)["state"] == "paused"
+    assert sim.reply(req).extra["state"] == "paused"
 
 
 def test_a_welcome_naming_tasks_that_never_came_makes_the_rank_register_afresh():
@@ -140,8 +141,8 @@ def test_a_welcome_naming_tasks_that_never_came_makes_the_rank_register_afresh()
         ),
         sim.now,
     )
-    (ready,) = [P.decode(a.frame) for a in acts if P.decode(a.frame)["kind"] == "ready"]
-    assert ready["session"] != old and not core.registered and core.counters["tasks_lost_in_transit"] == 1
+    (ready,) = [P.decode(a.frame) for a in acts if P.decode(a.frame).kind == "ready"]
+    assert ready.session != old and not core.registered and core.counters["tasks_lost_in_transit"] == 1
 
 
 def test_a_rank_back_from_an_outage_gets_tasks_only_once_it_shows_its_welcome_arrived():
@@ -151,8 +152,6 @@ def test_a_rank_back_from_an_outage_gets_tasks_only_once_it_shows_its_welcome_ar
         sim._rank_actions(r, sim.ranks[r].core.on_tick(sim.now))
     sim.deliver_broker()
     task = sim.submit()
-    assert all(
-        sr.dealer_in and all(P.decode(f[0])["kind"] != "task" for f in sr.dealer_in) for sr in sim.ranks.values()
-    )
+    assert all(sr.dealer_in and all(P.decode(f[0]).kind != "task" for f in sr.dealer_in) for sr in sim.ranks.values())
     sim.settle()  # the welcomes arrive, each rank says so with a heartbeat, the task goes out
     assert sim.outcomes[task] == "ok"

@@ -21,6 +21,7 @@ from zkv.rank.worker import RankWorker
 from zkv.wire import bounds
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
+from zkv.wire.messages import Message
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=1, kv_heads=1, head_dim=8)
 
@@ -112,7 +113,7 @@ def test_a_rank_refuses_an_inproc_result_address_from_its_broker(tmp_path):
         assert router.poll(20_000)
         ident, frame = router.recv_multipart()
         ready = P.decode(frame)
-        assert ready["kind"] == "ready" and ident != b"rank-0", "a rank's identity must not be guessable"
+        assert ready.kind == "ready" and ident != b"rank-0", "a rank's identity must not be guessable"
         router.send_multipart(
             [
                 ident,
@@ -124,17 +125,17 @@ def test_a_rank_refuses_an_inproc_result_address_from_its_broker(tmp_path):
                     upto=0,
                     layout=LAYOUT.to_wire(),
                     heartbeat_ms=1000,
-                    session=ready["session"],
+                    session=ready.session,
                 ),
             ]
         )
         body = P.encode_body("fill", dst=[0], tier="gpu", seed=1)
         for n, reply_to in enumerate([worker._stopper.address, worker._report_address, "inproc://zeromq.zap.01"], 1):
             router.send_multipart(
-                [ident, P.encode("task", seq=n, n=n, task=n, reply_to=reply_to, gen=0, session=ready["session"]), body]
+                [ident, P.encode("task", seq=n, n=n, task=n, reply_to=reply_to, gen=0, session=ready.session), body]
             )
             done = next_kind(router, "done")
-            assert (done["seq"], done["outcome"]) == (n, "failed")
+            assert (done.seq, done.outcome) == (n, "failed")
         assert thread.is_alive(), "a named inproc address stopped the rank"
         router.send_multipart(
             [
@@ -146,14 +147,14 @@ def test_a_rank_refuses_an_inproc_result_address_from_its_broker(tmp_path):
                     task=9,
                     reply_to=f"ipc://{tmp_path}/results.sock",
                     gen=0,
-                    session=ready["session"],
+                    session=ready.session,
                 ),
                 body,
             ]
         )
         assert pull.poll(10_000)
         result = P.decode(pull.recv())
-        assert (result["task"], result["outcome"]) == (9, "ok")
+        assert (result.task, result.outcome) == (9, "ok")
     finally:
         worker.stop()
         thread.join(timeout=10)
@@ -161,12 +162,12 @@ def test_a_rank_refuses_an_inproc_result_address_from_its_broker(tmp_path):
             s.close()
 
 
-def next_kind(sock: zmq.Socket, kind: str) -> dict:
+def next_kind(sock: zmq.Socket, kind: str) -> Message:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000)))
         msg = P.decode(sock.recv_multipart()[-1])
-        if msg["kind"] == kind:
+        if msg.kind == kind:
             return msg
     raise AssertionError(f"no {kind} in time")
 
@@ -211,7 +212,7 @@ def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear()
     core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
     core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_COUNTER)], 1.2)
     (pub,) = [a for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, Publish)]
-    assert P.decode(pub.frame, ("control",))["gen"] == bounds.MAX_COUNTER + 1
+    assert P.decode(pub.frame, ("control",)).gen == bounds.MAX_COUNTER + 1
 
 
 @pytest.mark.parametrize(
@@ -354,7 +355,7 @@ def test_a_queued_task_past_its_timeout_never_runs():
     out = core.on_rank(b"r0", [ready(world=1)], 1.0)
     assert not [a for a in out if isinstance(a, ToRank) and len(a.frames) == 2], "an expired task was dispatched"
     (msg,) = [P.decode(a.frames[0]) for a in out if isinstance(a, ToClient)]
-    assert (msg["task"], msg["outcome"]) == (1, "timeout")
+    assert (msg.task, msg.outcome) == (1, "timeout")
     assert not core.tasks.open_per_client
 
 
@@ -477,12 +478,12 @@ def test_status_keeps_the_pid_after_a_rank_re_registers():
             upto=0,
             layout=LAYOUT.to_wire(),
             heartbeat_ms=500,
-            session=P.decode(first.frame)["session"],
+            session=P.decode(first.frame).session,
         ),
         1.0,
     )
     (again,) = core.on_broker(P.encode("reregister"), 2.0)
-    assert P.decode(again.frame)["pid"] == 4242
+    assert P.decode(again.frame).pid == 4242
 
 
 def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
@@ -490,7 +491,7 @@ def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
 
     core = RankCore(0, 1, LAYOUT, sessions=itertools.count(1).__next__)
     (first,) = core.start(1.0, pid=1)
-    session = P.decode(first.frame)["session"]
+    session = P.decode(first.frame).session
     bad = dict(LAYOUT.to_wire(), gpu_blocks=2**31)
     assert (
         core.on_broker(

@@ -181,9 +181,7 @@ class CoreHarness:
         for a in actions:  # ranks finish every dispatched task at once
             if isinstance(a, ToRank) and len(a.frames) == 2:
                 head = P.decode(a.frames[0])
-                self.rank(
-                    int(a.identity[5:]), P.encode("done", seq=head["seq"], n=head["n"], outcome="ok", gen=head["gen"])
-                )
+                self.rank(int(a.identity[5:]), P.encode("done", seq=head.seq, n=head.n, outcome="ok", gen=head.gen))
         return actions
 
     def submit(self, client, task, body):

@@ -36,15 +36,9 @@ def _kind_of(class_name: str) -> str:
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind", tag=_kind_of):
-    """The base of every message.
-
-    Read its fields as attributes; the library does (``broker/``, ``rank/``,
-    ``client/`` and every layer above them).  Transitional, for tests that
-    still read frames as maps: ``msg["x"]``, ``msg.get("x")`` and ``"x" in
-    msg`` read field ``x`` (an absent optional reads ``None``; ``in`` is true
-    for a field that is not ``None``), and ``keys()`` and ``==`` with a dict
-    see the map ``as_map()`` gives.  Nothing mutates a message.
-    """
+    """The base of every message: read its fields as attributes (an absent
+    optional is ``None``); ``as_map()`` is the map of its frame.  Frozen:
+    nothing mutates a message once decoded."""
 
     kind: ClassVar[str]
     v: ClassVar[int] = VERSION
@@ -73,10 +67,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         return msgpack.packb(self.as_map(), use_bin_type=True)
 
     def __eq__(self, other: object) -> bool:
-        """Same kind, same fields (a fast-path decode is a subclass, ``fast.py``);
-        transitional: equal to a dict that is its ``as_map()``."""
-        if isinstance(other, dict):
-            return self.as_map() == other
+        """Same kind, same fields (a fast-path decode is a subclass, ``fast.py``)."""
         if not isinstance(other, Message):
             return NotImplemented
         names = MESSAGES[self.kind].__struct_fields__
@@ -87,19 +78,6 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         return eq if eq is NotImplemented else not eq
 
     __hash__ = None  # type: ignore[assignment]  # mutable fields (maps, lists); as a dict was
-
-    # --- transitional dict reads (see the class docstring) -------------------------------
-    __getitem__ = object.__getattribute__  # C-level: a dict read costs ~0.1 us less than a Python method
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, name, None)
-        return default if value is None else value
-
-    def __contains__(self, name: str) -> bool:
-        return getattr(self, name, None) is not None
-
-    def keys(self) -> Any:
-        return self.as_map().keys()
 
 
 # --- client -> broker (frontend) -------------------------------------------------------
@@ -150,17 +128,6 @@ class Reply(Message, frozen=True):
     req: int
     op: str
     extra: Map = msgspec.field(default_factory=dict)
-
-    def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, name, None)
-        return self.extra.get(name, default) if value is None else value
-
-    def __contains__(self, name: str) -> bool:
-        return getattr(self, name, None) is not None or name in self.extra
-
-    def __getitem__(self, name: str) -> Any:
-        value = getattr(self, name, None)
-        return self.extra[name] if value is None else value
 
 
 class Error(Message, frozen=True):
