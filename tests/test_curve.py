@@ -110,3 +110,69 @@ def test_replay_against_a_curve_broker(secured):
     )
     assert report.ok, report.to_json()
     assert report.to_json()["outcomes"] == {"ok": 10}
+
+
+def _retry_bind(bind, within: float = 10.0):
+    """Call ``bind`` until the address's previous owner has released it
+    (a closed socket frees its port asynchronously)."""
+    import time
+
+    import zmq
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return bind()
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _bind_when_free(sock, address: str) -> None:
+    _retry_bind(lambda: sock.bind(address))
+
+
+def _keyed_client_when_free(frontend: str, curve, address: str) -> Client:
+    return _retry_bind(lambda: Client(frontend, curve=curve, reply_to=address))
+
+
+def test_a_plaintext_peer_on_a_fixed_result_address_does_not_poison_it(secured):
+    """A client run once without its Curve keys on the fixed result address
+    makes the ranks' PUSH fail a handshake there; the keyed client that comes
+    back on that address still gets every result."""
+    import time
+
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    cluster, *_, me, _ = secured
+    result_addr = f"tcp://127.0.0.1:{free_port()}"
+    with Client(cluster.endpoints.frontend, curve=me, reply_to=result_addr) as c:
+        assert c.run("swap_out", [4], [4], timeout=10).ok  # both ranks now hold a PUSH to result_addr
+
+    ctx = zmq.Context.instance()
+    plain = ctx.socket(zmq.PULL)
+    plain.setsockopt(zmq.LINGER, 0)
+    monitor = plain.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    try:
+        _bind_when_free(plain, result_addr)
+        for _ in range(2):  # the ranks' PUSH sockets reconnect here and fail the handshake
+            assert monitor.poll(10_000), "no rank's result socket reconnected to the plaintext peer"
+            recv_monitor_message(monitor)
+    finally:
+        plain.disable_monitor()
+        monitor.close(linger=0)
+        plain.close(linger=0)
+
+    c = _keyed_client_when_free(cluster.endpoints.frontend, me, result_addr)
+    try:
+        out = c.run("swap_out", [5], [5], timeout=10)
+        assert out.ok and set(out.per_rank) == {0, 1}, out
+        # the ranks say what they rebuilt (stats travel with the next heartbeat)
+        deadline = time.monotonic() + 10
+        while sum(r["stats"].get("result_reconnects", 0) for r in c.status()["ranks"]) < 1:
+            assert time.monotonic() < deadline, "no rank counted the rebuilt result connection"
+            time.sleep(0.05)
+    finally:
+        c.close()

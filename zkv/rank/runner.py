@@ -20,10 +20,6 @@ import threading
 import time
 from typing import Callable
 
-import zmq
-
-from ..net.curve import Curve
-from ..net.endpoints import make_socket
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
@@ -32,66 +28,12 @@ from .actions import Execute
 from .cache.errors import CacheError
 from .cache.store import BlockStore, TaskInvalid
 from .reports import Finished
+from .result_links import ResultSenders
 
 log = logging.getLogger("zkv.worker")
 
-MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
 _OK, _FAILED, _FILL = Outcome.OK, Outcome.FAILED, Op.FILL  # module names: an enum member read costs ~0.1 us (3.11)
 _SWAPS = (Op.SWAP_OUT, Op.SWAP_IN)
-_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
-
-
-class ResultSenders:
-    """One thread's PUSH sockets to clients' result addresses.
-
-    A client that went away never blocks the rank: sends are NOBLOCK and what
-    cannot be queued is counted as undeliverable."""
-
-    def __init__(self, ctx: zmq.Context, curve: Curve | None, stats: collections.Counter[str]):
-        self.ctx = ctx
-        self.curve = curve
-        self.stats = stats
-        self.sockets: collections.OrderedDict[tuple[str, str | None], zmq.Socket] = collections.OrderedDict()
-
-    def send(self, address: str, key: str | None, frame: bytes) -> None:
-        sock = self.sockets.get((address, key))
-        if sock is None:
-            sock = self._connect(address, key)
-            if sock is None:
-                self.stats["undeliverable"] += 1
-                return
-        else:
-            self.sockets.move_to_end((address, key))
-        try:
-            sock.send(frame, _NOBLOCK)
-        except zmq.Again:
-            self.stats["undeliverable"] += 1
-
-    def _connect(self, address: str, key: str | None) -> zmq.Socket | None:
-        if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
-            return None
-        if len(self.sockets) >= MAX_RESULT_SOCKETS:
-            _, old = self.sockets.popitem(last=False)
-            old.close(linger=0)
-        sock = make_socket(self.ctx, zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        try:
-            if self.curve is not None:
-                if not key:
-                    raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
-                self.curve.make_client(sock, server_key=key.encode())
-            sock.connect(address)
-        except (zmq.ZMQError, ValueError) as err:
-            log.warning("cannot send results to %s: %s", address, err)
-            sock.close(linger=0)
-            return None
-        self.sockets[(address, key)] = sock
-        return sock
-
-    def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.sockets.clear()
 
 
 class TaskRunner:

@@ -48,7 +48,8 @@ from .cache.store import BlockStore, pick_device
 from .core import RankCore
 from .registration import RankRefused
 from .reports import CacheDone, Finished, Report
-from .runner import ResultSenders, TaskRunner
+from .result_links import ResultSenders
+from .runner import TaskRunner
 
 log = logging.getLogger("zkv.worker")
 
@@ -86,6 +87,7 @@ class Executor(threading.Thread):
                     "bytes_moved",
                     "bytes_freed",
                     "undeliverable",
+                    "result_reconnects",
                     "copies_after_ack",
                     "dropped_stale_session",
                     "executor_errors",

@@ -1,0 +1,135 @@
+"""A rank's PUSH sockets to the result addresses clients choose.
+
+A client picks its result address, so the peer behind one address changes
+over time, and not always to one with the same security settings.  A PUSH
+that once failed a handshake there (a client run without its Curve keys on a
+fixed ``ZKV_RESULT_ADDR``) is not trusted again: libzmq drops the pipe, every
+later send on that socket finds no peer, and results to the correctly keyed
+client that comes back on the same address would be lost for good.  Each
+socket is therefore watched through its monitor; a failed handshake closes
+it, and the next send connects a fresh one.  What cannot be handed over is
+counted (``undeliverable``) and logged, rate limited, never silent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import zmq
+
+from ..net.curve import Curve
+from ..net.endpoints import make_socket
+from ..wire import protocol as P
+
+log = logging.getLogger("zkv.worker")
+
+MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
+LOG_EVERY_S = 5.0  # at most one warning per address and kind in this time
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
+_POLLIN = int(zmq.POLLIN)
+_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+class _Link:
+    """One PUSH and the monitor that tells whether its peer turned it away."""
+
+    __slots__ = ("sock", "monitor")
+
+    def __init__(self, sock: zmq.Socket, monitor: zmq.Socket):
+        self.sock = sock
+        self.monitor = monitor
+
+    def refused(self) -> bool:
+        """True when a handshake failed since the last look (drains the events)."""
+        failed = False
+        while int(self.monitor.getsockopt(zmq.EVENTS)) & _POLLIN:
+            frames = self.monitor.recv_multipart(_NOBLOCK)
+            event = int.from_bytes(frames[0][:2], "little")
+            failed = failed or bool(event & _FAILED_EVENTS)
+        return failed
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+class ResultSenders:
+    """One thread's PUSH sockets to clients' result addresses.
+
+    A client that went away never blocks the rank: sends are NOBLOCK and what
+    cannot be queued is counted as undeliverable.  ZMQ sockets are never shared
+    between threads: each thread owns its own ``ResultSenders``."""
+
+    def __init__(self, ctx: zmq.Context, curve: Curve | None, stats: collections.Counter[str]):
+        self.ctx = ctx
+        self.curve = curve
+        self.stats = stats
+        self.links: collections.OrderedDict[tuple[str, str | None], _Link] = collections.OrderedDict()
+        self._logged: dict[tuple[str, str], float] = {}
+
+    def send(self, address: str, key: str | None, frame: bytes) -> None:
+        link = self.links.get((address, key))
+        if link is not None and link.refused():
+            self.stats["result_reconnects"] += 1
+            self._warn(address, "handshake", "a peer there refused the handshake (other Curve settings?); reconnecting")
+            del self.links[(address, key)]
+            link.close()
+            link = None
+        if link is None:
+            link = self._connect(address, key)
+            if link is None:
+                self._undeliverable(address, "cannot connect")
+                return
+        else:
+            self.links.move_to_end((address, key))
+        try:
+            link.sock.send(frame, _NOBLOCK)
+        except zmq.Again:
+            self._undeliverable(address, "no peer accepted it (gone, or its queue is full)")
+
+    def _connect(self, address: str, key: str | None) -> _Link | None:
+        if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
+            return None
+        if len(self.links) >= MAX_RESULT_SOCKETS:
+            _, old = self.links.popitem(last=False)
+            old.close()
+        sock = make_socket(self.ctx, zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        try:
+            if self.curve is not None:
+                if not key:
+                    raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
+                self.curve.make_client(sock, server_key=key.encode())
+            monitor = sock.get_monitor_socket(_FAILED_EVENTS)
+            sock.connect(address)
+        except (zmq.ZMQError, ValueError) as err:
+            self._warn(address, "connect", f"cannot send results there: {err}")
+            sock.close(linger=0)
+            return None
+        link = self.links[(address, key)] = _Link(sock, monitor)
+        return link
+
+    def _undeliverable(self, address: str, why: str) -> None:
+        self.stats["undeliverable"] += 1
+        self._warn(address, "undeliverable", f"a result was not delivered: {why}")
+
+    def _warn(self, address: str, kind: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._logged.get((address, kind), -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._logged[(address, kind)] = now
+            if len(self._logged) > 4 * MAX_RESULT_SOCKETS:
+                self._logged.clear()
+            log.warning("results to %s: %s (undeliverable so far: %d)", address, text, self.stats["undeliverable"])
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        self.links.clear()
