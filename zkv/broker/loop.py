@@ -21,6 +21,7 @@ from ..net.frames import Coalescer, ready_messages, send_message
 from ..obs.book import BusBook
 from ..wire import bounds
 from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
+from .owner_lock import OwnerLock, ipc_directories
 from .state_file import StateFile, default_state_path
 
 log = logging.getLogger("zkv.broker")
@@ -44,9 +45,30 @@ class Broker:
         book: BusBook | None = None,
     ):
         self.endpoints = endpoints
+        addresses = (endpoints.frontend, endpoints.backend, endpoints.control)
+        for address in addresses:
+            check_bind_address(address, allow_remote, secure=curve is not None)
         # The durable control state (state_file.py): a restart keeps what a
         # client set.  Default: next to an ipc:// frontend; tcp needs --state-file.
         path = Path(state_file) if state_file else default_state_path(endpoints.frontend)
+        self.owner = OwnerLock(ipc_directories(addresses, path))  # before any file there is touched
+        try:
+            self._open(endpoints, config, recorder, ctx, curve, path, book)
+        except BaseException:
+            self.owner.release()
+            raise
+
+    def _open(
+        self,
+        endpoints: Endpoints,
+        config: BrokerConfig | None,
+        recorder: Callable[[dict], None] | None,
+        ctx: zmq.Context | None,
+        curve: Curve | None,
+        path: Path | None,
+        book: BusBook | None,
+    ) -> None:
+        """Load the state and bind, as the holder of this place's owner lock."""
         self.state_file = StateFile(path) if path is not None else None
         if self.state_file is None:
             log.warning("no broker state file (tcp frontend without --state-file): a restart starts the bus running")
@@ -59,8 +81,6 @@ class Broker:
         self.counts = self.core.book.events  # what this loop counts, beside the core
         self.recorder = recorder
         self.ctx = ctx or zmq.Context.instance()
-        for address in (endpoints.frontend, endpoints.backend, endpoints.control):
-            check_bind_address(address, allow_remote, secure=curve is not None)
         self.auth = curve.start_authenticator(self.ctx, curve.broker_domains()) if curve is not None else None
         self.frontend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.backend = make_socket(self.ctx, zmq.ROUTER, router=True)
@@ -85,12 +105,13 @@ class Broker:
         for sock in (self.frontend, self.backend, self.control, self._stop):
             sock.close(linger=0)
         for address in (self.endpoints.frontend, self.endpoints.backend, self.endpoints.control):
-            if address.startswith("ipc://"):
+            if address.startswith("ipc://"):  # ours: the owner lock kept every other broker away
                 Path(address[len("ipc://") :]).unlink(missing_ok=True)  # leave no stale socket files
         if self.auth is not None:
             self.auth.stop()
         if self.state_file is not None:
             self.state_file.close()
+        self.owner.release()
 
     def serve(self) -> None:
         """Run until stop() or KeyboardInterrupt; sockets are closed on return."""
