@@ -9,6 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
+from zkv.rank.cache import geometry
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache
 from zkv.rank.cache.store import BlockStore, Freed, TaskInvalid
@@ -23,9 +24,10 @@ def engine(blocks: int, block_size: int = 4, generation: int = 1):
 
 
 def resume(store: BlockStore, cache: EngineCache, cpu_rows: int) -> bool:
-    """What a resume does on an attached rank: the engine hands over, the rank allocates."""
+    """What a resume does on an attached rank: the engine hands over, the rank
+    allocates for a layout of the new cache (a resume that names its geometry)."""
     store.memory.hand_over(cache)
-    store.allocate(store.layout.with_changes(gpu_blocks=cache.num_blocks, cpu_blocks=cpu_rows))
+    store.allocate(geometry.derive(cache.descriptor, cpu_rows))
     return store.cpu_kept
 
 
