@@ -25,11 +25,9 @@ from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts
 from zkv.rank.registration import RankRefused
-from zkv.wire.layout import CacheLayout
 
 NB, BS, H, D, L, P = 12, 4, 2, 8, 2, 4
 CPU_ROWS = 10
-LAYOUT = CacheLayout(layers=L, gpu_blocks=NB, cpu_blocks=CPU_ROWS, block_size=BS, kv_heads=H, head_dim=D)
 
 
 def _random_(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -99,9 +97,7 @@ class Bus:
         self.thread = threading.Thread(target=self.broker.serve, daemon=True)
         self.engines = [make_engine(layout, nb) for _ in range(world)]
         self.agents = [
-            RankAgent(
-                r, world, self.endpoints.backend, self.endpoints.control, self.engines[r][1], CPU_ROWS, layout=LAYOUT
-            )
+            RankAgent(r, world, self.endpoints.backend, self.endpoints.control, self.engines[r][1], CPU_ROWS)
             for r in range(world)
         ]
 

@@ -9,6 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
+from zkv.rank.cache import geometry
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache
 from zkv.rank.cache.store import BlockStore, Freed, TaskInvalid
@@ -23,9 +24,10 @@ def engine(blocks: int, block_size: int = 4, generation: int = 1):
 
 
 def resume(store: BlockStore, cache: EngineCache, cpu_rows: int) -> bool:
-    """What a resume does on an attached rank: the engine hands over, the rank allocates."""
+    """What a resume does on an attached rank: the engine hands over, the rank
+    allocates for a layout of the new cache (a resume that names its geometry)."""
     store.memory.hand_over(cache)
-    store.allocate(store.layout.with_changes(gpu_blocks=cache.num_blocks, cpu_blocks=cpu_rows))
+    store.allocate(geometry.derive(cache.descriptor, cpu_rows))
     return store.cpu_kept
 
 
@@ -112,3 +114,44 @@ def test_a_resume_with_nothing_handed_over_or_the_wrong_block_count_fails_naming
     with pytest.raises(CacheError, match="16 blocks.*gpu_blocks=8") as err:
         store.allocate(store.layout)
     assert err.value.code == "bad_layout" and not store.allocated and store.tier is not None
+
+
+def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
+    """docs/engines.md, "Generations and restarts": a resume takes the first
+    cache of another engine instance at any generation, refuses the replaced
+    instance's manifest, and within one instance needs a newer generation."""
+    from zkv.harness.ipc_check import mapped
+    from zkv.rank.cache import layouts
+    from zkv.rank.cache.manifest import ShmArena, export_manifest
+
+    path, arena = str(tmp_path / "m"), ShmArena()
+    try:
+        k = arena.tensor("k", (8, 2, 4, 8), torch.bfloat16)
+        entries = layouts.per_layer({"k": k})
+        export_manifest(path, entries, generation=3, arena=arena, instance="engine-a")
+        store = BlockStore.from_manifest(path, {"cpu_blocks": 4})
+        assert (store.instance, store.generation) == ("engine-a", 3)
+
+        def resume() -> None:
+            store.free(keep_cpu=True)
+            store.allocate(store.layout)
+
+        for export, refusal in (
+            (("engine-a", 3), "generation 3 is not newer than 3"),  # the engine died before it exported again
+            (("engine-b", 1), None),  # its restart: a first generation again, under a new instance
+            (("engine-a", 4), "engine instance engine-a was replaced by engine-b"),  # never taken again
+            (("engine-b", 1), "generation 1 is not newer than 1"),
+            (("engine-b", 2), None),
+        ):
+            export_manifest(path, entries, generation=export[1], arena=arena, instance=export[0])
+            if refusal is None:
+                resume()
+                assert (store.instance, store.generation) == export and store.allocated
+                continue
+            with pytest.raises(CacheError, match=refusal) as err:
+                resume()
+            assert err.value.code == "stale_manifest"
+            assert not store.allocated and mapped(arena.tag) == 1, "a refused manifest stays unmapped"
+        store.close()
+    finally:
+        arena.close()

@@ -266,6 +266,45 @@ def test_rl_cycle_frees_the_cache_and_resumes_on_new_weights():
     assert got_chat == run(fresh, "chat")
 
 
+def test_the_rank_on_the_engine_announces_its_layout_and_refuses_its_scratch_rows(tmp_path):
+    """docs/engines.md, "Reserved rows": the adapter declares the scratch rows,
+    so a task naming one fails naming the block; status shows the engine's layout."""
+    import threading
+
+    from zkv.broker.core import BrokerConfig
+    from zkv.broker.loop import Broker
+    from zkv.client.client import Client
+    from zkv.engines.transformers import attach
+    from zkv.engines.transformers.layout import model_layout
+    from zkv.net.endpoints import Endpoints
+    from zkv.wire.layout import CacheLayout
+
+    engine = engine_for(llama(0), num_blocks=16)
+    layout = engine.layout
+    ep = Endpoints.in_dir(tmp_path)
+    broker = Broker(ep, BrokerConfig(world=1, heartbeat_ms=100))
+    thread = threading.Thread(target=broker.serve, daemon=True)
+    thread.start()
+    agent = attach.start_rank(engine, 0, 1, ep, 8)
+    try:
+        with Client(ep.frontend) as c:
+            shown = CacheLayout.from_wire(c.status(timeout=10)["layout"])
+            assert shown == model_layout(layout, 8) and shown.block_bytes == layout.block_bytes
+            assert shown.gpu_blocks == layout.num_blocks and layout.scratch_blocks == 2
+            for block in range(layout.scratch_blocks):
+                out = c.run("swap_in", [0], [block], timeout=30)
+                assert out.outcome == "failed" and f"dst block id {block} is reserved" in out.reason, out
+            out = c.run("swap_out", [1], [0], timeout=30)
+            assert out.outcome == "failed" and "src block id 1 is reserved" in out.reason, out
+            (free,) = engine.take_blocks(1)
+            assert c.run("swap_out", [free], [0], timeout=30).ok and c.run("swap_in", [0], [free], timeout=30).ok
+            engine.return_blocks([free])
+    finally:
+        attach.stop_rank(agent)
+        broker.stop()
+        thread.join(timeout=10)
+
+
 def test_swap_while_transformers_loop_thread_runs():
     model = llama(0)
     baseline = engine_for(model)

@@ -20,6 +20,7 @@ from .options import (
     curve_from,
     curve_options,
     fail,
+    given_layout_fields,
     layout_from,
     layout_options,
     metrics_options,
@@ -251,8 +252,10 @@ def broker(
     envvar="ZKV_ATTACH",
     show_envvar=True,
     help="Serve the KV tensors an engine exported in this manifest (zkv.rank.cache.manifest) "
-    "instead of allocating a cache; --cpu-blocks sizes zkv's CPU tier, the engine's block count is "
-    "the layout's gpu_blocks. On resume the manifest is read again and must carry a newer generation.",
+    "instead of allocating a cache; --cpu-blocks sizes zkv's CPU tier. Without other layout options the "
+    "rank announces the layout of the engine's memory (its block count and bytes per block); layout "
+    "options given must agree with that memory, else the worker exits naming both. On resume the "
+    "manifest is read again and must carry a newer cache.",
 )
 @curve_options(server=False, client=True)
 def worker(
@@ -272,6 +275,7 @@ def worker(
 
     sigterm_as_interrupt()  # until the loop can take a stop request
     set_torch_threads(torch_threads)
+    given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
     curve = curve_from(kw)
     if manifest is None:
@@ -280,13 +284,15 @@ def worker(
         from ..rank import attach_rank
         from ..rank.cache.errors import CacheError
 
+        claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
         try:
-            w = attach_rank(manifest, rank, world_size, backend, control, layout, liveness_ms=liveness_ms, curve=curve)
+            w = attach_rank(manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve)
         except CacheError as err:
             fail(
                 f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running"
             )
-    what = f"attached to {manifest}" if manifest else "of cache"
+    lay = w.cache.layout
+    what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"
     click.echo(
         f"zkv worker: rank {rank}/{world_size} on {w.cache.device}, {w.cache.nbytes() / 2**20:.1f} MiB {what}", err=True
     )

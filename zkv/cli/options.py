@@ -179,6 +179,17 @@ def layout_options(fn: Callable) -> Callable:
     return stacked(fn, opts)
 
 
+LAYOUT_OPTIONS = ("layers", "gpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")  # what --attach checks
+
+
+def given_layout_fields(ctx: click.Context) -> list[str]:
+    """The layout options set on the command line or in the environment, not left
+    at their defaults (a rank on engine memory checks those, derives the rest)."""
+    from click.core import ParameterSource
+
+    return [n for n in LAYOUT_OPTIONS if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)]
+
+
 def layout_from(kwargs: dict) -> Any:
     from ..wire.layout import CacheLayout
     from ..wire.protocol import ProtocolError

@@ -15,17 +15,19 @@ from .core import RankCore
 from .registration import RankRefused
 
 if TYPE_CHECKING:
-    from ..wire.layout import CacheLayout
+    from .cache.geometry import LayoutGiven
     from .worker import RankWorker
 
 __all__ = ["BlockStore", "RankAgent", "RankCore", "RankRefused", "RankWorker", "attach_rank"]
 
 
 def attach_rank(
-    manifest: str, rank: int, world: int, backend: str, control: str, layout: "CacheLayout", **options: Any
+    manifest: str, rank: int, world: int, backend: str, control: str, layout: "LayoutGiven" = None, **options: Any
 ) -> "RankWorker":
     """A ``RankWorker`` on the tensors an engine process exported in
-    ``manifest`` (see ``RankWorker.on_manifest``); call ``serve()`` to run it."""
+    ``manifest`` (see ``RankWorker.on_manifest``); call ``serve()`` to run it.
+    ``layout`` None: announce the layout of the engine's memory; given, it is
+    checked against that memory (``CacheError("bad_layout")`` naming both)."""
     from .worker import RankWorker as Worker
 
     return Worker.on_manifest(manifest, rank, world, backend, control, layout, **options)

@@ -24,6 +24,7 @@ import zmq
 
 from ..net.curve import Curve
 from ..wire.layout import CacheLayout
+from .cache.geometry import LayoutGiven
 from .cache.memory import EngineMemory
 from .cache.regions import EngineCache, TensorEntry
 from .cache.store import BlockStore
@@ -44,8 +45,12 @@ class RankAgent:
 
     ``cache``: an ``EngineCache``, or what a layout adapter returns
     (``zkv.engines.vllm.flash_attn(kv_caches)`` and the like).
-    ``cpu_rows``: blocks of zkv's CPU tier.  ``layout``: the model fields to
-    announce (its gpu_blocks / cpu_blocks are replaced by the cache's).
+    ``cpu_rows``: blocks of zkv's CPU tier.  ``layout``: what the rank
+    announces; None derives it from the cache (its block count and bytes per
+    block), a ``CacheLayout`` or a map of fields (say ``{"layers": 32,
+    "kv_heads": 8, ...}``: the block counts are then the cache's and
+    ``cpu_rows``) must agree with the cache, else ``CacheError("bad_layout")``
+    names both values (``rank.cache.geometry``).
     ``compute_stream``: the engine's CUDA stream that copies wait for."""
 
     def __init__(
@@ -59,7 +64,7 @@ class RankAgent:
         *,
         compute_stream: Any = None,
         curve: Curve | None = None,
-        layout: CacheLayout | None = None,
+        layout: LayoutGiven = None,
         liveness_ms: int = 2000,
     ):
         self.rank = rank

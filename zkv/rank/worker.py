@@ -44,6 +44,7 @@ from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
+from .cache.geometry import LayoutGiven
 from .cache.store import BlockStore, pick_device
 from .core import RankCore
 from .registration import RankRefused
@@ -213,17 +214,24 @@ class RankWorker:
 
     @classmethod
     def on_manifest(
-        cls, manifest: str, rank: int, world: int, backend: str, control: str, layout: CacheLayout, **options: Any
+        cls,
+        manifest: str,
+        rank: int,
+        world: int,
+        backend: str,
+        control: str,
+        layout: LayoutGiven = None,
+        **options: Any,
     ) -> "RankWorker":
         """A rank serving the tensors an engine process exported in ``manifest``
-        (``zkv worker --attach``): ``layout`` names the model and sizes zkv's CPU
-        tier (``cpu_blocks``), the engine's block count is its ``gpu_blocks``;
-        each resume reads the manifest again, for a newer generation.  Raises
-        ``CacheError`` when it cannot be mapped (nothing stays mapped).
+        (``zkv worker --attach``).  ``layout``: None (derived from the engine's
+        memory), a ``CacheLayout`` or a map of fields, checked against it
+        (``BlockStore.from_manifest``); its ``cpu_blocks`` sizes zkv's CPU tier.
+        Each resume reads the manifest again, for a newer cache.  Raises
+        ``CacheError`` when it cannot be mapped or does not fit ``layout``
+        (nothing stays mapped).
         ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
-        return cls(
-            rank, world, backend, control, layout, cache=BlockStore.from_manifest(manifest, layout, rank), **options
-        )
+        return cls(rank, world, backend, control, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""

@@ -1,11 +1,11 @@
 """A transformers engine's cache as a zkv rank: ``RankAgent`` (in-process,
 background threads) over the engine's own flat cache tensor.
 
-The regions come from ``layout.regions``: one region, a row per block id
-(scratch rows included; the engine never hands those out, so no task names
-them).  The layout the rank announces carries the model's fields
-(``layout.model_layout``); zkv copies byte pages and only checks
-``gpu_blocks``/``cpu_blocks``, which the rank sets from the cache and its CPU rows.
+The regions come from ``layout.regions``: one region, a row per block id,
+the scratch rows declared reserved (the engine never hands them out, and the
+rank refuses a swap or fill that names one).  The layout the rank announces
+carries the model's fields and the cache's rows (``layout.model_layout``);
+the rank checks it against the tensor (block count, bytes per block).
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ def cache_entries(engine: TransformersCBEngine) -> list[TensorEntry]:
     """The engine's current cache as regions zkv can copy block by block."""
     layout = engine.layout
     return regions(
-        engine.cache_tensor, layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, layout.dtype
+        engine.cache_tensor,
+        layout.layers,
+        layout.block_size,
+        layout.kv_heads,
+        layout.head_dim,
+        layout.dtype,
+        layout.scratch_blocks,
     )
 
 
@@ -47,7 +53,7 @@ def start_rank(
         endpoints.control,
         cache_entries(engine),
         cpu_rows,
-        layout=model_layout(engine.layout),
+        layout=model_layout(engine.layout, cpu_rows),
         **agent_args,
     )
     agent.start(timeout)

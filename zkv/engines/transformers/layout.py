@@ -19,7 +19,6 @@ from ...rank.cache.dtypes import WIRE_DTYPES
 from ...rank.cache.errors import CacheError
 from ...rank.cache.regions import TensorEntry
 from ...wire.layout import CacheLayout
-from ...wire.vocab import Dtype
 
 
 @dataclass(frozen=True)
@@ -46,9 +45,16 @@ class KVLayout:
 
 
 def regions(
-    cache_tensor: torch.Tensor, layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    cache_tensor: torch.Tensor,
+    layers: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    scratch_blocks: int = 0,
 ) -> list[TensorEntry]:
-    """The flat uint8 cache as one region, a row per block id (scratch rows included)."""
+    """The flat uint8 cache as one region, a row per block id; the first
+    ``scratch_blocks`` rows are declared reserved (no task may swap or fill them)."""
     if not isinstance(cache_tensor, torch.Tensor) or cache_tensor.dtype != torch.uint8 or cache_tensor.dim() != 1:
         raise CacheError("bad_layout", "tensor 'cache_tensor' must be one flat uint8 tensor")
     page = layers * 2 * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -58,16 +64,26 @@ def regions(
             f"tensor 'cache_tensor' of {cache_tensor.numel()} bytes is not a contiguous "
             f"whole number of {page}-byte blocks",
         )
-    return [TensorEntry("cache_tensor", cache_tensor.view(-1, page))]
+    rows = cache_tensor.view(-1, page)
+    if not 0 <= scratch_blocks < rows.shape[0]:
+        raise CacheError("bad_layout", f"{scratch_blocks} scratch rows leave no block of the {rows.shape[0]}")
+    return [TensorEntry("cache_tensor", rows, reserved_blocks=tuple(range(scratch_blocks)))]
 
 
-def model_layout(layout: KVLayout) -> CacheLayout:
-    """The model fields a rank on this cache announces; the rank sets ``gpu_blocks`` (its block
-    count) and ``cpu_blocks`` (its CPU rows) itself (``rank.cache.store.bus_layout``)."""
+def model_layout(layout: KVLayout, cpu_rows: int) -> CacheLayout | None:
+    """The layout a rank on this cache announces with ``cpu_rows`` CPU blocks: the
+    model's fields and the cache's rows (scratch rows included: ids are the engine's).
+    None when the wire has no name for the cache's dtype (fp8): the rank then
+    announces the layout it derives from the bytes."""
+    dtype = WIRE_DTYPES.get(layout.dtype)
+    if dtype is None:
+        return None
     return CacheLayout(
+        gpu_blocks=layout.num_blocks,
+        cpu_blocks=cpu_rows,
         layers=layout.layers,
         block_size=layout.block_size,
         kv_heads=layout.kv_heads,
         head_dim=layout.head_dim,
-        dtype=WIRE_DTYPES.get(layout.dtype, Dtype.BF16),
+        dtype=dtype.value,
     )

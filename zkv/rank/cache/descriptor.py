@@ -1,8 +1,9 @@
 """The cache descriptor: an engine's cache as plain numbers and names (no tensors).
 
 It travels in manifests as a msgpack-able dict, so everything in it is
-range-checked where it is loaded: buffer and region specs, and the rule that
-regions fit their buffers and share no byte.  ``regions.EngineCache`` binds one
+range-checked where it is loaded: buffer and region specs, the rule that
+regions fit their buffers and share no byte, and the block ids the engine
+keeps for itself (``reserved``: scratch or null rows no task may write or swap).  ``regions.EngineCache`` binds one
 to the engine's storages.
 """
 
@@ -148,14 +149,28 @@ def _overlap(a: RegionSpec, b: RegionSpec, num_blocks: int) -> bool:
 
 @dataclass(frozen=True)
 class CacheDescriptor:
-    """The engine's cache as numbers: block count, buffers, regions (no tensors)."""
+    """The engine's cache as numbers: block count, buffers, regions, reserved ids (no tensors).
+
+    ``reserved``: sorted distinct ids in ``[0, num_blocks)`` that the engine
+    never hands out (transformers' scratch rows, a null block); they count in
+    ``num_blocks`` (ids are the engine's) but no swap or fill may name them."""
 
     num_blocks: int
     buffers: tuple[BufferSpec, ...]
     regions: tuple[RegionSpec, ...]
+    reserved: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_uint("num_blocks", self.num_blocks, 1)
+        ids = self.reserved
+        if (
+            not isinstance(ids, tuple)
+            or any(type(b) is not int or not 0 <= b < self.num_blocks for b in ids)
+            or any(a >= b for a, b in zip(ids, ids[1:]))
+        ):
+            raise CacheError(
+                "bad_layout", f"reserved block ids must be sorted distinct ids in 0..{self.num_blocks - 1}"
+            )
         if not self.regions or len(self.regions) > MAX_REGIONS:
             raise CacheError("bad_layout", f"a cache needs 1..{MAX_REGIONS} regions, got {len(self.regions)}")
         names = [r.name for r in self.regions]
@@ -200,22 +215,34 @@ class CacheDescriptor:
         """Bytes one block id stands for: its page in every region (asked per task: computed once)."""
         return sum(r.page_bytes for r in self.regions)
 
+    @functools.cached_property
+    def reserved_ids(self) -> frozenset[int]:
+        """``reserved`` as a set (asked per task: built once)."""
+        return frozenset(self.reserved)
+
     @property
     def page_shape(self) -> tuple[tuple[str, int], ...]:
         """What a CPU tier row depends on: region names and page sizes, in order."""
         return tuple((r.name, r.page_bytes) for r in self.regions)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """The manifest form; ``reserved`` only when there are reserved ids (older readers take the rest)."""
+        out: dict[str, Any] = {
             "version": DESCRIPTOR_VERSION,
             "num_blocks": self.num_blocks,
             "buffers": [b.to_dict() for b in self.buffers],
             "regions": [r.to_dict() for r in self.regions],
         }
+        if self.reserved:
+            out["reserved"] = list(self.reserved)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> "CacheDescriptor":
-        f = _fields(data, "descriptor", ("version", "num_blocks", "buffers", "regions"))
+        names: tuple[str, ...] = ("version", "num_blocks", "buffers", "regions")
+        if isinstance(data, dict) and "reserved" in data:  # written only when the engine reserves ids
+            names += ("reserved",)
+        f = _fields(data, "descriptor", names)
         if f["version"] != DESCRIPTOR_VERSION or type(f["version"]) is not int:
             raise CacheError("bad_layout", f"descriptor version {f['version']!r} is not {DESCRIPTOR_VERSION}")
         for key, limit in (("buffers", MAX_REGIONS), ("regions", MAX_REGIONS)):
@@ -223,7 +250,11 @@ class CacheDescriptor:
                 raise CacheError("bad_layout", f"descriptor.{key} must be a list of at most {limit}")
         buffers = tuple(BufferSpec.from_dict(b, f"buffers[{i}]") for i, b in enumerate(f["buffers"]))
         regions = tuple(RegionSpec.from_dict(r, f"regions[{i}]") for i, r in enumerate(f["regions"]))
-        return cls(check_uint("num_blocks", f["num_blocks"], 1), buffers, regions)
+        num_blocks = check_uint("num_blocks", f["num_blocks"], 1)
+        reserved = f.get("reserved", [])
+        if not isinstance(reserved, list) or len(reserved) > num_blocks:
+            raise CacheError("bad_layout", f"descriptor.reserved must be a list of at most {num_blocks} block ids")
+        return cls(num_blocks, buffers, regions, tuple(reserved))
 
 
 __all__ = ["BufferSpec", "CacheDescriptor", "RegionSpec", "DTYPES", "check_uint"]

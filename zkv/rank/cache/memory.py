@@ -111,8 +111,8 @@ class EngineMemory:
     """An engine's device tier: caches handed over or read from a manifest.
 
     The first cache is attached when the store is made; each resume takes the
-    next one (``hand_over`` first, else ``source()``), which must be a newer
-    generation (the store checks) with the bus layout's block count."""
+    next one (``hand_over`` first, else ``source()``), which must be newer
+    and fit the bus layout (the store checks both)."""
 
     def __init__(
         self,
@@ -153,13 +153,6 @@ class EngineMemory:
                     "(in process: RankAgent.attach(new tensors) before the resume)",
                 )
             new = self.source()  # CacheError: missing, bad or unreadable manifest (nothing mapped)
-        if new.num_blocks != layout.gpu_blocks:
-            new.release()
-            raise CacheError(
-                "bad_layout",
-                f"the engine's new cache has {new.num_blocks} blocks, the bus layout "
-                f"says gpu_blocks={layout.gpu_blocks} (resume with that gpu_blocks)",
-            )
         self.device = new.device
         return new
 

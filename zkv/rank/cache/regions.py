@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ...wire.ids import encode_ids
 from .descriptor import DEVICE_KINDS, DTYPE_NAMES, BufferSpec, CacheDescriptor, RegionSpec, check_uint
 from .errors import CacheError
 
@@ -36,12 +37,16 @@ class TensorEntry:
     """One engine tensor to attach; ``block_dim`` is its logical block (or slot) dimension.
 
     Dimensions before ``block_dim`` are split: each index is its own region
-    (vLLM FlashAttention's leading K/V dimension), named ``name[i]``."""
+    (vLLM FlashAttention's leading K/V dimension), named ``name[i]``.
+    ``reserved_blocks``: block ids the engine keeps for itself (scratch rows, a
+    null block); a block reserved by any entry is reserved for the whole cache,
+    and no swap or fill may name it (``CacheDescriptor.reserved``)."""
 
     name: str
     tensor: torch.Tensor
     block_dim: int = 0
     units_per_block: int = 1
+    reserved_blocks: Sequence[int] = ()
 
 
 def _describe_tensor(t: torch.Tensor, name: str, units_per_block: int) -> tuple[int, int, int, int]:
@@ -149,6 +154,12 @@ def canonicalize(
         if len(counts) > 1:
             raise CacheError("bad_layout", f"regions disagree on the block count ({counts}); pass num_blocks")
         num_blocks = counts[0]
+    reserved = {b for entry in entries for b in entry.reserved_blocks}
+    bad = [b for b in reserved if type(b) is not int or not 0 <= b < num_blocks]
+    if bad:
+        raise CacheError(
+            "bad_layout", f"reserved block id {bad[0]!r} is not a block of the cache (0..{num_blocks - 1})"
+        )
     regions: list[RegionSpec] = []
     seen: set[tuple[int, int, int, int]] = set()
     for spec, blocks in found:
@@ -158,7 +169,7 @@ def canonicalize(
         if shape_key not in seen:
             seen.add(shape_key)
             regions.append(spec)
-    return CacheDescriptor(num_blocks, tuple(buffers), tuple(regions)), flats
+    return CacheDescriptor(num_blocks, tuple(buffers), tuple(regions), tuple(sorted(reserved))), flats
 
 
 class EngineCache:
@@ -167,7 +178,9 @@ class EngineCache:
     zkv never frees engine memory: ``release()`` only drops zkv's references
     (views and buffers), after which the engine's own free is a real free."""
 
-    def __init__(self, descriptor: CacheDescriptor, flats: Sequence[torch.Tensor], generation: int = 0):
+    def __init__(
+        self, descriptor: CacheDescriptor, flats: Sequence[torch.Tensor], generation: int = 0, instance: str = ""
+    ):
         if len(flats) != len(descriptor.buffers):
             raise CacheError("bad_layout", f"{len(flats)} buffers for a descriptor of {len(descriptor.buffers)}")
         for spec, flat in zip(descriptor.buffers, flats):
@@ -177,6 +190,7 @@ class EngineCache:
                 )
         self.descriptor = descriptor
         self.generation = generation
+        self.instance = instance  # the exporting engine process (a manifest's ``instance``); "" in process
         self._flats: list[torch.Tensor] = list(flats)
         self.views: list[torch.Tensor] = [
             self._flats[r.buffer].as_strided(
@@ -229,15 +243,22 @@ class EngineCache:
         self._derived = {}
 
 
-def check_ids(what: str, ids: Sequence[int], tier: str, limit: int, unique: bool) -> None:
+def check_ids(
+    what: str, ids: Sequence[int], tier: str, limit: int, unique: bool, reserved: frozenset[int] = frozenset()
+) -> None:
     """The one rule for the block ids of a tier of ``limit`` blocks: each in
-    ``[0, limit)``, and none twice where two copies would race into one block.
-    ``ids`` are non-empty ints (the wire decoder checks a task's; ``CopyEngine``
-    its callers')."""
+    ``[0, limit)``, none of the engine's ``reserved`` ids (for a swap or fill
+    of the device tier), and none twice where two copies would race into one
+    block.  ``ids`` are non-empty ints (the wire decoder checks a task's;
+    ``CopyEngine`` its callers')."""
     lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= limit:
         bad = lo if lo < 0 else hi
         raise CacheError("bad_block_id", f"{what} block id {bad} is out of range for the {tier} tier (0..{limit - 1})")
+    if reserved and not reserved.isdisjoint(ids):
+        bad = next(b for b in ids if b in reserved)
+        held = encode_ids(sorted(reserved))
+        raise CacheError("bad_block_id", f"{what} block id {bad} is reserved by the engine (reserved: {held})")
     if unique and len(set(ids)) != len(ids):
         raise CacheError("bad_block_id", f"{what} has duplicate block ids (two copies would race into one block)")
 

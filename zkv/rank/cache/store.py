@@ -35,14 +35,16 @@ import torch
 from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
+from . import geometry
 from .copier import CopyEngine
 from .errors import CacheError
+from .geometry import LayoutGiven
 from .memory import EngineMemory, MemorySource, OwnedMemory
 from .regions import EngineCache, check_ids
 from .staging import STAGING_BYTES
 from .tier import CpuTier
 
-__all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "bus_layout", "pick_device", "tensor_bytes"]
+__all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "pick_device", "tensor_bytes"]
 
 
 class TaskInvalid(ReasonError, ValueError):
@@ -84,13 +86,6 @@ def pick_device(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def bus_layout(cache: EngineCache, cpu_rows: int, base: CacheLayout | None = None) -> CacheLayout:
-    """The layout a rank on an engine's cache announces: the engine's block
-    count and zkv's CPU rows; the other fields describe the model (zkv copies
-    byte pages and does not use them)."""
-    return (base or CacheLayout()).with_changes(gpu_blocks=cache.num_blocks, cpu_blocks=cpu_rows)
-
-
 class BlockStore:
     """A rank's device tier, CPU tier and copy engine (see the module docstring).
 
@@ -106,6 +101,8 @@ class BlockStore:
         self.copier: CopyEngine | None = None
         self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
         self.generation: int | None = None  # of the device tier last attached
+        self.instance = ""  # the engine process that exported it ("" in process)
+        self._retired: set[str] = set()  # engine instances replaced by a newer one: their manifests are stale
         self._tier_key: Hashable = None
         self.allocate(layout)
 
@@ -122,25 +119,39 @@ class BlockStore:
         cache: EngineCache,
         cpu_rows: int,
         *,
-        layout: CacheLayout | None = None,
+        layout: LayoutGiven = None,
         rank: int = 0,
         compute_stream: Any = None,
         pin: bool | None = None,
         source: Callable[[], EngineCache] | None = None,
     ) -> "BlockStore":
-        """A store on an engine's cache; ``layout`` names the model fields to announce."""
+        """A store on an engine's cache.  ``layout``: None (announce the one
+        derived from the cache), a ``CacheLayout`` or a map of fields, checked
+        against the cache (``geometry.announced``: ``CacheError("bad_layout")``
+        naming both values when they disagree)."""
+        announce = geometry.announced(cache.descriptor, cpu_rows, layout)
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
-        return cls(memory, bus_layout(cache, cpu_rows, layout), rank)
+        return cls(memory, announce, rank)
 
     @classmethod
-    def from_manifest(cls, path: str, layout: CacheLayout, rank: int = 0) -> "BlockStore":
+    def from_manifest(cls, path: str, layout: LayoutGiven = None, rank: int = 0) -> "BlockStore":
         """A store on the tensors an engine process exported in ``path``
         (``manifest.export_manifest``); each resume reads it again, for a newer
-        generation.  ``layout.cpu_blocks`` sizes the CPU tier.  Raises
-        ``CacheError`` if it cannot be mapped (nothing stays mapped)."""
+        cache.  ``layout`` as for ``attached``; its ``cpu_blocks`` (default
+        512) sizes the CPU tier.  Raises ``CacheError`` if it cannot be mapped
+        or does not fit ``layout`` (nothing stays mapped)."""
         from .manifest import attach
 
-        return cls.attached(attach(path), layout.cpu_blocks, layout=layout, rank=rank, source=lambda: attach(path))
+        if isinstance(layout, CacheLayout):
+            cpu_rows = layout.cpu_blocks
+        else:
+            cpu_rows = (layout or {}).get("cpu_blocks", CacheLayout().cpu_blocks)
+        cache = attach(path)
+        try:
+            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path))
+        except BaseException:
+            cache.release()
+            raise
 
     # --- memory ------------------------------------------------------------------
 
@@ -159,10 +170,8 @@ class BlockStore:
         self._drop_device()  # a resume that changes the layout without a clear
         cache = self.memory.acquire(layout)
         try:
-            if self.generation is not None and (
-                type(cache.generation) is not int or cache.generation <= self.generation
-            ):
-                raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
+            self._check_newer(cache)
+            geometry.check(layout, cache.descriptor, "the engine's new cache", resume=self.generation is not None)
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
             if not kept:
@@ -175,7 +184,27 @@ class BlockStore:
             self.memory.release(cache)
             raise
         self.cache, self.layout, self.cpu_kept, self.generation = cache, layout, kept, cache.generation
+        if cache.instance != self.instance:
+            if self.instance:
+                self._retired.add(self.instance)
+            self.instance = cache.instance
         return self.nbytes()
+
+    def _check_newer(self, cache: EngineCache) -> None:
+        """A resume's cache must be new memory (docs/engines.md, "Generations"):
+        a later generation of the same engine instance, or the first cache of
+        a restarted engine (another instance, never one already replaced)."""
+        if self.generation is None:
+            return
+        if cache.instance in self._retired:
+            raise CacheError(
+                "stale_manifest",
+                f"engine instance {cache.instance} was replaced by {self.instance}: its cache is not the engine's",
+            )
+        if cache.instance != self.instance:
+            return  # a restarted engine: its generations start again
+        if type(cache.generation) is not int or cache.generation <= self.generation:
+            raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
@@ -212,22 +241,25 @@ class BlockStore:
 
     def validate(self, body: TaskBody) -> None:
         """The one rule for which ids a task may name: ``TaskInvalid`` while
-        cleared, ``CacheError("bad_block_id")`` for an id out of range or
-        twice in a destination."""
+        cleared, ``CacheError("bad_block_id")`` for an id out of range, twice
+        in a destination, or reserved by the engine in a swap or a device-tier
+        fill (a checksum may read a reserved block)."""
         if self.cache is None:
             raise TaskInvalid("caches are cleared on this rank")
         layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
+        reserved = self.cache.descriptor.reserved_ids  # the engine's own rows: never swapped or filled
         op = body.op
         if op == "swap_out":
-            check_ids("src", body.src, "gpu", layout.gpu_blocks, unique=False)
+            check_ids("src", body.src, "gpu", layout.gpu_blocks, False, reserved)
             check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
         elif op == "swap_in":
             check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
-            check_ids("dst", body.dst, "gpu", layout.gpu_blocks, unique=True)
+            check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
         elif op == "fill":
-            check_ids(
-                "dst", body.dst, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=True
-            )
+            if body.tier == "gpu":
+                check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
+            else:
+                check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
         elif op == "checksum":
             check_ids(
                 "src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False
