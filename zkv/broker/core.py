@@ -38,6 +38,7 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ready, Status
 from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
+from .claims import Claim, ClaimTable
 from .control import ControlMachine
 from .generation import Generation
 from .ranks import RankTable
@@ -92,6 +93,8 @@ class BrokerCore:
             self.cfg, self._events, recording, self.rank_table, self.gens, self.control, self.tasks
         )
         self.ready_waiters = WaiterBook(self.cfg.max_waiters_per_client, self.cfg.max_waiters)
+        # a rank heartbeats every heartbeat_ms: two of them is the window a live one has to speak
+        self.claims = ClaimTable(min(2 * self.cfg.heartbeat_ms, self.cfg.liveness_ms) / 1000)
         if restore is not None:
             self.recovery.restore(restore)
 
@@ -205,30 +208,8 @@ class BrokerCore:
                 )
             )
         else:  # held: answered on registration, or with an error at the deadline
-            held, evicted = self.ready_waiters.admit(
-                Waiter(client, msg.req, want, now + self.cfg.timeout_s(msg.timeout_ms))
-            )
-            if evicted is not None:
-                self._events["waiters_evicted"] += 1
-                out.append(
-                    error(
-                        evicted.client,
-                        "over_limit",
-                        "held status request dropped: the broker holds too many; retry later",
-                        req=evicted.req,
-                    )
-                )
-            if not held:
-                self._events["over_limit"] += 1
-                out.append(
-                    error(
-                        client,
-                        "over_limit",
-                        f"too many held status requests (at most {self.cfg.max_waiters_per_client} "
-                        f"per connection, {self.cfg.max_waiters} in all); retry later",
-                        req=msg.req,
-                    )
-                )
+            waiter = Waiter(client, msg.req, want, now + self.cfg.timeout_s(msg.timeout_ms))
+            self.ready_waiters.hold(waiter, self._events, out)
 
     def _answer_ready_waiters(self, now: float, out: list[Action]) -> None:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
@@ -289,6 +270,8 @@ class BrokerCore:
             out.append(ToRank(identity, [P.encode("reregister")]))
             return
         rs.last_seen = now
+        if self.claims.claims and rs.rank in self.claims.claims:  # it is alive: refuse the claimant
+            self.claims.refuse(rs, now, self._events, self.recording, out)
         if not rs.welcomed:
             rs.welcomed = True
             self._dispatch(now, out)
@@ -318,6 +301,11 @@ class BrokerCore:
         rank = msg.rank
         if not table.is_repeat(identity, msg):
             old = table.ranks.get(rank)
+            if old is not None and old.alive and old.identity != identity:
+                # another process: the rank restarted, or a second one claims it (claims.py)
+                if self.claims.park(identity, msg, layout, now):
+                    out.append(ToRank(old.identity, [P.encode("hb")]))  # undeliverable if its connection is gone
+                return
             if old is not None and old.alive:
                 self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)
             table.register(identity, msg, now)
@@ -332,6 +320,25 @@ class BrokerCore:
         if self.ready_waiters:
             self._answer_ready_waiters(now, out)
         self._dispatch(now, out)
+
+    def _hand_over(self, claim: Claim, why: str, now: float, out: list[Action]) -> None:
+        """The live rank is gone (``why``): the claimant is its restart and registers."""
+        old = self.rank_table.ranks.get(claim.msg.rank)
+        if old is not None and old.alive and old.identity != claim.identity:
+            self._rank_lost(old, f"rank {old.rank} {why}; a new process took it over", now, out)
+        self._ready(claim.identity, claim.msg, now, out)
+
+    def on_unreachable(self, identity: bytes, now: float) -> list[Action]:
+        """The loop could not deliver to ``identity`` (its connection is gone).
+        Only a rank whose number another process claims is given up at once;
+        any other waits out its liveness window (a reconnecting link looks the same)."""
+        out: list[Action] = []
+        rs = self.rank_table.sender(identity)
+        claim = self.claims.take(rs.rank) if rs is not None else None
+        if claim is not None:
+            self._hand_over(claim, "lost its connection", now, out)
+            self.recovery.save_if_changed(out)
+        return out
 
     def _rank_lost(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
         """A rank died or restarted: fail its tasks now, never leave them hanging."""
@@ -353,6 +360,8 @@ class BrokerCore:
 
     def _on_tick(self, now: float, out: list[Action]) -> None:
         self.control.retry(now, out)
+        for claim in self.claims.expired(now):
+            self._hand_over(claim, f"said nothing for {self.claims.window_s:.1f} s", now, out)
         for rs in self.rank_table.silent(now):
             self._rank_lost(
                 rs, f"rank {rs.rank} stopped answering (no message for {self.cfg.liveness_ms} ms)", now, out
@@ -365,7 +374,7 @@ class BrokerCore:
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
-        due = self.rank_table.deadlines() + self.control.deadlines()
+        due = self.rank_table.deadlines() + self.control.deadlines() + self.claims.deadlines()
         due.append(self.ready_waiters.due)
         return max(0.0, min(due) - now)
 

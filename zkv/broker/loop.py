@@ -93,6 +93,7 @@ class Broker:
         self.backend.bind(endpoints.backend)
         self.control.bind(endpoints.control)
         self.stop_grace_s = 1.0
+        self._unreachable: list[bytes] = []  # rank identities a send found gone, for the core
         self._tasks_out = Coalescer(bounds.MAX_BATCH)  # tasks of one wakeup, per rank identity
         self._stopper = StopSignal(self.ctx, "broker")
         self._stop = self._stopper.socket
@@ -196,6 +197,8 @@ class Broker:
                     log.error("cannot save the broker state to %s: %s", self.state_file.path, err)
             elif isinstance(action, Record) and self.recorder is not None:
                 self.recorder(action.event)
+        while self._unreachable:  # a rank whose connection is gone: the core may hand its number over
+            self._act(self.core.on_unreachable(self._unreachable.pop(), time.monotonic()))
 
     def _flush_tasks(self) -> None:
         if self._tasks_out:
@@ -207,4 +210,6 @@ class Broker:
             send_message(sock, [identity, *frames])
         except zmq.ZMQError as err:  # EHOSTUNREACH (gone peer) or EAGAIN (peer not reading)
             self.counts["undeliverable"] += 1
+            if sock is self.backend and err.errno == zmq.EHOSTUNREACH:
+                self._unreachable.append(identity)
             log.debug("undeliverable to %r: %s", identity, err)

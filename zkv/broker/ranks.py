@@ -66,7 +66,9 @@ class RankTable:
         old = self.ranks.get(rank)
         if old is not None and old.identity != identity:
             self.by_identity.pop(old.identity, None)
-        self.ranks[rank] = RankState(rank, identity, msg.session, msg.pid or 0, now, welcomed=old is None)
+        self.ranks[rank] = RankState(
+            rank, identity, msg.session, msg.pid or 0, now, welcomed=old is None, host=msg.host or ""
+        )
         self.by_identity[identity] = rank
         self.counters["registrations"] += 1
 

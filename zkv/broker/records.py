@@ -40,6 +40,7 @@ class RankState:
     pid: int
     last_seen: float
     alive: bool = True
+    host: str = ""
     inflight: int = 0
     dispatched: int = 0  # per-session count; a pause names it as ``upto``
     # The rank has its welcome: it sent something other than a ready since.
@@ -55,6 +56,7 @@ class RankState:
             "rank": self.rank,
             "alive": self.alive,
             "pid": self.pid,
+            "host": self.host,
             "inflight": self.inflight,
             "dispatched": self.dispatched,
             "acked_epoch": self.acked_epoch,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from .actions import Action, error
+
 
 @dataclass(frozen=True)
 class Waiter:
@@ -52,6 +54,31 @@ class WaiterBook:
         self.count[waiter.client] += 1
         self.due = min(w.deadline for w in self.held) if evicted else min(self.due, waiter.deadline)
         return True, evicted
+
+    def hold(self, waiter: Waiter, events: collections.Counter[str], out: list[Action]) -> None:
+        """Admit ``waiter``; the one refused or evicted is answered ``over_limit``."""
+        held, evicted = self.admit(waiter)
+        if evicted is not None:
+            events["waiters_evicted"] += 1
+            out.append(
+                error(
+                    evicted.client,
+                    "over_limit",
+                    "held status request dropped: the broker holds too many; retry later",
+                    req=evicted.req,
+                )
+            )
+        if not held:
+            events["over_limit"] += 1
+            out.append(
+                error(
+                    waiter.client,
+                    "over_limit",
+                    f"too many held status requests (at most {self.per_client} per connection, "
+                    f"{self.total} in all); retry later",
+                    req=waiter.req,
+                )
+            )
 
     def settle(self, now: float, ready: int) -> tuple[list[Waiter], list[Waiter]]:
         """Take out the waiters met by ``ready`` live ranks and those past

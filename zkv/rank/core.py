@@ -88,6 +88,7 @@ class RankCore:
                     layout=self.layout.to_wire(),
                     gen=self.gen,
                     pid=reg.pid,
+                    host=reg.host or None,
                     fresh=self.fresh,
                     has_cache=self.cache.phase.serves,
                 )

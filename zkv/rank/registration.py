@@ -33,6 +33,7 @@ class Registration:
         self.sessions = sessions
         self.session = 0
         self.pid = 0  # sent in every READY, re-registrations too
+        self.host = ""  # likewise: with the pid, names this process to an operator
         self.phase = RankPhase.JOINING
         self.heartbeat_ms = heartbeat_ms  # the welcome names it
         self.liveness_ms = liveness_ms

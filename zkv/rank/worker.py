@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from typing import Any
@@ -258,6 +259,7 @@ class RankWorker:
         for sock in (self.dealer, self.sub, self.reports, self._stop):
             poller.register(sock, zmq.POLLIN)
         core = self.core
+        core.registration.host = socket.gethostname()[:255]  # POSIX HOST_NAME_MAX
         self._act(core.start(time.monotonic(), pid=os.getpid()))
         try:
             while True:

@@ -158,6 +158,7 @@ class Ready(Message, frozen=True):
     pid: int | None = None
     fresh: bool | None = None
     has_cache: bool | None = None
+    host: str | None = None
 
 
 class Heartbeat(Message, frozen=True):
