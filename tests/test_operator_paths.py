@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import zkv as zkv_package
 from zkv.broker.state_file import StateFile
 from zkv.cli import main
 from zkv.harness.demo import Progress
@@ -298,7 +299,7 @@ def test_every_option_of_the_operator_commands_has_an_environment_variable():
             if param.param_type_name == "option" and param.name != "help":
                 assert param.envvar, f"zkv {name} {param.opts[0]} has no environment variable"
     runner = CliRunner()
-    assert runner.invoke(main, ["--version"]).output.strip() == "zkv 0.1.0"
+    assert runner.invoke(main, ["--version"]).output.strip() == f"zkv {zkv_package.__version__}"
     helped = " ".join(runner.invoke(main, ["submit", "--help"]).output.split())
     assert "fill writes these blocks of --tier" in helped and "ZKV_SUBMIT_DST" in helped
     backwards = runner.invoke(main, ["submit", "checksum", "--src", "5-2"])

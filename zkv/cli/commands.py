@@ -15,7 +15,6 @@ from typing import Any, Callable
 import click
 import zmq
 
-from .. import __version__
 from ..net.endpoints import Endpoints
 from .options import (
     broker_options,
@@ -65,7 +64,7 @@ def endpoint_options(fn: Callable) -> Callable:
 
 
 @click.group()
-@click.version_option(__version__, "--version", prog_name="zkv", message="%(prog)s %(version)s")
+@click.version_option(None, "--version", package_name="zkv", prog_name="zkv", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 def main(verbose: int) -> None:
     """zkv: a KV-cache transfer bus over ZeroMQ."""
