@@ -34,7 +34,10 @@ def start_hint(address: str) -> str:
             return "start one with: zkv up, or point --broker / ZKV_BROKER at yours"
         if path.endswith("/frontend.sock"):
             return f"start one there with: zkv up --runtime-dir {path[: -len('/frontend.sock')]}"
-        return f"start one with: zkv broker --frontend {address}, or point --broker / ZKV_BROKER at yours"
+        return (
+            f"start one with: zkv broker --frontend {address} (zkv up listens on DIR/frontend.sock), "
+            "or point --broker / ZKV_BROKER at yours"
+        )
     if _is_loopback(address):
         return f"start one with: zkv broker --frontend {address}, or point --broker / ZKV_BROKER at yours"
     return "check that its host is up, that a broker serves that port, and that the network lets you reach it"
