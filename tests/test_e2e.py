@@ -12,6 +12,7 @@ import zmq
 
 from zkv import Client
 from zkv.harness.cluster import LocalCluster
+from zkv.obs.status_view import human_bytes
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
@@ -64,7 +65,7 @@ def test_status_json_shows_both_ranks_ready(cluster):
 def test_cli_submit_swap_out_and_in_print_ok_with_bytes(cluster):
     res = zkv_cli(cluster, "submit", "swap-out", "--src", "0-3", "--dst", "10-13")
     assert res.returncode == 0, res.stderr
-    assert "ok" in res.stdout and f"{4 * LAYOUT.block_bytes * 2} bytes moved" in res.stdout
+    assert "ok" in res.stdout and f"{human_bytes(4 * LAYOUT.block_bytes * 2)} moved" in res.stdout
     res = zkv_cli(cluster, "submit", "swap-in", "--src", "10-13", "--dst", "4-7", "--json")
     out = json.loads(res.stdout)
     assert res.returncode == 0 and out["outcome"] == "ok" and out["bytes"] == 8 * LAYOUT.block_bytes

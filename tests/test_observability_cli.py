@@ -6,6 +6,7 @@ prometheus_client's parser, ``zkv status`` as a table and ``--watch``,
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import signal
 import socket
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -165,6 +167,32 @@ def test_metrics_port_in_use_is_a_clear_error(tmp_path):
         )
     assert res.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}" in res.stderr and "Traceback" not in res.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.sock")) == []  # refused before anything was bound
+
+
+def test_every_metric_the_operations_doc_names_is_in_a_scrape(bus):
+    """A panel or alert of docs/operations.md that names a series the broker
+    does not export shows nothing, silently: every name in a query must be a
+    sample name of a real scrape (a histogram's are _bucket, _sum, _count),
+    and every name in the tables a sample or a histogram family."""
+    frontend, url = bus
+    with Client(frontend) as client:  # one of each, so that every histogram has its series
+        assert client.run("swap_out", [1], [1], timeout=30).ok
+        client.pause()
+        client.resume()
+    samples = {name for name, _ in scrape(url)}
+    histograms = {n[: -len("_count")] for n in samples if n.endswith("_count")}
+    doc = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    metric = re.compile(r"\bzkv_[a-z_]*[a-z]\b")
+    prose = re.sub(r"```.*?```", "", doc, flags=re.S)  # inline spans pair up only outside the fenced blocks
+    panels = re.search(r"Useful panels:(.*?)\n\n", prose, flags=re.S)
+    assert panels is not None
+    queries = re.findall(r"expr: (.*)", doc) + re.findall(r"`([^`]+)`", panels.group(1))
+    queries += [q for q in re.findall(r"`([^`]+)`", prose) if "(" in q]
+    in_queries = {name for q in queries for name in metric.findall(q)}
+    assert "zkv_control_duration_seconds_bucket" in in_queries  # the control-op panel
+    assert sorted(in_queries - samples) == []
+    assert sorted(set(metric.findall(doc)) - samples - histograms) == []
 
 
 def png_size(path) -> tuple[int, int]:

@@ -85,13 +85,19 @@ class Broker:
         self.frontend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.backend = make_socket(self.ctx, zmq.ROUTER, router=True)
         self.control = make_socket(self.ctx, zmq.PUB)
-        if curve is not None:  # roles: client keys on the frontend, rank keys on the backend and control
-            curve.make_server(self.frontend, CLIENTS_DOMAIN)
-            curve.make_server(self.backend, RANKS_DOMAIN)
-            curve.make_server(self.control, RANKS_DOMAIN)
-        self.frontend.bind(endpoints.frontend)
-        self.backend.bind(endpoints.backend)
-        self.control.bind(endpoints.control)
+        bound: list[str] = []
+        try:
+            if curve is not None:  # roles: client keys on the frontend, rank keys on the backend and control
+                curve.make_server(self.frontend, CLIENTS_DOMAIN)
+                curve.make_server(self.backend, RANKS_DOMAIN)
+                curve.make_server(self.control, RANKS_DOMAIN)
+            for sock, address in ((self.frontend, endpoints.frontend), (self.backend, endpoints.backend)):
+                sock.bind(address)
+                bound.append(address)
+            self.control.bind(endpoints.control)
+        except BaseException:  # a start that fails leaves no socket, file or ZAP thread behind
+            self._close_sockets((self.frontend, self.backend, self.control), bound)
+            raise
         self.stop_grace_s = 1.0
         self._unreachable: list[bytes] = []  # rank identities a send found gone, for the core
         self._tasks_out = Coalescer(bounds.MAX_BATCH)  # tasks of one wakeup, per rank identity
@@ -103,16 +109,23 @@ class Broker:
         self._stopper.stop()
 
     def close(self) -> None:
-        for sock in (self.frontend, self.backend, self.control, self._stop):
+        ep = self.endpoints
+        self._close_sockets(
+            (self.frontend, self.backend, self.control, self._stop), [ep.frontend, ep.backend, ep.control]
+        )
+        if self.state_file is not None:
+            self.state_file.close()
+        self.owner.release()
+
+    def _close_sockets(self, sockets: tuple, addresses: list[str]) -> None:
+        for sock in sockets:
             sock.close(linger=0)
-        for address in (self.endpoints.frontend, self.endpoints.backend, self.endpoints.control):
+        for address in addresses:
             if address.startswith("ipc://"):  # ours: the owner lock kept every other broker away
                 Path(address[len("ipc://") :]).unlink(missing_ok=True)  # leave no stale socket files
         if self.auth is not None:
             self.auth.stop()
-        if self.state_file is not None:
-            self.state_file.close()
-        self.owner.release()
+            self.auth = None
 
     def serve(self) -> None:
         """Run until stop() or KeyboardInterrupt; sockets are closed on return."""

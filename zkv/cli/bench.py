@@ -19,22 +19,33 @@ def _fmt(res: dict) -> str:
 
 @click.command()
 @click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine"]), default="all")
-@click.option("--quick", is_flag=True, help="Fewer iterations (a smoke run).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option(
+    "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
+)
+@click.option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print one JSON document.")
 @click.option(
     "--plot",
     "plot_png",
     type=click.Path(dir_okay=False),
     default=None,
+    envvar="ZKV_BENCH_PLOT",
+    show_envvar=True,
     help="Also draw the report beside its baselines into this PNG (needs matplotlib).",
 )
 @click.option(
     "--metrics-cost",
     is_flag=True,
+    envvar="ZKV_BENCH_METRICS_COST",
+    show_envvar=True,
     help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.",
 )
 def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> None:
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, runs only when named)."""
+    if plot_png:  # refuse before the run, not after it
+        from ..obs.plots import require_matplotlib
+        from .trace import draw_plot
+
+        draw_plot(require_matplotlib)
     if what == "engine":
         from ..harness.engine_bench import bench_engine, summary
 

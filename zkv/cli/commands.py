@@ -13,6 +13,7 @@ import signal
 from typing import Any, Callable
 
 import click
+import zmq
 
 from ..net.endpoints import Endpoints
 from .options import (
@@ -64,6 +65,7 @@ def endpoint_options(fn: Callable) -> Callable:
 
 
 @click.group()
+@click.version_option(None, "--version", package_name="zkv", prog_name="zkv", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="More logging (-vv for debug).")
 def main(verbose: int) -> None:
     """zkv: a KV-cache transfer bus over ZeroMQ."""
@@ -74,21 +76,52 @@ def main(verbose: int) -> None:
 # --- processes ----------------------------------------------------------------------
 
 
-def _start_metrics(core: Any, port: int | None, addr: str) -> Any:
-    """The broker's /metrics server, or None without a port."""
+def _check_metrics_port(port: int | None, addr: str) -> None:
+    """Refuse a port that cannot be served before anything is bound."""
     if port is None:
-        return None
-    from ..obs.prometheus import make_registry, start_metrics_server
+        return
+    from ..obs.prometheus import check_port_free
 
     try:
-        server = start_metrics_server(port, make_registry(core), addr)
+        check_port_free(port, addr)
     except OSError as err:
         fail(
             f"cannot serve metrics on {addr}:{port}: {err.strerror or err}",
             "pick another --metrics-port, or 0 for a free one",
         )
+
+
+def _start_metrics(broker: Any, port: int | None, addr: str) -> Any:
+    """The broker's /metrics server, or None without a port; a port taken
+    since the check closes the broker (its socket files go with it)."""
+    if port is None:
+        return None
+    from ..obs.prometheus import make_registry, start_metrics_server
+
+    try:
+        server = start_metrics_server(port, make_registry(broker.core), addr)
+    except OSError:
+        broker.close()
+        _check_metrics_port(port, addr)  # names the error
+        raise
     click.echo(f"zkv broker: metrics at {server.url}", err=True)
     return server
+
+
+def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
+    """What the broker is about to restore, before it binds anything."""
+    from ..broker.state_file import default_state_path
+    from .state import describe, load_state
+
+    path = state_file or default_state_path(frontend)
+    if path is None:
+        return
+    try:
+        loaded = load_state(path)
+    except (ValueError, OSError):
+        return  # the broker itself refuses it, with the reason
+    if loaded is not None and loaded[1]["world"] == world:
+        click.echo(f"zkv broker: restoring {path}: {describe(loaded[1])}", err=True)
 
 
 def _broker_config(world: int, kw: dict) -> Any:
@@ -174,6 +207,7 @@ def broker(
         raise click.BadParameter(
             "a Curve broker needs --curve-ranks (rank public keys) and --curve-clients (client public keys)"
         )
+    _check_metrics_port(metrics_port, metrics_addr)
     recorder = None
     if record:
         from ..trace import TraceRecorder
@@ -190,8 +224,11 @@ def broker(
         )
     except ValueError as err:
         fail(str(err))
+    except zmq.ZMQError as err:  # an address in use or not ours: the sockets bound so far are closed
+        fail(f"cannot bind the broker's sockets: {err}", "check --frontend / --backend / --control")
+    _say_restored(state_file, frontend, world_size)
     click.echo(f"zkv broker: clients {frontend}, ranks {backend}, control {control}, world size {world_size}", err=True)
-    exporter = _start_metrics(b.core, metrics_port, metrics_addr)
+    exporter = _start_metrics(b, metrics_port, metrics_addr)
     _stop_on_signals(b.stop)
     try:
         b.serve()
@@ -329,8 +366,11 @@ main.add_command(bench)
 for command in (status, submit, pause, clear, resume):
     main.add_command(command)
 
+from .state import state  # noqa: E402
 from .trace import replay, trace  # noqa: E402
 from .up import up  # noqa: E402
+
+main.add_command(state)
 
 main.add_command(trace)
 main.add_command(replay)

@@ -17,12 +17,17 @@ import click
 from ..net.endpoints import Endpoints
 from ..wire.ids import decode_ids
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
+from .reach import check_broker, hint
 
 _DEFAULT = Endpoints.default
 
 
 def _parse_ids(text: str) -> list[int]:
     """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11], by the wire's one parser."""
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        if dash and lo.strip().isdigit() and hi.strip().isdigit() and int(hi) < int(lo):
+            raise click.BadParameter(f"{part}: the end is before the start (write {hi.strip()}-{lo.strip()})")
     try:
         return decode_ids(text, "ids")
     except ValueError as err:
@@ -35,7 +40,7 @@ def client_options(fn: Callable) -> Callable:
         default=lambda: _DEFAULT().frontend,
         envvar="ZKV_BROKER",
         show_envvar=True,
-        help="Broker frontend address.",
+        help="Broker frontend address (ipc://PATH or tcp://HOST:PORT).",
     )
     @click.option(
         "--timeout",
@@ -46,13 +51,19 @@ def client_options(fn: Callable) -> Callable:
         show_envvar=True,
         help="Seconds to wait for the outcome.",
     )
-    @click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON.")
+    @click.option(
+        "--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print the reply as JSON."
+    )
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
     def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
         from ..client.client import Client, ZkvError
 
         curve = curve_from(kwargs)
+        if kwargs.get("watch") or kwargs.get("wait_ranks"):  # waits for a bus still coming up: only the address
+            check_broker(broker, curve, probe=False)
+        else:
+            check_broker(broker, curve)
         try:
             client_cm = Client(broker, request_timeout=timeout, curve=curve)
         except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback
@@ -61,17 +72,10 @@ def client_options(fn: Callable) -> Callable:
             with client_cm as client:
                 fn(client, timeout, as_json, **kwargs)
         except ZkvError as err:
-            hints = {
-                "no_reply": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
-                "unreachable": "start one with: zkv up, or point --broker / ZKV_BROKER at it",
-                "not_paused": "run: zkv pause",
-                "not_cleared": "run: zkv clear",
-                "busy": "wait for the running operation, then retry",
-            }
             if as_json:
                 click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
                 sys.exit(1)
-            fail(err.reason, hints.get(err.code, ""))
+            fail(err.reason, hint(err.code, broker, curve))
 
     return wrapper
 
@@ -85,13 +89,24 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 
 @click.command()
 @client_options
-@click.option("--wait-ranks", type=int, default=0, help="Wait until this many ranks are registered.")
-@click.option("--watch", is_flag=True, help="Redraw the table until Ctrl-C.")
+@click.option(
+    "--wait-ranks",
+    type=int,
+    default=0,
+    envvar="ZKV_STATUS_WAIT_RANKS",
+    show_envvar=True,
+    help="Wait until this many ranks are registered.",
+)
+@click.option(
+    "--watch", is_flag=True, envvar="ZKV_STATUS_WATCH", show_envvar=True, help="Redraw the table until Ctrl-C."
+)
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1),
     default=1.0,
     show_default=True,
+    envvar="ZKV_STATUS_INTERVAL",
+    show_envvar=True,
     help="Seconds between --watch redraws.",
 )
 def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
@@ -108,32 +123,94 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: b
     _print_reply(st, as_json, render_status(st))
 
 
+def _why_not_now(st: dict) -> str:
+    """What keeps a task submitted now from running at once, from a status reply ('' when nothing)."""
+    state = st.get("state")
+    if state == "paused":
+        return "the bus is paused: tasks are held until zkv resume"
+    if state == "cleared":
+        return "the bus is cleared: the broker rejects tasks until zkv resume reallocates the caches"
+    if state not in (None, "running"):
+        return f"the bus is {state}: the task waits until that op completes"
+    alive = sum(1 for r in st.get("ranks") or [] if r.get("alive"))
+    world = st.get("world")
+    if isinstance(world, int) and alive < world:
+        return f"{alive} of {world} ranks answer: a task runs on every rank, so it waits for the missing ones"
+    return ""
+
+
 @click.command()
 @click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum"]))
-@click.option("--src", default="", help="Source block ids, e.g. 0-15,32.")
-@click.option("--dst", default="", help="Destination block ids.")
-@click.option("--tier", type=click.Choice(["gpu", "cpu"]), default=None, help="Tier for fill/checksum.")
-@click.option("--seed", type=int, default=None, help="Seed for fill.")
+@click.option(
+    "--src",
+    default="",
+    envvar="ZKV_SUBMIT_SRC",
+    show_envvar=True,
+    callback=lambda ctx, param, value: _parse_ids(value),
+    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in these CPU blocks, "
+    "checksum these blocks of --tier.",
+)
+@click.option(
+    "--dst",
+    default="",
+    envvar="ZKV_SUBMIT_DST",
+    show_envvar=True,
+    callback=lambda ctx, param, value: _parse_ids(value),
+    help="Destination block ids: swap-out writes these CPU blocks, swap-in these GPU blocks, "
+    "fill writes these blocks of --tier.",
+)
+@click.option(
+    "--tier",
+    type=click.Choice(["gpu", "cpu"]),
+    default=None,
+    envvar="ZKV_SUBMIT_TIER",
+    show_envvar=True,
+    help="Tier for fill/checksum.",
+)
+@click.option(
+    "--seed", type=int, default=None, envvar="ZKV_SUBMIT_SEED", show_envvar=True, help="Seed of the bytes fill writes."
+)
 @client_options
 def submit(
-    client: Any, timeout: float, as_json: bool, op: str, src: str, dst: str, tier: str | None, seed: int | None
+    client: Any,
+    timeout: float,
+    as_json: bool,
+    op: str,
+    src: list[int],
+    dst: list[int],
+    tier: str | None,
+    seed: int | None,
 ) -> None:
-    """Run one task on every rank and print its outcome."""
-    out = client.run(
-        op.replace("-", "_"), _parse_ids(src) or None, _parse_ids(dst) or None, timeout, tier=tier, seed=seed
-    )
+    """Run one task on every rank and print its outcome.
+
+    swap-out --src GPU --dst CPU, swap-in --src CPU --dst GPU, fill --dst IDS
+    [--tier gpu|cpu] [--seed N], checksum --src IDS [--tier gpu|cpu] (prints
+    each rank's digests)."""
+    from ..obs.status_view import human_bytes
+
+    src_ids, dst_ids = src or None, dst or None  # parsed by the options' callback, before the broker is asked
+    st = client.status(timeout=timeout)  # the broker answers first, or the error names it, not the ranks
+    waits = _why_not_now(st)
+    if waits and not as_json:
+        click.echo(f"zkv: note: {waits}", err=True)
+    out = client.run(op.replace("-", "_"), src_ids, dst_ids, timeout, tier=tier, seed=seed)
+    digests = {r: [d.hex() for d in res["digests"]] for r, res in sorted(out.per_rank.items()) if "digests" in res}
     if as_json:
         data = out.to_json()
-        for r, res in out.per_rank.items():
-            if "digests" in res:
-                data["ranks"][str(r)]["digests"] = [d.hex() for d in res["digests"]]
+        for r, hexes in digests.items():
+            data["ranks"][str(r)]["digests"] = hexes
         click.echo(json.dumps(data))
     else:
+        reason = out.reason
+        if out.outcome == "timeout" and not out.per_rank:
+            reason = f"no rank answered within {timeout:g} s: " + (waits or "see zkv status")
         click.echo(
             f"task {out.task}: {out.outcome}"
-            + (f" ({out.reason})" if out.reason else "")
-            + f"  {out.bytes} bytes moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks"
+            + (f" ({reason})" if reason else "")
+            + f"  {human_bytes(out.bytes)} moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks"
         )
+        for r, hexes in digests.items():
+            click.echo(f"  rank {r} digests: {' '.join(hexes)}")
     if not out.ok:
         if not as_json:
             click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
@@ -154,26 +231,58 @@ def pause(client: Any, timeout: float, as_json: bool) -> None:
 
 @click.command()
 @client_options
-@click.option("--keep-cpu", is_flag=True, help="Keep the CPU swap space; free only device caches.")
+@click.option(
+    "--keep-cpu",
+    is_flag=True,
+    envvar="ZKV_CLEAR_KEEP_CPU",
+    show_envvar=True,
+    help="Keep the CPU swap space; free only device caches.",
+)
 def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
     """Cancel held tasks and free every rank's caches (needs a paused bus)."""
+    from ..obs.status_view import human_bytes
+
     r = client.clear(keep_cpu=keep_cpu, timeout=timeout)
     _print_reply(
         r,
         as_json,
         f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, "
-        f"{r['freed']} bytes freed" + (f" ({r['note']})" if r.get("noop") else ""),
+        f"{human_bytes(r['freed'])} freed" + (f" ({r['note']})" if r.get("noop") else ""),
     )
 
 
 @click.command()
 @client_options
-@click.option("--gpu-blocks", type=int, default=None, help="New device blocks per rank (needs cleared caches).")
-@click.option("--cpu-blocks", type=int, default=None, help="New CPU blocks per rank (needs cleared caches).")
+@click.option(
+    "--gpu-blocks",
+    type=int,
+    default=None,
+    envvar="ZKV_RESUME_GPU_BLOCKS",
+    show_envvar=True,
+    help="New device blocks per rank (needs cleared caches).",
+)
+@click.option(
+    "--cpu-blocks",
+    type=int,
+    default=None,
+    envvar="ZKV_RESUME_CPU_BLOCKS",
+    show_envvar=True,
+    help="New CPU blocks per rank (needs cleared caches).",
+)
 def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
     """Reallocate caches if cleared and restart dispatch."""
     layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
     r = client.resume(layout or None, timeout)
+    if layout and r.get("noop"):  # the broker answers a running bus before it looks at the layout
+        asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items())
+        if as_json:
+            reason = f"the bus is running: {asked} was not applied"
+            click.echo(json.dumps({"ok": False, "code": "not_cleared", "reason": reason}))
+            sys.exit(1)
+        fail(
+            f"the bus is running: {asked} was not applied (a new layout needs cleared caches)",
+            f"run: zkv pause, zkv clear, then zkv resume {asked}",
+        )
     _print_reply(
         r,
         as_json,

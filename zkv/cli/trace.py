@@ -41,20 +41,25 @@ def _load(path: str) -> Any:
 @click.option(
     "--broker",
     default=None,
-    envvar="ZKV_REPLAY_BROKER",
+    envvar=["ZKV_BROKER", "ZKV_REPLAY_BROKER"],
     show_envvar=True,
-    help="Replay against this running broker's frontend instead of an embedded local cluster.",
+    help="Replay against this running broker's frontend instead of an embedded local cluster "
+    "(ZKV_REPLAY_BROKER is an older name for it).",
 )
 @click.option(
     "--speed",
     default="1",
     show_default=True,
+    envvar="ZKV_REPLAY_SPEED",
+    show_envvar=True,
     help="Timing: 1 = as recorded, 2.5 = 2.5x faster, max = as fast as possible.",
 )
 @click.option(
     "--record",
     type=click.Path(dir_okay=False),
     default=None,
+    envvar="ZKV_REPLAY_RECORD",
+    show_envvar=True,
     help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).",
 )
 @click.option(
@@ -62,12 +67,20 @@ def _load(path: str) -> Any:
     type=float,
     default=30.0,
     show_default=True,
+    envvar="ZKV_REPLAY_TASK_TIMEOUT",
+    show_envvar=True,
     help="Seconds a task may take before it ends 'timeout'.",
 )
 @click.option(
-    "--op-timeout", type=float, default=30.0, show_default=True, help="Seconds a pause / clear / resume may take."
+    "--op-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    envvar="ZKV_REPLAY_OP_TIMEOUT",
+    show_envvar=True,
+    help="Seconds a pause / clear / resume may take.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print the report as JSON.")
 @curve_options(server=True, client=True)
 def replay(
     trace_file: str,
@@ -105,6 +118,10 @@ def replay(
         )
     if curve is not None and not curve.ranks_dir:
         raise click.UsageError("a Curve client needs --curve-ranks: the rank public keys its result socket lets in")
+    if broker:
+        from .reach import check_broker
+
+        check_broker(broker, curve)
     trace = _load(trace_file)
     bar: Any = None
     kwargs: dict[str, Any] = {"speed": factor, "task_timeout": task_timeout, "op_timeout": op_timeout}
@@ -314,6 +331,8 @@ def draw_plot(draw: Any, *args: Any) -> str:
 def plot_cmd(trace_file: str, output: str) -> None:
     """Draw a recording TRACE (zkv broker --record): task latency over time,
     outcomes coloured, pause / clear / resume shaded (needs matplotlib)."""
-    from ..obs.plots import plot_trace
+    from ..obs.plots import plot_trace, require_matplotlib
+
+    draw_plot(require_matplotlib)
 
     click.echo(f"wrote {draw_plot(plot_trace, trace_file, output)}")

@@ -1,18 +1,117 @@
 """``zkv up``: a whole bus on this machine (a broker and its rank workers,
 optionally engine processes that own the KV tensors, and a demo workload), as
 child processes that stop together.  The processes themselves are the
-commands of ``commands.py``."""
+commands of ``commands.py``.
+
+A runtime directory that holds a broker state file is a bus that ran there
+before: ``zkv up`` says what it restores, starts the ranks on the restored
+layout, and refuses flags that disagree with it (``--fresh`` starts from
+nothing) instead of letting the broker resize the ranks behind them."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from ..net.endpoints import Endpoints
 from .options import fail, layout_from, layout_options, metrics_options, sigterm_as_interrupt
+
+_LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
+
+
+def _explicit(names: tuple[str, ...]) -> set[str]:
+    """The parameters the operator set (on the command line or in the environment)."""
+    ctx = click.get_current_context()
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return {name for name in names if ctx.get_parameter_source(name) in given}
+
+
+def _restore(path: Path, fresh: bool, ranks: int, kw: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    """The snapshot the broker will restore (None: it starts afresh) and the
+    world size; fills the layout options the operator left unset from it."""
+    from .state import describe, load_state
+
+    if fresh:
+        if path.exists():
+            path.replace(path.with_name(path.name + ".old"))
+            click.echo(f"zkv up: --fresh: moved {path} aside to {path.name}.old; starting from nothing")
+        return None, ranks
+    try:
+        loaded = load_state(path)
+    except ValueError as err:
+        fail(str(err), "or add --fresh to move it aside and start from nothing")
+    if loaded is None:
+        return None, ranks
+    snap = loaded[1]
+    explicit = _explicit(("ranks", *_LAYOUT_FIELDS))
+    restored = dict(snap.get("layout") or {})
+    conflicts = [
+        f"--{name.replace('_', '-')} {kw[name]} (restored: {restored[name]})"
+        for name in _LAYOUT_FIELDS
+        if name in explicit and name in restored and kw[name] != restored[name]
+    ]
+    if "ranks" in explicit and ranks != snap["world"]:
+        conflicts.insert(0, f"--ranks {ranks} (restored: {snap['world']})")
+    if conflicts:
+        fail(
+            f"{path} restores a bus {describe(snap)}; these flags disagree with it: {', '.join(conflicts)}",
+            "drop them to come up as restored, or add --fresh to start from nothing",
+        )
+    kw.update({name: restored[name] for name in _LAYOUT_FIELDS if name in restored})
+    click.echo(f"zkv up: restoring the bus of {path}: {describe(snap)}")
+    return snap, snap["world"]
+
+
+def _start(cluster: Any, attach: bool, timeout: float) -> dict:
+    """Start every process and wait (bounded) for the ranks; a process that
+    exits meanwhile (a taken port, a bad option) ends the wait at once."""
+    if attach:
+        cluster.start_engines()
+    cluster.start_broker()
+    for rank in range(cluster.ranks):
+        cluster.start_worker(rank)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return cluster.wait_ready(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _remove_sockets(endpoints: Endpoints) -> None:
+    """Once our broker is gone, no socket file of its addresses serves anyone."""
+    for address in (endpoints.frontend, endpoints.backend, endpoints.control):
+        if address.startswith("ipc://"):
+            Path(address[len("ipc://") :]).unlink(missing_ok=True)
+
+
+def _say_state(st: dict, restored: bool) -> None:
+    state = st.get("state")
+    how = ", as it was restored" if restored else ""
+    if state == "paused":
+        click.echo(f"zkv up: the bus is PAUSED{how}: tasks are held until you run: zkv resume")
+    elif state == "cleared":
+        click.echo(
+            f"zkv up: the bus is CLEARED{how}: the caches are freed and tasks are rejected "
+            "until you run: zkv resume (it reallocates them)"
+        )
+    elif state not in (None, "running"):
+        click.echo(f"zkv up: the bus is {str(state).upper()}; see zkv status")
+
+
+def _check_engine(engine: str, demo: bool) -> None:
+    if not demo:
+        fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        fail("--engine transformers needs the transformers extra", "pip install -e '.[transformers]'")
 
 
 @click.command()
@@ -23,7 +122,7 @@ from .options import fail, layout_from, layout_options, metrics_options, sigterm
     show_default=True,
     envvar="ZKV_RANKS",
     show_envvar=True,
-    help="Rank workers to start.",
+    help="Rank workers to start (a restored bus: its world size).",
 )
 @click.option(
     "--runtime-dir",
@@ -31,15 +130,47 @@ from .options import fail, layout_from, layout_options, metrics_options, sigterm
     default=None,
     envvar="ZKV_RUNTIME_DIR",
     show_envvar=True,
-    help="Directory for the ipc:// sockets (default: the one every zkv command looks in, "
-    "$XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir).",
+    help="Directory for the ipc:// sockets and the broker state file (default: the one every zkv command looks "
+    "in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir).",
 )
 @layout_options
-@click.option("--demo", is_flag=True, help="Run a demo workload against the cluster, print what it did, and exit.")
-@click.option("--requests", type=int, default=200, show_default=True, help="Requests in the --demo workload.")
+@click.option(
+    "--fresh",
+    is_flag=True,
+    envvar="ZKV_UP_FRESH",
+    show_envvar=True,
+    help="Start from nothing: move the runtime directory's broker-state.json aside (to .old) instead of "
+    "restoring the bus it describes.",
+)
+@click.option(
+    "--record",
+    type=click.Path(dir_okay=False),
+    default=None,
+    envvar="ZKV_RECORD",
+    show_envvar=True,
+    help="Append every request and task outcome to this trace file (JSON Lines; as zkv broker --record).",
+)
+@click.option(
+    "--demo",
+    is_flag=True,
+    envvar="ZKV_UP_DEMO",
+    show_envvar=True,
+    help="Run a demo workload against the cluster, print what it did, and exit.",
+)
+@click.option(
+    "--requests",
+    type=int,
+    default=200,
+    show_default=True,
+    envvar="ZKV_UP_REQUESTS",
+    show_envvar=True,
+    help="Requests in the --demo workload.",
+)
 @click.option(
     "--attach",
     is_flag=True,
+    envvar="ZKV_UP_ATTACH",
+    show_envvar=True,
     help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
     "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.",
 )
@@ -48,6 +179,8 @@ from .options import fail, layout_from, layout_options, metrics_options, sigterm
     type=click.Choice(["zkv", "transformers"]),
     default="zkv",
     show_default=True,
+    envvar="ZKV_UP_ENGINE",
+    show_envvar=True,
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
     "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.",
 )
@@ -55,6 +188,8 @@ from .options import fail, layout_from, layout_options, metrics_options, sigterm
 def up(
     ranks: int,
     runtime_dir: str | None,
+    fresh: bool,
+    record: str | None,
     demo: bool,
     requests: int,
     attach: bool,
@@ -65,19 +200,27 @@ def up(
 ) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     if engine == "transformers":
-        if not demo:
-            fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+        _check_engine(engine, demo)
         from ..harness.engine_demo import run_engine_demo
 
         sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
+    from ..broker.state_file import FILE_NAME
     from ..client.client import Client, ZkvError
-    from ..harness.attached_cluster import AttachedCluster
     from ..harness.cluster import LocalCluster
     from ..net.endpoints import runtime_dir as default_runtime_dir
+    from ..obs.prometheus import check_port_free
 
-    layout = layout_from(kw)
+    if metrics_port is not None:
+        try:
+            check_port_free(metrics_port, metrics_addr)
+        except OSError as err:
+            fail(
+                f"cannot serve metrics on {metrics_addr}:{metrics_port}: {err.strerror or err}",
+                "pick another --metrics-port, or 0 for a free one",
+            )
     if runtime_dir is None and not demo:
         runtime_dir = str(default_runtime_dir())  # so zkv status & co. find it with no settings
+    restored = None
     if runtime_dir is not None:
         frontend = Endpoints.in_dir(runtime_dir).frontend
         with Client(frontend, request_timeout=0.3) as probe:
@@ -86,25 +229,45 @@ def up(
                 fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
             except ZkvError:
                 pass  # nobody answers: ours to take
-    metrics = ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
-    cluster_type = AttachedCluster if attach else LocalCluster
-    cluster = cluster_type(ranks, layout, directory=runtime_dir, broker_args=metrics)
+        # The broker inherits ZKV_STATE_FILE from this environment: read the file it will restore.
+        state_path = Path(os.environ.get("ZKV_STATE_FILE") or Path(runtime_dir) / FILE_NAME)
+        restored, ranks = _restore(state_path, fresh, ranks, kw)
+        if demo and restored is not None and restored["state"] != "running":
+            fail(f"--demo needs a running bus; the restored one is {restored['state']}", "add --fresh")
+    layout = layout_from(kw)
+    broker_args = (
+        ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
+    )
+    if record:
+        broker_args += ["--record", record]
+    if attach:
+        from ..harness.attached_cluster import AttachedCluster  # torch: only when it is needed
+
+        cluster: Any = AttachedCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
+    else:
+        cluster = LocalCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
     sigterm_as_interrupt()
     try:
-        cluster.start(timeout=120)
+        try:
+            st = _start(cluster, attach, timeout=120)
+        except RuntimeError as err:  # a process exited; its own error line is above
+            fail(f"the bus did not start: {err}", "see the error above")
+        except TimeoutError as err:
+            fail(f"the bus did not start: {err}", "see the processes' output above")
         owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
         click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
+        _say_state(st, restored is not None)
         if demo:
             from ..harness.demo import run_demo
 
-            update = cluster.reallocate if isinstance(cluster, AttachedCluster) else None
+            update = cluster.reallocate if attach else None
             ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
             if not ok:
                 sys.exit(1)
             return
         click.echo("Ctrl-C to stop.")
         names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
-        names[cluster.broker.pid] = "broker"  # type: ignore[union-attr]
+        names[cluster.broker.pid] = "broker"
         names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
         fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
@@ -112,3 +275,4 @@ def up(
         click.echo("zkv up: stopping")
     finally:
         cluster.stop()
+        _remove_sockets(cluster.endpoints)

@@ -47,6 +47,22 @@ def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None]) -> b
     return same and not bad
 
 
+class Progress:
+    """A line every ``every`` seconds while the workload runs, so a demo of
+    tens of seconds never looks hung (``serve_workload``'s ``on_request``)."""
+
+    def __init__(self, total: int, echo: Callable[[str], None], every: float = 3.0, clock: Any = time.monotonic):
+        self.total, self.echo, self.every, self.clock = total, echo, every, clock
+        self.start = clock()
+        self.next = self.start + every
+
+    def __call__(self, number: int) -> None:
+        now = self.clock()
+        if now >= self.next and number + 1 < self.total:
+            self.next = now + self.every
+            self.echo(f"  ... {number + 1}/{self.total} requests served ({now - self.start:.0f} s)")
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**10:.0f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
@@ -57,11 +73,13 @@ def run_demo(
     requests: int,
     echo: Callable[[str], None] = print,
     update: Callable[[], Any] | None = None,
+    progress_every: float = 3.0,
 ) -> bool:
     """Round trip, then ``requests`` chat requests through the prefix cache manager.
 
     ``update``: runs between the cycle's clear and its resume (with ``--attach``
-    the engines reallocate their caches there)."""
+    the engines reallocate their caches there); a progress line every
+    ``progress_every`` seconds."""
     with Client(broker) as c:
         ok = round_trip(c, layout, echo)
         spec = ChatSpec.for_cache(layout.gpu_blocks)
@@ -82,6 +100,7 @@ def run_demo(
             verify=True,
             cycle_at=requests // 2 if requests >= 2 else None,
             cycle_update=update,
+            on_request=Progress(requests, echo, progress_every),
         )
         wall = time.perf_counter() - t0
         s = report.summary()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,3 +108,47 @@ def check_bind_address(address: str, allow_remote: bool, secure: bool = False) -
             f"--curve-ranks and --curve-clients) or pass --allow-remote to listen unauthenticated"
         )
     raise ValueError(f"unsupported address {address!r}: use ipc://PATH or tcp://HOST:PORT")
+
+
+def check_connect_address(address: str) -> None:
+    """Refuse an address a client cannot connect to, naming the forms that work
+    (libzmq's own answer to ``host:port`` is a bare ``Invalid argument``)."""
+    if address.startswith("ipc://") and len(address) > len("ipc://"):
+        return
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://") :].rpartition(":")
+        if sep and host.strip("[]") and port.isdigit() and 0 < int(port) < 65536:
+            return
+    raise ValueError(f"{address!r} is not a broker address: use ipc://PATH or tcp://HOST:PORT")
+
+
+def certainly_absent(address: str, timeout: float = 1.0) -> str | None:
+    """Why nothing can be listening at ``address``, when that is certain at
+    once (no ``ipc://`` socket file, a socket file nobody listens on, a
+    refused TCP connection); None when something may answer.  A client that
+    connects to such an address would otherwise wait its whole timeout."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if path.startswith("@"):  # Linux abstract namespace: no file to look at
+            return None
+        if not os.path.exists(path):
+            return f"no socket file {path}"
+        family, target = socket.AF_UNIX, path
+    elif address.startswith("tcp://"):
+        host, _, port = address[len("tcp://") :].rpartition(":")
+        try:
+            info = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError) as err:
+            return f"cannot resolve {host}: {getattr(err, 'strerror', None) or err}"
+        family, target = info[0][0], info[0][4]  # type: ignore[assignment]
+    else:
+        return None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(target)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return "nothing listens there (connection refused)"
+        except OSError:
+            return None  # a timeout or a network error: maybe a slow path, let the client try
+    return None

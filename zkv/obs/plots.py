@@ -24,12 +24,27 @@ OP_COLOURS = {"pause": "#f2c744", "clear": "#e8645a", "resume": "#7cc47c"}
 STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
 
 
-def _figure(width: float, height: float, rows: int = 1, cols: int = 1) -> tuple[Any, Any]:
+MISSING = "plots need matplotlib: pip install 'zkv[plot]'"
+
+
+class MatplotlibMissing(ImportError):
+    """No matplotlib (the optional extra ``plot``)."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`MatplotlibMissing` now, so a command can refuse before the work a plot would show."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
     except ImportError:
-        raise RuntimeError("zkv plots need matplotlib: pip install 'zkv[plot]'") from None
+        raise MatplotlibMissing(MISSING) from None
+
+
+def _figure(width: float, height: float, rows: int = 1, cols: int = 1) -> tuple[Any, Any]:
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.subplots(rows, cols, squeeze=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import threading
 import time
 from typing import Any, Iterator, overload
@@ -55,6 +56,44 @@ _RANK_STALE = {
     "dropped_stale_session": "task_session",
 }
 _BROKER_STALE = {"stale_acks": "ack", "stray_done": "done"}
+
+# Every label set an alert may watch exists from the first scrape, at 0: a
+# series born at 1 makes ``increase()`` miss the first failure of its kind
+# after a broker start (docs/operations.md, "What to alert on").
+TASK_OUTCOMES = ("ok", "failed", "cancelled", "rejected")
+CONTROL_RESULTS = {
+    "pause": ("ok", "noop", "busy", "rank_dead", "pause_timeout"),
+    "clear": ("ok", "noop", "busy", "rank_dead", "clear_timeout", "not_paused"),
+    "resume": ("ok", "noop", "busy", "rank_dead", "resume_timeout", "not_cleared", "bad_field", "alloc_failed"),
+}
+BAD_REQUEST_CODES = (
+    "malformed",
+    "bad_version",
+    "unknown_kind",
+    "bad_field",
+    "too_large",
+    "duplicate_task",
+    "bad_submit",
+)
+BROKER_EVENTS = (
+    "submitted",
+    "dispatched",
+    "rank_deaths",
+    "registrations",
+    "internal_errors",
+    "publish_dropped",
+    "state_save_failed",
+    "alloc_failed",
+    "gen_moves",
+    "resume_rollbacks",
+)
+
+
+def _with_zeros(counts: dict[tuple, Any], known: Any) -> list[tuple[tuple, Any]]:
+    """``counts`` plus every label set of ``known`` it lacks, at 0, in a stable order."""
+    merged = dict.fromkeys(known, 0)
+    merged.update(counts)
+    return list(merged.items())
 
 
 def _uint(value: Any) -> int | None:
@@ -116,7 +155,9 @@ class BusCollector(Collector):
         events = CounterMetricFamily(
             "zkv_broker_events", "Every event the broker core counts (its status counters), by name.", labels=["event"]
         )
-        for name, value in sorted(counters.items()):
+        for (name,), value in sorted(
+            _with_zeros({(k,): v for k, v in counters.items()}, ((e,) for e in BROKER_EVENTS))
+        ):
             events.add_metric([name], value)
         yield events
 
@@ -223,19 +264,23 @@ class BusCollector(Collector):
         size = HistogramMetricFamily(
             "zkv_task_size_bytes", "Bytes an ok task moved, summed over its ranks.", labels=["op"]
         )
+        ended: dict[tuple, Any] = {}
         for (op, outcome), series in list(book.tasks.items()):
             counts, total = series.rtt.snapshot()
             _histogram(rtt, [op, outcome], RTT_BUCKETS_S, counts, total)
-            count.add_metric([op, outcome], sum(counts))
+            ended[(op, outcome)] = sum(counts)
             if series.size is not None:
                 _histogram(size, [op], BYTES_BUCKETS, *series.size.snapshot())
+        for (op, outcome), n in _with_zeros(ended, ((op, o) for op in OPS for o in TASK_OUTCOMES)):
+            count.add_metric([op, outcome], n)
         controls = CounterMetricFamily(
             "zkv_control_ops",
             "Pause/clear/resume requests by result: ok, noop, or the error code"
             " (rank_dead, pause_timeout, busy, not_paused, ...).",
             labels=["op", "result"],
         )
-        for (op, result), v in list(book.controls.items()):
+        known = ((op, result) for op, results in CONTROL_RESULTS.items() for result in results)
+        for (op, result), v in _with_zeros(dict(book.controls), known):
             controls.add_metric([op, result], v)
         ctl = HistogramMetricFamily(
             "zkv_control_duration_seconds",
@@ -247,7 +292,7 @@ class BusCollector(Collector):
         bad = CounterMetricFamily(
             "zkv_bad_requests", "Frontend messages refused as bad input, by error code.", labels=["code"]
         )
-        for (code,), v in list(book.bad_requests.items()):
+        for (code,), v in _with_zeros(dict(book.bad_requests), ((c,) for c in BAD_REQUEST_CODES)):
             bad.add_metric([code], v)
         yield from (rtt, count, size, controls, ctl, bad)
 
@@ -292,6 +337,18 @@ def metrics_port_from_env(port: int | None = None) -> int | None:
     if not 0 <= value <= 65535:
         raise ValueError(f"{PORT_ENV}={value} is not a port number (0-65535)")
     return value
+
+
+def check_port_free(port: int, addr: str = "127.0.0.1") -> None:
+    """Raise OSError when ``addr:port`` cannot be served now (taken, or not an
+    address of this host), so that a command can refuse before it starts
+    anything; port 0 always can."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds
+        probe.bind((addr, port))
 
 
 @overload

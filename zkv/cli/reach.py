@@ -1,0 +1,80 @@
+"""Whether a broker can answer a client command, and what to tell the operator
+when it did not: a bad address is a usage error (exit 2), a broker that is
+certainly absent fails at once instead of after ``--timeout``, and every hint
+fits the address and the Curve settings (docs/operations.md, "When a command
+cannot reach the broker")."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ..net.endpoints import Endpoints, certainly_absent, check_connect_address
+from .options import fail
+
+
+def usage_error(message: str) -> None:
+    """One line and exit 2: the command line itself is wrong."""
+    click.echo(f"zkv: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address[len("tcp://") :].rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def start_hint(address: str) -> str:
+    """How to get a broker to answer at ``address``."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://") :]
+        if address == Endpoints.default().frontend:
+            return "start one with: zkv up, or point --broker / ZKV_BROKER at yours"
+        if path.endswith("/frontend.sock"):
+            return f"start one there with: zkv up --runtime-dir {path[: -len('/frontend.sock')]}"
+        return (
+            f"start one with: zkv broker --frontend {address} (zkv up listens on DIR/frontend.sock), "
+            "or point --broker / ZKV_BROKER at yours"
+        )
+    if _is_loopback(address):
+        return f"start one with: zkv broker --frontend {address}, or point --broker / ZKV_BROKER at yours"
+    return "check that its host is up, that a broker serves that port, and that the network lets you reach it"
+
+
+def curve_hint(address: str, curve: Any) -> str:
+    """What to check about CurveZMQ when a tcp broker does not answer."""
+    if not address.startswith("tcp://"):
+        return ""
+    if curve is not None:
+        return (
+            "with CurveZMQ, a wrong key is silence: check that --curve-server is the broker's broker.key "
+            "and that this client's public key is in the broker's --curve-clients directory"
+        )
+    if not _is_loopback(address):
+        return "a broker reachable from other hosts speaks CurveZMQ: pass --curve-secret, --curve-server, --curve-ranks"
+    return ""
+
+
+def check_broker(address: str, curve: Any = None, probe: bool = True) -> None:
+    """Exit 2 for an address no client can use; with ``probe``, exit 1 at once
+    for a broker that certainly is not there (``certainly_absent``)."""
+    try:
+        check_connect_address(address)
+    except ValueError as err:
+        usage_error(f"--broker {err}")
+    why = certainly_absent(address) if probe else None
+    if why is not None:
+        fail(f"no broker answers at {address}: {why}", start_hint(address))
+
+
+def hint(code: str, address: str, curve: Any) -> str:
+    """The hint for an error a client command got (``ZkvError.code``)."""
+    if code in ("no_reply", "unreachable"):
+        return "; ".join(h for h in (curve_hint(address, curve), start_hint(address)) if h)
+    return {
+        "not_paused": "run: zkv pause",
+        "not_cleared": "run: zkv clear",
+        "busy": "wait for the running operation, then retry",
+    }.get(code, "")
