@@ -169,13 +169,11 @@ class Bus:
         msg = self.client_in.popleft()
         if msg.kind == "outcome":
             self._final(self.book.on_outcome(msg.task, msg.outcome, msg.reason, self.now, msg.gen))
-        elif msg.kind == "reply" and msg.op in ("clear", "resume"):  # as zkv.client.Client does
+        elif msg.kind == "reply" and msg.op == "clear":  # as zkv.client.Client does
+            for out in self.book.cleared(msg.extra["gen"], "cleared", self.now):
+                self._final(out)
+        elif msg.kind == "reply" and msg.op in ("resume", "status"):
             self.book.gen_known = True
-            if msg.extra["gen"] > self.book.gen:
-                self.book.gen = msg.extra["gen"]
-                for out in self.book.cancel_all("cleared", self.now):
-                    self._final(out)
-        elif msg.kind == "reply" and msg.op == "status":
             for out in self.book.learn_gen(msg.extra["gen"], msg.extra.get("gen_reason", ""), self.now):
                 self._final(out)
         self._drain_moved()

@@ -141,14 +141,20 @@ def test_client_speaks_zkv(cluster: LocalCluster, lang: str, pull: str) -> None:
     assert lines["resume"].startswith("ok ") and resume["state"] == "running", where
     assert resume["epoch"] == str(epoch + 3) and resume["gen"] == str(gen + 1), where
 
+    # A controller on another connection paused, cleared and resumed: the task
+    # queued at the clear is cancelled, the five submitted after the resume ran
+    # at the new generation and end ok (docs/protocol.md §7.4).
+    assert lines["foreign_queued"] == "cancelled", where
+    assert _fields(lines["foreign_after"]) == {"ok": "5", "gen": str(gen + 2), "resumed_gen": str(gen + 2)}, where
+
     assert lines["malformed"] == "error code=malformed", where
     assert lines["bad_version"].startswith("error code=bad_version reason=protocol version 2"), where
-    assert _fields(lines["done"]) == {"tasks": "9", "ignored": "0"}, where
+    assert _fields(lines["done"]) == {"tasks": "15", "ignored": "0"}, where
 
     # The bus is healthy after a foreign client: running, both ranks alive, no deaths.
     with cluster.client() as py:
         after = py.status()
-    assert after["state"] == "running" and after["gen"] == gen + 1, after
+    assert after["state"] == "running" and after["gen"] == gen + 2, after
     assert [r["alive"] for r in after["ranks"]] == [True] * WORLD, after
     assert after["counters"].get("rank_deaths", 0) == 0, after["counters"]
     assert after["queued"] == 0 and after["inflight"] == 0, after

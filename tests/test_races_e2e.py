@@ -268,3 +268,29 @@ def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
             assert out.ok, "results of generation 1 are not ignored by a client that saw the clear"
     finally:
         c.stop()
+
+
+def test_11_a_clear_on_another_connection_cancels_only_the_tasks_of_the_old_generation(cluster, client):
+    """docs/protocol.md §8.2: a generation move cancels the tasks that ran (or
+    were accepted) at an older generation, never the ones that ran at the new one."""
+    with cluster.client(request_timeout=15) as engine:
+        assert engine.run("swap_out", [0], [0], timeout=10).ok  # the engine knows the bus's generation
+        old = engine.gen
+        assert old is not None
+        client.pause()
+        held = [engine.submit("swap_out", [i], [i], timeout=10) for i in range(4)]  # queued at the broker
+        deadline = time.monotonic() + 5
+        while client.status()["queued"] < 4:  # the engine's submits are on another connection
+            assert time.monotonic() < deadline, "the engine's submits never reached the broker"
+            engine.poll(0.01)
+        assert client.clear()["cancelled"] == 4
+        new = client.resume()["gen"]
+        assert new > old
+        after = [engine.submit("swap_out", [i], [i + 1], timeout=10) for i in range(20)]  # pipelined
+        outs = [engine.wait(t, timeout=10) for t in held + after]
+        held_outs, after_outs = outs[:4], outs[4:]
+        assert [o.outcome for o in held_outs] == ["cancelled"] * 4, [o.reason for o in held_outs]
+        assert [o.outcome for o in after_outs] == ["ok"] * 20, [o.reason for o in after_outs if not o.ok]
+        assert all(res["gen"] == new for o in after_outs for res in o.per_rank.values())
+        assert engine.gen == new, "the engine learned the new generation from its results"
+        assert engine.run("swap_in", [0], [0], timeout=10).ok

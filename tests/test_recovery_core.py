@@ -73,3 +73,28 @@ def test_the_prefix_manager_resets_when_the_bus_generation_moves_without_its_cle
     bus.gen = 1  # e.g. a rank came back with fresh memory
     assert manager.match(tokens).num_blocks == 0
     assert manager._counters["generation_resets"] == 1
+
+
+class _MovingBus(FakeBus):
+    """A bus whose cache generation moves while the next task runs."""
+
+    move = False
+
+    def wait(self, task: int, timeout: float | None = None):
+        if self.move:
+            self.gen += 1  # the task ran at the new generation and ends ok there
+        return super().wait(task, timeout)
+
+
+def test_the_prefix_manager_drops_a_swap_that_ran_after_a_generation_move_it_had_not_heard_of():
+    bus = _MovingBus()
+    bus.gen = 0
+    manager = PrefixCacheManager(bus, 4, 8, 8)
+    tokens = list(range(8))
+    lease = manager.allocate(2)
+    manager.insert(tokens, lease.block_ids)
+    manager.release(lease)
+    assert manager.evict(2) == 2  # swapped out to the CPU tier
+    bus.move = True
+    assert manager.match(tokens).num_blocks == 0, "the swap-in read memory of another generation"
+    assert manager.stats()["swaps"]["swap_in"]["cancelled"] == 1

@@ -220,6 +220,14 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"task": 2, "outcome": "cancelled", "reason": "caches were cleared while the task was queued"},
         "",
     ),
+    (
+        "outcome_cancelled_gen",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {"task": 2, "outcome": "cancelled", "reason": "caches were cleared while the task was queued", "gen": 0},
+        "gen: the task's own generation (queued at 0; the clear moved the bus to 1)",
+    ),
     # rank -> broker (backend ROUTER)
     (
         "ready",
@@ -346,6 +354,15 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
             "digests": [DIGEST0, DIGEST1],
         },
         "digests: one 16-byte bin per block, in src order",
+    ),
+    (
+        "result_new_gen",
+        "results",
+        "rank->client",
+        "result",
+        {"task": 5, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 1, "bytes": 65536, "elapsed_us": 150},
+        "gen: the generation the task ran at; newer than the client's, it ends the open tasks that ran at an older "
+        "one, not this task (docs/protocol.md §7.4)",
     ),
 ]
 

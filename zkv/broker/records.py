@@ -75,6 +75,7 @@ class Task:
     reply_key: str | None = None  # the client's Curve public key, for its PULL
     expires: float | None = None  # submit timeout_ms: a task still queued then never runs
     seq: int = 0
+    gen: int = 0  # the generation it was accepted, then dispatched, at: its outcome names it
     fold: RankFold | None = None
     reported: bool = False  # the broker already sent the client a final outcome
 

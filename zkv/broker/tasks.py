@@ -76,7 +76,7 @@ class TaskTable:
             )
         timeout_ms = msg.timeout_ms
         expires = now + timeout_ms / 1000 if timeout_ms else None
-        task = Task(client, task_id, reply_to, body, now, msg.reply_key, expires)
+        task = Task(client, task_id, reply_to, body, now, msg.reply_key, expires, gen=self.gens.gen)
         if reason:
             self.finish(task, Outcome.REJECTED, reason, now, out, notify=True)
             return False
@@ -129,6 +129,7 @@ class TaskTable:
             credits -= 1
             self.seq += 1
             task.seq = self.seq
+            task.gen = gen
             task.fold = RankFold(world)
             self.inflight[task.seq] = task
             for rs in ranks:
@@ -160,7 +161,7 @@ class TaskTable:
             task.fold.fail(Outcome.FAILED, reason)
             if not task.reported:
                 task.reported = True
-                out.append(outcome(task.client, task.task, Outcome.FAILED, reason, self.gens.gen))
+                out.append(outcome(task.client, task.task, Outcome.FAILED, reason, task.gen))
             if task.fold.complete:
                 del self.inflight[seq]
                 self.finish(task, Outcome.FAILED, reason, now, out, notify=False)
@@ -177,7 +178,7 @@ class TaskTable:
         self.counters[result] += 1
         if notify and not task.reported:
             task.reported = True
-            out.append(outcome(task.client, task.task, result, reason, self.gens.gen))
+            out.append(outcome(task.client, task.task, result, reason, task.gen))
         if self.recording:
             out.append(
                 Record(

@@ -223,7 +223,9 @@ class Client:
         reply = self.request(
             "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
         )
-        self._on_new_gen(reply["gen"], "caches were cleared (zkv clear) before the task's result arrived")
+        reason = "caches were cleared (zkv clear) before the task's result arrived"
+        for out in self.book.cleared(reply["gen"], reason, time.monotonic()):
+            self.finished[out.task] = out
         return reply
 
     def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
@@ -231,12 +233,14 @@ class Client:
         if layout:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
+        self.book.gen_known = True  # our own resume named it: news even to a client that knew none
         self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived")
         return reply
 
     def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
         """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up.
-        A generation newer than the client's ends its open tasks (``gen_reason`` says why)."""
+        A generation newer than the client's ends its open tasks that ran at an
+        older one (``gen_reason`` says why)."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
             reply = self.request(
@@ -244,7 +248,7 @@ class Client:
             )
         else:
             reply = self.request("status", timeout)
-        self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation", told=False)
+        self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation")
         return reply
 
     @property
@@ -258,20 +262,11 @@ class Client:
 
     def adopt_gen(self, gen: int, reason: str) -> None:
         """Take a generation another part of the application learned (e.g. its
-        controller's clear), as if this client had cleared: open tasks end
-        (a client that had not heard of any generation just takes it)."""
-        self._on_new_gen(gen, reason, told=self.book.gen_known)
+        controller's clear): open tasks that ran at an older generation end
+        ``cancelled``; the others end with what their own results say (§7.4)."""
+        self._on_new_gen(gen, reason)
 
-    def _on_new_gen(self, gen: int, reason: str, told: bool = True) -> None:
-        """``told``: our own clear/resume named it, so a newer one is news even
-        to a client that had not heard of any generation yet."""
-        if told:
-            self.book.gen_known = True
-            if gen > self.book.gen:  # our clear: the blocks of timed-out tasks are gone too
-                self.book.gen = gen
-                for out in self.book.cancel_all(reason, time.monotonic()):
-                    self.finished[out.task] = out
-            return
+    def _on_new_gen(self, gen: int, reason: str) -> None:
         for out in self.book.learn_gen(gen, reason, time.monotonic()):
             self.finished[out.task] = out
 

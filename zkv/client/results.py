@@ -4,6 +4,11 @@ Per-rank results (from the PULL socket) and broker outcomes (from the DEALER)
 are folded here into exactly one :class:`TaskOutcome` per task.  Whatever
 arrives for a task that already ended (a late rank result after a timeout, a
 result from before a clear) is counted and ignored, never reported twice.
+
+A move to a new cache generation cancels exactly the tasks that ran at an
+older one (docs/protocol.md §7.4): a task's generation is the ``gen`` its
+results carry, so a task that ran at the new generation ends with its real
+outcome, however late the client learned of the move.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class _Open:
     task: int
     submitted: float
     deadline: float
+    floor: int  # the client's generation at submit: the task cannot have run at an older one
+    gen: int | None = None  # the generation its results say it ran at
     fold: RankFold | None = None
     per_rank: dict[int, dict] = field(default_factory=dict)
 
@@ -48,7 +55,7 @@ class ResultBook:
         self.settled: list[int] = []
 
     def add(self, task: int, now: float, timeout: float) -> None:
-        self.open[task] = _Open(task, now, now + timeout)
+        self.open[task] = _Open(task, now, now + timeout, self.gen)
         heapq.heappush(self.deadlines, (now + timeout, task))
 
     def shorten(self, task: int, deadline: float) -> None:
@@ -65,17 +72,21 @@ class ResultBook:
             self.counters["late_results"] += 1
             self._late(msg)
             return None
-        if msg.gen < self.gen:
+        if msg.gen < entry.floor:  # older than the generation the task was submitted at: not its result
             self.counters["stale_results"] += 1
             return None
-        if msg.gen > self.gen and self.gen_known:
-            # The task ran on caches of a newer generation than the one it was
-            # submitted against: what it read or wrote is not what the caller
-            # meant, so it ends cancelled with every other open task.
-            self.moved += self.learn_gen(msg.gen, "the bus moved to a new cache generation (see zkv status)", now)
+        if msg.gen < self.gen:
+            # It ran at a generation the bus has left since: what it copied is gone.
+            self.counters["old_gen_results"] += 1
+            reason = f"cache generation moved from {msg.gen} to {self.gen}: the task ran at generation {msg.gen}"
+            self.moved.append(self._close(entry, "cancelled", reason, now))
             return None
+        if msg.gen > self.gen:  # news of a move: it ends the open tasks that ran before it
+            self.moved += self.learn_gen(msg.gen, "the bus moved to a new cache generation (see zkv status)", now)
+            if msg.task not in self.open:  # this task had a result of an older generation too
+                return None
         self.gen_known = True
-        self.gen = max(self.gen, msg.gen)
+        entry.gen = msg.gen
         if entry.fold is None:
             entry.fold = RankFold(msg.world)
         rank = msg.rank
@@ -90,6 +101,7 @@ class ResultBook:
                 ("bytes", msg.bytes),
                 ("elapsed_us", msg.elapsed_us),
                 ("digests", msg.digests),
+                ("gen", msg.gen),
             )
             if v is not None
         }
@@ -119,8 +131,10 @@ class ResultBook:
         return done
 
     def learn_gen(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
-        """The bus is at ``gen``: if that is newer, every open task ends
-        ``cancelled`` (the content it counted on is gone) and the book moves on."""
+        """The bus is at ``gen``: if that is newer, every open task that ran at
+        an older generation ends ``cancelled`` (what it copied is gone).  An
+        open task with no result yet stays open: its own results say which
+        generation it ran at (``on_result``)."""
         known, self.gen_known = self.gen_known, True
         if gen <= self.gen:
             return []
@@ -129,7 +143,8 @@ class ResultBook:
             return []
         self.counters["gen_changes"] += 1
         reason = f"cache generation moved from {old} to {gen}: {reason}"
-        return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
+        older = [entry for entry in self.open.values() if entry.gen is not None and entry.gen < gen]
+        return [self._close(entry, "cancelled", reason, now) for entry in older]
 
     def on_outcome(
         self, task: int, outcome: str, reason: str, now: float, gen: int | None = None
@@ -170,6 +185,17 @@ class ResultBook:
             if len(self.timed_out) > _MAX_TIMED_OUT:
                 self.timed_out.popitem(last=False)
         return done
+
+    def cleared(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+        """This client's own clear reply names ``gen``.  Every task still open
+        was submitted before the clear request, on the same connection, so at
+        an older generation: if ``gen`` is news, they all end ``cancelled``."""
+        self.gen_known = True
+        if gen <= self.gen:
+            return []
+        self.gen = gen
+        self.counters["gen_changes"] += 1
+        return self.cancel_all(reason, now)
 
     def cancel_all(self, reason: str, now: float) -> list[TaskOutcome]:
         """After a clear: whatever those tasks copied is gone with the caches."""

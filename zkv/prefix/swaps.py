@@ -182,6 +182,7 @@ class SwapRunner:
         counters = self.swap_stats[op]
         counters["issued"] += 1
         counters["blocks"] += len(src)
+        gen = self.bus_gen()
         try:
             task = self.bus.submit(op, src, dst, timeout=self.swap_timeout)
         except Exception:  # the bus refused it at once: nothing runs
@@ -195,6 +196,10 @@ class SwapRunner:
             outcome = "timeout"
         if outcome not in OUTCOMES:
             outcome = "failed"
+        if outcome == "ok" and gen is not None and self.bus_gen() != gen:
+            # The bus moved to a new cache generation while it ran: it ran on
+            # memory the tree does not describe (docs/protocol.md §8.2).
+            outcome = "cancelled"
         counters[outcome] += 1
         return outcome, task
 

@@ -206,6 +206,9 @@ typedef struct {
     uint64_t world; /* 0 until the first result */
     uint64_t heard; /* bit r: rank r answered */
     uint64_t bytes;
+    uint64_t floor; /* g_gen at submit: the task cannot have run at an older generation */
+    int has_gen;    /* its generation is known: the gen of its results */
+    uint64_t gen;
     char outcome[16]; /* "ok" until a failure; the first failure wins */
     char reason[512];
     int ndigests[MAX_RANKS];
@@ -226,6 +229,19 @@ static void close_task(task_t *t, const char *outcome, const char *reason) {
     if (reason != t->reason) snprintf(t->reason, sizeof t->reason, "%s", reason);
 }
 
+/* The bus is at generation g: if that is newer, a move.  It cancels exactly the
+   open tasks that ran at an older generation; a task with no result yet stays
+   open, its own results will say (docs §7.4). */
+static void new_generation(uint64_t g) {
+    if (g <= g_gen) return;
+    char reason[128];
+    snprintf(reason, sizeof reason, "cache generation moved from %" PRIu64 " to %" PRIu64, g_gen, g);
+    g_gen = g;
+    for (int i = 0; i < MAX_TASKS; i++)
+        if (g_tasks[i].id && g_tasks[i].open && g_tasks[i].has_gen && g_tasks[i].gen < g)
+            close_task(&g_tasks[i], "cancelled", reason);
+}
+
 static void on_result(const msgpack_object *m) {
     uint64_t id, rank, world, gen, bytes = 0;
     char outcome[16], reason[400];
@@ -235,11 +251,23 @@ static void on_result(const msgpack_object *m) {
         return;
     }
     task_t *t = find_task(id);
-    if (!t || !t->open || gen < g_gen || world == 0 || world > MAX_RANKS || rank >= world ||
-        (t->heard >> rank) & 1) {
-        g_ignored++; /* late, stale (before a clear) or duplicate */
+    if (!t || !t->open || gen < t->floor || world == 0 || world > MAX_RANKS || rank >= world) {
+        g_ignored++; /* late, stale (not of this task's generation) or malformed */
         return;
     }
+    if (gen < g_gen) { /* it ran at a generation the bus has left: what it copied is gone */
+        snprintf(reason, sizeof reason, "cache generation moved from %" PRIu64 " to %" PRIu64, gen, g_gen);
+        close_task(t, "cancelled", reason);
+        return;
+    }
+    new_generation(gen); /* a newer one: a move, learned from this result */
+    if (!t->open) return; /* an earlier rank's result of this task was older */
+    if ((t->heard >> rank) & 1) {
+        g_ignored++; /* duplicate */
+        return;
+    }
+    t->has_gen = 1;
+    t->gen = gen;
     if (!t->world) t->world = world;
     t->heard |= 1ull << rank;
     get_uint(m, "bytes", &bytes);
@@ -263,14 +291,12 @@ static void on_result(const msgpack_object *m) {
 }
 
 static void on_outcome(const msgpack_object *m) {
-    uint64_t id;
+    uint64_t id, gen;
     char outcome[16], reason[400];
     task_t *t = get_uint(m, "task", &id) ? find_task(id) : NULL;
-    if (!t || !t->open) {
-        g_ignored++;
-        return;
-    }
-    close_task(t, get_str(m, "outcome", outcome, sizeof outcome), get_str(m, "reason", reason, sizeof reason));
+    if (!t || !t->open) g_ignored++;
+    else close_task(t, get_str(m, "outcome", outcome, sizeof outcome), get_str(m, "reason", reason, sizeof reason));
+    if (get_uint(m, "gen", &gen)) new_generation(gen); /* the task's own generation: one the bus reached */
 }
 
 /* ---- replies, kept raw until their request claims them --------------------- */
@@ -403,6 +429,7 @@ static uint64_t submit(const char *op, const int32_t *src, size_t nsrc, const in
     t->id = id;
     t->open = 1;
     t->deadline = now_ms() + g_timeout_ms;
+    t->floor = g_gen;
     strcpy(t->outcome, "ok");
 
     msgpack_sbuffer head, body;
@@ -436,6 +463,37 @@ static task_t *run_ok(const char *label, const char *op, const int32_t *src, siz
     printf("%s ok bytes=%" PRIu64 " ranks=%" PRIu64 "\n", label, t->bytes, t->world);
     fflush(stdout);
     return t;
+}
+
+/* A control request on another connection (a controller's): send it, wait for
+   its one reply on that socket only; returns the reply's gen. */
+static uint64_t ctl_request(void *ctl, const char *kind) {
+    static uint64_t next_req = 1;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    pk_header(&pk, 2, kind);
+    pk_kv_uint(&pk, "req", next_req++);
+    pk_kv_uint(&pk, "timeout_ms", (uint64_t)g_timeout_ms);
+    msgpack_sbuffer *bufs[1] = {&sb};
+    send_frames(ctl, bufs, 1);
+    msgpack_sbuffer_destroy(&sb);
+    zmq_pollitem_t item = {ctl, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&item, 1, g_timeout_ms) <= 0) fail("controller %s no reply within %ld ms", kind, g_timeout_ms);
+    frames_t f;
+    if (recv_frames(ctl, &f) != 1) fail("controller %s: not one frame", kind);
+    msgpack_unpacked u;
+    char rkind[32], op[32];
+    uint64_t gen = 0;
+    msgpack_unpacked_init(&u);
+    if (!decode(&u, zmq_msg_data(&f.parts[0]), zmq_msg_size(&f.parts[0]), rkind, sizeof rkind) ||
+        strcmp(rkind, "reply") != 0 || strcmp(get_str(&u.data, "op", op, sizeof op), kind) != 0 ||
+        !get_uint(&u.data, "gen", &gen))
+        fail("controller %s: unexpected answer %s", kind, rkind);
+    msgpack_unpacked_destroy(&u);
+    close_frames(&f);
+    return gen;
 }
 
 /* ---- the scenario ---------------------------------------------------------------- */
@@ -527,6 +585,7 @@ int main(int argc, char **argv) {
 
     uint64_t queued = submit("swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED);
 
+    uint64_t before_clear = g_next_task; /* the tasks submitted before the clear request */
     request("clear", NULL, 0, &u, kind, sizeof kind);
     expect_reply("clear", &u, kind);
     get_uint(&u.data, "epoch", &epoch);
@@ -539,10 +598,11 @@ int main(int argc, char **argv) {
     msgpack_unpacked_destroy(&u);
     t = wait_task(queued); /* the broker's outcome message arrives before the clear reply */
     printf("queued %s reason=%s\n", t->outcome, t->reason);
-    if (gen > g_gen) { /* a new generation: whatever is still open is cancelled (docs §7.4) */
+    if (gen > g_gen) { /* our own clear: every task submitted before it is of an older generation (docs §7.4) */
         g_gen = gen;
         for (int i = 0; i < MAX_TASKS; i++)
-            if (g_tasks[i].id && g_tasks[i].open) close_task(&g_tasks[i], "cancelled", "caches were cleared");
+            if (g_tasks[i].id && g_tasks[i].open && g_tasks[i].id < before_clear)
+                close_task(&g_tasks[i], "cancelled", "caches were cleared");
     }
 
     t = wait_task(submit("swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED));
@@ -555,9 +615,36 @@ int main(int argc, char **argv) {
     printf("resume ok epoch=%" PRIu64 " gen=%" PRIu64 " state=%s\n", epoch, gen,
            get_str(&u.data, "state", state, sizeof state));
     msgpack_unpacked_destroy(&u);
-    if (gen > g_gen) g_gen = gen;
+    new_generation(gen);
 
     run_ok("after_resume", "swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED);
+
+    /* A controller on another connection pauses, clears and resumes.  A task
+       queued at the clear ends cancelled; the tasks submitted after the resume
+       ran at the new generation, which this connection learns from their
+       results: they end ok, none is cancelled (docs §7.4). */
+    void *ctl = zmq_socket(ctx, ZMQ_DEALER);
+    zmq_setsockopt(ctl, ZMQ_LINGER, &zero, sizeof zero);
+    if (zmq_connect(ctl, frontend) != 0) fail("connect %s: %s", frontend, zmq_strerror(zmq_errno()));
+    ctl_request(ctl, "pause");
+    uint64_t held = submit("swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED);
+    request("ping", NULL, 0, &u, kind, sizeof kind); /* one connection keeps order: the task is queued now */
+    expect_reply("ping", &u, kind);
+    msgpack_unpacked_destroy(&u);
+    ctl_request(ctl, "clear");
+    t = wait_task(held);
+    printf("foreign_queued %s\n", t->outcome);
+    uint64_t foreign_gen = ctl_request(ctl, "resume");
+    zmq_close(ctl);
+    uint64_t after_ids[5];
+    for (int i = 0; i < 5; i++) after_ids[i] = submit("swap_out", gpu_a, 4, cpu, 4, NULL, -1, PACKED); /* pipelined */
+    int ok = 0;
+    for (int i = 0; i < 5; i++) {
+        t = wait_task(after_ids[i]);
+        if (strcmp(t->outcome, "ok") != 0) fail("foreign_after %s reason=%s", t->outcome, t->reason);
+        ok += t->has_gen && t->gen == foreign_gen;
+    }
+    printf("foreign_after ok=%d gen=%" PRIu64 " resumed_gen=%" PRIu64 "\n", ok, g_gen, foreign_gen);
 
     /* Bad input: not msgpack (an error without req), then a wrong version (an
        error that still echoes the readable req, protocol.md section 8.1). */

@@ -104,16 +104,38 @@ function closeTask(t, outcome, reason) {
   clearTimeout(t.timer);
 }
 
+// The bus is at generation g: if that is newer, a move.  It cancels exactly the
+// open tasks that ran at an older generation; a task with no result yet stays
+// open, its own results will say (docs §7.4).
+function newGeneration(g) {
+  if (!(g > gen)) return;
+  const reason = `cache generation moved from ${gen} to ${g}`;
+  gen = g;
+  for (const t of tasks.values()) if (t.open && t.gen !== null && t.gen < g) closeTask(t, "cancelled", reason);
+}
+
 function onResult(m) {
   const t = tasks.get(m.task);
   if (!isUint(m.task) || !isUint(m.rank) || !isUint(m.world) || !isUint(m.gen) || !t || !t.open) {
     ignored++; // unknown or already ended: late
     return;
   }
-  if (m.gen < gen || m.world === 0 || m.rank >= m.world || t.heard.has(m.rank)) {
-    ignored++; // stale (from before a clear) or duplicate
+  if (m.gen < t.floor || m.world === 0 || m.rank >= m.world) {
+    ignored++; // stale (not of this task's generation) or malformed
     return;
   }
+  if (m.gen < gen) {
+    // it ran at a generation the bus has left: what it copied is gone
+    closeTask(t, "cancelled", `cache generation moved from ${m.gen} to ${gen}`);
+    return;
+  }
+  newGeneration(m.gen); // a newer one: a move, learned from this result
+  if (!t.open) return; // an earlier rank's result of this task was older
+  if (t.heard.has(m.rank)) {
+    ignored++; // duplicate
+    return;
+  }
+  t.gen = m.gen;
   if (t.world === 0) t.world = m.world;
   t.heard.add(m.rank);
   t.bytes += isUint(m.bytes) ? m.bytes : 0;
@@ -130,11 +152,9 @@ function onResult(m) {
 
 function onOutcome(m) {
   const t = tasks.get(m.task);
-  if (!t || !t.open) {
-    ignored++;
-    return;
-  }
-  closeTask(t, String(m.outcome), String(m.reason));
+  if (!t || !t.open) ignored++;
+  else closeTask(t, String(m.outcome), String(m.reason));
+  if (isUint(m.gen)) newGeneration(m.gen); // the task's own generation: one the bus reached
 }
 
 // ---- sockets ------------------------------------------------------------------
@@ -195,7 +215,18 @@ async function request(kind, fields = {}) {
 
 async function submit(op, { src, dst, tier, seed, form = "packed" } = {}) {
   const id = nextTask++;
-  const t = { id, open: true, world: 0, heard: new Set(), bytes: 0, outcome: "ok", reason: "", digests: new Map() };
+  const t = {
+    id,
+    open: true,
+    floor: gen, // the task cannot have run at an older generation
+    gen: null, // its generation: the gen of its results
+    world: 0,
+    heard: new Set(),
+    bytes: 0,
+    outcome: "ok",
+    reason: "",
+    digests: new Map(),
+  };
   t.timer = setTimeout(() => {
     if (t.open) closeTask(t, "timeout", "no outcome before the client's deadline");
     wake();
@@ -216,11 +247,11 @@ async function runOk(label, op, args) {
   return t;
 }
 
-function newGeneration(g) {
-  if (g > gen) {
-    gen = g; // whatever is still open went away with the caches (docs §7.4)
-    for (const t of tasks.values()) if (t.open) closeTask(t, "cancelled", "caches were cleared");
-  }
+// Our own clear: every task submitted before the request is of an older generation (docs §7.4).
+function clearedBy(g, before) {
+  if (!(g > gen)) return;
+  gen = g;
+  for (const t of tasks.values()) if (t.open && t.id < before) closeTask(t, "cancelled", "caches were cleared");
 }
 
 // ---- the scenario --------------------------------------------------------------
@@ -259,11 +290,12 @@ let r = await request("pause");
 console.log(`pause ok epoch=${r.epoch} gen=${r.gen} state=${r.state} drain_ms=${Number(r.drain_ms).toFixed(3)}`);
 
 const queued = await submit("swap_out", { src: gpuA, dst: cpu });
+const beforeClear = nextTask; // the tasks submitted before the clear request
 r = await request("clear");
 console.log(`clear ok epoch=${r.epoch} gen=${r.gen} state=${r.state} cancelled=${r.cancelled} freed=${r.freed}`);
 t = await waitTask(queued); // the broker's outcome message arrives before the clear reply
 console.log(`queued ${t.outcome} reason=${t.reason}`);
-newGeneration(r.gen);
+clearedBy(r.gen, beforeClear);
 
 t = await waitTask(await submit("swap_out", { src: gpuA, dst: cpu }));
 console.log(`while_cleared ${t.outcome}`);
@@ -273,6 +305,40 @@ console.log(`resume ok epoch=${r.epoch} gen=${r.gen} state=${r.state}`);
 newGeneration(r.gen);
 
 await runOk("after_resume", "swap_out", { src: gpuA, dst: cpu });
+
+// A controller on another connection pauses, clears and resumes.  A task
+// queued at the clear ends cancelled; the tasks submitted after the resume ran
+// at the new generation, which this connection learns from their results:
+// they end ok, none is cancelled (docs §7.4).
+const ctl = new zmq.Dealer(opts);
+ctl.connect(frontend);
+let ctlReq = 1;
+async function ctlRequest(kind) {
+  await ctl.send(frame(kind, { req: ctlReq++, timeout_ms: TIMEOUT_MS }));
+  const timer = setTimeout(() => fail(`controller ${kind} no reply within ${TIMEOUT_MS} ms`), TIMEOUT_MS);
+  const [reply] = await ctl.receive();
+  clearTimeout(timer);
+  const m = parse(reply);
+  if (m === null || m.kind !== "reply" || m.op !== kind || !isUint(m.gen)) fail(`controller ${kind}: unexpected answer`);
+  return m;
+}
+await ctlRequest("pause");
+const held = await submit("swap_out", { src: gpuA, dst: cpu });
+await request("ping"); // one connection keeps order: the task is queued now
+await ctlRequest("clear");
+t = await waitTask(held);
+console.log(`foreign_queued ${t.outcome}`);
+const foreignGen = (await ctlRequest("resume")).gen;
+ctl.close();
+const afterIds = [];
+for (let i = 0; i < 5; i++) afterIds.push(await submit("swap_out", { src: gpuA, dst: cpu })); // pipelined
+let okAtNew = 0;
+for (const id of afterIds) {
+  t = await waitTask(id);
+  if (t.outcome !== "ok") fail(`foreign_after ${t.outcome} reason=${t.reason}`);
+  if (t.gen === foreignGen) okAtNew++;
+}
+console.log(`foreign_after ok=${okAtNew} gen=${gen} resumed_gen=${foreignGen}`);
 
 // Bad input: not msgpack (an error without req), then a wrong version (an
 // error that still echoes the readable req, protocol.md §8.1).
