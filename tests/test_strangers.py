@@ -208,11 +208,11 @@ def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear()
     from zkv.broker.core import BrokerCore, Publish
 
     core = BrokerCore(BrokerConfig(world=1))
-    core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_COUNTER)], 1.0)
+    core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_ADOPTED_GEN)], 1.0)
     core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
-    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_COUNTER)], 1.2)
+    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_ADOPTED_GEN)], 1.2)
     (pub,) = [a for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, Publish)]
-    assert P.decode(pub.frame, ("control",)).gen == bounds.MAX_COUNTER + 1
+    assert P.decode(pub.frame, ("control",)).gen == bounds.MAX_ADOPTED_GEN + 1
 
 
 @pytest.mark.parametrize(

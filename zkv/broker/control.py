@@ -112,7 +112,7 @@ class ControlMachine:
         if self._starts_no_op(ControlOp.CLEAR, client, msg, now, out):
             return
         try:
-            check_clear(self.state)
+            check_clear(self.state, self.gens.gen)
         except Refusal as refusal:
             self._refuse(ControlOp.CLEAR, client, msg, refusal, out)
             return

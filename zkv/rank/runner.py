@@ -24,6 +24,7 @@ import zmq
 
 from ..net.curve import Curve
 from ..net.endpoints import make_socket
+from ..net.reply_address import connect_result
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
@@ -80,7 +81,7 @@ class ResultSenders:
                 if not key:
                     raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
                 self.curve.make_client(sock, server_key=key.encode())
-            sock.connect(address)
+            connect_result(sock, address)  # IPv6 needs its socket option
         except (zmq.ZMQError, ValueError) as err:
             log.warning("cannot send results to %s: %s", address, err)
             sock.close(linger=0)
