@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire import bounds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Map
@@ -39,10 +40,14 @@ def noop_reply(op: ControlOp, client: bytes, req: int, state: BusState, epoch: i
     return reply(client, req, op, noop=True, state=state, epoch=epoch, gen=gen, **_NOOP_FIELDS[op], note=note)
 
 
-def check_clear(state: BusState) -> None:
-    """A clear frees memory only on a paused bus (every rank drained)."""
+def check_clear(state: BusState, gen: int = 0) -> None:
+    """A clear frees memory only on a paused bus (every rank drained), and
+    moves the generation only within its bound (bounds.py: room for the
+    clear and for the roll-back of a failed resume after it)."""
     if state != BusState.PAUSED:
         raise Refusal("not_paused", "clear needs a paused bus: run zkv pause first")
+    if not bounds.gen_room(gen, 2):
+        raise Refusal("gen_exhausted", f"cache generation {gen} is at its maximum {bounds.MAX_GEN}: no clear follows")
 
 
 def resume_layout(named: Map | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:

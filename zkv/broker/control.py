@@ -112,7 +112,7 @@ class ControlMachine:
         if self._starts_no_op(ControlOp.CLEAR, client, msg, now, out):
             return
         try:
-            check_clear(self.state)
+            check_clear(self.state, self.gens.gen)
         except Refusal as refusal:
             self._refuse(ControlOp.CLEAR, client, msg, refusal, out)
             return
@@ -339,7 +339,11 @@ class ControlMachine:
             self.restate(now, out)
 
     def repeat(self, now: float, out: list[Action]) -> None:
-        """PUB is lossy: publish again until every live rank acked this epoch."""
+        """PUB is lossy: publish again until every live rank acked this epoch.
+        A restored running bus (op ``run``) has nothing to publish: ``control.op``
+        is pause, clear or resume (docs/protocol.md §4.6); ranks learn ``run`` in a welcome."""
+        if self.op is ControlOp.RUN:
+            return
         if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
             if any(rs.acked_epoch != self.epoch for rs in self.ranks.live()):
                 self.counters["control_repeats"] += 1

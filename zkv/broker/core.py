@@ -232,9 +232,8 @@ class BrokerCore:
         try:
             self._on_rank(identity, frames, now, out)
         except Exception as err:  # noqa: BLE001
-            out.append(
-                ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))])
-            )
+            reason = P.clamp(self._internal(err, "a rank message"))
+            out.append(ToRank(identity, [P.encode("error", code="internal", reason=reason)]))
         self.recovery.save_if_changed(out)
         return out
 
@@ -296,7 +295,7 @@ class BrokerCore:
         table = self.rank_table
         layout, refusal = table.admit(msg)
         if layout is None:
-            out.append(ToRank(identity, [P.encode("refused", reason=refusal)]))
+            out.append(ToRank(identity, [P.encode("refused", reason=P.clamp(refusal))]))
             return
         rank = msg.rank
         if not table.is_repeat(identity, msg):

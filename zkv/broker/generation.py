@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire import bounds
 from ..wire import protocol as P
+from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
 from ..wire.messages import Map
 
 _LAYOUT_FIELDS = len(CacheLayout.__dataclass_fields__)
+
+
+def _within(gen: int) -> int:
+    """Never a generation the wire cannot carry: a clear is refused before
+    (``admission.check_clear``); a move past it fails the handler instead."""
+    if gen > bounds.MAX_GEN:
+        raise ZkvError("gen_exhausted", f"cache generation {gen} is past its maximum {bounds.MAX_GEN}")
+    return gen
 
 
 class Generation:
@@ -41,18 +51,18 @@ class Generation:
         self.gen, self.used = gen, True
 
     def move(self, gen: int, reason: str) -> None:
-        self.gen, self.used, self.reason = gen, False, reason
+        self.gen, self.used, self.reason = _within(gen), False, reason
 
     def cleared(self, keep_cpu: bool) -> None:
         """A clear begins: the GPU blocks are gone at a new generation."""
-        self.gen += 1
+        self.gen = _within(self.gen + 1)
         self.used = False
         self.keep_cpu = keep_cpu
         self.cpu_lost = []
 
     def reallocated(self) -> None:
         """A resume from cleared failed: some ranks may have allocated, so a new generation."""
-        self.gen += 1
+        self.gen = _within(self.gen + 1)
         self.used = False
 
     def cpu_not_kept(self, rank: int) -> None:

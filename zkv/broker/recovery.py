@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ready
 from .actions import Action, Record, SaveState
@@ -93,8 +94,11 @@ class Recovery:
         resume (one the broker starts itself when the bus is running)."""
         gens = self.gens
         rank_gen = msg.gen
+        # A generation above MAX_ADOPTED_GEN is never taken as the bus's (it is
+        # only lost memory): 2^53 - 2^40 moves stay below MAX_GEN (bounds.py).
+        ahead = gens.gen < rank_gen <= bounds.MAX_ADOPTED_GEN
         if self.control.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
-            if rank_gen > gens.gen:
+            if ahead:
                 self._move_gen(
                     rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
                 )
@@ -105,7 +109,7 @@ class Recovery:
         lost = fresh or needs_alloc or rank_gen != gens.gen
         if not lost:
             return
-        if rank_gen > gens.gen and not gens.used and self.ranks.ready_count() == 1:
+        if ahead and not gens.used and self.ranks.ready_count() == 1:
             # The first rank of a broker that lost its state: take its
             # generation, and count it as used (the old broker served it).
             gens.adopt(rank_gen)
@@ -113,7 +117,8 @@ class Recovery:
             lost = fresh or needs_alloc
             if not lost:
                 return
-        if rank_gen > gens.gen:
+            ahead = False
+        if ahead:
             self._move_gen(
                 rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
             )

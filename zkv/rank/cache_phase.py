@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..wire import protocol as P
+
 
 class CachePhase(Enum):
     """The cache's phase.
@@ -73,7 +75,7 @@ class CacheState:
         self.freed += freed
         if error:
             self.phase = CachePhase.ALLOC_FAILED
-            self.error = error
+            self.error = P.clamp(error)  # the resume ack repeats it: within the str bound (§2.1)
             return
         self.cpu_kept = cpu_kept
         if self.phase is CachePhase.FREEING:
