@@ -108,7 +108,7 @@ class ControlMachine:
             return
         cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
         keep_cpu = bool(msg.keep_cpu)
-        self.gens.cleared(keep_cpu)
+        self.gens.cleared(keep_cpu, f"clear epoch {self.epoch + 1} freed the caches")
         # The op's books go in before the first check: with no live rank the
         # clear completes inside begin.
         timeout_s = self.cfg.timeout_s(msg.timeout_ms)
@@ -292,7 +292,9 @@ class ControlMachine:
         self.state, self.op = on_failure(ControlOp.RESUME, op.previous_state)
         self.op_layout, self.op_keep_cpu = None, False
         if self.state == BusState.CLEARED:
-            self.gens.reallocated()
+            self.gens.reallocated(
+                f"resume epoch {op.epoch} failed ({code}): the bus is cleared again, without what any rank allocated"
+            )
             self.op_keep_cpu = self.gens.keep_cpu
         if self.state == BusState.RESUMING:  # a resume the broker started: retry it
             self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
