@@ -476,3 +476,35 @@ def test_a_rank_that_dies_while_rolling_back_does_not_hold_the_failed_resume():
     err = sim.reply(req)
     assert err.code == "alloc_failed" and err.reason.endswith("the bus is cleared again")
     assert sim.broker.pending is None and not sim.broker.ranks[1].alive
+
+
+def test_a_resume_asking_for_another_layout_joins_no_resume_in_progress():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    first = sim.request("resume", layout={"gpu_blocks": 64})
+    other = sim.request("resume", layout={"gpu_blocks": 32})
+    bad = sim.request("resume", layout={"gpu_blocks": 0})
+    same = sim.request("resume", layout={"gpu_blocks": 64})
+    plain = sim.request("resume")
+    err = sim.reply(other)
+    assert err.code == "busy" and "'gpu_blocks': 64" in err.reason and "'gpu_blocks': 32" in err.reason
+    assert sim.reply(bad).code == "bad_field"
+    assert sim.reply(same) is None and sim.reply(plain) is None  # they join
+    sim.settle()
+    for req in (first, same, plain):
+        reply = sim.reply(req)
+        assert reply.kind == "reply" and reply.extra["layout"]["gpu_blocks"] == 64
+    assert sim.broker.layout.gpu_blocks == 64 and all(sr.core.layout.gpu_blocks == 64 for sr in sim.ranks.values())
+
+
+def test_a_clear_asking_for_another_keep_cpu_joins_no_clear_in_progress():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    first = sim.request("clear", keep_cpu=True)
+    other = sim.request("clear")
+    same = sim.request("clear", keep_cpu=True)
+    err = sim.reply(other)
+    assert err.code == "busy" and "keep_cpu=True" in err.reason
+    sim.settle()
+    assert sim.reply(first).kind == sim.reply(same).kind == "reply"

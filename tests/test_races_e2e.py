@@ -268,3 +268,28 @@ def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
             assert out.ok, "results of generation 1 are not ignored by a client that saw the clear"
     finally:
         c.stop()
+
+
+def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_same_one_joins(cluster, client):
+    client.pause()
+    client.clear()
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)  # it cannot ack: the resume stays in progress
+    try:
+        first = client.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+        assert client.status()["pending_op"] == "resume"  # same connection: read after the resume began
+        with cluster.client(request_timeout=15) as other:
+            with pytest.raises(ZkvError) as err:
+                other.resume(layout={"gpu_blocks": 32}, timeout=5)
+            assert err.value.code == "busy" and "'gpu_blocks': 64" in err.value.reason
+            same = other.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+            proc.send_signal(signal.SIGCONT)
+            joined = other.await_reply(same, timeout=10)
+        reply = client.await_reply(first, timeout=10)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert reply["layout"]["gpu_blocks"] == joined["layout"]["gpu_blocks"] == 64
+    assert client.status()["layout"]["gpu_blocks"] == 64
+    client.pause()  # back to the module's layout for the next test
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["layout"] == LAYOUT.to_wire()

@@ -67,11 +67,11 @@ class ControlMachine:
     # --- requests ------------------------------------------------------------------
 
     def _join_or_busy(self, client: bytes, msg: Request, op: ControlOp, now: float, out: list[Action]) -> bool:
-        """A request during a pending op: join it if same op, else say busy."""
+        """A request during a pending op: join it if it asks for what the op does, else refuse it."""
         pending = self.pending
         if pending is None:
             return False
-        refusal = join_refusal(pending, op)
+        refusal = join_refusal(pending, op, msg, self.gens.layout, self.op_keep_cpu)
         if refusal is not None:
             self._refuse(op, client, msg, refusal, out)
         else:
