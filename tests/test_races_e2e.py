@@ -6,9 +6,12 @@ import signal
 import time
 
 import pytest
+import zmq
 
 from zkv import ZkvError
 from zkv.harness.cluster import LocalCluster
+from zkv.wire import fast as F
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
@@ -293,3 +296,28 @@ def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_sam
     client.pause()  # back to the module's layout for the next test
     client.clear()
     assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["layout"] == LAYOUT.to_wire()
+
+
+def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_never_runs(cluster, client):
+    client.pause()
+    dispatched = client.status()["counters"].get("dispatched", 0)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(cluster.endpoints.frontend)
+    try:
+        t0 = time.monotonic()
+        dealer.send_multipart(
+            [F.encode_submit(1, client.reply_to, timeout_ms=300), P.encode_body("swap_out", [0], [0])]
+        )
+        assert dealer.poll(5_000), "no outcome while the bus stays paused"
+        out = P.decode(dealer.recv())
+        elapsed = time.monotonic() - t0
+    finally:
+        dealer.close(linger=0)
+    assert out.kind == "outcome" and out.task == 1 and out.outcome == "timeout" and "never dispatched" in out.reason
+    assert 0.29 <= elapsed < 2.0, f"ended after {elapsed:.3f} s, its timeout_ms was 300"
+    st = client.status()
+    assert st["state"] == "paused" and st["queued"] == 0
+    client.resume()
+    assert client.run("swap_out", [0], [0], timeout=10).ok
+    assert client.status()["counters"]["dispatched"] == dispatched + 1, "the expired task was dispatched"
