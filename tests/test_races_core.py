@@ -508,3 +508,18 @@ def test_a_clear_asking_for_another_keep_cpu_joins_no_clear_in_progress():
     assert err.code == "busy" and "keep_cpu=True" in err.reason
     sim.settle()
     assert sim.reply(first).kind == sim.reply(same).kind == "reply"
+
+
+def test_a_resume_that_timed_out_is_answered_at_its_deadline_not_after_the_rollback():
+    sim = Sim(heartbeat_ms=10_000, liveness_ms=60_000).up()
+    sim.pause_and_clear()
+    req = sim.request("resume", timeout_ms=500)
+    sim.deliver_pub(0)  # rank 1 never hears of it
+    sim.finish_cache_ops(0)
+    sim.deliver_broker()
+    sim.tick(0.6)
+    err = sim.reply(req)
+    assert err.code == "resume_timeout" and "[1]" in err.reason and err.reason.endswith("the bus is cleared again")
+    assert sim.broker.state == "cleared" and sim.broker.pending is None
+    sim.settle()  # the rollback still reaches every rank
+    assert not any(sr.core.cache.phase.serves for sr in sim.ranks.values())

@@ -303,8 +303,8 @@ class ControlMachine:
         op.epoch, op.failure = self.epoch, (code, f"{reason}; {ROLLED_BACK[self.state]}")
         self.pending = op
         self._check_pending(now, out)
-        if self.pending is op and now >= op.deadline:  # the resume's deadline is past already
-            self._answer_failure(op, out, self._lagging(op.epoch))
+        if self.pending is op and now >= op.deadline:  # it timed out: no time is left to wait
+            self._answer_failure(op, out)
 
     def _answer_failure(self, op: PendingOp, out: list[Action], lagging: list[int] | None = None) -> None:
         """A failed resume's requests get its error; ``lagging``: the ranks
