@@ -35,13 +35,6 @@ ALLOC_LIMIT = 1000  # the simulated executor fails to allocate more GPU blocks t
 CLIENT = b"client-M"
 STRANGER = b"client-S"  # a client of its own: reads, pings and bad frames only (its writes would be the model's)
 MODEL_REPLY_TO = "ipc:///model"
-# KNOWN GAP, marked: every generation move must say why (docs/protocol.md §8.2,
-# status.gen_reason).  Two moves name no reason yet (broker/generation.py):
-# the roll-back of a failed resume from cleared (``reallocated``) and the
-# generation a broker with no state adopts from its first rank (``adopt``).
-# They are counted in ``unnamed_rollbacks`` instead of failing the model; set
-# True once they name the move.  Every other move is checked now.
-MOVES_NEED_REASON = False
 # KNOWN GAP, marked: a resume that completes while no rank is registered makes
 # its layout the bus's unchecked; when no rank can allocate it (here: more than
 # ALLOC_LIMIT blocks), every rank that registers fails the broker's own resume,
@@ -118,7 +111,6 @@ class Bus:
         self.out_of_bounds: list[str] = []  # frames a party sent that its peer's decoder refuses
         self.unnamed_moves: list[str] = []  # generation moves without a reason
         self.known_wedges: list[str] = []  # ... UNALLOCATABLE_LAYOUT_WEDGES
-        self.unnamed_rollbacks: list[str] = []  # ... by a roll-back or an adoption (MOVES_NEED_REASON)
         self.stranger_ids = itertools.count(1)
         for r in self.ranks:
             self._rank_actions(r, self.ranks[r].core.start(self.now))
@@ -177,26 +169,16 @@ class Bus:
                     sr.acked_pause = False
                 sr.work.append(a)
 
-    def _call(self, handler, *args, clear: bool = False) -> None:
-        """One broker entry point; a generation that moved other than by the
-        clear this call began must say why (status ``gen_reason``)."""
+    def _call(self, handler, *args) -> None:
+        """One broker entry point; a generation that moved in it, a clear's
+        move included, must say why (status ``gen_reason``)."""
         broker = self.broker
         gen, reason, state = broker.gen, broker.gens.reason, broker.state
-        adopted = broker.counters.get("gen_adopted", 0)
         self._broker_actions(handler(*args))
         if broker.gen == gen:
             return
-        own_clear = clear and state == "paused" and broker.gen == gen + 1
-        if own_clear:
-            return
         if not broker.gens.reason or broker.gens.reason == reason:
-            move = f"generation {gen} -> {broker.gen} (state {state} -> {broker.state})"
-            rollback = state == "resuming" and broker.state == "cleared" and broker.gen == gen + 1
-            adopt = broker.counters.get("gen_adopted", 0) > adopted
-            if (rollback or adopt) and not MOVES_NEED_REASON:
-                self.unnamed_rollbacks.append(move)  # the known gap above: counted, not yet a violation
-            else:
-                self.unnamed_moves.append(move)
+            self.unnamed_moves.append(f"generation {gen} -> {broker.gen} (state {state} -> {broker.state})")
 
     # --- client ------------------------------------------------------------------
 
@@ -222,7 +204,7 @@ class Bus:
         )
         if control:
             fields["timeout_ms"] = timeout_ms
-        self._call(self.broker.on_client, CLIENT, [P.encode(kind, req=req, **fields)], self.now, clear=kind == "clear")
+        self._call(self.broker.on_client, CLIENT, [P.encode(kind, req=req, **fields)], self.now)
         return req
 
     def stranger_client(self, frames: list[bytes]) -> None:

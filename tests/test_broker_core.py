@@ -246,3 +246,34 @@ def test_oversized_task_body_is_rejected_at_the_broker():
     frames = [P.encode("submit", task=1, reply_to="ipc:///sim/c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
     (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
     assert out.outcome == "rejected" and "exceeds" in out.reason
+
+
+def submit_with_timeout(sim, task: int, timeout_ms: int | None) -> None:
+    sim.book.add(task, sim.now, 30.0)
+    fields = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+    header = P.encode("submit", task=task, reply_to="ipc:///sim/client", **fields)
+    sim._broker_actions(sim.broker.on_client(CLIENT, [header, P.encode_body("swap_out", [0], [0])], sim.now))
+
+
+def test_a_queued_task_past_its_submit_timeout_ends_timeout_at_its_deadline_and_never_runs():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    t0 = sim.now
+    submit_with_timeout(sim, 50, 300)
+    submit_with_timeout(sim, 51, None)
+    submit_with_timeout(sim, 52, 600)
+    assert sim.broker.tasks.deadline() == pytest.approx(t0 + 0.3)  # the loop wakes for it (next_deadline)
+    sim.tick(0.299)
+    assert 50 not in sim.outcomes
+    sim.tick(0.002)  # its deadline passed: ended now, while the bus stays paused
+    (out,) = [m for m in sim.client_in if m.kind == "outcome" and m.task == 50]
+    assert out.outcome == "timeout" and "never dispatched" in out.reason
+    st = sim.broker.status(sim.now)
+    assert st["state"] == "paused" and st["queued"] == 2 and sim.outcomes[50] == "timeout"
+    assert sim.broker.tasks.deadline() == pytest.approx(t0 + 0.6)  # task 52's next
+    sim.request("resume")
+    sim.settle()
+    assert sim.outcomes[51] == sim.outcomes[52] == "ok"
+    assert all(sr.copies == 2 for sr in sim.ranks.values()), "the expired task ran"
+    assert sim.broker.counters["timeout"] == 1 and not sim.broker.queue

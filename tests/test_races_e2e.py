@@ -6,9 +6,12 @@ import signal
 import time
 
 import pytest
+import zmq
 
 from zkv import ZkvError
 from zkv.harness.cluster import LocalCluster
+from zkv.wire import fast as F
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
@@ -294,3 +297,53 @@ def test_11_a_clear_on_another_connection_cancels_only_the_tasks_of_the_old_gene
         assert all(res["gen"] == new for o in after_outs for res in o.per_rank.values())
         assert engine.gen == new, "the engine learned the new generation from its results"
         assert engine.run("swap_in", [0], [0], timeout=10).ok
+
+
+def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_same_one_joins(cluster, client):
+    client.pause()
+    client.clear()
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)  # it cannot ack: the resume stays in progress
+    try:
+        first = client.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+        assert client.status()["pending_op"] == "resume"  # same connection: read after the resume began
+        with cluster.client(request_timeout=15) as other:
+            with pytest.raises(ZkvError) as err:
+                other.resume(layout={"gpu_blocks": 32}, timeout=5)
+            assert err.value.code == "busy" and "'gpu_blocks': 64" in err.value.reason
+            same = other.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+            proc.send_signal(signal.SIGCONT)
+            joined = other.await_reply(same, timeout=10)
+        reply = client.await_reply(first, timeout=10)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert reply["layout"]["gpu_blocks"] == joined["layout"]["gpu_blocks"] == 64
+    assert client.status()["layout"]["gpu_blocks"] == 64
+    client.pause()  # back to the module's layout for the next test
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["layout"] == LAYOUT.to_wire()
+
+
+def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_never_runs(cluster, client):
+    client.pause()
+    dispatched = client.status()["counters"].get("dispatched", 0)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(cluster.endpoints.frontend)
+    try:
+        t0 = time.monotonic()
+        dealer.send_multipart(
+            [F.encode_submit(1, client.reply_to, timeout_ms=300), P.encode_body("swap_out", [0], [0])]
+        )
+        assert dealer.poll(5_000), "no outcome while the bus stays paused"
+        out = P.decode(dealer.recv())
+        elapsed = time.monotonic() - t0
+    finally:
+        dealer.close(linger=0)
+    assert out.kind == "outcome" and out.task == 1 and out.outcome == "timeout" and "never dispatched" in out.reason
+    assert 0.29 <= elapsed < 2.0, f"ended after {elapsed:.3f} s, its timeout_ms was 300"
+    st = client.status()
+    assert st["state"] == "paused" and st["queued"] == 0
+    client.resume()
+    assert client.run("swap_out", [0], [0], timeout=10).ok
+    assert client.status()["counters"]["dispatched"] == dispatched + 1, "the expired task was dispatched"

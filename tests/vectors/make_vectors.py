@@ -383,6 +383,22 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "",
     ),
     (
+        "welcome_session",  # what the broker sends: the session of the ready it answers (docs/protocol.md §10.2)
+        "backend",
+        "broker->rank",
+        "welcome",
+        {
+            "epoch": 3,
+            "op": "resume",
+            "gen": 1,
+            "upto": 2,
+            "layout": LAYOUT,
+            "heartbeat_ms": 500,
+            "session": 4503599627370495,
+        },
+        "",
+    ),
+    (
         "refused",
         "backend",
         "broker->rank",

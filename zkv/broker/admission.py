@@ -58,6 +58,11 @@ def resume_layout(named: Map | None, state: BusState, current: CacheLayout | Non
         return current
     if state != BusState.CLEARED:
         raise Refusal("not_cleared", "a new layout needs cleared caches: run zkv clear first")
+    return merged_layout(named, current)
+
+
+def merged_layout(named: Map, current: CacheLayout | None) -> CacheLayout:
+    """A resume's layout changes over the bus's ``current`` layout; ``bad_field`` if invalid."""
     base = current or CacheLayout()
     try:
         return CacheLayout.from_wire({**base.to_wire(), **named})

@@ -135,7 +135,7 @@ class BrokerCore:
 
     @property
     def queue(self) -> collections.deque[Task]:
-        return self.tasks.queue
+        return self.tasks.compact()
 
     @property
     def inflight(self) -> dict[int, Task]:
@@ -370,11 +370,13 @@ class BrokerCore:
         if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
         self.control.expire(now, out)
+        self.tasks.expire(now, out)
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
         due = self.rank_table.deadlines() + self.control.deadlines() + self.claims.deadlines()
         due.append(self.ready_waiters.due)
+        due.append(self.tasks.deadline())
         return max(0.0, min(due) - now)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -387,7 +389,7 @@ class BrokerCore:
             "world": self.cfg.world,
             "layout": gens.layout.to_wire() if gens.layout else None,
             "ranks": [ranks[r].to_json(now) for r in sorted(ranks)],
-            "queued": len(tasks.queue),
+            "queued": tasks.queued(),
             "inflight": len(tasks.inflight),
             "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
             "pending_op": control.pending.op.value if control.pending else None,

@@ -33,7 +33,7 @@ class Generation:
         self.layout: CacheLayout | None = None
         self.gen = 0
         self.used = False  # a task was dispatched at this generation: its content matters
-        self.reason = ""  # why the generation last moved (status says it)
+        self.reason = ""  # why the generation last moved (status says it; empty: it never did)
         self.keep_cpu = False  # the last clear kept the CPU tier
         self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
 
@@ -45,25 +45,28 @@ class Generation:
         if self.layout is None:
             self.layout = layout
 
-    def adopt(self, gen: int) -> None:
+    def move(self, gen: int, reason: str, *, used: bool = False) -> None:
+        """The one way the generation changes (docs/protocol.md §8.2): every
+        move says why, and status reports it as ``gen_reason``.  ``used``:
+        a task ran at ``gen`` already (one taken from a rank)."""
+        if not reason:
+            raise ValueError(f"the move of the cache generation from {self.gen} to {gen} names no reason")
+        self.gen, self.used, self.reason = _within(gen), used, reason
+
+    def adopt(self, gen: int, reason: str) -> None:
         """The first rank of a broker that lost its state: take its generation,
         counted as used (the old broker served it)."""
-        self.gen, self.used = gen, True
+        self.move(gen, reason, used=True)
 
-    def move(self, gen: int, reason: str) -> None:
-        self.gen, self.used, self.reason = _within(gen), False, reason
-
-    def cleared(self, keep_cpu: bool) -> None:
+    def cleared(self, keep_cpu: bool, reason: str) -> None:
         """A clear begins: the GPU blocks are gone at a new generation."""
-        self.gen = _within(self.gen + 1)
-        self.used = False
+        self.move(self.gen + 1, reason)
         self.keep_cpu = keep_cpu
         self.cpu_lost = []
 
-    def reallocated(self) -> None:
+    def reallocated(self, reason: str) -> None:
         """A resume from cleared failed: some ranks may have allocated, so a new generation."""
-        self.gen = _within(self.gen + 1)
-        self.used = False
+        self.move(self.gen + 1, reason)
 
     def cpu_not_kept(self, rank: int) -> None:
         if self.keep_cpu:

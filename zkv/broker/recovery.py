@@ -112,7 +112,7 @@ class Recovery:
         if ahead and not gens.used and self.ranks.ready_count() == 1:
             # The first rank of a broker that lost its state: take its
             # generation, and count it as used (the old broker served it).
-            gens.adopt(rank_gen)
+            gens.adopt(rank_gen, f"the broker had no state of this bus: it took generation {rank_gen} from rank {rank}")
             self.counters["gen_adopted"] += 1
             lost = fresh or needs_alloc
             if not lost:

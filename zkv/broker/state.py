@@ -27,6 +27,7 @@ __all__ = [
     "OP_OF_STATE",
     "ON_FAILURE",
     "ON_SUCCESS",
+    "ROLLED_BACK",
     "RUNNING_OR_RESUMING",
     "STABLE",
     "BusState",
@@ -87,6 +88,13 @@ ON_FAILURE: dict[ControlOp, dict[BusState, tuple[BusState, ControlOp]]] = {
         BusState.CLEARED: (BusState.CLEARED, ControlOp.CLEAR),
         BusState.PAUSED: (BusState.PAUSED, ControlOp.PAUSE),
     },
+}
+
+# How a failed resume's reason ends (docs/protocol.md §8.3), by the state it went back to.
+ROLLED_BACK: dict[BusState, str] = {
+    BusState.CLEARED: "the bus is cleared again",
+    BusState.PAUSED: "the bus is paused again",
+    BusState.RESUMING: "the broker retries the resume; the bus is paused again",
 }
 
 # A request for an op the bus has already reached: answered ``noop`` at once.

@@ -7,6 +7,8 @@ say (``control.py``): the caller asks it, and passes the answer in."""
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 
 from ..obs.book import BusBook, task_op
 from ..wire import fast as F
@@ -18,6 +20,8 @@ from .actions import Action, Record, ToRank, error, outcome
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, RankState, Task
+
+_NEVER_RAN = "the task's timeout_ms passed while it was queued: it was never dispatched and never ran"
 
 
 class TaskTable:
@@ -32,6 +36,12 @@ class TaskTable:
         self.ranks = ranks
         self.gens = gens
         self.queue: collections.deque[Task] = collections.deque()
+        # Queued tasks with a submit timeout_ms, by deadline: the broker wakes
+        # for the earliest and ends it then (``expire``), never later.  An
+        # expired task leaves the queue lazily (``stale`` of them are in it).
+        self.expiring: list[tuple[float, int, Task]] = []
+        self._order = itertools.count()
+        self.stale = 0
         self.inflight: dict[int, Task] = {}
         self.open_tasks: set[tuple[bytes, int]] = set()
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
@@ -67,7 +77,7 @@ class TaskTable:
             )
         elif cleared:
             reason = "caches are cleared; resume the bus first (zkv resume)"
-        elif len(self.queue) >= self.cfg.max_queue:
+        elif self.queued() >= self.cfg.max_queue:
             reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
         elif self.open_per_client[client] >= self.cfg.max_open_per_client:
             self.counters["over_limit"] += 1
@@ -83,8 +93,43 @@ class TaskTable:
         self.open_tasks.add(key)
         self.open_per_client[client] += 1
         self.queue.append(task)
+        if expires is not None:
+            heapq.heappush(self.expiring, (expires, next(self._order), task))
         self.counters["submitted"] += 1
         return True
+
+    def queued(self) -> int:
+        """Tasks waiting in the queue (the expired ones it still holds are not)."""
+        return len(self.queue) - self.stale
+
+    def compact(self) -> collections.deque[Task]:
+        """The queue without the expired tasks it still holds."""
+        if self.stale:
+            self.queue = collections.deque(t for t in self.queue if not t.reported)
+            self.stale = 0
+        return self.queue
+
+    def expire(self, now: float, out: list[Action]) -> None:
+        """End every queued task whose submit ``timeout_ms`` passed: ``timeout``,
+        never dispatched (docs/protocol.md §7.6), whatever state the bus is in."""
+        heap = self.expiring
+        while heap and heap[0][0] <= now:
+            task = heapq.heappop(heap)[2]
+            if task.seq == 0 and not task.reported:  # still queued
+                self.finish(task, Outcome.TIMEOUT, _NEVER_RAN, now, out, notify=True)
+                self.stale += 1
+        if self.stale > len(self.queue) // 2:
+            self.compact()
+
+    def deadline(self) -> float:
+        """When the next queued task expires (inf: none)."""
+        heap = self.expiring
+        while heap and (heap[0][2].seq or heap[0][2].reported):  # dispatched or ended meanwhile
+            heapq.heappop(heap)
+        if len(heap) > 2 * self.queued() + 64:  # bound what dispatched tasks leave behind
+            self.expiring = heap = [e for e in heap if not (e[2].seq or e[2].reported)]
+            heapq.heapify(heap)
+        return heap[0][0] if heap else float("inf")
 
     def done(self, rs: RankState, msg: Done, now: float, out: list[Action]) -> bool:
         """Fold a rank's ``done``; True when it freed a credit (the caller dispatches)."""
@@ -116,15 +161,11 @@ class TaskTable:
         sent = 0
         while credits > 0 and self.queue:
             task = self.queue.popleft()
-            if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
-                self.finish(
-                    task,
-                    Outcome.TIMEOUT,
-                    "the task's timeout_ms passed while it was queued; it never ran",
-                    now,
-                    out,
-                    notify=True,
-                )
+            if task.reported:  # expired while queued
+                self.stale -= 1
+                continue
+            if task.expires is not None and now >= task.expires:  # due, and the clock has not run yet
+                self.finish(task, Outcome.TIMEOUT, _NEVER_RAN, now, out, notify=True)
                 continue
             credits -= 1
             self.seq += 1
@@ -147,9 +188,10 @@ class TaskTable:
     def cancel_queued(self, reason: str, now: float, out: list[Action]) -> int:
         """End every queued task ``cancelled`` (caches cleared, generation moved)."""
         cancelled = 0
-        while self.queue:
+        for task in self.compact():
             cancelled += 1
-            self.finish(self.queue.popleft(), Outcome.CANCELLED, reason, now, out, notify=True)
+            self.finish(task, Outcome.CANCELLED, reason, now, out, notify=True)
+        self.queue.clear()
         return cancelled
 
     def fail_rank(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
