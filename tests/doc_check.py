@@ -124,3 +124,35 @@ def check_command(command: Command) -> list[str]:
             continue
         checked.append(" ".join(words))
     return checked
+
+
+INLINE = re.compile(r"`(zkv [^`]+)`")
+
+
+def inline_commands(markdown: str) -> list[str]:
+    """The ``zkv ...`` code spans of a Markdown text's prose (fenced blocks left out)."""
+    prose = re.sub(r"^(```|~~~).*?^\1", "", markdown, flags=re.S | re.M)
+    return [m.group(1) for m in INLINE.finditer(prose.replace("\n", " "))]
+
+
+def check_inline(span: str) -> None:
+    """A ``zkv ...`` the prose names: its subcommands exist (``a/b`` for
+    alternatives) and so does every ``--option`` it mentions.  Placeholders
+    and missing values are fine in prose."""
+    words = span.split()[1:]
+    commands: list[click.Command] = [_main()]
+    while words and not words[0].startswith("-") and all(isinstance(c, click.Group) for c in commands):
+        names = words[0].split("/")
+        subs = [c.commands.get(n) for c in commands for n in names if isinstance(c, click.Group)]
+        if any(s is None for s in subs):
+            if words[0].isupper():  # `zkv COMMAND --help`
+                return
+            raise AssertionError(f"`{span}`: no command {words[0]!r}")
+        commands = [s for s in subs if s is not None]
+        words = words[1:]
+    for cmd in commands:
+        opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
+        for word in words:
+            opt = word.strip("[](),.;|").split("=", 1)[0]
+            if opt.startswith("--") and opt not in opts:
+                raise AssertionError(f"`{span}`: `zkv {cmd.name}` has no option {opt}")

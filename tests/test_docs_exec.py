@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from doc_blocks import DocError, all_blocks, parse, shell_blocks
-from doc_check import check_command, check_zkv
+from doc_blocks import DocError, all_blocks, doc_files, parse, shell_blocks
+from doc_check import check_command, check_inline, check_zkv, inline_commands
 from doc_runner import BlockRun
 
 LONG = os.environ.get("ZKV_DOCS_LONG") == "1"
@@ -40,7 +40,27 @@ def test_commands_parse(block):
         assert checked or all(not c.command.startswith(("zkv", "python")) for c in block.commands())
 
 
-RUNS = [pytest.param(b, marks=pytest.mark.timeout(1200 if b.reason("long") else 180), id=b.id) for b in SHELL]
+def test_every_zkv_command_and_option_the_prose_names_exists():
+    spans = [(p.name, span) for p in doc_files() for span in inline_commands(p.read_text(encoding="utf-8"))]
+    assert len(spans) > 50, spans
+    for name, span in spans:
+        try:
+            check_inline(span)
+        except AssertionError as err:
+            pytest.fail(f"{name}: {err}")
+    with pytest.raises(AssertionError, match="no option --no-such"):
+        check_inline("zkv trace gen/check --no-such")
+    with pytest.raises(AssertionError, match="no command"):
+        check_inline("zkv frobnicate")
+
+
+def _timeout(block) -> int:
+    """pytest-timeout's bound: a block with long parts gets more once they run."""
+    has_long = block.reason("long") is not None or any(m.args[1] == "long" for m in block.named("line"))
+    return 1200 if has_long and LONG else 180
+
+
+RUNS = [pytest.param(b, marks=pytest.mark.timeout(_timeout(b)), id=b.id) for b in SHELL]
 
 
 @pytest.mark.parametrize("block", RUNS)
