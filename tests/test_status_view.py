@@ -138,24 +138,37 @@ def test_the_table_says_why_the_generation_moved():
     assert "because" not in render_status({**st, "gen_reason": ""})
 
 
+def flat_cache(rows: int, page: int) -> list[TensorEntry]:
+    return [TensorEntry("kv", torch.zeros(rows, page, dtype=torch.uint8))]
+
+
 def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_path):
     """A rank on an engine tensor of 8 blocks of 24 KiB (no zkv layout has that
-    page by default): the table shows the engine's geometry, per tier and per rank."""
-    rows, page = 8, 24576
+    page by default): the table shows the engine's geometry, per tier and per
+    rank.  The engine then reallocates 12 blocks of 8 KiB: a resume that names
+    only the new block count is refused on the bytes per block, one that names
+    the new page size is taken, and the table shows it."""
     endpoints = Endpoints.in_dir(tmp_path)
     broker = Broker(endpoints, BrokerConfig(world=1, heartbeat_ms=100))
     thread = threading.Thread(target=broker.serve, daemon=True)
     thread.start()
-    agent = RankAgent(
-        0, 1, endpoints.backend, endpoints.control, [TensorEntry("kv", torch.zeros(rows, page, dtype=torch.uint8))], 3
-    )
+    agent = RankAgent(0, 1, endpoints.backend, endpoints.control, flat_cache(8, 24576), 3)
     try:
         agent.start(timeout=30)
         with Client(endpoints.frontend) as client:
             assert client.run("swap_out", [1, 2], [0, 1], timeout=30).ok
             client.pause(timeout=30)  # the ack brings the rank's stats
             text = render_status(client.status(timeout=10))
-            client.resume(timeout=30)
+
+            client.clear(timeout=30)
+            agent.attach(flat_cache(12, 8192))
+            with pytest.raises(ZkvError) as err:
+                client.resume({"gpu_blocks": 12}, timeout=30)
+            assert err.value.code == "alloc_failed" and "has 8192 bytes per block" in err.value.reason
+            agent.attach(flat_cache(12, 8192))  # the failed resume rolled back: hand it over again
+            new = {"gpu_blocks": 12, "layers": 1, "kv_heads": 1, "block_size": 1, "head_dim": 2048, "dtype": "bf16"}
+            client.resume(new, timeout=30)
+            resumed = render_status(client.status(timeout=10))
     finally:
         agent.stop(timeout=10)
         broker.stop()
@@ -164,6 +177,8 @@ def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_pat
     assert tier_row(text, "cpu") == ["cpu", "3", "24576", "(24.0", "KiB)", "72.0", "KiB"]
     row = " ".join(rank_row(text, 0))
     assert row.startswith("0 yes") and "48.0 KiB 192.0 KiB 72.0 KiB" in row, "bytes moved (2 blocks), gpu and cpu cache"
+    assert tier_row(resumed, "gpu") == ["gpu", "12", "8192", "(8.0", "KiB)", "96.0", "KiB"]
+    assert "bus RUNNING" in resumed
 
 
 def test_a_saved_layout_zkv_cannot_read_shows_dashes():
