@@ -361,8 +361,10 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
 
 from .bench import bench  # noqa: E402
 from .control import clear, pause, resume, status, submit  # noqa: E402
+from .shm import shm  # noqa: E402
 
 main.add_command(bench)
+main.add_command(shm)
 for command in (status, submit, pause, clear, resume):
     main.add_command(command)
 
