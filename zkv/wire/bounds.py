@@ -57,6 +57,7 @@ ADOPTED_MAX: dict[tuple[str, str], int] = {
     ("ack", "gen"): MAX_COUNTER,
     ("ack", "epoch"): MAX_COUNTER,
     ("done", "gen"): MAX_COUNTER,
+    ("ready", "cpu_gen"): MAX_COUNTER,
 }
 
 
