@@ -382,10 +382,12 @@ for command in (status, submit, pause, clear, resume):
     main.add_command(command)
 
 from .state import state  # noqa: E402
+from .tier import tier  # noqa: E402
 from .trace import replay, trace  # noqa: E402
 from .up import up  # noqa: E402
 
 main.add_command(state)
+main.add_command(tier)
 
 main.add_command(trace)
 main.add_command(replay)

@@ -72,6 +72,11 @@ def _rows_at(rows: int, row_bytes: int) -> int:
     return HEADER_BYTES + -(-rows * row_bytes // 64) * 64
 
 
+def row_head_offset(rows: int, row_bytes: int, row: int) -> int:
+    """Where row ``row``'s header starts in a tier file of that shape (tools and tests)."""
+    return _rows_at(rows, row_bytes) + row * ROW_HEAD_BYTES
+
+
 class TierFile:
     """One mapped tier file (see the module docstring); ``data`` is the rows'
     bytes, ``heads`` the row headers as a ``[rows, 48]`` uint8 array.
