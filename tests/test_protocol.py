@@ -290,6 +290,8 @@ def _field(kind, name, typ):
         return st.text(alphabet=sorted(P._Z85), min_size=40, max_size=40)
     if name == "digests":
         return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
+    if name == "kept_tiers":
+        return st.lists(st.sampled_from(["cpu", "disk"]), max_size=2)
     return _STRATEGIES[typ]
 
 

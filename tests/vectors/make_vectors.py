@@ -328,6 +328,25 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"rank": 1, "world": 2, "session": 7, "layout": LAYOUT, "gen": 0, "pid": 4243, "host": "gpu-node-3"},
         "",
     ),
+    (
+        "ready_cpu_kept",
+        "backend",
+        "rank->broker",
+        "ready",
+        {
+            "rank": 0,
+            "world": 2,
+            "session": 9,
+            "layout": LAYOUT,
+            "gen": 0,
+            "pid": 4244,
+            "fresh": True,
+            "kept_tiers": ["cpu"],
+            "cpu_gen": 3,
+        },
+        "a restarted rank that mapped its CPU tier again: its GPU memory is fresh, its CPU blocks of CPU "
+        "generation 3 survived (docs/protocol.md §10.1)",
+    ),
     ("hb_rank", "backend", "rank->broker", "hb", {"inflight": 0, "stats": {"tasks_ok": 3}}, ""),
     ("done", "backend", "rank->broker", "done", {"seq": 1, "n": 1, "outcome": "ok", "gen": 0, "bytes": 131072}, ""),
     ("ack_pause", "backend", "rank->broker", "ack", {"epoch": 1, "op": "pause", "gen": 0, "upto": 3}, ""),
@@ -424,6 +443,14 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"seq": 2, "n": 2, "task": 2, "reply_to": REPLY_TO_V6, "gen": 2**40},
         "",
     ),
+    (
+        "task_cpu_gen",
+        "backend",
+        "broker->rank",
+        "task",
+        {"seq": 2, "n": 2, "task": 2, "reply_to": REPLY_TO, "gen": 4, "cpu_gen": 3},
+        "cpu_gen: the bus's CPU generation at dispatch; the rank echoes it in the result (docs/protocol.md §8.2)",
+    ),
     # broker -> ranks (PUB)
     ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),
     (
@@ -502,6 +529,30 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"task": 5, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 1, "bytes": 65536, "elapsed_us": 150},
         "gen: the generation the task ran at; newer than the client's, it ends the open tasks that ran at an older "
         "one, not this task (docs/protocol.md §7.4)",
+    ),
+    (
+        "result_cpu_kept",
+        "results",
+        "rank->client",
+        "result",
+        {"task": 6, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 4, "bytes": 65536, "cpu_gen": 3},
+        "gen moved (GPU blocks gone) but cpu_gen did not: the client keeps its CPU entries (docs/protocol.md §8.2)",
+    ),
+    (
+        "result_lost_block",
+        "results",
+        "rank->client",
+        "result",
+        {
+            "task": 7,
+            "rank": 1,
+            "world": 2,
+            "outcome": "failed",
+            "reason": "lost_block: CPU block(s) [6] lost: header or digest does not check (a torn write or corruption)",
+            "gen": 4,
+            "cpu_gen": 3,
+        },
+        "a swap_in from a CPU block whose header or digest does not check fails naming the block",
     ),
 ]
 
@@ -915,6 +966,25 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         None,
         "bad_field",
         "gen is a uint: at most 2^53-1 (the broker adopts only up to 2^40-1, §10.1)",
+    ),
+    (
+        "ready_kept_tiers_not_names",
+        m(
+            {
+                "v": 1,
+                "kind": "ready",
+                "rank": 0,
+                "world": 2,
+                "session": 1,
+                "layout": LAYOUT,
+                "gen": 0,
+                "kept_tiers": [1],
+            }
+        ),
+        "decode",
+        None,
+        "bad_field",
+        "kept_tiers is a list of tier names",
     ),
     (
         "done_gen_2_53",

@@ -235,7 +235,7 @@ class ControlMachine:
             return
         self.book.control_finished(op.op, "ok", now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
-        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen}
+        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen, "cpu_gen": self.gens.cpu_gen}
         self.state = ON_SUCCESS[op.op]
         if op.op == ControlOp.PAUSE:
             fields["drain_ms"] = elapsed_ms

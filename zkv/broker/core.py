@@ -385,6 +385,7 @@ class BrokerCore:
             "state": control.state.value,
             "epoch": control.epoch,
             "gen": gens.gen,
+            "cpu_gen": gens.cpu_gen,
             "gen_reason": gens.reason,
             "world": self.cfg.world,
             "layout": gens.layout.to_wire() if gens.layout else None,

@@ -157,7 +157,7 @@ class TaskTable:
         if not all(rs.alive and rs.welcomed for rs in ranks):
             return
         credits = limit - max(rs.inflight for rs in ranks)
-        gen = self.gens.gen
+        gen, cpu_gen = self.gens.gen, self.gens.cpu_gen
         sent = 0
         while credits > 0 and self.queue:
             task = self.queue.popleft()
@@ -177,7 +177,14 @@ class TaskTable:
                 rs.inflight += 1
                 rs.dispatched += 1
                 header = F.encode_task(
-                    task.seq, rs.dispatched, task.task, task.reply_to, gen, task.reply_key or None, rs.session
+                    task.seq,
+                    rs.dispatched,
+                    task.task,
+                    task.reply_to,
+                    gen,
+                    task.reply_key or None,
+                    rs.session,
+                    cpu_gen,
                 )
                 out.append(ToRank(rs.identity, [header, task.body]))
             sent += 1

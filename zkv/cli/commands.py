@@ -294,6 +294,15 @@ def broker(
     "options given must agree with that memory, else the worker exits naming both. On resume the "
     "manifest is read again and must carry a newer cache.",
 )
+@click.option(
+    "--tier-dir",
+    default="/dev/shm",
+    show_default=True,
+    envvar="ZKV_TIER_DIR",
+    show_envvar=True,
+    help="Where zkv's CPU tier lives as a file that outlives this process (a restarted rank maps it again "
+    "and keeps its blocks; zkv tier list / clean). 'none': in process memory, gone with the process.",
+)
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -304,9 +313,11 @@ def worker(
     liveness_ms: int,
     torch_threads: int,
     manifest: str | None,
+    tier_dir: str,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
+    from ..rank.cache.errors import CacheError
     from ..rank.registration import RankRefused
     from ..rank.worker import RankWorker, set_torch_threads
 
@@ -316,10 +327,14 @@ def worker(
     layout = layout_from(kw)
     curve = curve_from(kw)
     if manifest is None:
-        w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve)
+        opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve}
+        try:
+            tiers = None if tier_dir in ("", "none") else tier_dir
+            w = RankWorker(rank, world_size, backend, control, layout, tier_dir=tiers, **opts)
+        except CacheError as err:
+            fail(f"rank {rank} cannot map its CPU tier: {err}", "is another worker of this rank running?")
     else:
         from ..rank import attach_rank
-        from ..rank.cache.errors import CacheError
 
         claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
         try:
@@ -369,10 +384,12 @@ for command in (status, submit, pause, clear, resume):
     main.add_command(command)
 
 from .state import state  # noqa: E402
+from .tier import tier  # noqa: E402
 from .trace import replay, trace  # noqa: E402
 from .up import up  # noqa: E402
 
 main.add_command(state)
+main.add_command(tier)
 
 main.add_command(trace)
 main.add_command(replay)

@@ -224,7 +224,7 @@ class Client:
             "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
         )
         reason = "caches were cleared (zkv clear) before the task's result arrived"
-        for out in self.book.cleared(reply["gen"], reason, time.monotonic()):
+        for out in self.book.cleared(reply["gen"], reason, time.monotonic(), reply.get("cpu_gen")):
             self.finished[out.task] = out
         return reply
 
@@ -234,7 +234,7 @@ class Client:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
         self.book.gen_known = True  # our own resume named it: news even to a client that knew none
-        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived")
+        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived", reply.get("cpu_gen"))
         return reply
 
     def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
@@ -248,7 +248,8 @@ class Client:
             )
         else:
             reply = self.request("status", timeout)
-        self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation")
+        reason = reply.get("gen_reason") or "the bus moved to a new cache generation"
+        self._on_new_gen(reply["gen"], reason, reply.get("cpu_gen"))
         return reply
 
     @property
@@ -256,6 +257,13 @@ class Client:
         """The cache generation this client last learned (clear, resume, status,
         results, outcomes); None until it heard of one."""
         return self.book.gen if self.book.gen_known else None
+
+    @property
+    def cpu_gen(self) -> int | None:
+        """The CPU tier's generation this client last learned (docs/protocol.md
+        §8.2): CPU blocks it swapped out at this one are still there.  None
+        until it heard of one, and after a generation move heard without one."""
+        return self.book.cpu_gen
 
     def ping(self, timeout: float | None = None) -> dict:
         return self.request("ping", timeout)
@@ -266,8 +274,8 @@ class Client:
         ``cancelled``; the others end with what their own results say (§7.4)."""
         self._on_new_gen(gen, reason)
 
-    def _on_new_gen(self, gen: int, reason: str) -> None:
-        for out in self.book.learn_gen(gen, reason, time.monotonic()):
+    def _on_new_gen(self, gen: int, reason: str, cpu_gen: int | None = None) -> None:
+        for out in self.book.learn_gen(gen, reason, time.monotonic(), cpu_gen):
             self.finished[out.task] = out
 
     # --- the one wait ------------------------------------------------------------

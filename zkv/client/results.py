@@ -49,6 +49,9 @@ class ResultBook:
         self.deadlines: list[tuple[float, int]] = []
         self.gen = 0
         self.gen_known = False  # a new client takes the first generation it hears of
+        # The CPU tier's generation (docs/protocol.md §8.2): None while unknown,
+        # and after a move of ``gen`` heard without one (then CPU content may be gone too).
+        self.cpu_gen: int | None = None
         self.moved: list[TaskOutcome] = []  # tasks ended because the bus moved to a new generation
         self.counters: collections.Counter[str] = collections.Counter()
         self.timed_out: collections.OrderedDict[int, _Open] = collections.OrderedDict()
@@ -82,9 +85,11 @@ class ResultBook:
             self.moved.append(self._close(entry, "cancelled", reason, now))
             return None
         if msg.gen > self.gen:  # news of a move: it ends the open tasks that ran before it
-            self.moved += self.learn_gen(msg.gen, "the bus moved to a new cache generation (see zkv status)", now)
+            reason = "the bus moved to a new cache generation (see zkv status)"
+            self.moved += self.learn_gen(msg.gen, reason, now, msg.cpu_gen)
             if msg.task not in self.open:  # this task had a result of an older generation too
                 return None
+        self.learn_cpu_gen(False, msg.cpu_gen)
         self.gen_known = True
         entry.gen = msg.gen
         if entry.fold is None:
@@ -130,12 +135,22 @@ class ResultBook:
         done, self.settled = self.settled, []
         return done
 
-    def learn_gen(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+    def learn_cpu_gen(self, gen_moved: bool, cpu_gen: int | None) -> None:
+        """Take the CPU generation a message names; a move of ``gen`` heard
+        without one makes it unknown (the CPU content may be gone with it)."""
+        if cpu_gen is not None:
+            self.cpu_gen = max(cpu_gen, self.cpu_gen if self.cpu_gen is not None else 0)
+        elif gen_moved:
+            self.cpu_gen = None
+
+    def learn_gen(self, gen: int, reason: str, now: float, cpu_gen: int | None = None) -> list[TaskOutcome]:
         """The bus is at ``gen``: if that is newer, every open task that ran at
         an older generation ends ``cancelled`` (what it copied is gone).  An
         open task with no result yet stays open: its own results say which
-        generation it ran at (``on_result``)."""
+        generation it ran at (``on_result``).  ``cpu_gen``: the CPU
+        generation the same message names, if it names one."""
         known, self.gen_known = self.gen_known, True
+        self.learn_cpu_gen(gen > self.gen, cpu_gen)
         if gen <= self.gen:
             return []
         old, self.gen = self.gen, gen
@@ -186,11 +201,12 @@ class ResultBook:
                 self.timed_out.popitem(last=False)
         return done
 
-    def cleared(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+    def cleared(self, gen: int, reason: str, now: float, cpu_gen: int | None = None) -> list[TaskOutcome]:
         """This client's own clear reply names ``gen``.  Every task still open
         was submitted before the clear request, on the same connection, so at
         an older generation: if ``gen`` is news, they all end ``cancelled``."""
         self.gen_known = True
+        self.learn_cpu_gen(gen > self.gen, cpu_gen)
         if gen <= self.gen:
             return []
         self.gen = gen

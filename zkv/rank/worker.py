@@ -52,6 +52,7 @@ from .registration import RankRefused
 from .reports import CacheDone, Finished, Report
 from .result_links import ResultSenders
 from .runner import TaskRunner
+from .tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
 
@@ -176,14 +177,18 @@ class RankWorker:
         liveness_ms: int = 2000,
         curve: Curve | None = None,
         cache: BlockStore | None = None,
+        tier_dir: str | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
+        self._owns_cache = cache is None  # ours to close when the loop ends (a tier file stays for a restart)
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank)
+            place = TierPlace(bus_name(backend), rank, tier_dir) if tier_dir else None
+            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank, place=place)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
+        self.core.tiers = lambda: cache.kept_tiers(self.core.fresh)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
@@ -250,6 +255,9 @@ class RankWorker:
         )
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
+        tier = self.cache.tier
+        if tier is not None and tier.file is not None:  # a persistent CPU tier: what it holds, what failed
+            s.update(cpu_blocks_valid=tier.valid_rows(), cpu_digest_failures=tier.digest_failures)
         return s
 
     def serve(self) -> None:
@@ -284,6 +292,8 @@ class RankWorker:
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
             self._inline_senders.close()
+            if self._owns_cache:
+                self.cache.close()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for frames in ready_messages(sock, 512):

@@ -144,6 +144,7 @@ class OutcomeMsg(Message, frozen=True):
     outcome: str
     reason: str
     gen: int | None = None
+    cpu_gen: int | None = None
 
 
 # --- rank -> broker (backend) ----------------------------------------------------------
@@ -159,6 +160,8 @@ class Ready(Message, frozen=True):
     fresh: bool | None = None
     has_cache: bool | None = None
     host: str | None = None
+    kept_tiers: list[str] | None = None
+    cpu_gen: int | None = None
 
 
 class Heartbeat(Message, frozen=True):
@@ -221,6 +224,7 @@ class Task(Message, frozen=True):
     gen: int
     reply_key: str | None = None
     session: int | None = None
+    cpu_gen: int | None = None
 
 
 class Control(Message, frozen=True):
@@ -247,6 +251,7 @@ class Result(Message, frozen=True):
     bytes: int | None = None
     elapsed_us: int | None = None
     digests: list[Digest] | None = None
+    cpu_gen: int | None = None
 
 
 class Body(Message, frozen=True):

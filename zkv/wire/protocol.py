@@ -178,6 +178,8 @@ def _check_list(kind: str, name: str, value: Any) -> bool:
     if len(value) > most:
         code = "too_large" if name == "digests" else "bad_field"
         raise ProtocolError(code, f"{kind}.{name} has more than {most} entries")
+    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= 16 for x in value):
+        raise ProtocolError("bad_field", f"{kind}.kept_tiers must be a list of tier names")
     if name == "upto" and not all(is_uint(x) for x in value):
         raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
     if name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):

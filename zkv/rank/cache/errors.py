@@ -7,7 +7,9 @@ descriptor that does not fit its buffers), ``bad_block_id``, ``released``
 field), ``missing_file``, ``size_mismatch``, ``stale_manifest`` (another
 generation than expected), ``no_device`` (a CUDA device named by UUID that
 is not visible here), ``no_cache`` (a resume found no new engine cache to
-attach)."""
+attach), ``lost_block`` (a CPU tier block whose header or digest does not
+check: a torn write or corruption; never served), ``tier_in_use`` (a
+persistent CPU tier another live process has mapped)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ CODES = frozenset(
         "stale_manifest",
         "no_device",
         "no_cache",
+        "lost_block",
+        "tier_in_use",
     }
 )
 

@@ -20,7 +20,10 @@ cleared and serving; a later resume tries again).
 Tiers are named as on the wire: ``gpu`` is the device tier, ``cpu`` zkv's
 swap space.  ``checksum`` of a block is the BLAKE2b of its page in every
 region, in region order, which is exactly a CPU tier row: a block and the row
-it was swapped to have one digest.  One thread (the rank's executor, or the
+it was swapped to have one digest.  With a ``place`` the CPU tier is a tier
+file that outlives the process (``tier.CpuTier``): ``restored`` says the
+first allocation mapped one an earlier process of this rank left, and
+``cpu_gen`` is the CPU generation its rows belong to.  One thread (the rank's executor, or the
 I/O thread while nothing is queued) drives a store."""
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
+from ..tier_file import TierPlace
 from . import geometry
 from .copier import CopyEngine
 from .errors import CacheError
@@ -92,8 +96,11 @@ class BlockStore:
     ``cache`` (the device tier's regions) and ``copier`` are None while cleared;
     ``tier`` too unless a clear kept it."""
 
-    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0):
+    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0, place: TierPlace | None = None):
         self.memory = memory
+        self.place = place  # where a persistent CPU tier lives (None: process memory)
+        self.restored = False  # the first allocation mapped a CPU tier a previous process left
+        self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
         self.rank = rank
         self.layout = layout  # what the rank announces; gpu_blocks / cpu_blocks bound the ids
         self.cache: EngineCache | None = None
@@ -108,10 +115,15 @@ class BlockStore:
 
     @classmethod
     def owned(
-        cls, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0, staging_bytes: int = STAGING_BYTES
+        cls,
+        layout: CacheLayout,
+        device: torch.device | str = "cpu",
+        rank: int = 0,
+        staging_bytes: int = STAGING_BYTES,
+        place: TierPlace | None = None,
     ) -> "BlockStore":
         """A store on memory zkv allocates on ``device`` for ``layout``."""
-        return cls(OwnedMemory(device, staging_bytes), layout, rank)
+        return cls(OwnedMemory(device, staging_bytes), layout, rank, place)
 
     @classmethod
     def attached(
@@ -175,9 +187,13 @@ class BlockStore:
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
             if not kept:
-                self.tier = None  # drop the old rows before allocating new ones
-                self.tier = CpuTier.for_cache(cache.descriptor, layout.cpu_blocks, self.memory.pin)
+                self._drop_tier()  # drop the old rows before allocating new ones
+                self.tier = CpuTier.for_cache(
+                    cache.descriptor, layout.cpu_blocks, self.memory.pin, place=self.place, key=key, gen=self.cpu_gen
+                )
                 self._tier_key = key
+                if self.generation is None and self.tier.kept:
+                    self.restored, self.cpu_gen = True, self.tier.gen or 0
             assert self.tier is not None
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
@@ -209,11 +225,24 @@ class BlockStore:
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
         freed = self.tier_nbytes()["gpu"]
+        self._drop_device()
         if not keep_cpu and self.tier is not None:
             freed += self.tier.nbytes
-            self.tier = None
-        self._drop_device()
+            self._drop_tier()
         return Freed(freed, self.tier is not None)
+
+    def _drop_tier(self, unlink: bool = True) -> None:
+        """Drop the CPU tier; its file too (a clear), unless the rank only stops (``unlink=False``)."""
+        tier, self.tier = self.tier, None
+        if tier is not None:
+            tier.close(unlink)
+
+    def set_cpu_gen(self, gen: int) -> None:
+        """The bus's CPU generation: new rows belong to it, and a mapped tier's
+        rows of another one stop checking (they are gone for every client)."""
+        self.cpu_gen = gen
+        if self.tier is not None:
+            self.tier.set_gen(gen)
 
     def _drop_device(self) -> None:
         cache, copier = self.cache, self.copier
@@ -224,9 +253,18 @@ class BlockStore:
             self.memory.release(cache)
 
     def close(self) -> None:
-        """Drop everything (the rank stops): the device tier, the tier, anything pending."""
-        self.free(keep_cpu=False)
+        """Drop everything (the rank stops): the device tier, the tier (a tier
+        file stays for the next process of this rank: ``zkv tier clean``), anything pending."""
+        self._drop_device()
+        self._drop_tier(unlink=False)
         self.memory.close()
+
+    def kept_tiers(self, fresh: bool) -> dict[str, Any]:
+        """What a READY says of the CPU tier: kept (``cpu_gen`` names its
+        content) when this process held it in the bus or mapped it again."""
+        if self.tier is None or (fresh and not self.restored):
+            return {}
+        return {"kept_tiers": ["cpu"], "cpu_gen": self.cpu_gen}
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
@@ -267,9 +305,13 @@ class BlockStore:
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
-        assert self.copier is not None, "swap on a cleared store"
+        assert self.copier is not None and self.tier is not None, "swap on a cleared store"
         if op == "swap_out":
-            return self.copier.copy_out(src, dst)
+            self.tier.writing(dst)
+            nbytes = self.copier.copy_out(src, dst)
+            self.tier.written(dst)
+            return nbytes
+        self.tier.check_rows(src)  # a lost block fails the task, never copies other bytes
         return self.copier.copy_in(src, dst)
 
     def views(self, tier: str) -> list[torch.Tensor]:
@@ -285,13 +327,22 @@ class BlockStore:
         rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
         index = torch.tensor(list(ids), dtype=torch.long)
         views = self.views(tier)
+        if tier == "cpu":
+            assert self.tier is not None
+            self.tier.writing(ids)
         for view in views:
             values = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=rng)
             view.index_copy_(0, index.to(view.device), values.to(view.device))
         if views and views[0].is_cuda:
             torch.cuda.synchronize(views[0].device)
+        if tier == "cpu":
+            assert self.tier is not None
+            self.tier.written(ids)
         return len(ids) * sum(v.shape[1] for v in views)
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
-        """A 16-byte BLAKE2b digest of every block (its page in every region)."""
+        """A 16-byte BLAKE2b digest of every block (its page in every region);
+        a lost CPU block fails it (``CacheError("lost_block")``)."""
+        if tier == "cpu" and self.tier is not None:
+            self.tier.check_rows(ids)
         return block_digests(self.views(tier), ids)
