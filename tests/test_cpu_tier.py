@@ -15,8 +15,8 @@ from zkv.wire.layout import CacheLayout
 SMALL = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=2, head_dim=8)
 
 
-def store(tmp_path, layout=SMALL, rank=0):
-    return BlockStore.owned(layout, place=TierPlace("bus", rank, str(tmp_path)))
+def store(tmp_path, layout=SMALL, rank=0, digests=False):
+    return BlockStore.owned(layout, place=TierPlace("bus", rank, str(tmp_path), digests))
 
 
 def test_a_second_process_of_the_rank_maps_the_tier_again_with_every_sealed_block(tmp_path):
@@ -36,11 +36,13 @@ def test_a_second_process_of_the_rank_maps_the_tier_again_with_every_sealed_bloc
     assert list(list_tiers(str(tmp_path))) == []
 
 
-def test_a_torn_header_loses_that_block_only_and_a_swap_in_naming_it_fails(tmp_path):
-    s = store(tmp_path)
+@pytest.mark.parametrize("digests", [False, True])
+def test_a_torn_header_loses_that_block_only_and_a_swap_in_naming_it_fails(tmp_path, digests):
+    s = store(tmp_path, digests=digests)
     s.fill("cpu", [3, 4, 5], seed=1)
     good = s.checksum("cpu", [3, 5])
-    s.tier.file.heads[4, 40] ^= 0xFF  # its digest no longer matches its bytes
+    # with digests: the digest no longer matches the bytes; without: the header's mark is gone
+    s.tier.file.heads[4, 40 if digests else 0] ^= 0xFF
     with pytest.raises(CacheError, match=r"lost_block.*\[4\]"):
         s.swap("swap_in", [3, 4, 5], [0, 1, 2])
     with pytest.raises(CacheError, match="lost_block"):
@@ -49,6 +51,19 @@ def test_a_torn_header_loses_that_block_only_and_a_swap_in_naming_it_fails(tmp_p
     s.swap("swap_in", [3, 5], [0, 1])
     assert s.checksum("gpu", [0, 1]) == good
     s.close()
+
+
+def test_with_digests_a_block_whose_bytes_changed_behind_zkv_is_lost_and_without_them_is_served(tmp_path):
+    for digests in (True, False):
+        s = store(tmp_path, digests=digests)
+        s.fill("cpu", [6], seed=2)
+        s.tier.file.data[6][0] ^= 0xFF  # a stray writer, not a torn write: the header still checks
+        if digests:
+            with pytest.raises(CacheError, match=r"lost_block.*\[6\]"):
+                s.checksum("cpu", [6])
+        else:
+            assert len(s.checksum("cpu", [6])) == 1
+        s.free()
 
 
 def test_a_write_cut_short_leaves_a_block_that_does_not_check(tmp_path):

@@ -303,6 +303,16 @@ def broker(
     help="Where zkv's CPU tier lives as a file that outlives this process (a restarted rank maps it again "
     "and keeps its blocks; zkv tier list / clean). 'none': in process memory, gone with the process.",
 )
+@click.option(
+    "--tier-digests/--no-tier-digests",
+    default=False,
+    show_default=True,
+    envvar="ZKV_TIER_DIGESTS",
+    show_envvar=True,
+    help="Also keep a BLAKE2b digest of every CPU-tier block and check it when the block is read. A torn "
+    "write is caught without it (each block's header is written last); the digest also catches bytes "
+    "changed behind zkv's back, at the cost of hashing every block copied (several times the copy).",
+)
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -314,6 +324,7 @@ def worker(
     torch_threads: int,
     manifest: str | None,
     tier_dir: str,
+    tier_digests: bool,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
@@ -330,7 +341,9 @@ def worker(
         opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve}
         try:
             tiers = None if tier_dir in ("", "none") else tier_dir
-            w = RankWorker(rank, world_size, backend, control, layout, tier_dir=tiers, **opts)
+            w = RankWorker(
+                rank, world_size, backend, control, layout, tier_dir=tiers, tier_digests=tier_digests, **opts
+            )
         except CacheError as err:
             fail(f"rank {rank} cannot map its CPU tier: {err}", "is another worker of this rank running?")
     else:

@@ -8,12 +8,16 @@ mapped.  It holds a file header, the rows (block-major, one row per block)
 and one 48-byte header per row, written *after* the row's bytes:
 
     mark (4 bytes, ``ZKVB`` when valid) · 0 (u32) · generation (u64) ·
-    layout digest (16 bytes) · BLAKE2b-128 of the row (16 bytes)
+    layout digest (16 bytes) · BLAKE2b-128 of the row (16 bytes, zero: none)
 
 A write clears the mark first and writes it last, so a write torn by a
 kill leaves a row whose header does not check: that block is lost, never
-served.  Reopening checks the headers only (cheap whatever the size); a
-row's bytes are checked against its digest when it is read (``verify``).
+served.  A tier in host memory dies only with the host, so the mark is
+what catches the tears it can suffer; the row digest is opt-in
+(``TierPlace.digests``, ``zkv worker --tier-digests``) because hashing a row
+costs several times copying it (BLAKE2b ~0.3-0.7 GB/s per core against a
+copy's several GB/s).  With it, a row's bytes are checked against the digest
+when it is read.  Reopening checks the headers only (cheap whatever the size).
 
 The process mapping a tier holds an exclusive ``flock`` on it for as long as
 it is mapped: a second process of the same rank cannot map it, and a tier
@@ -42,6 +46,7 @@ _HEAD = struct.Struct("<8sIIQQ16sQII64s")  # magic, version, header bytes, rows,
 ROW_HEAD = struct.Struct("<4sIQ16s16s")  # mark, 0, generation, layout digest, row digest
 ROW_HEAD_BYTES = ROW_HEAD.size
 MARK = b"ZKVB"
+_NO_DIGEST = bytes(16)  # a row sealed without a digest
 _GEN_AT = 8 + 4 + 4 + 8 + 8 + 16  # offset of the file header's generation
 _PID_AT = _GEN_AT + 8
 
@@ -58,11 +63,13 @@ def bus_name(backend: str) -> str:
 
 @dataclass(frozen=True)
 class TierPlace:
-    """Where a rank's persistent CPU tiers live: a directory, the bus and the rank."""
+    """Where a rank's persistent CPU tiers live: a directory, the bus and the rank.
+    ``digests``: also keep and check each row's BLAKE2b (see ``TierFile.seal``)."""
 
     bus: str
     rank: int
     directory: str = DEFAULT_DIR
+    digests: bool = False
 
     def path(self, digest: bytes) -> Path:
         return Path(self.directory) / f"{PREFIX}{self.bus}-r{self.rank}-{digest.hex()[:16]}"
@@ -87,6 +94,7 @@ class TierFile:
 
     def __init__(self, place: TierPlace, key: Hashable, rows: int, row_bytes: int, gen: int = 0):
         self.digest = layout_digest(key)
+        self.digests = place.digests
         self.path = place.path(self.digest)
         self.rows, self.row_bytes = rows, row_bytes
         self.kept = False
@@ -163,9 +171,12 @@ class TierFile:
         for r in rows:
             h = self.heads[r]
             h[4:32] = head[4:32]
-            h[32:48] = np.frombuffer(hashlib.blake2b(self.data[r], digest_size=16).digest(), dtype=np.uint8)
+            h[32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8) if self.digests else 0
             h[0:4] = mark
         self.valid[rows] = gen == self.gen
+
+    def _row_digest(self, row: int) -> bytes:
+        return hashlib.blake2b(self.data[row], digest_size=16).digest()
 
     def lost(self, rows: list[int]) -> list[int]:
         """The rows among ``rows`` whose header or digest does not check (read and hashed here)."""
@@ -175,7 +186,12 @@ class TierFile:
                 self.gen,
                 self.digest,
             )
-            if not ok or hashlib.blake2b(self.data[r], digest_size=16).digest() != bytes(self.heads[r, 32:48]):
+            stored = bytes(self.heads[r, 32:48])
+            if not ok or (
+                self.digests
+                and stored != _NO_DIGEST
+                and hashlib.blake2b(self.data[r], digest_size=16).digest() != stored
+            ):
                 bad.append(r)
         return bad
 

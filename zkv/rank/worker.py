@@ -178,13 +178,14 @@ class RankWorker:
         curve: Curve | None = None,
         cache: BlockStore | None = None,
         tier_dir: str | None = None,
+        tier_digests: bool = False,
     ):
         self.ctx = ctx or zmq.Context.instance()
         self._owns_cache = cache is None  # ours to close when the loop ends (a tier file stays for a restart)
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            place = TierPlace(bus_name(backend), rank, tier_dir) if tier_dir else None
+            place = TierPlace(bus_name(backend), rank, tier_dir, tier_digests) if tier_dir else None
             cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank, place=place)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
