@@ -665,6 +665,8 @@ def test_a_misconfigured_rank_cannot_evict_the_live_one(cluster, client):
             "--control",
             cluster.endpoints.control,
             *layout_args(LAYOUT),
+            "--tier-dir",
+            "none",  # as from another host: on this one its CPU tier file is refused first
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -26,6 +26,7 @@ from .options import (
     layout_options,
     metrics_options,
     sigterm_as_interrupt,
+    tier_options,
 )
 
 _DEFAULT = Endpoints.default
@@ -294,25 +295,7 @@ def broker(
     "options given must agree with that memory, else the worker exits naming both. On resume the "
     "manifest is read again and must carry a newer cache.",
 )
-@click.option(
-    "--tier-dir",
-    default="/dev/shm",
-    show_default=True,
-    envvar="ZKV_TIER_DIR",
-    show_envvar=True,
-    help="Where zkv's CPU tier lives as a file that outlives this process (a restarted rank maps it again "
-    "and keeps its blocks; zkv tier list / clean). 'none': in process memory, gone with the process.",
-)
-@click.option(
-    "--tier-digests/--no-tier-digests",
-    default=False,
-    show_default=True,
-    envvar="ZKV_TIER_DIGESTS",
-    show_envvar=True,
-    help="Also keep a BLAKE2b digest of every CPU-tier block and check it when the block is read. A torn "
-    "write is caught without it (each block's header is written last); the digest also catches bytes "
-    "changed behind zkv's back, at the cost of hashing every block copied (several times the copy).",
-)
+@tier_options
 @curve_options(server=False, client=True)
 def worker(
     rank: int,

@@ -10,9 +10,10 @@ and one 48-byte header per row, written *after* the row's bytes:
     mark (4 bytes, ``ZKVB`` when valid) · 0 (u32) · generation (u64) ·
     layout digest (16 bytes) · BLAKE2b-128 of the row (16 bytes, zero: none)
 
-A write clears the mark first and writes it last, so a write torn by a
-kill leaves a row whose header does not check: that block is lost, never
-served.  A tier in host memory dies only with the host, so the mark is
+A write sets the mark to "being written" first and to valid last, so a
+write torn by a kill leaves a row whose header does not check: that block
+is lost, never served (a row never written, its header all zeros, holds
+the zeros of a fresh tier).  A tier in host memory dies only with the host, so the mark is
 what catches the tears it can suffer; the row digest is opt-in
 (``TierPlace.digests``, ``zkv worker --tier-digests``) because hashing a row
 costs several times copying it (BLAKE2b ~0.3-0.7 GB/s per core against a
@@ -46,6 +47,8 @@ _HEAD = struct.Struct("<8sIIQQ16sQII64s")  # magic, version, header bytes, rows,
 ROW_HEAD = struct.Struct("<4sIQ16s16s")  # mark, 0, generation, layout digest, row digest
 ROW_HEAD_BYTES = ROW_HEAD.size
 MARK = b"ZKVB"
+WRITING = b"ZKVW"  # the mark while a row is being written
+_EMPTY_HEAD = bytes(ROW_HEAD_BYTES)  # a row never written since the file was made
 _NO_DIGEST = bytes(16)  # a row sealed without a digest
 _GEN_AT = 8 + 4 + 4 + 8 + 8 + 16  # offset of the file header's generation
 _PID_AT = _GEN_AT + 8
@@ -160,8 +163,9 @@ class TierFile:
             self._map[_GEN_AT : _GEN_AT + 8] = struct.pack("<Q", gen)
 
     def unseal(self, rows: list[int]) -> None:
-        """Before rows are written: their headers stop checking (cleared mark first)."""
-        self.heads[rows, 0:4] = 0
+        """Before rows are written: their headers stop checking (the mark says
+        "being written" first: a kill now leaves a lost row, never an empty one)."""
+        self.heads[rows, 0:4] = np.frombuffer(WRITING, dtype=np.uint8)
 
     def seal(self, rows: list[int], gen: int) -> None:
         """After rows are written: digest, then the mark last.  ``gen``: the
@@ -179,19 +183,17 @@ class TierFile:
         return hashlib.blake2b(self.data[row], digest_size=16).digest()
 
     def lost(self, rows: list[int]) -> list[int]:
-        """The rows among ``rows`` whose header or digest does not check (read and hashed here)."""
+        """The rows among ``rows`` whose header or digest does not check (read and hashed here).
+        A row never written since the file was made (its header all zeros) is not
+        lost: it holds the zeros of a fresh tier, as an in-memory one would."""
         bad = []
         for r in dict.fromkeys(rows):
-            ok = bytes(self.heads[r, 0:4]) == MARK and ROW_HEAD.unpack(bytes(self.heads[r]))[2:4] == (
-                self.gen,
-                self.digest,
-            )
-            stored = bytes(self.heads[r, 32:48])
-            if not ok or (
-                self.digests
-                and stored != _NO_DIGEST
-                and hashlib.blake2b(self.data[r], digest_size=16).digest() != stored
-            ):
+            head = bytes(self.heads[r])
+            if head == _EMPTY_HEAD:
+                continue
+            ok = head[0:4] == MARK and ROW_HEAD.unpack(head)[2:4] == (self.gen, self.digest)
+            stored = head[32:48]
+            if not ok or (self.digests and stored != _NO_DIGEST and self._row_digest(r) != stored):
                 bad.append(r)
         return bad
 
