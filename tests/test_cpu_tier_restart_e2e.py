@@ -11,7 +11,7 @@ import time
 import pytest
 
 from zkv.harness.cluster import LocalCluster
-from zkv.rank.tier_file import list_tiers, row_head_offset
+from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=16)
@@ -36,13 +36,11 @@ def wait_for(client, predicate, what: str, timeout: float = 20.0) -> dict:
 
 
 def tear_header(path, rows: int, row_bytes: int, row: int) -> None:
-    """Flip a byte of a row's digest in the file (the rank is down): its header no longer checks."""
-    at = row_head_offset(rows, row_bytes, row) + 40
+    """Leave a row as a kill in the middle of its write leaves it (the rank is
+    down): its mark says "being written", so its header no longer checks."""
     with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
+        f.seek(row_head_offset(rows, row_bytes, row))
+        f.write(WRITING)
 
 
 def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generation_and_a_torn_one_fails(
