@@ -115,12 +115,14 @@ class ControlMachine:
         self.begin([(client, msg.req)], timeout_s, ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
     def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
-        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
+        if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
-        try:
+        try:  # before the noop: a running bus refuses a layout it does not hold (docs/protocol.md §8.3)
             layout = resume_layout(msg.layout, self.state, self.gens.layout)
         except Refusal as refusal:
             self._refuse(ControlOp.RESUME, client, msg, refusal, out)
+            return
+        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
             return
         self.retry_at = None
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
@@ -272,17 +273,13 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
     """Reallocate caches if cleared and restart dispatch."""
     layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
-    r = client.resume(layout or None, timeout)
-    if layout and r.get("noop"):  # the broker answers a running bus before it looks at the layout
+    try:
+        r = client.resume(layout or None, timeout)
+    except ZkvError as err:
+        if err.code != "not_cleared" or as_json:
+            raise
         asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items())
-        if as_json:
-            reason = f"the bus is running: {asked} was not applied"
-            click.echo(json.dumps({"ok": False, "code": "not_cleared", "reason": reason}))
-            sys.exit(1)
-        fail(
-            f"the bus is running: {asked} was not applied (a new layout needs cleared caches)",
-            f"run: zkv pause, zkv clear, then zkv resume {asked}",
-        )
+        fail(f"{err.reason} ({asked} was not applied)", f"run: zkv pause, zkv clear, then zkv resume {asked}")
     _print_reply(
         r,
         as_json,
