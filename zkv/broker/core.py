@@ -65,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger("zkv.broker")
 # the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
-_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping"))
+_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
 _decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 
@@ -182,6 +182,8 @@ class BrokerCore:
             self._status(client, msg, now, out)
         elif kind == "ping":
             out.append(reply(client, msg.req, "ping"))
+        elif kind == "cancel":
+            self.tasks.cancel(client, msg, now, out)
         else:
             if self.recording:
                 named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))

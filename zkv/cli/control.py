@@ -194,7 +194,7 @@ def submit(
     waits = _why_not_now(st)
     if waits and not as_json:
         click.echo(f"zkv: note: {waits}", err=True)
-    out = client.run(op.replace("-", "_"), src_ids, dst_ids, timeout, tier=tier, seed=seed)
+    out = _run_or_cancel(client, op.replace("-", "_"), src_ids, dst_ids, timeout, tier, seed)
     digests = {r: [d.hex() for d in res["digests"]] for r, res in sorted(out.per_rank.items()) if "digests" in res}
     if as_json:
         data = out.to_json()
@@ -203,7 +203,11 @@ def submit(
         click.echo(json.dumps(data))
     else:
         reason = out.reason
-        if out.outcome == "timeout" and not out.per_rank:
+        if out.outcome == "timeout" and out.ran is False:
+            reason = f"still queued after {timeout:g} s, the broker dropped it: it never ran" + (
+                f" ({waits})" if waits else ""
+            )
+        elif out.outcome == "timeout" and not out.per_rank:
             reason = f"no rank answered within {timeout:g} s: " + (waits or "see zkv status")
         click.echo(
             f"task {out.task}: {out.outcome}"
@@ -216,6 +220,25 @@ def submit(
         if not as_json:
             click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
         sys.exit(1)
+
+
+def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tier: str | None, seed: int | None) -> Any:
+    """The task's outcome; Ctrl-C cancels it when the broker still holds it queued."""
+    task = client.submit(op, src, dst, timeout, tier=tier, seed=seed)
+    try:
+        return client.wait(task)
+    except KeyboardInterrupt:
+        try:
+            answer = client.cancel(task, timeout=min(timeout, 5.0))
+        except ZkvError:
+            answer = {"cancelled": False, "state": "unknown"}
+        if answer.get("cancelled"):
+            click.echo(f"zkv: task {task} cancelled before it was dispatched: it never ran", err=True)
+        else:
+            click.echo(
+                f"zkv: task {task} was {answer.get('state')} when Ctrl-C came: it runs to its own outcome", err=True
+            )
+        sys.exit(130)
 
 
 @click.command()
