@@ -388,3 +388,46 @@ def test_client_cancel_ends_a_queued_task_and_is_too_late_for_a_running_one(clie
     assert client.wait(running).ok  # ended: its cancel comes too late
     late = client.cancel(running)
     assert late == {**late, "cancelled": False, "state": "done"}
+
+
+def _wait_status(client, check, what: str, timeout: float = 15.0) -> dict:
+    """The first status that passes ``check``, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if check(st):
+            return st
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s; last status {st}"
+        client.poll(0.1)
+
+
+def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops_it(cluster, client, capfd):
+    """The bus's layout is one no rank can allocate (a resume completed while
+    no rank was registered): the broker's own resume fails on every rank that
+    registers.  It is retried backed off, status says why and the way out,
+    the rank logs one line per failure, and zkv pause, clear, resume gets out."""
+    for r in (0, 1):
+        cluster.kill_worker(r)
+    _wait_status(client, lambda st: not any(r["alive"] for r in st["ranks"]), "ranks declared dead")
+    client.pause()
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": 2**31 - 1})["ranks_acked"] == 0
+    cluster.quiet = False  # the restarted ranks log to this test's stderr
+    try:
+        for r in (0, 1):
+            cluster.start_worker(r)
+    finally:
+        cluster.quiet = True
+    st = _wait_status(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)
+    assert "alloc_failed" in st["restate_error"] and "zkv pause" in st["restate_error"]
+    t0 = time.monotonic()
+    st = _wait_status(client, lambda st: time.monotonic() - t0 >= 3.0, "three more seconds")
+    assert st["restate_failures"] <= 7, f"{st['restate_failures']} tries: not backed off"
+    assert st["state"] == "resuming"
+    assert client.pause(timeout=5)["state"] == "paused"
+    assert client.status()["restate_retry_in_s"] is None, "a retry is still due behind the pause"
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["state"] == "running"
+    assert client.run("fill", dst=[0], tier="gpu", timeout=10).ok
+    err = capfd.readouterr().err
+    assert "AllocateCache failed" in err and "Traceback" not in err, err[-3000:]

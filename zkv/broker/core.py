@@ -395,5 +395,6 @@ class BrokerCore:
             "inflight": len(tasks.inflight),
             "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
             "pending_op": control.pending.op.value if control.pending else None,
+            **control.own_resume.status(now),  # the broker's own resume, when it keeps failing (restate.py)
             "counters": dict(self._book.counters()),
         }
