@@ -307,7 +307,7 @@ BusModel.TestCase.settings = settings(
 test_bus_model = pytest.mark.timeout(0 if LONG else 600)(BusModel.TestCase)
 
 
-def test_a_layout_no_rank_can_allocate_backs_off_shows_in_status_and_a_pause_takes_over_its_retries():
+def test_a_layout_no_rank_can_allocate_backs_off_shows_in_status_and_a_pause_takes_over_its_retries(caplog):
     """A resume that completes with no rank registered makes its layout the
     bus's; every rank that registers fails the broker's own resume: it is
     retried backed off, status says why, and a pause is answered, never busy."""
@@ -354,4 +354,6 @@ def test_a_layout_no_rank_can_allocate_backs_off_shows_in_status_and_a_pause_tak
         bus.advance(0.1)
         bus.settle()
     assert bus.broker.status(bus.now)["restate_failures"] == failures, "the broker retried behind the pause"
+    logged = [r for r in caplog.records if "the broker's own resume failed" in r.getMessage()]
+    assert len(logged) == failures and not any(r.exc_info for r in logged), "one line per failure, no traceback"
     assert bus.broker.state == "paused"
