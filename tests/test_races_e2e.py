@@ -385,9 +385,9 @@ def test_client_cancel_ends_a_queued_task_and_is_too_late_for_a_running_one(clie
     assert client.cancel(task)["state"] == "done"
     client.resume()
     running = client.submit("checksum", src=[6], tier="gpu", timeout=10)
-    assert client.wait(running).ok  # ended: its cancel comes too late
+    assert client.wait(running).ok  # the ranks ran it: its cancel comes too late
     late = client.cancel(running)
-    assert late == {**late, "cancelled": False, "state": "done"}
+    assert late["cancelled"] is False and late["state"] in ("dispatched", "done")  # the broker's fold may lag
 
 
 def _wait_status(client, check, what: str, timeout: float = 15.0) -> dict:
