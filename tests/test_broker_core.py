@@ -268,7 +268,7 @@ def test_a_queued_task_past_its_submit_timeout_ends_timeout_at_its_deadline_and_
     assert 50 not in sim.outcomes
     sim.tick(0.002)  # its deadline passed: ended now, while the bus stays paused
     (out,) = [m for m in sim.client_in if m.kind == "outcome" and m.task == 50]
-    assert out.outcome == "timeout" and "never dispatched" in out.reason
+    assert out.outcome == "timeout" and "never dispatched" in out.reason and out.ran is False
     st = sim.broker.status(sim.now)
     assert st["state"] == "paused" and st["queued"] == 2 and sim.outcomes[50] == "timeout"
     assert sim.broker.tasks.deadline() == pytest.approx(t0 + 0.6)  # task 52's next
@@ -277,3 +277,56 @@ def test_a_queued_task_past_its_submit_timeout_ends_timeout_at_its_deadline_and_
     assert sim.outcomes[51] == sim.outcomes[52] == "ok"
     assert all(sr.copies == 2 for sr in sim.ranks.values()), "the expired task ran"
     assert sim.broker.counters["timeout"] == 1 and not sim.broker.queue
+
+
+def _outcome_of(sim, task: int):
+    (out,) = [m for m in sim.client_in if m.kind == "outcome" and m.task == task]
+    return out
+
+
+def test_a_cancel_ends_a_queued_task_before_its_reply_and_is_too_late_for_a_dispatched_one():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    queued = sim.submit()
+    req = sim.request("cancel", task=queued)
+    out = _outcome_of(sim, queued)
+    answer = sim.reply(req)
+    assert sim.client_in.index(out) < sim.client_in.index(answer), "the outcome comes before the reply"
+    assert out.outcome == "cancelled" and out.ran is False and "by its client" in out.reason
+    assert answer.op == "cancel" and answer.extra == {"task": queued, "cancelled": True, "state": "queued"}
+    assert sim.outcomes[queued] == "cancelled" and sim.broker.status(sim.now)["queued"] == 0
+    again = sim.request("cancel", task=queued)  # it ended: a second cancel says so
+    assert sim.reply(again).extra == {"task": queued, "cancelled": False, "state": "done"}
+    stranger = sim.request("cancel", task=10**9)
+    assert sim.reply(stranger).extra == {"task": 10**9, "cancelled": False, "state": "unknown"}
+    sim.request("resume")
+    sim.settle()
+    assert all(sr.copies == 0 for sr in sim.ranks.values()), "the cancelled task ran"
+    running = sim.submit()
+    late = sim.request("cancel", task=running)  # dispatched at once on a running bus
+    assert sim.reply(late).extra == {"task": running, "cancelled": False, "state": "dispatched"}
+    sim.settle()
+    assert sim.outcomes[running] == "ok" and sim.broker.counters["client_cancels"] == 1
+
+
+def test_a_cancel_names_only_the_tasks_of_its_own_connection():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    task = sim.submit()
+    acts = sim.broker.on_client(b"client-other", [P.encode("cancel", req=1, task=task)], sim.now)
+    (answer,) = decoded(acts)
+    assert answer.extra["state"] == "unknown" and sim.broker.status(sim.now)["queued"] == 1
+
+
+def test_every_outcome_of_a_task_the_broker_never_dispatched_says_ran_false():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    queued = sim.submit()
+    sim.request("clear")
+    sim.settle()
+    rejected = sim.submit()
+    assert _outcome_of(sim, queued).ran is False and _outcome_of(sim, queued).outcome == "cancelled"
+    assert _outcome_of(sim, rejected).ran is False and _outcome_of(sim, rejected).outcome == "rejected"

@@ -305,3 +305,55 @@ BusModel.TestCase.settings = settings(
 # pytest-timeout's 120 s default is too tight for a shared, loaded CI machine
 # (about 5 s alone); the long profile runs for minutes and has no bound.
 test_bus_model = pytest.mark.timeout(0 if LONG else 600)(BusModel.TestCase)
+
+
+def test_a_layout_no_rank_can_allocate_backs_off_shows_in_status_and_a_pause_takes_over_its_retries(caplog):
+    """A resume that completes with no rank registered makes its layout the
+    bus's; every rank that registers fails the broker's own resume: it is
+    retried backed off, status says why, and a pause is answered, never busy."""
+    bus = Bus(2)
+    bus.settle()
+    for r in (0, 1):
+        bus.kill_rank(r)
+    for _ in range(15):  # past the liveness window: no rank registered
+        bus.advance(0.1)
+        bus.settle()
+    for kind, fields in (("pause", {}), ("clear", {}), ("resume", {"layout": {"gpu_blocks": ALLOC_LIMIT + 1}})):
+        req = bus.request(kind, **fields)
+        bus.settle()
+        assert bus.replies[req].kind == "reply"
+    for r in (0, 1):
+        bus.start_rank(r)
+    tries = []
+    for _ in range(80):  # 8 s of bus time
+        bus.advance(0.1)
+        bus.settle()
+        st = bus.broker.status(bus.now)
+        if not tries or st["restate_failures"] != tries[-1][1]:
+            tries.append((bus.now, st["restate_failures"]))
+    failures = bus.broker.status(bus.now)["restate_failures"]
+    assert 3 <= failures <= 7, f"{failures} failed tries in 8 s: not backed off"
+    gaps = [b[0] - a[0] for a, b in zip(tries[1:], tries[2:])]
+    assert all(later > earlier for earlier, later in zip(gaps, gaps[1:])), f"retries not backed off: {gaps}"
+    st = bus.broker.status(bus.now)
+    assert st["state"] == "resuming" and "alloc_failed" in st["restate_error"] and "zkv pause" in st["restate_error"]
+    for _ in range(400):  # up to 10 s, to the worst moment: the broker's own resume just began
+        bus.advance(0.025)
+        if bus.broker.pending is not None:
+            break
+        bus.settle()
+    assert bus.broker.pending is not None and bus.broker.pending.op == "resume" and not bus.broker.pending.waiters
+    req = bus.request("pause", timeout_ms=2000)
+    for _ in range(30):
+        bus.settle()
+        if req in bus.replies:
+            break
+        bus.advance(0.1)
+    assert bus.replies[req].kind == "reply" and bus.broker.state == "paused", bus.replies[req]
+    for _ in range(40):
+        bus.advance(0.1)
+        bus.settle()
+    assert bus.broker.status(bus.now)["restate_failures"] == failures, "the broker retried behind the pause"
+    logged = [r for r in caplog.records if "the broker's own resume failed" in r.getMessage()]
+    assert len(logged) == failures and not any(r.exc_info for r in logged), "one line per failure, no traceback"
+    assert bus.broker.state == "paused"

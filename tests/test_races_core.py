@@ -245,6 +245,22 @@ def test_noops_and_wrong_order_say_so():
     assert sim.reply(r).code == "not_cleared"
 
 
+def test_resume_naming_another_layout_on_a_running_bus_is_not_cleared_and_its_own_layout_a_noop():
+    sim = Sim().up()
+    held = sim.broker.layout
+    r = sim.request("resume", layout={"gpu_blocks": held.gpu_blocks + 8})
+    refused = sim.reply(r)
+    assert refused.code == "not_cleared" and "the bus is running" in refused.reason
+    assert sim.broker.layout == held and sim.broker.state == "running"
+    r = sim.request("resume", layout={"gpu_blocks": held.gpu_blocks})  # the bus's own layout: changes nothing
+    assert sim.reply(r).extra["noop"] is True
+    sim.request("pause")
+    sim.settle()
+    r = sim.request("resume", layout=held.to_wire())  # on a paused bus too: a plain resume
+    sim.settle()
+    assert sim.reply(r).kind == "reply" and sim.broker.state == "running"
+
+
 def test_resume_with_a_new_layout_after_clear_reallocates():
     sim = Sim().up()
     sim.pause_and_clear()

@@ -104,7 +104,8 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "client->broker",
         "submit",
         {"task": 9007199254740991, "reply_to": "ipc:///tmp/zkv-c.sock", "timeout_ms": 5000},
-        "largest task id (2^53-1); timeout_ms is accepted and ignored by the broker",
+        "largest task id (2^53-1); timeout_ms: still queued 5 s after the broker took it, it ends timeout "
+        "(ran: false) and never runs",
     ),
     ("pause", "frontend", "client->broker", "pause", {"req": 1, "timeout_ms": 10000}, ""),
     ("clear", "frontend", "client->broker", "clear", {"req": 2, "timeout_ms": 10000, "keep_cpu": False}, ""),
@@ -120,8 +121,32 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
     ("status", "frontend", "client->broker", "status", {"req": 5}, ""),
     ("status_wait", "frontend", "client->broker", "status", {"req": 6, "wait_ranks": 2, "timeout_ms": 60000}, ""),
     ("ping", "frontend", "client->broker", "ping", {"req": 7}, ""),
+    (
+        "cancel",
+        "frontend",
+        "client->broker",
+        "cancel",
+        {"req": 8, "task": 9},
+        "end task 9 of this connection if it is still queued (§7.6)",
+    ),
     # broker -> client (frontend ROUTER)
     ("reply_ping", "frontend", "broker->client", "reply", {"req": 7, "op": "ping"}, ""),
+    (
+        "reply_cancel_queued",
+        "frontend",
+        "broker->client",
+        "reply",
+        {"req": 8, "op": "cancel", "task": 9, "cancelled": True, "state": "queued"},
+        "in time: outcome{cancelled, ran: false} came just before this reply",
+    ),
+    (
+        "reply_cancel_dispatched",
+        "frontend",
+        "broker->client",
+        "reply",
+        {"req": 8, "op": "cancel", "task": 9, "cancelled": False, "state": "dispatched"},
+        "too late: the ranks have it; it ends with its own outcome",
+    ),
     (
         "reply_pause",
         "frontend",
@@ -253,6 +278,34 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "outcome",
         {"task": 2, "outcome": "cancelled", "reason": "caches were cleared while the task was queued", "gen": 0},
         "gen: the task's own generation (queued at 0; the clear moved the bus to 1)",
+    ),
+    (
+        "outcome_cancelled_by_client",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {
+            "task": 9,
+            "outcome": "cancelled",
+            "reason": "cancelled by its client before it was dispatched",
+            "gen": 0,
+            "ran": False,
+        },
+        "answer to a cancel in time: no rank ran it",
+    ),
+    (
+        "outcome_timeout_never_ran",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {
+            "task": 3,
+            "outcome": "timeout",
+            "reason": "the task's timeout_ms passed while it was queued: it was never dispatched and never ran",
+            "gen": 0,
+            "ran": False,
+        },
+        "the submit's timeout_ms passed while it was queued",
     ),
     (
         "submit_ipv6",
@@ -642,7 +695,7 @@ def m(obj: Any) -> bytes:
 
 
 LAYOUT_NIL = {**LAYOUT, "layers": None}
-FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping"]
+FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping", "cancel"]
 SWAP = {"v": 1, "kind": "body", "op": "swap_out"}
 
 # (name, frame, decoder, expect_kinds, code, why)
@@ -715,6 +768,23 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         "a body is only valid as the second frame",
     ),
     ("req_missing", m({"v": 1, "kind": "ping"}), "decode", None, "bad_field", ""),
+    ("cancel_task_missing", m({"v": 1, "kind": "cancel", "req": 1}), "decode", None, "bad_field", ""),
+    (
+        "cancel_task_negative",
+        m({"v": 1, "kind": "cancel", "req": 1, "task": -1}),
+        "decode",
+        None,
+        "bad_field",
+        "task ids are uint, like submit's",
+    ),
+    (
+        "outcome_ran_not_bool",
+        m({"v": 1, "kind": "outcome", "task": 1, "outcome": "timeout", "reason": "", "ran": 0}),
+        "decode",
+        None,
+        "bad_field",
+        "ran is a bool",
+    ),
     ("submit_reply_to_missing", m({"v": 1, "kind": "submit", "task": 1}), "decode", None, "bad_field", ""),
     ("req_negative", m({"v": 1, "kind": "ping", "req": -1}), "decode", None, "bad_field", "uint fields are 0..2^53-1"),
     (

@@ -53,12 +53,18 @@ def check_clear(state: BusState, gen: int = 0) -> None:
 def resume_layout(named: Map | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:
     """The layout a resume names, decoded once (always named, so that no rank
     resumes on another layout): the current one, or the request's changes
-    over it, which need cleared caches."""
+    over it.  Changes need cleared caches, also on a running bus (a noop
+    would say ``ok`` to a layout the ranks do not get); a layout equal to
+    the bus's changes nothing and is taken in any state."""
     if named is None:
         return current
-    if state != BusState.CLEARED:
-        raise Refusal("not_cleared", "a new layout needs cleared caches: run zkv clear first")
-    return merged_layout(named, current)
+    wanted = merged_layout(named, current)
+    if wanted != current and state != BusState.CLEARED:
+        first = "zkv clear" if state == BusState.PAUSED else "zkv pause and zkv clear"
+        raise Refusal(
+            "not_cleared", f"the bus is {state}: a layout other than the bus's needs cleared caches; run {first} first"
+        )
+    return wanted
 
 
 def merged_layout(named: Map, current: CacheLayout | None) -> CacheLayout:

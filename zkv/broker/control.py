@@ -15,9 +15,10 @@ from .actions import Action, Publish, Record, error, reply
 from .admission import Refusal, check_clear, noop_reply, resume_layout
 from .announce import control_frame, welcome_frame
 from .generation import Generation
-from .joining import Request, join, join_refusal, take_due_joiners
+from .joining import Request, due_joiner_errors, join, join_refusal
 from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState
+from .restate import Restate
 from .state import (
     IN_PROGRESS,
     ON_SUCCESS,
@@ -50,7 +51,8 @@ class ControlMachine:
         self.op_layout: CacheLayout | None = None  # the layout the control message names (a resume's)
         self.op_keep_cpu = False  # the control message names keep_cpu (a clear's)
         self.pending: PendingOp | None = None
-        self.retry_at: float | None = None  # when to retry a failed broker-started resume
+        # a failed broker-started resume: its retries, backed off (restate.py)
+        self.own_resume = Restate(min(cfg.op_timeout_ms, 2 * cfg.heartbeat_ms) / 1000)
         self.last_publish = 0.0
 
     def restore(self, state: BusState, epoch: int) -> None:
@@ -94,8 +96,15 @@ class ControlMachine:
         out.append(error(client, refusal.code, refusal.reason, req=msg.req))
 
     def pause(self, client: bytes, msg: Pause, now: float, out: list[Action]) -> None:
+        op = self.pending
+        if op is not None and op.op == ControlOp.RESUME and not op.waiters:
+            # The broker's own resume, no client waiting on it (or its
+            # rollback): a pause takes over at a new epoch, never ``busy``.
+            self.pending = None
+            self.counters["restate_preempted"] += 1
         if self._starts_no_op(ControlOp.PAUSE, client, msg, now, out):
             return
+        self.own_resume.stop()  # a client acted: the bus stays paused, no retry
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
     def clear(self, client: bytes, msg: Clear, now: float, out: list[Action]) -> None:
@@ -115,14 +124,16 @@ class ControlMachine:
         self.begin([(client, msg.req)], timeout_s, ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
     def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
-        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
+        if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
-        try:
+        try:  # before the noop: a running bus refuses a layout it does not hold (docs/protocol.md §8.3)
             layout = resume_layout(msg.layout, self.state, self.gens.layout)
         except Refusal as refusal:
             self._refuse(ControlOp.RESUME, client, msg, refusal, out)
             return
-        self.retry_at = None
+        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
+            return
+        self.own_resume.stop()
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)
 
     def begin(
@@ -138,8 +149,10 @@ class ControlMachine:
     ) -> None:
         """Start ``op`` at a new epoch; ``layout`` (a resume) and ``keep_cpu``
         (a clear) travel in its control message."""
-        # A resume the broker started itself began from a running bus.
-        previous = self.state if self.state != BusState.RESUMING else BusState.RUNNING
+        # A resume the broker started itself began from a running bus; a pause
+        # that took over from it, from the resume (it goes back to retrying).
+        resuming = self.state == BusState.RESUMING and op == ControlOp.RESUME
+        previous = BusState.RUNNING if resuming else self.state
         self.pending = PendingOp(op, self.epoch + 1, now, now + timeout_s, waiters, previous, layout, cancelled)
         self.epoch += 1
         self.op = op
@@ -243,6 +256,7 @@ class ControlMachine:
             fields.update(clear_ms=elapsed_ms, cancelled=op.cancelled, freed=op.freed)
         else:
             fields["resume_ms"] = elapsed_ms
+            self.own_resume.succeeded()
             if self.gens.keep_cpu:
                 self.op_keep_cpu = False
             self.gens.resumed(op.layout, fields)
@@ -275,6 +289,8 @@ class ControlMachine:
             self.op_layout, self.op_keep_cpu = self.gens.layout, False
             self.publish(now, out)
             self._run_tasks(now, out)
+            if self.state == BusState.RESUMING:  # it took over from the broker's own resume: back to its retries
+                self.own_resume.retry_at = now + self.own_resume.first_s
         else:
             self.state, self.op = on_failure(op.op, op.previous_state)  # gen moved on; laggards get repeats
 
@@ -296,11 +312,12 @@ class ControlMachine:
                 f"resume epoch {op.epoch} failed ({code}): the bus is cleared again, without what any rank allocated"
             )
             self.op_keep_cpu = self.gens.keep_cpu
-        if self.state == BusState.RESUMING:  # a resume the broker started: retry it
-            self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
+        rolled_back = ROLLED_BACK[self.state]
+        if self.state == BusState.RESUMING:  # a resume the broker started: retry it, backed off
+            rolled_back += f" (retried in {self.own_resume.failed(code, reason, now):g} s)"
         self.counters["resume_rollbacks"] += 1
         self.publish(now, out)
-        op.epoch, op.failure = self.epoch, (code, f"{reason}; {ROLLED_BACK[self.state]}")
+        op.epoch, op.failure = self.epoch, (code, f"{reason}; {rolled_back}")
         self.pending = op
         self._check_pending(now, out)
         if self.pending is op and now >= op.deadline:  # it timed out: no time is left to wait
@@ -332,8 +349,7 @@ class ControlMachine:
 
     def retry(self, now: float, out: list[Action]) -> None:
         """A failed broker-started resume, once its retry is due."""
-        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
-            self.retry_at = None
+        if self.pending is None and self.own_resume.due(now):
             self.counters["resume_retries"] += 1
             self.restate(now, out)
 
@@ -351,7 +367,7 @@ class ControlMachine:
     def expire(self, now: float, out: list[Action]) -> None:
         """Requests past their own deadline, then the op past its deadline."""
         if self.pending is not None and self.pending.joined:
-            self._expire_joined(now, out)
+            out.extend(due_joiner_errors(self.pending, now, self._lagging(self.pending.epoch)))
         if self.pending is not None and now >= self.pending.deadline:
             if self.pending.failure is not None:
                 self._answer_failure(self.pending, out, self._lagging(self.pending.epoch))
@@ -365,26 +381,6 @@ class ControlMachine:
                 out,
             )
 
-    def _expire_joined(self, now: float, out: list[Action]) -> None:
-        """A request that joined an op in progress with a shorter timeout gets
-        its ``<op>_timeout`` (or the failed resume's error) at its own
-        deadline; the op goes on for the rest."""
-        op = self.pending
-        assert op is not None
-        for client, req in take_due_joiners(op, now):
-            if op.failure is not None:
-                out.append(error(client, *op.failure, req=req))
-                continue
-            out.append(
-                error(
-                    client,
-                    f"{op.op}_timeout",
-                    f"ranks {self._lagging(op.epoch)} did not acknowledge {op.op} epoch {op.epoch} "
-                    f"within this request's timeout_ms; the {op.op} is still in progress",
-                    req=req,
-                )
-            )
-
     def deadlines(self) -> list[float]:
         due = []
         if self.epoch:
@@ -392,6 +388,6 @@ class ControlMachine:
         if self.pending is not None:
             due.append(self.pending.deadline)
             due.extend(self.pending.joined.values())
-        if self.retry_at is not None and self.pending is None:  # retry() waits for the op in progress
-            due.append(self.retry_at)
+        if self.own_resume.retry_at is not None and self.pending is None:  # retry() waits for the op in progress
+            due.append(self.own_resume.retry_at)
         return due

@@ -65,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger("zkv.broker")
 # the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
-_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping"))
+_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
 _decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 
@@ -182,6 +182,8 @@ class BrokerCore:
             self._status(client, msg, now, out)
         elif kind == "ping":
             out.append(reply(client, msg.req, "ping"))
+        elif kind == "cancel":
+            self.tasks.cancel(client, msg, now, out)
         else:
             if self.recording:
                 named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
@@ -375,8 +377,7 @@ class BrokerCore:
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
         due = self.rank_table.deadlines() + self.control.deadlines() + self.claims.deadlines()
-        due.append(self.ready_waiters.due)
-        due.append(self.tasks.deadline())
+        due += (self.ready_waiters.due, self.tasks.deadline())
         return max(0.0, min(due) - now)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -394,5 +395,6 @@ class BrokerCore:
             "inflight": len(tasks.inflight),
             "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
             "pending_op": control.pending.op.value if control.pending else None,
+            **control.own_resume.status(now),  # the broker's own resume, when it keeps failing (restate.py)
             "counters": dict(self._book.counters()),
         }

@@ -10,6 +10,7 @@ from typing import Union
 
 from ..wire.layout import CacheLayout
 from ..wire.messages import Clear, Pause, Resume
+from .actions import Action, error
 from .admission import Refusal, merged_layout
 from .records import PendingOp
 from .state import ControlOp
@@ -66,3 +67,20 @@ def take_due_joiners(pending: PendingOp, now: float) -> list[tuple[bytes, int]]:
         del pending.joined[key]
         pending.waiters.remove(key)
     return due
+
+
+def due_joiner_errors(op: PendingOp, now: float, lagging: list[int]) -> list[Action]:
+    """A joiner whose own deadline passed gets its ``<op>_timeout`` (or the
+    failed resume's error) then; the op goes on for the rest.  ``lagging``:
+    the ranks that have not acked the op's epoch."""
+    out: list[Action] = []
+    for client, req in take_due_joiners(op, now):
+        if op.failure is not None:
+            out.append(error(client, *op.failure, req=req))
+            continue
+        reason = (
+            f"ranks {lagging} did not acknowledge {op.op} epoch {op.epoch} "
+            f"within this request's timeout_ms; the {op.op} is still in progress"
+        )
+        out.append(error(client, f"{op.op}_timeout", reason, req=req))
+    return out

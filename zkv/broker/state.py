@@ -81,7 +81,10 @@ ON_SUCCESS: dict[ControlOp, BusState] = {
 # broker started itself on a running bus stays "resuming" (paused) until its
 # retry converges.  The first entry of each row is the rule for any other start.
 ON_FAILURE: dict[ControlOp, dict[BusState, tuple[BusState, ControlOp]]] = {
-    ControlOp.PAUSE: {BusState.RUNNING: (BusState.RUNNING, ControlOp.RESUME)},
+    ControlOp.PAUSE: {
+        BusState.RUNNING: (BusState.RUNNING, ControlOp.RESUME),
+        BusState.RESUMING: (BusState.RESUMING, ControlOp.PAUSE),  # it took over from the broker's own resume
+    },
     ControlOp.CLEAR: {BusState.PAUSED: (BusState.CLEARED, ControlOp.CLEAR)},
     ControlOp.RESUME: {
         BusState.RUNNING: (BusState.RESUMING, ControlOp.PAUSE),

@@ -13,15 +13,17 @@ import itertools
 from ..obs.book import BusBook, task_op
 from ..wire import fast as F
 from ..wire import protocol as P
-from ..wire.messages import Done, Submit
+from ..wire.messages import Cancel, Done, Submit
 from ..wire.outcome import RankFold
 from ..wire.vocab import Outcome
-from .actions import Action, Record, ToRank, error, outcome
+from .actions import Action, Record, ToRank, error, outcome, reply
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, RankState, Task
 
 _NEVER_RAN = "the task's timeout_ms passed while it was queued: it was never dispatched and never ran"
+CANCELLED_BY_CLIENT = "cancelled by its client before it was dispatched"
+_MAX_ENDED = 65536  # the ended tasks a cancel can still name as ``done``, over every connection
 
 
 class TaskTable:
@@ -43,7 +45,9 @@ class TaskTable:
         self._order = itertools.count()
         self.stale = 0
         self.inflight: dict[int, Task] = {}
-        self.open_tasks: set[tuple[bytes, int]] = set()
+        self.open_tasks: dict[tuple[bytes, int], Task] = {}
+        # Recently ended tasks, oldest first: a cancel that comes too late says ``done``.
+        self.ended: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
         self.seq = 0
 
@@ -90,7 +94,7 @@ class TaskTable:
         if reason:
             self.finish(task, Outcome.REJECTED, reason, now, out, notify=True)
             return False
-        self.open_tasks.add(key)
+        self.open_tasks[key] = task
         self.open_per_client[client] += 1
         self.queue.append(task)
         if expires is not None:
@@ -192,6 +196,25 @@ class TaskTable:
             self.gens.mark_used()
             self.counters["dispatched"] += sent
 
+    def cancel(self, client: bytes, msg: Cancel, now: float, out: list[Action]) -> None:
+        """A client's cancel of one of its tasks (docs/protocol.md §7.6): a queued
+        one ends ``cancelled`` now, before the reply; a dispatched one runs to
+        its own outcome; the reply says which (``state``)."""
+        key = (client, msg.task)
+        task = self.open_tasks.get(key)
+        if task is None:
+            state = "done" if key in self.ended else "unknown"
+        elif task.seq:
+            state = "dispatched"
+        else:
+            state = "queued"
+            self.finish(task, Outcome.CANCELLED, CANCELLED_BY_CLIENT, now, out, notify=True)
+            self.counters["client_cancels"] += 1
+            self.stale += 1  # it leaves the queue lazily, as an expired one
+            if self.stale > len(self.queue) // 2:
+                self.compact()
+        out.append(reply(client, msg.req, "cancel", task=msg.task, cancelled=state == "queued", state=state))
+
     def cancel_queued(self, reason: str, now: float, out: list[Action]) -> int:
         """End every queued task ``cancelled`` (caches cleared, generation moved)."""
         cancelled = 0
@@ -219,15 +242,18 @@ class TaskTable:
     def finish(self, task: Task, result: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
         """End a task exactly once at the broker; ``notify`` tells the client."""
         key = (task.client, task.task)
-        if key in self.open_tasks:
-            self.open_tasks.discard(key)
+        if self.open_tasks.pop(key, None) is not None:
             self.open_per_client[task.client] -= 1
             if self.open_per_client[task.client] <= 0:
                 del self.open_per_client[task.client]
+            ended = self.ended
+            ended[key] = None
+            if len(ended) > _MAX_ENDED:
+                ended.popitem(last=False)
         self.counters[result] += 1
         if notify and not task.reported:
-            task.reported = True
-            out.append(outcome(task.client, task.task, result, reason, task.gen))
+            task.reported = True  # never dispatched: the outcome says no rank ran it (docs/protocol.md §7.3)
+            out.append(outcome(task.client, task.task, result, reason, task.gen, ran=False if not task.seq else None))
         if self.recording:
             out.append(
                 Record(

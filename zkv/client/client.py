@@ -11,6 +11,7 @@ filed, never dropped.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import secrets
 import time
@@ -33,6 +34,18 @@ from ..wire.outcome import TaskOutcome
 from .results import ResultBook
 
 _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
+# A task's timeout travels as its submit ``timeout_ms``: the broker ends it
+# ``timeout`` (``ran: false``) if it is still queued then.  The client's own
+# deadline is this much later, so that the broker's word (did it run?) comes first.
+BROKER_WORD_S = 0.25
+
+
+def deadline_ms(timeout: float) -> int:
+    """A caller's timeout as a submit's ``timeout_ms``: at least 1 (0 means
+    none), at most the bound every peer checks (docs/protocol.md §2.1)."""
+    if not math.isfinite(timeout) or timeout * 1000 >= bounds.MAX_TIMEOUT_MS:
+        return bounds.MAX_TIMEOUT_MS
+    return max(1, int(timeout * 1000))
 
 
 class Client:
@@ -112,11 +125,14 @@ class Client:
         return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout)
 
     def submit_raw(self, body: bytes, timeout: float = 30.0) -> int:
-        """Submit an already encoded body (for tools and tests of bad input)."""
+        """Submit an already encoded body (for tools and tests of bad input).
+        ``timeout`` is the task's deadline at the broker too: still queued
+        then, it ends ``timeout`` and never runs (``TaskOutcome.ran`` is False)."""
         task = next(self._task_ids)
-        self.book.add(task, time.monotonic(), timeout)
+        self.book.add(task, time.monotonic(), timeout + BROKER_WORD_S)
+        header = F.encode_submit(task, self.reply_to, deadline_ms(timeout), reply_key=self._reply_key)
         try:
-            self._send([F.encode_submit(task, self.reply_to, reply_key=self._reply_key), body])
+            self._send([header, body])
         except ZkvError:
             self.book.open.pop(task, None)  # never sent: not a task
             raise
@@ -154,6 +170,14 @@ class Client:
     ) -> TaskOutcome:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
+
+    def cancel(self, task: int, timeout: float | None = None) -> dict:
+        """Cancel ``task`` if the broker has not dispatched it yet: the reply's
+        ``cancelled`` says whether it was in time and ``state`` what the task
+        was (``queued``, ``dispatched``, ``done``, ``unknown``).  A cancelled
+        task's outcome (``cancelled``, never ran) is filed before this returns;
+        a dispatched one runs to its own outcome (docs/protocol.md §7.6)."""
+        return self.request("cancel", timeout, task=task)
 
     def settled(self, timeout: float = 0.0) -> list[int]:
         """Tasks that ended ``timeout`` and have since settled (every rank
@@ -316,7 +340,7 @@ class Client:
 
     def _on_dealer(self, msg: Message) -> None:
         if isinstance(msg, OutcomeMsg):
-            out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen)
+            out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen, msg.ran)
             if out is not None:
                 self.finished[out.task] = out
         elif isinstance(msg, (Reply, Error)) and msg.req is not None:

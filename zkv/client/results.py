@@ -162,26 +162,28 @@ class ResultBook:
         return [self._close(entry, "cancelled", reason, now) for entry in older]
 
     def on_outcome(
-        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None
+        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None, ran: bool | None = None
     ) -> TaskOutcome | None:
-        """A final outcome decided by the broker (rejected, cancelled, rank died);
-        ``gen`` (the broker's generation) may tell the book the bus moved on."""
-        done = self._book_outcome(task, outcome, reason, now)  # this task's own word first
+        """A final outcome decided by the broker (rejected, cancelled, expired
+        in its queue, rank died); ``gen`` (the broker's generation) may tell the
+        book the bus moved on; ``ran=False``: it was never dispatched."""
+        done = self._book_outcome(task, outcome, reason, now, ran is False)  # this task's own word first
         if gen is not None and gen > self.gen:
             self.moved += self.learn_gen(gen, reason or "the bus moved to a new cache generation", now)
         return done
 
-    def _book_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
+    def _book_outcome(self, task: int, outcome: str, reason: str, now: float, never_ran: bool) -> TaskOutcome | None:
         entry = self.open.get(task)
         if entry is None:
             self.counters["late_outcomes"] += 1
-            # Rejected or cancelled by the broker: it never reached a rank, so
-            # nothing will copy.  (A rank that "died" may be only stopped and
-            # still finish a copy it started, so ``failed`` does not settle.)
-            if outcome in ("rejected", "cancelled") and self.timed_out.pop(task, None) is not None:
+            # Rejected, cancelled or expired in the broker's queue: it never
+            # reached a rank, so nothing will copy.  (A rank that "died" may be
+            # only stopped and still finish a copy it started: no settling.)
+            unsent = never_ran or outcome in ("rejected", "cancelled")
+            if unsent and self.timed_out.pop(task, None) is not None:
                 self._settle(task)
             return None
-        return self._close(entry, outcome, reason, now)
+        return self._close(entry, outcome, reason, now, never_ran)
 
     def expire(self, now: float) -> list[TaskOutcome]:
         """Close every task past its deadline with ``timeout``, naming missing ranks."""
@@ -224,8 +226,11 @@ class ResultBook:
             heapq.heappop(self.deadlines)
         return self.deadlines[0][0] if self.deadlines else None
 
-    def _close(self, entry: _Open, outcome: str, reason: str, now: float) -> TaskOutcome:
+    def _close(self, entry: _Open, outcome: str, reason: str, now: float, never_ran: bool = False) -> TaskOutcome:
         del self.open[entry.task]
         self.counters[outcome] += 1
         nbytes = entry.fold.bytes if entry.fold is not None else 0
-        return TaskOutcome(entry.task, outcome, reason, nbytes, now - entry.submitted, entry.per_rank)
+        elapsed = now - entry.submitted
+        return TaskOutcome(
+            entry.task, outcome, reason, nbytes, elapsed, entry.per_rank, never_ran and not entry.per_rank
+        )

@@ -41,6 +41,7 @@ from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..obs.book import RankBook
 from ..wire import bounds
+from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
@@ -55,6 +56,10 @@ from .runner import TaskRunner
 from .tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
+# What a cache free or allocation raises when the memory is not there (out of
+# memory, a manifest gone or refused, a layout the cache cannot hold): the
+# rank's ack says why; anything else is a bug and keeps its traceback.
+_EXPECTED_CACHE_ERRORS = (ZkvError, MemoryError, RuntimeError, OSError, ValueError)
 
 _ids = itertools.count()
 
@@ -117,7 +122,11 @@ class Executor(threading.Thread):
                 try:
                     reply = self._do(item, senders)
                 except Exception as err:  # noqa: BLE001 - this thread must never die: a dead executor looks alive
-                    log.exception("executor: %s failed", type(item).__name__)
+                    if isinstance(item, (FreeCache, AllocateCache)) and isinstance(err, _EXPECTED_CACHE_ERRORS):
+                        # the ack carries it to the broker, which retries backed off: one line, no traceback
+                        log.warning("%s failed: %s: %s", type(item).__name__, type(err).__name__, err)
+                    else:
+                        log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
                 self.reports.append(reply)

@@ -119,6 +119,13 @@ class Ping(Message, frozen=True):
     req: int
 
 
+class Cancel(Message, frozen=True):
+    """End a task of this connection that is still queued (docs/protocol.md §7.6)."""
+
+    req: int
+    task: int
+
+
 # --- broker -> client (frontend) -------------------------------------------------------
 
 
@@ -145,6 +152,7 @@ class OutcomeMsg(Message, frozen=True):
     reason: str
     gen: int | None = None
     cpu_gen: int | None = None
+    ran: bool | None = None  # false: never dispatched, no rank touched its blocks (§7.3)
 
 
 # --- rank -> broker (backend) ----------------------------------------------------------
@@ -272,6 +280,7 @@ _CLASSES: tuple[type[Message], ...] = (
     Resume,
     Status,
     Ping,
+    Cancel,
     Reply,
     Error,
     OutcomeMsg,
