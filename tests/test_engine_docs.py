@@ -25,6 +25,8 @@ ARGS = {("engine-transformers.md", 0): ["fp32", "64"]}
 NEEDS = {("engine-transformers.md", 0): "transformers"}
 #: (doc, snippet index) -> why it is not run.  None: every snippet runs.
 SKIP: dict[tuple[str, int], str] = {}
+#: (doc, snippet index) -> what it costs: run only with ZKV_DOCS_LONG=1, compiled otherwise.
+LONG = {("engine-transformers.md", 0): "a benchmark of prefill against swap-in on a transformers model (20-30 s)"}
 
 EPILOGUE = """
 
@@ -59,13 +61,16 @@ def run_snippet(path: Path, args: list[str], cwd: Path) -> subprocess.CompletedP
 def test_the_snippets_are_found():
     per_doc = {doc: sum(1 for d, _, _ in SNIPPETS if d == doc) for doc in DOCS}
     assert per_doc["engines.md"] >= 3 and per_doc["engine-transformers.md"] >= 1, per_doc
-    assert not (set(SKIP) | set(ARGS) | set(NEEDS)) - {(d, i) for d, i, _ in SNIPPETS}, "a rule for no snippet"
+    assert not (set(SKIP) | set(ARGS) | set(NEEDS) | set(LONG)) - {(d, i) for d, i, _ in SNIPPETS}, "a rule for no snippet"
 
 
 @pytest.mark.parametrize("doc,index,body", SNIPPETS, ids=[f"{d}#{i}" for d, i, _ in SNIPPETS])
 def test_a_doc_snippet_runs_as_written_and_closes_what_it_opens(tmp_path, doc, index, body):
     if (doc, index) in SKIP:
         pytest.skip(SKIP[doc, index])
+    if (doc, index) in LONG and not os.environ.get("ZKV_DOCS_LONG"):
+        compile(body, f"docs/{doc} snippet {index}", "exec")  # it still parses as written
+        pytest.skip(f"long ({LONG[doc, index]}): set ZKV_DOCS_LONG=1 to run it; compiled only")
     module = NEEDS.get((doc, index))
     if module is not None and importlib.util.find_spec(module) is None:
         pytest.skip(f"needs {module} (pip install 'zkv[{module}]')")

@@ -73,14 +73,16 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def block_digests(tensors: Sequence[torch.Tensor], ids: Sequence[int]) -> list[bytes]:
-    """A 16-byte BLAKE2b digest of every block: its slice of each tensor, in order."""
-    digests = []
+    """A 16-byte BLAKE2b digest of every block: its slice of each tensor, in
+    order (a block named several times is hashed once)."""
+    known: dict[int, bytes] = {}
     for b in ids:
-        h = hashlib.blake2b(digest_size=16)
-        for t in tensors:
-            h.update(tensor_bytes(t[b]))
-        digests.append(h.digest())
-    return digests
+        if b not in known:
+            h = hashlib.blake2b(digest_size=16)
+            for t in tensors:
+                h.update(tensor_bytes(t[b]))
+            known[b] = h.digest()
+    return [known[b] for b in ids]
 
 
 def pick_device(rank: int) -> torch.device:
