@@ -1,4 +1,4 @@
-"""Collection order for the parallel default run (``-n 2 --dist loadfile`` in
+"""Collection order for the parallel default run (``-n 3 --dist loadfile`` in
 pyproject.toml): a file is one unit of work, handed out in collection order,
 so the files that take longest go first and the short ones fill the gaps at
 the end instead of one worker finishing a long file alone."""
@@ -13,12 +13,23 @@ LONGEST_FIRST = (
     "test_tooling.py",  # mypy over the package
     "test_races_e2e.py",
     "test_recovery_e2e.py",
-    "test_multihost.py",
-    "test_engine_attach_e2e.py",
     "test_observability_cli.py",
-    "test_replay.py",
-    "test_strangers.py",
     "test_gpu_check.py",
+    "test_strangers.py",
+    "test_operator_paths.py",
+    "test_engine_manifest.py",
+    "test_engine_e2e.py",
+    "test_engine_attach_e2e.py",
+    "test_cpu_tier_restart_e2e.py",
+    "test_multihost.py",
+    "test_engine_docs.py",
+    "test_rank_claims.py",
+    "test_deploy_files.py",
+    "test_shm_cleanup.py",
+    "test_fuzz_strangers.py",
+    "test_docs_exec.py",
+    "test_disk_tier.py",
+    "test_replay.py",
     "test_status_view.py",
 )
 

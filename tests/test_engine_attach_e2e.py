@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from profiles import long_e2e
 
 from zkv.client.client import ZkvError
 from zkv.harness.attached_cluster import AttachedCluster
@@ -93,6 +94,10 @@ def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluste
         round_trip(cluster, c, [1, 2], [3, 4], [5, 6], seed=4)
 
 
+@long_e2e(
+    "the whole demo on attached engine processes, 20-40 s",
+    "test_workers_serve_tensors_engine_processes_own_and_unmap_them_on_clear",
+)
 def test_the_demo_runs_on_ranks_attached_to_engine_processes(tmp_path):
     """``zkv up --demo --attach``'s workload: the cycle's clear unmaps, the
     engines reallocate, the resume maps their next generation."""

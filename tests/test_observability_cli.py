@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from profiles import long_e2e
 from prometheus_client.parser import text_string_to_metric_families
 
 from zkv import Client
@@ -201,6 +202,7 @@ def png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@long_e2e("a replay on an embedded cluster, then a plot, 15-30 s", "test_plots.py and test_bench_plot_draws_the_report")
 def test_trace_plot_draws_a_recording(tmp_path):
     pytest.importorskip("matplotlib")
     trace, rec, png = tmp_path / "t.jsonl", tmp_path / "rec.jsonl", tmp_path / "rec.png"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from profiles import long_e2e
 
 from zkv.cli.commands import main
 from zkv.harness.cluster import LocalCluster
@@ -102,6 +103,7 @@ def test_cli_bad_trace_exits_2_naming_the_line(tmp_path):
     assert res.exit_code == 2 and "<stdin>, line 1: unsupported trace format version 7" in res.stderr
 
 
+@long_e2e("two replays on embedded clusters, 20-35 s", "test_trace_replays_as_expected")
 def test_record_replay_record_gives_the_same_outcomes(tmp_path):
     """gen -> replay with --record (rec1) -> replay rec1 with --record (rec2): same outcomes per task."""
     runner = _runner()

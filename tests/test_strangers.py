@@ -11,6 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from profiles import long_e2e
 
 from zkv import Client, ZkvError
 from zkv.broker.core import BrokerConfig
@@ -648,6 +649,7 @@ def test_a_queued_task_past_its_timeout_never_runs():
 # --- 5. identities -----------------------------------------------------------------------------
 
 
+@long_e2e("a second worker process, 12-18 s", "test_rank_claims.py")
 def test_a_misconfigured_rank_cannot_evict_the_live_one(cluster, client):
     deaths = counters(client).get("rank_deaths", 0)
     intruder = subprocess.Popen(

@@ -1,0 +1,21 @@
+"""The long test profiles: what the default run leaves out, and the variable that runs it.
+
+The default run stays under a few minutes on 2 cores; these add what repeats
+a behaviour another default test already covers on real processes, at a
+cost of tens of seconds each.  ``ZKV_LONG_E2E=1`` runs them (about 2 minutes
+more of test time), beside ``ZKV_DOCS_LONG``, ``ZKV_TP_TEST``,
+``ZKV_LONG_MODEL`` and ``ZKV_DISK_LONG``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def long_e2e(cost: str, covered_by: str) -> pytest.MarkDecorator:
+    """Skip unless ZKV_LONG_E2E=1; the reason says what it costs and which default test covers it."""
+    return pytest.mark.skipif(
+        os.environ.get("ZKV_LONG_E2E") != "1",
+        reason=f"long ({cost}; by default {covered_by} covers it): set ZKV_LONG_E2E=1",
+    )
