@@ -7,7 +7,9 @@ descriptor that does not fit its buffers), ``bad_block_id``, ``released``
 field), ``missing_file``, ``size_mismatch``, ``stale_manifest`` (another
 generation than expected), ``no_device`` (a CUDA device named by UUID that
 is not visible here), ``no_cache`` (a resume found no new engine cache to
-attach)."""
+attach); the disk tier's ``disk_lost`` (a block that failed its digest or
+holds nothing), ``disk_io``, ``disk_busy`` (its file held by another live
+process), ``disk_full`` and ``no_disk`` (the rank has no disk tier)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ CODES = frozenset(
         "stale_manifest",
         "no_device",
         "no_cache",
+        "disk_lost",
+        "disk_io",
+        "disk_busy",
+        "disk_full",
+        "no_disk",
     }
 )
 
