@@ -20,6 +20,8 @@ from .options import (
     broker_options,
     curve_from,
     curve_options,
+    disk_from,
+    disk_options,
     fail,
     given_layout_fields,
     layout_from,
@@ -294,6 +296,7 @@ def broker(
     "options given must agree with that memory, else the worker exits naming both. On resume the "
     "manifest is read again and must carry a newer cache.",
 )
+@disk_options
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -314,20 +317,23 @@ def worker(
     set_torch_threads(torch_threads)
     given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
-    curve = curve_from(kw)
-    if manifest is None:
-        w = RankWorker(rank, world_size, backend, control, layout, device=device, liveness_ms=liveness_ms, curve=curve)
-    else:
-        from ..rank import attach_rank
-        from ..rank.cache.errors import CacheError
+    curve, disk = curve_from(kw), disk_from(kw)
+    from ..rank import attach_rank
+    from ..rank.cache.errors import CacheError
 
-        claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
-        try:
-            w = attach_rank(manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve)
-        except CacheError as err:
-            fail(
-                f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running"
+    try:
+        if manifest is None:
+            opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve, "disk": disk}
+            w = RankWorker(rank, world_size, backend, control, layout, **opts)
+        else:
+            claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
+            w = attach_rank(
+                manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve, disk=disk
             )
+    except CacheError as err:
+        if manifest is None:
+            fail(f"rank {rank} cannot open its cache: {err}", "check --disk-dir (a rank of the same number holds it?)")
+        fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
     lay = w.cache.layout
     what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"
     click.echo(

@@ -45,6 +45,7 @@ from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
+from .cache.disk_tier import DiskSpec
 from .cache.geometry import LayoutGiven
 from .cache.store import BlockStore, pick_device
 from .core import RankCore
@@ -176,12 +177,13 @@ class RankWorker:
         liveness_ms: int = 2000,
         curve: Curve | None = None,
         cache: BlockStore | None = None,
+        disk: DiskSpec | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank)
+            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank, disk=disk)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
@@ -232,7 +234,9 @@ class RankWorker:
         ``CacheError`` when it cannot be mapped or does not fit ``layout``
         (nothing stays mapped).
         ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
-        return cls(rank, world, backend, control, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
+        disk = options.pop("disk", None)
+        store = BlockStore.from_manifest(manifest, layout, rank, disk=disk)
+        return cls(rank, world, backend, control, cache=store, **options)
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
@@ -250,6 +254,9 @@ class RankWorker:
         )
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
+        disk = self.cache.disk
+        if disk is not None:
+            s["disk"] = disk.to_stats()
         return s
 
     def serve(self) -> None:

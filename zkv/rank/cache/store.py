@@ -37,6 +37,7 @@ from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
 from . import geometry
 from .copier import CopyEngine
+from .disk_tier import DiskSpec, DiskTier, layout_key
 from .errors import CacheError
 from .geometry import LayoutGiven
 from .memory import EngineMemory, MemorySource, OwnedMemory
@@ -92,8 +93,10 @@ class BlockStore:
     ``cache`` (the device tier's regions) and ``copier`` are None while cleared;
     ``tier`` too unless a clear kept it."""
 
-    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0):
+    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0, disk: DiskSpec | None = None):
         self.memory = memory
+        self.disk_spec = disk
+        self.disk: DiskTier | None = None  # below the CPU tier (disk_tier.py), with --disk-dir
         self.rank = rank
         self.layout = layout  # what the rank announces; gpu_blocks / cpu_blocks bound the ids
         self.cache: EngineCache | None = None
@@ -108,10 +111,15 @@ class BlockStore:
 
     @classmethod
     def owned(
-        cls, layout: CacheLayout, device: torch.device | str = "cpu", rank: int = 0, staging_bytes: int = STAGING_BYTES
+        cls,
+        layout: CacheLayout,
+        device: torch.device | str = "cpu",
+        rank: int = 0,
+        staging_bytes: int = STAGING_BYTES,
+        disk: DiskSpec | None = None,
     ) -> "BlockStore":
         """A store on memory zkv allocates on ``device`` for ``layout``."""
-        return cls(OwnedMemory(device, staging_bytes), layout, rank)
+        return cls(OwnedMemory(device, staging_bytes), layout, rank, disk)
 
     @classmethod
     def attached(
@@ -124,6 +132,7 @@ class BlockStore:
         compute_stream: Any = None,
         pin: bool | None = None,
         source: Callable[[], EngineCache] | None = None,
+        disk: DiskSpec | None = None,
     ) -> "BlockStore":
         """A store on an engine's cache.  ``layout``: None (announce the one
         derived from the cache), a ``CacheLayout`` or a map of fields, checked
@@ -131,10 +140,12 @@ class BlockStore:
         naming both values when they disagree)."""
         announce = geometry.announced(cache.descriptor, cpu_rows, layout)
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
-        return cls(memory, announce, rank)
+        return cls(memory, announce, rank, disk)
 
     @classmethod
-    def from_manifest(cls, path: str, layout: LayoutGiven = None, rank: int = 0) -> "BlockStore":
+    def from_manifest(
+        cls, path: str, layout: LayoutGiven = None, rank: int = 0, disk: DiskSpec | None = None
+    ) -> "BlockStore":
         """A store on the tensors an engine process exported in ``path``
         (``manifest.export_manifest``); each resume reads it again, for a newer
         cache.  ``layout`` as for ``attached``; its ``cpu_blocks`` (default
@@ -148,7 +159,7 @@ class BlockStore:
             cpu_rows = (layout or {}).get("cpu_blocks", CacheLayout().cpu_blocks)
         cache = attach(path)
         try:
-            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path))
+            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path), disk=disk)
         except BaseException:
             cache.release()
             raise
@@ -179,6 +190,7 @@ class BlockStore:
                 self.tier = CpuTier.for_cache(cache.descriptor, layout.cpu_blocks, self.memory.pin)
                 self._tier_key = key
             assert self.tier is not None
+            self._sync_disk(layout, kept)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
             self.memory.release(cache)
@@ -189,6 +201,22 @@ class BlockStore:
                 self._retired.add(self.instance)
             self.instance = cache.instance
         return self.nbytes()
+
+    def _sync_disk(self, layout: CacheLayout, kept: bool) -> None:
+        """Open the disk tier (a file of this layout's blocks is reused: a restart keeps it)
+        or, when the CPU tier was not kept, make its blocks those of the new layout (none)."""
+        if self.disk_spec is None:
+            return
+        assert self.tier is not None
+        fields = (layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, str(layout.dtype))
+        key = layout_key(self.tier.page_shape, fields)
+        if self.disk is not None and self.disk.row_bytes != self.tier.row_bytes:
+            self.disk.close()  # another block size: the file is made anew below
+            self.disk = None
+        if self.disk is None:
+            self.disk = DiskTier(self.disk_spec, self.tier.row_bytes, key, self.rank)
+        elif not kept or key != self.disk.key:
+            self.disk.invalidate(key)
 
     def _check_newer(self, cache: EngineCache) -> None:
         """A resume's cache must be new memory (docs/engines.md, "Generations"):
@@ -212,6 +240,8 @@ class BlockStore:
         if not keep_cpu and self.tier is not None:
             freed += self.tier.nbytes
             self.tier = None
+        if not keep_cpu and self.disk is not None:
+            self.disk.invalidate()  # a clear that keeps the CPU tier keeps the disk tier too
         self._drop_device()
         return Freed(freed, self.tier is not None)
 
@@ -225,17 +255,24 @@ class BlockStore:
 
     def close(self) -> None:
         """Drop everything (the rank stops): the device tier, the tier, anything pending."""
-        self.free(keep_cpu=False)
+        self.free(keep_cpu=True)  # the disk file stays valid for a restart
+        self.tier = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         self.memory.close()
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
             "gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
             "cpu": self.tier.nbytes if self.tier is not None else 0,
+            **({"disk": self.disk.nbytes} if self.disk is not None else {}),
         }
 
     def nbytes(self) -> int:
-        return sum(self.tier_nbytes().values())
+        """Memory held (the device and CPU tiers; the disk file is not memory)."""
+        n = self.tier_nbytes()
+        return n["gpu"] + n["cpu"]
 
     # --- tasks ---------------------------------------------------------------------
 
@@ -258,12 +295,24 @@ class BlockStore:
         elif op == "fill":
             if body.tier == "gpu":
                 check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
-            else:
+            elif body.tier == "cpu":
                 check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+            else:
+                raise TaskInvalid("fill is not offered on the disk tier: fill cpu blocks, then spill them")
         elif op == "checksum":
-            check_ids(
-                "src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False
-            )
+            limit = {"gpu": layout.gpu_blocks, "cpu": layout.cpu_blocks}.get(body.tier) or self._disk_rows()
+            check_ids("src", body.src, body.tier, limit, unique=False)
+        elif op == "spill":
+            check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
+            check_ids("dst", body.dst, "disk", self._disk_rows(), unique=True)
+        elif op == "load":
+            check_ids("src", body.src, "disk", self._disk_rows(), unique=False)
+            check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+
+    def _disk_rows(self) -> int:
+        if self.disk is None:
+            raise CacheError("no_disk", f"rank {self.rank} has no disk tier (start it with --disk-dir)")
+        return self.disk.rows
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
@@ -271,6 +320,22 @@ class BlockStore:
         if op == "swap_out":
             return self.copier.copy_out(src, dst)
         return self.copier.copy_in(src, dst)
+
+    def _row_addresses(self, rows: Sequence[int]) -> list[int]:
+        assert self.tier is not None, "the CPU tier is cleared"
+        store = self.tier.store
+        base, stride = store.data_ptr(), store.stride(0)
+        return [base + r * stride for r in rows]
+
+    def spill(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """CPU rows ``src[i]`` to disk blocks ``dst[i]`` (ids validated); return bytes, once on the device."""
+        assert self.disk is not None
+        return self.disk.write(dst, self._row_addresses(src))
+
+    def load(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost`` names failures)."""
+        assert self.disk is not None
+        return self.disk.read(src, self._row_addresses(dst))
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""
@@ -293,5 +358,9 @@ class BlockStore:
         return len(ids) * sum(v.shape[1] for v in views)
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
-        """A 16-byte BLAKE2b digest of every block (its page in every region)."""
+        """A 16-byte BLAKE2b digest of every block (its page in every region; a disk block
+        is read back and its stored digest checked first)."""
+        if tier == "disk":
+            assert self.disk is not None
+            return self.disk.checksum(ids)
         return block_digests(self.views(tier), ids)
