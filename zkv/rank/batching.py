@@ -75,9 +75,9 @@ class InlinePolicy:
         size = len(body)
         if size > INLINE_MAX_BODY:
             return False
-        if any(w in body for w in _DISK_WORDS):  # disk I/O stays off the I/O thread (a false match only queues)
-            return False
         if layout is not self._layout:  # the layout changes only on an allocation: work its bound out once
             self._layout = layout
             self._blocks = max(1, INLINE_MAX_BYTES // max(1, layout.block_bytes))
-        return (size - 24) // 8 <= self._blocks  # src and dst: 8 bytes per block pair
+        if (size - 24) // 8 > self._blocks:  # src and dst: 8 bytes per block pair
+            return False
+        return not any(w in body for w in _DISK_WORDS)  # disk I/O stays off the I/O thread (a false match queues)
