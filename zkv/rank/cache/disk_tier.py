@@ -217,7 +217,7 @@ class DiskTier:
         rows = [dst[i] for i in order]
         addrs = [addresses[i] for i in order]
         zero = self._zero_copy(addrs)
-        limit = max(1, -(-len(rows) // self._pool.threads)) if zero else self._bounce_rows
+        limit = min(self._bounce_rows, max(1, -(-len(rows) // self._pool.threads)))  # 8 MiB pieces: I/O beside hashing
         digests: dict[int, bytes] = {}
 
         def part(parts: list[tuple[int, int]]) -> list[int]:
@@ -273,7 +273,7 @@ class DiskTier:
         rows = [src[i] for i in order]
         addrs = [addresses[i] for i in order]
         zero = self._zero_copy(addrs) and len(set(rows)) == len(rows)
-        limit = max(1, -(-len(rows) // self._pool.threads)) if zero else self._bounce_rows
+        limit = min(self._bounce_rows, max(1, -(-len(rows) // self._pool.threads)))  # 8 MiB pieces: I/O beside hashing
 
         def part(parts: list[tuple[int, int]]) -> list[int]:
             bad = []
