@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zkv.harness.cluster import LocalCluster
+from zkv.obs.status_view import render_status
 from zkv.rank.cache import disk_io
 from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
 from zkv.rank.cache.errors import CacheError
@@ -178,6 +179,7 @@ def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(
         assert client.run("fill", None, [1], tier="disk").outcome == "failed", "fill is not offered on disk"
         disk = disk_stats(client, lambda d: d["digest_failures"] == 1)  # stats travel with heartbeats
         assert disk["used"] == 32 and disk["blocks"] == 1024 and disk["bytes"] >= 1024 * E2E.block_bytes
+        assert "disk 32/1024 blocks" in render_status(client.status()), "zkv status shows the tiers"
 
 
 def disk_stats(client, predicate, timeout: float = 10.0) -> dict:

@@ -40,6 +40,28 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
 
 
+def _tier_lines(ranks: list) -> list[str]:
+    """Per rank, what each tier holds: GPU and CPU bytes, and the disk tier's blocks used."""
+    out = []
+    for r in ranks:
+        stats = r.get("stats") or {}
+        if "cache_bytes_gpu" not in stats:
+            continue
+        line = (
+            f"rank {r.get('rank', '?')} tiers: gpu {human_bytes(stats.get('cache_bytes_gpu'))},"
+            f" cpu {human_bytes(stats.get('cache_bytes_cpu'))}"
+        )
+        disk = stats.get("disk")
+        if isinstance(disk, dict):
+            line += (
+                f", disk {disk.get('used', '-')}/{disk.get('blocks', '-')} blocks"
+                f" ({human_bytes(disk.get('bytes'))}, {'O_DIRECT' if disk.get('direct') else 'buffered'},"
+                f" {disk.get('digest_failures', 0)} digest failures)"
+            )
+        out.append(line)
+    return ["", *out] if out else []
+
+
 def render_status(st: dict[str, Any]) -> str:
     """A readable multi-line view of one status reply."""
     pending = st.get("pending_op")
@@ -89,6 +111,7 @@ def render_status(st: dict[str, Any]) -> str:
         ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "cache", "undeliv.", "pid"],
         rows,
     )
+    lines += _tier_lines(st.get("ranks") or [])
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
         lines.append(
