@@ -14,6 +14,7 @@ wrote in this generation holds something else.
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from zkv.client.results import ResultBook
 from zkv.rank.cache_phase import CachePhase
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 from zkv.rank.registration import RankRefused
+from zkv.wire import bounds
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Result
@@ -31,6 +33,8 @@ LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=1, kv_head
 OTHER = LAYOUT.with_changes(gpu_blocks=6, cpu_blocks=4)
 ALLOC_LIMIT = 1000  # the simulated executor fails to allocate more GPU blocks than this
 CLIENT = b"client-M"
+STRANGER = b"client-S"  # a client of its own: reads, pings and bad frames only (its writes would be the model's)
+MODEL_REPLY_TO = "ipc:///model"
 CFG = {"heartbeat_ms": 100, "liveness_ms": 1000, "control_repeat_ms": 50, "op_timeout_ms": 2000}
 
 
@@ -96,14 +100,33 @@ class Bus:
         self.next_req = 1
         self.copies_after_ack = 0
         self.silent_losses: list[str] = []
+        self.replies: dict[int, Any] = {}  # req -> the reply or error it got
+        self.out_of_bounds: list[str] = []  # frames a party sent that its peer's decoder refuses
+        self.unnamed_moves: list[str] = []  # generation moves without a reason
+        self.stranger_ids = itertools.count(1)
         for r in self.ranks:
             self._rank_actions(r, self.ranks[r].core.start(self.now))
 
     # --- wiring ------------------------------------------------------------------
 
+    def _in_bounds(self, who: str, frame: bytes) -> None:
+        """What a party sends must pass the decoder its peer uses (docs/protocol.md §2.1)."""
+        try:
+            P.decode(frame)
+        except P.ProtocolError as err:
+            self.out_of_bounds.append(f"{who} sent {err.code}: {err.reason}")
+
     def _broker_actions(self, actions) -> None:
         for a in actions:
+            if isinstance(a, (ToRank, ToClient)):  # a task's body is the client's bytes, forwarded as they came
+                sent = a.frames[0::2] if isinstance(a, ToRank) and len(a.frames) > 1 else a.frames
+            else:
+                sent = [a.frame] if isinstance(a, Publish) else []
+            for frame in sent:
+                self._in_bounds("the broker", frame)
             if isinstance(a, ToRank):
+                if a.identity.startswith(b"stranger"):
+                    continue
                 rank = int(a.identity.split(b"-")[1])
                 if self.ranks[rank].alive:
                     self.ranks[rank].dealer_in.append(a.frames)
@@ -113,9 +136,12 @@ class Bus:
                         sr.sub_in.append(a.frame)
             elif isinstance(a, ToClient):
                 msg = P.decode(a.frames[0])
+                if a.client == STRANGER:
+                    continue
                 req = getattr(msg, "req", None)
                 if req is not None and req in self.requests:
                     self.requests[req].answered = True
+                    self.replies[req] = msg
                 if msg.kind == "error" and msg.code == "internal":
                     raise ModelViolation(f"internal error: {msg.reason}")
                 self.client_in.append(msg)
@@ -126,6 +152,7 @@ class Bus:
         sr = self.ranks[rank]
         for a in actions:
             if isinstance(a, ToBroker):
+                self._in_bounds(f"rank {rank}", a.frame)
                 self.to_broker[rank].append(a.frame)
             elif isinstance(a, Acked):
                 sr.acked_pause = a.op in ("pause", "clear")
@@ -133,6 +160,17 @@ class Bus:
                 if isinstance(a, AllocateCache):
                     sr.acked_pause = False
                 sr.work.append(a)
+
+    def _call(self, handler, *args) -> None:
+        """One broker entry point; a generation that moved in it, a clear's
+        move included, must say why (status ``gen_reason``)."""
+        broker = self.broker
+        gen, reason, state = broker.gen, broker.gens.reason, broker.state
+        self._broker_actions(handler(*args))
+        if broker.gen == gen:
+            return
+        if not broker.gens.reason or broker.gens.reason == reason:
+            self.unnamed_moves.append(f"generation {gen} -> {broker.gen} (state {state} -> {broker.state})")
 
     # --- client ------------------------------------------------------------------
 
@@ -143,21 +181,33 @@ class Bus:
         self.tasks[task] = {"op": op, "tier": tier, "blocks": blocks, "seed": seed}
         key = "dst" if op == "fill" else "src"
         body = P.encode_body(op, **{key: blocks}, tier=tier, seed=seed)
-        frames = [P.encode("submit", task=task, reply_to="ipc:///model"), body]
-        self._broker_actions(self.broker.on_client(CLIENT, frames, self.now))
+        frames = [P.encode("submit", task=task, reply_to=MODEL_REPLY_TO), body]
+        self._call(self.broker.on_client, CLIENT, frames, self.now)
         return task
 
     def request(self, kind: str, timeout_ms: int = 1500, **fields) -> int:
         req = self.next_req
         self.next_req += 1
-        # the broker answers a control op by its deadline; status and ping at once
+        control = kind in ("pause", "clear", "resume")
+        # the broker answers a control op by its deadline (0: its default; out of bounds: at once); others at once
+        wait_ms = timeout_ms or CFG["op_timeout_ms"]
         self.requests[req] = Request(
-            kind, self.now + (timeout_ms / 1000 if kind in ("pause", "clear", "resume") else 0)
+            kind, self.now + (wait_ms / 1000 if control and wait_ms <= bounds.MAX_TIMEOUT_MS else 0)
         )
-        if kind in ("pause", "clear", "resume"):
+        if control:
             fields["timeout_ms"] = timeout_ms
-        self._broker_actions(self.broker.on_client(CLIENT, [P.encode(kind, req=req, **fields)], self.now))
+        self._call(self.broker.on_client, CLIENT, [P.encode(kind, req=req, **fields)], self.now)
         return req
+
+    def stranger_client(self, frames: list[bytes]) -> None:
+        """A client that is not the model's: whatever it is answered must be in bounds."""
+        self._call(self.broker.on_client, STRANGER, frames, self.now)
+
+    def stranger_rank(self, frames: list[bytes]) -> bytes:
+        """A backend peer the model does not run (it may register, then it is silent)."""
+        identity = b"stranger-%d" % next(self.stranger_ids)
+        self._call(self.broker.on_rank, identity, frames, self.now)
+        return identity
 
     def busy_blocks(self) -> set[tuple[str, int]]:
         """Blocks an open task touches (the model issues no two tasks on one block at once)."""
@@ -225,7 +275,7 @@ class Bus:
     def deliver_broker(self, rank: int) -> None:
         if self.to_broker[rank]:
             frame = self.to_broker[rank].popleft()
-            self._broker_actions(self.broker.on_rank(f"rank-{rank}".encode(), [frame], self.now))
+            self._call(self.broker.on_rank, f"rank-{rank}".encode(), [frame], self.now)
 
     def deliver_dealer(self, rank: int) -> None:
         sr = self.ranks[rank]
@@ -275,11 +325,17 @@ class Bus:
     def _run_task(self, rank: int, ex: Execute) -> None:
         sr, mem = self.ranks[rank], self.ranks[rank].mem
         outcome, reason, digests = "ok", ex.refuse, None
-        body = P.decode_body(ex.body)
+        try:
+            body = P.decode_body(ex.body)
+        except P.ProtocolError as err:  # the runner's answer to a bad body: failed, with the code
+            self._finish(rank, ex, "failed", str(err)[:1000], None)
+            return
         tier = mem.gpu if body.tier == "gpu" else mem.cpu
         ids = list(body.dst if body.op == "fill" else body.src)
         if ex.refuse:
             outcome = "failed"
+        elif min(ids) < 0:
+            outcome, reason = "failed", "block id out of range"
         elif ex.session != sr.core.registration.session:
             outcome, reason = "failed", "stale session"
         elif tier is None or mem.layout is None:
@@ -297,11 +353,15 @@ class Bus:
                     tier[b] = (body.seed, rank, i)
             else:
                 digests = [tier.get(b) for b in ids]
+        self._finish(rank, ex, outcome, reason, digests)
+
+    def _finish(self, rank: int, ex: Execute, outcome: str, reason: str, digests) -> None:
         result = Result(
             task=ex.task, rank=rank, world=self.world, outcome=outcome, reason=reason, gen=ex.gen, digests=digests
         )
-        self.results_in[rank].append(result)
-        self._rank_actions(rank, sr.core.on_finished(ex.seq, ex.n, outcome, 0, ex.gen))
+        if ex.reply_to == MODEL_REPLY_TO:  # a stranger's results go to its own PULL
+            self.results_in[rank].append(result)
+        self._rank_actions(rank, self.ranks[rank].core.on_finished(ex.seq, ex.n, outcome, 0, ex.gen))
 
     def settle(self, rounds: int = 20) -> None:
         """Deliver everything that can move (frozen and dead ranks stay as they are)."""
@@ -367,7 +427,7 @@ class Bus:
 
     def advance(self, dt: float) -> None:
         self.now += dt
-        self._broker_actions(self.broker.on_tick(self.now))
+        self._call(self.broker.on_tick, self.now)
         for r, sr in self.ranks.items():
             if sr.alive and not sr.frozen:
                 self._rank_actions(r, sr.core.on_wake(self.now))
@@ -377,7 +437,42 @@ class Bus:
 
     # --- invariants ------------------------------------------------------------------
 
+    def recovers(self, on_copy: bool = True) -> str | None:
+        """Once every rank runs again and the clock moves on, the broker's
+        in-flight tasks drain and a pause completes; else why not (on a copy,
+        unless the example ends here).  No in-bound sequence may wedge the bus."""
+        bus = copy.deepcopy(self) if on_copy else self
+        for r, sr in bus.ranks.items():
+            sr.frozen = False
+            if not sr.alive:
+                bus.start_rank(r)
+        for _ in range(40):  # 4 s of bus time: liveness (1 s), the op timeout (2 s) and a retry
+            bus.settle()
+            registered = all(sr.core.registered for sr in bus.ranks.values())
+            if registered and not bus.broker.inflight and bus.broker.pending is None:
+                break
+            bus.advance(0.1)
+        req = bus.request("pause", timeout_ms=2000)
+        for _ in range(30):
+            bus.settle()
+            if req in bus.replies:
+                break
+            bus.advance(0.1)
+        reply = bus.replies.get(req)
+        why = None
+        if reply is None or reply.kind != "reply":
+            why = f"a pause after recovery got {reply}"
+        elif bus.broker.inflight:
+            why = f"tasks still in flight after a pause: {sorted(bus.broker.inflight)}"
+        elif bus.broker.control.own_resume.retry_at is not None:
+            why = "the broker still retries its own resume behind a client's pause"
+        return why
+
     def check(self) -> None:
+        if self.out_of_bounds:
+            raise ModelViolation("out of bounds: " + "; ".join(self.out_of_bounds))
+        if self.unnamed_moves:
+            raise ModelViolation("a generation moved without a reason: " + "; ".join(self.unnamed_moves))
         if self.copies_after_ack:
             raise ModelViolation(f"{self.copies_after_ack} copies between a pause ack and the next resume")
         if self.silent_losses:

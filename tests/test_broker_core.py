@@ -246,3 +246,87 @@ def test_oversized_task_body_is_rejected_at_the_broker():
     frames = [P.encode("submit", task=1, reply_to="ipc:///sim/c"), b"\x00" * (P.MAX_FRAME_BYTES + 1)]
     (out,) = decoded(sim.broker.on_client(CLIENT, frames, sim.now))
     assert out.outcome == "rejected" and "exceeds" in out.reason
+
+
+def submit_with_timeout(sim, task: int, timeout_ms: int | None) -> None:
+    sim.book.add(task, sim.now, 30.0)
+    fields = {} if timeout_ms is None else {"timeout_ms": timeout_ms}
+    header = P.encode("submit", task=task, reply_to="ipc:///sim/client", **fields)
+    sim._broker_actions(sim.broker.on_client(CLIENT, [header, P.encode_body("swap_out", [0], [0])], sim.now))
+
+
+def test_a_queued_task_past_its_submit_timeout_ends_timeout_at_its_deadline_and_never_runs():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    t0 = sim.now
+    submit_with_timeout(sim, 50, 300)
+    submit_with_timeout(sim, 51, None)
+    submit_with_timeout(sim, 52, 600)
+    assert sim.broker.tasks.deadline() == pytest.approx(t0 + 0.3)  # the loop wakes for it (next_deadline)
+    sim.tick(0.299)
+    assert 50 not in sim.outcomes
+    sim.tick(0.002)  # its deadline passed: ended now, while the bus stays paused
+    (out,) = [m for m in sim.client_in if m.kind == "outcome" and m.task == 50]
+    assert out.outcome == "timeout" and "never dispatched" in out.reason and out.ran is False
+    st = sim.broker.status(sim.now)
+    assert st["state"] == "paused" and st["queued"] == 2 and sim.outcomes[50] == "timeout"
+    assert sim.broker.tasks.deadline() == pytest.approx(t0 + 0.6)  # task 52's next
+    sim.request("resume")
+    sim.settle()
+    assert sim.outcomes[51] == sim.outcomes[52] == "ok"
+    assert all(sr.copies == 2 for sr in sim.ranks.values()), "the expired task ran"
+    assert sim.broker.counters["timeout"] == 1 and not sim.broker.queue
+
+
+def _outcome_of(sim, task: int):
+    (out,) = [m for m in sim.client_in if m.kind == "outcome" and m.task == task]
+    return out
+
+
+def test_a_cancel_ends_a_queued_task_before_its_reply_and_is_too_late_for_a_dispatched_one():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    queued = sim.submit()
+    req = sim.request("cancel", task=queued)
+    out = _outcome_of(sim, queued)
+    answer = sim.reply(req)
+    assert sim.client_in.index(out) < sim.client_in.index(answer), "the outcome comes before the reply"
+    assert out.outcome == "cancelled" and out.ran is False and "by its client" in out.reason
+    assert answer.op == "cancel" and answer.extra == {"task": queued, "cancelled": True, "state": "queued"}
+    assert sim.outcomes[queued] == "cancelled" and sim.broker.status(sim.now)["queued"] == 0
+    again = sim.request("cancel", task=queued)  # it ended: a second cancel says so
+    assert sim.reply(again).extra == {"task": queued, "cancelled": False, "state": "done"}
+    stranger = sim.request("cancel", task=10**9)
+    assert sim.reply(stranger).extra == {"task": 10**9, "cancelled": False, "state": "unknown"}
+    sim.request("resume")
+    sim.settle()
+    assert all(sr.copies == 0 for sr in sim.ranks.values()), "the cancelled task ran"
+    running = sim.submit()
+    late = sim.request("cancel", task=running)  # dispatched at once on a running bus
+    assert sim.reply(late).extra == {"task": running, "cancelled": False, "state": "dispatched"}
+    sim.settle()
+    assert sim.outcomes[running] == "ok" and sim.broker.counters["client_cancels"] == 1
+
+
+def test_a_cancel_names_only_the_tasks_of_its_own_connection():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    task = sim.submit()
+    acts = sim.broker.on_client(b"client-other", [P.encode("cancel", req=1, task=task)], sim.now)
+    (answer,) = decoded(acts)
+    assert answer.extra["state"] == "unknown" and sim.broker.status(sim.now)["queued"] == 1
+
+
+def test_every_outcome_of_a_task_the_broker_never_dispatched_says_ran_false():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    queued = sim.submit()
+    sim.request("clear")
+    sim.settle()
+    rejected = sim.submit()
+    assert _outcome_of(sim, queued).ran is False and _outcome_of(sim, queued).outcome == "cancelled"
+    assert _outcome_of(sim, rejected).ran is False and _outcome_of(sim, rejected).outcome == "rejected"

@@ -113,3 +113,24 @@ def test_the_broker_names_each_task_s_own_generation_in_its_outcome():
     ran = sim.submit()
     sim.settle()
     assert sim.outcomes[ran] == "ok" and [r.gen for r in sim.results if r.task == ran] == [1, 1]
+
+
+def test_ran_says_whether_a_rank_ran_the_task_or_the_broker_never_dispatched_it():
+    book = book_at(0, 1, 2, 3, 4)
+    never = book.on_outcome(1, "timeout", "never dispatched", 1.0, 0, ran=False)
+    assert never.outcome == "timeout" and never.ran is False and never.to_json()["ran"] is False
+    book.on_result(result(2, 0, gen=0), 1.0)
+    ran = book.on_result(result(2, 1, gen=0), 1.0)
+    assert ran.ran is True
+    died = book.on_outcome(3, "failed", "rank 1 died", 1.0, 0)  # dispatched: a rank may have copied
+    assert died.ran is None
+    (gave_up,) = [o for o in book.expire(31.0) if o.task == 4]  # the client's own deadline: nobody can say
+    assert gave_up.outcome == "timeout" and gave_up.ran is None
+
+
+def test_a_task_the_client_gave_up_on_settles_when_the_broker_says_it_never_ran():
+    book = book_at(0, 7)
+    (out,) = book.expire(31.0)
+    assert out.outcome == "timeout" and book.take_settled() == []
+    assert book.on_outcome(7, "timeout", "never dispatched", 31.1, 0, ran=False) is None  # late: not a second outcome
+    assert book.take_settled() == [7], "no rank will write its blocks: they may be reused"

@@ -1,6 +1,11 @@
 """The disk tier (docs/protocol.md §6, `spill` / `load`): real files on tmpfs
-and on a disk-backed directory, and real rank processes for the round trip,
-a torn block and a kill -9 in the middle of spills."""
+and on a disk-backed directory, the store with a persistent CPU tier above it,
+and real rank processes for the round trip, a torn block and a kill -9 in the
+middle of spills.
+
+The default run is short: one disk-backed round trip, the store rules and two
+real-rank tests.  ``ZKV_DISK_LONG=1`` adds the repetitions (tmpfs, an aligned
+row size) and the pause-after-spills test on a real rank."""
 
 import errno
 import os
@@ -16,13 +21,17 @@ from zkv.rank.cache import disk_io
 from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.store import BlockStore
+from zkv.rank.tier_file import TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout
+
+LONG = os.environ.get("ZKV_DISK_LONG") == "1"
+long_only = pytest.mark.skipif(not LONG, reason="set ZKV_DISK_LONG=1 for the longer disk tier tests")
 
 ROW = 8192 + 100  # not a multiple of the alignment: the bounce path under O_DIRECT
 KEY = b"k" * 16
 
 
-@pytest.fixture(params=["disk", "tmpfs"])
+@pytest.fixture(params=["disk", pytest.param("tmpfs", marks=long_only)])
 def where(request, tmp_path):
     if request.param == "disk":
         yield str(tmp_path / "disk")  # a disk-backed file system (ext4 here): O_DIRECT
@@ -41,7 +50,7 @@ def rows_of(t: torch.Tensor, ids) -> list[int]:
     return [t.data_ptr() + i * t.stride(0) for i in ids]
 
 
-@pytest.mark.parametrize("row", [ROW, 8192])
+@pytest.mark.parametrize("row", [ROW, pytest.param(8192, marks=long_only)])
 def test_blocks_round_trip_exactly_survive_a_reopen_and_a_torn_row_is_lost(where, row):
     src = torch.randint(0, 256, (40, row), dtype=torch.uint8)
     tier = DiskTier(DiskSpec(where, 80), row, KEY)
@@ -130,6 +139,34 @@ def test_the_store_keeps_the_disk_tier_with_keep_cpu_and_drops_it_on_a_clear_or_
     store.close()
 
 
+def test_with_a_persistent_cpu_tier_spill_checks_rows_load_seals_them_and_close_keeps_both_files(tmp_path):
+    place, disk = TierPlace("bus", 0, str(tmp_path / "shm")), DiskSpec(str(tmp_path / "disk"), 32)
+    store = BlockStore.owned(LAYOUT, place=place, disk=disk)
+    store.fill("cpu", [0, 1, 2], seed=4)
+    want = store.checksum("cpu", [0, 1])
+    store.tier.file.heads[2, 0] ^= 0xFF  # a torn header: CPU block 2 is lost
+    with pytest.raises(CacheError, match=r"lost_block.*\[2\]"):
+        store.spill([1, 2], [5, 6])
+    assert store.disk.used == 0, "a spill naming a lost CPU block writes nothing"
+    store.spill([0, 1], [5, 6])
+    store.load([5, 6], [2, 3])  # a load seals the rows it writes: block 2 is whole again
+    assert store.checksum("cpu", [2, 3]) == want
+    with pytest.raises(DiskLost):
+        store.load([7], [0])  # nothing there: CPU row 0 now holds undefined bytes
+    with pytest.raises(CacheError, match="lost_block"):
+        store.checksum("cpu", [0])
+    store.close()  # the rank stops: the tier file and the disk file both stay
+    again = BlockStore.owned(LAYOUT, place=place, disk=disk)
+    assert again.restored and again.disk.reopened == 2
+    assert again.checksum("cpu", [2, 3]) == want == again.checksum("disk", [5, 6])
+    again.free()  # a clear: the tier file goes and the disk blocks are dropped
+    assert list(list_tiers(place.directory)) == []
+    again.allocate(LAYOUT)
+    with pytest.raises(DiskLost):
+        again.checksum("disk", [5])
+    again.close()
+
+
 # --- real processes ------------------------------------------------------------------
 
 E2E = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=64, block_size=16, kv_heads=4, head_dim=64)  # 32 KiB blocks
@@ -142,21 +179,18 @@ def _cluster(tmp_path, disk_dir: str) -> LocalCluster:
 
 
 @pytest.fixture(scope="module")
-def shm_cluster(tmp_path_factory):
-    """One rank with its disk tier on tmpfs, for the sequences that restart nothing."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path_factory.mktemp("disk"))
-    where = os.path.join(base, f"zkv-e2e-{os.getpid()}")
-    c = _cluster(tmp_path_factory.mktemp("shm"), where)
-    c.start(timeout=60)
-    yield c, where
-    c.stop()
-    for name in os.listdir(where):
-        os.unlink(os.path.join(where, name))
-    os.rmdir(where)
+def rank_cluster(tmp_path_factory):
+    """One rank with its disk tier in a disk-backed directory (each spill ends with
+    an fdatasync of real I/O), shared by the tests below in file order: the kill -9
+    test restarts the rank and uses disk ids the round trip does not."""
+    base = tmp_path_factory.mktemp("e2e")
+    where = str(base / "disk")
+    with _cluster(base, where) as c:
+        yield c, where
 
 
-def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(shm_cluster):
-    cluster, where = shm_cluster
+def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(rank_cluster):
+    cluster, where = rank_cluster
     with cluster.client(request_timeout=15) as client:
         rows = list(range(32))
         assert client.run("fill", None, rows, tier="cpu", seed=11).ok
@@ -179,7 +213,7 @@ def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(
         assert client.run("fill", None, [1], tier="disk").outcome == "failed", "fill is not offered on disk"
         disk = disk_stats(client, lambda d: d["digest_failures"] == 1)  # stats travel with heartbeats
         assert disk["used"] == 32 and disk["blocks"] == 1024 and disk["bytes"] >= 1024 * E2E.block_bytes
-        assert "disk 32/1024 blocks" in render_status(client.status()), "zkv status shows the tiers"
+        assert "rank 0 disk: 32/1024 blocks" in render_status(client.status()), "zkv status shows the tiers"
 
 
 def disk_stats(client, predicate, timeout: float = 10.0) -> dict:
@@ -193,14 +227,14 @@ def disk_stats(client, predicate, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_one(tmp_path):
-    disk_dir = str(tmp_path / "disk")  # disk-backed: each spill ends with an fdatasync of real I/O
-    per, tasks = 32, 24
-    with _cluster(tmp_path, disk_dir) as cluster, cluster.client(request_timeout=20) as client:
+def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_one(rank_cluster):
+    cluster, _ = rank_cluster
+    per, tasks, base = 32, 24, 200  # disk ids 200..967: none the round trip above wrote
+    with cluster.client(request_timeout=20) as client:
         rows = list(range(per))
         assert client.run("fill", None, rows, tier="cpu", seed=5).ok
         want = client.run("checksum", rows, tier="cpu").per_rank[0]["digests"]
-        ids = {client.submit("spill", rows, [i * per + r for r in rows], timeout=30): i for i in range(tasks)}
+        ids = {client.submit("spill", rows, [base + i * per + r for r in rows], timeout=30): i for i in range(tasks)}
         acked: list[int] = []
         deadline = time.monotonic() + 30
         while len(acked) < 3 and time.monotonic() < deadline:
@@ -222,7 +256,7 @@ def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_
                 acked.append(ids[o.task])
         assert r["stats"]["disk"]["reopened"] >= len(acked) * per
         for i in range(tasks):
-            out = client.run("checksum", [i * per + r for r in rows], tier="disk")
+            out = client.run("checksum", [base + i * per + r for r in rows], tier="disk")
             if i in acked:
                 assert out.ok, f"acked spill {i}: {out.reason}"
             if out.ok:
@@ -230,12 +264,13 @@ def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_
             else:
                 assert "disk_lost" in out.reason, out.reason
         first = min(acked)
-        assert client.run("load", [first * per + r for r in rows], rows).ok
+        assert client.run("load", [base + first * per + r for r in rows], rows).ok
         assert client.run("checksum", rows, tier="cpu").per_rank[0]["digests"] == want
 
 
-def test_a_pause_waits_for_the_spills_in_flight(shm_cluster):
-    cluster, _ = shm_cluster
+@long_only
+def test_a_pause_waits_for_the_spills_in_flight(rank_cluster):
+    cluster, _ = rank_cluster
     with cluster.client(request_timeout=20) as client:
         rows = list(range(64))
         spills = [client.submit("spill", rows, [i * 64 + r for r in rows], timeout=30) for i in range(8)]

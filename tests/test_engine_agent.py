@@ -36,7 +36,9 @@ def _random_(t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def make_engine(layout: str, nb: int = NB):
-    """(tensors, entries, block(b) -> the engine's own slices of block b)."""
+    """(tensors, entries, block(b) -> the engine's own slices of block b); the vLLM
+    layouts without their null block, so every id is the layouts' to swap
+    (the null block: tests/test_prefix_allocator.py)."""
     bf = torch.bfloat16
     if layout == "zkv_native":
         ks = [torch.zeros((nb, H, BS, D), dtype=bf) for _ in range(L)]
@@ -51,13 +53,13 @@ def make_engine(layout: str, nb: int = NB):
         return ts, fastdeploy.regions(ks, vs, sk, sv), lambda b: [t[b] for t in ts]
     if layout == "vllm_flash_attn":
         kv = {f"layers.{i}.attn": torch.zeros((2, nb, BS, H, D), dtype=torch.float16) for i in range(L)}
-        return list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
+        return list(kv.values()), vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()]
     if layout == "vllm_flash_attn_hnd":  # physical order (2, blocks, heads, block_size, dim), logical NHD shape
         kv = {f"layers.{i}.attn": torch.zeros((2, nb, H, BS, D), dtype=bf).transpose(2, 3) for i in range(L)}
-        return list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()]
+        return list(kv.values()), vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()]
     if layout == "flashinfer":
         kv = {f"layers.{i}.attn": torch.zeros((nb, 2, BS, H, D), dtype=bf) for i in range(L)}
-        return list(kv.values()), vllm.flashinfer(kv), lambda b: [t[b] for t in kv.values()]
+        return list(kv.values()), vllm.flashinfer(kv, null_block=None), lambda b: [t[b] for t in kv.values()]
     if layout == "transformers_cb":
         flat = torch.zeros(nb * L * 2 * BS * H * D * 2, dtype=torch.uint8)
         typed = flat.view(bf).view(nb, L, 2, BS, H, D)

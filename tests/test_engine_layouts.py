@@ -65,14 +65,14 @@ def fastdeploy_engine():
 
 def vllm_flash_engine():
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, NB, BS, H, D), dtype=torch.float16) for i in range(L)}
-    return Engine(list(kv.values()), vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+    return Engine(list(kv.values()), vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
 def vllm_flash_hnd_engine():
     """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
     kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
     storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
-    return Engine(storage, vllm.flash_attn(kv), lambda b: [t[:, b] for t in kv.values()])
+    return Engine(storage, vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
 def vllm_mla_engine():
@@ -87,7 +87,7 @@ def vllm_cross_layer_engine():
 
 def flashinfer_engine():
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
-    return Engine(list(kv.values()), vllm.flashinfer(kv), lambda b: [t[b] for t in kv.values()])
+    return Engine(list(kv.values()), vllm.flashinfer(kv, null_block=None), lambda b: [t[b] for t in kv.values()])
 
 
 def transformers_engine():

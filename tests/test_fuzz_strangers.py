@@ -49,6 +49,8 @@ NASTY = [
     -1,
     -(2**63),
     2**40,
+    2**40 - 1,
+    4097,
     0,
     True,
     False,
@@ -65,6 +67,8 @@ NASTY = [
     {f"k{i}": i for i in range(300)},
     "inproc://zkv-stop-rank-0-0",
     "tcp://127.0.0.1:1",
+    "tcp://::1:5555",
+    "tcp://[::1]:5555",
     "ipc:///tmp/zkv-fuzz-nobody.sock",
     "pause",
     "ready",
@@ -163,18 +167,29 @@ def stranger(endpoint: str) -> zmq.Socket:
     return sock
 
 
-def await_reply(sock: zmq.Socket, match, timeout: float = 60.0) -> None:
+def await_reply(sock: zmq.Socket, match, replies: list[int], timeout: float = 60.0) -> None:
+    """Read every reply up to the one ``match`` takes; each must pass the
+    bounds a peer's decoder checks (docs/protocol.md §2.1 binds what the bus
+    sends as much as what it accepts)."""
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         assert left > 0 and sock.poll(int(left * 1000)), "the broker did not get through the batch in time"
-        if match(msgpack.unpackb(sock.recv_multipart()[-1], raw=False)):
+        frames = sock.recv_multipart()
+        for frame in frames:
+            try:
+                P.decode(frame)
+            except P.ProtocolError as err:
+                pytest.fail(f"the broker sent a frame a peer refuses ({err.code}: {err.reason}): {frame[:200]!r}")
+        replies[0] += 1
+        if match(msgpack.unpackb(frames[-1], raw=False)):
             return
 
 
 def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_after_every_batch(cluster):
     rng = random.Random(SEED)
     sent = {"frontend": 0, "backend": 0}
+    replies = [0]
     start = time.monotonic()
     with cluster.client(request_timeout=30) as genuine:
         bad_before = genuine.status()["counters"]
@@ -192,10 +207,12 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
                 # sent last, it has read (and answered) all of this batch.
                 mark = sum(sent.values())
                 front.send(P.encode("ping", req=mark))
-                await_reply(front, lambda m, mark=mark: m.get("kind") == "reply" and m.get("req") == mark)
+                await_reply(front, lambda m, mark=mark: m.get("kind") == "reply" and m.get("req") == mark, replies)
                 back.send(msgpack.packb({"v": 1, "kind": f"fuzz-mark-{mark}"}))
                 await_reply(
-                    back, lambda m, mark=mark: m.get("kind") == "error" and f"fuzz-mark-{mark}" in m.get("reason", "")
+                    back,
+                    lambda m, mark=mark: m.get("kind") == "error" and f"fuzz-mark-{mark}" in m.get("reason", ""),
+                    replies,
                 )
             finally:
                 front.close()
@@ -221,7 +238,11 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
         - bad_before.get("bad_rank_msgs", 0)
     )
     assert refused > 0.6 * sum(sent.values()), (refused, sent)
+    assert replies[0] > 0.6 * sum(sent.values()), (replies, sent)  # each read and decoded under the bounds
     # Every message was handled by the codec, none by the last-resort exception handler.
     assert st["counters"].get("internal_errors", 0) == 0, st["counters"]
     assert all(r["stats"].get("internal_errors", 0) == 0 for r in st["ranks"]), [r["stats"] for r in st["ranks"]]
-    print(f"\nfuzz: {sum(sent.values())} messages ({sent}) in {elapsed:.1f} s, {refused} refused, seed {SEED}")
+    print(
+        f"\nfuzz: {sum(sent.values())} messages ({sent}) in {elapsed:.1f} s, {refused} refused, "
+        f"{replies[0]} replies in bounds, seed {SEED}"
+    )

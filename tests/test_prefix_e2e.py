@@ -117,7 +117,7 @@ def test_pause_clear_resume_in_the_middle_of_a_workload(client):
     assert {client.wait(task, timeout=10).outcome for task in busy} <= {"ok", "cancelled"}
     for lease in held:
         manager.release(lease)  # from before the clear: a no-op
-    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32}
+    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32, "reserved": 0}
     assert_consistent(manager)
 
     second = serve_workload(client, manager, 30, workload=workload)

@@ -73,7 +73,7 @@ def test_miss_then_hit_on_the_same_blocks():
         engine.manager.release(lease)
     engine.manager.check_invariants()
     stats = engine.manager.stats()
-    assert stats["gpu"] == {"total": 8, "used": 3, "free": 5}
+    assert stats["gpu"] == {"total": 8, "used": 3, "free": 5, "reserved": 0}
     assert stats["gpu_hit_rate"] == 0.5 and stats["cpu_hit_rate"] == 0.0
 
 
@@ -370,7 +370,7 @@ def test_clear_degrades_to_no_hit_and_resume_serves_a_new_layout():
     assert engine.manager.evict(4) == 0
     assert len(engine.bus.submitted) == submitted  # clearing talks to no one
     engine.manager.check_invariants()
-    assert engine.manager.stats()["gpu"] == {"total": 0, "used": 0, "free": 0}
+    assert engine.manager.stats()["gpu"] == {"total": 0, "used": 0, "free": 0, "reserved": 0}
 
     engine.manager.resume(num_gpu_blocks=16, num_cpu_blocks=4, block_size=BS)
     assert engine.manager.match(tokens).num_blocks == 0

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from zkv.wire import bounds
 from zkv.wire import messages as M
 from zkv.wire import protocol as P
 
@@ -138,7 +139,18 @@ def test_python_client_sends_packed_ids():
 # --- invalid vectors -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("vec", INVALID, ids=_ids(INVALID))
+REPLY_TO_VECTORS = [v for v in INVALID if v["decoder"] == "reply_to"]
+CODEC_VECTORS = [v for v in INVALID if v["decoder"] != "reply_to"]
+
+
+@pytest.mark.parametrize("vec", REPLY_TO_VECTORS, ids=_ids(REPLY_TO_VECTORS))
+def test_a_reply_to_that_the_bounds_refuse_decodes_and_its_task_is_rejected(vec):
+    """The submit decodes; the broker ends its task ``rejected`` (and a rank never connects)."""
+    msg = P.decode(bytes.fromhex(vec["hex"]))
+    assert vec["code"] == "rejected" and not P.is_result_address(msg.reply_to), msg.reply_to
+
+
+@pytest.mark.parametrize("vec", CODEC_VECTORS, ids=_ids(CODEC_VECTORS))
 def test_invalid_vector_raises_expected_code(vec):
     frame = bytes.fromhex(vec["hex"])
     with pytest.raises(P.ProtocolError) as info:
@@ -151,7 +163,33 @@ def test_invalid_vector_raises_expected_code(vec):
         else:
             P.decode(frame, vec["expect_kinds"])
     assert info.value.code == vec["code"], info.value.reason
-    assert info.value.reason
+    assert info.value.reason and len(info.value.reason) <= 200, info.value.reason  # what an error reply carries
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"v": 1, "kind": "k" * 5000, "req": 1},
+        {"v": "v" * 5000, "kind": "hb"},
+        {"v": b"b" * 5000, "kind": "hb"},
+        {"v": 1, "kind": "done", "seq": 1, "n": 1, "outcome": "o" * 4096, "gen": 0},
+        {"v": 1, "kind": "ping", "req": -(2**63)},
+        {"v": 1, "kind": "ping", "req": {f"k{i}": "x" * 4000 for i in range(4)}},
+    ],
+    ids=["kind", "v_str", "v_bin", "enum", "negative", "map"],
+)
+def test_an_error_reason_quotes_a_peer_value_cut_to_64_characters(frame):
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(msgpack.packb(frame, use_bin_type=True))
+    assert len(info.value.reason) <= 128, info.value.reason
+    assert P.decode(P.encode("error", code=info.value.code, reason=info.value.reason)).reason == info.value.reason
+
+
+def test_the_error_vector_shows_the_cut_form():
+    (vec,) = [v for v in VALID if v["name"] == "error_echo_cut"]
+    reason = vec["decoded"]["reason"]
+    assert reason == "unknown message kind '" + "k" * 62 + "\u2026" and len(reason) == 21 + bounds.MAX_ECHO
+    assert P.clamp("r" * 5000) == "r" * (P.MAX_STR - 1) + "\u2026"
 
 
 def test_frame_over_the_cap_is_too_large_before_parsing():
@@ -252,6 +290,8 @@ def _field(kind, name, typ):
         return st.text(alphabet=sorted(P._Z85), min_size=40, max_size=40)
     if name == "digests":
         return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
+    if name == "kept_tiers":
+        return st.lists(st.sampled_from(["cpu", "disk"]), max_size=2)
     return _STRATEGIES[typ]
 
 

@@ -245,6 +245,22 @@ def test_noops_and_wrong_order_say_so():
     assert sim.reply(r).code == "not_cleared"
 
 
+def test_resume_naming_another_layout_on_a_running_bus_is_not_cleared_and_its_own_layout_a_noop():
+    sim = Sim().up()
+    held = sim.broker.layout
+    r = sim.request("resume", layout={"gpu_blocks": held.gpu_blocks + 8})
+    refused = sim.reply(r)
+    assert refused.code == "not_cleared" and "the bus is running" in refused.reason
+    assert sim.broker.layout == held and sim.broker.state == "running"
+    r = sim.request("resume", layout={"gpu_blocks": held.gpu_blocks})  # the bus's own layout: changes nothing
+    assert sim.reply(r).extra["noop"] is True
+    sim.request("pause")
+    sim.settle()
+    r = sim.request("resume", layout=held.to_wire())  # on a paused bus too: a plain resume
+    sim.settle()
+    assert sim.reply(r).kind == "reply" and sim.broker.state == "running"
+
+
 def test_resume_with_a_new_layout_after_clear_reallocates():
     sim = Sim().up()
     sim.pause_and_clear()
@@ -395,3 +411,131 @@ def test_tasks_dispatched_after_a_failed_pause_overtake_the_resume_and_are_held_
     sim.settle()
     assert sim.outcomes[t] == "ok"
     assert all(sr.copies_after_ack == 0 for sr in sim.ranks.values())
+
+
+def cache_op_done(sim, rank, error=""):
+    """The simulated executor reports rank's oldest queued free or allocation
+    (``error``: it raised)."""
+    sr = sim.ranks[rank]
+    sr.cache_ops.popleft()
+    sim._rank_actions(rank, sr.core.on_cache_done(0, error))
+
+
+def failed_resume_on_rank_0(sim, **fields):
+    """Both ranks queue the resume's allocation; rank 0's fails and its ack
+    reaches the broker, whose rollback (a clear) both ranks then receive."""
+    req = sim.request("resume", layout={"gpu_blocks": 8}, **fields)
+    for r in (0, 1):
+        sim.deliver_pub(r)
+    cache_op_done(sim, 0, "RuntimeError: out of memory")
+    sim.deliver_broker()
+    assert sim.broker.state == "cleared" and sim.published[-1].op == "clear"
+    for r in (0, 1):  # rank 0 acks at once; rank 1 queues a free behind its allocation
+        sim.deliver_pub(r)
+    sim.deliver_broker()
+    return req
+
+
+def test_a_failed_resume_is_answered_only_once_every_rank_rolled_back():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    req = failed_resume_on_rank_0(sim)
+    assert sim.reply(req) is None, "answered while rank 1's allocation was still queued"
+    cache_op_done(sim, 1)  # its allocation for the failed epoch, done: that acks no rollback
+    sim.deliver_broker()
+    assert sim.reply(req) is None, "rank 1 acked the rollback before its free ran"
+    cache_op_done(sim, 1)  # the rollback's free
+    sim.deliver_broker()
+    err = sim.reply(req)
+    assert err.kind == "error" and err.code == "alloc_failed" and "rank 0" in err.reason
+    assert err.reason.endswith("the bus is cleared again")
+    assert sim.broker.pending is None and not any(sr.core.cache.phase.serves for sr in sim.ranks.values())
+    again = sim.request("resume")
+    sim.settle()
+    assert sim.reply(again).kind == "reply" and sim.broker.state == "running"
+
+
+def test_a_failed_resume_is_answered_by_its_deadline_and_a_late_allocation_answers_no_later_resume():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    req = failed_resume_on_rank_0(sim, timeout_ms=500)
+    busy = sim.request("pause")  # nothing starts while the ranks roll back
+    assert sim.reply(busy).code == "busy" and "rolling back" in sim.reply(busy).reason
+    sim.tick(0.6)  # the resume's deadline: answered, naming the rank that had not rolled back
+    err = sim.reply(req)
+    assert err.code == "alloc_failed" and "ranks [1] had not confirmed" in err.reason
+    again = sim.request("resume")
+    for r in (0, 1):
+        sim.deliver_pub(r)
+    cache_op_done(sim, 0)
+    cache_op_done(sim, 1, "RuntimeError: out of memory")  # the failed epoch's allocation, reported late
+    sim.deliver_broker()
+    assert sim.reply(again) is None, "an earlier epoch's allocation failed this resume"
+    cache_op_done(sim, 1)  # the rollback's free
+    sim.deliver_broker()
+    assert sim.reply(again) is None, "a free's report acked a resume whose allocation had not run"
+    cache_op_done(sim, 1)  # this resume's own allocation
+    sim.deliver_broker()
+    assert sim.reply(again).kind == "reply" and sim.broker.state == "running"
+    assert all(sr.core.cache.phase.serves for sr in sim.ranks.values())
+
+
+def test_a_rank_that_dies_while_rolling_back_does_not_hold_the_failed_resume():
+    sim = Sim(heartbeat_ms=100, liveness_ms=300).up()
+    sim.pause_and_clear()
+    req = failed_resume_on_rank_0(sim)
+    for _ in range(4):  # rank 0 lives on, rank 1 (its free still queued) is dead
+        sim.now += 0.1
+        sim._rank_actions(0, sim.ranks[0].core.on_tick(sim.now))
+        sim.deliver_broker()
+        sim.tick(0.0)
+    err = sim.reply(req)
+    assert err.code == "alloc_failed" and err.reason.endswith("the bus is cleared again")
+    assert sim.broker.pending is None and not sim.broker.ranks[1].alive
+
+
+def test_a_resume_asking_for_another_layout_joins_no_resume_in_progress():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    first = sim.request("resume", layout={"gpu_blocks": 64})
+    other = sim.request("resume", layout={"gpu_blocks": 32})
+    bad = sim.request("resume", layout={"gpu_blocks": 0})
+    same = sim.request("resume", layout={"gpu_blocks": 64})
+    plain = sim.request("resume")
+    err = sim.reply(other)
+    assert err.code == "busy" and "'gpu_blocks': 64" in err.reason and "'gpu_blocks': 32" in err.reason
+    assert sim.reply(bad).code == "bad_field"
+    assert sim.reply(same) is None and sim.reply(plain) is None  # they join
+    sim.settle()
+    for req in (first, same, plain):
+        reply = sim.reply(req)
+        assert reply.kind == "reply" and reply.extra["layout"]["gpu_blocks"] == 64
+    assert sim.broker.layout.gpu_blocks == 64 and all(sr.core.layout.gpu_blocks == 64 for sr in sim.ranks.values())
+
+
+def test_a_clear_asking_for_another_keep_cpu_joins_no_clear_in_progress():
+    sim = Sim().up()
+    sim.request("pause")
+    sim.settle()
+    first = sim.request("clear", keep_cpu=True)
+    other = sim.request("clear")
+    same = sim.request("clear", keep_cpu=True)
+    err = sim.reply(other)
+    assert err.code == "busy" and "keep_cpu=True" in err.reason
+    sim.settle()
+    assert sim.reply(first).kind == sim.reply(same).kind == "reply"
+
+
+def test_a_resume_that_timed_out_is_answered_at_its_deadline_not_after_the_rollback():
+    sim = Sim(heartbeat_ms=10_000, liveness_ms=60_000).up()
+    sim.pause_and_clear()
+    req = sim.request("resume", timeout_ms=500)
+    sim.deliver_pub(0)  # rank 1 never hears of it
+    sim.finish_cache_ops(0)
+    sim.deliver_broker()
+    sim.tick(0.6)
+    err = sim.reply(req)
+    assert err.code == "resume_timeout" and "[1]" in err.reason and err.reason.endswith("the bus is cleared again")
+    assert sim.broker.state == "cleared" and sim.broker.pending is None
+    sim.settle()  # the rollback still reaches every rank
+    assert not any(sr.core.cache.phase.serves for sr in sim.ranks.values())

@@ -6,9 +6,14 @@ import signal
 import time
 
 import pytest
+import zmq
+from click.testing import CliRunner
 
 from zkv import ZkvError
+from zkv.cli import main
 from zkv.harness.cluster import LocalCluster
+from zkv.wire import fast as F
+from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
@@ -294,3 +299,135 @@ def test_11_a_clear_on_another_connection_cancels_only_the_tasks_of_the_old_gene
         assert all(res["gen"] == new for o in after_outs for res in o.per_rank.values())
         assert engine.gen == new, "the engine learned the new generation from its results"
         assert engine.run("swap_in", [0], [0], timeout=10).ok
+
+
+def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_same_one_joins(cluster, client):
+    client.pause()
+    client.clear()
+    proc = cluster.workers[1]
+    proc.send_signal(signal.SIGSTOP)  # it cannot ack: the resume stays in progress
+    try:
+        first = client.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+        assert client.status()["pending_op"] == "resume"  # same connection: read after the resume began
+        with cluster.client(request_timeout=15) as other:
+            with pytest.raises(ZkvError) as err:
+                other.resume(layout={"gpu_blocks": 32}, timeout=5)
+            assert err.value.code == "busy" and "'gpu_blocks': 64" in err.value.reason
+            same = other.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
+            proc.send_signal(signal.SIGCONT)
+            joined = other.await_reply(same, timeout=10)
+        reply = client.await_reply(first, timeout=10)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert reply["layout"]["gpu_blocks"] == joined["layout"]["gpu_blocks"] == 64
+    assert client.status()["layout"]["gpu_blocks"] == 64
+    client.pause()  # back to the module's layout for the next test
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["layout"] == LAYOUT.to_wire()
+
+
+def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_never_runs(cluster, client):
+    client.pause()
+    dispatched = client.status()["counters"].get("dispatched", 0)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(cluster.endpoints.frontend)
+    try:
+        t0 = time.monotonic()
+        dealer.send_multipart(
+            [F.encode_submit(1, client.reply_to, timeout_ms=300), P.encode_body("swap_out", [0], [0])]
+        )
+        assert dealer.poll(5_000), "no outcome while the bus stays paused"
+        out = P.decode(dealer.recv())
+        elapsed = time.monotonic() - t0
+    finally:
+        dealer.close(linger=0)
+    assert out.kind == "outcome" and out.task == 1 and out.outcome == "timeout" and "never dispatched" in out.reason
+    assert 0.29 <= elapsed < 2.0, f"ended after {elapsed:.3f} s, its timeout_ms was 300"
+    st = client.status()
+    assert st["state"] == "paused" and st["queued"] == 0
+    client.resume()
+    assert client.run("swap_out", [0], [0], timeout=10).ok
+    assert client.status()["counters"]["dispatched"] == dispatched + 1, "the expired task was dispatched"
+
+
+def test_a_caller_s_timeout_is_the_task_s_deadline_the_cli_says_it_never_ran_and_resume_does_not_run_it(
+    cluster, client
+):
+    """zkv pause; zkv submit fill --dst 5 --timeout 1; zkv resume: the block stays as it was."""
+    env = {"ZKV_BROKER": cluster.endpoints.frontend}
+    run = CliRunner()
+    assert client.run("fill", dst=[5], tier="gpu", seed=1, timeout=10).ok
+    before = client.run("checksum", src=[5], tier="gpu", timeout=10).per_rank
+    dispatched = client.status()["counters"]["dispatched"]
+    assert run.invoke(main, ["pause"], env=env).exit_code == 0
+    t0 = time.monotonic()
+    gave_up = run.invoke(
+        main, ["submit", "fill", "--tier", "gpu", "--dst", "5", "--seed", "2", "--timeout", "1"], env=env
+    )
+    elapsed = time.monotonic() - t0
+    assert gave_up.exit_code == 1 and "timeout" in gave_up.stdout and "it never ran" in gave_up.stdout, gave_up.output
+    assert 1.0 <= elapsed < 5.0, f"the CLI gave up after {elapsed:.2f} s"
+    assert client.status()["queued"] == 0, "the task the caller gave up on is still queued"
+    assert run.invoke(main, ["resume"], env=env).exit_code == 0
+    after = client.run("checksum", src=[5], tier="gpu", timeout=10).per_rank
+    assert [after[r]["digests"] for r in (0, 1)] == [before[r]["digests"] for r in (0, 1)], "the fill ran after all"
+    assert client.status()["counters"]["dispatched"] == dispatched + 1, "only the checksum was dispatched"
+
+
+def test_client_cancel_ends_a_queued_task_and_is_too_late_for_a_running_one(client):
+    client.pause()
+    task = client.submit("fill", dst=[6], tier="gpu", seed=3, timeout=10)
+    answer = client.cancel(task)
+    assert answer["cancelled"] is True and answer["state"] == "queued"
+    out = client.wait(task, timeout=0)  # filed before cancel returned
+    assert out.outcome == "cancelled" and out.ran is False and "by its client" in out.reason
+    assert client.cancel(task)["state"] == "done"
+    client.resume()
+    running = client.submit("checksum", src=[6], tier="gpu", timeout=10)
+    assert client.wait(running).ok  # the ranks ran it: its cancel comes too late
+    late = client.cancel(running)
+    assert late["cancelled"] is False and late["state"] in ("dispatched", "done")  # the broker's fold may lag
+
+
+def _wait_status(client, check, what: str, timeout: float = 15.0) -> dict:
+    """The first status that passes ``check``, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if check(st):
+            return st
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s; last status {st}"
+        client.poll(0.1)
+
+
+def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops_it(cluster, client, capfd):
+    """The bus's layout is one no rank can allocate (a resume completed while
+    no rank was registered): the broker's own resume fails on every rank that
+    registers.  It is retried backed off, status says why and the way out,
+    the rank logs one line per failure, and zkv pause, clear, resume gets out."""
+    for r in (0, 1):
+        cluster.kill_worker(r)
+    _wait_status(client, lambda st: not any(r["alive"] for r in st["ranks"]), "ranks declared dead")
+    client.pause()
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": 2**31 - 1})["ranks_acked"] == 0
+    cluster.quiet = False  # the restarted ranks log to this test's stderr
+    try:
+        for r in (0, 1):
+            cluster.start_worker(r)
+    finally:
+        cluster.quiet = True
+    st = _wait_status(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)
+    assert "alloc_failed" in st["restate_error"] and "zkv pause" in st["restate_error"]
+    t0 = time.monotonic()
+    st = _wait_status(client, lambda st: time.monotonic() - t0 >= 3.0, "three more seconds")
+    assert st["restate_failures"] <= 7, f"{st['restate_failures']} tries: not backed off"
+    assert st["state"] == "resuming"
+    assert client.pause(timeout=5)["state"] == "paused"
+    assert client.status()["restate_retry_in_s"] is None, "a retry is still due behind the pause"
+    client.clear()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["state"] == "running"
+    assert client.run("fill", dst=[0], tier="gpu", timeout=10).ok
+    err = capfd.readouterr().err
+    assert "AllocateCache failed" in err and "Traceback" not in err, err[-3000:]

@@ -70,7 +70,8 @@ def test_a_second_worker_with_a_live_rank_number_is_refused_and_nothing_moves():
             ep = cluster.endpoints
             dup = subprocess.run(
                 [sys.executable, "-m", "zkv", "worker", "--rank", "1", "--world-size", "2"]
-                + ["--backend", ep.backend, "--control", ep.control, *layout_args(layout)],
+                + ["--backend", ep.backend, "--control", ep.control, *layout_args(layout)]
+                + ["--tier-dir", "none"],  # as from another host: on this one its CPU tier file is refused first
                 capture_output=True,
                 text=True,
                 timeout=60,

@@ -3,7 +3,10 @@ restarts, lost memory never silent, every request answered; docs/architecture.md
 one exact interleaving each (test_bus_model.py explores the rest;
 test_recovery_e2e.py runs real processes)."""
 
+import pytest
+
 from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient
+from zkv.broker.generation import Generation
 from zkv.prefix import PrefixCacheManager
 from zkv.testing.fakebus import FakeBus
 from zkv.testing.sim import LAYOUT, Sim
@@ -98,3 +101,46 @@ def test_the_prefix_manager_drops_a_swap_that_ran_after_a_generation_move_it_had
     bus.move = True
     assert manager.match(tokens).num_blocks == 0, "the swap-in read memory of another generation"
     assert manager.stats()["swaps"]["swap_in"]["cancelled"] == 1
+
+
+def test_every_generation_move_says_why_a_clear_and_a_failed_resume_rolled_back_to_cleared():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    st = sim.broker.status(sim.now)
+    assert st["gen"] == 1 and st["gen_reason"] == "clear epoch 2 freed the caches"
+    req = sim.request("resume", layout={"gpu_blocks": 8})
+    for r in (0, 1):
+        sim.deliver_pub(r)
+        sim.ranks[r].cache_ops.popleft()
+        sim._rank_actions(r, sim.ranks[r].core.on_cache_done(0, "RuntimeError: out of memory"))
+    sim.settle()
+    assert sim.reply(req).code == "alloc_failed"
+    st = sim.broker.status(sim.now)
+    assert st["gen"] == 2 and st["gen_reason"].startswith("resume epoch 3 failed (alloc_failed)"), st["gen_reason"]
+    again = sim.request("resume")
+    sim.settle()
+    assert sim.reply(again).extra["gen_reason"] == st["gen_reason"]  # the resume reply says why too
+
+
+def test_a_broker_that_lost_its_state_says_why_it_took_a_ranks_generation():
+    sim = Sim().up()
+    sim.pause_and_clear()
+    sim.request("resume")
+    sim.settle()
+    assert sim.broker.gen == 1
+    sim.broker = BrokerCore(BrokerConfig(world=2))  # restarted without its state file
+    for r in sim.ranks:
+        sim.start_rank(r)
+    sim.settle()
+    st = sim.broker.status(sim.now)
+    assert st["gen"] == 1 and st["state"] == "running"  # the ranks' memory is intact: taken as is
+    assert "no state of this bus" in st["gen_reason"] and "generation 1 from rank 0" in st["gen_reason"]
+
+
+def test_a_generation_move_without_a_reason_is_refused():
+    gens = Generation()
+    with pytest.raises(ValueError, match="names no reason"):
+        gens.move(1, "")
+    with pytest.raises(ValueError):
+        gens.cleared(False, "")
+    assert gens.gen == 0 and gens.reason == ""

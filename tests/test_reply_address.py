@@ -3,9 +3,11 @@ reachable from the ranks' hosts by default, overridable for other networks.
 Across real hosts this is proven in test_multihost.py."""
 
 import pytest
+import zmq
 
 from zkv import Client
-from zkv.net.reply_address import advertised, default_bind, route_source, split_tcp
+from zkv.net.reply_address import advertised, connect_result, default_bind, route_source, split_tcp
+from zkv.wire.reply_to import is_result_address
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +56,60 @@ def test_client_uses_the_bind_and_advertise_it_is_given(monkeypatch):
         "tcp://127.0.0.1:1", reply_to="tcp://127.0.0.1:*", advertise="tcp://10.9.8.7:*", request_timeout=0.2
     ) as c:
         assert c.reply_to.startswith("tcp://10.9.8.7:") and c.reply_to != "tcp://10.9.8.7:*"
+
+
+@pytest.mark.parametrize(
+    "address,ok",
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://10.1.2.3:1", True),
+        ("tcp://127.0.0.1:65535", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://[fd00::5]:41234", True),
+        ("tcp://[::ffff:127.0.0.1]:5555", True),
+        ("ipc:///tmp/zkv/results.sock", True),
+        ("ipc://relative.sock", True),
+        ("tcp://::1:5555", False),  # IPv6 only in brackets: ::1:5555 is an address too
+        ("tcp://[::1]", False),
+        ("tcp://[127.0.0.1]:5555", False),
+        ("tcp://0.0.0.0:5555", False),  # where to bind, never where to connect
+        ("tcp://[::]:5555", False),
+        ("tcp://224.0.0.1:5555", False),
+        ("tcp://[ff02::1]:5555", False),
+        ("tcp://[fe80::1%eth0]:5555", False),  # a zone names an interface
+        ("tcp://127.0.0.1:05555", False),  # one spelling: the one ZMQ_LAST_ENDPOINT gives
+        ("tcp://127.000.0.1:5555", False),
+        ("tcp://127.0.0.1:0", False),
+        ("tcp://127.0.0.1:65536", False),
+        ("tcp://127.0.0.1:\u0665", False),  # a non-ASCII digit
+        ("tcp://127.0.0.1:*", False),
+        ("tcp://localhost:5555", False),
+        ("ipc://", False),
+        ("inproc://zkv-stop-rank-0-0", False),
+        ("tcp://127.0.0.1:5555" + " " * 600, False),
+        (5555, False),
+    ],
+)
+def test_the_result_address_forms_of_the_spec(address, ok):
+    """docs/protocol.md §2.1: the reply_to forms a broker takes and a rank connects to."""
+    assert is_result_address(address) is ok
+
+
+def test_an_ipv6_result_push_connects_with_zmq_ipv6():
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    try:
+        for s in (pull, push):
+            s.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.IPV6, 1)
+        try:
+            pull.bind("tcp://[::1]:*")
+        except zmq.ZMQError as err:
+            pytest.skip(f"no IPv6 loopback (::1) on this host: {err}")
+        connect_result(push, pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        assert push.getsockopt(zmq.IPV6) == 1
+        push.send(b"result")
+        assert pull.poll(5000) and pull.recv() == b"result"
+    finally:
+        pull.close()
+        push.close()

@@ -1,4 +1,5 @@
-"""The readable ``zkv status`` view, on status replies of a real cluster."""
+"""The readable ``zkv status`` view, on status replies of a real cluster and
+of a rank attached to an engine's own tensor (its blocks and bytes per block)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ import threading
 import time
 
 import pytest
+import torch
 
-from zkv.client.client import ZkvError
+from zkv.broker.core import BrokerConfig
+from zkv.broker.loop import Broker
+from zkv.client.client import Client, ZkvError
 from zkv.harness.cluster import LocalCluster
+from zkv.net.endpoints import Endpoints
 from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
+from zkv.rank.agent import RankAgent
+from zkv.rank.cache.regions import TensorEntry
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)
@@ -22,6 +29,12 @@ def rank_row(text: str, rank: int) -> list[str]:
         if cells and cells[0] == str(rank) and len(cells) > 3:
             return cells
     raise AssertionError(f"no row for rank {rank} in:\n{text}")
+
+
+def tier_row(text: str, tier: str) -> list[str]:
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == [tier]]
+    assert len(rows) == 1, text
+    return rows[0]
 
 
 def test_table_from_a_real_cluster_alive_paused_and_dead():
@@ -41,6 +54,9 @@ def test_table_from_a_real_cluster_alive_paused_and_dead():
             assert row[1] == "yes"
             assert "3" in row  # tasks ok
             assert human_bytes(3 * LAYOUT.block_bytes) in text
+        assert LAYOUT.block_bytes == 512
+        assert tier_row(text, "gpu") == ["gpu", "32", "512", *human_bytes(32 * 512).split()]
+        assert tier_row(text, "cpu")[:2] == ["cpu", "64"]
         client.resume(timeout=30)
 
         cluster.kill_worker(1)
@@ -120,3 +136,53 @@ def test_the_table_says_why_the_generation_moved():
     }
     assert "generation 2 because a rank restarted with its memory gone" in render_status(st).splitlines()
     assert "because" not in render_status({**st, "gen_reason": ""})
+
+
+def flat_cache(rows: int, page: int) -> list[TensorEntry]:
+    return [TensorEntry("kv", torch.zeros(rows, page, dtype=torch.uint8))]
+
+
+def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_path):
+    """A rank on an engine tensor of 8 blocks of 24 KiB (no zkv layout has that
+    page by default): the table shows the engine's geometry, per tier and per
+    rank.  The engine then reallocates 12 blocks of 8 KiB: a resume that names
+    only the new block count is refused on the bytes per block, one that names
+    the new page size is taken, and the table shows it."""
+    endpoints = Endpoints.in_dir(tmp_path)
+    broker = Broker(endpoints, BrokerConfig(world=1, heartbeat_ms=100))
+    thread = threading.Thread(target=broker.serve, daemon=True)
+    thread.start()
+    agent = RankAgent(0, 1, endpoints.backend, endpoints.control, flat_cache(8, 24576), 3)
+    try:
+        agent.start(timeout=30)
+        with Client(endpoints.frontend) as client:
+            assert client.run("swap_out", [1, 2], [0, 1], timeout=30).ok
+            client.pause(timeout=30)  # the ack brings the rank's stats
+            text = render_status(client.status(timeout=10))
+
+            client.clear(timeout=30)
+            agent.attach(flat_cache(12, 8192))
+            with pytest.raises(ZkvError) as err:
+                client.resume({"gpu_blocks": 12}, timeout=30)
+            assert err.value.code == "alloc_failed" and "has 8192 bytes per block" in err.value.reason
+            agent.attach(flat_cache(12, 8192))  # the failed resume rolled back: hand it over again
+            new = {"gpu_blocks": 12, "layers": 1, "kv_heads": 1, "block_size": 1, "head_dim": 2048, "dtype": "bf16"}
+            client.resume(new, timeout=30)
+            resumed = render_status(client.status(timeout=10))
+    finally:
+        agent.stop(timeout=10)
+        broker.stop()
+        thread.join(timeout=10)
+    assert tier_row(text, "gpu") == ["gpu", "8", "24576", "(24.0", "KiB)", "192.0", "KiB"]
+    assert tier_row(text, "cpu") == ["cpu", "3", "24576", "(24.0", "KiB)", "72.0", "KiB"]
+    row = " ".join(rank_row(text, 0))
+    assert row.startswith("0 yes") and "48.0 KiB 192.0 KiB 72.0 KiB" in row, "bytes moved (2 blocks), gpu and cpu cache"
+    assert tier_row(resumed, "gpu") == ["gpu", "12", "8192", "(8.0", "KiB)", "96.0", "KiB"]
+    assert "bus RUNNING" in resumed
+
+
+def test_a_saved_layout_zkv_cannot_read_shows_dashes():
+    text = render_status({"state": "running", "layout": {"gpu_blocks": 8, "layers": "x"}, "ranks": []})
+    assert tier_row(text, "gpu") == ["gpu", "8", "-", "-"]
+    assert tier_row(text, "cpu") == ["cpu", "-", "-", "-"]
+    assert "model fields: x layers, - kv heads" in text

@@ -49,8 +49,13 @@ def raw(endpoint: str, identity: bytes | None = None) -> zmq.Socket:
 
 
 def recv(sock: zmq.Socket, timeout_ms: int = 10_000) -> dict:
+    """The next reply, which must pass the bounds a peer's decoder checks
+    (docs/protocol.md §2.1 applies to what the bus sends too)."""
     assert sock.poll(timeout_ms), "no reply in time"
-    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+    frames = sock.recv_multipart()
+    for frame in frames:
+        P.decode(frame)
+    return msgpack.unpackb(frames[0], raw=False)
 
 
 def assert_serving(cluster, client):
@@ -79,6 +84,12 @@ BAD_REPLY_TO = [
     "tcp://no-such-host.invalid:5555",
     "tcp://127.0.0.1:*",
     "tcp://lo;127.0.0.1:5555",
+    "tcp://::1:5555",  # IPv6 only in brackets
+    "tcp://0.0.0.0:5555",
+    "tcp://[::]:5555",
+    "tcp://127.0.0.1:05555",
+    "tcp://[fe80::1%lo]:5555",
+    "ipc://",
 ]
 
 
@@ -92,6 +103,55 @@ def test_a_client_cannot_name_an_address_inside_a_zkv_process(cluster, client):
             assert "ipc://PATH or tcp://IP:PORT" in msg["reason"]
     finally:
         sock.close()
+    assert_serving(cluster, client)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        sock = zmq.Context.instance().socket(zmq.PULL)
+    except zmq.ZMQError:
+        return False
+    try:
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.bind("tcp://[::1]:*")
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(linger=0)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this host")
+def test_results_reach_a_pull_on_an_ipv6_address(cluster, client):
+    """A PULL bound on tcp://[::1]:* gets every rank's result: the rank sets
+    ZMQ_IPV6 on its PUSH (without it libzmq connects and never delivers)."""
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    pull.setsockopt(zmq.IPV6, 1)
+    pull.bind("tcp://[::1]:*")
+    reply_to = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+    sock = raw(cluster.endpoints.frontend)
+    before = sum(r["stats"].get("undeliverable", 0) for r in client.status()["ranks"])
+    try:
+        assert reply_to.startswith("tcp://[::1]:") and P.is_result_address(reply_to)
+        sock.send_multipart([P.encode("submit", task=7, reply_to=reply_to), P.encode_body("swap_out", [0], [1])])
+        results = []
+        while len(results) < 2:
+            assert pull.poll(20_000), f"only {len(results)} of 2 results on {reply_to}"
+            results.append(P.decode(pull.recv()))
+        assert sorted((r.task, r.rank, r.outcome) for r in results) == [(7, 0, "ok"), (7, 1, "ok")]
+        port = reply_to.rsplit(":", 1)[1]
+        sock.send_multipart(
+            [P.encode("submit", task=8, reply_to=f"tcp://::1:{port}"), P.encode_body("swap_out", [0], [1])]
+        )
+        msg = recv(sock)
+        assert (msg["kind"], msg["task"], msg["outcome"]) == ("outcome", 8, "rejected"), msg
+    finally:
+        sock.close()
+        pull.close()
+    after = sum(r["stats"].get("undeliverable", 0) for r in client.status()["ranks"])
+    assert after == before
     assert_serving(cluster, client)
 
 
@@ -185,8 +245,8 @@ def test_a_stranger_ready_cannot_poison_the_generation(cluster, client):
     before = client.status()
     sock = raw(cluster.endpoints.backend)
     try:
-        for gen in (2**53 - 1, 2**40):
-            sock.send(ready(gen=gen))
+        for gen in (2**53, 2**64 - 1):  # beyond any uint (a ready in range registers: see below)
+            sock.send(msgpack.packb(msgpack.unpackb(ready()) | {"gen": gen}))
             msg = recv(sock)
             assert (msg["kind"], msg["code"]) == ("error", "bad_field"), msg
         sock.send(ready(world=3, rank=1))
@@ -208,11 +268,80 @@ def test_the_largest_adoptable_generation_still_leaves_room_for_the_next_clear()
     from zkv.broker.core import BrokerCore, Publish
 
     core = BrokerCore(BrokerConfig(world=1))
-    core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_COUNTER)], 1.0)
+    core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_ADOPTED_GEN)], 1.0)
     core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
-    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_COUNTER)], 1.2)
+    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_ADOPTED_GEN)], 1.2)
     (pub,) = [a for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, Publish)]
-    assert P.decode(pub.frame, ("control",)).gen == bounds.MAX_COUNTER + 1
+    assert P.decode(pub.frame, ("control",)).gen == bounds.MAX_ADOPTED_GEN + 1
+
+
+def test_a_rank_above_the_adoption_bound_is_not_adopted_and_its_dones_return_credit():
+    """A ready may carry any uint gen (a rank echoes what its broker sent), but
+    the broker takes a rank's gen as its own only up to 2^40-1; a done at the
+    gen of its task returns its credit however high (sans-IO: docs/protocol.md §10.1)."""
+    from zkv.broker.core import BrokerCore
+
+    core = BrokerCore(BrokerConfig(world=1))
+    out = core.on_rank(b"r", [ready(world=1, gen=bounds.MAX_GEN)], 1.0)
+    assert [P.decode(f).kind for a in out if hasattr(a, "frames") for f in a.frames] == ["welcome"]
+    assert core.gen == 0 and core.counters.get("gen_adopted", 0) == 0
+
+
+def test_a_clear_that_would_pass_the_largest_generation_is_refused():
+    from zkv.broker.core import BrokerCore, ToClient
+
+    core = BrokerCore(BrokerConfig(world=1))
+    core.on_rank(b"r", [ready(world=1)], 1.0)
+    core.gens.gen = bounds.MAX_GEN - 1  # as after 2^53 - 2 operations
+    core.on_client(b"c", [P.encode("pause", req=1)], 1.1)
+    core.on_rank(b"r", [P.encode("ack", epoch=1, op="pause", upto=0, gen=bounds.MAX_GEN - 1)], 1.2)
+    (reply,) = [
+        P.decode(a.frames[0]) for a in core.on_client(b"c", [P.encode("clear", req=2)], 1.3) if isinstance(a, ToClient)
+    ]
+    assert (reply.kind, reply.code, reply.req) == ("error", "gen_exhausted", 2) and str(bounds.MAX_GEN) in reply.reason
+    assert core.state == "paused" and core.gen == bounds.MAX_GEN - 1
+
+
+def test_a_stranger_cannot_wedge_the_bus_at_the_top_of_the_adoption_range(tmp_path):
+    """A stranger registers first with the largest generation a broker adopts;
+    the genuine rank then moves the bus one above it, and its tasks, dones and
+    a pause still go through: nothing a task or done carries is out of range."""
+    ep = Endpoints.in_dir(tmp_path)
+    broker = Broker(ep, BrokerConfig(world=1, heartbeat_ms=100, liveness_ms=2000))
+    threads = [threading.Thread(target=broker.serve, daemon=True)]
+    threads[0].start()
+    worker = None
+    sock = raw(ep.backend)
+    try:
+        sock.send(ready(world=1, gen=bounds.MAX_ADOPTED_GEN, session=11))
+        welcome = recv(sock)
+        assert (welcome["kind"], welcome["gen"]) == ("welcome", bounds.MAX_ADOPTED_GEN), welcome
+        sock.close()
+        worker = RankWorker(0, 1, ep.backend, ep.control, LAYOUT, device="cpu", liveness_ms=2000)
+        threads.append(threading.Thread(target=worker.serve, daemon=True))
+        threads[1].start()
+        with Client(ep.frontend, request_timeout=20) as c:
+            c.status(wait_ranks=1, timeout=20)
+            for _ in range(3):
+                out = c.run("swap_out", [0], [1], timeout=20)
+                if out.ok:
+                    break
+            assert out.ok, out
+            assert c.gen == bounds.MAX_ADOPTED_GEN + 1
+            assert c.pause(timeout=10)["state"] == "paused"
+            st = c.status()
+            assert st["inflight"] == 0 and st["ranks"][0]["inflight"] == 0, st
+            assert c.clear(timeout=10)["gen"] == bounds.MAX_ADOPTED_GEN + 2
+            assert c.resume(timeout=10)["state"] == "running"
+            assert c.run("swap_out", [0], [1], timeout=20).ok
+    finally:
+        if not sock.closed:
+            sock.close()
+        if worker is not None:
+            worker.stop()
+        broker.stop()
+        for t in threads:
+            t.join(timeout=10)
 
 
 @pytest.mark.parametrize(
@@ -224,6 +353,54 @@ def test_out_of_range_request_integers_are_refused_with_their_req(cluster, clien
         sock.send(P.encode("status", req=41, **{field: value}))
         msg = recv(sock)
         assert (msg["kind"], msg["code"], msg["req"]) == ("error", "bad_field", 41), msg
+    finally:
+        sock.close()
+
+
+def test_any_layout_the_broker_accepts_a_rank_holds(cluster, client):
+    """The largest layer count (§4.8) is 2 x 4096 regions on a rank: the rank's
+    region limit comes from the same table (zkv/wire/bounds.py), so the resume
+    completes instead of failing alloc_failed; and one layer more is refused."""
+    widest = {"layers": bounds.MAX_LAYERS, "gpu_blocks": 2, "cpu_blocks": 2, "block_size": 1, "kv_heads": 1}
+    widest.update(head_dim=1, dtype="fp16")
+    client.pause()
+    client.clear()
+    try:
+        with pytest.raises(ZkvError) as err:
+            client.resume(layout=dict(widest, layers=bounds.MAX_LAYERS + 1))
+        assert err.value.code == "bad_field"
+        assert client.resume(layout=widest, timeout=60)["layout"]["layers"] == bounds.MAX_LAYERS
+        out = client.run("swap_out", [0, 1], [1, 0], timeout=60)
+        assert out.ok and out.bytes == 2 * 2 * 2 * bounds.MAX_LAYERS * 2, out  # ranks x blocks x K,V x layers x fp16
+    finally:
+        client.pause()
+        client.clear()
+        client.resume(layout=LAYOUT.to_wire())
+    assert_serving(cluster, client)
+
+
+@pytest.mark.parametrize(
+    "socket,frame",
+    [
+        ("frontend", {"v": 1, "kind": "k" * 5000, "req": 3}),
+        ("frontend", {"v": 1, "kind": "body", "op": "o" * 5000}),
+        ("backend", {"v": "v" * 5000, "kind": "hb"}),
+        ("backend", {"v": 1, "kind": "done", "seq": 1, "n": 1, "gen": 0, "outcome": "o" * 4096}),
+        (
+            "backend",
+            {"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "gen": 0, "layout": {"dtype": "d" * 4096}},
+        ),
+    ],
+    ids=["kind", "wrong_socket", "version", "enum", "ready_layout"],
+)
+def test_an_error_reply_quotes_a_peer_value_at_most_64_characters(cluster, client, socket, frame):
+    """Everything the bus sends keeps the bounds it checks (§2.1): a reason
+    quotes a peer's value cut to 64 characters with an ellipsis."""
+    sock = raw(getattr(cluster.endpoints, socket))
+    try:
+        sock.send(msgpack.packb(frame))
+        msg = recv(sock)  # decodes under the bounds a peer checks
+        assert msg["kind"] in ("error", "refused") and len(msg["reason"]) <= 200, (len(msg["reason"]), msg)
     finally:
         sock.close()
 
@@ -259,6 +436,115 @@ def test_stats_that_would_not_encode_are_refused_on_arrival(cluster, client, sta
         sock.close()
     st = client.status()  # still encodes, with the real ranks' stats
     assert [r["alive"] for r in st["ranks"]] == [True, True] and all(r["stats"] for r in st["ranks"])
+
+
+def test_a_value_enclosed_by_5_maps_is_refused_and_by_4_is_taken(cluster, client):
+    """docs/protocol.md §2.1: the field's own map counts as the first of at most 4."""
+    four, five = {"a": {"b": {"c": {"d": 1}}}}, {"a": {"b": {"c": {"d": {"e": 1}}}}}
+    sock = raw(cluster.endpoints.backend)
+    try:
+        sock.send(P.encode("hb", stats=five))
+        assert (recv(sock)["kind"], P.MAX_NEST_DEPTH) == ("error", 4)
+        sock.send(P.encode("hb", stats=four))  # decodes: then it is a stranger's hb
+        assert recv(sock)["kind"] == "reregister"
+    finally:
+        sock.close()
+
+
+# --- 3b. what the spec settles at its edges (docs/protocol.md §2, §2.1, §3, §9, §10) ---------
+
+
+def test_a_map_over_4096_entries_is_malformed_and_its_error_carries_no_req(cluster, client):
+    sock = raw(cluster.endpoints.frontend)
+    try:
+        sock.send(msgpack.packb({"v": 1, "kind": "ping", "req": 5, **{f"k{i}": 0 for i in range(4094)}}))
+        msg = recv(sock)
+        assert (msg["kind"], msg["code"], "req" in msg) == ("error", "malformed", False), msg
+        sock.send(msgpack.packb({"v": 1, "kind": "ping", "req": 6, **{f"k{i}": 0 for i in range(4093)}}))
+        assert recv(sock) == {"v": 1, "kind": "reply", "req": 6, "op": "ping"}  # 4096 entries: read
+    finally:
+        sock.close()
+
+
+def test_a_nil_inside_a_layout_is_invalid(cluster, client):
+    sock = raw(cluster.endpoints.backend)
+    try:
+        sock.send(ready(layout=dict(LAYOUT.to_wire(), layers=None)))
+        msg = recv(sock)
+        assert msg["kind"] == "refused" and "layers" in msg["reason"], msg
+    finally:
+        sock.close()
+    assert_serving(cluster, client)
+
+
+def test_a_header_only_submit_is_an_error_when_its_header_is_bad_and_rejected_when_not(cluster, client):
+    sock = raw(cluster.endpoints.frontend)
+    try:
+        sock.send(msgpack.packb({"v": 1, "kind": "submit", "task": 4, "reply_to": 5}))
+        msg = recv(sock)
+        assert (msg["kind"], msg["code"], msg["task"]) == ("error", "bad_field", 4), msg
+        sock.send(P.encode("submit", task=5, reply_to="ipc:///tmp/zkv-nobody.sock"))
+        msg = recv(sock)
+        assert (msg["kind"], msg["task"], msg["outcome"]) == ("outcome", 5, "rejected"), msg
+    finally:
+        sock.close()
+
+
+def test_a_done_batch_from_a_stranger_gets_one_reregister_per_frame(cluster, client):
+    sock = raw(cluster.endpoints.backend)
+    try:
+        sock.send_multipart([P.encode("done", seq=n, n=n, outcome="ok", gen=0) for n in (1, 2, 3)])
+        assert [recv(sock)["kind"] for _ in range(3)] == ["reregister"] * 3
+        assert not sock.poll(200)
+    finally:
+        sock.close()
+
+
+def test_an_ack_whose_layout_breaks_the_layout_rules_gets_reregister_from_a_stranger(cluster, client):
+    sock = raw(cluster.endpoints.backend)
+    try:
+        sock.send(P.encode("ack", epoch=1, op="resume", gen=0, layout=dict(LAYOUT.to_wire(), layers=0)))
+        assert recv(sock)["kind"] == "reregister"
+    finally:
+        sock.close()
+
+
+def test_an_ack_whose_layout_breaks_the_layout_rules_is_not_counted_from_a_rank():
+    from zkv.broker.core import BrokerCore, ToClient
+
+    core = BrokerCore(BrokerConfig(world=1))
+    core.on_rank(b"r", [ready(world=1)], 1.0)
+    for req, op in enumerate(("pause", "clear"), 1):
+        core.on_client(b"c", [P.encode(op, req=req)], 1.0 + req)
+        core.on_rank(b"r", [P.encode("ack", epoch=req, op=op, gen=core.gen, upto=0, freed=0)], 1.0 + req)
+    core.on_client(b"c", [P.encode("resume", req=3)], 4.0)
+    bad = P.encode("ack", epoch=3, op="resume", gen=core.gen, layout=dict(LAYOUT.to_wire(), layers=0))
+    assert not [a for a in core.on_rank(b"r", [bad], 4.1) if isinstance(a, ToClient)]
+    assert core.state == "resuming"
+    good = P.encode("ack", epoch=3, op="resume", gen=core.gen, layout=LAYOUT.to_wire())
+    (reply,) = [P.decode(a.frames[0]) for a in core.on_rank(b"r", [good], 4.2) if isinstance(a, ToClient)]
+    assert (reply.kind, reply.req, core.state) == ("reply", 3, "running")
+
+
+def test_a_second_frame_on_a_request_other_than_submit_is_ignored(cluster, client):
+    sock = raw(cluster.endpoints.frontend)
+    try:
+        sock.send_multipart([P.encode("ping", req=9), b"\xc1 anything"])
+        assert recv(sock) == {"v": 1, "kind": "reply", "req": 9, "op": "ping"}
+        sock.send_multipart([P.encode("ping", req=10), b"", b""])
+        msg = recv(sock)
+        assert (msg["code"], msg["req"]) == ("malformed", 10), msg  # three frames: too many
+    finally:
+        sock.close()
+
+
+def test_unknown_fields_are_ignored_whatever_their_size(cluster, client):
+    sock = raw(cluster.endpoints.frontend)
+    try:
+        sock.send(P.encode("ping", req=11, pad="x" * 5000, deep=deep(10), big=2**60, neg=-(2**63)))
+        assert recv(sock) == {"v": 1, "kind": "reply", "req": 11, "op": "ping"}
+    finally:
+        sock.close()
 
 
 # --- 4. per-client state ---------------------------------------------------------------------
@@ -379,6 +665,8 @@ def test_a_misconfigured_rank_cannot_evict_the_live_one(cluster, client):
             "--control",
             cluster.endpoints.control,
             *layout_args(LAYOUT),
+            "--tier-dir",
+            "none",  # as from another host: on this one its CPU tier file is refused first
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

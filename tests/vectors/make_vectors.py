@@ -43,6 +43,16 @@ LAYOUT = {
     "dtype": "bf16",
 }
 REPLY_TO = "tcp://127.0.0.1:5555"
+REPLY_TO_V6 = "tcp://[::1]:5555"
+LAYOUT_MAX = {
+    "layers": 4096,
+    "gpu_blocks": 2**31 - 1,
+    "cpu_blocks": 2**31 - 1,
+    "block_size": 65536,
+    "kv_heads": 65536,
+    "head_dim": 65536,
+    "dtype": "fp32",
+}
 DIGEST0 = bytes(range(16))
 DIGEST1 = bytes(range(16, 32))
 
@@ -59,6 +69,22 @@ def to_json(value: Any) -> Any:
 
 def packed(ids: list[int]) -> bytes:
     return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def _deep(depth: int) -> Any:
+    value: Any = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def _refusal(msg: dict) -> str:
+    """The reason the codec gives for ``msg`` (the bytes of an error the broker sends)."""
+    try:
+        P.decode(msgpack.packb(msg, use_bin_type=True))
+    except P.ProtocolError as err:
+        return err.reason
+    raise AssertionError(f"{msg} decodes")
 
 
 # (name, socket, direction, kind, fields, note)
@@ -78,7 +104,8 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "client->broker",
         "submit",
         {"task": 9007199254740991, "reply_to": "ipc:///tmp/zkv-c.sock", "timeout_ms": 5000},
-        "largest task id (2^53-1); timeout_ms is accepted and ignored by the broker",
+        "largest task id (2^53-1); timeout_ms: still queued 5 s after the broker took it, it ends timeout "
+        "(ran: false) and never runs",
     ),
     ("pause", "frontend", "client->broker", "pause", {"req": 1, "timeout_ms": 10000}, ""),
     ("clear", "frontend", "client->broker", "clear", {"req": 2, "timeout_ms": 10000, "keep_cpu": False}, ""),
@@ -94,8 +121,32 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
     ("status", "frontend", "client->broker", "status", {"req": 5}, ""),
     ("status_wait", "frontend", "client->broker", "status", {"req": 6, "wait_ranks": 2, "timeout_ms": 60000}, ""),
     ("ping", "frontend", "client->broker", "ping", {"req": 7}, ""),
+    (
+        "cancel",
+        "frontend",
+        "client->broker",
+        "cancel",
+        {"req": 8, "task": 9},
+        "end task 9 of this connection if it is still queued (§7.6)",
+    ),
     # broker -> client (frontend ROUTER)
     ("reply_ping", "frontend", "broker->client", "reply", {"req": 7, "op": "ping"}, ""),
+    (
+        "reply_cancel_queued",
+        "frontend",
+        "broker->client",
+        "reply",
+        {"req": 8, "op": "cancel", "task": 9, "cancelled": True, "state": "queued"},
+        "in time: outcome{cancelled, ran: false} came just before this reply",
+    ),
+    (
+        "reply_cancel_dispatched",
+        "frontend",
+        "broker->client",
+        "reply",
+        {"req": 8, "op": "cancel", "task": 9, "cancelled": False, "state": "dispatched"},
+        "too late: the ranks have it; it ends with its own outcome",
+    ),
     (
         "reply_pause",
         "frontend",
@@ -228,6 +279,91 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"task": 2, "outcome": "cancelled", "reason": "caches were cleared while the task was queued", "gen": 0},
         "gen: the task's own generation (queued at 0; the clear moved the bus to 1)",
     ),
+    (
+        "outcome_cancelled_by_client",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {
+            "task": 9,
+            "outcome": "cancelled",
+            "reason": "cancelled by its client before it was dispatched",
+            "gen": 0,
+            "ran": False,
+        },
+        "answer to a cancel in time: no rank ran it",
+    ),
+    (
+        "outcome_timeout_never_ran",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {
+            "task": 3,
+            "outcome": "timeout",
+            "reason": "the task's timeout_ms passed while it was queued: it was never dispatched and never ran",
+            "gen": 0,
+            "ran": False,
+        },
+        "the submit's timeout_ms passed while it was queued",
+    ),
+    (
+        "submit_ipv6",
+        "frontend",
+        "client->broker",
+        "submit",
+        {"task": 2, "reply_to": REPLY_TO_V6},
+        "an IPv6 result address is bracketed (tcp://[::1]:5555); ranks set ZMQ_IPV6 to connect to it",
+    ),
+    (
+        "ping_unknown_fields_unbounded",
+        "frontend",
+        "client->broker",
+        "ping",
+        {"req": 8, "pad": "x" * 5000, "deep": _deep(10), "big": 2**60},
+        "unknown fields are ignored, unchecked by the bounds of §2.1 (only the frame's size and map caps apply)",
+    ),
+    (
+        "resume_layout_at_bounds",
+        "frontend",
+        "client->broker",
+        "resume",
+        {"req": 9, "layout": LAYOUT_MAX},
+        "every layout field at its largest (§4.8): a rank holds 2 x 4096 regions",
+    ),
+    (
+        "error_echo_cut",
+        "frontend",
+        "broker->client",
+        "error",
+        {"code": "unknown_kind", "reason": _refusal({"v": 1, "kind": "k" * 5000, "req": 3}), "req": 3},
+        "a peer's value is quoted cut to 64 characters with an ellipsis (U+2026)",
+    ),
+    (
+        "error_gen_exhausted",
+        "frontend",
+        "broker->client",
+        "error",
+        {
+            "code": "gen_exhausted",
+            "reason": f"cache generation {2**53 - 2} is at its maximum {2**53 - 1}: no clear follows",
+            "req": 2,
+        },
+        "a clear that would move the generation past 2^53-1",
+    ),
+    (
+        "outcome_rejected_reply_to",
+        "frontend",
+        "broker->client",
+        "outcome",
+        {
+            "task": 3,
+            "outcome": "rejected",
+            "reason": "reply_to 'tcp://::1:5555' is not an ipc://PATH or tcp://IP:PORT address "
+            "(numeric IP, at most 512 characters)",
+        },
+        "a reply_to that §2.1 refuses ends the task rejected",
+    ),
     # rank -> broker (backend ROUTER)
     (
         "ready",
@@ -245,9 +381,60 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"rank": 1, "world": 2, "session": 7, "layout": LAYOUT, "gen": 0, "pid": 4243, "host": "gpu-node-3"},
         "",
     ),
+    (
+        "ready_cpu_kept",
+        "backend",
+        "rank->broker",
+        "ready",
+        {
+            "rank": 0,
+            "world": 2,
+            "session": 9,
+            "layout": LAYOUT,
+            "gen": 0,
+            "pid": 4244,
+            "fresh": True,
+            "kept_tiers": ["cpu"],
+            "cpu_gen": 3,
+        },
+        "a restarted rank that mapped its CPU tier again: its GPU memory is fresh, its CPU blocks of CPU "
+        "generation 3 survived (docs/protocol.md §10.1)",
+    ),
     ("hb_rank", "backend", "rank->broker", "hb", {"inflight": 0, "stats": {"tasks_ok": 3}}, ""),
     ("done", "backend", "rank->broker", "done", {"seq": 1, "n": 1, "outcome": "ok", "gen": 0, "bytes": 131072}, ""),
     ("ack_pause", "backend", "rank->broker", "ack", {"epoch": 1, "op": "pause", "gen": 0, "upto": 3}, ""),
+    (
+        "ready_gen_2_40",
+        "backend",
+        "rank->broker",
+        "ready",
+        {"rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**40},
+        "any uint gen may be announced; the broker adopts one only up to 2^40-1 (§10.1)",
+    ),
+    (
+        "done_gen_2_40",
+        "backend",
+        "rank->broker",
+        "done",
+        {"seq": 9, "n": 2, "outcome": "ok", "gen": 2**40},
+        "a done echoes its task's gen, whatever the broker sent",
+    ),
+    (
+        "ack_epoch_2_40",
+        "backend",
+        "rank->broker",
+        "ack",
+        {"epoch": 2**40, "op": "pause", "gen": 2**53 - 1, "upto": 0},
+        "an ack echoes the broker's epoch and gen, up to 2^53-1",
+    ),
+    (
+        "hb_stats_4_deep",
+        "backend",
+        "rank->broker",
+        "hb",
+        {"stats": {"a": {"b": {"c": {"d": 1}}}}},
+        "every value of a map field is enclosed by at most 4 maps / lists, the field's own counted",
+    ),
     ("ack_clear", "backend", "rank->broker", "ack", {"epoch": 2, "op": "clear", "gen": 1, "freed": 1048576}, ""),
     ("ack_resume", "backend", "rank->broker", "ack", {"epoch": 3, "op": "resume", "gen": 1, "layout": LAYOUT}, ""),
     # broker -> rank (backend ROUTER)
@@ -268,6 +455,22 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "",
     ),
     (
+        "welcome_session",  # what the broker sends: the session of the ready it answers (docs/protocol.md §10.2)
+        "backend",
+        "broker->rank",
+        "welcome",
+        {
+            "epoch": 3,
+            "op": "resume",
+            "gen": 1,
+            "upto": 2,
+            "layout": LAYOUT,
+            "heartbeat_ms": 500,
+            "session": 4503599627370495,
+        },
+        "",
+    ),
+    (
         "refused",
         "backend",
         "broker->rank",
@@ -284,6 +487,22 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "task",
         {"seq": 1, "n": 1, "task": 1, "reply_to": REPLY_TO, "gen": 0},
         "header frame of a 2-frame task; the body frame is the client's, byte for byte",
+    ),
+    (
+        "task_ipv6_gen_2_40",
+        "backend",
+        "broker->rank",
+        "task",
+        {"seq": 2, "n": 2, "task": 2, "reply_to": REPLY_TO_V6, "gen": 2**40},
+        "",
+    ),
+    (
+        "task_cpu_gen",
+        "backend",
+        "broker->rank",
+        "task",
+        {"seq": 2, "n": 2, "task": 2, "reply_to": REPLY_TO, "gen": 4, "cpu_gen": 3},
+        "cpu_gen: the bus's CPU generation at dispatch; the rank echoes it in the result (docs/protocol.md §8.2)",
     ),
     # broker -> ranks (PUB)
     ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),
@@ -363,6 +582,30 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         {"task": 5, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 1, "bytes": 65536, "elapsed_us": 150},
         "gen: the generation the task ran at; newer than the client's, it ends the open tasks that ran at an older "
         "one, not this task (docs/protocol.md §7.4)",
+    ),
+    (
+        "result_cpu_kept",
+        "results",
+        "rank->client",
+        "result",
+        {"task": 6, "rank": 0, "world": 2, "outcome": "ok", "reason": "", "gen": 4, "bytes": 65536, "cpu_gen": 3},
+        "gen moved (GPU blocks gone) but cpu_gen did not: the client keeps its CPU entries (docs/protocol.md §8.2)",
+    ),
+    (
+        "result_lost_block",
+        "results",
+        "rank->client",
+        "result",
+        {
+            "task": 7,
+            "rank": 1,
+            "world": 2,
+            "outcome": "failed",
+            "reason": "lost_block: CPU block(s) [6] lost: header or digest does not check (a torn write or corruption)",
+            "gen": 4,
+            "cpu_gen": 3,
+        },
+        "a swap_in from a CPU block whose header or digest does not check fails naming the block",
     ),
 ]
 
@@ -455,14 +698,8 @@ def m(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _deep(depth: int) -> Any:
-    value: Any = {}
-    for _ in range(depth):
-        value = {"a": value}
-    return value
-
-
-FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping"]
+LAYOUT_NIL = {**LAYOUT, "layers": None}
+FRONTEND = ["submit", "pause", "clear", "resume", "status", "ping", "cancel"]
 SWAP = {"v": 1, "kind": "body", "op": "swap_out"}
 
 # (name, frame, decoder, expect_kinds, code, why)
@@ -535,6 +772,23 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         "a body is only valid as the second frame",
     ),
     ("req_missing", m({"v": 1, "kind": "ping"}), "decode", None, "bad_field", ""),
+    ("cancel_task_missing", m({"v": 1, "kind": "cancel", "req": 1}), "decode", None, "bad_field", ""),
+    (
+        "cancel_task_negative",
+        m({"v": 1, "kind": "cancel", "req": 1, "task": -1}),
+        "decode",
+        None,
+        "bad_field",
+        "task ids are uint, like submit's",
+    ),
+    (
+        "outcome_ran_not_bool",
+        m({"v": 1, "kind": "outcome", "task": 1, "outcome": "timeout", "reason": "", "ran": 0}),
+        "decode",
+        None,
+        "bad_field",
+        "ran is a bool",
+    ),
     ("submit_reply_to_missing", m({"v": 1, "kind": "submit", "task": 1}), "decode", None, "bad_field", ""),
     ("req_negative", m({"v": 1, "kind": "ping", "req": -1}), "decode", None, "bad_field", "uint fields are 0..2^53-1"),
     (
@@ -798,19 +1052,38 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
     ),
     (
         "ready_gen_2_53",
-        m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**53 - 1}),
+        m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**53}),
         "decode",
         None,
         "bad_field",
-        "gen is below 2^40 so that +1 stays safe",
+        "gen is a uint: at most 2^53-1 (the broker adopts only up to 2^40-1, §10.1)",
     ),
     (
-        "ready_gen_2_40",
-        m({"v": 1, "kind": "ready", "rank": 0, "world": 2, "session": 1, "layout": LAYOUT, "gen": 2**40}),
+        "ready_kept_tiers_not_names",
+        m(
+            {
+                "v": 1,
+                "kind": "ready",
+                "rank": 0,
+                "world": 2,
+                "session": 1,
+                "layout": LAYOUT,
+                "gen": 0,
+                "kept_tiers": [1],
+            }
+        ),
         "decode",
         None,
         "bad_field",
-        "gen is at most 2^40-1",
+        "kept_tiers is a list of tier names",
+    ),
+    (
+        "done_gen_2_53",
+        m({"v": 1, "kind": "done", "seq": 1, "n": 1, "outcome": "ok", "gen": 2**53}),
+        "decode",
+        None,
+        "bad_field",
+        "",
     ),
     (
         "ready_world_zero",
@@ -837,12 +1110,12 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         "pid is at most 2^32-1",
     ),
     (
-        "ack_epoch_2_40",
-        m({"v": 1, "kind": "ack", "epoch": 2**40, "op": "pause", "upto": 0}),
+        "ack_epoch_2_53",
+        m({"v": 1, "kind": "ack", "epoch": 2**53, "op": "pause", "upto": 0}),
         "decode",
         None,
         "bad_field",
-        "epoch is at most 2^40-1",
+        "epoch is a uint: at most 2^53-1",
     ),
     (
         "ack_op_unknown",
@@ -973,6 +1246,168 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         None,
         "bad_field",
         "an empty tier is not gpu: only an absent or nil tier defaults",
+    ),
+    (
+        "hb_stats_value_5_deep",
+        m({"v": 1, "kind": "hb", "stats": {"a": {"b": {"c": {"d": {"e": 1}}}}}}),
+        "decode",
+        None,
+        "bad_field",
+        "a value enclosed by 5 maps, the stats map counted: one more than 4",
+    ),
+    (
+        "ping_map_4097_entries",
+        m({"v": 1, "kind": "ping", "req": 1, **{f"k{i}": 0 for i in range(4094)}}),
+        "decode",
+        None,
+        "malformed",
+        "a map over 4096 entries is not parsed at all: the error carries no req",
+    ),
+    (
+        "error_reason_too_long",
+        m({"v": 1, "kind": "error", "code": "unknown_kind", "reason": "r" * 4097}),
+        "decode",
+        None,
+        "bad_field",
+        "what the bus sends keeps the bounds it checks: a reason is at most 4096 characters",
+    ),
+    (
+        "ready_layout_nil_field",
+        m(
+            {
+                "v": 1,
+                "kind": "ready",
+                "rank": 0,
+                "world": 2,
+                "session": 1,
+                "gen": 0,
+                "layout": {**LAYOUT, "layers": None},
+            }
+        ),
+        "layout",
+        None,
+        "bad_field",
+        "a nil inside a layout is not an absent field: the layout is invalid",
+    ),
+    (
+        "resume_layout_layers_4097",
+        m({"v": 1, "kind": "resume", "req": 1, "layout": {"layers": 4097}}),
+        "layout",
+        None,
+        "bad_field",
+        "layers is at most 4096 (a rank holds 4 regions per layer, 16384 in all)",
+    ),
+    (
+        "reply_to_ipv6_unbracketed",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://::1:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "IPv6 only in brackets: ::1:5555 is also the address ::1:5555 with no port",
+    ),
+    (
+        "reply_to_ipv6_no_port",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://[::1]"}),
+        "reply_to",
+        None,
+        "rejected",
+        "",
+    ),
+    (
+        "reply_to_ipv4_wildcard",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://0.0.0.0:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "a wildcard is where to bind, never where to connect",
+    ),
+    (
+        "reply_to_ipv6_wildcard",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://[::]:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "",
+    ),
+    (
+        "reply_to_ipv4_multicast",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://224.0.0.1:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "no tcp peer listens on a multicast address",
+    ),
+    (
+        "reply_to_ipv6_zone",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://[fe80::1%eth0]:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "an interface name is a lookup too",
+    ),
+    (
+        "reply_to_port_leading_zero",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://127.0.0.1:05555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "one spelling per address: the one ZMQ_LAST_ENDPOINT gives",
+    ),
+    (
+        "reply_to_ipv4_leading_zero",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://127.000.0.1:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "",
+    ),
+    (
+        "reply_to_port_zero",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://127.0.0.1:0"}),
+        "reply_to",
+        None,
+        "rejected",
+        "",
+    ),
+    (
+        "reply_to_port_too_big",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://127.0.0.1:65536"}),
+        "reply_to",
+        None,
+        "rejected",
+        "",
+    ),
+    (
+        "reply_to_port_wildcard",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://127.0.0.1:*"}),
+        "reply_to",
+        None,
+        "rejected",
+        "the concrete port goes in reply_to",
+    ),
+    (
+        "reply_to_host_name",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "tcp://localhost:5555"}),
+        "reply_to",
+        None,
+        "rejected",
+        "a host name would make the rank run a name lookup",
+    ),
+    (
+        "reply_to_ipc_empty",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "ipc://"}),
+        "reply_to",
+        None,
+        "rejected",
+        "an ipc address names a path",
+    ),
+    (
+        "reply_to_inproc",
+        m({"v": 1, "kind": "submit", "task": 1, "reply_to": "inproc://zkv-stop-rank-0-0"}),
+        "reply_to",
+        None,
+        "rejected",
+        "would resolve inside the rank's own process",
     ),
     (
         "body_ids_array_beyond_int32",

@@ -57,9 +57,13 @@ def reply(client: bytes, req: int, op: str, **fields: Any) -> ToClient:
 
 def error(client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
     """A client request refused or failed, with its code."""
-    return ToClient(client, [P.encode("error", code=code, reason=reason, **fields)])
+    return ToClient(client, [P.encode("error", code=code, reason=P.clamp(reason), **fields)])
 
 
-def outcome(client: bytes, task: int, result: str, reason: str, gen: int) -> ToClient:
-    """A task's final outcome, told by the broker itself (the ranks tell the rest)."""
-    return ToClient(client, [P.encode("outcome", task=task, outcome=result, reason=reason, gen=gen)])
+def outcome(client: bytes, task: int, result: str, reason: str, gen: int, ran: bool | None = None) -> ToClient:
+    """A task's final outcome, told by the broker itself (the ranks tell the
+    rest); ``ran=False``: it was never dispatched."""
+    if ran is None:
+        return ToClient(client, [P.encode("outcome", task=task, outcome=result, reason=P.clamp(reason), gen=gen)])
+    frame = P.encode("outcome", task=task, outcome=result, reason=P.clamp(reason), gen=gen, ran=ran)
+    return ToClient(client, [frame])

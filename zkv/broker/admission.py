@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire import bounds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Map
@@ -39,20 +40,35 @@ def noop_reply(op: ControlOp, client: bytes, req: int, state: BusState, epoch: i
     return reply(client, req, op, noop=True, state=state, epoch=epoch, gen=gen, **_NOOP_FIELDS[op], note=note)
 
 
-def check_clear(state: BusState) -> None:
-    """A clear frees memory only on a paused bus (every rank drained)."""
+def check_clear(state: BusState, gen: int = 0) -> None:
+    """A clear frees memory only on a paused bus (every rank drained), and
+    moves the generation only within its bound (bounds.py: room for the
+    clear and for the roll-back of a failed resume after it)."""
     if state != BusState.PAUSED:
         raise Refusal("not_paused", "clear needs a paused bus: run zkv pause first")
+    if not bounds.gen_room(gen, 2):
+        raise Refusal("gen_exhausted", f"cache generation {gen} is at its maximum {bounds.MAX_GEN}: no clear follows")
 
 
 def resume_layout(named: Map | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:
     """The layout a resume names, decoded once (always named, so that no rank
     resumes on another layout): the current one, or the request's changes
-    over it, which need cleared caches."""
+    over it.  Changes need cleared caches, also on a running bus (a noop
+    would say ``ok`` to a layout the ranks do not get); a layout equal to
+    the bus's changes nothing and is taken in any state."""
     if named is None:
         return current
-    if state != BusState.CLEARED:
-        raise Refusal("not_cleared", "a new layout needs cleared caches: run zkv clear first")
+    wanted = merged_layout(named, current)
+    if wanted != current and state != BusState.CLEARED:
+        first = "zkv clear" if state == BusState.PAUSED else "zkv pause and zkv clear"
+        raise Refusal(
+            "not_cleared", f"the bus is {state}: a layout other than the bus's needs cleared caches; run {first} first"
+        )
+    return wanted
+
+
+def merged_layout(named: Map, current: CacheLayout | None) -> CacheLayout:
+    """A resume's layout changes over the bus's ``current`` layout; ``bad_field`` if invalid."""
     base = current or CacheLayout()
     try:
         return CacheLayout.from_wire({**base.to_wire(), **named})

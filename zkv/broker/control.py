@@ -6,30 +6,30 @@ The states it moves the bus between are looked up in ``state.py``."""
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 from ..obs.book import BusBook
-from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ack, Clear, Pause, Resume
 from .actions import Action, Publish, Record, error, reply
 from .admission import Refusal, check_clear, noop_reply, resume_layout
+from .announce import control_frame, welcome_frame
 from .generation import Generation
+from .joining import Request, due_joiner_errors, join, join_refusal
 from .ranks import RankTable
 from .records import BrokerConfig, PendingOp, RankState
+from .restate import Restate
 from .state import (
     IN_PROGRESS,
     ON_SUCCESS,
     OP_OF_STATE,
+    ROLLED_BACK,
     RUNNING_OR_RESUMING,
-    STABLE,
     BusState,
     ControlOp,
     on_failure,
 )
 from .tasks import TaskTable
-
-Request = Union[Pause, Clear, Resume]  # a client's control request
 
 
 class ControlMachine:
@@ -51,7 +51,8 @@ class ControlMachine:
         self.op_layout: CacheLayout | None = None  # the layout the control message names (a resume's)
         self.op_keep_cpu = False  # the control message names keep_cpu (a clear's)
         self.pending: PendingOp | None = None
-        self.retry_at: float | None = None  # when to retry a failed broker-started resume
+        # a failed broker-started resume: its retries, backed off (restate.py)
+        self.own_resume = Restate(min(cfg.op_timeout_ms, 2 * cfg.heartbeat_ms) / 1000)
         self.last_publish = 0.0
 
     def restore(self, state: BusState, epoch: int) -> None:
@@ -68,24 +69,15 @@ class ControlMachine:
     # --- requests ------------------------------------------------------------------
 
     def _join_or_busy(self, client: bytes, msg: Request, op: ControlOp, now: float, out: list[Action]) -> bool:
-        """A request during a pending op: join it if same op, else say busy."""
-        if self.pending is None:
+        """A request during a pending op: join it if it asks for what the op does, else refuse it."""
+        pending = self.pending
+        if pending is None:
             return False
-        if self.pending.op == op:
-            self.pending.waiters.append((client, msg.req))
-            mine = now + self.cfg.timeout_s(msg.timeout_ms)
-            if mine < self.pending.deadline:  # answered by its own deadline, even if the op goes on
-                self.pending.joined[(client, msg.req)] = mine
+        refusal = join_refusal(pending, op, msg, self.gens.layout, self.op_keep_cpu)
+        if refusal is not None:
+            self._refuse(op, client, msg, refusal, out)
         else:
-            self.book.control_finished(op, "busy")
-            out.append(
-                error(
-                    client,
-                    "busy",
-                    f"{self.pending.op} epoch {self.pending.epoch} is in progress; retry when it completes",
-                    req=msg.req,
-                )
-            )
+            join(pending, client, msg.req, now + self.cfg.timeout_s(msg.timeout_ms))
         return True
 
     def _starts_no_op(self, op: ControlOp, client: bytes, msg: Request, now: float, out: list[Action]) -> bool:
@@ -104,35 +96,44 @@ class ControlMachine:
         out.append(error(client, refusal.code, refusal.reason, req=msg.req))
 
     def pause(self, client: bytes, msg: Pause, now: float, out: list[Action]) -> None:
+        op = self.pending
+        if op is not None and op.op == ControlOp.RESUME and not op.waiters:
+            # The broker's own resume, no client waiting on it (or its
+            # rollback): a pause takes over at a new epoch, never ``busy``.
+            self.pending = None
+            self.counters["restate_preempted"] += 1
         if self._starts_no_op(ControlOp.PAUSE, client, msg, now, out):
             return
+        self.own_resume.stop()  # a client acted: the bus stays paused, no retry
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
     def clear(self, client: bytes, msg: Clear, now: float, out: list[Action]) -> None:
         if self._starts_no_op(ControlOp.CLEAR, client, msg, now, out):
             return
         try:
-            check_clear(self.state)
+            check_clear(self.state, self.gens.gen)
         except Refusal as refusal:
             self._refuse(ControlOp.CLEAR, client, msg, refusal, out)
             return
         cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
         keep_cpu = bool(msg.keep_cpu)
-        self.gens.cleared(keep_cpu)
+        self.gens.cleared(keep_cpu, f"clear epoch {self.epoch + 1} freed the caches")
         # The op's books go in before the first check: with no live rank the
         # clear completes inside begin.
         timeout_s = self.cfg.timeout_s(msg.timeout_ms)
         self.begin([(client, msg.req)], timeout_s, ControlOp.CLEAR, now, out, keep_cpu=keep_cpu, cancelled=cancelled)
 
     def resume(self, client: bytes, msg: Resume, now: float, out: list[Action]) -> None:
-        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
+        if self._join_or_busy(client, msg, ControlOp.RESUME, now, out):
             return
-        try:
+        try:  # before the noop: a running bus refuses a layout it does not hold (docs/protocol.md §8.3)
             layout = resume_layout(msg.layout, self.state, self.gens.layout)
         except Refusal as refusal:
             self._refuse(ControlOp.RESUME, client, msg, refusal, out)
             return
-        self.retry_at = None
+        if self._starts_no_op(ControlOp.RESUME, client, msg, now, out):
+            return
+        self.own_resume.stop()
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.RESUME, now, out, layout=layout)
 
     def begin(
@@ -148,8 +149,10 @@ class ControlMachine:
     ) -> None:
         """Start ``op`` at a new epoch; ``layout`` (a resume) and ``keep_cpu``
         (a clear) travel in its control message."""
-        # A resume the broker started itself began from a running bus.
-        previous = self.state if self.state != BusState.RESUMING else BusState.RUNNING
+        # A resume the broker started itself began from a running bus; a pause
+        # that took over from it, from the resume (it goes back to retrying).
+        resuming = self.state == BusState.RESUMING and op == ControlOp.RESUME
+        previous = BusState.RUNNING if resuming else self.state
         self.pending = PendingOp(op, self.epoch + 1, now, now + timeout_s, waiters, previous, layout, cancelled)
         self.epoch += 1
         self.op = op
@@ -160,40 +163,25 @@ class ControlMachine:
 
     # --- the control message ---------------------------------------------------------
 
-    def _named(self) -> dict[str, Any]:
-        named: dict[str, Any] = {}
-        if self.op_layout is not None:
-            named["layout"] = self.op_layout.to_wire()
-        if self.op_keep_cpu:
-            named["keep_cpu"] = True
-        return named
-
     def publish(self, now: float, out: list[Action]) -> None:
         self.last_publish = now
-        out.append(
-            Publish(
-                P.encode(
-                    "control", epoch=self.epoch, op=self.op, gen=self.gens.gen, upto=self.ranks.upto(), **self._named()
-                )
-            )
-        )
+        upto = self.ranks.upto()
+        out.append(Publish(control_frame(self.epoch, self.op, self.gens.gen, upto, self.op_layout, self.op_keep_cpu)))
 
     def welcome(self, rs: RankState) -> bytes:
         """A registered rank's welcome: the bus's state now.  A rank joining
         during a resume with a new layout gets the new layout."""
         layout = self.op_layout or self.gens.layout
         assert layout is not None  # the first ready named one
-        keep = {"keep_cpu": True} if self.op_keep_cpu else {}
-        return P.encode(
-            "welcome",
-            epoch=self.epoch,
-            op=self.op,
-            gen=self.gens.gen,
-            upto=rs.dispatched,
-            layout=layout.to_wire(),
-            heartbeat_ms=self.cfg.heartbeat_ms,
-            session=rs.session,
-            **keep,
+        return welcome_frame(
+            self.epoch,
+            self.op,
+            self.gens.gen,
+            rs.dispatched,
+            layout,
+            self.cfg.heartbeat_ms,
+            rs.session,
+            self.op_keep_cpu,
         )
 
     def restate(self, now: float, out: list[Action]) -> None:
@@ -255,9 +243,12 @@ class ControlMachine:
         if any(rs.acked_epoch != op.epoch for rs in self.ranks.live()):
             return
         self.pending = None
+        if op.failure is not None:  # every live rank is back where the bus is
+            self._answer_failure(op, out)
+            return
         self.book.control_finished(op.op, "ok", now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
-        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen}
+        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen, "cpu_gen": self.gens.cpu_gen}
         self.state = ON_SUCCESS[op.op]
         if op.op == ControlOp.PAUSE:
             fields["drain_ms"] = elapsed_ms
@@ -265,6 +256,7 @@ class ControlMachine:
             fields.update(clear_ms=elapsed_ms, cancelled=op.cancelled, freed=op.freed)
         else:
             fields["resume_ms"] = elapsed_ms
+            self.own_resume.succeeded()
             if self.gens.keep_cpu:
                 self.op_keep_cpu = False
             self.gens.resumed(op.layout, fields)
@@ -286,7 +278,8 @@ class ControlMachine:
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": False, "code": code, "reason": reason}))
         if op.op == ControlOp.RESUME:
-            reason += f"; the bus is {STABLE.get(op.previous_state, 'not running')} again (nothing resumed)"
+            self._roll_back_resume(op, code, reason, now, out)
+            return
         for client, req in op.waiters:
             out.append(error(client, code, reason, req=req))
         if op.op == ControlOp.PAUSE:
@@ -296,33 +289,56 @@ class ControlMachine:
             self.op_layout, self.op_keep_cpu = self.gens.layout, False
             self.publish(now, out)
             self._run_tasks(now, out)
-        elif op.op == ControlOp.CLEAR:
-            self.state, self.op = on_failure(op.op, op.previous_state)  # gen moved on; laggards get repeats
+            if self.state == BusState.RESUMING:  # it took over from the broker's own resume: back to its retries
+                self.own_resume.retry_at = now + self.own_resume.first_s
         else:
-            self._roll_back_resume(op, now, out)
+            self.state, self.op = on_failure(op.op, op.previous_state)  # gen moved on; laggards get repeats
 
-    def _roll_back_resume(self, op: PendingOp, now: float, out: list[Action]) -> None:
+    def _roll_back_resume(self, op: PendingOp, code: str, reason: str, now: float, out: list[Action]) -> None:
         """A failed resume leaves no rank on a layout or generation the broker
         does not hold: a new epoch puts every rank back where the bus was
         (cleared: free again, at a new generation since some may have
-        allocated; paused: pause again).  A resume the broker started itself
-        (to bring a rank in line) is retried after two heartbeats, and the
-        bus stays not running until it converges."""
+        allocated; paused: pause again).  Its requests are answered once
+        every live rank acked that epoch (or died), or at the resume's own
+        deadline: a rank whose allocation is still queued would otherwise
+        take the cache an engine hands over after the error.  A resume the
+        broker started itself (to bring a rank in line) is retried after two
+        heartbeats, and the bus stays not running until it converges."""
         self.epoch += 1
         self.state, self.op = on_failure(ControlOp.RESUME, op.previous_state)
         self.op_layout, self.op_keep_cpu = None, False
         if self.state == BusState.CLEARED:
-            self.gens.reallocated()
+            self.gens.reallocated(
+                f"resume epoch {op.epoch} failed ({code}): the bus is cleared again, without what any rank allocated"
+            )
             self.op_keep_cpu = self.gens.keep_cpu
-        if self.state == BusState.RESUMING:  # a resume the broker started: retry it
-            self.retry_at = now + min(self.cfg.op_timeout_ms, 2 * self.cfg.heartbeat_ms) / 1000
+        rolled_back = ROLLED_BACK[self.state]
+        if self.state == BusState.RESUMING:  # a resume the broker started: retry it, backed off
+            rolled_back += f" (retried in {self.own_resume.failed(code, reason, now):g} s)"
         self.counters["resume_rollbacks"] += 1
         self.publish(now, out)
+        op.epoch, op.failure = self.epoch, (code, f"{reason}; {rolled_back}")
+        self.pending = op
+        self._check_pending(now, out)
+        if self.pending is op and now >= op.deadline:  # it timed out: no time is left to wait
+            self._answer_failure(op, out)
+
+    def _answer_failure(self, op: PendingOp, out: list[Action], lagging: list[int] | None = None) -> None:
+        """A failed resume's requests get its error; ``lagging``: the ranks
+        that had not acked the rollback by the deadline (they get repeats)."""
+        assert op.failure is not None
+        if self.pending is op:
+            self.pending = None
+        code, reason = op.failure
+        if lagging:
+            reason += f" (ranks {lagging} had not confirmed it by the deadline)"
+        for client, req in op.waiters:
+            out.append(error(client, code, reason, req=req))
 
     def rank_lost(self, reason: str, now: float, out: list[Action]) -> None:
         """A rank died: the op in progress completes without it, or fails."""
         if self.pending is not None:
-            if self.cfg.allow_partial:
+            if self.cfg.allow_partial or self.pending.failure is not None:  # a dead rank rolls nothing back
                 self._check_pending(now, out)
             else:
                 self._fail_pending(
@@ -333,13 +349,16 @@ class ControlMachine:
 
     def retry(self, now: float, out: list[Action]) -> None:
         """A failed broker-started resume, once its retry is due."""
-        if self.retry_at is not None and now >= self.retry_at and self.pending is None:
-            self.retry_at = None
+        if self.pending is None and self.own_resume.due(now):
             self.counters["resume_retries"] += 1
             self.restate(now, out)
 
     def repeat(self, now: float, out: list[Action]) -> None:
-        """PUB is lossy: publish again until every live rank acked this epoch."""
+        """PUB is lossy: publish again until every live rank acked this epoch.
+        A restored running bus (op ``run``) has nothing to publish: ``control.op``
+        is pause, clear or resume (docs/protocol.md §4.6); ranks learn ``run`` in a welcome."""
+        if self.op is ControlOp.RUN:
+            return
         if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
             if any(rs.acked_epoch != self.epoch for rs in self.ranks.live()):
                 self.counters["control_repeats"] += 1
@@ -348,8 +367,11 @@ class ControlMachine:
     def expire(self, now: float, out: list[Action]) -> None:
         """Requests past their own deadline, then the op past its deadline."""
         if self.pending is not None and self.pending.joined:
-            self._expire_joined(now, out)
+            out.extend(due_joiner_errors(self.pending, now, self._lagging(self.pending.epoch)))
         if self.pending is not None and now >= self.pending.deadline:
+            if self.pending.failure is not None:
+                self._answer_failure(self.pending, out, self._lagging(self.pending.epoch))
+                return
             ms = round((self.pending.deadline - self.pending.started) * 1000)
             self._fail_pending(
                 f"{self.pending.op}_timeout",
@@ -359,26 +381,6 @@ class ControlMachine:
                 out,
             )
 
-    def _expire_joined(self, now: float, out: list[Action]) -> None:
-        """A request that joined an op in progress with a shorter timeout gets
-        its ``<op>_timeout`` at its own deadline; the op goes on for the rest."""
-        op = self.pending
-        if op is None:
-            return
-        for key, deadline in list(op.joined.items()):
-            if now >= deadline:
-                del op.joined[key]
-                op.waiters.remove(key)
-                out.append(
-                    error(
-                        key[0],
-                        f"{op.op}_timeout",
-                        f"ranks {self._lagging(op.epoch)} did not acknowledge {op.op} epoch {op.epoch} "
-                        f"within this request's timeout_ms; the {op.op} is still in progress",
-                        req=key[1],
-                    )
-                )
-
     def deadlines(self) -> list[float]:
         due = []
         if self.epoch:
@@ -386,6 +388,6 @@ class ControlMachine:
         if self.pending is not None:
             due.append(self.pending.deadline)
             due.extend(self.pending.joined.values())
-        if self.retry_at is not None:
-            due.append(self.retry_at)
+        if self.own_resume.retry_at is not None and self.pending is None:  # retry() waits for the op in progress
+            due.append(self.own_resume.retry_at)
         return due

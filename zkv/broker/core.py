@@ -65,7 +65,7 @@ __all__ = [
 
 log = logging.getLogger("zkv.broker")
 # the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
-_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping"))
+_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
 _decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 
@@ -135,7 +135,7 @@ class BrokerCore:
 
     @property
     def queue(self) -> collections.deque[Task]:
-        return self.tasks.queue
+        return self.tasks.compact()
 
     @property
     def inflight(self) -> dict[int, Task]:
@@ -182,6 +182,8 @@ class BrokerCore:
             self._status(client, msg, now, out)
         elif kind == "ping":
             out.append(reply(client, msg.req, "ping"))
+        elif kind == "cancel":
+            self.tasks.cancel(client, msg, now, out)
         else:
             if self.recording:
                 named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
@@ -232,9 +234,8 @@ class BrokerCore:
         try:
             self._on_rank(identity, frames, now, out)
         except Exception as err:  # noqa: BLE001
-            out.append(
-                ToRank(identity, [P.encode("error", code="internal", reason=self._internal(err, "a rank message"))])
-            )
+            reason = P.clamp(self._internal(err, "a rank message"))
+            out.append(ToRank(identity, [P.encode("error", code="internal", reason=reason)]))
         self.recovery.save_if_changed(out)
         return out
 
@@ -296,7 +297,7 @@ class BrokerCore:
         table = self.rank_table
         layout, refusal = table.admit(msg)
         if layout is None:
-            out.append(ToRank(identity, [P.encode("refused", reason=refusal)]))
+            out.append(ToRank(identity, [P.encode("refused", reason=P.clamp(refusal))]))
             return
         rank = msg.rank
         if not table.is_repeat(identity, msg):
@@ -371,11 +372,12 @@ class BrokerCore:
         if self.ready_waiters and now >= self.ready_waiters.due:  # no scan until one is due
             self._answer_ready_waiters(now, out)
         self.control.expire(now, out)
+        self.tasks.expire(now, out)
 
     def next_deadline(self, now: float) -> float:
         """Seconds until on_tick has something to do (for the poll timeout)."""
         due = self.rank_table.deadlines() + self.control.deadlines() + self.claims.deadlines()
-        due.append(self.ready_waiters.due)
+        due += (self.ready_waiters.due, self.tasks.deadline())
         return max(0.0, min(due) - now)
 
     def status(self, now: float) -> dict[str, Any]:
@@ -384,13 +386,15 @@ class BrokerCore:
             "state": control.state.value,
             "epoch": control.epoch,
             "gen": gens.gen,
+            "cpu_gen": gens.cpu_gen,
             "gen_reason": gens.reason,
             "world": self.cfg.world,
             "layout": gens.layout.to_wire() if gens.layout else None,
             "ranks": [ranks[r].to_json(now) for r in sorted(ranks)],
-            "queued": len(tasks.queue),
+            "queued": tasks.queued(),
             "inflight": len(tasks.inflight),
             "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
             "pending_op": control.pending.op.value if control.pending else None,
+            **control.own_resume.status(now),  # the broker's own resume, when it keeps failing (restate.py)
             "counters": dict(self._book.counters()),
         }

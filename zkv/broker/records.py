@@ -94,3 +94,6 @@ class PendingOp:
     cancelled: int = 0  # a clear: queued tasks it cancelled
     freed: int = 0  # a clear: what the ranks' acks say they freed
     joined: dict[tuple[bytes, int], float] = field(default_factory=dict)  # a joiner's own, earlier deadline
+    # A failed resume rolling back: the error (code, reason) its waiters get
+    # once every live rank acked the rollback epoch (or at ``deadline``).
+    failure: tuple[str, str] | None = None

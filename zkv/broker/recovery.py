@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ready
 from .actions import Action, Record, SaveState
@@ -55,6 +56,8 @@ class Recovery:
             "keep_cpu": gens.keep_cpu,
             "world": self.cfg.world,
             "gen_reason": gens.reason,
+            "cpu_gen": gens.cpu_gen,
+            "cpu_used": gens.cpu_used,
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -75,6 +78,8 @@ class Recovery:
             gens.layout,
             gens.keep_cpu,
             gens.reason,
+            gens.cpu_gen,
+            gens.cpu_used,
             control.pending.previous_state if control.pending is not None else None,
         )
         if key != self.saved_key:
@@ -90,11 +95,19 @@ class Recovery:
         ever ran at the current generation (or the rank is ahead of a broker
         that lost its state), the bus moves to a new generation that every
         client learns; and a rank that must allocate does so only within a
-        resume (one the broker starts itself when the bus is running)."""
+        resume (one the broker starts itself when the bus is running).  Its
+        CPU tier is judged apart (``_cpu_lost``): one that survived at the
+        bus's ``cpu_gen`` keeps the CPU generation where it is."""
         gens = self.gens
         rank_gen = msg.gen
+        # A generation above MAX_ADOPTED_GEN is never taken as the bus's (it is
+        # only lost memory): 2^53 - 2^40 moves stay below MAX_GEN (bounds.py).
+        ahead = gens.gen < rank_gen <= bounds.MAX_ADOPTED_GEN
+        cpu_lost = self._cpu_lost(msg, layout)
         if self.control.state in CACHES_CLEARED:  # cleared stays cleared: the welcome frees it
-            if rank_gen > gens.gen:
+            if cpu_lost:
+                gens.cpu_not_kept(rank)  # a resume after a keep_cpu clear cannot say it kept
+            if ahead:
                 self._move_gen(
                     rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
                 )
@@ -105,19 +118,37 @@ class Recovery:
         lost = fresh or needs_alloc or rank_gen != gens.gen
         if not lost:
             return
-        if rank_gen > gens.gen and not gens.used and self.ranks.ready_count() == 1:
+        rank_cpu = msg.cpu_gen or 0
+        cpu_ahead = gens.cpu_gen < rank_cpu <= bounds.MAX_ADOPTED_GEN
+        if ahead and not gens.used and self.ranks.ready_count() == 1:
             # The first rank of a broker that lost its state: take its
             # generation, and count it as used (the old broker served it).
-            gens.adopt(rank_gen)
+            gens.adopt(rank_gen, f"the broker had no state of this bus: it took generation {rank_gen} from rank {rank}")
+            if cpu_ahead and not cpu_lost and not gens.cpu_used:
+                gens.adopt_cpu(rank_cpu)
+            cpu_lost = self._cpu_lost(msg, layout)
             self.counters["gen_adopted"] += 1
             lost = fresh or needs_alloc
             if not lost:
                 return
-        if rank_gen > gens.gen:
+            ahead = False
+        cpu_move = cpu_lost and (gens.cpu_used or cpu_ahead)
+        if cpu_move:
+            gens.move_cpu(rank_cpu if cpu_ahead else None)
+            self.counters["cpu_gen_moves"] += 1
+        cpu = (
+            f"; CPU blocks are gone too (CPU generation {gens.cpu_gen})"
+            if cpu_move
+            else f"; CPU blocks kept (CPU generation {gens.cpu_gen})"
+        )
+        if ahead:
             self._move_gen(
-                rank_gen + 1, f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}", now, out
+                rank_gen + 1,
+                f"rank {rank} reported generation {rank_gen}, above the broker's {gens.gen}" + cpu,
+                now,
+                out,
             )
-        elif gens.used:
+        elif gens.used or cpu_move:
             why = (
                 "restarted with fresh memory"
                 if fresh
@@ -129,9 +160,18 @@ class Recovery:
                     else f"held generation {rank_gen}"
                 )
             )
-            self._move_gen(gens.gen + 1, f"rank {rank} {why}: the blocks of generation {gens.gen} are gone", now, out)
+            self._move_gen(
+                gens.gen + 1, f"rank {rank} {why}: GPU blocks of generation {gens.gen} are gone" + cpu, now, out
+            )
         elif needs_alloc:
             self.control.restate(now, out)
+
+    def _cpu_lost(self, msg: Ready, layout: CacheLayout) -> bool:
+        """Whether a registering rank's CPU tier is not the bus's: it kept none
+        (``kept_tiers``), of another CPU generation, or of another layout (its
+        resume allocates a new one)."""
+        kept = "cpu" in (msg.kept_tiers or ()) and msg.cpu_gen is not None
+        return not (kept and msg.cpu_gen == self.gens.cpu_gen and layout == self.gens.layout)
 
     def _move_gen(self, gen: int, reason: str, now: float, out: list[Action]) -> None:
         """The bus's cache content is gone: a new generation, queued tasks

@@ -27,6 +27,7 @@ __all__ = [
     "OP_OF_STATE",
     "ON_FAILURE",
     "ON_SUCCESS",
+    "ROLLED_BACK",
     "RUNNING_OR_RESUMING",
     "STABLE",
     "BusState",
@@ -80,13 +81,23 @@ ON_SUCCESS: dict[ControlOp, BusState] = {
 # broker started itself on a running bus stays "resuming" (paused) until its
 # retry converges.  The first entry of each row is the rule for any other start.
 ON_FAILURE: dict[ControlOp, dict[BusState, tuple[BusState, ControlOp]]] = {
-    ControlOp.PAUSE: {BusState.RUNNING: (BusState.RUNNING, ControlOp.RESUME)},
+    ControlOp.PAUSE: {
+        BusState.RUNNING: (BusState.RUNNING, ControlOp.RESUME),
+        BusState.RESUMING: (BusState.RESUMING, ControlOp.PAUSE),  # it took over from the broker's own resume
+    },
     ControlOp.CLEAR: {BusState.PAUSED: (BusState.CLEARED, ControlOp.CLEAR)},
     ControlOp.RESUME: {
         BusState.RUNNING: (BusState.RESUMING, ControlOp.PAUSE),
         BusState.CLEARED: (BusState.CLEARED, ControlOp.CLEAR),
         BusState.PAUSED: (BusState.PAUSED, ControlOp.PAUSE),
     },
+}
+
+# How a failed resume's reason ends (docs/protocol.md §8.3), by the state it went back to.
+ROLLED_BACK: dict[BusState, str] = {
+    BusState.CLEARED: "the bus is cleared again",
+    BusState.PAUSED: "the bus is paused again",
+    BusState.RESUMING: "the broker retries the resume; the bus is paused again",
 }
 
 # A request for an op the bus has already reached: answered ``noop`` at once.

@@ -51,7 +51,10 @@ def check_snapshot(data: Any) -> dict[str, Any]:
         value = data.get(name)
         if type(value) is not int or not 0 <= value < MAX_SAFE_INT // 2:
             raise ValueError(f"{name} {value!r} is not a small non-negative integer")
-    for name in ("gen_used", "keep_cpu"):
+    value = data.get("cpu_gen", 0)
+    if type(value) is not int or not 0 <= value < MAX_SAFE_INT // 2:
+        raise ValueError(f"cpu_gen {value!r} is not a small non-negative integer")
+    for name in ("gen_used", "keep_cpu", "cpu_used"):
         if type(data.get(name, False)) is not bool:
             raise ValueError(f"{name} must be a boolean")
     if data.get("layout") is not None and not isinstance(data["layout"], dict):

@@ -7,17 +7,23 @@ say (``control.py``): the caller asks it, and passes the answer in."""
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 
 from ..obs.book import BusBook, task_op
 from ..wire import fast as F
 from ..wire import protocol as P
-from ..wire.messages import Done, Submit
+from ..wire.messages import Cancel, Done, Submit
 from ..wire.outcome import RankFold
 from ..wire.vocab import Outcome
-from .actions import Action, Record, ToRank, error, outcome
+from .actions import Action, Record, ToRank, error, outcome, reply
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, RankState, Task
+
+_NEVER_RAN = "the task's timeout_ms passed while it was queued: it was never dispatched and never ran"
+CANCELLED_BY_CLIENT = "cancelled by its client before it was dispatched"
+_MAX_ENDED = 65536  # the ended tasks a cancel can still name as ``done``, over every connection
 
 
 class TaskTable:
@@ -32,8 +38,16 @@ class TaskTable:
         self.ranks = ranks
         self.gens = gens
         self.queue: collections.deque[Task] = collections.deque()
+        # Queued tasks with a submit timeout_ms, by deadline: the broker wakes
+        # for the earliest and ends it then (``expire``), never later.  An
+        # expired task leaves the queue lazily (``stale`` of them are in it).
+        self.expiring: list[tuple[float, int, Task]] = []
+        self._order = itertools.count()
+        self.stale = 0
         self.inflight: dict[int, Task] = {}
-        self.open_tasks: set[tuple[bytes, int]] = set()
+        self.open_tasks: dict[tuple[bytes, int], Task] = {}
+        # Recently ended tasks, oldest first: a cancel that comes too late says ``done``.
+        self.ended: collections.OrderedDict[tuple[bytes, int], None] = collections.OrderedDict()
         self.open_per_client: collections.Counter[bytes] = collections.Counter()
         self.seq = 0
 
@@ -67,7 +81,7 @@ class TaskTable:
             )
         elif cleared:
             reason = "caches are cleared; resume the bus first (zkv resume)"
-        elif len(self.queue) >= self.cfg.max_queue:
+        elif self.queued() >= self.cfg.max_queue:
             reason = f"queue full ({self.cfg.max_queue} tasks); retry later"
         elif self.open_per_client[client] >= self.cfg.max_open_per_client:
             self.counters["over_limit"] += 1
@@ -80,11 +94,46 @@ class TaskTable:
         if reason:
             self.finish(task, Outcome.REJECTED, reason, now, out, notify=True)
             return False
-        self.open_tasks.add(key)
+        self.open_tasks[key] = task
         self.open_per_client[client] += 1
         self.queue.append(task)
+        if expires is not None:
+            heapq.heappush(self.expiring, (expires, next(self._order), task))
         self.counters["submitted"] += 1
         return True
+
+    def queued(self) -> int:
+        """Tasks waiting in the queue (the expired ones it still holds are not)."""
+        return len(self.queue) - self.stale
+
+    def compact(self) -> collections.deque[Task]:
+        """The queue without the expired tasks it still holds."""
+        if self.stale:
+            self.queue = collections.deque(t for t in self.queue if not t.reported)
+            self.stale = 0
+        return self.queue
+
+    def expire(self, now: float, out: list[Action]) -> None:
+        """End every queued task whose submit ``timeout_ms`` passed: ``timeout``,
+        never dispatched (docs/protocol.md §7.6), whatever state the bus is in."""
+        heap = self.expiring
+        while heap and heap[0][0] <= now:
+            task = heapq.heappop(heap)[2]
+            if task.seq == 0 and not task.reported:  # still queued
+                self.finish(task, Outcome.TIMEOUT, _NEVER_RAN, now, out, notify=True)
+                self.stale += 1
+        if self.stale > len(self.queue) // 2:
+            self.compact()
+
+    def deadline(self) -> float:
+        """When the next queued task expires (inf: none)."""
+        heap = self.expiring
+        while heap and (heap[0][2].seq or heap[0][2].reported):  # dispatched or ended meanwhile
+            heapq.heappop(heap)
+        if len(heap) > 2 * self.queued() + 64:  # bound what dispatched tasks leave behind
+            self.expiring = heap = [e for e in heap if not (e[2].seq or e[2].reported)]
+            heapq.heapify(heap)
+        return heap[0][0] if heap else float("inf")
 
     def done(self, rs: RankState, msg: Done, now: float, out: list[Action]) -> bool:
         """Fold a rank's ``done``; True when it freed a credit (the caller dispatches)."""
@@ -112,19 +161,15 @@ class TaskTable:
         if not all(rs.alive and rs.welcomed for rs in ranks):
             return
         credits = limit - max(rs.inflight for rs in ranks)
-        gen = self.gens.gen
+        gen, cpu_gen = self.gens.gen, self.gens.cpu_gen
         sent = 0
         while credits > 0 and self.queue:
             task = self.queue.popleft()
-            if task.expires is not None and now >= task.expires:  # its client gave up on it: never run it late
-                self.finish(
-                    task,
-                    Outcome.TIMEOUT,
-                    "the task's timeout_ms passed while it was queued; it never ran",
-                    now,
-                    out,
-                    notify=True,
-                )
+            if task.reported:  # expired while queued
+                self.stale -= 1
+                continue
+            if task.expires is not None and now >= task.expires:  # due, and the clock has not run yet
+                self.finish(task, Outcome.TIMEOUT, _NEVER_RAN, now, out, notify=True)
                 continue
             credits -= 1
             self.seq += 1
@@ -136,7 +181,14 @@ class TaskTable:
                 rs.inflight += 1
                 rs.dispatched += 1
                 header = F.encode_task(
-                    task.seq, rs.dispatched, task.task, task.reply_to, gen, task.reply_key or None, rs.session
+                    task.seq,
+                    rs.dispatched,
+                    task.task,
+                    task.reply_to,
+                    gen,
+                    task.reply_key or None,
+                    rs.session,
+                    cpu_gen,
                 )
                 out.append(ToRank(rs.identity, [header, task.body]))
             sent += 1
@@ -144,12 +196,32 @@ class TaskTable:
             self.gens.mark_used()
             self.counters["dispatched"] += sent
 
+    def cancel(self, client: bytes, msg: Cancel, now: float, out: list[Action]) -> None:
+        """A client's cancel of one of its tasks (docs/protocol.md §7.6): a queued
+        one ends ``cancelled`` now, before the reply; a dispatched one runs to
+        its own outcome; the reply says which (``state``)."""
+        key = (client, msg.task)
+        task = self.open_tasks.get(key)
+        if task is None:
+            state = "done" if key in self.ended else "unknown"
+        elif task.seq:
+            state = "dispatched"
+        else:
+            state = "queued"
+            self.finish(task, Outcome.CANCELLED, CANCELLED_BY_CLIENT, now, out, notify=True)
+            self.counters["client_cancels"] += 1
+            self.stale += 1  # it leaves the queue lazily, as an expired one
+            if self.stale > len(self.queue) // 2:
+                self.compact()
+        out.append(reply(client, msg.req, "cancel", task=msg.task, cancelled=state == "queued", state=state))
+
     def cancel_queued(self, reason: str, now: float, out: list[Action]) -> int:
         """End every queued task ``cancelled`` (caches cleared, generation moved)."""
         cancelled = 0
-        while self.queue:
+        for task in self.compact():
             cancelled += 1
-            self.finish(self.queue.popleft(), Outcome.CANCELLED, reason, now, out, notify=True)
+            self.finish(task, Outcome.CANCELLED, reason, now, out, notify=True)
+        self.queue.clear()
         return cancelled
 
     def fail_rank(self, rs: RankState, reason: str, now: float, out: list[Action]) -> None:
@@ -170,15 +242,18 @@ class TaskTable:
     def finish(self, task: Task, result: str, reason: str, now: float, out: list[Action], notify: bool) -> None:
         """End a task exactly once at the broker; ``notify`` tells the client."""
         key = (task.client, task.task)
-        if key in self.open_tasks:
-            self.open_tasks.discard(key)
+        if self.open_tasks.pop(key, None) is not None:
             self.open_per_client[task.client] -= 1
             if self.open_per_client[task.client] <= 0:
                 del self.open_per_client[task.client]
+            ended = self.ended
+            ended[key] = None
+            if len(ended) > _MAX_ENDED:
+                ended.popitem(last=False)
         self.counters[result] += 1
         if notify and not task.reported:
-            task.reported = True
-            out.append(outcome(task.client, task.task, result, reason, task.gen))
+            task.reported = True  # never dispatched: the outcome says no rank ran it (docs/protocol.md §7.3)
+            out.append(outcome(task.client, task.task, result, reason, task.gen, ran=False if not task.seq else None))
         if self.recording:
             out.append(
                 Record(

@@ -28,6 +28,7 @@ from .options import (
     layout_options,
     metrics_options,
     sigterm_as_interrupt,
+    tier_options,
 )
 
 _DEFAULT = Endpoints.default
@@ -297,6 +298,7 @@ def broker(
     "manifest is read again and must carry a newer cache.",
 )
 @disk_options
+@tier_options
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -307,9 +309,12 @@ def worker(
     liveness_ms: int,
     torch_threads: int,
     manifest: str | None,
+    tier_dir: str,
+    tier_digests: bool,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
+    from ..rank.cache.errors import CacheError
     from ..rank.registration import RankRefused
     from ..rank.worker import RankWorker, set_torch_threads
 
@@ -319,12 +324,14 @@ def worker(
     layout = layout_from(kw)
     curve, disk = curve_from(kw), disk_from(kw)
     from ..rank import attach_rank
-    from ..rank.cache.errors import CacheError
 
     try:
         if manifest is None:
+            tiers = None if tier_dir in ("", "none") else tier_dir
             opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve, "disk": disk}
-            w = RankWorker(rank, world_size, backend, control, layout, **opts)
+            w = RankWorker(
+                rank, world_size, backend, control, layout, tier_dir=tiers, tier_digests=tier_digests, **opts
+            )
         else:
             claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
             w = attach_rank(
@@ -332,7 +339,10 @@ def worker(
             )
     except CacheError as err:
         if manifest is None:
-            fail(f"rank {rank} cannot open its cache: {err}", "check --disk-dir (a rank of the same number holds it?)")
+            fail(
+                f"rank {rank} cannot open its tiers: {err}",
+                "is another worker of this rank running (--tier-dir, --disk-dir)?",
+            )
         fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
     lay = w.cache.layout
     what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"
@@ -367,16 +377,20 @@ def keygen(directory: str, names: tuple[str, ...]) -> None:
 
 from .bench import bench  # noqa: E402
 from .control import clear, pause, resume, status, submit  # noqa: E402
+from .shm import shm  # noqa: E402
 
 main.add_command(bench)
+main.add_command(shm)
 for command in (status, submit, pause, clear, resume):
     main.add_command(command)
 
 from .state import state  # noqa: E402
+from .tier import tier  # noqa: E402
 from .trace import replay, trace  # noqa: E402
 from .up import up  # noqa: E402
 
 main.add_command(state)
+main.add_command(tier)
 
 main.add_command(trace)
 main.add_command(replay)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
@@ -193,7 +194,7 @@ def submit(
     waits = _why_not_now(st)
     if waits and not as_json:
         click.echo(f"zkv: note: {waits}", err=True)
-    out = client.run(op.replace("-", "_"), src_ids, dst_ids, timeout, tier=tier, seed=seed)
+    out = _run_or_cancel(client, op.replace("-", "_"), src_ids, dst_ids, timeout, tier, seed)
     digests = {r: [d.hex() for d in res["digests"]] for r, res in sorted(out.per_rank.items()) if "digests" in res}
     if as_json:
         data = out.to_json()
@@ -202,7 +203,11 @@ def submit(
         click.echo(json.dumps(data))
     else:
         reason = out.reason
-        if out.outcome == "timeout" and not out.per_rank:
+        if out.outcome == "timeout" and out.ran is False:
+            reason = f"still queued after {timeout:g} s, the broker dropped it: it never ran" + (
+                f" ({waits})" if waits else ""
+            )
+        elif out.outcome == "timeout" and not out.per_rank:
             reason = f"no rank answered within {timeout:g} s: " + (waits or "see zkv status")
         click.echo(
             f"task {out.task}: {out.outcome}"
@@ -215,6 +220,25 @@ def submit(
         if not as_json:
             click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
         sys.exit(1)
+
+
+def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tier: str | None, seed: int | None) -> Any:
+    """The task's outcome; Ctrl-C cancels it when the broker still holds it queued."""
+    task = client.submit(op, src, dst, timeout, tier=tier, seed=seed)
+    try:
+        return client.wait(task)
+    except KeyboardInterrupt:
+        try:
+            answer = client.cancel(task, timeout=min(timeout, 5.0))
+        except ZkvError:
+            answer = {"cancelled": False, "state": "unknown"}
+        if answer.get("cancelled"):
+            click.echo(f"zkv: task {task} cancelled before it was dispatched: it never ran", err=True)
+        else:
+            click.echo(
+                f"zkv: task {task} was {answer.get('state')} when Ctrl-C came: it runs to its own outcome", err=True
+            )
+        sys.exit(130)
 
 
 @click.command()
@@ -272,17 +296,13 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
     """Reallocate caches if cleared and restart dispatch."""
     layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
-    r = client.resume(layout or None, timeout)
-    if layout and r.get("noop"):  # the broker answers a running bus before it looks at the layout
+    try:
+        r = client.resume(layout or None, timeout)
+    except ZkvError as err:
+        if err.code != "not_cleared" or as_json:
+            raise
         asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items())
-        if as_json:
-            reason = f"the bus is running: {asked} was not applied"
-            click.echo(json.dumps({"ok": False, "code": "not_cleared", "reason": reason}))
-            sys.exit(1)
-        fail(
-            f"the bus is running: {asked} was not applied (a new layout needs cleared caches)",
-            f"run: zkv pause, zkv clear, then zkv resume {asked}",
-        )
+        fail(f"{err.reason} ({asked} was not applied)", f"run: zkv pause, zkv clear, then zkv resume {asked}")
     _print_reply(
         r,
         as_json,

@@ -330,3 +330,33 @@ def sigterm_as_interrupt() -> None:
 def fail(message: str, hint: str = "") -> None:
     click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
     sys.exit(1)
+
+
+def tier_options(fn: Callable) -> Callable:
+    """Where a worker's CPU tier lives as a file that outlives it, and whether its rows keep digests."""
+    return stacked(
+        fn,
+        [
+            click.option(
+                "--tier-dir",
+                default="/dev/shm",
+                show_default=True,
+                envvar="ZKV_TIER_DIR",
+                show_envvar=True,
+                help="Where zkv's CPU tier lives as a file that outlives this process (a restarted rank maps "
+                "it again and keeps its blocks; zkv tier list / clean). 'none': in process memory, gone with "
+                "the process.",
+            ),
+            click.option(
+                "--tier-digests/--no-tier-digests",
+                default=False,
+                show_default=True,
+                envvar="ZKV_TIER_DIGESTS",
+                show_envvar=True,
+                help="Also keep a BLAKE2b digest of every CPU-tier block and check it when the block is read. "
+                "A torn write is caught without it (each block's header is written last); the digest also "
+                "catches bytes changed behind zkv's back, at the cost of hashing every block copied "
+                "(several times the copy).",
+            ),
+        ],
+    )

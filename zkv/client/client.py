@@ -11,6 +11,7 @@ filed, never dropped.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import secrets
 import time
@@ -33,6 +34,18 @@ from ..wire.outcome import TaskOutcome
 from .results import ResultBook
 
 _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
+# A task's timeout travels as its submit ``timeout_ms``: the broker ends it
+# ``timeout`` (``ran: false``) if it is still queued then.  The client's own
+# deadline is this much later, so that the broker's word (did it run?) comes first.
+BROKER_WORD_S = 0.25
+
+
+def deadline_ms(timeout: float) -> int:
+    """A caller's timeout as a submit's ``timeout_ms``: at least 1 (0 means
+    none), at most the bound every peer checks (docs/protocol.md §2.1)."""
+    if not math.isfinite(timeout) or timeout * 1000 >= bounds.MAX_TIMEOUT_MS:
+        return bounds.MAX_TIMEOUT_MS
+    return max(1, int(timeout * 1000))
 
 
 class Client:
@@ -112,11 +125,14 @@ class Client:
         return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout)
 
     def submit_raw(self, body: bytes, timeout: float = 30.0) -> int:
-        """Submit an already encoded body (for tools and tests of bad input)."""
+        """Submit an already encoded body (for tools and tests of bad input).
+        ``timeout`` is the task's deadline at the broker too: still queued
+        then, it ends ``timeout`` and never runs (``TaskOutcome.ran`` is False)."""
         task = next(self._task_ids)
-        self.book.add(task, time.monotonic(), timeout)
+        self.book.add(task, time.monotonic(), timeout + BROKER_WORD_S)
+        header = F.encode_submit(task, self.reply_to, deadline_ms(timeout), reply_key=self._reply_key)
         try:
-            self._send([F.encode_submit(task, self.reply_to, reply_key=self._reply_key), body])
+            self._send([header, body])
         except ZkvError:
             self.book.open.pop(task, None)  # never sent: not a task
             raise
@@ -154,6 +170,14 @@ class Client:
     ) -> TaskOutcome:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
+
+    def cancel(self, task: int, timeout: float | None = None) -> dict:
+        """Cancel ``task`` if the broker has not dispatched it yet: the reply's
+        ``cancelled`` says whether it was in time and ``state`` what the task
+        was (``queued``, ``dispatched``, ``done``, ``unknown``).  A cancelled
+        task's outcome (``cancelled``, never ran) is filed before this returns;
+        a dispatched one runs to its own outcome (docs/protocol.md §7.6)."""
+        return self.request("cancel", timeout, task=task)
 
     def settled(self, timeout: float = 0.0) -> list[int]:
         """Tasks that ended ``timeout`` and have since settled (every rank
@@ -224,7 +248,7 @@ class Client:
             "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
         )
         reason = "caches were cleared (zkv clear) before the task's result arrived"
-        for out in self.book.cleared(reply["gen"], reason, time.monotonic()):
+        for out in self.book.cleared(reply["gen"], reason, time.monotonic(), reply.get("cpu_gen")):
             self.finished[out.task] = out
         return reply
 
@@ -234,7 +258,7 @@ class Client:
             fields["layout"] = layout
         reply = self.request("resume", timeout + 1, **fields)
         self.book.gen_known = True  # our own resume named it: news even to a client that knew none
-        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived")
+        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived", reply.get("cpu_gen"))
         return reply
 
     def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
@@ -248,7 +272,8 @@ class Client:
             )
         else:
             reply = self.request("status", timeout)
-        self._on_new_gen(reply["gen"], reply.get("gen_reason") or "the bus moved to a new cache generation")
+        reason = reply.get("gen_reason") or "the bus moved to a new cache generation"
+        self._on_new_gen(reply["gen"], reason, reply.get("cpu_gen"))
         return reply
 
     @property
@@ -256,6 +281,13 @@ class Client:
         """The cache generation this client last learned (clear, resume, status,
         results, outcomes); None until it heard of one."""
         return self.book.gen if self.book.gen_known else None
+
+    @property
+    def cpu_gen(self) -> int | None:
+        """The CPU tier's generation this client last learned (docs/protocol.md
+        §8.2): CPU blocks it swapped out at this one are still there.  None
+        until it heard of one, and after a generation move heard without one."""
+        return self.book.cpu_gen
 
     def ping(self, timeout: float | None = None) -> dict:
         return self.request("ping", timeout)
@@ -266,8 +298,8 @@ class Client:
         ``cancelled``; the others end with what their own results say (§7.4)."""
         self._on_new_gen(gen, reason)
 
-    def _on_new_gen(self, gen: int, reason: str) -> None:
-        for out in self.book.learn_gen(gen, reason, time.monotonic()):
+    def _on_new_gen(self, gen: int, reason: str, cpu_gen: int | None = None) -> None:
+        for out in self.book.learn_gen(gen, reason, time.monotonic(), cpu_gen):
             self.finished[out.task] = out
 
     # --- the one wait ------------------------------------------------------------
@@ -308,7 +340,7 @@ class Client:
 
     def _on_dealer(self, msg: Message) -> None:
         if isinstance(msg, OutcomeMsg):
-            out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen)
+            out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen, msg.ran)
             if out is not None:
                 self.finished[out.task] = out
         elif isinstance(msg, (Reply, Error)) and msg.req is not None:

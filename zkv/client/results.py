@@ -49,6 +49,9 @@ class ResultBook:
         self.deadlines: list[tuple[float, int]] = []
         self.gen = 0
         self.gen_known = False  # a new client takes the first generation it hears of
+        # The CPU tier's generation (docs/protocol.md §8.2): None while unknown,
+        # and after a move of ``gen`` heard without one (then CPU content may be gone too).
+        self.cpu_gen: int | None = None
         self.moved: list[TaskOutcome] = []  # tasks ended because the bus moved to a new generation
         self.counters: collections.Counter[str] = collections.Counter()
         self.timed_out: collections.OrderedDict[int, _Open] = collections.OrderedDict()
@@ -82,9 +85,11 @@ class ResultBook:
             self.moved.append(self._close(entry, "cancelled", reason, now))
             return None
         if msg.gen > self.gen:  # news of a move: it ends the open tasks that ran before it
-            self.moved += self.learn_gen(msg.gen, "the bus moved to a new cache generation (see zkv status)", now)
+            reason = "the bus moved to a new cache generation (see zkv status)"
+            self.moved += self.learn_gen(msg.gen, reason, now, msg.cpu_gen)
             if msg.task not in self.open:  # this task had a result of an older generation too
                 return None
+        self.learn_cpu_gen(False, msg.cpu_gen)
         self.gen_known = True
         entry.gen = msg.gen
         if entry.fold is None:
@@ -130,12 +135,22 @@ class ResultBook:
         done, self.settled = self.settled, []
         return done
 
-    def learn_gen(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+    def learn_cpu_gen(self, gen_moved: bool, cpu_gen: int | None) -> None:
+        """Take the CPU generation a message names; a move of ``gen`` heard
+        without one makes it unknown (the CPU content may be gone with it)."""
+        if cpu_gen is not None:
+            self.cpu_gen = max(cpu_gen, self.cpu_gen if self.cpu_gen is not None else 0)
+        elif gen_moved:
+            self.cpu_gen = None
+
+    def learn_gen(self, gen: int, reason: str, now: float, cpu_gen: int | None = None) -> list[TaskOutcome]:
         """The bus is at ``gen``: if that is newer, every open task that ran at
         an older generation ends ``cancelled`` (what it copied is gone).  An
         open task with no result yet stays open: its own results say which
-        generation it ran at (``on_result``)."""
+        generation it ran at (``on_result``).  ``cpu_gen``: the CPU
+        generation the same message names, if it names one."""
         known, self.gen_known = self.gen_known, True
+        self.learn_cpu_gen(gen > self.gen, cpu_gen)
         if gen <= self.gen:
             return []
         old, self.gen = self.gen, gen
@@ -147,26 +162,28 @@ class ResultBook:
         return [self._close(entry, "cancelled", reason, now) for entry in older]
 
     def on_outcome(
-        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None
+        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None, ran: bool | None = None
     ) -> TaskOutcome | None:
-        """A final outcome decided by the broker (rejected, cancelled, rank died);
-        ``gen`` (the broker's generation) may tell the book the bus moved on."""
-        done = self._book_outcome(task, outcome, reason, now)  # this task's own word first
+        """A final outcome decided by the broker (rejected, cancelled, expired
+        in its queue, rank died); ``gen`` (the broker's generation) may tell the
+        book the bus moved on; ``ran=False``: it was never dispatched."""
+        done = self._book_outcome(task, outcome, reason, now, ran is False)  # this task's own word first
         if gen is not None and gen > self.gen:
             self.moved += self.learn_gen(gen, reason or "the bus moved to a new cache generation", now)
         return done
 
-    def _book_outcome(self, task: int, outcome: str, reason: str, now: float) -> TaskOutcome | None:
+    def _book_outcome(self, task: int, outcome: str, reason: str, now: float, never_ran: bool) -> TaskOutcome | None:
         entry = self.open.get(task)
         if entry is None:
             self.counters["late_outcomes"] += 1
-            # Rejected or cancelled by the broker: it never reached a rank, so
-            # nothing will copy.  (A rank that "died" may be only stopped and
-            # still finish a copy it started, so ``failed`` does not settle.)
-            if outcome in ("rejected", "cancelled") and self.timed_out.pop(task, None) is not None:
+            # Rejected, cancelled or expired in the broker's queue: it never
+            # reached a rank, so nothing will copy.  (A rank that "died" may be
+            # only stopped and still finish a copy it started: no settling.)
+            unsent = never_ran or outcome in ("rejected", "cancelled")
+            if unsent and self.timed_out.pop(task, None) is not None:
                 self._settle(task)
             return None
-        return self._close(entry, outcome, reason, now)
+        return self._close(entry, outcome, reason, now, never_ran)
 
     def expire(self, now: float) -> list[TaskOutcome]:
         """Close every task past its deadline with ``timeout``, naming missing ranks."""
@@ -186,11 +203,12 @@ class ResultBook:
                 self.timed_out.popitem(last=False)
         return done
 
-    def cleared(self, gen: int, reason: str, now: float) -> list[TaskOutcome]:
+    def cleared(self, gen: int, reason: str, now: float, cpu_gen: int | None = None) -> list[TaskOutcome]:
         """This client's own clear reply names ``gen``.  Every task still open
         was submitted before the clear request, on the same connection, so at
         an older generation: if ``gen`` is news, they all end ``cancelled``."""
         self.gen_known = True
+        self.learn_cpu_gen(gen > self.gen, cpu_gen)
         if gen <= self.gen:
             return []
         self.gen = gen
@@ -208,8 +226,11 @@ class ResultBook:
             heapq.heappop(self.deadlines)
         return self.deadlines[0][0] if self.deadlines else None
 
-    def _close(self, entry: _Open, outcome: str, reason: str, now: float) -> TaskOutcome:
+    def _close(self, entry: _Open, outcome: str, reason: str, now: float, never_ran: bool = False) -> TaskOutcome:
         del self.open[entry.task]
         self.counters[outcome] += 1
         nbytes = entry.fold.bytes if entry.fold is not None else 0
-        return TaskOutcome(entry.task, outcome, reason, nbytes, now - entry.submitted, entry.per_rank)
+        elapsed = now - entry.submitted
+        return TaskOutcome(
+            entry.task, outcome, reason, nbytes, elapsed, entry.per_rank, never_ran and not entry.per_rank
+        )

@@ -6,10 +6,19 @@ head_dim)`` per layer (``flash_attn``: a K and a V region, each
 block-major), FlashInfer ``(blocks, 2, block_size, kv_heads, head_dim)``
 (``flashinfer``: one region, a page holds K and V).  HND physical orders are
 the same to zkv (a page's inner order does not matter); MLA ``(blocks,
-block_size, head_size)`` and the cross-layer tensor are block-major already:
-``zkv.rank.cache.layouts.per_layer``.  Serve them with
+block_size, head_size)`` per layer and the cross-layer tensor are
+block-major already (``block_major``).  Serve them with
 ``zkv.rank.agent.RankAgent(..., cache=flash_attn(kv_caches), ...)``
 (docs/engines.md).
+
+Every adapter declares vLLM's null block reserved (docs/engines.md,
+"Reserved rows"): vLLM v1's ``BlockPool`` takes block 0 off its free queue
+when it starts (``self.null_block = self.free_block_queue.popleft()``, "a
+placeholder block with block_id=0") and puts it in block tables where a
+request has no block of its own (the blocks a sliding window dropped); it is
+never handed to a request.  So no swap or fill may name it, and a prefix
+cache manager on this cache must never hand it out (``RankAgent.reserved_blocks``).  Pass
+``null_block=None`` for a cache with no null block.
 """
 
 from __future__ import annotations
@@ -22,22 +31,35 @@ from ..rank.cache.errors import CacheError
 from ..rank.cache.layouts import expect_dims
 from ..rank.cache.regions import TensorEntry
 
+NULL_BLOCK = 0  # vLLM v1 BlockPool's null block
 
-def flash_attn(kv_caches: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+
+def _reserved(null_block: int | None) -> tuple[int, ...]:
+    return () if null_block is None else (null_block,)
+
+
+def flash_attn(kv_caches: Mapping[str, torch.Tensor], null_block: int | None = NULL_BLOCK) -> list[TensorEntry]:
     """FlashAttention: per layer ``(2, blocks, block_size, kv_heads, head_dim)`` -> ``layer.k``, ``layer.v``."""
     entries = []
     for layer, t in kv_caches.items():
         expect_dims(layer, t, 5, "(2, blocks, block_size, kv_heads, head_dim)")
         if t.shape[0] != 2:
             raise CacheError("bad_layout", f"tensor {layer!r} has shape {tuple(t.shape)}: dim 0 must be 2 (K, V)")
-        entries += [TensorEntry(f"{layer}.k", t[0]), TensorEntry(f"{layer}.v", t[1])]
+        reserved = _reserved(null_block)
+        entries += [TensorEntry(f"{layer}.k", t[0], reserved_blocks=reserved), TensorEntry(f"{layer}.v", t[1])]
     return entries
 
 
-def flashinfer(kv_caches: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
+def flashinfer(kv_caches: Mapping[str, torch.Tensor], null_block: int | None = NULL_BLOCK) -> list[TensorEntry]:
     """FlashInfer: per layer ``(blocks, 2, block_size, kv_heads, head_dim)``, one page holds K and V."""
     for layer, t in kv_caches.items():
         expect_dims(layer, t, 5, "(blocks, 2, block_size, kv_heads, head_dim)")
         if t.shape[1] != 2:
             raise CacheError("bad_layout", f"tensor {layer!r} has shape {tuple(t.shape)}: dim 1 must be 2 (K, V)")
-    return [TensorEntry(layer, t) for layer, t in kv_caches.items()]
+    return [TensorEntry(layer, t, reserved_blocks=_reserved(null_block)) for layer, t in kv_caches.items()]
+
+
+def block_major(tensors: Mapping[str, torch.Tensor], null_block: int | None = NULL_BLOCK) -> list[TensorEntry]:
+    """MLA ``(blocks, block_size, head_size)`` per layer, or the cross-layer ``(blocks, layers, 2, block_size,
+    kv_heads, head_dim)`` tensor: any tensors whose dim 0 is the block, one region each."""
+    return [TensorEntry(name, t, reserved_blocks=_reserved(null_block)) for name, t in tensors.items()]

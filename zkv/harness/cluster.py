@@ -156,6 +156,10 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes[name] = p.wait(timeout=5)
+        # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
+        from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
+
+        clean_tiers(os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR, bus_name(self.endpoints.backend))
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
         return codes

@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 
+import zmq
+
 log = logging.getLogger("zkv.client")
 
 _WILDCARDS = ("0.0.0.0", "::", "*")
@@ -75,3 +77,12 @@ def advertised(bound: str, broker: str, advertise: str | None = None) -> str:
     if host in _WILDCARDS and broker.startswith("tcp://"):
         return join_tcp(route_source(broker), port)
     return bound
+
+
+def connect_result(sock: zmq.Socket, address: str) -> None:
+    """Connect a rank's result PUSH to a client's ``reply_to``.  An IPv6
+    address (``tcp://[IP]:PORT``, docs/protocol.md §2.1) needs ``ZMQ_IPV6``:
+    without it libzmq takes the connect and never delivers a message."""
+    if address.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.connect(address)

@@ -2,7 +2,11 @@
 ``--watch`` loop that redraws it until Ctrl-C.
 
 ``render_status`` takes the dict ``Client.status()`` returns (the same one
-``zkv status --json`` prints), so it works on a saved JSON file too.
+``zkv status --json`` prints), so it works on a saved JSON file too.  The
+layout is shown as what each tier holds: blocks, bytes per block and in all,
+because a rank on engine memory announces the engine's block count and
+bytes per block while its model fields may only count bytes
+(docs/engines.md, "The layout a rank announces").
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any, Callable, TextIO
+
+from ..wire.errors import ZkvError
+from ..wire.layout import CacheLayout
 
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -34,31 +41,49 @@ def human_age(ms: Any) -> str:
     return f"{ms / 60_000:.0f} min ago"
 
 
+def _count(n: Any) -> str:
+    return str(n) if type(n) is int and n >= 0 else "-"
+
+
+def _layout_lines(layout: dict[str, Any]) -> list[str]:
+    """The tiers' blocks and bytes per block, then the model fields they multiply out of."""
+    try:
+        block_bytes: int | None = CacheLayout.from_wire(layout).block_bytes
+    except (ZkvError, TypeError, ValueError):
+        block_bytes = None  # a saved reply zkv cannot read as a layout: show what it says
+    per_block = "-" if block_bytes is None else str(block_bytes)
+    if block_bytes is not None and block_bytes >= 1024:
+        per_block += f" ({human_bytes(block_bytes)})"
+    rows = []
+    for tier in ("gpu", "cpu"):
+        blocks = layout.get(f"{tier}_blocks")
+        total = blocks * block_bytes if block_bytes is not None and type(blocks) is int else None
+        rows.append([tier, _count(blocks), per_block, human_bytes(total)])
+    field = {k: layout.get(k, "-") for k in ("layers", "kv_heads", "block_size", "head_dim", "dtype")}
+    model = (
+        f"model fields: {field['layers']} layers, {field['kv_heads']} kv heads, "
+        f"{field['block_size']} tokens per block, head_dim {field['head_dim']}, {field['dtype']}"
+    )
+    return ["", *_table(["layout", "blocks", "bytes per block", "per rank"], rows), model]
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
 
 
-def _tier_lines(ranks: list) -> list[str]:
-    """Per rank, what each tier holds: GPU and CPU bytes, and the disk tier's blocks used."""
+def _disk_lines(ranks: list) -> list[str]:
+    """Per rank with a disk tier, its blocks used, bytes, I/O mode and digest failures."""
     out = []
     for r in ranks:
-        stats = r.get("stats") or {}
-        if "cache_bytes_gpu" not in stats:
-            continue
-        line = (
-            f"rank {r.get('rank', '?')} tiers: gpu {human_bytes(stats.get('cache_bytes_gpu'))},"
-            f" cpu {human_bytes(stats.get('cache_bytes_cpu'))}"
-        )
-        disk = stats.get("disk")
+        disk = (r.get("stats") or {}).get("disk")
         if isinstance(disk, dict):
-            line += (
-                f", disk {disk.get('used', '-')}/{disk.get('blocks', '-')} blocks"
+            out.append(
+                f"rank {r.get('rank', '?')} disk: {disk.get('used', '-')}/{disk.get('blocks', '-')} blocks"
                 f" ({human_bytes(disk.get('bytes'))}, {'O_DIRECT' if disk.get('direct') else 'buffered'},"
                 f" {disk.get('digest_failures', 0)} digest failures)"
             )
-        out.append(line)
     return ["", *out] if out else []
 
 
@@ -75,12 +100,8 @@ def render_status(st: dict[str, Any]) -> str:
     if st.get("gen_reason"):
         lines.append(f"generation {st.get('gen')} because {st['gen_reason']}")
     layout = st.get("layout") or {}
-    if layout:
-        lines.append(
-            f"layout {layout.get('layers')} layers x {layout.get('gpu_blocks')} GPU / "
-            f"{layout.get('cpu_blocks')} CPU blocks, block {layout.get('block_size')} tokens, "
-            f"{layout.get('kv_heads')} kv heads x {layout.get('head_dim')}, {layout.get('dtype')}"
-        )
+    if isinstance(layout, dict) and layout:
+        lines += _layout_lines(layout)
     lines.append("")
     rows = []
     seen = set()
@@ -96,7 +117,8 @@ def render_status(st: dict[str, Any]) -> str:
                 str(stats.get("tasks_ok", "-")),
                 str(stats.get("tasks_failed", "-")),
                 human_bytes(stats.get("bytes_moved")),
-                human_bytes(stats.get("cache_bytes")),
+                human_bytes(stats.get("cache_bytes_gpu")),
+                human_bytes(stats.get("cache_bytes_cpu")),
                 str(stats.get("undeliverable", "-")),
                 str(r.get("pid", "-")),
             ]
@@ -105,13 +127,11 @@ def render_status(st: dict[str, Any]) -> str:
     if isinstance(world, int):
         for rank in range(world):
             if rank not in seen:
-                rows.append([str(rank), "never registered", "-", "-", "-", "-", "-", "-", "-", "-"])
+                rows.append([str(rank), "never registered", *["-"] * 9])
         rows.sort(key=lambda row: int(row[0]) if row[0].isdigit() else -1)
-    lines += _table(
-        ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "cache", "undeliv.", "pid"],
-        rows,
-    )
-    lines += _tier_lines(st.get("ranks") or [])
+    header = ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "gpu cache", "cpu cache"]
+    lines += _table([*header, "undeliv.", "pid"], rows)
+    lines += _disk_lines(st.get("ranks") or [])
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
         lines.append(

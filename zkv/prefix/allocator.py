@@ -4,6 +4,14 @@ A free stack plus an in-use byte per block gives O(1) alloc and free per block
 and lets every free be checked: a double free or an id the tier never had is a
 bug in the caller that would otherwise surface much later as two owners of one
 block, so it raises at once, before anything changes.
+
+``reserved`` ids are blocks of the tier the engine keeps for itself (vLLM's
+null block, transformers' scratch rows: docs/engines.md "Reserved rows"):
+they count in ``num_blocks`` (ids are the engine's) but are never handed out,
+and freeing one is a foreign id.  The rank refuses a swap naming one, so an
+allocator that handed one out would fail every swap of that block.  They do
+not travel on the wire: the engine side knows them (``RankAgent.reserved_blocks``,
+a manifest's ``descriptor.reserved``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ class OutOfBlocksError(BlockAllocatorError):
     """Fewer free blocks than asked for; nothing was allocated."""
 
 
+_RESERVED = 2
+
+
 class BlockAllocator:
     """Free-list allocator over ``num_blocks`` ids of one tier.
 
@@ -34,15 +45,23 @@ class BlockAllocator:
     in tests show up immediately instead of by luck.
     """
 
-    __slots__ = ("tier", "num_blocks", "_free_stack", "_in_use")
+    __slots__ = ("tier", "num_blocks", "reserved", "_free_stack", "_in_use")
 
-    def __init__(self, num_blocks: int, tier: str = "gpu") -> None:
+    def __init__(self, num_blocks: int, tier: str = "gpu", reserved: Iterable[int] = ()) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"{tier}: num_blocks must be an int >= 0, got {num_blocks!r}")
         self.tier = tier
         self.num_blocks = num_blocks
-        self._free_stack: list[int] = list(range(num_blocks - 1, -1, -1))  # pops 0, 1, 2, …
-        self._in_use = bytearray(num_blocks)
+        held = frozenset(reserved)
+        bad = sorted((b for b in held if type(b) is not int or not 0 <= b < num_blocks), key=repr)
+        if bad:
+            raise ValueError(f"{tier}: reserved id {bad[0]!r} is not a block id of this tier (0..{num_blocks - 1})")
+        self.reserved: frozenset[int] = held
+        ids = range(num_blocks - 1, -1, -1)
+        self._free_stack: list[int] = [b for b in ids if b not in held] if held else list(ids)  # pops 0, 1, 2, …
+        self._in_use = bytearray(num_blocks)  # 0 free, 1 in use, 2 reserved
+        for block in held:
+            self._in_use[block] = _RESERVED
 
     @property
     def num_free(self) -> int:
@@ -50,7 +69,11 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free_stack)
+        return self.num_blocks - len(self.reserved) - len(self._free_stack)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self.reserved)
 
     def alloc(self, count: int = 1) -> list[int]:
         """Take ``count`` blocks, all or nothing (raises OutOfBlocksError)."""
@@ -79,11 +102,11 @@ class BlockAllocator:
         self._free_stack.extend(ids)
 
     def is_allocated(self, block: int) -> bool:
-        return self._owns(block) and bool(self._in_use[block])
+        return self._owns(block) and self._in_use[block] == 1
 
     def allocated_ids(self) -> list[int]:
         """Every block in use, ascending (O(N): for invariant checks, not hot paths)."""
-        return [block for block, used in enumerate(self._in_use) if used]
+        return [block for block, used in enumerate(self._in_use) if used == 1]
 
     def check(self) -> None:
         """Raise AssertionError if the free stack and the in-use map disagree."""
@@ -91,9 +114,11 @@ class BlockAllocator:
         if len(set(free)) != len(free):
             raise AssertionError(f"{self.tier}: a block is on the free stack twice")
         if any(self._in_use[block] for block in free):
-            raise AssertionError(f"{self.tier}: a block is both free and in use")
-        if len(free) + sum(self._in_use) != self.num_blocks:
-            raise AssertionError(f"{self.tier}: free + used != total")
+            raise AssertionError(f"{self.tier}: a block is both free and in use (or reserved)")
+        if sorted(b for b, used in enumerate(self._in_use) if used == _RESERVED) != sorted(self.reserved):
+            raise AssertionError(f"{self.tier}: the reserved ids changed")
+        if len(free) + self._in_use.count(1) + len(self.reserved) != self.num_blocks:
+            raise AssertionError(f"{self.tier}: free + used + reserved != total")
 
     def _owns(self, block: object) -> bool:
         return isinstance(block, int) and not isinstance(block, bool) and 0 <= block < self.num_blocks
@@ -105,6 +130,8 @@ class BlockAllocator:
                 raise ForeignBlockError(
                     f"{self.tier}: {block!r} is not a block id of this tier (0..{self.num_blocks - 1})"
                 )
+            if self._in_use[block] == _RESERVED:
+                raise ForeignBlockError(f"{self.tier}: block {block} is reserved by the engine, never handed out")
             if not self._in_use[block] or block in seen:
                 raise DoubleFreeError(f"{self.tier}: block {block} freed twice")
             seen.add(block)

@@ -38,7 +38,7 @@ loop).  Waiting is ``bus.wait(task, swap_timeout)``; nothing sleeps.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .bus import Bus
@@ -82,8 +82,10 @@ class PrefixCacheManager:
         num_cpu_blocks: int,
         swap_timeout: float = 10.0,
         quarantine_timed_out: bool = True,
+        reserved_gpu_blocks: Iterable[int] = (),
     ) -> None:
         _check_block_size(block_size)
+        self._reserved = tuple(sorted(set(reserved_gpu_blocks)))
         self._swaps = SwapRunner(bus, swap_timeout, quarantine_timed_out)
         self._block_size = block_size
         self._num_gpu_blocks = num_gpu_blocks
@@ -119,8 +121,13 @@ class PrefixCacheManager:
         """Bumped by every reset; leases carry the epoch they were made in."""
         return self._epoch
 
+    @property
+    def reserved_gpu_blocks(self) -> tuple[int, ...]:
+        """GPU ids the engine keeps for itself, never handed out (docs/engines.md "Reserved rows")."""
+        return self._reserved
+
     def _start_epoch(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks)
+        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, self._reserved if num_gpu_blocks else ())
         self._private_owner: dict[int, BlockLease] = {}
         self._live_leases: set[BlockLease] = set()
         self._swaps.forget_quarantine()
@@ -346,11 +353,22 @@ class PrefixCacheManager:
         self._num_gpu_blocks = self._num_cpu_blocks = 0
         self.reset()
 
-    def resume(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int | None = None) -> None:
-        """Serve again on freshly allocated caches (possibly a new layout)."""
+    def resume(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int | None = None,
+        reserved_gpu_blocks: Iterable[int] | None = None,
+    ) -> None:
+        """Serve again on freshly allocated caches (possibly a new layout; the
+        reserved GPU ids stay the same unless given)."""
+        reserved = self._reserved if reserved_gpu_blocks is None else tuple(sorted(set(reserved_gpu_blocks)))
+        if reserved and not 0 <= reserved[0] <= reserved[-1] < num_gpu_blocks:
+            raise ValueError(f"reserved GPU ids {list(reserved)} are not all blocks of the {num_gpu_blocks}")
         if block_size is not None:
             _check_block_size(block_size)
             self._block_size = block_size
+        self._reserved = reserved
         self._num_gpu_blocks = num_gpu_blocks
         self._num_cpu_blocks = num_cpu_blocks
         self._cleared = False

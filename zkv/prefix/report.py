@@ -45,7 +45,7 @@ def stats_of(
         "block_size": block_size,
         "gpu_hit_rate": counters["gpu_hit_blocks"] / queried if queried else 0.0,
         "cpu_hit_rate": counters["cpu_hit_blocks"] / queried if queried else 0.0,
-        "gpu": {"total": gpu.num_blocks, "used": gpu.num_used, "free": gpu.num_free},
+        "gpu": {"total": gpu.num_blocks, "used": gpu.num_used, "free": gpu.num_free, "reserved": gpu.num_reserved},
         "cpu": {"total": cpu.num_blocks, "used": cpu.num_used, "free": cpu.num_free},
         "nodes": nodes_by_state,
         "quarantined_blocks": swaps.quarantined_blocks(),

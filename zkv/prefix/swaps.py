@@ -188,6 +188,7 @@ class SwapRunner:
         except Exception:  # the bus refused it at once: nothing runs
             counters["rejected"] += 1
             return "rejected", None
+        result = None
         try:
             result = self.bus.wait(task, timeout=self.swap_timeout)
             outcome = result.outcome
@@ -201,6 +202,8 @@ class SwapRunner:
             # memory the tree does not describe (docs/protocol.md §8.2).
             outcome = "cancelled"
         counters[outcome] += 1
+        if outcome == "timeout" and getattr(result, "ran", None) is False:
+            return outcome, None  # the broker never dispatched it: nothing will write its blocks
         return outcome, task
 
     def _settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:

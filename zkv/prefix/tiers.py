@@ -5,7 +5,7 @@ swap runner (tasks, quarantine) work on it through these methods."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .allocator import BlockAllocator
 from .radix import LeafQueue, NodeState, RadixNode, RadixTree
@@ -30,9 +30,9 @@ class Tiers:
 
     __slots__ = ("tree", "gpu", "cpu", "gpu_victims", "cpu_victims")
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, gpu_reserved: Iterable[int] = ()) -> None:
         self.tree = RadixTree()
-        self.gpu = BlockAllocator(num_gpu_blocks, "gpu")
+        self.gpu = BlockAllocator(num_gpu_blocks, "gpu", gpu_reserved)  # the engine's own rows: never handed out
         self.cpu = BlockAllocator(num_cpu_blocks, "cpu")
         self.gpu_victims = LeafQueue()
         self.cpu_victims = LeafQueue()

@@ -37,6 +37,7 @@ class Execute:
     refuse: str = ""
     reply_key: str | None = None
     session: int = 0  # the registration session it arrived in
+    cpu_gen: int | None = None  # the bus's CPU generation the broker dispatched it at
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,14 @@ class RankAgent:
     def layout(self) -> CacheLayout:
         return self.store.layout
 
+    @property
+    def reserved_blocks(self) -> tuple[int, ...]:
+        """The block ids the engine keeps for itself in the cache the rank serves
+        (its adapter declared them; docs/engines.md "Reserved rows"): what a prefix
+        cache manager on this engine must never hand out (they are not on the wire)."""
+        cache = self.store.cache
+        return cache.descriptor.reserved if cache is not None else ()
+
     def start(self, timeout: float = 10.0) -> None:
         """Connect, register, and return once the broker welcomed this rank.
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..wire import protocol as P
+
 
 class CachePhase(Enum):
     """The cache's phase.
@@ -44,13 +46,14 @@ class CachePhase(Enum):
 class CacheState:
     """The cache's phase and what the acks repeat (see the module docstring)."""
 
-    __slots__ = ("phase", "error", "freed", "cpu_kept")
+    __slots__ = ("phase", "error", "freed", "cpu_kept", "queued")
 
     def __init__(self) -> None:
         self.phase = CachePhase.SERVING  # a rank starts on memory it holds
         self.error = ""  # why the last free or allocation failed (the resume ack repeats it)
         self.freed = 0  # bytes the last clear freed, repeated in every clear ack
         self.cpu_kept: bool | None = None  # whether the last allocation kept the CPU tier
+        self.queued = 0  # frees and allocations on the executor, not yet reported
 
     def clear(self) -> bool:
         """A new clear: whether memory must be freed (it is held, or being allocated)."""
@@ -58,6 +61,7 @@ class CacheState:
         if not self.phase.serves:
             return False
         self.phase = CachePhase.FREEING
+        self.queued += 1
         return True
 
     def allocate(self) -> None:
@@ -65,15 +69,22 @@ class CacheState:
         self.phase = CachePhase.ALLOCATING
         self.error = ""
         self.cpu_kept = None
+        self.queued += 1
 
     def done(self, freed: int, error: str, cpu_kept: bool | None) -> None:
-        """The executor reported a free or allocation.  A failure leaves no
-        cache; a success ends the operation in progress (a report of a free
-        that a resume overtook leaves the allocation serving)."""
+        """The executor reported a free or allocation (in the order they were
+        queued).  Only the report of the last one queued ends the phase: an
+        earlier one belongs to an op a later clear or resume overtook (an
+        allocation still queued when a failed resume rolled back), and
+        neither its error nor its success may answer the later op.  A
+        failure leaves no cache; a success ends the operation in progress."""
         self.freed += freed
+        self.queued = max(0, self.queued - 1)
+        if self.queued:
+            return
         if error:
             self.phase = CachePhase.ALLOC_FAILED
-            self.error = error
+            self.error = P.clamp(error)  # the resume ack repeats it: within the str bound (§2.1)
             return
         self.cpu_kept = cpu_kept
         if self.phase is CachePhase.FREEING:

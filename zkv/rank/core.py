@@ -50,6 +50,7 @@ class RankCore:
         self.cache = CacheState()  # the cache's phase in the clear/resume cycle, and what its acks repeat
         self.registration = Registration(sessions, heartbeat_ms, liveness_ms)  # phase, session, the link's clock
         self.stats = stats  # counters sent in heartbeats and acks
+        self.tiers: Callable[[], dict[str, Any]] | None = None  # the READY's kept_tiers and cpu_gen
         self.gen = 0
         self.epoch = 0
         self.op = ControlOp.RUN
@@ -78,22 +79,10 @@ class RankCore:
         reg = self.registration
         reg.last_ready_sent = now
         self.counters["ready_sent"] += 1
-        return [
-            ToBroker(
-                P.encode(
-                    "ready",
-                    rank=self.rank,
-                    world=self.world,
-                    session=reg.session,
-                    layout=self.layout.to_wire(),
-                    gen=self.gen,
-                    pid=reg.pid,
-                    host=reg.host or None,
-                    fresh=self.fresh,
-                    has_cache=self.cache.phase.serves,
-                )
-            )
-        ]
+        fields: dict[str, Any] = {"rank": self.rank, "world": self.world, "session": reg.session, "gen": self.gen}
+        fields.update(layout=self.layout.to_wire(), pid=reg.pid, host=reg.host or None, fresh=self.fresh)
+        fields.update(has_cache=self.cache.phase.serves)
+        return [ToBroker(P.encode("ready", **fields, **(self.tiers() if self.tiers else {})))]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
         """The READY is unanswered: send it again with the *same* session.  It
@@ -203,7 +192,7 @@ class RankCore:
         elif not self.cache.phase.serves or self.op is ControlOp.CLEAR:
             refuse = "caches are cleared on this rank"
         self.inflight += 1
-        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, reg.session)
+        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, reg.session, msg.cpu_gen)
         if not refuse and self.op is ControlOp.PAUSE and n > self.upto:
             # Dispatched after the pause we acked: the broker is running again
             # and its newer control message is still on the PUB connection

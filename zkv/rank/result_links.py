@@ -21,6 +21,7 @@ import zmq
 
 from ..net.curve import Curve
 from ..net.endpoints import make_socket
+from ..net.reply_address import connect_result
 from ..wire import protocol as P
 
 log = logging.getLogger("zkv.worker")
@@ -109,7 +110,7 @@ class ResultSenders:
                     raise ValueError("a secured rank sends results only to Curve clients (no reply_key)")
                 self.curve.make_client(sock, server_key=key.encode())
             monitor = sock.get_monitor_socket(_FAILED_EVENTS)
-            sock.connect(address)
+            connect_result(sock, address)  # an IPv6 address needs ZMQ_IPV6
         except (zmq.ZMQError, ValueError) as err:
             self._warn(address, "connect", f"cannot send results there: {err}")
             sock.close(linger=0)

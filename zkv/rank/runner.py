@@ -78,6 +78,8 @@ class TaskRunner:
                 raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
             body = F.decode_body(ex.body)
             op = body.op
+            if ex.cpu_gen is not None and ex.cpu_gen != self.cache.cpu_gen:
+                self.cache.set_cpu_gen(ex.cpu_gen)  # before any row is read or sealed at it
             self.cache.validate(body)
             if self.paused_ack.is_set():
                 self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
@@ -105,7 +107,16 @@ class TaskRunner:
             ex.reply_to,
             ex.reply_key,
             F.encode_result(
-                ex.task, self.rank, self.world, outcome, reason, ex.gen, nbytes, int(elapsed * 1e6), digests
+                ex.task,
+                self.rank,
+                self.world,
+                outcome,
+                reason,
+                ex.gen,
+                nbytes,
+                int(elapsed * 1e6),
+                digests,
+                ex.cpu_gen,
             ),
         )
         return Finished(ex.seq, ex.n, outcome, nbytes, ex.gen)

@@ -41,6 +41,7 @@ from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
 from ..obs.book import RankBook
 from ..wire import bounds
+from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
@@ -53,8 +54,13 @@ from .registration import RankRefused
 from .reports import CacheDone, Finished, Report
 from .result_links import ResultSenders
 from .runner import TaskRunner
+from .tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
+# What a cache free or allocation raises when the memory is not there (out of
+# memory, a manifest gone or refused, a layout the cache cannot hold): the
+# rank's ack says why; anything else is a bug and keeps its traceback.
+_EXPECTED_CACHE_ERRORS = (ZkvError, MemoryError, RuntimeError, OSError, ValueError)
 
 _ids = itertools.count()
 
@@ -117,7 +123,11 @@ class Executor(threading.Thread):
                 try:
                     reply = self._do(item, senders)
                 except Exception as err:  # noqa: BLE001 - this thread must never die: a dead executor looks alive
-                    log.exception("executor: %s failed", type(item).__name__)
+                    if isinstance(item, (FreeCache, AllocateCache)) and isinstance(err, _EXPECTED_CACHE_ERRORS):
+                        # the ack carries it to the broker, which retries backed off: one line, no traceback
+                        log.warning("%s failed: %s: %s", type(item).__name__, type(err).__name__, err)
+                    else:
+                        log.exception("executor: %s failed", type(item).__name__)
                     self.stats["executor_errors"] += 1
                     reply = self._failure(item, f"{type(err).__name__}: {err}")
                 self.reports.append(reply)
@@ -177,15 +187,21 @@ class RankWorker:
         liveness_ms: int = 2000,
         curve: Curve | None = None,
         cache: BlockStore | None = None,
+        tier_dir: str | None = None,
+        tier_digests: bool = False,
         disk: DiskSpec | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
+        self._owns_cache = cache is None  # ours to close when the loop ends (a tier file stays for a restart)
         if cache is None:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
-            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank, disk=disk)
+            place = TierPlace(bus_name(backend), rank, tier_dir, tier_digests) if tier_dir else None
+            device = device if device is not None else pick_device(rank)
+            cache = BlockStore.owned(layout, device, rank, place=place, disk=disk)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
+        self.core.tiers = lambda: cache.kept_tiers(self.core.fresh)
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
@@ -254,9 +270,11 @@ class RankWorker:
         )
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
-        disk = self.cache.disk
-        if disk is not None:
-            s["disk"] = disk.to_stats()
+        tier = self.cache.tier
+        if tier is not None and tier.file is not None:  # a persistent CPU tier: what it holds, what failed
+            s.update(cpu_blocks_valid=tier.valid_rows(), cpu_digest_failures=tier.digest_failures)
+        if self.cache.disk is not None:
+            s["disk"] = self.cache.disk.to_stats()
         return s
 
     def serve(self) -> None:
@@ -291,6 +309,8 @@ class RankWorker:
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
             self._inline_senders.close()
+            if self._owns_cache:
+                self.cache.close()
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for frames in ready_messages(sock, 512):

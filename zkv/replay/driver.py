@@ -54,12 +54,14 @@ class ObservingBook(ResultBook):
             self.ended[task] = "ranks"
         return out
 
-    def on_outcome(self, task: int, outcome: str, reason: str, now: float, gen: int | None = None):
+    def on_outcome(
+        self, task: int, outcome: str, reason: str, now: float, gen: int | None = None, ran: bool | None = None
+    ):
         if task not in self.open and self.ended.get(task, "client") != "client":
             self.anomalies.append(
                 (task, f"the broker reported {outcome} after the task had ended ({self.ended[task]})")
             )
-        out = super().on_outcome(task, outcome, reason, now, gen)
+        out = super().on_outcome(task, outcome, reason, now, gen, ran)
         if out is not None:
             self.ended[task] = f"bus:{outcome}"
         return out

@@ -13,21 +13,34 @@ MAX_IDS = 1 << 20
 # one message (docs/protocol.md §3, §10.3): at most this many per message.
 MAX_BATCH = 64
 
-MAX_COUNTER = 2**40 - 1  # gen, epoch: +1 per op, so 2^40 keeps +1 safe for ever
+# Generations and epochs: every message may carry any uint (0..2^53-1), so a
+# rank can always echo what its broker sent.  The broker *adopts* a rank's
+# generation (takes it, then adds 1 per op) only up to MAX_ADOPTED_GEN, which
+# leaves 2^53 - 2^40 moves of headroom below MAX_GEN; a move past MAX_GEN is
+# refused (docs/protocol.md §2.1, §10.1), never sent.
+MAX_GEN = MAX_SAFE_INT
+MAX_ADOPTED_GEN = 2**40 - 1
 MAX_WORLD = 256  # world, wait_ranks (and rank < world)
 MAX_TIMEOUT_MS = 3_600_000  # timeout_ms, heartbeat_ms: one hour
 MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays < 2^53
 MAX_PID = 2**32 - 1
 MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
 DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
-MAX_STR = 4096  # any str field, in characters
+MAX_STR = 4096  # any str field, in characters (what the bus sends too: error reasons are clamped to it)
+MAX_ECHO = 64  # characters of a peer's value an error reason quotes, then an ellipsis
 MAX_ADDRESS = 512  # reply_to
-MAX_NEST_DEPTH = 4  # levels inside a map / list field (stats, layout)
+MAX_NEST_DEPTH = 4  # maps / lists enclosing any value of a map / list field, the field's own counted
 MAX_NEST_ITEMS = 256  # entries of a map / list field, nested ones counted too
 MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world of them)
 # layout fields (§4.8): block ids are int32; the rest far beyond any model
+MAX_LAYERS = 4096
+# A rank's cache is regions of block pages: K and V per layer, and an fp8
+# engine's two scales per layer (FastDeploy): every layout the broker accepts
+# fits a rank (zkv/rank/cache/descriptor.py takes its limit from here).
+REGIONS_PER_LAYER = 4
+MAX_REGIONS = REGIONS_PER_LAYER * MAX_LAYERS
 LAYOUT_MAX: dict[str, int] = {
-    "layers": 4096,
+    "layers": MAX_LAYERS,
     "gpu_blocks": 2**31 - 1,
     "cpu_blocks": 2**31 - 1,
     "block_size": 65536,
@@ -49,20 +62,17 @@ UINT_MAX: dict[str, int] = {
     "pid": MAX_PID,
 }
 UINT_MIN: dict[str, int] = {"world": 1, "heartbeat_ms": 1}
-# Counters a broker may adopt from a rank: below MAX_COUNTER, so that the +1 per
-# op the broker then adds (and sends in control / welcome / task, which take
-# up to MAX_SAFE_INT) stays safe for 2^52 more ops.
-ADOPTED_MAX: dict[tuple[str, str], int] = {
-    ("ready", "gen"): MAX_COUNTER,
-    ("ack", "gen"): MAX_COUNTER,
-    ("ack", "epoch"): MAX_COUNTER,
-    ("done", "gen"): MAX_COUNTER,
-}
 
 
 def uint_bounds(kind: str, name: str) -> tuple[int, int]:
-    """The inclusive range of uint field ``name`` in a ``kind`` message."""
-    return UINT_MIN.get(name, 0), ADOPTED_MAX.get((kind, name), UINT_MAX.get(name, MAX_SAFE_INT))
+    """The inclusive range of uint field ``name`` in a ``kind`` message (the
+    same in every kind: what one party sends, the next may echo)."""
+    return UINT_MIN.get(name, 0), UINT_MAX.get(name, MAX_SAFE_INT)
+
+
+def gen_room(gen: int, moves: int = 1) -> bool:
+    """The broker may move generation ``gen`` on ``moves`` more times without passing MAX_GEN."""
+    return gen + moves <= MAX_GEN
 
 
 # list fields: most entries

@@ -159,13 +159,22 @@ def encode_submit(task: int, reply_to: str, timeout_ms: int | None = None, reply
 
 
 def encode_task(
-    seq: int, n: int, task: int, reply_to: str, gen: int, reply_key: str | None = None, session: int | None = None
+    seq: int,
+    n: int,
+    task: int,
+    reply_to: str,
+    gen: int,
+    reply_key: str | None = None,
+    session: int | None = None,
+    cpu_gen: int | None = None,
 ) -> bytes:
     msg: dict[str, Any] = {"seq": seq, "n": n, "task": task, "reply_to": reply_to, "gen": gen}
     if reply_key is not None:
         msg["reply_key"] = reply_key
     if session is not None:
         msg["session"] = session
+    if cpu_gen is not None:
+        msg["cpu_gen"] = cpu_gen
     msg["v"] = P.VERSION
     msg["kind"] = "task"
     return _encode(msg)
@@ -190,6 +199,7 @@ def encode_result(
     nbytes: int | None = None,
     elapsed_us: int | None = None,
     digests: list[bytes] | None = None,
+    cpu_gen: int | None = None,
 ) -> bytes:
     """``nbytes`` travels as ``bytes``."""
     msg: dict[str, Any] = {"task": task, "rank": rank, "world": world, "outcome": outcome, "reason": reason, "gen": gen}
@@ -199,6 +209,8 @@ def encode_result(
         msg["elapsed_us"] = elapsed_us
     if digests is not None:
         msg["digests"] = digests
+    if cpu_gen is not None:
+        msg["cpu_gen"] = cpu_gen
     msg["v"] = P.VERSION
     msg["kind"] = "result"
     return _encode(msg)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .bounds import LAYOUT_MAX
-from .protocol import DTYPES, ProtocolError
+from .protocol import DTYPES, ProtocolError, shown
 from .vocab import Dtype
 
 
@@ -28,10 +28,12 @@ class CacheLayout:
             value = getattr(self, name)
             if type(value) is not int or not 0 < value <= LAYOUT_MAX[name]:
                 raise ProtocolError(
-                    "bad_field", f"layout.{name} must be an integer in 1..{LAYOUT_MAX[name]}, got {value!r}"
+                    "bad_field", f"layout.{name} must be an integer in 1..{LAYOUT_MAX[name]}, got {shown(value)}"
                 )
         if self.dtype not in DTYPES:
-            raise ProtocolError("bad_field", f"layout.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ProtocolError(
+                "bad_field", f"layout.dtype must be one of {', '.join(DTYPES)}, got {shown(self.dtype)}"
+            )
 
     @property
     def block_bytes_per_layer(self) -> int:
@@ -52,7 +54,9 @@ class CacheLayout:
             raise ProtocolError("bad_field", "layout must be a map")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ProtocolError("bad_field", f"unknown layout fields: {', '.join(sorted(map(str, unknown)))}")
+            names = sorted(map(str, unknown))
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            raise ProtocolError("bad_field", f"unknown layout fields: {', '.join(map(shown, names[:4]))}{more}")
         return cls(**data)
 
     def with_changes(self, **changes: Any) -> "CacheLayout":

@@ -119,6 +119,13 @@ class Ping(Message, frozen=True):
     req: int
 
 
+class Cancel(Message, frozen=True):
+    """End a task of this connection that is still queued (docs/protocol.md §7.6)."""
+
+    req: int
+    task: int
+
+
 # --- broker -> client (frontend) -------------------------------------------------------
 
 
@@ -144,6 +151,8 @@ class OutcomeMsg(Message, frozen=True):
     outcome: str
     reason: str
     gen: int | None = None
+    cpu_gen: int | None = None
+    ran: bool | None = None  # false: never dispatched, no rank touched its blocks (§7.3)
 
 
 # --- rank -> broker (backend) ----------------------------------------------------------
@@ -159,6 +168,8 @@ class Ready(Message, frozen=True):
     fresh: bool | None = None
     has_cache: bool | None = None
     host: str | None = None
+    kept_tiers: list[str] | None = None
+    cpu_gen: int | None = None
 
 
 class Heartbeat(Message, frozen=True):
@@ -221,6 +232,7 @@ class Task(Message, frozen=True):
     gen: int
     reply_key: str | None = None
     session: int | None = None
+    cpu_gen: int | None = None
 
 
 class Control(Message, frozen=True):
@@ -247,6 +259,7 @@ class Result(Message, frozen=True):
     bytes: int | None = None
     elapsed_us: int | None = None
     digests: list[Digest] | None = None
+    cpu_gen: int | None = None
 
 
 class Body(Message, frozen=True):
@@ -267,6 +280,7 @@ _CLASSES: tuple[type[Message], ...] = (
     Resume,
     Status,
     Ping,
+    Cancel,
     Reply,
     Error,
     OutcomeMsg,

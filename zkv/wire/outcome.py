@@ -22,10 +22,21 @@ class TaskOutcome:
     bytes: int = 0
     elapsed_s: float = 0.0
     per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+    never_ran: bool = False  # the broker said so: ``outcome{ran: false}`` (docs/protocol.md §7.3)
 
     @property
     def ok(self) -> bool:
         return self.outcome == "ok"
+
+    @property
+    def ran(self) -> bool | None:
+        """Whether a rank ran the task: True once a rank reported it, False when
+        the broker ended it before dispatch (no block was touched: a swap-in's
+        destination is as it was), None when nobody can say (the client gave
+        up waiting, or a rank died with it)."""
+        if self.per_rank:
+            return True
+        return False if self.never_ran else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -34,6 +45,7 @@ class TaskOutcome:
             "reason": self.reason,
             "bytes": self.bytes,
             "elapsed_ms": round(self.elapsed_s * 1000, 3),
+            "ran": self.ran,
             "ranks": {
                 str(r): {k: v for k, v in res.items() if k != "digests"} for r, res in sorted(self.per_rank.items())
             },

@@ -11,7 +11,6 @@ under ``tests/vectors``.  No pickle, ever.
 from __future__ import annotations
 
 import array
-import ipaddress
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union, get_args, get_origin
@@ -22,8 +21,8 @@ import msgspec
 from .bounds import (
     DIGEST_BYTES,
     LIST_MAX,
-    MAX_ADDRESS,
     MAX_CHECKSUM_IDS,
+    MAX_ECHO,
     MAX_FRAME_BYTES,
     MAX_IDS,
     MAX_NEST_DEPTH,
@@ -36,6 +35,7 @@ from .bounds import (
 )
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
+from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
 # str fields with a fixed set of values, per (kind, field)
@@ -93,34 +93,27 @@ def _schema(cls: type[Message]) -> tuple[dict[str, str], dict[str, str]]:
 SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {kind: _schema(cls) for kind, cls in MESSAGES.items()}
 
 
+def shown(value: Any) -> str:
+    """A peer's value as an error reason quotes it: its repr, cut to
+    MAX_ECHO characters with an ellipsis, so that no reply grows with what a
+    peer sent (docs/protocol.md §9); a map or list only by its size (a repr
+    of a deep one would recurse)."""
+    if isinstance(value, dict):
+        return f"a map of {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)} entries"
+    text = repr(value[: MAX_ECHO + 1] if isinstance(value, (str, bytes, bytearray)) else value)
+    return text if len(text) <= MAX_ECHO else text[: MAX_ECHO - 1] + "\u2026"
+
+
+def clamp(reason: str) -> str:
+    """A reason the bus sends, within the str bound every peer checks (§2.1)."""
+    return reason if len(reason) <= MAX_STR else reason[: MAX_STR - 1] + "\u2026"
+
+
 def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
     """An integer (never a bool or float) in ``lo..hi``."""
     return type(value) is int and lo <= value <= hi
-
-
-def is_result_address(address: Any) -> bool:
-    """A ``reply_to`` a rank may connect to: ``ipc://PATH`` or ``tcp://IP:PORT``
-    with a numeric address, bounded.  An inproc:// name would resolve inside
-    the rank's own Context (its stop and report sockets), and a host name
-    would make the rank run name lookups a client chose, on the libzmq I/O
-    thread that also carries its broker connection (retried at every
-    reconnect), so both are refused at the broker and again at the rank."""
-    if not isinstance(address, str) or len(address) > MAX_ADDRESS or "\x00" in address:
-        return False
-    if address.startswith("ipc://"):
-        return len(address) > len("ipc://")
-    if not address.startswith("tcp://"):
-        return False
-    host, _, port = address[len("tcp://") :].rpartition(":")
-    if not port.isdigit() or not 0 < int(port) < 65536 or not port.isascii():
-        return False
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
@@ -154,8 +147,8 @@ def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | Non
 
 def _check_uint(kind: str, name: str, value: Any) -> bool:
     lo, hi = uint_bounds(kind, name)
-    if type(value) is int and value >= 0 and not lo <= value <= hi:
-        raise ProtocolError("bad_field", f"{kind}.{name} must be in {lo}..{hi}, got {value}")
+    if type(value) is int and not lo <= value <= hi:
+        raise ProtocolError("bad_field", f"{kind}.{name} must be a uint in {lo}..{hi}, got {shown(value)}")
     return is_uint(value)
 
 
@@ -166,7 +159,7 @@ def _check_str(kind: str, name: str, value: Any) -> bool:
         raise ProtocolError("bad_field", f"{kind}.{name} is longer than {MAX_STR} characters")
     allowed = ENUMS.get((kind, name))
     if allowed is not None and value not in allowed:
-        raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {value!r}")
+        raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {shown(value)}")
     return True
 
 
@@ -186,6 +179,8 @@ def _check_list(kind: str, name: str, value: Any) -> bool:
     if len(value) > most:
         code = "too_large" if name == "digests" else "bad_field"
         raise ProtocolError(code, f"{kind}.{name} has more than {most} entries")
+    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= 16 for x in value):
+        raise ProtocolError("bad_field", f"{kind}.kept_tiers must be a list of tier names")
     if name == "upto" and not all(is_uint(x) for x in value):
         raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
     if name == "digests" and not all(isinstance(x, bytes) and len(x) == DIGEST_BYTES for x in value):
@@ -218,10 +213,10 @@ def validate(msg: Any, expect_kinds: Iterable[str] | None = None) -> dict:
         raise ProtocolError("malformed", "a frame must be a msgpack map")
     v = msg.get("v")
     if type(v) is not int or v != VERSION:  # True == 1 and 1.0 == 1 in Python: neither is version 1
-        raise ProtocolError("bad_version", f"protocol version {v!r} is not supported; this peer speaks v{VERSION}")
+        raise ProtocolError("bad_version", f"protocol version {shown(v)} is not supported; this peer speaks v{VERSION}")
     kind = msg.get("kind")
     if not isinstance(kind, str) or kind not in SCHEMAS:
-        raise ProtocolError("unknown_kind", f"unknown message kind {kind!r}")
+        raise ProtocolError("unknown_kind", f"unknown message kind {shown(kind)}")
     if expect_kinds is not None and kind not in expect_kinds:
         raise ProtocolError("unknown_kind", f"kind {kind!r} is not valid on this socket")
     required, optional = SCHEMAS[kind]
@@ -342,13 +337,13 @@ def task_body(msg: Body) -> TaskBody:
     """The checks of :func:`decode_body` on a body ``decode`` accepted."""
     op = msg.op
     if op not in OPS:
-        raise ProtocolError("bad_field", f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+        raise ProtocolError("bad_field", f"unknown op {shown(op)}; expected one of {', '.join(OPS)}")
     src = unpack_ids(msg.src or [], "src")
     dst = unpack_ids(msg.dst or [], "dst")
     tier = msg.tier
     tier = "gpu" if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
-        raise ProtocolError("bad_field", f"tier must be one of {', '.join(TIERS)}, got {tier!r}")
+        raise ProtocolError("bad_field", f"tier must be one of {', '.join(TIERS)}, got {shown(tier)}")
     if op in _PAIRED:
         if len(src) != len(dst):
             raise ProtocolError("bad_field", f"src has {len(src)} ids but dst has {len(dst)}")

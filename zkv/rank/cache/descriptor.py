@@ -15,12 +15,13 @@ from typing import Any, Sequence
 
 import torch
 
+from ...wire import bounds
 from .errors import CacheError
 
 DESCRIPTOR_VERSION = 1
 MAX_INT = 2**53 - 1
 MAX_NAME = 256
-MAX_REGIONS = 4096
+MAX_REGIONS = bounds.MAX_REGIONS  # every layout the broker accepts fits (zkv/wire/bounds.py)
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)

@@ -2,8 +2,8 @@
 a zkv worker maps them.
 
 The engine keeps ownership.  On CPU it allocates its cache in shared-memory
-files (``ShmArena.tensor``: ``/dev/shm`` files mapped ``MAP_SHARED``) that
-the worker maps too; on CUDA each buffer travels as a CUDA IPC handle
+files (``shm.ShmArena.tensor``: ``/dev/shm`` files mapped ``MAP_SHARED``)
+that the worker maps too; on CUDA each buffer travels as a CUDA IPC handle
 (torch's ``_share_cuda_``) with its device named by UUID, so a worker with
 another ``CUDA_VISIBLE_DEVICES`` still finds it.  The worker's
 ``EngineCache.release()`` drops every view and mapping (CPU: the file is
@@ -31,53 +31,11 @@ import torch
 from .descriptor import MAX_INT, CacheDescriptor
 from .errors import CacheError
 from .regions import EngineCache, TensorEntry, _storage_bytes, canonicalize
+from .shm import SHM_DIR, SHM_PREFIX, ShmArena
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "zkv-"
 PROCESS_INSTANCE = uuid.uuid4().hex  # this engine process, across generations (not its PID: PIDs are reused)
-
-
-class ShmArena:
-    """Engine side: CPU tensors backed by files under ``directory`` that a worker can map.
-
-    The engine owns them: it drops its tensors and calls ``close()`` (which
-    unlinks the files; mappings already open stay valid until unmapped)."""
-
-    def __init__(self, directory: str = SHM_DIR, tag: str | None = None):
-        self.directory = directory
-        self.tag = tag or uuid.uuid4().hex[:12]
-        self.paths: dict[int, str] = {}  # storage data_ptr -> file
-
-    def tensor(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed tensor in a new shared file ``zkv-<tag>-<n>-<name>``."""
-        nbytes = max(1, int(torch.Size(shape).numel()) * torch.empty(0, dtype=dtype).element_size())
-        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:64]
-        path = os.path.join(self.directory, f"{SHM_PREFIX}{self.tag}-{len(self.paths)}-{safe}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        storage = cast(torch.UntypedStorage, torch.UntypedStorage.from_file(path, True, nbytes))
-        self.paths[storage.data_ptr()] = path
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * int(shape[i + 1])
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), tuple(strides))
-
-    def path_of(self, storage: torch.UntypedStorage) -> str | None:
-        return self.paths.get(storage.data_ptr())
-
-    def close(self) -> None:
-        """Unlink every file (idempotent)."""
-        for path in self.paths.values():
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self.paths.clear()
 
 
 # --- engine side: export ---------------------------------------------------------

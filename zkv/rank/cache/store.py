@@ -20,7 +20,10 @@ cleared and serving; a later resume tries again).
 Tiers are named as on the wire: ``gpu`` is the device tier, ``cpu`` zkv's
 swap space.  ``checksum`` of a block is the BLAKE2b of its page in every
 region, in region order, which is exactly a CPU tier row: a block and the row
-it was swapped to have one digest.  One thread (the rank's executor, or the
+it was swapped to have one digest.  With a ``place`` the CPU tier is a tier
+file that outlives the process (``tier.CpuTier``): ``restored`` says the
+first allocation mapped one an earlier process of this rank left, and
+``cpu_gen`` is the CPU generation its rows belong to.  One thread (the rank's executor, or the
 I/O thread while nothing is queued) drives a store."""
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import torch
 from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
-from . import geometry
+from ..tier_file import TierPlace
+from . import disk_link, geometry
 from .copier import CopyEngine
-from .disk_tier import DiskSpec, DiskTier, layout_key
+from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
 from .memory import EngineMemory, MemorySource, OwnedMemory
@@ -93,8 +97,18 @@ class BlockStore:
     ``cache`` (the device tier's regions) and ``copier`` are None while cleared;
     ``tier`` too unless a clear kept it."""
 
-    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0, disk: DiskSpec | None = None):
+    def __init__(
+        self,
+        memory: MemorySource,
+        layout: CacheLayout,
+        rank: int = 0,
+        place: TierPlace | None = None,
+        disk: DiskSpec | None = None,
+    ):
         self.memory = memory
+        self.place = place  # where a persistent CPU tier lives (None: process memory)
+        self.restored = False  # the first allocation mapped a CPU tier a previous process left
+        self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
         self.disk_spec = disk
         self.disk: DiskTier | None = None  # below the CPU tier (disk_tier.py), with --disk-dir
         self.rank = rank
@@ -116,10 +130,11 @@ class BlockStore:
         device: torch.device | str = "cpu",
         rank: int = 0,
         staging_bytes: int = STAGING_BYTES,
+        place: TierPlace | None = None,
         disk: DiskSpec | None = None,
     ) -> "BlockStore":
         """A store on memory zkv allocates on ``device`` for ``layout``."""
-        return cls(OwnedMemory(device, staging_bytes), layout, rank, disk)
+        return cls(OwnedMemory(device, staging_bytes), layout, rank, place, disk)
 
     @classmethod
     def attached(
@@ -140,7 +155,7 @@ class BlockStore:
         naming both values when they disagree)."""
         announce = geometry.announced(cache.descriptor, cpu_rows, layout)
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
-        return cls(memory, announce, rank, disk)
+        return cls(memory, announce, rank, disk=disk)
 
     @classmethod
     def from_manifest(
@@ -186,11 +201,16 @@ class BlockStore:
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
             if not kept:
-                self.tier = None  # drop the old rows before allocating new ones
-                self.tier = CpuTier.for_cache(cache.descriptor, layout.cpu_blocks, self.memory.pin)
+                self._drop_tier()  # drop the old rows before allocating new ones
+                self.tier = CpuTier.for_cache(
+                    cache.descriptor, layout.cpu_blocks, self.memory.pin, place=self.place, key=key, gen=self.cpu_gen
+                )
                 self._tier_key = key
+                if self.generation is None and self.tier.kept:
+                    self.restored, self.cpu_gen = True, self.tier.gen or 0
             assert self.tier is not None
-            self._sync_disk(layout, kept)
+            if self.disk_spec is not None:
+                self.disk = disk_link.sync_disk(self.disk, self.disk_spec, self.tier, layout, kept, self.rank)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
             self.memory.release(cache)
@@ -201,22 +221,6 @@ class BlockStore:
                 self._retired.add(self.instance)
             self.instance = cache.instance
         return self.nbytes()
-
-    def _sync_disk(self, layout: CacheLayout, kept: bool) -> None:
-        """Open the disk tier (a file of this layout's blocks is reused: a restart keeps it)
-        or, when the CPU tier was not kept, make its blocks those of the new layout (none)."""
-        if self.disk_spec is None:
-            return
-        assert self.tier is not None
-        fields = (layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, str(layout.dtype))
-        key = layout_key(self.tier.page_shape, fields)
-        if self.disk is not None and self.disk.row_bytes != self.tier.row_bytes:
-            self.disk.close()  # another block size: the file is made anew below
-            self.disk = None
-        if self.disk is None:
-            self.disk = DiskTier(self.disk_spec, self.tier.row_bytes, key, self.rank)
-        elif not kept or key != self.disk.key:
-            self.disk.invalidate(key)
 
     def _check_newer(self, cache: EngineCache) -> None:
         """A resume's cache must be new memory (docs/engines.md, "Generations"):
@@ -237,13 +241,26 @@ class BlockStore:
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
         freed = self.tier_nbytes()["gpu"]
+        self._drop_device()
         if not keep_cpu and self.tier is not None:
             freed += self.tier.nbytes
-            self.tier = None
+            self._drop_tier()
         if not keep_cpu and self.disk is not None:
             self.disk.invalidate()  # a clear that keeps the CPU tier keeps the disk tier too
-        self._drop_device()
         return Freed(freed, self.tier is not None)
+
+    def _drop_tier(self, unlink: bool = True) -> None:
+        """Drop the CPU tier; its file too (a clear), unless the rank only stops (``unlink=False``)."""
+        tier, self.tier = self.tier, None
+        if tier is not None:
+            tier.close(unlink)
+
+    def set_cpu_gen(self, gen: int) -> None:
+        """The bus's CPU generation: new rows belong to it, and a mapped tier's
+        rows of another one stop checking (they are gone for every client)."""
+        self.cpu_gen = gen
+        if self.tier is not None:
+            self.tier.set_gen(gen)
 
     def _drop_device(self) -> None:
         cache, copier = self.cache, self.copier
@@ -254,13 +271,22 @@ class BlockStore:
             self.memory.release(cache)
 
     def close(self) -> None:
-        """Drop everything (the rank stops): the device tier, the tier, anything pending."""
-        self.free(keep_cpu=True)  # the disk file stays valid for a restart
-        self.tier = None
+        """Drop everything (the rank stops): the device tier, the tier (a tier
+        file stays for the next process of this rank: ``zkv tier clean``; the
+        disk file stays valid for a restart), anything pending."""
+        self._drop_device()
+        self._drop_tier(unlink=False)
         if self.disk is not None:
             self.disk.close()
             self.disk = None
         self.memory.close()
+
+    def kept_tiers(self, fresh: bool) -> dict[str, Any]:
+        """What a READY says of the CPU tier: kept (``cpu_gen`` names its
+        content) when this process held it in the bus or mapped it again."""
+        if self.tier is None or (fresh and not self.restored):
+            return {}
+        return {"kept_tiers": ["cpu"], "cpu_gen": self.cpu_gen}
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
@@ -316,26 +342,24 @@ class BlockStore:
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
-        assert self.copier is not None, "swap on a cleared store"
+        assert self.copier is not None and self.tier is not None, "swap on a cleared store"
         if op == "swap_out":
-            return self.copier.copy_out(src, dst)
+            self.tier.writing(dst)
+            nbytes = self.copier.copy_out(src, dst)
+            self.tier.written(dst)
+            return nbytes
+        self.tier.check_rows(src)  # a lost block fails the task, never copies other bytes
         return self.copier.copy_in(src, dst)
-
-    def _row_addresses(self, rows: Sequence[int]) -> list[int]:
-        assert self.tier is not None, "the CPU tier is cleared"
-        store = self.tier.store
-        base, stride = store.data_ptr(), store.stride(0)
-        return [base + r * stride for r in rows]
 
     def spill(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """CPU rows ``src[i]`` to disk blocks ``dst[i]`` (ids validated); return bytes, once on the device."""
-        assert self.disk is not None
-        return self.disk.write(dst, self._row_addresses(src))
+        assert self.disk is not None and self.tier is not None
+        return disk_link.spill(self.disk, self.tier, src, dst)
 
     def load(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost`` names failures)."""
-        assert self.disk is not None
-        return self.disk.read(src, self._row_addresses(dst))
+        assert self.disk is not None and self.tier is not None
+        return disk_link.load(self.disk, self.tier, src, dst)
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""
@@ -350,17 +374,26 @@ class BlockStore:
         rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
         index = torch.tensor(list(ids), dtype=torch.long)
         views = self.views(tier)
+        if tier == "cpu":
+            assert self.tier is not None
+            self.tier.writing(ids)
         for view in views:
             values = torch.randint(0, 256, (len(ids), view.shape[1]), dtype=torch.uint8, generator=rng)
             view.index_copy_(0, index.to(view.device), values.to(view.device))
         if views and views[0].is_cuda:
             torch.cuda.synchronize(views[0].device)
+        if tier == "cpu":
+            assert self.tier is not None
+            self.tier.written(ids)
         return len(ids) * sum(v.shape[1] for v in views)
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
         """A 16-byte BLAKE2b digest of every block (its page in every region; a disk block
-        is read back and its stored digest checked first)."""
+        is read back and its stored digest checked first); a lost CPU block fails it
+        (``CacheError("lost_block")``)."""
         if tier == "disk":
             assert self.disk is not None
             return self.disk.checksum(ids)
+        if tier == "cpu" and self.tier is not None:
+            self.tier.check_rows(ids)
         return block_digests(self.views(tier), ids)

@@ -1,19 +1,27 @@
-"""zkv's CPU tier for an engine-attached cache: block-major, one contiguous
-row per block holding that block's page of every region, in region order
-(the shape a disk or remote tier can take whole).  Pinned when CUDA exists,
-so copies to and from the GPU can be asynchronous.
+"""zkv's CPU tier: block-major, one contiguous row per block holding that
+block's page of every region, in region order (the shape a disk or remote
+tier can take whole).  Pinned when CUDA exists, so copies to and from the
+GPU can be asynchronous.  Both caches use it: zkv's own and an engine's.
 
 The tier belongs to zkv, not the engine.  It can outlive an engine cache
 across a clear (``keep_cpu``) when the next cache has the same page shape
-(``fits``); its rows are then still valid blocks of the same regions."""
+(``fits``); its rows are then still valid blocks of the same regions.
+
+With a ``place`` it also outlives the rank process: its rows live in a tier
+file (``tier_file.TierFile``, ``/dev/shm``) that a restarted rank maps again
+(``kept``); every row written is sealed with its digest after its bytes, and
+every row read is checked first (``check_rows``): a block whose header or
+digest does not check is lost, never served.  Without one it is process
+memory, gone with the process."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
+from ..tier_file import TierFile, TierPlace
 from .descriptor import CacheDescriptor
 from .errors import CacheError
 
@@ -21,14 +29,40 @@ from .errors import CacheError
 class CpuTier:
     """``store`` is ``[rows, row_bytes]`` uint8; ``columns[i]`` is region i's page in every row."""
 
-    def __init__(self, page_shape: Sequence[tuple[str, int]], rows: int, pin: bool | None = None):
+    def __init__(
+        self,
+        page_shape: Sequence[tuple[str, int]],
+        rows: int,
+        pin: bool | None = None,
+        *,
+        place: TierPlace | None = None,
+        key: Hashable = None,
+        gen: int = 0,
+    ):
         if type(rows) is not int or rows < 1:
             raise CacheError("bad_layout", f"a CPU tier needs at least one row, got {rows!r}")
         self.page_shape = tuple((str(name), int(page)) for name, page in page_shape)
         self.row_bytes = sum(page for _, page in self.page_shape)
         self.pinned = torch.cuda.is_available() if pin is None else pin
-        # zeros, not empty: every page is faulted in once here, not during the first copies
-        self.store = torch.zeros((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        self.file: TierFile | None = None
+        self._registered = 0  # the pointer registered with CUDA (a mapped, pinned tier)
+        self.digest_failures = 0
+        self._writing_gen = gen
+        if place is None:
+            # zeros, not empty: every page is faulted in once here, not during the first copies
+            self.store = torch.zeros((rows, self.row_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            self.file = TierFile(place, (self.page_shape, rows, key), rows, self.row_bytes, gen)
+            self.store = torch.from_numpy(self.file.data)
+            if not self.file.kept:
+                self.store.zero_()  # fault every page in once, as above
+            if self.pinned:
+                ptr = self.store.data_ptr()
+                err = torch.cuda.cudart().cudaHostRegister(ptr, self.store.numel(), 0)
+                if int(err) != 0:
+                    self.close(unlink=not self.file.kept)
+                    raise CacheError("bad_layout", f"cannot pin the CPU tier mapping {place} (cuda error {err})")
+                self._registered = ptr
         self.columns: list[torch.Tensor] = []
         start = 0
         for _, page in self.page_shape:
@@ -36,8 +70,17 @@ class CpuTier:
             start += page
 
     @classmethod
-    def for_cache(cls, descriptor: CacheDescriptor, rows: int, pin: bool | None = None) -> "CpuTier":
-        return cls(descriptor.page_shape, rows, pin)
+    def for_cache(
+        cls,
+        descriptor: CacheDescriptor,
+        rows: int,
+        pin: bool | None = None,
+        *,
+        place: TierPlace | None = None,
+        key: Hashable = None,
+        gen: int = 0,
+    ) -> "CpuTier":
+        return cls(descriptor.page_shape, rows, pin, place=place, key=key, gen=gen)
 
     @property
     def rows(self) -> int:
@@ -47,6 +90,23 @@ class CpuTier:
     def nbytes(self) -> int:
         return self.store.numel()
 
+    @property
+    def kept(self) -> bool:
+        """Mapped again from a tier file an earlier process of this rank left."""
+        return self.file is not None and self.file.kept
+
+    @property
+    def gen(self) -> int | None:
+        """The CPU generation the rows belong to (None: process memory, no record)."""
+        return self.file.gen if self.file is not None else None
+
+    def valid_rows(self) -> int:
+        return int(self.file.valid.sum()) if self.file is not None else 0
+
+    def set_gen(self, gen: int) -> None:
+        if self.file is not None:
+            self.file.set_gen(gen)
+
     def fits(self, descriptor: CacheDescriptor) -> bool:
         """Whether this tier's rows are blocks of ``descriptor``'s regions (same names and page sizes)."""
         return descriptor.page_shape == self.page_shape
@@ -54,3 +114,39 @@ class CpuTier:
     def row_bytes_of(self, row: int) -> bytes:
         """One row's bytes (for checks and checksums)."""
         return ctypes.string_at(self.store[row].data_ptr(), self.row_bytes)
+
+    # --- the write and read rules of a mapped tier ---------------------------------
+
+    def writing(self, rows: Sequence[int]) -> None:
+        """Rows are about to be written: a kill from here on loses them."""
+        if self.file is not None:
+            self._writing_gen = self.file.gen
+            self.file.unseal(list(rows))
+
+    def written(self, rows: Sequence[int]) -> None:
+        """Rows hold their new bytes: seal them (digest, then the mark)."""
+        if self.file is not None:
+            self.file.seal(list(rows), self._writing_gen)
+
+    def check_rows(self, rows: Sequence[int]) -> None:
+        """Before rows are read: ``CacheError("lost_block")`` naming every row that does not check."""
+        if self.file is None:
+            return
+        bad = self.file.lost(list(rows))
+        if bad:
+            self.digest_failures += len(bad)
+            self.file.valid[bad] = False
+            raise CacheError(
+                "lost_block",
+                f"CPU block(s) {bad[:16]} lost: header or digest does not check (a torn write or corruption)",
+            )
+
+    def close(self, unlink: bool = False) -> None:
+        """Drop the rows; a mapped tier's file is kept for the next process unless ``unlink``."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = 0
+        self.columns = []
+        self.store = torch.zeros((0, self.row_bytes), dtype=torch.uint8)
+        if self.file is not None:
+            self.file.close(unlink)

@@ -1,0 +1,110 @@
+"""A rank's CPU tier outlives the rank process (docs/protocol.md §8.2,
+§10.1), on real worker processes and real tier files: kill -9 a worker
+after a swap_out, tear one block's header while it is down, restart it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zkv.harness.cluster import LocalCluster
+from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
+from zkv.wire.layout import CacheLayout
+
+LAYOUT = CacheLayout(layers=1, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=16)
+FAST = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+
+
+@pytest.fixture
+def tier_dir(tmp_path, monkeypatch):
+    where = tmp_path / "tiers"
+    monkeypatch.setenv("ZKV_TIER_DIR", str(where))  # the workers and LocalCluster.stop read it
+    return where
+
+
+def wait_for(client, predicate, what: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        if predicate(st):
+            return st
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st['state']} gen {st['gen']}"
+        client.poll(0.02)
+
+
+def tear_header(path, rows: int, row_bytes: int, row: int) -> None:
+    """Leave a row as a kill in the middle of its write leaves it (the rank is
+    down): its mark says "being written", so its header no longer checks."""
+    with open(path, "r+b") as f:
+        f.seek(row_head_offset(rows, row_bytes, row))
+        f.write(WRITING)
+
+
+def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generation_and_a_torn_one_fails(
+    tmp_path, tier_dir
+):
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
+    try:
+        c.start(timeout=60)
+        with c.client(request_timeout=15) as client, c.client(request_timeout=15) as other:
+            assert client.run("fill", None, [1, 2, 3], tier="gpu", seed=5, timeout=10).ok
+            assert client.run("swap_out", [1, 2, 3], [10, 11, 12], timeout=10).ok
+            before = client.run("checksum", [10, 11, 12], tier="cpu", timeout=10)
+            assert before.ok and other.run("checksum", [10], tier="cpu", timeout=10).ok
+            assert other.gen == 0 and other.cpu_gen == 0
+
+            c.kill_worker(1)  # SIGKILL: no cleanup runs
+            (mine,) = [t for t in list_tiers(str(tier_dir)) if t.rank == 1]
+            assert not mine.owned, "the dead worker's lock went with it"
+            tear_header(mine.path, mine.rows, mine.row_bytes, 11)
+
+            started = time.monotonic()
+            c.start_worker(1)
+            st = wait_for(
+                client,
+                lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+                "the restarted rank",
+            )
+            print(f"\nrank restart with its CPU tier kept: serving again after {time.monotonic() - started:.2f} s")
+            assert st["cpu_gen"] == 0 and "GPU blocks of generation 0 are gone; CPU blocks kept" in st["gen_reason"]
+
+            back = other.run("swap_in", [10, 12], [4, 5], timeout=10)
+            assert back.ok and other.gen == 1 and other.cpu_gen == 0, "gen moved, cpu_gen did not"
+            after = other.run("checksum", [4, 5], tier="gpu", timeout=10)
+            for r in (0, 1):
+                want = before.per_rank[r]["digests"]
+                assert after.per_rank[r]["digests"] == [want[0], want[2]], f"rank {r}: exact bytes back"
+
+            torn = other.run("swap_in", [11], [6], timeout=10)
+            assert torn.outcome == "failed" and "lost_block" in torn.reason and "[11]" in torn.reason
+            assert torn.per_rank[0]["outcome"] == "ok", "rank 0's block 11 is intact"
+            stats = wait_for(client, lambda s: s["ranks"][1]["stats"].get("cpu_digest_failures"), "the stats")
+            assert stats["ranks"][1]["stats"]["cpu_blocks_valid"] == 2
+    finally:
+        c.stop()
+    assert list(list_tiers(str(tier_dir))) == [], "a clean stop leaves no CPU tier behind"
+
+
+def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
+    try:
+        c.start(timeout=60)
+        c.workers[1].send_signal(signal.SIGKILL)
+        c.workers[1].wait(timeout=10)
+        env = dict(os.environ, PYTHONPATH=os.getcwd())
+
+        def zkv(*args: str) -> str:
+            out = subprocess.run([sys.executable, "-m", "zkv", "tier", *args], capture_output=True, text=True, env=env)
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        listing = zkv("list")
+        assert "rank 0" in listing and "held by pid" in listing and "rank 1" in listing and "orphan" in listing
+        assert "1 orphaned CPU tier(s) removed" in zkv("clean")
+        assert [t.rank for t in list_tiers(str(tier_dir))] == [0], "a live worker's tier is never removed"
+    finally:
+        c.stop()
+    assert list(list_tiers(str(tier_dir))) == []

@@ -1,0 +1,61 @@
+"""``zkv tier list`` / ``zkv tier clean``: the persistent CPU tiers
+(``rank/tier_file.py``) a host holds.  A rank's tier outlives the rank (a
+crash keeps it for the restart); one whose rank never comes back is an
+orphan, and ``clean`` removes those (a tier a live worker holds is never
+touched: it holds a lock on it)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+_DIR = click.option(
+    "--tier-dir",
+    default="/dev/shm",
+    show_default=True,
+    envvar="ZKV_TIER_DIR",
+    show_envvar=True,
+    help="Where the workers keep their CPU tiers (zkv worker --tier-dir).",
+)
+
+
+@click.group()
+def tier() -> None:
+    """The CPU tiers that outlive their rank workers: list them, remove orphans."""
+
+
+@tier.command("list")
+@_DIR
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per tier.")
+def list_cmd(tier_dir: str, as_json: bool) -> None:
+    """Every tier file: its bus, rank, size, CPU generation and whether a live worker holds it."""
+    from ..rank.tier_file import list_tiers
+
+    found = False
+    for info in list_tiers(tier_dir):
+        found = True
+        if as_json:
+            fields = {k: getattr(info, k) for k in ("bus", "rank", "rows", "row_bytes", "gen", "pid", "owned")}
+            click.echo(json.dumps({"path": str(info.path), **fields, "bytes": info.nbytes}))
+            continue
+        owner = f"held by pid {info.pid}" if info.owned else "orphan (no live worker)"
+        click.echo(
+            f"{info.path}  bus {info.bus} rank {info.rank}: {info.rows} blocks of {info.row_bytes} bytes, "
+            f"{info.nbytes / 2**20:.1f} MiB, CPU generation {info.gen}, {owner}"
+        )
+    if not found and not as_json:
+        click.echo(f"no CPU tiers in {tier_dir}")
+
+
+@tier.command()
+@_DIR
+@click.option("--bus", default=None, help="Only this bus's tiers (the id in the file names).")
+def clean(tier_dir: str, bus: str | None) -> None:
+    """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier)."""
+    from ..rank.tier_file import clean_tiers
+
+    removed = clean_tiers(tier_dir, bus)
+    for path in removed:
+        click.echo(f"removed {path}")
+    click.echo(f"{len(removed)} orphaned CPU tier(s) removed from {tier_dir}")
