@@ -635,6 +635,10 @@ BODIES: list[tuple[str, str, list[int] | None, list[int] | None, dict[str, Any],
     ("body_fill_cpu_array", "fill", None, [5], {"tier": "cpu", "seed": 0}, False, ""),
     ("body_checksum", "checksum", [0, 1], None, {"tier": "gpu"}, True, ""),
     ("body_checksum_default_tier", "checksum", [9], None, {}, True, "tier omitted: gpu"),
+    ("body_spill", "spill", [3, 4], [1000, 1001], {}, True, "CPU rows 3, 4 to disk blocks 1000, 1001"),
+    ("body_load", "load", [1000, 7], [0, 1], {}, True, "disk blocks 1000, 7 to CPU rows 0, 1"),
+    ("body_spill_array", "spill", [0], [2], {}, False, ""),
+    ("body_checksum_disk", "checksum", [1000, 1001], None, {"tier": "disk"}, True, "read back, digest checked"),
 ]
 
 
@@ -937,8 +941,25 @@ INVALID: list[tuple[str, bytes, str, list[str] | None, str, str]] = [
         "decode_body",
         None,
         "bad_field",
-        "tier is gpu or cpu",
+        "tier is gpu, cpu or disk",
     ),
+    (
+        "body_spill_length_mismatch",
+        m({"v": 1, "kind": "body", "op": "spill", "src": packed([1, 2]), "dst": packed([3])}),
+        "decode_body",
+        None,
+        "bad_field",
+        "",
+    ),
+    (
+        "body_load_empty",
+        m({"v": 1, "kind": "body", "op": "load", "src": b"", "dst": b""}),
+        "decode_body",
+        None,
+        "bad_field",
+        "a load needs at least one block",
+    ),
+    ("body_spill_no_ids", m({"v": 1, "kind": "body", "op": "spill"}), "decode_body", None, "bad_field", ""),
     (
         "body_seed_negative",
         m({"v": 1, "kind": "body", "op": "fill", "dst": packed([1]), "tier": "gpu", "seed": -1}),

@@ -18,7 +18,7 @@ def _fmt(res: dict) -> str:
 
 
 @click.command()
-@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine"]), default="all")
+@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk"]), default="all")
 @click.option(
     "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
 )
@@ -39,8 +39,19 @@ def _fmt(res: dict) -> str:
     show_envvar=True,
     help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.",
 )
-def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> None:
-    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, runs only when named)."""
+@click.option(
+    "--dir",
+    "directory",
+    type=click.Path(file_okay=False, exists=True),
+    default="/var/tmp",
+    show_default=True,
+    envvar="ZKV_BENCH_DIR",
+    show_envvar=True,
+    help="disk: the directory the disk tier and the plain-file baseline write to.",
+)
+def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool, directory: str) -> None:
+    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, and ``disk``, which
+    writes to --dir, run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -51,6 +62,13 @@ def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_c
 
         result = bench_engine(say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(result) if as_json else summary(result))
+        return
+    if what == "disk":
+        from ..harness.disk_bench import bench_disk
+        from ..harness.disk_bench import summary as disk_summary
+
+        res = bench_disk(directory, rounds=2 if quick else 3, quick=quick, say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(res) if as_json else disk_summary(res))
         return
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731

@@ -20,6 +20,8 @@ from .options import (
     broker_options,
     curve_from,
     curve_options,
+    disk_from,
+    disk_options,
     fail,
     given_layout_fields,
     layout_from,
@@ -295,6 +297,7 @@ def broker(
     "options given must agree with that memory, else the worker exits naming both. On resume the "
     "manifest is read again and must carry a newer cache.",
 )
+@disk_options
 @tier_options
 @curve_options(server=False, client=True)
 def worker(
@@ -319,26 +322,28 @@ def worker(
     set_torch_threads(torch_threads)
     given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
-    curve = curve_from(kw)
-    if manifest is None:
-        opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve}
-        try:
+    curve, disk = curve_from(kw), disk_from(kw)
+    from ..rank import attach_rank
+
+    try:
+        if manifest is None:
             tiers = None if tier_dir in ("", "none") else tier_dir
+            opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve, "disk": disk}
             w = RankWorker(
                 rank, world_size, backend, control, layout, tier_dir=tiers, tier_digests=tier_digests, **opts
             )
-        except CacheError as err:
-            fail(f"rank {rank} cannot map its CPU tier: {err}", "is another worker of this rank running?")
-    else:
-        from ..rank import attach_rank
-
-        claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
-        try:
-            w = attach_rank(manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve)
-        except CacheError as err:
-            fail(
-                f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running"
+        else:
+            claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
+            w = attach_rank(
+                manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve, disk=disk
             )
+    except CacheError as err:
+        if manifest is None:
+            fail(
+                f"rank {rank} cannot open its tiers: {err}",
+                "is another worker of this rank running (--tier-dir, --disk-dir)?",
+            )
+        fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
     lay = w.cache.layout
     what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"
     click.echo(

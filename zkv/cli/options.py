@@ -203,6 +203,41 @@ def layout_from(kwargs: dict) -> Any:
         raise click.BadParameter(err.reason) from None
 
 
+def disk_options(fn: Callable) -> Callable:
+    """A rank's disk tier below its CPU tier (worker): off unless --disk-dir is given."""
+    opts = [
+        click.option(
+            "--disk-dir",
+            default=None,
+            type=click.Path(file_okay=False),
+            envvar="ZKV_DISK_DIR",
+            show_envvar=True,
+            help="Directory of this rank's disk tier file (zkv-rankR.disk), reused across restarts for the same "
+            "layout; O_DIRECT when the file system takes it, else buffered I/O with fdatasync.",
+        ),
+        click.option(
+            "--disk-blocks",
+            type=click.IntRange(1, 2**31 - 1),
+            default=4096,
+            show_default=True,
+            envvar="ZKV_DISK_BLOCKS",
+            show_envvar=True,
+            help="Blocks the disk tier holds (with --disk-dir); the file is preallocated.",
+        ),
+    ]
+    return stacked(fn, opts)
+
+
+def disk_from(kwargs: dict) -> Any:
+    """The ``DiskSpec`` of --disk-dir / --disk-blocks (popped from ``kwargs``), or None."""
+    directory, blocks = kwargs.pop("disk_dir"), kwargs.pop("disk_blocks")
+    if directory is None:
+        return None
+    from ..rank.cache.disk_tier import DiskSpec
+
+    return DiskSpec(directory, blocks)
+
+
 def curve_options(server: bool = False, client: bool = True) -> Callable:
     """CurveZMQ options (docs/protocol.md §12): off unless --curve-secret is given."""
 

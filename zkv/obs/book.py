@@ -64,8 +64,8 @@ COPY_BUCKETS_S = (
 CONTROL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
 
-OPS = ("swap_out", "swap_in", "fill", "checksum")
-COPY_OPS = ("swap_out", "swap_in")
+OPS = ("swap_out", "swap_in", "fill", "checksum", "spill", "load")
+COPY_OPS = ("swap_out", "swap_in", "spill", "load")  # spill / load: the disk tier's write / read latency
 MAX_SERIES = 64
 OTHER = "other"
 

@@ -73,6 +73,20 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
 
 
+def _disk_lines(ranks: list) -> list[str]:
+    """Per rank with a disk tier, its blocks used, bytes, I/O mode and digest failures."""
+    out = []
+    for r in ranks:
+        disk = (r.get("stats") or {}).get("disk")
+        if isinstance(disk, dict):
+            out.append(
+                f"rank {r.get('rank', '?')} disk: {disk.get('used', '-')}/{disk.get('blocks', '-')} blocks"
+                f" ({human_bytes(disk.get('bytes'))}, {'O_DIRECT' if disk.get('direct') else 'buffered'},"
+                f" {disk.get('digest_failures', 0)} digest failures)"
+            )
+    return ["", *out] if out else []
+
+
 def render_status(st: dict[str, Any]) -> str:
     """A readable multi-line view of one status reply."""
     pending = st.get("pending_op")
@@ -117,6 +131,7 @@ def render_status(st: dict[str, Any]) -> str:
         rows.sort(key=lambda row: int(row[0]) if row[0].isdigit() else -1)
     header = ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "gpu cache", "cpu cache"]
     lines += _table([*header, "undeliv.", "pid"], rows)
+    lines += _disk_lines(st.get("ranks") or [])
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
         lines.append(

@@ -24,6 +24,7 @@ import zmq
 
 from ..net.curve import Curve
 from ..wire.layout import CacheLayout
+from .cache.disk_tier import DiskSpec
 from .cache.geometry import LayoutGiven
 from .cache.memory import EngineMemory
 from .cache.regions import EngineCache, TensorEntry
@@ -51,7 +52,9 @@ class RankAgent:
     "kv_heads": 8, ...}``: the block counts are then the cache's and
     ``cpu_rows``) must agree with the cache, else ``CacheError("bad_layout")``
     names both values (``rank.cache.geometry``).
-    ``compute_stream``: the engine's CUDA stream that copies wait for."""
+    ``compute_stream``: the engine's CUDA stream that copies wait for.
+    ``disk_dir`` / ``disk_blocks``: a disk tier below the CPU tier (as
+    ``zkv worker --disk-dir``; ``spill`` / ``load`` tasks)."""
 
     def __init__(
         self,
@@ -66,14 +69,17 @@ class RankAgent:
         curve: Curve | None = None,
         layout: LayoutGiven = None,
         liveness_ms: int = 2000,
+        disk_dir: str | None = None,
+        disk_blocks: int = 4096,
     ):
         self.rank = rank
         self.world = world
         self._endpoints = (backend, control)
         self._curve = curve
         self._liveness_ms = liveness_ms
+        disk = DiskSpec(disk_dir, disk_blocks) if disk_dir is not None else None  # below the CPU tier
         self.store = BlockStore.attached(
-            _as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream
+            _as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream, disk=disk
         )
         self._ctx: zmq.Context | None = None
         self._worker: RankWorker | None = None

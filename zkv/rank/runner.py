@@ -34,6 +34,7 @@ log = logging.getLogger("zkv.worker")
 
 _OK, _FAILED, _FILL = Outcome.OK, Outcome.FAILED, Op.FILL  # module names: an enum member read costs ~0.1 us (3.11)
 _SWAPS = (Op.SWAP_OUT, Op.SWAP_IN)
+_SPILL, _LOAD = Op.SPILL, Op.LOAD
 
 
 class TaskRunner:
@@ -86,6 +87,10 @@ class TaskRunner:
                 nbytes = self.cache.swap(op, body.src, body.dst)
             elif op == _FILL:
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
+            elif op == _SPILL:  # never on the I/O thread (batching.InlinePolicy): it waits on the device
+                nbytes = self.cache.spill(body.src, body.dst)
+            elif op == _LOAD:
+                nbytes = self.cache.load(body.src, body.dst)
             else:
                 digests = self.cache.checksum(body.tier, body.src)
         except (P.ProtocolError, TaskInvalid, CacheError) as err:

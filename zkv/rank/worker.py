@@ -46,6 +46,7 @@ from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp, Outcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
+from .cache.disk_tier import DiskSpec
 from .cache.geometry import LayoutGiven
 from .cache.store import BlockStore, pick_device
 from .core import RankCore
@@ -188,6 +189,7 @@ class RankWorker:
         cache: BlockStore | None = None,
         tier_dir: str | None = None,
         tier_digests: bool = False,
+        disk: DiskSpec | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
         self._owns_cache = cache is None  # ours to close when the loop ends (a tier file stays for a restart)
@@ -195,7 +197,8 @@ class RankWorker:
             if layout is None:
                 raise ValueError("a rank needs a layout to allocate its cache, or a cache to serve")
             place = TierPlace(bus_name(backend), rank, tier_dir, tier_digests) if tier_dir else None
-            cache = BlockStore.owned(layout, device if device is not None else pick_device(rank), rank, place=place)
+            device = device if device is not None else pick_device(rank)
+            cache = BlockStore.owned(layout, device, rank, place=place, disk=disk)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.core.tiers = lambda: cache.kept_tiers(self.core.fresh)
@@ -247,7 +250,9 @@ class RankWorker:
         ``CacheError`` when it cannot be mapped or does not fit ``layout``
         (nothing stays mapped).
         ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
-        return cls(rank, world, backend, control, cache=BlockStore.from_manifest(manifest, layout, rank), **options)
+        disk = options.pop("disk", None)
+        store = BlockStore.from_manifest(manifest, layout, rank, disk=disk)
+        return cls(rank, world, backend, control, cache=store, **options)
 
     def stop(self) -> None:
         """Ask a running loop (in any thread) to return."""
@@ -268,6 +273,8 @@ class RankWorker:
         tier = self.cache.tier
         if tier is not None and tier.file is not None:  # a persistent CPU tier: what it holds, what failed
             s.update(cpu_blocks_valid=tier.valid_rows(), cpu_digest_failures=tier.digest_failures)
+        if self.cache.disk is not None:
+            s["disk"] = self.cache.disk.to_stats()
         return s
 
     def serve(self) -> None:

@@ -42,6 +42,7 @@ from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Out
 OUTCOMES = tuple(o.value for o in Outcome)
 OPS = tuple(o.value for o in Op)
 TIERS = tuple(t.value for t in Tier)
+_PAIRED = ("swap_out", "swap_in", "spill", "load")  # src[i] -> dst[i]
 DTYPES = tuple(d.value for d in Dtype)
 CONTROL_OPS = tuple(o.value for o in ControlOp)
 _RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
@@ -342,12 +343,12 @@ def task_body(msg: Body) -> TaskBody:
     tier = msg.tier
     tier = "gpu" if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
-        raise ProtocolError("bad_field", f"tier must be gpu or cpu, got {shown(tier)}")
-    if op in ("swap_out", "swap_in"):
+        raise ProtocolError("bad_field", f"tier must be one of {', '.join(TIERS)}, got {shown(tier)}")
+    if op in _PAIRED:
         if len(src) != len(dst):
             raise ProtocolError("bad_field", f"src has {len(src)} ids but dst has {len(dst)}")
         if not src:
-            raise ProtocolError("bad_field", "a swap needs at least one block")
+            raise ProtocolError("bad_field", f"{op} needs at least one block")
     elif op == "fill" and not dst:
         raise ProtocolError("bad_field", "fill needs dst ids")
     elif op == "checksum" and not src:

@@ -51,6 +51,8 @@ class Op(_Word):
     SWAP_IN = "swap_in"
     FILL = "fill"
     CHECKSUM = "checksum"
+    SPILL = "spill"  # CPU tier -> disk tier
+    LOAD = "load"  # disk tier -> CPU tier
 
 
 class Tier(_Word):
@@ -58,6 +60,7 @@ class Tier(_Word):
 
     GPU = "gpu"
     CPU = "cpu"
+    DISK = "disk"
 
 
 class Dtype(_Word):

@@ -9,7 +9,10 @@ generation than expected), ``no_device`` (a CUDA device named by UUID that
 is not visible here), ``no_cache`` (a resume found no new engine cache to
 attach), ``lost_block`` (a CPU tier block whose header or digest does not
 check: a torn write or corruption; never served), ``tier_in_use`` (a
-persistent CPU tier another live process has mapped)."""
+persistent CPU tier another live process has mapped); the disk tier's
+``disk_lost`` (a block that failed its digest or holds nothing),
+``disk_io``, ``disk_busy`` (its file held by another live process),
+``disk_full`` and ``no_disk`` (the rank has no disk tier)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,11 @@ CODES = frozenset(
         "no_cache",
         "lost_block",
         "tier_in_use",
+        "disk_lost",
+        "disk_io",
+        "disk_busy",
+        "disk_full",
+        "no_disk",
     }
 )
 

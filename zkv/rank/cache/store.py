@@ -39,8 +39,9 @@ from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
 from ..tier_file import TierPlace
-from . import geometry
+from . import disk_link, geometry
 from .copier import CopyEngine
+from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
 from .memory import EngineMemory, MemorySource, OwnedMemory
@@ -98,11 +99,20 @@ class BlockStore:
     ``cache`` (the device tier's regions) and ``copier`` are None while cleared;
     ``tier`` too unless a clear kept it."""
 
-    def __init__(self, memory: MemorySource, layout: CacheLayout, rank: int = 0, place: TierPlace | None = None):
+    def __init__(
+        self,
+        memory: MemorySource,
+        layout: CacheLayout,
+        rank: int = 0,
+        place: TierPlace | None = None,
+        disk: DiskSpec | None = None,
+    ):
         self.memory = memory
         self.place = place  # where a persistent CPU tier lives (None: process memory)
         self.restored = False  # the first allocation mapped a CPU tier a previous process left
         self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
+        self.disk_spec = disk
+        self.disk: DiskTier | None = None  # below the CPU tier (disk_tier.py), with --disk-dir
         self.rank = rank
         self.layout = layout  # what the rank announces; gpu_blocks / cpu_blocks bound the ids
         self.cache: EngineCache | None = None
@@ -123,9 +133,10 @@ class BlockStore:
         rank: int = 0,
         staging_bytes: int = STAGING_BYTES,
         place: TierPlace | None = None,
+        disk: DiskSpec | None = None,
     ) -> "BlockStore":
         """A store on memory zkv allocates on ``device`` for ``layout``."""
-        return cls(OwnedMemory(device, staging_bytes), layout, rank, place)
+        return cls(OwnedMemory(device, staging_bytes), layout, rank, place, disk)
 
     @classmethod
     def attached(
@@ -138,6 +149,7 @@ class BlockStore:
         compute_stream: Any = None,
         pin: bool | None = None,
         source: Callable[[], EngineCache] | None = None,
+        disk: DiskSpec | None = None,
     ) -> "BlockStore":
         """A store on an engine's cache.  ``layout``: None (announce the one
         derived from the cache), a ``CacheLayout`` or a map of fields, checked
@@ -145,10 +157,12 @@ class BlockStore:
         naming both values when they disagree)."""
         announce = geometry.announced(cache.descriptor, cpu_rows, layout)
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
-        return cls(memory, announce, rank)
+        return cls(memory, announce, rank, disk=disk)
 
     @classmethod
-    def from_manifest(cls, path: str, layout: LayoutGiven = None, rank: int = 0) -> "BlockStore":
+    def from_manifest(
+        cls, path: str, layout: LayoutGiven = None, rank: int = 0, disk: DiskSpec | None = None
+    ) -> "BlockStore":
         """A store on the tensors an engine process exported in ``path``
         (``manifest.export_manifest``); each resume reads it again, for a newer
         cache.  ``layout`` as for ``attached``; its ``cpu_blocks`` (default
@@ -162,7 +176,7 @@ class BlockStore:
             cpu_rows = (layout or {}).get("cpu_blocks", CacheLayout().cpu_blocks)
         cache = attach(path)
         try:
-            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path))
+            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path), disk=disk)
         except BaseException:
             cache.release()
             raise
@@ -197,6 +211,8 @@ class BlockStore:
                 if self.generation is None and self.tier.kept:
                     self.restored, self.cpu_gen = True, self.tier.gen or 0
             assert self.tier is not None
+            if self.disk_spec is not None:
+                self.disk = disk_link.sync_disk(self.disk, self.disk_spec, self.tier, layout, kept, self.rank)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
             self.memory.release(cache)
@@ -231,6 +247,8 @@ class BlockStore:
         if not keep_cpu and self.tier is not None:
             freed += self.tier.nbytes
             self._drop_tier()
+        if not keep_cpu and self.disk is not None:
+            self.disk.invalidate()  # a clear that keeps the CPU tier keeps the disk tier too
         return Freed(freed, self.tier is not None)
 
     def _drop_tier(self, unlink: bool = True) -> None:
@@ -256,9 +274,13 @@ class BlockStore:
 
     def close(self) -> None:
         """Drop everything (the rank stops): the device tier, the tier (a tier
-        file stays for the next process of this rank: ``zkv tier clean``), anything pending."""
+        file stays for the next process of this rank: ``zkv tier clean``; the
+        disk file stays valid for a restart), anything pending."""
         self._drop_device()
         self._drop_tier(unlink=False)
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         self.memory.close()
 
     def kept_tiers(self, fresh: bool) -> dict[str, Any]:
@@ -272,10 +294,13 @@ class BlockStore:
         return {
             "gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
             "cpu": self.tier.nbytes if self.tier is not None else 0,
+            **({"disk": self.disk.nbytes} if self.disk is not None else {}),
         }
 
     def nbytes(self) -> int:
-        return sum(self.tier_nbytes().values())
+        """Memory held (the device and CPU tiers; the disk file is not memory)."""
+        n = self.tier_nbytes()
+        return n["gpu"] + n["cpu"]
 
     # --- tasks ---------------------------------------------------------------------
 
@@ -298,12 +323,24 @@ class BlockStore:
         elif op == "fill":
             if body.tier == "gpu":
                 check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
-            else:
+            elif body.tier == "cpu":
                 check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+            else:
+                raise TaskInvalid("fill is not offered on the disk tier: fill cpu blocks, then spill them")
         elif op == "checksum":
-            check_ids(
-                "src", body.src, body.tier, layout.gpu_blocks if body.tier == "gpu" else layout.cpu_blocks, unique=False
-            )
+            limit = {"gpu": layout.gpu_blocks, "cpu": layout.cpu_blocks}.get(body.tier) or self._disk_rows()
+            check_ids("src", body.src, body.tier, limit, unique=False)
+        elif op == "spill":
+            check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
+            check_ids("dst", body.dst, "disk", self._disk_rows(), unique=True)
+        elif op == "load":
+            check_ids("src", body.src, "disk", self._disk_rows(), unique=False)
+            check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+
+    def _disk_rows(self) -> int:
+        if self.disk is None:
+            raise CacheError("no_disk", f"rank {self.rank} has no disk tier (start it with --disk-dir)")
+        return self.disk.rows
 
     def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
@@ -315,6 +352,16 @@ class BlockStore:
             return nbytes
         self.tier.check_rows(src)  # a lost block fails the task, never copies other bytes
         return self.copier.copy_in(src, dst)
+
+    def spill(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """CPU rows ``src[i]`` to disk blocks ``dst[i]`` (ids validated); return bytes, once on the device."""
+        assert self.disk is not None and self.tier is not None
+        return disk_link.spill(self.disk, self.tier, src, dst)
+
+    def load(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost`` names failures)."""
+        assert self.disk is not None and self.tier is not None
+        return disk_link.load(self.disk, self.tier, src, dst)
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""
@@ -343,8 +390,12 @@ class BlockStore:
         return len(ids) * sum(v.shape[1] for v in views)
 
     def checksum(self, tier: str, ids: Sequence[int]) -> list[bytes]:
-        """A 16-byte BLAKE2b digest of every block (its page in every region);
-        a lost CPU block fails it (``CacheError("lost_block")``)."""
+        """A 16-byte BLAKE2b digest of every block (its page in every region; a disk block
+        is read back and its stored digest checked first); a lost CPU block fails it
+        (``CacheError("lost_block")``)."""
+        if tier == "disk":
+            assert self.disk is not None
+            return self.disk.checksum(ids)
         if tier == "cpu" and self.tier is not None:
             self.tier.check_rows(ids)
         return block_digests(self.views(tier), ids)

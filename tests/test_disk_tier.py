@@ -1,0 +1,281 @@
+"""The disk tier (docs/protocol.md §6, `spill` / `load`): real files on tmpfs
+and on a disk-backed directory, the store with a persistent CPU tier above it,
+and real rank processes for the round trip, a torn block and a kill -9 in the
+middle of spills.
+
+The default run is short: one disk-backed round trip, the store rules and two
+real-rank tests.  ``ZKV_DISK_LONG=1`` adds the repetitions (tmpfs, an aligned
+row size) and the pause-after-spills test on a real rank."""
+
+import errno
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from zkv.harness.cluster import LocalCluster
+from zkv.obs.status_view import render_status
+from zkv.rank.cache import disk_io
+from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
+from zkv.rank.cache.errors import CacheError
+from zkv.rank.cache.store import BlockStore
+from zkv.rank.tier_file import TierPlace, list_tiers
+from zkv.wire.layout import CacheLayout
+
+LONG = os.environ.get("ZKV_DISK_LONG") == "1"
+long_only = pytest.mark.skipif(not LONG, reason="set ZKV_DISK_LONG=1 for the longer disk tier tests")
+
+ROW = 8192 + 100  # not a multiple of the alignment: the bounce path under O_DIRECT
+KEY = b"k" * 16
+
+
+@pytest.fixture(params=["disk", pytest.param("tmpfs", marks=long_only)])
+def where(request, tmp_path):
+    if request.param == "disk":
+        yield str(tmp_path / "disk")  # a disk-backed file system (ext4 here): O_DIRECT
+        return
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = f"/dev/shm/zkv-test-{os.getpid()}-{tmp_path.name}"
+    yield d
+    for name in os.listdir(d) if os.path.isdir(d) else ():
+        os.unlink(os.path.join(d, name))
+    if os.path.isdir(d):
+        os.rmdir(d)
+
+
+def rows_of(t: torch.Tensor, ids) -> list[int]:
+    return [t.data_ptr() + i * t.stride(0) for i in ids]
+
+
+@pytest.mark.parametrize("row", [ROW, pytest.param(8192, marks=long_only)])
+def test_blocks_round_trip_exactly_survive_a_reopen_and_a_torn_row_is_lost(where, row):
+    src = torch.randint(0, 256, (40, row), dtype=torch.uint8)
+    tier = DiskTier(DiskSpec(where, 80), row, KEY)
+    ids = [5, 6, 7, 30, 2] + list(range(40, 75))  # runs and strays, out of order
+    assert tier.write(ids, rows_of(src, range(40))) == 40 * row
+    out = torch.zeros_like(src)
+    tier.read(ids, rows_of(out, range(40)))
+    assert torch.equal(out, src)
+    with pytest.raises(DiskLost, match="disk blocks 0 hold no block") as empty:
+        tier.read([0], rows_of(out, [0]))
+    assert empty.value.code == "disk_lost"
+    tier.close()
+
+    again = DiskTier(DiskSpec(where, 80), row, KEY)
+    assert again.reopened == 40 and again.open_seconds < 2.0
+    with open(again.path, "r+b") as f:  # tear block 30: part of its row, behind the tier's back
+        f.seek(again.data_off + 30 * again.slot + 100)
+        f.write(b"\xff" * 64)
+    out.zero_()
+    with pytest.raises(DiskLost, match="disk blocks 30 failed their digest check") as torn:
+        again.read([6, 30, 7], rows_of(out, [0, 1, 2]))
+    assert torn.value.rows == [30] and again.to_stats()["digest_failures"] == 1
+    again.read([6, 7], rows_of(out, [0, 1]))
+    assert torch.equal(out[:2], src[1:3]), "the blocks beside a torn one still read back exactly"
+    again.close()
+
+    other = DiskTier(DiskSpec(where, 80), row, b"j" * 16)  # another layout: never reused
+    assert other.reopened == 0 and other.used == 0
+    other.close()
+
+
+def test_invalidate_drops_every_block_and_a_second_process_cannot_open_a_held_file(tmp_path):
+    src = torch.randint(0, 256, (4, ROW), dtype=torch.uint8)
+    tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    tier.write([0, 1, 2, 3], rows_of(src, range(4)))
+    with pytest.raises(CacheError, match="held by another live process"):
+        DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    tier.invalidate()
+    assert tier.used == 0
+    with pytest.raises(DiskLost, match="hold no block"):
+        tier.read([1], rows_of(src, [0]))
+    tier.close()
+    assert DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY).reopened == 0
+
+
+def test_a_file_system_that_refuses_o_direct_falls_back_to_buffered_io(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(disk_io, "_probed", {})
+    tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    assert tier.direct is False and tier.slot == ROW
+    src = torch.randint(0, 256, (3, ROW), dtype=torch.uint8)
+    tier.write([7, 0, 3], rows_of(src, range(3)))
+    out = torch.zeros_like(src)
+    tier.read([7, 0, 3], rows_of(out, range(3)))
+    assert torch.equal(out, src)
+    tier.close()
+
+
+LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=16)
+
+
+def test_the_store_keeps_the_disk_tier_with_keep_cpu_and_drops_it_on_a_clear_or_a_new_layout(tmp_path):
+    store = BlockStore.owned(LAYOUT, disk=DiskSpec(str(tmp_path), 32))
+    store.fill("cpu", [0, 1], seed=3)
+    store.spill([0, 1], [10, 11])
+    want = store.checksum("cpu", [0, 1])
+    assert store.checksum("disk", [10, 11]) == want
+    store.free(keep_cpu=True)
+    store.allocate(LAYOUT)
+    assert store.checksum("disk", [10, 11]) == want, "keep_cpu keeps the disk tier"
+    store.free(keep_cpu=False)
+    store.allocate(LAYOUT)
+    with pytest.raises(DiskLost):
+        store.load([10], [0])
+    store.spill([0], [3])
+    store.allocate(LAYOUT.with_changes(head_dim=32))  # a resume with a new layout
+    with pytest.raises(DiskLost):
+        store.checksum("disk", [3])
+    store.close()
+
+
+def test_with_a_persistent_cpu_tier_spill_checks_rows_load_seals_them_and_close_keeps_both_files(tmp_path):
+    place, disk = TierPlace("bus", 0, str(tmp_path / "shm")), DiskSpec(str(tmp_path / "disk"), 32)
+    store = BlockStore.owned(LAYOUT, place=place, disk=disk)
+    store.fill("cpu", [0, 1, 2], seed=4)
+    want = store.checksum("cpu", [0, 1])
+    store.tier.file.heads[2, 0] ^= 0xFF  # a torn header: CPU block 2 is lost
+    with pytest.raises(CacheError, match=r"lost_block.*\[2\]"):
+        store.spill([1, 2], [5, 6])
+    assert store.disk.used == 0, "a spill naming a lost CPU block writes nothing"
+    store.spill([0, 1], [5, 6])
+    store.load([5, 6], [2, 3])  # a load seals the rows it writes: block 2 is whole again
+    assert store.checksum("cpu", [2, 3]) == want
+    with pytest.raises(DiskLost):
+        store.load([7], [0])  # nothing there: CPU row 0 now holds undefined bytes
+    with pytest.raises(CacheError, match="lost_block"):
+        store.checksum("cpu", [0])
+    store.close()  # the rank stops: the tier file and the disk file both stay
+    again = BlockStore.owned(LAYOUT, place=place, disk=disk)
+    assert again.restored and again.disk.reopened == 2
+    assert again.checksum("cpu", [2, 3]) == want == again.checksum("disk", [5, 6])
+    again.free()  # a clear: the tier file goes and the disk blocks are dropped
+    assert list(list_tiers(place.directory)) == []
+    again.allocate(LAYOUT)
+    with pytest.raises(DiskLost):
+        again.checksum("disk", [5])
+    again.close()
+
+
+# --- real processes ------------------------------------------------------------------
+
+E2E = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=64, block_size=16, kv_heads=4, head_dim=64)  # 32 KiB blocks
+FAST = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+
+
+def _cluster(tmp_path, disk_dir: str) -> LocalCluster:
+    args = ["--liveness-ms", "1000", "--disk-dir", disk_dir, "--disk-blocks", "1024"]
+    return LocalCluster(1, E2E, quiet=True, broker_args=FAST, worker_args=args, directory=tmp_path / "c")
+
+
+@pytest.fixture(scope="module")
+def rank_cluster(tmp_path_factory):
+    """One rank with its disk tier in a disk-backed directory (each spill ends with
+    an fdatasync of real I/O), shared by the tests below in file order: the kill -9
+    test restarts the rank and uses disk ids the round trip does not."""
+    base = tmp_path_factory.mktemp("e2e")
+    where = str(base / "disk")
+    with _cluster(base, where) as c:
+        yield c, where
+
+
+def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(rank_cluster):
+    cluster, where = rank_cluster
+    with cluster.client(request_timeout=15) as client:
+        rows = list(range(32))
+        assert client.run("fill", None, rows, tier="cpu", seed=11).ok
+        want = client.run("checksum", rows, tier="cpu").per_rank[0]["digests"]
+        spill = client.run("spill", rows, [100 + r for r in rows])
+        assert spill.ok and spill.bytes == 32 * E2E.block_bytes, spill.reason
+        assert client.run("fill", None, rows, tier="cpu", seed=12).ok  # the CPU rows now hold other bytes
+        assert client.run("load", [100 + r for r in reversed(rows)], list(reversed(rows))).ok
+        assert client.run("checksum", rows, tier="cpu").per_rank[0]["digests"] == want
+        assert client.run("checksum", [100 + r for r in rows], tier="disk").per_rank[0]["digests"] == want
+
+        path = os.path.join(where, "zkv-rank0.disk")
+        data_off = disk_io.ALIGN + disk_io.align_up(1024 * 32)  # superblock, 32-byte records (disk_tier.py)
+        with open(path, "r+b") as f:  # 32 KiB blocks: a slot is a block either way
+            f.seek(data_off + 105 * E2E.block_bytes + 4000)
+            f.write(b"\x00" * 512)
+        torn = client.run("load", [104, 105, 106], [0, 1, 2])
+        assert torn.outcome == "failed" and "disk_lost" in torn.reason and "105" in torn.reason, torn.reason
+        assert client.run("spill", [0], [2000]).outcome == "failed", "a disk id out of range"
+        assert client.run("fill", None, [1], tier="disk").outcome == "failed", "fill is not offered on disk"
+        disk = disk_stats(client, lambda d: d["digest_failures"] == 1)  # stats travel with heartbeats
+        assert disk["used"] == 32 and disk["blocks"] == 1024 and disk["bytes"] >= 1024 * E2E.block_bytes
+        assert "rank 0 disk: 32/1024 blocks" in render_status(client.status()), "zkv status shows the tiers"
+
+
+def disk_stats(client, predicate, timeout: float = 10.0) -> dict:
+    """Rank 0's disk stats once ``predicate`` holds (each status call is one bounded round trip)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        disk = client.status()["ranks"][0]["stats"].get("disk")
+        if disk is not None and predicate(disk):
+            return disk
+        assert time.monotonic() < deadline, disk
+        time.sleep(0.05)
+
+
+def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_one(rank_cluster):
+    cluster, _ = rank_cluster
+    per, tasks, base = 32, 24, 200  # disk ids 200..967: none the round trip above wrote
+    with cluster.client(request_timeout=20) as client:
+        rows = list(range(per))
+        assert client.run("fill", None, rows, tier="cpu", seed=5).ok
+        want = client.run("checksum", rows, tier="cpu").per_rank[0]["digests"]
+        ids = {client.submit("spill", rows, [base + i * per + r for r in rows], timeout=30): i for i in range(tasks)}
+        acked: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(acked) < 3 and time.monotonic() < deadline:
+            acked += [ids[o.task] for o in client.poll(0.5) if o.ok]
+        cluster.kill_worker(0, signal.SIGKILL)
+        assert len(acked) >= 3, "spills ended ok before the kill"
+        assert len(acked) < tasks, "the kill landed with spills still to run"
+        pid = cluster.start_worker(0).pid
+        deadline = time.monotonic() + 60
+        while True:  # the restarted process registered, serving at the bus's generation
+            st = client.status(wait_ranks=1, timeout=30)
+            r = st["ranks"][0]
+            if st["state"] == "running" and r["pid"] == pid and r["alive"] and r["stats"].get("gen") == st["gen"]:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        for o in client.poll(0.0):  # outcomes that arrived after the kill
+            if o.ok:
+                acked.append(ids[o.task])
+        assert r["stats"]["disk"]["reopened"] >= len(acked) * per
+        for i in range(tasks):
+            out = client.run("checksum", [base + i * per + r for r in rows], tier="disk")
+            if i in acked:
+                assert out.ok, f"acked spill {i}: {out.reason}"
+            if out.ok:
+                assert out.per_rank[0]["digests"] == want, f"spill {i} served other bytes"
+            else:
+                assert "disk_lost" in out.reason, out.reason
+        first = min(acked)
+        assert client.run("load", [base + first * per + r for r in rows], rows).ok
+        assert client.run("checksum", rows, tier="cpu").per_rank[0]["digests"] == want
+
+
+@long_only
+def test_a_pause_waits_for_the_spills_in_flight(rank_cluster):
+    cluster, _ = rank_cluster
+    with cluster.client(request_timeout=20) as client:
+        rows = list(range(64))
+        spills = [client.submit("spill", rows, [i * 64 + r for r in rows], timeout=30) for i in range(8)]
+        client.pause()
+        st = client.status()
+        assert st["inflight"] == 0 and st["ranks"][0]["inflight"] == 0, "the ack came after every spill ended"
+        assert all(client.wait(t, timeout=10).ok for t in spills), "dispatched spills finished, none cancelled"
+        client.resume()
