@@ -74,8 +74,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def block_digests(tensors: Sequence[torch.Tensor], ids: Sequence[int]) -> list[bytes]:
-    """A 16-byte BLAKE2b digest of every block: its slice of each tensor, in
-    order (a block named several times is hashed once)."""
+    """A 16-byte BLAKE2b digest of every block (its slice of each tensor, in order), each hashed once."""
     known: dict[int, bytes] = {}
     for b in ids:
         if b not in known:
