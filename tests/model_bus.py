@@ -437,6 +437,16 @@ class Bus:
 
     # --- invariants ------------------------------------------------------------------
 
+    def pause_within(self, seconds: float) -> int:
+        """Ask for a pause and run the bus (0.1 s steps) until it is answered or ``seconds`` passed."""
+        req = self.request("pause", timeout_ms=2000)
+        for _ in range(round(seconds / 0.1)):
+            self.settle()
+            if req in self.replies:
+                break
+            self.advance(0.1)
+        return req
+
     def recovers(self, on_copy: bool = True) -> str | None:
         """Once every rank runs again and the clock moves on, the broker's
         in-flight tasks drain and a pause completes; else why not (on a copy,
@@ -452,12 +462,7 @@ class Bus:
             if registered and not bus.broker.inflight and bus.broker.pending is None:
                 break
             bus.advance(0.1)
-        req = bus.request("pause", timeout_ms=2000)
-        for _ in range(30):
-            bus.settle()
-            if req in bus.replies:
-                break
-            bus.advance(0.1)
+        req = bus.pause_within(3.0)
         reply = bus.replies.get(req)
         why = None
         if reply is None or reply.kind != "reply":

@@ -343,12 +343,7 @@ def test_a_layout_no_rank_can_allocate_backs_off_shows_in_status_and_a_pause_tak
             break
         bus.settle()
     assert bus.broker.pending is not None and bus.broker.pending.op == "resume" and not bus.broker.pending.waiters
-    req = bus.request("pause", timeout_ms=2000)
-    for _ in range(30):
-        bus.settle()
-        if req in bus.replies:
-            break
-        bus.advance(0.1)
+    req = bus.pause_within(3.0)
     assert bus.replies[req].kind == "reply" and bus.broker.state == "paused", bus.replies[req]
     for _ in range(40):
         bus.advance(0.1)

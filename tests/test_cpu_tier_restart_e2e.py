@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from waits import wait_for
 
 from zkv.harness.cluster import LocalCluster
 from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
@@ -23,16 +24,6 @@ def tier_dir(tmp_path, monkeypatch):
     where = tmp_path / "tiers"
     monkeypatch.setenv("ZKV_TIER_DIR", str(where))  # the workers and LocalCluster.stop read it
     return where
-
-
-def wait_for(client, predicate, what: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = client.status()
-        if predicate(st):
-            return st
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st['state']} gen {st['gen']}"
-        client.poll(0.02)
 
 
 def tear_header(path, rows: int, row_bytes: int, row: int) -> None:

@@ -8,6 +8,7 @@ import time
 import pytest
 import zmq
 from click.testing import CliRunner
+from waits import wait_for
 
 from zkv import ZkvError
 from zkv.cli import main
@@ -390,17 +391,6 @@ def test_client_cancel_ends_a_queued_task_and_is_too_late_for_a_running_one(clie
     assert late["cancelled"] is False and late["state"] in ("dispatched", "done")  # the broker's fold may lag
 
 
-def _wait_status(client, check, what: str, timeout: float = 15.0) -> dict:
-    """The first status that passes ``check``, within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = client.status()
-        if check(st):
-            return st
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s; last status {st}"
-        client.poll(0.1)
-
-
 def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops_it(cluster, client, capfd):
     """The bus's layout is one no rank can allocate (a resume completed while
     no rank was registered): the broker's own resume fails on every rank that
@@ -408,7 +398,7 @@ def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops
     the rank logs one line per failure, and zkv pause, clear, resume gets out."""
     for r in (0, 1):
         cluster.kill_worker(r)
-    _wait_status(client, lambda st: not any(r["alive"] for r in st["ranks"]), "ranks declared dead")
+    wait_for(client, lambda st: not any(r["alive"] for r in st["ranks"]), "ranks declared dead")
     client.pause()
     client.clear()
     assert client.resume(layout={"gpu_blocks": 2**31 - 1})["ranks_acked"] == 0
@@ -418,10 +408,10 @@ def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops
             cluster.start_worker(r)
     finally:
         cluster.quiet = True
-    st = _wait_status(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)
+    st = wait_for(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)
     assert "alloc_failed" in st["restate_error"] and "zkv pause" in st["restate_error"]
     t0 = time.monotonic()
-    st = _wait_status(client, lambda st: time.monotonic() - t0 >= 3.0, "three more seconds")
+    st = wait_for(client, lambda st: time.monotonic() - t0 >= 3.0, "three more seconds")
     assert st["restate_failures"] <= 7, f"{st['restate_failures']} tries: not backed off"
     assert st["state"] == "resuming"
     assert client.pause(timeout=5)["state"] == "paused"

@@ -11,9 +11,9 @@ broker restarts), each asserting the rule it used to break:
 """
 
 import signal
-import time
 
 import pytest
+from waits import wait_for
 
 from zkv import ZkvError
 from zkv.harness.cluster import LocalCluster
@@ -52,17 +52,6 @@ def restart_broker(c: LocalCluster) -> None:
     c.broker.kill()
     c.broker.wait(timeout=10)
     c.start_broker()
-
-
-def wait_for(client, predicate, what: str, timeout: float = 15.0) -> dict:
-    """Poll status (each call is one bounded round trip) until ``predicate`` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = client.status()
-        if predicate(st):
-            return st
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st['state']} gen {st['gen']}"
-        client.poll(0.05)
 
 
 def cache_bytes(layout: CacheLayout) -> int:

@@ -27,6 +27,7 @@ from .options import (
     layout_from,
     layout_options,
     metrics_options,
+    record_option,
     sigterm_as_interrupt,
     tier_options,
 )
@@ -163,14 +164,7 @@ def _broker_config(world: int, kw: dict) -> Any:
     help="Ranks a task runs on.",
 )
 @broker_options
-@click.option(
-    "--record",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_RECORD",
-    show_envvar=True,
-    help="Append every request and task outcome to this trace file (JSON Lines).",
-)
+@record_option
 @click.option(
     "--allow-remote",
     is_flag=True,

@@ -360,3 +360,13 @@ def tier_options(fn: Callable) -> Callable:
             ),
         ],
     )
+
+
+record_option = click.option(
+    "--record",
+    type=click.Path(dir_okay=False),
+    default=None,
+    envvar="ZKV_RECORD",
+    show_envvar=True,
+    help="Append every request and task outcome to this trace file (JSON Lines).",
+)

@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from ..net.endpoints import Endpoints
-from .options import fail, layout_from, layout_options, metrics_options, sigterm_as_interrupt
+from .options import fail, layout_from, layout_options, metrics_options, record_option, sigterm_as_interrupt
 
 _LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
 
@@ -142,14 +142,7 @@ def _check_engine(engine: str, demo: bool) -> None:
     help="Start from nothing: move the runtime directory's broker-state.json aside (to .old) instead of "
     "restoring the bus it describes.",
 )
-@click.option(
-    "--record",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_RECORD",
-    show_envvar=True,
-    help="Append every request and task outcome to this trace file (JSON Lines; as zkv broker --record).",
-)
+@record_option
 @click.option(
     "--demo",
     is_flag=True,

@@ -48,7 +48,6 @@ ROW_HEAD = struct.Struct("<4sIQ16s16s")  # mark, 0, generation, layout digest, r
 ROW_HEAD_BYTES = ROW_HEAD.size
 MARK = b"ZKVB"
 WRITING = b"ZKVW"  # the mark while a row is being written
-_EMPTY_HEAD = bytes(ROW_HEAD_BYTES)  # a row never written since the file was made
 _NO_DIGEST = bytes(16)  # a row sealed without a digest
 _GEN_AT = 8 + 4 + 4 + 8 + 8 + 16  # offset of the file header's generation
 _PID_AT = _GEN_AT + 8
@@ -150,7 +149,9 @@ class TierFile:
 
     def check_heads(self) -> np.ndarray:
         """Which rows' headers check (mark, generation, layout): headers only, no row bytes read."""
-        heads = self.heads
+        return self._checks(self.heads)
+
+    def _checks(self, heads: np.ndarray) -> np.ndarray:
         mark = heads[:, 0:4] == np.frombuffer(MARK, dtype=np.uint8)
         gen = heads[:, 8:16].copy().view("<u8")[:, 0] == self.gen
         layout = heads[:, 16:32] == np.frombuffer(self.digest, dtype=np.uint8)
@@ -168,34 +169,33 @@ class TierFile:
         self.heads[rows, 0:4] = np.frombuffer(WRITING, dtype=np.uint8)
 
     def seal(self, rows: list[int], gen: int) -> None:
-        """After rows are written: digest, then the mark last.  ``gen``: the
-        generation when the write began (a row written across a move does not check)."""
-        head = np.frombuffer(ROW_HEAD.pack(b"\0\0\0\0", 0, gen, self.digest, bytes(16)), dtype=np.uint8)
-        mark = np.frombuffer(MARK, dtype=np.uint8)
-        for r in rows:
-            h = self.heads[r]
-            h[4:32] = head[4:32]
-            h[32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8) if self.digests else 0
-            h[0:4] = mark
-        self.valid[rows] = gen == self.gen
+        """After rows are written: header (and digest), then every mark last.  ``gen``:
+        the generation when the write began (a row written across a move does not check)."""
+        idx = np.asarray(rows, dtype=np.intp)
+        self.heads[idx, 4:48] = np.frombuffer(ROW_HEAD.pack(b"\0\0\0\0", 0, gen, self.digest, _NO_DIGEST), np.uint8)[4:]
+        if self.digests:
+            for r in rows:
+                self.heads[r, 32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8)
+        self.heads[idx, 0:4] = np.frombuffer(MARK, dtype=np.uint8)
+        self.valid[idx] = gen == self.gen
 
     def _row_digest(self, row: int) -> bytes:
         return hashlib.blake2b(self.data[row], digest_size=16).digest()
 
     def lost(self, rows: list[int]) -> list[int]:
-        """The rows among ``rows`` whose header or digest does not check (read and hashed here).
-        A row never written since the file was made (its header all zeros) is not
+        """The rows among ``rows`` whose header or digest does not check (headers
+        checked together; with digests, each row's bytes hashed here).  A row
+        never written since the file was made (its header all zeros) is not
         lost: it holds the zeros of a fresh tier, as an in-memory one would."""
-        bad = []
-        for r in dict.fromkeys(rows):
-            head = bytes(self.heads[r])
-            if head == _EMPTY_HEAD:
-                continue
-            ok = head[0:4] == MARK and ROW_HEAD.unpack(head)[2:4] == (self.gen, self.digest)
-            stored = head[32:48]
-            if not ok or (self.digests and stored != _NO_DIGEST and self._row_digest(r) != stored):
-                bad.append(r)
-        return bad
+        idx = np.fromiter(dict.fromkeys(rows), dtype=np.intp)
+        heads = self.heads[idx]
+        ok = self._checks(heads) | ~heads.any(axis=1)
+        if self.digests:
+            for i in np.flatnonzero(ok):
+                stored = bytes(heads[i, 32:48])
+                if stored != _NO_DIGEST and self._row_digest(int(idx[i])) != stored:
+                    ok[i] = False
+        return [int(r) for r in idx[~ok]]
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (views of ``data`` must be gone) and, if ``unlink``, remove the file."""
