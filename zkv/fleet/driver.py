@@ -97,7 +97,7 @@ class BusLink:
             return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"cannot make a client for it: {err}")
         left = deadline - time.monotonic()
         extra = dict(fields)
-        if kind != "status":
+        if kind != "status" or fields.get("wait_ranks"):
             # The broker's own deadline comes first, so that its word (which ranks lag) arrives before ours.
             word = min(BROKER_WORD_S, left / 4)
             extra["timeout_ms"] = max(1, min(int((left - word) * 1000), bounds.MAX_TIMEOUT_MS))

@@ -90,10 +90,13 @@ class Fleet:
         again to finish: running buses answer noop."""
         return self._run("resume", {"layout": dict(layout)} if layout else {}, timeout)
 
-    def status(self, timeout: float | None = None) -> FleetReport:
+    def status(self, timeout: float | None = None, wait_ranks: int = 0) -> FleetReport:
         """Every bus's status reply (``report[name].answer.reply``); never raises
-        for a bus that did not answer: its entry says why."""
-        return self._run("status", {}, timeout, raise_error=False)
+        for a bus that did not answer: its entry says why.  ``wait_ranks``:
+        each bus answers once that many of its ranks are up (or at the deadline)."""
+        if type(wait_ranks) is not int or wait_ranks < 0:
+            raise ValueError(f"wait_ranks {wait_ranks!r}: a count of ranks")
+        return self._run("status", {"wait_ranks": wait_ranks} if wait_ranks else {}, timeout, raise_error=False)
 
     # --- one operation -------------------------------------------------------------------
 
@@ -125,7 +128,7 @@ class Fleet:
         finally:
             self._busy.release()
         self.last_report = report
-        if self.record is not None:
+        if self.record is not None and op != "status":  # a record of what changed the buses, not of looks
             self._append(report)
         if raise_error and not report.ok:
             raise FleetError(report)

@@ -120,8 +120,9 @@ def _from_map(item: Any, index: int) -> BusSpec:
     )
 
 
-def load_fleet_file(path: str | Path) -> list[BusSpec]:
-    """The buses of a fleet file; ValueError naming the file and the fault."""
+def load_fleet_file(path: str | Path, defaults: Mapping[str, Any] | None = None) -> list[BusSpec]:
+    """The buses of a fleet file; ValueError naming the file and the fault.
+    ``defaults`` (the command line's Curve options) fill what the file leaves out."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
@@ -130,12 +131,12 @@ def load_fleet_file(path: str | Path) -> list[BusSpec]:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"fleet file {path} is not JSON: {err}") from None
     try:
-        return _parse(doc, path.parent)
+        return _parse(doc, path.parent, defaults or {})
     except ValueError as err:
         raise ValueError(f"fleet file {path}: {err}") from None
 
 
-def _parse(doc: Any, base: Path) -> list[BusSpec]:
+def _parse(doc: Any, base: Path, outer: Mapping[str, Any]) -> list[BusSpec]:
     if not isinstance(doc, dict):
         raise ValueError("the top level must be an object with a 'buses' list")
     unknown = sorted(set(doc) - _TOP_FIELDS)
@@ -147,7 +148,8 @@ def _parse(doc: Any, base: Path) -> list[BusSpec]:
     buses = doc.get("buses")
     if not isinstance(buses, list):
         raise ValueError("'buses' must be a list of buses")
-    defaults = {f: _path(base, doc[f], f) for f in CURVE_FIELDS if doc.get(f) is not None}
+    defaults = {f: v for f, v in outer.items() if v is not None}
+    defaults.update({f: _path(base, doc[f], f) for f in CURVE_FIELDS if doc.get(f) is not None})
     items = []
     for i, bus in enumerate(buses):
         if isinstance(bus, Mapping):
