@@ -258,3 +258,18 @@ def test_status_watch_redraws_the_fleet_table_until_sigterm(rig, tmp_path):
             proc.kill()
             proc.wait(5)
     assert sum(1 for s in seen if s.startswith("zkv status at")) >= 2, "".join(seen)
+
+
+def test_the_fleet_benchmark_reports_the_fleet_beside_the_slowest_single_pause(rig):
+    from zkv.harness.fleet_bench import measure, summary
+
+    res = measure(rig, rounds=2)
+    assert res["buses"] == 3 and res["rounds"] == 2 and res["ranks_per_bus"] == [1, 2]
+    for key in ("fleet_pause_ms", "slowest_single_pause_ms", "loop_of_single_pauses_ms"):
+        assert res[key]["n"] == 2 and 0 < res[key]["p50"] <= res[key]["max"]
+    assert res["slowest_single_pause_ms"]["p50"] <= res["loop_of_single_pauses_ms"]["p50"]
+    assert res["cpu_ms_per_fleet_pause"] > 0 and res["cpu_floor_ms"] == pytest.approx(
+        res["cpu_ms_per_fleet_pause"] / res["cores"], abs=0.01
+    )
+    text = summary(res)
+    assert "fleet / slowest single:" in text and "target <= 1.5x" in text

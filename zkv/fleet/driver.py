@@ -1,17 +1,21 @@
-"""The thin concurrent driver of a fleet operation: one thread per bus, each
-with that bus's own ``Client`` (a client is not thread-safe; a bus's client
-is used by one thread at a time), one monotonic deadline shared by all, and
-every wait bounded by what is left of it.  What to do next is asked of the
-sans-IO ``FleetOp`` (``decision.py``).
+"""The thin concurrent driver of a fleet operation: one thread per bus, kept
+for the fleet's life, that alone owns that bus's ``Client`` (a client is not
+thread-safe), one monotonic deadline shared by all buses, and every wait
+bounded by what is left of it.  What to do next is asked of the sans-IO
+``FleetOp`` (``decision.py``).
 
-A bus that does not answer in time is never waited on past the deadline,
-and its client is closed then (linger 0): a request still queued towards a
-broker that is down is dropped, never delivered to it when it comes back.
+The threads are started once: a thread start costs more than a pause's
+round trip on a loaded machine, and a fleet pause must cost about what the
+slowest bus's pause does.  A bus that does not answer in time is never
+waited on past the deadline, and its client is closed then (linger 0): a
+request still queued towards a broker that is down is dropped, never
+delivered to it when it comes back.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence, TypeVar
@@ -51,48 +55,98 @@ def _context(ranks_dir: str | None) -> zmq.Context:
         return ctx
 
 
+_NOBLOCK = int(zmq.NOBLOCK)
+_DOWN = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 class BusLink:
-    """One bus of a fleet and its client, made on first use and kept between operations."""
+    """One bus of a fleet: its thread, and its client (made on first use,
+    kept between operations, touched only by that thread).
+
+    Before a request the link looks for a listening broker (``certainly_absent``)
+    unless its connection is known to be up: the last request was answered
+    and the socket's monitor has not seen it drop since.  So a broker that
+    died is reported unreachable at once, and a healthy bus costs no probe."""
 
     def __init__(self, spec: BusSpec):
         self.spec = spec
         self._client: Client | None = None
-        self._lock = threading.Lock()
-        self.closed = False
+        self._monitor: zmq.Socket | None = None
+        self._up = False
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
 
-    def _checkout(self, timeout: float) -> Client:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is None:
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on this bus's thread (started on first use)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"zkv-fleet-{self.spec.name}", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+        self._drop()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread once its queued work is done; it closes the client."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _drop(self) -> None:
+        self._up = False
+        if self._client is not None:
+            if self._monitor is not None:
+                self._client.dealer.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
+            self._client.close()
+            self._client = None
+
+    def _connected(self, timeout: float) -> Client:
+        if self._client is None:
             curve = self.spec.curve()
             ctx = _context(self.spec.curve_ranks if curve is not None else None)
             if curve is None:
-                client = Client(self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout)
+                self._client = Client(self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout)
             else:
                 with _contexts_lock:  # a context's shared ZAP handler is set up by its first Curve client
-                    client = Client(
+                    self._client = Client(
                         self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout, curve=curve
                     )
-        return client
+            self._monitor = self._client.dealer.get_monitor_socket(_DOWN)
+        return self._client
 
-    def _checkin(self, client: Client) -> None:
-        with self._lock:
-            if self._client is None and not self.closed:
-                self._client = client
-                return
-        client.close()
+    def _still_up(self) -> bool:
+        """The connection answered last time and has not dropped since (drains the monitor)."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0):
+            frames = monitor.recv_multipart(_NOBLOCK)
+            if int.from_bytes(frames[0][:2], "little") & _DOWN:
+                self._up = False
+        return self._up
 
     def ask(self, kind: str, fields: dict[str, Any], deadline: float, t0: float) -> BusAnswer:
-        """Send one request and wait for its reply until ``deadline`` at most."""
+        """Send one request and wait for its reply until ``deadline`` at most (on this bus's thread)."""
         at = lambda: (time.monotonic() - t0) * 1000  # noqa: E731
         left = deadline - time.monotonic()
         if left <= 0:
             return BusAnswer(Answer.NO_REPLY, at(), "no_reply", "no time was left before the deadline")
-        why = certainly_absent(self.spec.broker, timeout=min(PROBE_S, left))
-        if why is not None:
-            return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"no broker answers at {self.spec.broker}: {why}")
+        if not self._still_up():
+            why = certainly_absent(self.spec.broker, timeout=min(PROBE_S, left))
+            if why is not None:
+                self._drop()
+                reason = f"no broker answers at {self.spec.broker}: {why}"
+                return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", reason)
         try:
-            client = self._checkout(left)
+            client = self._connected(left)
         except (ValueError, OSError, zmq.ZMQError) as err:  # a key file that cannot be read, an address in use
             return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"cannot make a client for it: {err}")
         left = deadline - time.monotonic()
@@ -105,24 +159,17 @@ class BusLink:
         try:
             reply = client.request(kind, max(0.0, deadline - time.monotonic()), **extra)
         except ZkvError as err:
-            if err.code in ("no_reply", "unreachable"):
-                client.close()  # drops what is still queued to it (linger 0)
-                answer = Answer.NO_REPLY if err.code == "no_reply" else Answer.UNREACHABLE
-                return BusAnswer(answer, at(), err.code, err.reason)
-            self._checkin(client)
-            return BusAnswer(Answer.ERROR, at(), err.code, err.reason)
+            if err.code not in ("no_reply", "unreachable"):
+                self._up = True
+                return BusAnswer(Answer.ERROR, at(), err.code, err.reason)
+            self._drop()  # drops what is still queued to it (linger 0)
+            answer = Answer.NO_REPLY if err.code == "no_reply" else Answer.UNREACHABLE
+            return BusAnswer(answer, at(), err.code, err.reason)
         except zmq.ZMQError as err:
-            client.close()
+            self._drop()
             return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"socket error: {err}")
-        self._checkin(client)
+        self._up = True
         return BusAnswer(Answer.NOOP if reply.get("noop") else Answer.OK, at(), reply=reply)
-
-    def close(self) -> None:
-        with self._lock:
-            self.closed = True
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
 
 
 def run(
@@ -135,32 +182,42 @@ def run(
     finish: Callable[[FleetOp], T],
 ) -> T:
     """Run ``fleet_op`` on every link at once and return ``finish(fleet_op)``
-    once every bus is done (or, should a thread outlive every bound, at the
-    last deadline: the report then names what is missing)."""
+    once it is settled (or, should a bus's thread outlive every bound, at the
+    last deadline: the report then names what is missing).
+
+    Nothing waits on the others: each answer is handed to ``fleet_op`` as it
+    comes, and a rollback it calls for is queued on that bus's thread at once
+    (a bus that acked is resumed as soon as another failed)."""
     cond = threading.Condition()
+    by_name = {link.spec.name: link for link in links}
+    started: set[str] = set()
+    over = False
     last = deadline + rollback_s + JOIN_GRACE_S
 
-    def bus(link: BusLink) -> None:
-        name = link.spec.name
-        answer = _ask(link, fleet_op.op, fields, deadline, t0)
+    def roll_back_what_is_due() -> None:  # under cond
+        for name in fleet_op.names:
+            if not over and name not in started and fleet_op.step(name) is Step.ROLLBACK:
+                started.add(name)
+                by_name[name].submit(lambda name=name: rollback(name))  # type: ignore[misc]
+
+    def forward(name: str) -> None:
+        answer = _ask(by_name[name], fleet_op.op, fields, deadline, t0)
         with cond:
             fleet_op.answered(name, answer)
+            roll_back_what_is_due()
             cond.notify_all()
-            while (step := fleet_op.step(name)) is Step.WAIT:
-                if not cond.wait(max(0.0, last - time.monotonic())):
-                    return
-        if step is Step.ROLLBACK:
-            back = _ask(link, "resume", {}, time.monotonic() + rollback_s, t0)
-            with cond:
-                fleet_op.rolled_back(name, back)
 
-    threads = [threading.Thread(target=bus, args=(link,), name=f"zkv-fleet-{link.spec.name}") for link in links]
-    for t in threads:
-        t.daemon = True
-        t.start()
-    for t in threads:
-        t.join(max(0.0, last - time.monotonic()))
+    def rollback(name: str) -> None:
+        back = _ask(by_name[name], "resume", {}, time.monotonic() + rollback_s, t0)
+        with cond:
+            fleet_op.rolled_back(name, back)
+            cond.notify_all()
+
+    for link in links:
+        link.submit(lambda name=link.spec.name: forward(name))  # type: ignore[misc]
     with cond:
+        cond.wait_for(lambda: fleet_op.settled, max(0.0, last - time.monotonic()))
+        over = True  # a straggler's answer after this starts nothing
         return finish(fleet_op)
 
 
