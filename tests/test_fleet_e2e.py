@@ -162,6 +162,8 @@ def test_a_bus_unreachable_from_the_start_is_reported_within_the_deadline(rig, t
             assert "no socket file" in report["gone"].answer.reason
             assert report["silent"].answer.answer is Answer.NO_REPLY and report["silent"].answer.at_ms <= 1100
             assert report["b0"].resumed and report["b2"].resumed
+            # resumed as soon as "gone" failed, while "silent" still had its second to answer
+            assert report["b0"].rollback.at_ms < report["silent"].answer.at_ms - 300
             assert [b.name for b in report.not_resumable()] == ["silent"]  # it may be paused: said so
             assert elapsed < 1.0 + 0.5 + 0.8, elapsed
             start = time.monotonic()
