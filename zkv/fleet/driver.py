@@ -192,7 +192,7 @@ def run(
     by_name = {link.spec.name: link for link in links}
     started: set[str] = set()
     over = False
-    last = deadline + rollback_s + JOIN_GRACE_S
+    last = deadline + rollback_s + 2 * JOIN_GRACE_S
 
     def roll_back_what_is_due() -> None:  # under cond
         for name in fleet_op.names:
@@ -203,6 +203,8 @@ def run(
     def forward(name: str) -> None:
         answer = _ask(by_name[name], fleet_op.op, fields, deadline, t0)
         with cond:
+            if name in fleet_op.answers:
+                return  # a straggler: the deadline already named it
             fleet_op.answered(name, answer)
             roll_back_what_is_due()
             cond.notify_all()
@@ -216,6 +218,12 @@ def run(
     for link in links:
         link.submit(lambda name=link.spec.name: forward(name))  # type: ignore[misc]
     with cond:
+        cond.wait_for(lambda: fleet_op.all_answered, max(0.0, deadline + JOIN_GRACE_S - time.monotonic()))
+        for name in fleet_op.names:  # a bus whose thread is still busy past every bound: no answer, in time
+            if name not in fleet_op.answers:
+                why = "no answer before the fleet's deadline (its thread was still busy)"
+                fleet_op.answered(name, BusAnswer(Answer.NO_REPLY, (time.monotonic() - t0) * 1000, "no_reply", why))
+        roll_back_what_is_due()
         cond.wait_for(lambda: fleet_op.settled, max(0.0, last - time.monotonic()))
         over = True  # a straggler's answer after this starts nothing
         return finish(fleet_op)
