@@ -107,7 +107,11 @@ class BusLink:
                 self._client.dealer.disable_monitor()
                 self._monitor.close(linger=0)
                 self._monitor = None
-            self._client.close()
+            if self._client.auth is not None:
+                with _contexts_lock:  # a Curve client's close releases its share of the context's ZAP handler
+                    self._client.close()
+            else:
+                self._client.close()
             self._client = None
 
     def _connected(self, timeout: float) -> Client:
