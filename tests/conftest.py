@@ -12,6 +12,7 @@ import pytest
 LONGEST_FIRST = (
     "test_tooling.py",  # mypy over the package
     "test_races_e2e.py",
+    "test_fleet_e2e.py",
     "test_recovery_e2e.py",
     "test_observability_cli.py",
     "test_gpu_check.py",

@@ -10,8 +10,9 @@ settings, no torch import).
 """
 
 from .client import Client
+from .fleet import Fleet, FleetError
 from .wire import CacheLayout, TaskOutcome
 from .wire.errors import ZkvError
 
-__all__ = ["Client", "ZkvError", "CacheLayout", "TaskOutcome"]
+__all__ = ["Client", "Fleet", "FleetError", "ZkvError", "CacheLayout", "TaskOutcome"]
 __version__ = "0.1.0"

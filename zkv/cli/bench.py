@@ -18,7 +18,9 @@ def _fmt(res: dict) -> str:
 
 
 @click.command()
-@click.argument("what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk"]), default="all")
+@click.argument(
+    "what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet"]), default="all"
+)
 @click.option(
     "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
 )
@@ -49,9 +51,20 @@ def _fmt(res: dict) -> str:
     show_envvar=True,
     help="disk: the directory the disk tier and the plain-file baseline write to.",
 )
-def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool, directory: str) -> None:
-    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, and ``disk``, which
-    writes to --dir, run only when named)."""
+@click.option(
+    "--buses",
+    type=click.IntRange(1, 64),
+    default=8,
+    show_default=True,
+    envvar="ZKV_BENCH_BUSES",
+    show_envvar=True,
+    help="fleet: how many buses (2 rank processes each) the fleet pause spans.",
+)
+def bench(
+    what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool, directory: str, buses: int
+) -> None:
+    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
+    writes to --dir, and ``fleet``, a fleet pause of --buses buses, run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -69,6 +82,13 @@ def bench(what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_c
 
         res = bench_disk(directory, rounds=2 if quick else 3, quick=quick, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else disk_summary(res))
+        return
+    if what == "fleet":
+        from ..harness.fleet_bench import bench_fleet
+        from ..harness.fleet_bench import summary as fleet_summary
+
+        res = bench_fleet(buses, rounds=8 if quick else 30, say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(res) if as_json else fleet_summary(res))
         return
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731

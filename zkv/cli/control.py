@@ -17,6 +17,7 @@ import click
 from ..net.endpoints import Endpoints
 from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
+from . import fleet as fleet_cli
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
 
@@ -36,12 +37,28 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def client_options(fn: Callable) -> Callable:
+    """The options of a command to one broker (``submit``)."""
+    return _client_options(fn, None)
+
+
+def fleet_options(handler: Callable) -> Callable[[Callable], Callable]:
+    """The options of a command that also drives a fleet: several ``--broker``
+    or ``--fleet FILE`` run ``handler`` (``cli/fleet.py``) over every bus."""
+    return lambda fn: _client_options(fn, handler)
+
+
+def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
+    broker_help = "Broker frontend address (ipc://PATH or tcp://HOST:PORT)."
+    if fleet_handler is not None:
+        broker_help += " Give it several times to act on every bus at once (a fleet)."
+
     @click.option(
         "--broker",
-        default=lambda: _DEFAULT().frontend,
+        default=(lambda: (_DEFAULT().frontend,)) if fleet_handler else (lambda: _DEFAULT().frontend),
+        multiple=fleet_handler is not None,
         envvar="ZKV_BROKER",
         show_envvar=True,
-        help="Broker frontend address (ipc://PATH or tcp://HOST:PORT).",
+        help=broker_help,
     )
     @click.option(
         "--timeout",
@@ -57,9 +74,17 @@ def client_options(fn: Callable) -> Callable:
     )
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
-    def wrapper(broker: str, timeout: float, as_json: bool, **kwargs: Any) -> None:
+    def wrapper(broker: Any, timeout: float, as_json: bool, **kwargs: Any) -> None:
         from ..client.client import Client, ZkvError
 
+        if fleet_handler is not None:
+            fleet_file = kwargs.pop("fleet_file")
+            if fleet_file or len(broker) > 1:
+                from .fleet import run_fleet
+
+                run_fleet(fleet_handler, broker, fleet_file, timeout, as_json, kwargs)
+                return
+            broker = broker[0]
         curve = curve_from(kwargs)
         if kwargs.get("watch") or kwargs.get("wait_ranks"):  # waits for a bus still coming up: only the address
             check_broker(broker, curve, probe=False)
@@ -78,7 +103,17 @@ def client_options(fn: Callable) -> Callable:
                 sys.exit(1)
             fail(err.reason, hint(err.code, broker, curve))
 
-    return wrapper
+    if fleet_handler is None:
+        return wrapper
+    return click.option(
+        "--fleet",
+        "fleet_file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        envvar="ZKV_FLEET",
+        show_envvar=True,
+        help="A fleet file (JSON: each bus's name, broker and Curve keys): act on every bus at once.",
+    )(wrapper)
 
 
 def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
@@ -89,7 +124,7 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 
 
 @click.command()
-@client_options
+@fleet_options(fleet_cli.status)
 @click.option(
     "--wait-ranks",
     type=int,
@@ -242,9 +277,17 @@ def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tie
 
 
 @click.command()
-@client_options
-def pause(client: Any, timeout: float, as_json: bool) -> None:
-    """Stop dispatch and wait until every rank drained its tasks."""
+@fleet_options(fleet_cli.pause)
+@click.option(
+    "--leave-paused",
+    is_flag=True,
+    envvar="ZKV_PAUSE_LEAVE_PAUSED",
+    show_envvar=True,
+    help="Several buses: a failed pause leaves the buses it paused paused (default: resumes them).",
+)
+def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool) -> None:
+    """Stop dispatch and wait until every rank drained its tasks (every bus, with several)."""
+    del leave_paused  # one bus: the broker itself runs a failed pause again (docs/protocol.md §8.3)
     r = client.pause(timeout)
     _print_reply(
         r,
@@ -254,7 +297,7 @@ def pause(client: Any, timeout: float, as_json: bool) -> None:
 
 
 @click.command()
-@client_options
+@fleet_options(fleet_cli.clear)
 @click.option(
     "--keep-cpu",
     is_flag=True,
@@ -276,7 +319,7 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 
 
 @click.command()
-@client_options
+@fleet_options(fleet_cli.resume)
 @click.option(
     "--gpu-blocks",
     type=int,

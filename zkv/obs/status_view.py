@@ -64,10 +64,11 @@ def _layout_lines(layout: dict[str, Any]) -> list[str]:
         f"model fields: {field['layers']} layers, {field['kv_heads']} kv heads, "
         f"{field['block_size']} tokens per block, head_dim {field['head_dim']}, {field['dtype']}"
     )
-    return ["", *_table(["layout", "blocks", "bytes per block", "per rank"], rows), model]
+    return ["", *table(["layout", "blocks", "bytes per block", "per rank"], rows), model]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns under a header and a rule (the fleet view uses it too)."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     fmt = lambda row: "  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
@@ -130,7 +131,7 @@ def render_status(st: dict[str, Any]) -> str:
                 rows.append([str(rank), "never registered", *["-"] * 9])
         rows.sort(key=lambda row: int(row[0]) if row[0].isdigit() else -1)
     header = ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "gpu cache", "cpu cache"]
-    lines += _table([*header, "undeliv.", "pid"], rows)
+    lines += table([*header, "undeliv.", "pid"], rows)
     lines += _disk_lines(st.get("ranks") or [])
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
@@ -145,16 +146,18 @@ def render_status(st: dict[str, Any]) -> str:
 
 
 def watch_status(
-    fetch: Callable[[], dict[str, Any]],
+    fetch: Callable[[], Any],
     out: TextIO,
     interval: float = 1.0,
     *,
     stop: threading.Event | None = None,
     iterations: int | None = None,
     clear: bool | None = None,
+    render: Callable[[Any], str] = render_status,
 ) -> int:
-    """Redraw ``render_status(fetch())`` every ``interval`` seconds until Ctrl-C,
-    ``stop`` is set, or ``iterations`` redraws; return the redraws.
+    """Redraw ``render(fetch())`` every ``interval`` seconds until Ctrl-C,
+    ``stop`` is set, or ``iterations`` redraws; return the redraws
+    (``render``: a fleet's table, ``fleet_view.render_fleet_status``).
 
     ``fetch`` is a bounded request (``client.status(timeout=...)``); a broker
     that does not answer is shown as such and the watch goes on.  Between
@@ -166,7 +169,7 @@ def watch_status(
     try:
         while not stop.is_set():
             try:
-                body = render_status(fetch())
+                body = render(fetch())
             except Exception as err:  # noqa: BLE001 — a watch outlives a broker restart
                 body = f"broker not answering: {getattr(err, 'reason', None) or err}"
             stamp = time.strftime("%H:%M:%S")

@@ -1,0 +1,114 @@
+"""The fleet forms of ``zkv status``, ``pause``, ``clear`` and ``resume``:
+several ``--broker`` options or ``--fleet FILE`` act on every bus at once
+through ``zkv.Fleet`` (docs/deploy.md, "A fleet of buses"): one deadline,
+all or nothing, one row per bus.  ``--json`` prints the fleet record of an
+operation, or one status object per bus (one a line)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable
+
+import click
+
+from ..fleet import Fleet, FleetError, FleetReport, load_fleet_file
+from ..fleet.spec import CURVE_FIELDS, fleet_of
+from ..obs.fleet_view import render_fleet_report, render_fleet_status
+from .options import fail, sigterm_as_interrupt
+from .reach import usage_error
+
+
+def run_fleet(
+    handler: Callable, brokers: tuple[str, ...], fleet_file: str | None, timeout: float, as_json: bool, kw: dict
+) -> None:
+    """Build the fleet from ``--broker`` options or ``--fleet`` (the Curve
+    options are every bus's default) and run ``handler`` over it."""
+    curve = {f: kw.pop(f, None) for f in CURVE_FIELDS}
+    from click.core import ParameterSource
+
+    given = click.get_current_context().get_parameter_source("broker")
+    if fleet_file and given is ParameterSource.COMMANDLINE:
+        usage_error("give the buses as --fleet FILE or as --broker options, not both")
+    try:
+        specs = load_fleet_file(fleet_file, curve) if fleet_file else fleet_of(brokers, curve)
+        fleet = Fleet(specs, timeout=timeout)
+    except ValueError as err:
+        usage_error(str(err))
+    with fleet:
+        handler(fleet, timeout, as_json, **kw)
+
+
+def status_rows(report: FleetReport) -> list[dict[str, Any]]:
+    """Per bus, what ``zkv status --json`` prints for it, named; or why it did not answer."""
+    rows = []
+    for b in report.buses:
+        row: dict[str, Any] = {"bus": b.name, "broker": b.broker, "ok": b.answer.ok, "ms": round(b.answer.at_ms, 3)}
+        if b.answer.ok:
+            row.update((k, v) for k, v in b.answer.reply.items() if k not in ("v", "kind", "req", "op"))
+        else:
+            row.update(code=b.answer.label, reason=b.answer.reason)
+        rows.append(row)
+    return rows
+
+
+def status(fleet: Fleet, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
+    from ..obs.status_view import watch_status
+
+    if watch:
+        if as_json:
+            raise click.UsageError("--watch draws the table; for JSON, run zkv status --json repeatedly")
+        sigterm_as_interrupt()
+        bound = min(timeout, max(interval, 1.0))
+        watch_status(lambda: status_rows(fleet.status(bound)), sys.stdout, interval, render=render_fleet_status)
+        return
+    rows = status_rows(fleet.status(timeout, wait_ranks))
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row, default=str))
+    else:
+        click.echo(render_fleet_status(rows))
+    silent = [r["bus"] for r in rows if not r["ok"]]
+    if silent:
+        if not as_json:
+            click.echo(f"zkv: error: {len(silent)} of {len(rows)} buses did not answer: {', '.join(silent)}", err=True)
+        sys.exit(1)
+
+
+def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
+    try:
+        report = call()
+    except FleetError as err:
+        report = err.report
+    record = report.to_json()
+    click.echo(json.dumps(record, default=str) if as_json else render_fleet_report(record))
+    if report.ok:
+        return
+    if as_json:
+        sys.exit(1)
+    failed = ", ".join(b.name for b in report.failed())
+    stuck = report.not_resumable()
+    what = f"fleet {report.op} failed on {failed}"
+    if report.op == "pause":
+        left = "left paused" if report.on_failure == "stay" else "resumed"
+        what += f"; the buses it paused were {left}"
+        if stuck:
+            what += f", except {', '.join(b.name for b in stuck)} (state unknown: see above)"
+        fail(what, "fix what the rows above name, then run the same command again")
+    codes = {b.answer.code for b in report.failed()}
+    if report.op == "clear" and "not_paused" in codes:
+        fail(what, "run zkv pause on the same buses first")
+    fail(what, "run the same command again once the buses above answer: buses already there answer noop")
+
+
+def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool) -> None:
+    _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else "resume"), as_json)
+
+
+def clear(fleet: Fleet, timeout: float, as_json: bool, keep_cpu: bool) -> None:
+    _finish(lambda: fleet.clear(keep_cpu=keep_cpu, timeout=timeout), as_json)
+
+
+def resume(fleet: Fleet, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
+    layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
+    _finish(lambda: fleet.resume(layout or None, timeout), as_json)
