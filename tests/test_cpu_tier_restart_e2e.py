@@ -1,6 +1,7 @@
 """A rank's CPU tier outlives the rank process (docs/protocol.md §8.2,
 §10.1), on real worker processes and real tier files: kill -9 a worker
-after a swap_out, tear one block's header while it is down, restart it."""
+after a swap_out, tear one block's header while it is down, restart it;
+the same for a worker attached to an engine process's memory."""
 
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 import pytest
 from waits import wait_for
 
+from zkv.harness.attached_cluster import AttachedCluster
 from zkv.harness.cluster import LocalCluster
 from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout
@@ -96,6 +98,40 @@ def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
         assert "rank 0" in listing and "held by pid" in listing and "rank 1" in listing and "orphan" in listing
         assert "1 orphaned CPU tier(s) removed" in zkv("clean")
         assert [t.rank for t in list_tiers(str(tier_dir))] == [0], "a live worker's tier is never removed"
+    finally:
+        c.stop()
+    assert list(list_tiers(str(tier_dir))) == []
+
+
+def test_an_attached_worker_killed_after_swap_out_maps_its_cpu_tier_again_and_serves_the_exact_blocks(
+    tmp_path, tier_dir
+):
+    """``zkv worker --attach`` keeps its CPU tier in a tier file too: a restart
+    attached to the same engine memory serves the blocks it swapped out."""
+    layout = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)
+    c = AttachedCluster(2, layout, directory=tmp_path / "z", quiet=True, broker_args=FAST, worker_args=FAST[2:4])
+    try:
+        c.start(timeout=120)
+        src, rows, dst = [3, 4, 5], [0, 1, 7], [12, 13, 14]
+        with c.client(request_timeout=15) as client:
+            before = [c.engines[r].digest(src) for r in range(2)]
+            assert client.run("swap_out", src, rows, timeout=10).ok
+            assert [t.rank for t in list_tiers(str(tier_dir)) if t.owned] == [0, 1], "tier files, held"
+
+            c.kill_worker(1)
+            for engine in c.engines.values():  # the engines' memory is no longer what was swapped out
+                assert engine.ask("scribble 9") == "ok"
+            c.start_worker(1)  # attached to the same engine's manifest
+            st = wait_for(
+                client,
+                lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+                "the restarted attached rank",
+                timeout=60,
+            )
+            assert st["cpu_gen"] == 0 and "CPU blocks kept" in st["gen_reason"], st["gen_reason"]
+            back = client.run("swap_in", rows, dst, timeout=10)
+            assert back.ok and client.gen == 1 and client.cpu_gen == 0, back.reason
+            assert [c.engines[r].digest(dst) for r in range(2)] == before, "the exact bytes, on both ranks"
     finally:
         c.stop()
     assert list(list_tiers(str(tier_dir))) == []

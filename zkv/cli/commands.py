@@ -289,7 +289,8 @@ def broker(
     "instead of allocating a cache; --cpu-blocks sizes zkv's CPU tier. Without other layout options the "
     "rank announces the layout of the engine's memory (its block count and bytes per block); layout "
     "options given must agree with that memory, else the worker exits naming both. On resume the "
-    "manifest is read again and must carry a newer cache.",
+    "manifest is read again and must carry a newer cache. The CPU tier and disk tier options apply as "
+    "to any worker: a restart attached to the same engine maps its CPU tier again.",
 )
 @disk_options
 @tier_options
@@ -319,20 +320,16 @@ def worker(
     curve, disk = curve_from(kw), disk_from(kw)
     from ..rank import attach_rank
 
+    tiers = None if tier_dir in ("", "none") else tier_dir
+    opts = {"liveness_ms": liveness_ms, "curve": curve, "disk": disk, "tier_dir": tiers, "tier_digests": tier_digests}
     try:
         if manifest is None:
-            tiers = None if tier_dir in ("", "none") else tier_dir
-            opts = {"device": device, "liveness_ms": liveness_ms, "curve": curve, "disk": disk}
-            w = RankWorker(
-                rank, world_size, backend, control, layout, tier_dir=tiers, tier_digests=tier_digests, **opts
-            )
+            w = RankWorker(rank, world_size, backend, control, layout, device=device, **opts)
         else:
             claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
-            w = attach_rank(
-                manifest, rank, world_size, backend, control, claim, liveness_ms=liveness_ms, curve=curve, disk=disk
-            )
+            w = attach_rank(manifest, rank, world_size, backend, control, claim, **opts)
     except CacheError as err:
-        if manifest is None:
+        if manifest is None or err.code in ("tier_in_use", "disk_busy"):
             fail(
                 f"rank {rank} cannot open its tiers: {err}",
                 "is another worker of this rank running (--tier-dir, --disk-dir)?",
