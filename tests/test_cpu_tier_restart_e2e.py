@@ -10,10 +10,12 @@ import sys
 import time
 
 import pytest
+from scrapes import free_port, scrape, value
 from waits import wait_for
 
 from zkv.harness.attached_cluster import AttachedCluster
 from zkv.harness.cluster import LocalCluster
+from zkv.obs.status_view import render_status
 from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout
 
@@ -39,7 +41,9 @@ def tear_header(path, rows: int, row_bytes: int, row: int) -> None:
 def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generation_and_a_torn_one_fails(
     tmp_path, tier_dir
 ):
-    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
+    port = free_port()
+    broker = [*FAST, "--metrics-port", str(port)]
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=broker, worker_args=["--liveness-ms", "1000"])
     try:
         c.start(timeout=60)
         with c.client(request_timeout=15) as client, c.client(request_timeout=15) as other:
@@ -74,8 +78,19 @@ def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generatio
             torn = other.run("swap_in", [11], [6], timeout=10)
             assert torn.outcome == "failed" and "lost_block" in torn.reason and "[11]" in torn.reason
             assert torn.per_rank[0]["outcome"] == "ok", "rank 0's block 11 is intact"
-            stats = wait_for(client, lambda s: s["ranks"][1]["stats"].get("cpu_digest_failures"), "the stats")
-            assert stats["ranks"][1]["stats"]["cpu_blocks_valid"] == 2
+            st = wait_for(client, lambda s: s["ranks"][1]["stats"]["cpu_tier"]["digest_failures"], "the stats")
+            tier = st["ranks"][1]["stats"]["cpu_tier"]
+            assert tier["used"] == 2 and tier["kept"] and tier["file"] == str(mine.path)
+            lines = render_status(st).splitlines()
+            kept = f"rank 1 cpu: 2/64 blocks (32.0 KiB, kept from an earlier process, file {mine.path}, "
+            kept += "1 digest failures)"
+            assert kept in lines
+            assert any(x.startswith("rank 0 cpu: ") and ", fresh, " in x for x in lines), "rank 0 never restarted"
+            metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="cpu") == 1
+            assert value(metrics, "zkv_tier_kept", rank="0", tier="cpu") == 0
+            assert value(metrics, "zkv_tier_blocks_used", rank="1", tier="cpu") == 2
+            assert value(metrics, "zkv_tier_digest_failures_total", rank="1", tier="cpu") == 1
     finally:
         c.stop()
     assert list(list_tiers(str(tier_dir))) == [], "a clean stop leaves no CPU tier behind"

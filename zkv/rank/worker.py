@@ -180,8 +180,8 @@ class RankWorker:
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
         tier = self.cache.tier
-        if tier is not None and tier.file is not None:  # a persistent CPU tier: what it holds, what failed
-            s.update(cpu_blocks_valid=tier.valid_rows(), cpu_digest_failures=tier.digest_failures)
+        if tier is not None:  # what the CPU tier holds, whether it outlived a process, what failed
+            s["cpu_tier"] = tier.to_stats(self.cache.restored)
         if self.cache.disk is not None:
             s["disk"] = self.cache.disk.to_stats()
         return s
