@@ -37,6 +37,7 @@ import zmq
 from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
+from ..obs import startup
 from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp
@@ -195,6 +196,7 @@ class RankWorker:
         core = self.core
         core.registration.host = socket.gethostname()[:255]  # POSIX HOST_NAME_MAX
         self._act(core.start(time.monotonic(), pid=os.getpid()))
+        startup.mark("ready")
         try:
             while True:
                 events = dict(poller.poll(int(max(1.0, core.next_deadline(time.monotonic()) * 1000))))
@@ -211,6 +213,7 @@ class RankWorker:
                 self._act(core.on_tick(time.monotonic()))
                 self._flush_dones()
                 if core.registered and not self.registered.is_set():
+                    startup.mark("welcome")
                     self.registered.set()
         finally:
             self.executor.work.put(None)
@@ -269,7 +272,9 @@ class RankWorker:
             rep = reports.popleft()  # appended before its frame was sent
             inline.queued -= 1
             if isinstance(rep, Finished):
+                startup.mark("first_task")
                 return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
+            startup.mark("cache")
             return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
 
         self._drain(self.reports, handle)
@@ -286,6 +291,7 @@ class RankWorker:
                         self._flush_dones()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
+                    startup.mark("first_task")
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
                 else:
                     inline.queued += 1
