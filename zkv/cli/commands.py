@@ -1,7 +1,8 @@
-"""The ``zkv`` command group and the commands that run the bus's processes:
-``broker``, ``worker`` and ``keygen`` (``up`` starts them all in ``up.py``; the
-client commands are in ``control.py``, ``bench`` and ``trace`` in modules of
-their own).
+"""The ``zkv`` command group, the rank worker and ``keygen``.  Every other
+command lives in a module of its own, loaded when it runs (``broker`` in
+``broker_command.py``, ``up`` in ``up.py``, the client commands in
+``control.py``, ``bench``, ``trace``, ...), so a worker's start imports what
+a rank needs and nothing of the broker, the tools or the benchmarks.
 
 Every option has an environment-variable fallback (shown in ``--help``).
 """
