@@ -6,13 +6,14 @@ serves the exact blocks), and the restart benchmark's phase report."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 from profiles import long_e2e
 
 from zkv.harness.restart_bench import Bus, _phases, bench_restart, summary
-from zkv.rank.rank_lock import RankBusy, RankLock
+from zkv.rank.rank_lock import RankBusy, RankLock, clean_locks
 from zkv.rank.tier_file import TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout
 
@@ -26,7 +27,8 @@ def test_a_held_rank_lock_refuses_a_second_holder_and_a_waiter_gets_it_when_the_
     with pytest.raises(RankBusy) as busy:
         second.acquire()
     assert busy.value.pid > 0 and "zkv-rank-bus-r3.lock" in str(busy.value)
-    assert RankLock(TierPlace("bus", 4, str(tmp_path))).acquire() is None, "another rank has a lock of its own"
+    other = RankLock(TierPlace("bus", 4, str(tmp_path)))
+    other.acquire()  # another rank has a lock of its own
 
     waited, got = threading.Event(), threading.Event()
     waiter = threading.Thread(target=lambda: (second.acquire(True, lambda pid: waited.set()), got.set()))
@@ -38,8 +40,16 @@ def test_a_held_rank_lock_refuses_a_second_holder_and_a_waiter_gets_it_when_the_
     assert first.path.exists()
     with pytest.raises(RankBusy):
         RankLock(place).acquire()
+    assert clean_locks(str(tmp_path), "bus") == [], "a held lock is never removed"
     second.release()
     assert not first.path.exists()
+    left = RankLock(place)
+    left.acquire()
+    left._fd, fd = -1, left._fd  # as a killed worker leaves it: the file stays, nobody holds it
+    os.close(fd)
+    assert clean_locks(str(tmp_path), "other") == [] and clean_locks(str(tmp_path)) == [first.path]
+    assert other.path.exists(), "rank 4's lock is held"
+    other.release()
 
 
 def test_a_standby_worker_takes_over_a_killed_one_and_serves_its_cpu_and_disk_blocks_exact(tmp_path):

@@ -159,11 +159,13 @@ class LocalCluster:
                 p.kill()
                 codes[name] = p.wait(timeout=5)
         # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
+        from ..rank.rank_lock import clean_locks
         from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
 
         where = self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
         if where != "none":
             clean_tiers(where, bus_name(self.endpoints.backend))
+            clean_locks(where, bus_name(self.endpoints.backend))  # those of workers killed and not restarted
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
         return codes

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..rank.rank_lock import RankLock
-from ..rank.tier_file import DEFAULT_DIR, TierPlace, bus_name, clean_tiers
+from ..rank.rank_lock import clean_locks
+from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers
 from ..wire.layout import CacheLayout
 from .cluster import LocalCluster, layout_args
 
@@ -269,7 +269,7 @@ def bench_restart(
         if buses:  # the last worker was killed: its tier file and lock stay behind
             name = bus_name(buses[0].cluster.endpoints.backend)
             clean_tiers(tier_dir, name)
-            RankLock(TierPlace(name, 0, tier_dir)).path.unlink(missing_ok=True)
+            clean_locks(tier_dir, name)
         shutil.rmtree(work, ignore_errors=True)
     return {
         "tier_bytes": layout.cpu_blocks * layout.block_bytes,

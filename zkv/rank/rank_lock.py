@@ -86,6 +86,35 @@ class RankLock:
         self._fd = -1
 
 
+def clean_locks(directory: str, bus: str | None = None) -> list[Path]:
+    """Remove the rank locks (of ``bus``, when given) no live worker holds: those a
+    killed worker left; return their paths."""
+    removed: list[Path] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX) or not name.endswith(".lock"):
+            continue
+        if bus is not None and not name.startswith(f"{PREFIX}{bus}-r"):
+            continue
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink(missing_ok=True)  # a waiter that then locks the unlinked file takes the path's
+            removed.append(path)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def _holder(fd: int) -> int:
     try:
         return int(os.pread(fd, 16, 0).split()[0])
@@ -93,4 +122,4 @@ def _holder(fd: int) -> int:
         return 0
 
 
-__all__ = ["RankBusy", "RankLock"]
+__all__ = ["RankBusy", "RankLock", "clean_locks"]
