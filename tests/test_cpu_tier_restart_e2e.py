@@ -1,6 +1,7 @@
 """A rank's CPU tier outlives the rank process (docs/protocol.md §8.2,
 §10.1), on real worker processes and real tier files: kill -9 a worker
-after a swap_out, tear one block's header while it is down, restart it."""
+after a swap_out, tear one block's header while it is down, restart it;
+the same for a worker attached to an engine process's memory."""
 
 import os
 import signal
@@ -9,9 +10,12 @@ import sys
 import time
 
 import pytest
+from scrapes import free_port, scrape, value
 from waits import wait_for
 
+from zkv.harness.attached_cluster import AttachedCluster
 from zkv.harness.cluster import LocalCluster
+from zkv.obs.status_view import render_status
 from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout
 
@@ -37,7 +41,9 @@ def tear_header(path, rows: int, row_bytes: int, row: int) -> None:
 def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generation_and_a_torn_one_fails(
     tmp_path, tier_dir
 ):
-    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
+    port = free_port()
+    broker = [*FAST, "--metrics-port", str(port)]
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=broker, worker_args=["--liveness-ms", "1000"])
     try:
         c.start(timeout=60)
         with c.client(request_timeout=15) as client, c.client(request_timeout=15) as other:
@@ -72,8 +78,19 @@ def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generatio
             torn = other.run("swap_in", [11], [6], timeout=10)
             assert torn.outcome == "failed" and "lost_block" in torn.reason and "[11]" in torn.reason
             assert torn.per_rank[0]["outcome"] == "ok", "rank 0's block 11 is intact"
-            stats = wait_for(client, lambda s: s["ranks"][1]["stats"].get("cpu_digest_failures"), "the stats")
-            assert stats["ranks"][1]["stats"]["cpu_blocks_valid"] == 2
+            st = wait_for(client, lambda s: s["ranks"][1]["stats"]["cpu_tier"]["digest_failures"], "the stats")
+            tier = st["ranks"][1]["stats"]["cpu_tier"]
+            assert tier["used"] == 2 and tier["kept"] and tier["file"] == str(mine.path)
+            lines = render_status(st).splitlines()
+            kept = f"rank 1 cpu: 2/64 blocks (32.0 KiB, kept from an earlier process, file {mine.path}, "
+            kept += "1 digest failures)"
+            assert kept in lines
+            assert any(x.startswith("rank 0 cpu: ") and ", fresh, " in x for x in lines), "rank 0 never restarted"
+            metrics = scrape(f"http://127.0.0.1:{port}/metrics")
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="cpu") == 1
+            assert value(metrics, "zkv_tier_kept", rank="0", tier="cpu") == 0
+            assert value(metrics, "zkv_tier_blocks_used", rank="1", tier="cpu") == 2
+            assert value(metrics, "zkv_tier_digest_failures_total", rank="1", tier="cpu") == 1
     finally:
         c.stop()
     assert list(list_tiers(str(tier_dir))) == [], "a clean stop leaves no CPU tier behind"
@@ -96,6 +113,39 @@ def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
         assert "rank 0" in listing and "held by pid" in listing and "rank 1" in listing and "orphan" in listing
         assert "1 orphaned CPU tier(s) removed" in zkv("clean")
         assert [t.rank for t in list_tiers(str(tier_dir))] == [0], "a live worker's tier is never removed"
+    finally:
+        c.stop()
+    assert list(list_tiers(str(tier_dir))) == []
+
+
+def test_an_attached_worker_killed_after_swap_out_maps_its_cpu_tier_again_and_serves_the_exact_blocks(
+    tmp_path, tier_dir
+):
+    """``zkv worker --attach`` keeps its CPU tier in a tier file too: a restart
+    attached to the same engine memory serves the blocks it swapped out."""
+    layout = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)
+    c = AttachedCluster(1, layout, directory=tmp_path / "z", quiet=True, broker_args=FAST, worker_args=FAST[2:4])
+    try:
+        c.start(timeout=120)
+        src, rows, dst = [3, 4, 5], [0, 1, 7], [12, 13, 14]
+        with c.client(request_timeout=15) as client:
+            before = c.engines[0].digest(src)
+            assert client.run("swap_out", src, rows, timeout=10).ok
+            assert [t.rank for t in list_tiers(str(tier_dir)) if t.owned] == [0], "a tier file, held"
+
+            c.kill_worker(0)
+            assert c.engines[0].ask("scribble 9") == "ok"  # the engine's memory is no longer what was swapped out
+            c.start_worker(0)  # attached to the same engine's manifest
+            st = wait_for(
+                client,
+                lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+                "the restarted attached rank",
+                timeout=60,
+            )
+            assert st["cpu_gen"] == 0 and "CPU blocks kept" in st["gen_reason"], st["gen_reason"]
+            back = client.run("swap_in", rows, dst, timeout=10)
+            assert back.ok and client.gen == 1 and client.cpu_gen == 0, back.reason
+            assert c.engines[0].digest(dst) == before, "the exact bytes"
     finally:
         c.stop()
     assert list(list_tiers(str(tier_dir))) == []

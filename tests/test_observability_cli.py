@@ -14,15 +14,16 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from profiles import long_e2e
-from prometheus_client.parser import text_string_to_metric_families
+from scrapes import free_port, scrape, value
 
 from zkv import Client
 from zkv.net.endpoints import Endpoints
+from zkv.rank.cache import disk_io
+from zkv.rank.tier_file import HEADER_BYTES, list_tiers
 
 LAYOUT_ARGS = [
     "--layers",
@@ -41,40 +42,32 @@ LAYOUT_ARGS = [
 BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x block_size x kv_heads x head_dim x bf16
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def zkv(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
     )
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        assert resp.status == 200
-        text = resp.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
+DISK_BLOCKS = 96
 
 
 @pytest.fixture(scope="module")
-def bus(tmp_path_factory):
-    """``zkv up`` with 2 ranks and a metrics port; yields (frontend, metrics url)."""
+def tier_dirs(tmp_path_factory):
+    """Where the ranks of ``bus`` keep their CPU tier files and disk tier files."""
+    base = tmp_path_factory.mktemp("tiers")
+    return base / "cpu", base / "disk"
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory, tier_dirs):
+    """``zkv up`` with 2 ranks, a metrics port, CPU tier files (with digests) and
+    disk tiers in directories of their own; yields (frontend, metrics url)."""
     directory = tmp_path_factory.mktemp("up")
     port = free_port()
+    tiers = ["--tier-dir", str(tier_dirs[0]), "--tier-digests", "--disk-dir", str(tier_dirs[1])]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zkv", "up", "--ranks", "2", "--runtime-dir", str(directory), *LAYOUT_ARGS],
+        [sys.executable, "-m", "zkv", "up", "--ranks", "2", "--runtime-dir", str(directory), *LAYOUT_ARGS, *tiers]
+        + ["--disk-blocks", str(DISK_BLOCKS)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -90,6 +83,68 @@ def bus(tmp_path_factory):
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"metrics at http://127.0.0.1:{port}/metrics" in err
+    assert list(list_tiers(str(tier_dirs[0]))) == [], "zkv up's clean stop removes the CPU tier files it made"
+
+
+def corrupt(path: Path, offset: int, n: int = 64) -> None:
+    """Bytes changed behind zkv's back (the rank holds the file open)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in f.read(n)))
+        f.flush()
+
+
+def test_up_gives_every_rank_its_tiers_and_status_and_metrics_show_each_tier(bus, tier_dirs):
+    """Rows 40-43 filled and spilled, two loaded back, then one CPU row and one
+    disk block corrupted on each rank: the scrape and ``zkv status`` show each
+    tier's blocks, bytes, mode and digest failures, and the spill and load times."""
+    frontend, url = bus
+    cpu_dir, disk_dir = tier_dirs
+    files = {t.rank: t for t in list_tiers(str(cpu_dir))}
+    assert sorted(files) == [0, 1] and all(t.owned for t in files.values()), "a held tier file per rank"
+    assert sorted(p.name for p in disk_dir.iterdir()) == ["zkv-rank0.disk", "zkv-rank1.disk"]
+    before = scrape(url)
+    with Client(frontend) as client:
+        assert client.run("fill", None, [40, 41, 42, 43], tier="cpu", seed=4, timeout=30).ok
+        assert client.run("spill", [40, 41, 42, 43], [10, 11, 12, 13], timeout=30).ok
+        assert client.run("load", [10, 11], [50, 51], timeout=30).ok
+        direct = client.status()["ranks"][0]["stats"]["disk"]["direct"]
+        slot = disk_io.align_up(BLOCK_BYTES) if direct else BLOCK_BYTES
+        for rank, tier in files.items():
+            corrupt(tier.path, HEADER_BYTES + 43 * tier.row_bytes)
+            corrupt(disk_dir / f"zkv-rank{rank}.disk", disk_io.ALIGN + disk_io.align_up(DISK_BLOCKS * 32) + 13 * slot)
+        lost = client.run("swap_in", [43], [5], timeout=30)
+        assert lost.outcome == "failed" and "lost_block" in lost.reason, lost.reason
+        torn = client.run("load", [13], [52], timeout=30)
+        assert torn.outcome == "failed" and "disk_lost" in torn.reason, torn.reason
+        client.pause()  # the acks carry the ranks' fresh stats
+        mid = scrape(url)
+        text = zkv("status", "--broker", frontend).stdout
+        client.resume()
+
+    def delta(name: str, **labels: str) -> float:
+        return value(mid, name, **labels) - before.get((name, tuple(sorted(labels.items()))), 0)
+
+    for rank in ("0", "1"):
+        cpu, disk = {"rank": rank, "tier": "cpu"}, {"rank": rank, "tier": "disk"}
+        assert value(mid, "zkv_tier_blocks", **cpu) == 64 and value(mid, "zkv_tier_blocks", **disk) == DISK_BLOCKS
+        assert delta("zkv_tier_blocks_used", **cpu) == 5, "4 filled, 2 loaded, 1 lost"
+        assert delta("zkv_tier_blocks_used", **disk) == 4
+        assert value(mid, "zkv_tier_digest_failures_total", **cpu) == 1
+        assert value(mid, "zkv_tier_digest_failures_total", **disk) == 1
+        assert value(mid, "zkv_tier_kept", **cpu) == 0 and value(mid, "zkv_tier_kept", **disk) == 0
+        assert value(mid, "zkv_cache_bytes", **cpu) == 64 * BLOCK_BYTES
+        assert value(mid, "zkv_cache_bytes", **disk) >= DISK_BLOCKS * BLOCK_BYTES
+        assert value(mid, "zkv_disk_direct", rank=rank) == (1 if direct else 0)
+        assert value(mid, "zkv_disk_io_errors_total", rank=rank, io="read") == 0
+        assert delta("zkv_copy_seconds_count", rank=rank, op="spill") == 1
+        assert delta("zkv_copy_seconds_count", rank=rank, op="load") == 1, "the failed load is not timed"
+        assert value(mid, "zkv_copy_seconds_sum", rank=rank, op="load") > 0
+        line = next(x for x in text.splitlines() if x.startswith(f"rank {rank} cpu: "))
+        assert "fresh" in line and f"file {files[int(rank)].path}, digests" in line and "1 digest failures" in line
+        line = next(x for x in text.splitlines() if x.startswith(f"rank {rank} disk: "))
+        assert f"/{DISK_BLOCKS} blocks" in line and ("O_DIRECT" if direct else "buffered") in line
+        assert "1 digest failures" in line
 
 
 def test_metrics_endpoint_counts_known_work(bus):

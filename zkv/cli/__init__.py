@@ -8,7 +8,11 @@
 
 import warnings
 
-from .commands import main
+from ..obs import startup
+
+startup.mark("interpreter")  # the first zkv code a process runs (zkv worker --startup-times)
+
+from .commands import main  # noqa: E402
 
 __all__ = ["main", "run"]
 

@@ -19,7 +19,9 @@ def _fmt(res: dict) -> str:
 
 @click.command()
 @click.argument(
-    "what", type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet"]), default="all"
+    "what",
+    type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart"]),
+    default="all",
 )
 @click.option(
     "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
@@ -49,7 +51,7 @@ def _fmt(res: dict) -> str:
     show_default=True,
     envvar="ZKV_BENCH_DIR",
     show_envvar=True,
-    help="disk: the directory the disk tier and the plain-file baseline write to.",
+    help="disk, restart: the directory the disk tier (and disk's plain-file baseline) write to.",
 )
 @click.option(
     "--buses",
@@ -60,11 +62,28 @@ def _fmt(res: dict) -> str:
     show_envvar=True,
     help="fleet: how many buses (2 rank processes each) the fleet pause spans.",
 )
+@click.option(
+    "--tier-gib",
+    type=click.FloatRange(0.01, 1024),
+    default=1.0,
+    show_default=True,
+    envvar="ZKV_BENCH_TIER_GIB",
+    show_envvar=True,
+    help="restart: the CPU tier's size (the disk tier holds a quarter as many blocks); --quick: 1/16 of it.",
+)
 def bench(
-    what: str, quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool, directory: str, buses: int
+    what: str,
+    quick: bool,
+    as_json: bool,
+    plot_png: str | None,
+    metrics_cost: bool,
+    directory: str,
+    buses: int,
+    tier_gib: float,
 ) -> None:
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
-    writes to --dir, and ``fleet``, a fleet pause of --buses buses, run only when named)."""
+    writes to --dir, ``fleet``, a fleet pause of --buses buses, and ``restart``, a rank killed and
+    started again, run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -89,6 +108,14 @@ def bench(
 
         res = bench_fleet(buses, rounds=8 if quick else 30, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else fleet_summary(res))
+        return
+    if what == "restart":
+        from ..harness.restart_bench import bench_restart
+        from ..harness.restart_bench import summary as restart_summary
+
+        tier = int(tier_gib * 2**30 / (16 if quick else 1))
+        res = bench_restart(tier, tier // 4, 1 if quick else 3, directory, say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(res) if as_json else restart_summary(res))
         return
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731

@@ -52,10 +52,16 @@ def list_cmd(tier_dir: str, as_json: bool) -> None:
 @_DIR
 @click.option("--bus", default=None, help="Only this bus's tiers (the id in the file names).")
 def clean(tier_dir: str, bus: str | None) -> None:
-    """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier)."""
+    """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier),
+    and the rank locks killed workers left."""
+    from ..rank.rank_lock import clean_locks
     from ..rank.tier_file import clean_tiers
 
     removed = clean_tiers(tier_dir, bus)
     for path in removed:
         click.echo(f"removed {path}")
-    click.echo(f"{len(removed)} orphaned CPU tier(s) removed from {tier_dir}")
+    locks = clean_locks(tier_dir, bus)
+    click.echo(
+        f"{len(removed)} orphaned CPU tier(s) removed from {tier_dir}"
+        + (f", {len(locks)} rank lock(s)" if locks else "")
+    )

@@ -19,7 +19,16 @@ from typing import Any
 import click
 
 from ..net.endpoints import Endpoints
-from .options import fail, layout_from, layout_options, metrics_options, record_option, sigterm_as_interrupt
+from .options import (
+    disk_options,
+    fail,
+    layout_from,
+    layout_options,
+    metrics_options,
+    record_option,
+    sigterm_as_interrupt,
+    tier_options,
+)
 
 _LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
 
@@ -105,6 +114,17 @@ def _say_state(st: dict, restored: bool) -> None:
         click.echo(f"zkv up: the bus is {str(state).upper()}; see zkv status")
 
 
+def _tier_args(kw: dict[str, Any]) -> tuple[list[str], str]:
+    """The tier and disk options every rank gets (each rank keeps files of its own
+    there: a tier file per rank and layout, ``zkv-rankR.disk``), and the tier directory."""
+    tier_dir, disk_dir = kw.pop("tier_dir"), kw.pop("disk_dir")
+    args = ["--tier-dir", tier_dir, "--tier-digests" if kw.pop("tier_digests") else "--no-tier-digests"]
+    blocks = kw.pop("disk_blocks")
+    if disk_dir is not None:
+        args += ["--disk-dir", os.path.abspath(disk_dir), "--disk-blocks", str(blocks)]
+    return args, tier_dir
+
+
 def _check_engine(engine: str, demo: bool) -> None:
     if not demo:
         fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
@@ -177,6 +197,8 @@ def _check_engine(engine: str, demo: bool) -> None:
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
     "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.",
 )
+@tier_options
+@disk_options
 @metrics_options
 def up(
     ranks: int,
@@ -228,17 +250,24 @@ def up(
         if demo and restored is not None and restored["state"] != "running":
             fail(f"--demo needs a running bus; the restored one is {restored['state']}", "add --fresh")
     layout = layout_from(kw)
+    worker_args, tier_dir = _tier_args(kw)
     broker_args = (
         ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
     )
     if record:
         broker_args += ["--record", record]
+    opts: dict[str, Any] = {
+        "directory": runtime_dir,
+        "broker_args": broker_args,
+        "worker_args": worker_args,
+        "tier_dir": tier_dir,
+    }
     if attach:
         from ..harness.attached_cluster import AttachedCluster  # torch: only when it is needed
 
-        cluster: Any = AttachedCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
+        cluster: Any = AttachedCluster(ranks, layout, **opts)
     else:
-        cluster = LocalCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
+        cluster = LocalCluster(ranks, layout, **opts)
     sigterm_as_interrupt()
     try:
         try:

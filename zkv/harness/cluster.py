@@ -54,6 +54,7 @@ class LocalCluster:
         worker_args: Sequence[str] = (),
         quiet: bool = False,
         endpoints: Endpoints | None = None,
+        tier_dir: str | None = None,
     ):
         self.ranks = ranks
         self.layout = layout or CacheLayout()
@@ -65,6 +66,7 @@ class LocalCluster:
         self.broker_args = list(broker_args)
         self.worker_args = list(worker_args)
         self.quiet = quiet
+        self.tier_dir = tier_dir  # where the workers keep their CPU tiers (given in worker_args); None: the default
         self.broker: subprocess.Popen | None = None
         self.workers: dict[int, subprocess.Popen] = {}
 
@@ -157,9 +159,13 @@ class LocalCluster:
                 p.kill()
                 codes[name] = p.wait(timeout=5)
         # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
+        from ..rank.rank_lock import clean_locks
         from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
 
-        clean_tiers(os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR, bus_name(self.endpoints.backend))
+        where = self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
+        if where != "none":
+            clean_tiers(where, bus_name(self.endpoints.backend))
+            clean_locks(where, bus_name(self.endpoints.backend))  # those of workers killed and not restarted
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
         return codes

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+
+# zmq.auth (and its ThreadAuthenticator, which imports asyncio: ~0.1 s) load
+# when a key is read or a server authenticates, never on a rank's or a
+# client's start without Curve.
 
 RANKS_DOMAIN = "zkv-ranks"  # broker backend + control: rank keys
 CLIENTS_DOMAIN = "zkv-clients"  # broker frontend: client keys
@@ -31,6 +33,8 @@ def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
     """Write ``name.key`` (public) and ``name.key_secret`` (mode 0600)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    import zmq.auth
+
     old = os.umask(0o077)  # secret files would otherwise get the process umask
     try:
         public, secret = zmq.auth.create_certificates(str(d), name)
@@ -41,6 +45,8 @@ def generate_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
 
 
 def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
+    import zmq.auth
+
     public, secret = zmq.auth.load_certificate(str(secret_file))
     if secret is None:
         raise ValueError(f"{secret_file} holds no secret key (pass the .key_secret file)")
@@ -48,6 +54,8 @@ def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
 
 
 def load_public(public_file: str | Path) -> bytes:
+    import zmq.auth
+
     return zmq.auth.load_certificate(str(public_file))[0]
 
 
@@ -117,6 +125,8 @@ class SharedAuthenticator:
     _by_ctx: dict[int, "SharedAuthenticator"] = {}
 
     def __init__(self, ctx: zmq.Context):
+        from zmq.auth.thread import ThreadAuthenticator
+
         self.key = id(ctx)
         self.domains: dict[str, str] = {}
         self.users = 0

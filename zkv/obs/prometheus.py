@@ -43,6 +43,7 @@ from .book import (
     BusBook,
     histogram_from_stats,
 )
+from .tier_metrics import TierFamilies
 
 PORT_ENV = "ZKV_METRICS_PORT"
 ADDR_ENV = "ZKV_METRICS_ADDR"
@@ -218,15 +219,11 @@ class BusCollector(Collector):
         )
         copy = HistogramMetricFamily(
             "zkv_copy_seconds",
-            "Time a rank spent on one successful swap task (validate, copy, hand off the result).",
+            "Time a rank spent on one successful copy task (validate, copy, hand off the result): swap_out and "
+            "swap_in write and read its CPU tier, spill and load its disk tier.",
             labels=["rank", "op"],
         )
-        disk_stats = (
-            GaugeMetricFamily("zkv_disk_blocks_used", "Disk tier blocks holding a block.", labels=["rank"]),
-            CounterMetricFamily(
-                "zkv_disk_digest_failures", "Disk blocks read back with other bytes than written.", labels=["rank"]
-            ),
-        )
+        tiers = TierFamilies()
         for rs in ranks:
             r = str(rs.rank)
             alive.add_metric([r], 1.0 if rs.alive else 0.0)
@@ -239,7 +236,7 @@ class BusCollector(Collector):
                 cache.add_metric([r, "cpu"], cpu)
                 if (disk := _uint(stats.get("cache_bytes_disk"))) is not None:
                     cache.add_metric([r, "disk"], disk)
-                self._disk_metrics(disk_stats, r, stats.get("disk"))
+                tiers.add(r, stats)
             elif (all_bytes := _uint(stats.get("cache_bytes"))) is not None:
                 cache.add_metric([r, "all"], all_bytes)
             for outcome in ("ok", "failed"):
@@ -261,14 +258,7 @@ class BusCollector(Collector):
                     h = histogram_from_stats(copies.get(op), COPY_BUCKETS_S)
                     if h is not None:
                         _histogram(copy, [r, op], COPY_BUCKETS_S, *h)
-        yield from (alive, inflight, seen, cache, tasks, moved, after_ack, copy, *disk_stats)
-
-    @staticmethod
-    def _disk_metrics(families: tuple[Any, Any], r: str, disk: Any) -> None:
-        if isinstance(disk, dict):
-            for family, key in zip(families, ("used", "digest_failures")):
-                if (v := _uint(disk.get(key))) is not None:
-                    family.add_metric([r], v)
+        yield from (alive, inflight, seen, cache, tasks, moved, after_ack, copy, *tiers.families())
 
     def _book_metrics(self, book: BusBook) -> Iterator[Any]:
         rtt = HistogramMetricFamily(

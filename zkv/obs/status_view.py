@@ -74,17 +74,36 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)]
 
 
-def _disk_lines(ranks: list) -> list[str]:
-    """Per rank with a disk tier, its blocks used, bytes, I/O mode and digest failures."""
+def _printable(text: Any) -> str:
+    """A path a rank sent, without what a terminal would act on."""
+    return "".join(ch for ch in text if ch.isprintable()) if isinstance(text, str) and text else "-"
+
+
+def _tier_line(rank: Any, tier: str, got: dict[str, Any]) -> str:
+    blocks, used = _count(got.get("blocks")), got.get("used")
+    held = f"{_count(used)}/{blocks}" if type(used) is int else blocks
+    if tier == "cpu":
+        start = "kept from an earlier process" if got.get("kept") else "fresh"
+        where = f"file {_printable(got.get('file'))}" if got.get("file") else "in process memory"
+        where += ", digests" if got.get("digests") else ""
+    else:
+        start = "reopened" if got.get("reopened") else "fresh"
+        where = "O_DIRECT" if got.get("direct") else "buffered"
+    failures, size = _count(got.get("digest_failures")), human_bytes(got.get("bytes"))
+    return f"rank {rank} {tier}: {held} blocks ({size}, {start}, {where}, {failures} digest failures)"
+
+
+def _tier_lines(ranks: list) -> list[str]:
+    """Per rank, its CPU tier and disk tier: blocks used of blocks, bytes, kept from
+    an earlier process or fresh, where they are kept (a tier file, O_DIRECT or
+    buffered), digest failures."""
     out = []
-    for r in ranks:
-        disk = (r.get("stats") or {}).get("disk")
-        if isinstance(disk, dict):
-            out.append(
-                f"rank {r.get('rank', '?')} disk: {disk.get('used', '-')}/{disk.get('blocks', '-')} blocks"
-                f" ({human_bytes(disk.get('bytes'))}, {'O_DIRECT' if disk.get('direct') else 'buffered'},"
-                f" {disk.get('digest_failures', 0)} digest failures)"
-            )
+    for r in sorted(ranks, key=lambda r: r.get("rank") if type(r.get("rank")) is int else -1):
+        stats = r.get("stats") or {}
+        for tier, key in (("cpu", "cpu_tier"), ("disk", "disk")):
+            got = stats.get(key)
+            if isinstance(got, dict):
+                out.append(_tier_line(r.get("rank", "?"), tier, got))
     return ["", *out] if out else []
 
 
@@ -132,7 +151,7 @@ def render_status(st: dict[str, Any]) -> str:
         rows.sort(key=lambda row: int(row[0]) if row[0].isdigit() else -1)
     header = ["rank", "alive", "last seen", "inflight", "tasks ok", "failed", "bytes moved", "gpu cache", "cpu cache"]
     lines += table([*header, "undeliv.", "pid"], rows)
-    lines += _disk_lines(st.get("ranks") or [])
+    lines += _tier_lines(st.get("ranks") or [])
     after_ack = [str(r.get("rank")) for r in st.get("ranks") or [] if (r.get("stats") or {}).get("copies_after_ack")]
     if after_ack:
         lines.append(

@@ -22,11 +22,9 @@ what cannot be queued is counted as undeliverable.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
-import queue
 import secrets
 import socket
 import threading
@@ -39,118 +37,25 @@ import zmq
 from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
-from ..obs.book import RankBook
+from ..obs import startup
 from ..wire import bounds
-from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
-from ..wire.vocab import ControlOp, Outcome
+from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
 from .batching import DoneBatcher, InlinePolicy
 from .cache.disk_tier import DiskSpec
 from .cache.geometry import LayoutGiven
 from .cache.store import BlockStore, pick_device
 from .core import RankCore
+from .executor import Executor
 from .registration import RankRefused
-from .reports import CacheDone, Finished, Report
+from .reports import Finished
 from .result_links import ResultSenders
-from .runner import TaskRunner
 from .tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
-# What a cache free or allocation raises when the memory is not there (out of
-# memory, a manifest gone or refused, a layout the cache cannot hold): the
-# rank's ack says why; anything else is a bug and keeps its traceback.
-_EXPECTED_CACHE_ERRORS = (ZkvError, MemoryError, RuntimeError, OSError, ValueError)
 
 _ids = itertools.count()
-
-
-class Executor(threading.Thread):
-    """Runs queued tasks and cache operations in order, on a thread of its own,
-    so a long copy or an allocation never stalls the rank's I/O loop.
-
-    Each piece of work ends in one report (``reports.Finished`` or
-    ``CacheDone``) on ``reports``, then one empty frame on the inproc PUSH
-    that wakes the I/O thread: a frame read is a report there to take."""
-
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        report_address: str,
-        cache: BlockStore,
-        rank: int,
-        world: int,
-        curve: Curve | None = None,
-    ):
-        super().__init__(name=f"zkv-exec-{rank}", daemon=True)
-        self.ctx = ctx
-        self.report_address = report_address
-        self.cache = cache
-        self.curve = curve
-        self.work: queue.Queue = queue.Queue()
-        self.reports: collections.deque[Report] = collections.deque()  # appended here, taken by the I/O thread
-        # Keys fixed up front: the I/O thread copies this dict while we update values.
-        self.stats: collections.Counter[str] = collections.Counter(
-            dict.fromkeys(
-                (
-                    "bytes_moved",
-                    "bytes_freed",
-                    "undeliverable",
-                    "result_reconnects",
-                    "copies_after_ack",
-                    "dropped_stale_session",
-                    "executor_errors",
-                    "tasks_inline",
-                ),
-                0,
-            )
-        )
-        self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
-        self.session = 0  # the rank's registration session, written by the I/O thread
-        self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
-        self.runner = TaskRunner(cache, rank, world, self.stats, self.book, self.paused_ack, lambda: self.session)
-
-    def run(self) -> None:
-        report = self.ctx.socket(zmq.PUSH)
-        report.setsockopt(zmq.LINGER, 0)
-        report.connect(self.report_address)
-        senders = ResultSenders(self.ctx, self.curve, self.stats)
-        try:
-            while True:
-                item = self.work.get()
-                if item is None:
-                    return
-                try:
-                    reply = self._do(item, senders)
-                except Exception as err:  # noqa: BLE001 - this thread must never die: a dead executor looks alive
-                    if isinstance(item, (FreeCache, AllocateCache)) and isinstance(err, _EXPECTED_CACHE_ERRORS):
-                        # the ack carries it to the broker, which retries backed off: one line, no traceback
-                        log.warning("%s failed: %s: %s", type(item).__name__, type(err).__name__, err)
-                    else:
-                        log.exception("executor: %s failed", type(item).__name__)
-                    self.stats["executor_errors"] += 1
-                    reply = self._failure(item, f"{type(err).__name__}: {err}")
-                self.reports.append(reply)
-                report.send(b"")
-        finally:
-            report.close(linger=0)
-            senders.close()
-
-    def _do(self, item: Any, senders: ResultSenders) -> Report:
-        if isinstance(item, FreeCache):
-            freed = self.cache.free(item.keep_cpu)
-            self.stats["bytes_freed"] += freed.nbytes
-            return CacheDone(freed.nbytes)
-        if isinstance(item, AllocateCache):
-            self.cache.allocate(item.layout)
-            return CacheDone(0, self.cache.cpu_kept)
-        return self.runner.run(item, senders)
-
-    def _failure(self, item: Any, reason: str) -> Report:
-        """The report for work that raised, so the I/O thread's books stay right."""
-        if isinstance(item, (FreeCache, AllocateCache)):
-            return CacheDone(0, None, reason)
-        return Finished(item.seq, item.n, Outcome.FAILED, 0, item.gen)
 
 
 def new_session() -> int:
@@ -246,12 +151,17 @@ class RankWorker:
         (``zkv worker --attach``).  ``layout``: None (derived from the engine's
         memory), a ``CacheLayout`` or a map of fields, checked against it
         (``BlockStore.from_manifest``); its ``cpu_blocks`` sizes zkv's CPU tier.
-        Each resume reads the manifest again, for a newer cache.  Raises
-        ``CacheError`` when it cannot be mapped or does not fit ``layout``
-        (nothing stays mapped).
-        ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``)."""
-        disk = options.pop("disk", None)
-        store = BlockStore.from_manifest(manifest, layout, rank, disk=disk)
+        Each resume reads the manifest again, for a newer cache.  With
+        ``tier_dir`` the CPU tier is a tier file that outlives this process,
+        as a rank of its own memory's (a restart attached to the same engine
+        maps it again).  Raises ``CacheError`` when it cannot be mapped or
+        does not fit ``layout`` (nothing stays mapped).
+        ``options``: those of the constructor (``liveness_ms``, ``curve``, ``ctx``,
+        ``disk``, ``tier_dir``, ``tier_digests``)."""
+        disk, tier_dir = options.pop("disk", None), options.pop("tier_dir", None)
+        digests = options.pop("tier_digests", False)
+        place = TierPlace(bus_name(backend), rank, tier_dir, digests) if tier_dir else None
+        store = BlockStore.from_manifest(manifest, layout, rank, disk=disk, place=place)
         return cls(rank, world, backend, control, cache=store, **options)
 
     def stop(self) -> None:
@@ -271,8 +181,8 @@ class RankWorker:
         s.update(self.executor.book.to_stats())
         s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
         tier = self.cache.tier
-        if tier is not None and tier.file is not None:  # a persistent CPU tier: what it holds, what failed
-            s.update(cpu_blocks_valid=tier.valid_rows(), cpu_digest_failures=tier.digest_failures)
+        if tier is not None:  # what the CPU tier holds, whether it outlived a process, what failed
+            s["cpu_tier"] = tier.to_stats(self.cache.restored)
         if self.cache.disk is not None:
             s["disk"] = self.cache.disk.to_stats()
         return s
@@ -286,6 +196,7 @@ class RankWorker:
         core = self.core
         core.registration.host = socket.gethostname()[:255]  # POSIX HOST_NAME_MAX
         self._act(core.start(time.monotonic(), pid=os.getpid()))
+        startup.mark("ready")
         try:
             while True:
                 events = dict(poller.poll(int(max(1.0, core.next_deadline(time.monotonic()) * 1000))))
@@ -302,6 +213,7 @@ class RankWorker:
                 self._act(core.on_tick(time.monotonic()))
                 self._flush_dones()
                 if core.registered and not self.registered.is_set():
+                    startup.mark("welcome")
                     self.registered.set()
         finally:
             self.executor.work.put(None)
@@ -360,7 +272,9 @@ class RankWorker:
             rep = reports.popleft()  # appended before its frame was sent
             inline.queued -= 1
             if isinstance(rep, Finished):
+                startup.mark("first_task")
                 return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
+            startup.mark("cache")
             return core.on_cache_done(rep.freed, rep.error, rep.cpu_kept)
 
         self._drain(self.reports, handle)
@@ -377,6 +291,7 @@ class RankWorker:
                         self._flush_dones()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
+                    startup.mark("first_task")
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
                 else:
                     inline.queued += 1

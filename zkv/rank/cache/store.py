@@ -149,24 +149,24 @@ class BlockStore:
         pin: bool | None = None,
         source: Callable[[], EngineCache] | None = None,
         disk: DiskSpec | None = None,
+        place: TierPlace | None = None,
     ) -> "BlockStore":
-        """A store on an engine's cache.  ``layout``: None (announce the one
-        derived from the cache), a ``CacheLayout`` or a map of fields, checked
-        against the cache (``geometry.announced``: ``CacheError("bad_layout")``
-        naming both values when they disagree)."""
+        """A store on an engine's cache.  ``layout``: None (announce the one derived
+        from the cache), a ``CacheLayout`` or a map of fields, checked against the
+        cache (``geometry.announced``: ``CacheError("bad_layout")`` naming both
+        values when they disagree).  ``place``: a tier file, as for ``owned``."""
         announce = geometry.announced(cache.descriptor, cpu_rows, layout)
         memory = EngineMemory(cache, compute_stream=compute_stream, pin=pin, source=source)
-        return cls(memory, announce, rank, disk=disk)
+        return cls(memory, announce, rank, place=place, disk=disk)
 
     @classmethod
-    def from_manifest(
-        cls, path: str, layout: LayoutGiven = None, rank: int = 0, disk: DiskSpec | None = None
-    ) -> "BlockStore":
+    def from_manifest(cls, path: str, layout: LayoutGiven = None, rank: int = 0, **tiers: Any) -> "BlockStore":
         """A store on the tensors an engine process exported in ``path``
         (``manifest.export_manifest``); each resume reads it again, for a newer
         cache.  ``layout`` as for ``attached``; its ``cpu_blocks`` (default
-        512) sizes the CPU tier.  Raises ``CacheError`` if it cannot be mapped
-        or does not fit ``layout`` (nothing stays mapped)."""
+        512) sizes the CPU tier; ``tiers``: ``disk`` and ``place`` of ``attached``.
+        Raises ``CacheError`` if it cannot be mapped or does not fit ``layout``
+        (nothing stays mapped)."""
         from .manifest import attach
 
         if isinstance(layout, CacheLayout):
@@ -175,7 +175,7 @@ class BlockStore:
             cpu_rows = (layout or {}).get("cpu_blocks", CacheLayout().cpu_blocks)
         cache = attach(path)
         try:
-            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path), disk=disk)
+            return cls.attached(cache, cpu_rows, layout=layout, rank=rank, source=lambda: attach(path), **tiers)
         except BaseException:
             cache.release()
             raise

@@ -103,6 +103,16 @@ class CpuTier:
     def valid_rows(self) -> int:
         return int(self.file.valid.sum()) if self.file is not None else 0
 
+    def to_stats(self, kept: bool) -> dict[str, object]:
+        """What the rank's stats say of this tier (``zkv status``, the metrics):
+        ``kept`` when this process mapped it again from an earlier one's file;
+        a tier file's path, the blocks whose header checks and its digests."""
+        out: dict[str, object] = {"blocks": self.rows, "bytes": self.nbytes, "kept": kept}
+        if self.file is not None:
+            out.update(file=str(self.file.path), used=self.valid_rows(), digests=self.file.digests)
+        out["digest_failures"] = self.digest_failures
+        return out
+
     def set_gen(self, gen: int) -> None:
         if self.file is not None:
             self.file.set_gen(gen)
