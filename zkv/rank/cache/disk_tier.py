@@ -6,13 +6,17 @@ block written or is reported lost (docs/protocol.md §6, ``spill`` / ``load``).
 
 The file ``zkv-rank{R}.disk`` in the tier's directory holds:
 
-- a superblock (one aligned page): magic, geometry (rows, row bytes, slot
-  bytes), the digest algorithm, the *layout key* of the blocks it holds and
-  an *epoch*; a file whose geometry or key differs is never reused;
+- a superblock (one aligned page): magic, format version, geometry (rows,
+  row bytes, slot bytes), the digest algorithm, the *layout key* of the
+  blocks it holds, the bus's *CPU generation* its blocks belong to
+  (``cpu_gen``: disk blocks are CPU blocks moved down, so they are gone
+  exactly when the bus's CPU content is) and an *epoch*; a file whose
+  version, geometry or key differs is never reused (it is made anew);
 - a header area: one 32-byte record per row (magic, row, epoch, CRC-32 of the
   record, digest of the row's bytes); a record counts only if its CRC holds
   and its epoch is the superblock's, so invalidating every block (a clear
-  that drops the CPU tier, a new layout) is one superblock write;
+  that drops the CPU tier, a new layout, a new ``cpu_gen``) is one
+  superblock write;
 - the rows, each in an aligned slot.
 
 A spill writes the rows, then their header pages, then ``fdatasync``s once
@@ -41,12 +45,14 @@ import torch
 from . import disk_io as io
 from .errors import CacheError
 
-_SUPER = struct.Struct("<8sIIQQQQI16s16s")  # magic, version, rec size, rows, row, slot, data offset, epoch, alg, key
+_SUPER = struct.Struct(
+    "<8sIIQQQQI16s16sQ"
+)  # magic, version, rec size, rows, row, slot, offset, epoch, alg, key, cpu_gen
 _SUPER_MAGIC = b"ZKVDISK1"
 _REC = struct.Struct("<IIII16s")  # magic, row, epoch, crc, digest
 _REC_MAGIC = 0x5256_4B5A  # "ZKVR"
 _REC_HEAD = struct.Struct("<III")
-_VERSION = 1
+_VERSION = 2  # 2: the superblock names its cpu_gen (a version-1 file is made anew, never read)
 _MAX_EPOCH = 2**31 - 1  # compared as int32 in the vectorised count
 
 
@@ -76,7 +82,7 @@ def layout_key(page_shape: Sequence[tuple[str, int]], fields: Sequence[object]) 
 class DiskTier:
     """One rank's disk file (see the module docstring); driven by one thread at a time."""
 
-    def __init__(self, spec: DiskSpec, row_bytes: int, key: bytes, rank: int = 0):
+    def __init__(self, spec: DiskSpec, row_bytes: int, key: bytes, rank: int = 0, cpu_gen: int = 0):
         if type(spec.blocks) is not int or not 1 <= spec.blocks <= 2**31 - 1:
             raise CacheError("bad_layout", f"a disk tier needs 1..2^31-1 blocks, got {spec.blocks!r}")
         os.makedirs(spec.directory, exist_ok=True)
@@ -94,6 +100,7 @@ class DiskTier:
         self._bounces: dict[int, object] = {}
         self._pad = io.aligned(self.slot - row_bytes) if self.slot > row_bytes else None
         self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0}
+        self.cpu_gen = cpu_gen  # a reused file's own, once opened
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
         self.fd = os.open(self.path, flags, 0o600)
         try:
@@ -106,6 +113,7 @@ class DiskTier:
             os.close(self.fd)
             raise
         self.used = self.reopened
+        self.kept = self.reopened > 0  # holds blocks an earlier process spilled (at ``cpu_gen``)
 
     # --- the file -------------------------------------------------------------------
 
@@ -115,8 +123,8 @@ class DiskTier:
         if os.fstat(self.fd).st_size == self.nbytes:
             io.pread_all(self.fd, [self._super], 0)
             fields = self._read_super()
-            if fields is not None and fields[1:] == (self.rows, self.row_bytes, self.slot, self.data_off, self.key):
-                self.epoch = fields[0]
+            if fields is not None and fields[1:6] == (self.rows, self.row_bytes, self.slot, self.data_off, self.key):
+                self.epoch, self.cpu_gen = fields[0], fields[6]
                 io.pread_all(self.fd, [self._headers], io.ALIGN)
                 used = self._count_valid()
                 self.open_seconds = time.perf_counter() - t0
@@ -129,15 +137,15 @@ class DiskTier:
         raw = bytes(self._super[: _SUPER.size + 4])
         if zlib.crc32(raw[: _SUPER.size]) != int.from_bytes(raw[_SUPER.size :], "little"):
             return None
-        magic, version, rec, rows, row, slot, off, epoch, alg, key = _SUPER.unpack(raw[: _SUPER.size])
+        magic, version, rec, rows, row, slot, off, epoch, alg, key, cpu_gen = _SUPER.unpack(raw[: _SUPER.size])
         if magic != _SUPER_MAGIC or version != _VERSION or rec != _REC.size or alg.rstrip(b"\0") != io.DIGEST_ALG:
             return None
-        return epoch, rows, row, slot, off, key
+        return epoch, rows, row, slot, off, key, cpu_gen
 
     def _write_super(self) -> None:
         raw = _SUPER.pack(
             _SUPER_MAGIC, _VERSION, _REC.size, self.rows, self.row_bytes, self.slot, self.data_off, self.epoch,
-            io.DIGEST_ALG, self.key,
+            io.DIGEST_ALG, self.key, self.cpu_gen,
         )  # fmt: skip
         self._super[: len(raw) + 4] = raw + zlib.crc32(raw).to_bytes(4, "little")
         io.pwrite_all(self.fd, [self._super], 0)
@@ -164,16 +172,28 @@ class DiskTier:
         return int((ok & (recs[:, 2] == self.epoch)).sum())
 
     def invalidate(self, key: bytes | None = None) -> None:
-        """Every block is gone (a clear without ``keep_cpu``, or blocks of a new layout ``key``)."""
-        if self.epoch >= _MAX_EPOCH:
-            self._create()
-        else:
-            self.epoch += 1
+        """Every block is gone (a clear without ``keep_cpu``, or blocks of a new layout ``key``).
+        The epoch moves in memory first: even if the superblock write fails, no old row is served."""
+        self.epoch, self.used, self.kept = self.epoch + 1, 0, False
         if key is not None:
             self.key = key
-        self._write_super()
-        os.fdatasync(self.fd)
-        self.used = 0
+        try:
+            if self.epoch > _MAX_EPOCH:
+                self._create()
+            else:
+                self._write_super()
+                os.fdatasync(self.fd)
+        except OSError as err:
+            self.stats["write_errors"] += 1
+            raise CacheError("disk_io", f"disk tier superblock write failed: {err}") from None
+
+    def set_cpu_gen(self, gen: int) -> None:
+        """The bus's CPU generation is ``gen``: blocks of another one are gone for every
+        client (a clear this rank missed while down, a CPU tier lost elsewhere), so
+        they stop counting (a new epoch) and new blocks belong to ``gen``."""
+        if gen != self.cpu_gen:
+            self.cpu_gen = gen
+            self.invalidate()
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -328,6 +348,7 @@ class DiskTier:
             "bytes": self.nbytes,
             "direct": self.direct,
             "reopened": self.reopened,
+            "cpu_gen": self.cpu_gen,
             **self.stats,
         }
 
