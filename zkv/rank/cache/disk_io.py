@@ -9,25 +9,36 @@ so it is probed once per directory and the tier falls back to buffered I/O
 address, length and file offset aligned (``ALIGN``): rows that are not go
 through an aligned bounce buffer.
 
-The digest of a disk row is SHA-256 cut to 16 bytes (``row_digest``):
-OpenSSL's SHA-256 uses the CPU's SHA instructions and measured about twice
-BLAKE2b's speed here; ``hashlib`` releases the GIL on large buffers, so the
-threads of a batch hash and do I/O side by side."""
+The digest of a disk row is its CRC-32 (``row_digest``, zlib's: the
+algorithm's name is in the file's superblock).  It guards what can happen
+to a block on its way to the device and back: a write torn by a kill or a
+power cut (some pages new, some old), a header that reached the device
+before its row (the row's old bytes), a misdirected or rotted sector.
+Any of those leaves bytes unrelated to the block, which a 32-bit CRC
+misses with odds of 2^-32 per block read, and the record beside it (row
+id, epoch, its own CRC) rules out another row's or an earlier epoch's
+block.  It is no guard against someone who writes the file on purpose (a
+forged CRC is trivial): the file is the rank's, mode 0600.  CRC-32 ran
+at about 3 GB/s here against SHA-256's 1.4 and BLAKE2b's 0.5: a digest
+is computed over every byte spilled and loaded, beside I/O of a few GB/s.
+``zlib.crc32`` releases the GIL on large buffers, so the pool's threads
+check one piece (``PIECE``) while another's I/O runs."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 ALIGN = 4096  # covers 512- and 4096-byte logical blocks
 IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
-DIGEST_ALG = b"sha256-16"
+DIGEST_ALG = b"crc32"
+PIECE = 4 << 20  # bytes one pool thread reads or writes at a time: others check digests meanwhile
 
 _probed: dict[str, bool] = {}
 _probe_lock = threading.Lock()
@@ -37,8 +48,12 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+_PAD = bytes(12)
+
+
 def row_digest(buf: memoryview) -> bytes:
-    return hashlib.sha256(buf).digest()[:16]
+    """A row's stored digest: its CRC-32, little-endian, in the record's 16 bytes."""
+    return zlib.crc32(buf).to_bytes(4, "little") + _PAD
 
 
 def aligned(nbytes: int) -> mmap.mmap:

@@ -68,13 +68,13 @@ def spill(disk: DiskTier, tier: CpuTier, src: Sequence[int], dst: Sequence[int])
     """CPU rows ``src[i]`` to disk blocks ``dst[i]``; return bytes, once on the device.
     A lost CPU row fails it (``CacheError("lost_block")``) before anything is written."""
     tier.check_rows(src)
-    return disk.write(dst, _row_addresses(tier, src))
+    return disk.write(dst, _row_addresses(tier, src), tier.stride)
 
 
 def load(disk: DiskTier, tier: CpuTier, src: Sequence[int], dst: Sequence[int]) -> int:
     """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost``
     names failures; the ``dst`` rows then stay unsealed: lost, never served)."""
     tier.writing(dst)
-    nbytes = disk.read(src, _row_addresses(tier, dst))
+    nbytes = disk.read(src, _row_addresses(tier, dst), tier.stride)
     tier.written(dst)
     return nbytes
