@@ -7,6 +7,7 @@ The default run is short: one disk-backed round trip, the store rules and two
 real-rank tests.  ``ZKV_DISK_LONG=1`` adds the repetitions (tmpfs, an aligned
 row size) and the pause-after-spills test on a real rank."""
 
+import ctypes
 import errno
 import os
 import signal
@@ -147,6 +148,28 @@ def test_a_disk_file_holds_one_cpu_generation_and_a_file_of_an_older_format_is_m
     old = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY, cpu_gen=4)
     assert (old.reopened, old.kept, old.cpu_gen) == (0, False, 4), "an older format is never read"
     old.close()
+
+
+def test_the_row_digest_is_the_multilinear_hash_of_the_words_and_catches_any_one_word_changed():
+    mask = 2**64 - 1
+    rows = torch.randint(0, 256, (3, ROW + 8), dtype=torch.uint8)  # ROW % 8 == 4: a zero-padded last word
+    digest = disk_io.RowDigest(ROW, seed=99)
+    weights = [int(w) & mask for w in disk_io.mh64_weights(99, ROW // 8 + 1)]
+
+    def reference(row: bytes) -> bytes:
+        words = [int.from_bytes(row[i : i + 8], "little") for i in range(0, len(row), 8)]
+        return (sum(w * x for w, x in zip(weights, words)) & mask).to_bytes(8, "little") + bytes(8)
+
+    addrs = [rows.data_ptr() + 3, rows.data_ptr() + 3 + ROW + 8, rows.data_ptr() + 3 + 2 * (ROW + 8), rows.data_ptr()]
+    got = digest.of(addrs)  # three evenly spaced (one numpy pass) and a stray, none 8-byte aligned
+    assert got == [reference(ctypes.string_at(a, ROW)) for a in addrs]
+    flat = rows.view(-1)
+    for byte, bit in [(3, 0), (3 + 7, 7), (3 + 4000, 3), (3 + ROW - 1, 7)]:  # a word's low and top bits, the tail
+        flat[byte] ^= 1 << bit
+        assert digest.of(addrs[:1]) != got[:1], (byte, bit)
+        flat[byte] ^= 1 << bit
+    assert digest.of(addrs[:1]) == got[:1]
+    assert disk_io.RowDigest(ROW, seed=100).of(addrs[:1]) != got[:1], "another file's seed, other weights"
 
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=16)

@@ -8,13 +8,13 @@ The file ``zkv-rank{R}.disk`` in the tier's directory holds:
 
 - a superblock (one aligned page): magic, format version, geometry (rows,
   row bytes, slot bytes), the digest algorithm, the *layout key* of the
-  blocks it holds, the bus's *CPU generation* its blocks belong to
+  blocks it holds, the digest's seed, the bus's *CPU generation* its blocks belong to
   (``cpu_gen``: disk blocks are CPU blocks moved down, so they are gone
   exactly when the bus's CPU content is) and an *epoch*; a file whose
   version, geometry or key differs is never reused (it is made anew);
 - a header area: one 32-byte record per row (magic, row, epoch, CRC-32 of the
-  record, digest of the row's bytes: its CRC-32, ``disk_io.row_digest``,
-  which says why that suffices); a record counts only if its CRC holds
+  record, digest of the row's bytes: ``disk_io.RowDigest``, which says
+  why that suffices); a record counts only if its CRC holds
   and its epoch is the superblock's, so invalidating every block (a clear
   that drops the CPU tier, a new layout, a new ``cpu_gen``) is one
   superblock write;
@@ -53,9 +53,8 @@ import torch
 from . import disk_io as io
 from .errors import CacheError
 
-_SUPER = struct.Struct(
-    "<8sIIQQQQI16s16sQ"
-)  # magic, version, rec size, rows, row, slot, offset, epoch, alg, key, cpu_gen
+# magic, version, record size, rows, row bytes, slot bytes, data offset, epoch, digest, layout key, cpu_gen, seed
+_SUPER = struct.Struct("<8sIIQQQQI16s16sQQ")
 _SUPER_MAGIC = b"ZKVDISK1"
 _REC = struct.Struct("<IIII16s")  # magic, row, epoch, crc, digest
 _REC_MAGIC = 0x5256_4B5A  # "ZKVR"
@@ -107,6 +106,7 @@ class DiskTier:
         self._bounces: dict[int, object] = {}
         self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0}
         self.cpu_gen = cpu_gen  # a reused file's own, once opened
+        self._digest: io.RowDigest
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
         self.fd = os.open(self.path, flags, 0o600)
         try:
@@ -131,6 +131,7 @@ class DiskTier:
             fields = self._read_super()
             if fields is not None and fields[1:6] == (self.rows, self.row_bytes, self.slot, self.data_off, self.key):
                 self.epoch, self.cpu_gen = fields[0], fields[6]
+                self._digest = io.RowDigest(self.row_bytes, fields[7])
                 io.pread_all(self.fd, [self._headers], io.ALIGN)
                 used = self._count_valid()
                 self.open_seconds = time.perf_counter() - t0
@@ -143,15 +144,15 @@ class DiskTier:
         raw = bytes(self._super[: _SUPER.size + 4])
         if zlib.crc32(raw[: _SUPER.size]) != int.from_bytes(raw[_SUPER.size :], "little"):
             return None
-        magic, version, rec, rows, row, slot, off, epoch, alg, key, cpu_gen = _SUPER.unpack(raw[: _SUPER.size])
+        magic, version, rec, rows, row, slot, off, epoch, alg, key, cpu_gen, seed = _SUPER.unpack(raw[: _SUPER.size])
         if magic != _SUPER_MAGIC or version != _VERSION or rec != _REC.size or alg.rstrip(b"\0") != io.DIGEST_ALG:
             return None
-        return epoch, rows, row, slot, off, key, cpu_gen
+        return epoch, rows, row, slot, off, key, cpu_gen, seed
 
     def _write_super(self) -> None:
         raw = _SUPER.pack(
             _SUPER_MAGIC, _VERSION, _REC.size, self.rows, self.row_bytes, self.slot, self.data_off, self.epoch,
-            io.DIGEST_ALG, self.key, self.cpu_gen,
+            io.DIGEST_ALG, self.key, self.cpu_gen, self._digest.seed,
         )  # fmt: skip
         self._super[: len(raw) + 4] = raw + zlib.crc32(raw).to_bytes(4, "little")
         io.pwrite_all(self.fd, [self._super], 0)
@@ -169,6 +170,7 @@ class DiskTier:
         self._headers[:] = bytes(len(self._headers))
         io.pwrite_all(self.fd, [self._headers], io.ALIGN)
         self.epoch = 1
+        self._digest = io.RowDigest(self.row_bytes, int.from_bytes(os.urandom(8), "little"))  # this file's weights
         self._write_super()
         os.fdatasync(self.fd)
 
@@ -272,8 +274,7 @@ class DiskTier:
         def part(share: list[tuple[int, int]]) -> list[int]:
             bounce = None if zero else self._bounce()
             for a, b in share:  # digests of a piece, then its write: one thread's I/O beside another's digests
-                for i in range(a, b):
-                    digests[i] = io.row_digest(io.view_at(addrs[i], self.row_bytes))
+                digests[a:b] = self._digest.of(addrs[a:b])
                 if bounce is not None:
                     base = io.address_of(bounce)
                     for k in range(a, b):
@@ -322,8 +323,8 @@ class DiskTier:
                     base = io.address_of(bounce)
                     for k in range(a, b):
                         io.ctypes.memmove(addrs[k], base + (k - a) * self.slot, self.row_bytes)
-                for i in range(a, b):
-                    if io.row_digest(io.view_at(addrs[i], self.row_bytes)) != self.digest_of(rows[i]):
+                for i, digest in zip(range(a, b), self._digest.of(addrs[a:b])):
+                    if digest != self.digest_of(rows[i]):
                         bad.append(rows[i])
             return bad
 
