@@ -7,21 +7,25 @@ The default run is short: one disk-backed round trip, the store rules and two
 real-rank tests.  ``ZKV_DISK_LONG=1`` adds the repetitions (tmpfs, an aligned
 row size) and the pause-after-spills test on a real rank."""
 
+import ctypes
 import errno
 import os
 import signal
 import time
+import zlib
 
 import pytest
 import torch
+from waits import wait_for
 
 from zkv.harness.cluster import LocalCluster
 from zkv.obs.status_view import render_status
-from zkv.rank.cache import disk_io
+from zkv.rank.cache import disk_io, disk_link
 from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.store import BlockStore
-from zkv.rank.tier_file import TierPlace, list_tiers
+from zkv.rank.cache.tier import CpuTier
+from zkv.rank.tier_file import TierFile, TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout
 
 LONG = os.environ.get("ZKV_DISK_LONG") == "1"
@@ -116,6 +120,58 @@ def test_a_file_system_that_refuses_o_direct_falls_back_to_buffered_io(tmp_path,
     tier.close()
 
 
+def test_a_disk_file_holds_one_cpu_generation_and_a_file_of_an_older_format_is_made_anew(tmp_path):
+    src = torch.randint(0, 256, (4, ROW), dtype=torch.uint8)
+    out = torch.zeros_like(src)
+    tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY, cpu_gen=3)
+    tier.write([0, 1, 2, 3], rows_of(src, range(4)))
+    tier.close()
+    again = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY, cpu_gen=0)  # the file's generation wins
+    assert (again.cpu_gen, again.reopened, again.kept) == (3, 4, True)
+    again.set_cpu_gen(4)  # the bus left generation 3: every block of it is gone
+    assert (again.used, again.kept) == (0, False)
+    with pytest.raises(DiskLost, match="hold no block"):
+        again.read([1], rows_of(out, [0]))
+    again.write([5], rows_of(src, [1]))
+    again.close()
+    third = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    assert (third.cpu_gen, third.reopened) == (4, 1), "the move and the block after it were on the device"
+    third.read([5], rows_of(out, [0]))
+    assert torch.equal(out[0], src[1])
+    path, epoch_at = third.path, 8 + 4 + 4 + 8 * 4  # the superblock's version 1 layout: epoch, alg, key, no cpu_gen
+    third.close()
+    with open(path, "r+b") as f:  # what a version-1 file holds: no cpu_gen, its blocks valid at its epoch
+        head = bytearray(f.read(epoch_at + 4 + 32))
+        head[8:12] = (1).to_bytes(4, "little")
+        f.seek(0)
+        f.write(bytes(head) + zlib.crc32(bytes(head)).to_bytes(4, "little"))
+    old = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY, cpu_gen=4)
+    assert (old.reopened, old.kept, old.cpu_gen) == (0, False, 4), "an older format is never read"
+    old.close()
+
+
+def test_the_row_digest_is_the_multilinear_hash_of_the_words_and_catches_any_one_word_changed():
+    mask = 2**64 - 1
+    rows = torch.randint(0, 256, (3, ROW + 8), dtype=torch.uint8)  # ROW % 8 == 4: a zero-padded last word
+    digest = disk_io.RowDigest(ROW, seed=99)
+    weights = [int(w) & mask for w in disk_io.mh64_weights(99, ROW // 8 + 1)]
+
+    def reference(row: bytes) -> bytes:
+        words = [int.from_bytes(row[i : i + 8], "little") for i in range(0, len(row), 8)]
+        return (sum(w * x for w, x in zip(weights, words)) & mask).to_bytes(8, "little") + bytes(8)
+
+    addrs = [rows.data_ptr() + 3, rows.data_ptr() + 3 + ROW + 8, rows.data_ptr() + 3 + 2 * (ROW + 8), rows.data_ptr()]
+    got = digest.of(addrs)  # three evenly spaced (one numpy pass) and a stray, none 8-byte aligned
+    assert got == [reference(ctypes.string_at(a, ROW)) for a in addrs]
+    flat = rows.view(-1)
+    for byte, bit in [(3, 0), (3 + 7, 7), (3 + 4000, 3), (3 + ROW - 1, 7)]:  # a word's low and top bits, the tail
+        flat[byte] ^= 1 << bit
+        assert digest.of(addrs[:1]) != got[:1], (byte, bit)
+        flat[byte] ^= 1 << bit
+    assert digest.of(addrs[:1]) == got[:1]
+    assert disk_io.RowDigest(ROW, seed=100).of(addrs[:1]) != got[:1], "another file's seed, other weights"
+
+
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=16)
 
 
@@ -165,6 +221,77 @@ def test_with_a_persistent_cpu_tier_spill_checks_rows_load_seals_them_and_close_
     with pytest.raises(DiskLost):
         again.checksum("disk", [5])
     again.close()
+
+
+def test_disk_blocks_belong_to_the_cpu_generation_of_the_store_across_restarts(tmp_path):
+    place, disk = TierPlace("bus", 0, str(tmp_path / "shm")), DiskSpec(str(tmp_path / "disk"), 32)
+    store = BlockStore.owned(LAYOUT, place=place, disk=disk)
+    store.set_cpu_gen(5)  # a task at the bus's CPU generation 5
+    store.fill("cpu", [0, 1], seed=6)
+    store.spill([0, 1], [10, 11])
+    want = store.checksum("cpu", [0, 1])
+    store.close()
+
+    again = BlockStore.owned(LAYOUT, place=place, disk=disk)  # a restart: both tiers at 5
+    assert again.kept_tiers(fresh=True) == {"kept_tiers": ["cpu", "disk"], "cpu_gen": 5}
+    assert again.checksum("disk", [10, 11]) == want
+    again.set_cpu_gen(6)  # the bus moved on (a clear this rank missed): the disk blocks go with the CPU rows
+    with pytest.raises(DiskLost, match="hold no block"):
+        again.load([10], [0])
+    assert again.kept_tiers(fresh=False) == {"kept_tiers": ["cpu", "disk"], "cpu_gen": 6}
+    with pytest.raises(CacheError, match="lost_block"):
+        again.spill([1], [12])  # the CPU rows of 5 are gone too
+    again.fill("cpu", [1], seed=7)
+    later = again.checksum("cpu", [1])
+    again.spill([1], [12])
+    again.close()
+
+    memory_only = BlockStore.owned(LAYOUT, disk=disk)  # a new CPU tier: the store takes the file's generation
+    assert memory_only.cpu_gen == 6 and memory_only.kept_tiers(fresh=True) == {"kept_tiers": ["disk"], "cpu_gen": 6}
+    assert memory_only.checksum("disk", [12]) == later
+    memory_only.set_cpu_gen(7)
+    memory_only.fill("cpu", [0], seed=8)
+    memory_only.spill([0], [13])
+    memory_only.close()
+
+    behind = BlockStore.owned(LAYOUT, place=place, disk=disk)  # CPU tier at 6, disk blocks at 7
+    assert behind.restored and behind.cpu_gen == 6
+    assert behind.kept_tiers(fresh=True) == {"kept_tiers": ["cpu"], "cpu_gen": 6}, "disk blocks of 7 are not kept"
+    with pytest.raises(DiskLost):
+        behind.checksum("disk", [13])
+    behind.close()
+
+
+CHEAP = 16 * 4096 - 1000  # 1000 bytes short of 16 pages: padded to them (under 1/16 more memory)
+
+
+@pytest.mark.parametrize("in_file", [False, True])
+def test_cpu_tier_rows_start_page_aligned_so_spill_and_load_skip_the_bounce_buffer(tmp_path, in_file):
+    place = TierPlace("bus", 0, str(tmp_path / "shm")) if in_file else None
+    tier = CpuTier([("k", CHEAP - 20000), ("v", 20000)], 6, pin=False, place=place)
+    assert tier.stride == tier.store.stride(0) == 16 * 4096 and tier.nbytes == 6 * 16 * 4096
+    assert all(tier.store[r].data_ptr() % 4096 == 0 for r in range(6))
+    packed = CpuTier([("k", ROW)], 3, pin=False)  # 8292 -> 12288 would cost half again: kept packed
+    assert packed.stride == ROW and packed.store.data_ptr() % 4096 == 0
+    disk = DiskTier(DiskSpec(str(tmp_path / "disk"), 8), tier.row_bytes, KEY)
+    tier.writing(range(6))
+    tier.store.copy_(torch.randint(0, 256, (6, tier.row_bytes), dtype=torch.uint8))
+    tier.written(range(6))
+    want = tier.store.clone()
+    disk_link.spill(disk, tier, [0, 1, 2, 5], [3, 4, 5, 0])  # a run of three rows and a stray
+    tier.store.zero_()
+    disk_link.load(disk, tier, [5, 3, 4, 0], [2, 0, 1, 5])
+    assert torch.equal(tier.store[[0, 1, 2, 5]], want[[0, 1, 2, 5]])
+    assert disk._bounces == {}, "no row went through a bounce buffer"
+    disk.close()
+    tier.close()
+    if in_file:  # a file of padded rows maps again; one of packed rows (version 1) is never read as one
+        again = CpuTier([("k", CHEAP - 20000), ("v", 20000)], 6, pin=False, place=place)
+        assert again.kept and torch.equal(again.store[[0, 1, 2, 5]], want[[0, 1, 2, 5]])
+        again.close(unlink=True)
+        packed_file = TierFile(place, "k", 2, CHEAP)
+        packed_file.close()
+        assert not TierFile(place, "k", 2, CHEAP, stride=16 * 4096).kept
 
 
 # --- real processes ------------------------------------------------------------------
@@ -279,3 +406,53 @@ def test_a_pause_waits_for_the_spills_in_flight(rank_cluster):
         assert st["inflight"] == 0 and st["ranks"][0]["inflight"] == 0, "the ack came after every spill ended"
         assert all(client.wait(t, timeout=10).ok for t in spills), "dispatched spills finished, none cancelled"
         client.resume()
+
+
+def test_a_clear_while_a_rank_is_down_drops_its_disk_blocks_and_a_keep_cpu_clear_keeps_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZKV_TIER_DIR", str(tmp_path / "tiers"))  # the workers and LocalCluster.stop read it
+    args = ["--liveness-ms", "1000", "--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "64"]
+    cluster = LocalCluster(2, E2E, quiet=True, broker_args=FAST, worker_args=args, directory=tmp_path / "c")
+    rows = list(range(8))
+    with cluster, cluster.client(request_timeout=15) as client:
+
+        def spilled(seed: int, disk: list[int]) -> dict:
+            assert client.run("fill", None, rows, tier="cpu", seed=seed).ok
+            want = client.run("checksum", rows, tier="cpu").per_rank
+            assert client.run("spill", rows, disk).ok
+            assert client.run("fill", None, rows, tier="cpu", seed=seed + 1).ok  # the CPU rows hold other bytes
+            return want
+
+        def loads_exactly(disk: list[int], want: dict) -> None:
+            out = client.run("load", disk, rows)
+            assert out.ok, out.reason
+            got = client.run("checksum", rows, tier="cpu").per_rank
+            assert all(got[r]["digests"] == want[r]["digests"] for r in (0, 1)), "each rank read its own bytes back"
+
+        before = list(range(8))
+        spilled(1, before)
+        cluster.kill_worker(1)  # kill -9: its tier file and disk file stay, at the CPU generation of the spill
+        wait_for(client, lambda s: not s["ranks"][1]["alive"], "rank 1 declared dead")
+        client.pause()
+        assert client.clear()["cpu_gen"] == 1, "a clear without keep_cpu: CPU content gone, on rank 0 only"
+        client.resume()
+        pid = cluster.start_worker(1).pid
+        wait_for(
+            client,
+            lambda s: s["state"] == "running" and all(r["alive"] for r in s["ranks"]) and s["ranks"][1]["pid"] == pid,
+            "the restarted rank 1",
+        )
+        old = client.run("load", before, rows)
+        assert old.outcome == "failed", "blocks of the cleared CPU generation are never served"
+        for r in (0, 1):
+            assert old.per_rank[r]["outcome"] == "failed" and "disk_lost" in old.per_rank[r]["reason"], old.per_rank
+
+        after = list(range(20, 28))
+        loads_exactly(after, spilled(3, after))
+
+        kept = list(range(40, 48))
+        want = spilled(5, kept)
+        client.pause()
+        client.clear(keep_cpu=True)
+        client.resume()
+        loads_exactly(kept, want)
+        loads_exactly(after, spilled(7, after))  # and the disk tier takes new blocks at the same CPU generation

@@ -400,6 +400,25 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "a restarted rank that mapped its CPU tier again: its GPU memory is fresh, its CPU blocks of CPU "
         "generation 3 survived (docs/protocol.md §10.1)",
     ),
+    (
+        "ready_cpu_and_disk_kept",
+        "backend",
+        "rank->broker",
+        "ready",
+        {
+            "rank": 1,
+            "world": 2,
+            "session": 10,
+            "layout": LAYOUT,
+            "gen": 0,
+            "pid": 4245,
+            "fresh": True,
+            "kept_tiers": ["cpu", "disk"],
+            "cpu_gen": 3,
+        },
+        "a restarted rank that mapped its CPU tier again and reopened its disk file: both hold blocks of CPU "
+        "generation 3 (docs/protocol.md §6.3, §10.1)",
+    ),
     ("hb_rank", "backend", "rank->broker", "hb", {"inflight": 0, "stats": {"tasks_ok": 3}}, ""),
     ("done", "backend", "rank->broker", "done", {"seq": 1, "n": 1, "outcome": "ok", "gen": 0, "bytes": 131072}, ""),
     ("ack_pause", "backend", "rank->broker", "ack", {"epoch": 1, "op": "pause", "gen": 0, "upto": 3}, ""),

@@ -169,7 +169,9 @@ class Recovery:
     def _cpu_lost(self, msg: Ready, layout: CacheLayout) -> bool:
         """Whether a registering rank's CPU tier is not the bus's: it kept none
         (``kept_tiers``), of another CPU generation, or of another layout (its
-        resume allocates a new one)."""
+        resume allocates a new one).  A disk tier follows it: its blocks belong
+        to the same ``cpu_gen`` and the rank drops them itself at a task of
+        another one, so ``disk`` in ``kept_tiers`` never keeps a ``cpu_gen``."""
         kept = "cpu" in (msg.kept_tiers or ()) and msg.cpu_gen is not None
         return not (kept and msg.cpu_gen == self.gens.cpu_gen and layout == self.gens.layout)
 

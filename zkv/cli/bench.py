@@ -99,7 +99,7 @@ def bench(
         from ..harness.disk_bench import bench_disk
         from ..harness.disk_bench import summary as disk_summary
 
-        res = bench_disk(directory, rounds=2 if quick else 3, quick=quick, say=lambda m: click.echo(m, err=True))
+        res = bench_disk(directory, rounds=2 if quick else 5, quick=quick, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else disk_summary(res))
         return
     if what == "fleet":

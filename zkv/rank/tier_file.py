@@ -10,6 +10,12 @@ and one 48-byte header per row, written *after* the row's bytes:
     mark (4 bytes, ``ZKVB`` when valid) · 0 (u32) · generation (u64) ·
     layout digest (16 bytes) · BLAKE2b-128 of the row (16 bytes, zero: none)
 
+Rows start page-aligned (``ROW_ALIGN``), so the disk tier's O_DIRECT I/O
+goes straight between a row and its file: the file header is one page, and
+rows whose size is not a multiple of a page are padded to one when that
+costs at most 1/16 more (``row_stride``); a file of padded rows is format
+version 2, one of packed rows version 1 (the layouts are otherwise one).
+
 A write sets the mark to "being written" first and to valid last, so a
 write torn by a kill leaves a row whose header does not check: that block
 is lost, never served (a row never written, its header all zeros, holds
@@ -41,8 +47,9 @@ import numpy as np
 PREFIX = "zkv-tier-"
 DEFAULT_DIR = "/dev/shm"
 MAGIC = b"ZKVTIER1"
-VERSION = 1
+VERSION = 1  # packed rows; 2: rows padded to ROW_ALIGN (see row_stride)
 HEADER_BYTES = 4096  # the rows start page-aligned
+ROW_ALIGN = 4096  # the disk tier's O_DIRECT alignment (disk_io.ALIGN)
 _HEAD = struct.Struct("<8sIIQQ16sQII64s")  # magic, version, header bytes, rows, row bytes, layout, gen, pid, rank, bus
 ROW_HEAD = struct.Struct("<4sIQ16s16s")  # mark, 0, generation, layout digest, row digest
 ROW_HEAD_BYTES = ROW_HEAD.size
@@ -77,13 +84,20 @@ class TierPlace:
         return Path(self.directory) / f"{PREFIX}{self.bus}-r{self.rank}-{digest.hex()[:16]}"
 
 
-def _rows_at(rows: int, row_bytes: int) -> int:
-    return HEADER_BYTES + -(-rows * row_bytes // 64) * 64
+def row_stride(row_bytes: int, pad: bool = True) -> int:
+    """Bytes from one row to the next: ``row_bytes`` rounded up to ``ROW_ALIGN`` when
+    ``pad`` and that costs at most 1/16 more memory, else ``row_bytes``."""
+    aligned = -(-row_bytes // ROW_ALIGN) * ROW_ALIGN
+    return aligned if pad and (aligned - row_bytes) * 16 <= row_bytes else row_bytes
 
 
-def row_head_offset(rows: int, row_bytes: int, row: int) -> int:
+def _rows_at(rows: int, stride: int) -> int:
+    return HEADER_BYTES + -(-rows * stride // 64) * 64
+
+
+def row_head_offset(rows: int, row_bytes: int, row: int, stride: int | None = None) -> int:
     """Where row ``row``'s header starts in a tier file of that shape (tools and tests)."""
-    return _rows_at(rows, row_bytes) + row * ROW_HEAD_BYTES
+    return _rows_at(rows, stride or row_bytes) + row * ROW_HEAD_BYTES
 
 
 class TierFile:
@@ -94,13 +108,17 @@ class TierFile:
     ``gen`` is then the generation its content belongs to, and ``valid`` the
     rows whose header checked."""
 
-    def __init__(self, place: TierPlace, key: Hashable, rows: int, row_bytes: int, gen: int = 0):
+    def __init__(
+        self, place: TierPlace, key: Hashable, rows: int, row_bytes: int, gen: int = 0, stride: int | None = None
+    ):
         self.digest = layout_digest(key)
         self.digests = place.digests
         self.path = place.path(self.digest)
         self.rows, self.row_bytes = rows, row_bytes
+        self.stride = stride or row_bytes  # bytes from one row to the next (row_stride)
+        self.version = VERSION if self.stride == row_bytes else 2
         self.kept = False
-        size = _rows_at(rows, row_bytes) + rows * ROW_HEAD_BYTES
+        size = _rows_at(rows, self.stride) + rows * ROW_HEAD_BYTES
         os.makedirs(place.directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -118,21 +136,17 @@ class TierFile:
                 os.ftruncate(fd, 0)  # another shape, a torn header or a new file: start empty
                 os.ftruncate(fd, size)
                 self.gen = gen
-                bus = place.bus.encode()[:64]
-                os.pwrite(
-                    fd,
-                    _HEAD.pack(MAGIC, VERSION, HEADER_BYTES, rows, row_bytes, self.digest, gen, 0, place.rank, bus),
-                    0,
-                )
+                fields = (self.version, HEADER_BYTES, rows, row_bytes, self.digest, gen, 0, place.rank)
+                os.pwrite(fd, _HEAD.pack(MAGIC, *fields, place.bus.encode()[:64]), 0)
             os.pwrite(fd, struct.pack("<I", os.getpid()), _PID_AT)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
-        start = _rows_at(rows, row_bytes)
+        start = _rows_at(rows, self.stride)
         buf = np.frombuffer(self._map, dtype=np.uint8)
-        self.data = buf[HEADER_BYTES : HEADER_BYTES + rows * row_bytes].reshape(rows, row_bytes)
+        self.data = buf[HEADER_BYTES : HEADER_BYTES + rows * self.stride].reshape(rows, self.stride)[:, :row_bytes]
         self.heads = buf[start : start + rows * ROW_HEAD_BYTES].reshape(rows, ROW_HEAD_BYTES)
         self.valid = self.check_heads() if self.kept else np.zeros(rows, dtype=bool)
 
@@ -140,7 +154,7 @@ class TierFile:
         magic, version, hb, rows, row_bytes, digest = _HEAD.unpack(head)[:6]
         return (magic, version, hb, rows, row_bytes, digest) == (
             MAGIC,
-            VERSION,
+            self.version,
             HEADER_BYTES,
             self.rows,
             self.row_bytes,

@@ -9,25 +9,44 @@ so it is probed once per directory and the tier falls back to buffered I/O
 address, length and file offset aligned (``ALIGN``): rows that are not go
 through an aligned bounce buffer.
 
-The digest of a disk row is SHA-256 cut to 16 bytes (``row_digest``):
-OpenSSL's SHA-256 uses the CPU's SHA instructions and measured about twice
-BLAKE2b's speed here; ``hashlib`` releases the GIL on large buffers, so the
-threads of a batch hash and do I/O side by side."""
+The digest of a disk row (``RowDigest``, ``mh64`` in the file's superblock)
+is a multilinear hash: the row's little-endian 64-bit words ``x_i``, summed
+as ``sum(w_i * x_i) mod 2^64`` with odd 64-bit weights drawn from a seed the
+file keeps (splitmix64: the same on every machine).  It guards what can
+happen to a block on its way to the device and back: a write torn by a kill
+or a power cut (some sectors new, some old), a header that reached the
+device before its row (the slot's old bytes), a misdirected or rotted
+sector.  A change confined to one word is always caught (an odd weight
+times a nonzero difference is nonzero mod 2^64); one spread over several
+words is missed with odds 2^-(64-v) over the seed, where v is the lowest
+bit in which any changed word differs from what was stored: about 2^-64
+for KV data, whose low mantissa bits differ between any two blocks (and
+between a block and zeros), at most 2^-32 unless every changed word keeps
+its low 32 bits.  The record beside the row (row id, epoch, its own
+CRC-32) rules out another slot's block or one of a dropped epoch.  It is no
+guard against someone who writes the file on purpose (the seed is in it):
+the file is the rank's own, mode 0600.  It costs one pass of numpy's
+``einsum`` over the row: about 8 GB/s from memory on one core here, where
+CRC-32 (zlib) ran at 2.7 and SHA-256 at 1.4, against O_DIRECT reads of 0.5
+to 3 GB/s; it releases the GIL, so the pool's threads check one piece
+(``PIECE``) while another's I/O runs."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
+import numpy as np
+
 ALIGN = 4096  # covers 512- and 4096-byte logical blocks
 IOV_MAX = 1024  # Linux's limit on buffers per preadv / pwritev
-DIGEST_ALG = b"sha256-16"
+DIGEST_ALG = b"mh64"
+PIECE = 4 << 20  # bytes one pool thread reads or writes at a time: others check digests meanwhile
 
 _probed: dict[str, bool] = {}
 _probe_lock = threading.Lock()
@@ -37,8 +56,61 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def row_digest(buf: memoryview) -> bytes:
-    return hashlib.sha256(buf).digest()[:16]
+_MASK = (1 << 64) - 1
+_PAD = bytes(8)
+
+
+def mh64_weights(seed: int, n: int) -> np.ndarray:
+    """``n`` odd 64-bit weights from ``seed`` (splitmix64, as int64: numpy wraps mod 2^64)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed & _MASK)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z | np.uint64(1)).view(np.int64)
+
+
+class RowDigest:
+    """The digest of rows of ``row_bytes`` for one seed (the module docstring): 8 bytes of
+    hash, little-endian, in the record's 16.  A row's last ``row_bytes % 8`` bytes count
+    as one more word, zero-padded."""
+
+    def __init__(self, row_bytes: int, seed: int):
+        self.seed = seed
+        self.words, self.tail = divmod(row_bytes, 8)
+        w = mh64_weights(seed, self.words + 1)
+        self.w, self.w_tail = w[: self.words], int(w[self.words]) & _MASK
+
+    def of(self, addresses: Sequence[int]) -> list[bytes]:
+        """The digests of the rows at ``addresses``: one numpy pass per run of evenly spaced rows."""
+        out: list[bytes] = []
+        i, n = 0, len(addresses)
+        while i < n:
+            step = addresses[i + 1] - addresses[i] if i + 1 < n else 0
+            j = i + 1
+            while j < n and step >= 0 and addresses[j] - addresses[j - 1] == step:
+                j += 1
+            run = self._run(addresses[i], j - i, step)
+            if self.tail:
+                run = [self._with_tail(d, a) for d, a in zip(run, addresses[i:j])]
+            out += run
+            i = j
+        return out
+
+    def _run(self, first: int, n: int, step: int) -> list[bytes]:
+        """Rows ``first + k * step`` (k < n), as one ``[n, words]`` view of the memory."""
+        if self.words == 0:
+            return [bytes(16)] * n
+        span = (n - 1) * step + self.words * 8
+        x = np.ndarray((n, self.words), np.int64, memoryview((ctypes.c_ubyte * span).from_address(first)), 0, (step, 8))
+        with np.errstate(over="ignore"):
+            hashes = np.einsum("ij,j->i", x, self.w)
+        return [int(h).to_bytes(8, "little", signed=True) + _PAD for h in hashes]
+
+    def _with_tail(self, digest: bytes, address: int) -> bytes:
+        last = int.from_bytes(ctypes.string_at(address + self.words * 8, self.tail), "little")
+        h = (int.from_bytes(digest[:8], "little") + self.w_tail * last) & _MASK
+        return h.to_bytes(8, "little") + _PAD
 
 
 def aligned(nbytes: int) -> mmap.mmap:

@@ -211,7 +211,7 @@ class BlockStore:
                     self.restored, self.cpu_gen = True, self.tier.gen or 0
             assert self.tier is not None
             if self.disk_spec is not None:
-                self.disk = disk_link.sync_disk(self.disk, self.disk_spec, self.tier, layout, kept, self.rank)
+                disk_link.sync_disk(self, layout, kept)  # the disk's blocks: this layout's, at cpu_gen
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
             self.memory.release(cache)
@@ -262,6 +262,8 @@ class BlockStore:
         self.cpu_gen = gen
         if self.tier is not None:
             self.tier.set_gen(gen)
+        if self.disk is not None:
+            self.disk.set_cpu_gen(gen)  # the disk's blocks are CPU blocks moved down
 
     def _drop_device(self) -> None:
         cache, copier = self.cache, self.copier
@@ -283,11 +285,9 @@ class BlockStore:
         self.memory.close()
 
     def kept_tiers(self, fresh: bool) -> dict[str, Any]:
-        """What a READY says of the CPU tier: kept (``cpu_gen`` names its
-        content) when this process held it in the bus or mapped it again."""
-        if self.tier is None or (fresh and not self.restored):
-            return {}
-        return {"kept_tiers": ["cpu"], "cpu_gen": self.cpu_gen}
+        """A READY's kept tiers: content this process held in the bus or found again, at ``cpu_gen``."""
+        cpu = self.tier is not None and (not fresh or self.restored)
+        return disk_link.ready_tiers(cpu, self.disk, self.cpu_gen, fresh)
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
