@@ -117,7 +117,7 @@ def test_pause_clear_resume_in_the_middle_of_a_workload(client):
     assert {client.wait(task, timeout=10).outcome for task in busy} <= {"ok", "cancelled"}
     for lease in held:
         manager.release(lease)  # from before the clear: a no-op
-    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32, "reserved": 0}
+    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32, "peak_used": 0, "reserved": 0}
     assert_consistent(manager)
 
     second = serve_workload(client, manager, 30, workload=workload)
@@ -179,11 +179,11 @@ def test_a_swap_that_times_out_on_a_stopped_rank_is_rolled_back_and_released_lat
             assert lease.num_blocks == 0, "the swap-in timed out: no hit"
             manager.release(lease)
             assert manager.locate(tokens) == ["cpu"] * 4, "the blocks stay on the CPU"
-            quarantined = {"gpu": 4, "cpu": 0}
+            quarantined = {"gpu": 4, "cpu": 0, "disk": 0}
         else:
             assert manager.evict(4) == 4
             assert manager.locate(tokens) == [], "the victims are dropped"
-            quarantined = {"gpu": 0, "cpu": 4}
+            quarantined = {"gpu": 0, "cpu": 4, "disk": 0}
         stats = manager.stats()
         assert stats["swaps"][op]["timeout"] == 1 and stats["quarantined_blocks"] == quarantined
         assert_consistent(manager)
@@ -196,7 +196,7 @@ def test_a_swap_that_times_out_on_a_stopped_rank_is_rolled_back_and_released_lat
     barrier(client)  # the stopped rank has caught up: its late result for the swap is in
     assert manager.reclaim_quarantine() == 4
     stats = manager.stats()
-    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0} and stats["late_outcomes"] == 1
+    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0, "disk": 0} and stats["late_outcomes"] == 1
     assert stats["gpu"]["used"] == 0 and stats["cpu"]["used"] == (4 if op == "swap_in" else 0)
     assert_consistent(manager)
 
