@@ -1,6 +1,7 @@
-"""The prefix cache manager on the real bus: a broker and 2 ranks as processes,
-the real Client as the manager's bus, block contents checked with per-rank
-digests (``fill`` writes known bits, ``checksum`` reads them back)."""
+"""The prefix cache manager on the real bus: a broker and 2 ranks as processes
+(each with a disk tier in a temp dir), the real Client as the manager's bus,
+block contents checked with per-rank digests (``fill`` writes known bits,
+``checksum`` reads them back)."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
 BS = LAYOUT.block_size
+DISK_BLOCKS = 64  # each rank's disk tier (--disk-blocks)
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     # A long liveness window: a rank stopped with SIGSTOP for a moment is slow, not dead.
+    disk = ["--disk-dir", str(tmp_path_factory.mktemp("disk")), "--disk-blocks", str(DISK_BLOCKS)]
     c = LocalCluster(
         2,
         LAYOUT,
         quiet=True,
         broker_args=["--heartbeat-ms", "100", "--liveness-ms", "10000"],
-        worker_args=["--liveness-ms", "10000"],
+        worker_args=["--liveness-ms", "10000", *disk],
     ).start(timeout=60)
     yield c
     c.stop()
@@ -68,7 +71,7 @@ def compute(client, manager, tokens, seed):
 def assert_consistent(manager):
     manager.check_invariants()
     stats = manager.stats()
-    for tier in ("gpu", "cpu"):
+    for tier in ("gpu", "cpu", "disk"):
         assert stats[tier]["free"] + stats[tier]["used"] == stats[tier]["total"]
 
 
@@ -98,6 +101,39 @@ def test_a_prefix_pushed_to_the_cpu_comes_back_bit_identical_on_every_rank(clien
     swap_in = manager.stats()["swaps"]["swap_in"]
     assert (swap_in["issued"], swap_in["ok"], swap_in["blocks"]) == (1, 1, 4)
     assert swap_in["bytes"] == 2 * 4 * LAYOUT.block_bytes  # 4 blocks on each of 2 ranks
+    assert_consistent(manager)
+
+
+def dropped(manager) -> int:
+    stats = manager.stats()
+    return sum(stats[f"dropped_{tier}_blocks"] for tier in ("gpu", "cpu", "disk"))
+
+
+def test_a_workload_bigger_than_gpu_and_cpu_comes_back_from_the_disk_bit_identical(client):
+    manager = manager_for(client, num_disk_blocks=DISK_BLOCKS)
+    prompts = [prompt(200 + n, 4) for n in range(36)]  # 144 blocks: more than 32 + 64, fewer than 32 + 64 + 64
+    original = {}
+    for n, tokens in enumerate(prompts):
+        original[n] = digests(client, compute(client, manager, tokens, seed=300 + n))
+    stats = manager.stats()
+    assert manager.locate(prompts[0]) == ["disk"] * 4, "the oldest went GPU -> CPU -> disk"
+    assert stats["spilled_blocks"] >= 48 and stats["disk"]["used"] >= 48
+    assert dropped(manager) == 0, "nothing dropped while the disk had room"
+    for n in (0, 1, 2):
+        lease = manager.match(prompts[n])
+        assert (lease.num_blocks, lease.disk_hit_blocks) == (4, 4)
+        assert digests(client, lease.block_ids) == original[n], "loaded and swapped in bit for bit, on every rank"
+        manager.release(lease)
+    stats = manager.stats()
+    assert stats["swaps"]["load"]["ok"] >= 1 and stats["loaded_blocks"] == 12 and stats["disk_hit_rate"] > 0
+    assert stats["swaps"]["spill"]["issued"] == stats["swaps"]["spill"]["ok"]
+    assert_consistent(manager)
+
+    for n in range(36, 60):  # 96 blocks more: the disk fills, and only then are blocks dropped
+        compute(client, manager, prompt(200 + n, 4), seed=300 + n)
+        stats = manager.stats()
+        assert dropped(manager) == 0 or stats["disk"]["peak_used"] == DISK_BLOCKS, f"dropped early ({n})"
+    assert manager.stats()["dropped_disk_blocks"] > 0
     assert_consistent(manager)
 
 
@@ -259,15 +295,24 @@ def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
     from zkv.harness.demo import run_demo
 
     lines: list[str] = []
-    assert run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append), "\n".join(lines)
+    ok = run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append, disk_blocks=DISK_BLOCKS)
     text = "\n".join(lines)
+    assert ok, text
     for expected in (
-        "bit-identical",
+        "round trip of 32 blocks on 2 ranks: bit-identical",
+        "through the disk tier: bit-identical",
+        "with the disk tier: 20/20 requests",
+        "without a disk tier: 20/20 requests",
         "requests/s",
-        "hit rate",
+        "hit rate over",
+        "disk ",
         "swap_out:",
         "swap_in:",
+        "spill:",
+        "load:",
+        "dropped for want of room: 0 GPU, 0 CPU, 0 disk blocks; the disk tier peaked at",
         "pause/clear/resume",
+        "with vs without the disk tier:",
         "all bit-identical",
     ):
         assert expected in text, text

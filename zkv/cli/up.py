@@ -11,6 +11,7 @@ nothing) instead of letting the broker resize the ranks behind them."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -114,6 +115,16 @@ def _check_engine(engine: str, demo: bool) -> None:
         fail("--engine transformers needs the transformers extra", "pip install -e '.[transformers]'")
 
 
+def _demo_disk(cluster: Any, demo: bool, disk_blocks: int) -> Path:
+    """The demo's ranks get a disk tier in the runtime directory (``--disk-blocks``); returns its directory."""
+    if not demo and "disk_blocks" in _explicit(("disk_blocks",)):
+        fail("--disk-blocks sizes the demo's disk tier: it runs only with --demo", "a worker's: zkv worker --disk-dir")
+    disk_dir = cluster.directory / "demo-disk"
+    if demo and disk_blocks:
+        cluster.worker_args += ["--disk-dir", str(disk_dir), "--disk-blocks", str(disk_blocks)]
+    return disk_dir
+
+
 @click.command()
 @click.option(
     "--ranks",
@@ -157,7 +168,17 @@ def _check_engine(engine: str, demo: bool) -> None:
     show_default=True,
     envvar="ZKV_UP_REQUESTS",
     show_envvar=True,
-    help="Requests in the --demo workload.",
+    help="Requests in the --demo workload (half with the disk tier, half without).",
+)
+@click.option(
+    "--disk-blocks",
+    type=click.IntRange(0, 2**31 - 1),
+    default=2048,
+    show_default=True,
+    envvar="ZKV_UP_DISK_BLOCKS",
+    show_envvar=True,
+    help="With --demo: blocks of each rank's disk tier, a file in the runtime directory removed when the demo "
+    "ends (0: no disk tier). The demo serves its requests with it, then without it.",
 )
 @click.option(
     "--attach",
@@ -185,6 +206,7 @@ def up(
     record: str | None,
     demo: bool,
     requests: int,
+    disk_blocks: int,
     attach: bool,
     engine: str,
     metrics_port: int | None,
@@ -239,6 +261,7 @@ def up(
         cluster: Any = AttachedCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
     else:
         cluster = LocalCluster(ranks, layout, directory=runtime_dir, broker_args=broker_args)
+    disk_dir = _demo_disk(cluster, demo, disk_blocks)
     sigterm_as_interrupt()
     try:
         try:
@@ -254,7 +277,9 @@ def up(
             from ..harness.demo import run_demo
 
             update = cluster.reallocate if attach else None
-            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
+            ok = run_demo(
+                cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update, disk_blocks=disk_blocks
+            )
             if not ok:
                 sys.exit(1)
             return
@@ -269,3 +294,4 @@ def up(
     finally:
         cluster.stop()
         _remove_sockets(cluster.endpoints)
+        shutil.rmtree(disk_dir, ignore_errors=True)  # the demo's disk files (if any): nobody reuses them
