@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 
 import pytest
+from profiles import long_e2e
+from waits import wait_for
 
 from zkv.harness.cluster import LocalCluster
 from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
@@ -135,6 +137,45 @@ def test_a_workload_bigger_than_gpu_and_cpu_comes_back_from_the_disk_bit_identic
         assert dropped(manager) == 0 or stats["disk"]["peak_used"] == DISK_BLOCKS, f"dropped early ({n})"
     assert manager.stats()["dropped_disk_blocks"] > 0
     assert_consistent(manager)
+
+
+@long_e2e(
+    "a cluster of its own, one rank killed and restarted, 10-20 s",
+    "tests/test_prefix_generations.py (the manager) with tests/test_cpu_tier_restart_e2e.py (the bus)",
+)
+def test_a_rank_restart_that_keeps_its_cpu_tier_costs_the_manager_only_its_gpu_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZKV_TIER_DIR", str(tmp_path / "tiers"))  # the workers and LocalCluster.stop read it
+    disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", str(DISK_BLOCKS)]
+    fast = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=fast, worker_args=["--liveness-ms", "1000", *disk])
+    try:
+        c.start(timeout=60)
+        with c.client(request_timeout=15) as client:
+            manager = PrefixCacheManager(client, BS, LAYOUT.gpu_blocks, 4, swap_timeout=10.0, num_disk_blocks=8)
+            on_disk, on_cpu, on_gpu = prompt(400, 4), prompt(401, 4), prompt(402, 4)
+            original = {}
+            for tokens in (on_disk, on_cpu, on_gpu):
+                original[tokens[0]] = digests(client, compute(client, manager, tokens, seed=tokens[0] % 1000))
+                if tokens is not on_gpu:
+                    assert manager.evict(4) == 4  # on_disk to the CPU, then on_cpu there and on_disk below
+            assert [manager.locate(t)[0] for t in (on_disk, on_cpu, on_gpu)] == ["disk", "cpu", "gpu"]
+
+            c.kill_worker(1)  # SIGKILL: its CPU tier file and disk file stay for the next process
+            c.start_worker(1)
+            st = wait_for(client, lambda s: s["gen"] == 1 and all(r["alive"] for r in s["ranks"]), "the restart")
+            assert st["cpu_gen"] == 0 and client.gen == 1, "the GPU generation moved alone"
+
+            assert manager.match(on_gpu).num_blocks == 0 and manager.locate(on_gpu) == []
+            for tokens, tier in ((on_cpu, "cpu"), (on_disk, "disk")):
+                lease = manager.match(tokens)
+                assert getattr(lease, f"{tier}_hit_blocks") == 4, f"the {tier} entries survived the restart"
+                assert digests(client, lease.block_ids) == original[tokens[0]], "bit for bit, on every rank"
+                manager.release(lease)
+            stats = manager.stats()
+            assert (stats["gpu_generation_drops"], stats["generation_resets"]) == (1, 0)
+            assert_consistent(manager)
+    finally:
+        c.stop()
 
 
 def test_pause_clear_resume_in_the_middle_of_a_workload(client):
