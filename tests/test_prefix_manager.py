@@ -594,7 +594,7 @@ class RandomWorkload(RuleBasedStateMachine):
 RandomWorkload.TestCase.settings = settings(
     max_examples=1000 if LONG else 100, stateful_step_count=100 if LONG else 50, deadline=None
 )
-test_random_workload = RandomWorkload.TestCase
+test_random_workload = pytest.mark.timeout(1800 if LONG else 120)(RandomWorkload.TestCase)
 
 
 def test_serves_hits_after_a_clear_in_the_middle_of_a_workload():

@@ -45,7 +45,7 @@ SCRIPTABLE_OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout", "rais
 GEN_MOVES = ("gen", "cpu_gen")
 #: op -> (source tier, destination tier)
 OPS = {"swap_out": ("gpu", "cpu"), "swap_in": ("cpu", "gpu"), "spill": ("cpu", "disk"), "load": ("disk", "cpu")}
-#: what a failed load leaves in its destination: never a block's data
+#: what a lost generation's memory and a failed load's destination hold: never a block's data
 GARBAGE = ("garbage",)
 
 
