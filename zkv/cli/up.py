@@ -164,7 +164,7 @@ def _demo_disk(cluster: Any, demo: bool, disk_blocks: int) -> Path:
 @click.option(
     "--requests",
     type=int,
-    default=200,
+    default=160,
     show_default=True,
     envvar="ZKV_UP_REQUESTS",
     show_envvar=True,

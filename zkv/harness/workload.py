@@ -76,7 +76,7 @@ class ChatSpec:
             conversations=24,
             zipf_s=0.0,
             turn_tokens=(turn, turn * 5 // 2),
-            max_blocks=max(4, capacity // 6),
+            max_blocks=max(4, capacity // 8),
         )
 
 
