@@ -1,7 +1,9 @@
 """The ideal two-rank shape, opt-in because two torch processes are slow here
 (ZKV_TP_TEST=1): transformers' tensor parallelism over 2 gloo processes,
 a RankAgent in each on its half of the KV heads, the same SwapController
-on both in lockstep, and one bus task (from TP rank 0) moving both shards."""
+on both in lockstep, and one bus task (from TP rank 0) moving both shards.
+By default, only TPBus itself over 2 gloo processes: a prefix cache manager
+on each rank follows the same generation moves at the same call."""
 
 import json
 import os
@@ -12,10 +14,8 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 from zkv.harness.cluster import LocalCluster  # noqa: E402
-from zkv.testing.models import random_llama  # noqa: E402
 
 WORKER = """
 import json, os, sys
@@ -81,7 +81,10 @@ with open(os.path.join({out!r}, "rank%s.json" % rank), "w") as f:
 
 @pytest.mark.skipif(os.environ.get("ZKV_TP_TEST") != "1", reason="two torch processes: 30-90 s here; set ZKV_TP_TEST=1")
 def test_one_bus_task_moves_both_tensor_parallel_shards_and_generation_continues_bit_for_bit(tmp_path):
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # tp_plan="auto" needs it
+    from zkv.testing.models import random_llama
+
     random_llama(0).save_pretrained(tmp_path / "model")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with socket.socket() as s:
@@ -130,3 +133,72 @@ def test_one_bus_task_moves_both_tensor_parallel_shards_and_generation_continues
     assert not set(ranks[0]["old"]) & set(ranks[0]["new"])
     for r in ranks:
         assert r["swapped_out"] and r["how"] == "swapped_in" and r["bytes_equal"] and r["exact"], r
+
+
+LOCKSTEP = """
+import json, os, sys
+sys.path[:0] = [{root!r}]
+import torch.distributed as dist
+from zkv.engines.tp_bus import TPBus
+from zkv.prefix import PrefixCacheManager
+from zkv.wire.outcome import TaskOutcome
+
+class Client:  # rank 0's bus client: every task ok; its GPU generation moves after the 2nd task
+    gen, cpu_gen, tasks = 7, 3, 0
+    def submit(self, op, src, dst, timeout=30.0):
+        self.tasks += 1
+        return self.tasks
+    def wait(self, task, timeout=None):
+        if task == 2:
+            self.gen += 1  # a rank restarted with its CPU tier: cpu_gen stays
+        return TaskOutcome(task, "ok", "", 1, 0.0, {{0: {{}}, 1: {{}}}})
+    def settled(self, timeout=0.0):
+        return []
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+bus = TPBus(Client() if rank == 0 else None)
+manager = PrefixCacheManager(bus, 4, 8, 8)
+seen = []
+for seed in range(3):
+    tokens = [seed * 100 + i for i in range(8)]
+    fresh = manager.allocate(2)
+    manager.insert(tokens, fresh.block_ids)
+    manager.release(fresh)
+    manager.evict(1)  # a swap_out task each: through rank 0, its outcome broadcast
+    seen.append((bus.gen, bus.cpu_gen, manager.locate(tokens)))
+manager.match([0, 1, 2, 3])
+st = manager.stats()
+with open(os.path.join({out!r}, "rank%d.json" % rank), "w") as f:
+    json.dump(dict(seen=seen, drops=st["gpu_generation_drops"], resets=st["generation_resets"], epoch=st["epoch"]), f)
+dist.destroy_process_group()
+"""
+
+
+def test_every_tp_rank_sees_the_same_generations_and_its_manager_follows_them_in_lockstep(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "lockstep.py"
+    script.write_text(LOCKSTEP.format(root=root, out=str(tmp_path)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(r), "WORLD_SIZE": "2"},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errors
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1], "the same generations, the same tree, on every rank"
+    assert [tuple(s[:2]) for s in ranks[0]["seen"]] == [(7, 3), (8, 3), (8, 3)]
+    assert (ranks[0]["drops"], ranks[0]["resets"]) == (1, 0), "the GPU generation moved alone"

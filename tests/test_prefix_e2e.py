@@ -1,12 +1,15 @@
-"""The prefix cache manager on the real bus: a broker and 2 ranks as processes,
-the real Client as the manager's bus, block contents checked with per-rank
-digests (``fill`` writes known bits, ``checksum`` reads them back)."""
+"""The prefix cache manager on the real bus: a broker and 2 ranks as processes
+(each with a disk tier in a temp dir), the real Client as the manager's bus,
+block contents checked with per-rank digests (``fill`` writes known bits,
+``checksum`` reads them back)."""
 
 from __future__ import annotations
 
 import signal
 
 import pytest
+from profiles import long_e2e
+from waits import wait_for
 
 from zkv.harness.cluster import LocalCluster
 from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
@@ -16,17 +19,19 @@ from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
 BS = LAYOUT.block_size
+DISK_BLOCKS = 64  # each rank's disk tier (--disk-blocks)
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
     # A long liveness window: a rank stopped with SIGSTOP for a moment is slow, not dead.
+    disk = ["--disk-dir", str(tmp_path_factory.mktemp("disk")), "--disk-blocks", str(DISK_BLOCKS)]
     c = LocalCluster(
         2,
         LAYOUT,
         quiet=True,
         broker_args=["--heartbeat-ms", "100", "--liveness-ms", "10000"],
-        worker_args=["--liveness-ms", "10000"],
+        worker_args=["--liveness-ms", "10000", *disk],
     ).start(timeout=60)
     yield c
     c.stop()
@@ -68,7 +73,7 @@ def compute(client, manager, tokens, seed):
 def assert_consistent(manager):
     manager.check_invariants()
     stats = manager.stats()
-    for tier in ("gpu", "cpu"):
+    for tier in ("gpu", "cpu", "disk"):
         assert stats[tier]["free"] + stats[tier]["used"] == stats[tier]["total"]
 
 
@@ -101,6 +106,78 @@ def test_a_prefix_pushed_to_the_cpu_comes_back_bit_identical_on_every_rank(clien
     assert_consistent(manager)
 
 
+def dropped(manager) -> int:
+    stats = manager.stats()
+    return sum(stats[f"dropped_{tier}_blocks"] for tier in ("gpu", "cpu", "disk"))
+
+
+def test_a_workload_bigger_than_gpu_and_cpu_comes_back_from_the_disk_bit_identical(client):
+    manager = manager_for(client, num_disk_blocks=DISK_BLOCKS)
+    prompts = [prompt(200 + n, 4) for n in range(36)]  # 144 blocks: more than 32 + 64, fewer than 32 + 64 + 64
+    original = {}
+    for n, tokens in enumerate(prompts):
+        original[n] = digests(client, compute(client, manager, tokens, seed=300 + n))
+    stats = manager.stats()
+    assert manager.locate(prompts[0]) == ["disk"] * 4, "the oldest went GPU -> CPU -> disk"
+    assert stats["spilled_blocks"] >= 48 and stats["disk"]["used"] >= 48
+    assert dropped(manager) == 0, "nothing dropped while the disk had room"
+    for n in (0, 1, 2):
+        lease = manager.match(prompts[n])
+        assert (lease.num_blocks, lease.disk_hit_blocks) == (4, 4)
+        assert digests(client, lease.block_ids) == original[n], "loaded and swapped in bit for bit, on every rank"
+        manager.release(lease)
+    stats = manager.stats()
+    assert stats["swaps"]["load"]["ok"] >= 1 and stats["loaded_blocks"] == 12 and stats["disk_hit_rate"] > 0
+    assert stats["swaps"]["spill"]["issued"] == stats["swaps"]["spill"]["ok"]
+    assert_consistent(manager)
+
+    for n in range(36, 60):  # 96 blocks more: the disk fills, and only then are blocks dropped
+        compute(client, manager, prompt(200 + n, 4), seed=300 + n)
+        stats = manager.stats()
+        assert dropped(manager) == 0 or stats["disk"]["peak_used"] == DISK_BLOCKS, f"dropped early ({n})"
+    assert manager.stats()["dropped_disk_blocks"] > 0
+    assert_consistent(manager)
+
+
+@long_e2e(
+    "a cluster of its own, one rank killed and restarted, 10-20 s",
+    "tests/test_prefix_generations.py (the manager) with tests/test_cpu_tier_restart_e2e.py (the bus)",
+)
+def test_a_rank_restart_that_keeps_its_cpu_tier_costs_the_manager_only_its_gpu_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZKV_TIER_DIR", str(tmp_path / "tiers"))  # the workers and LocalCluster.stop read it
+    disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", str(DISK_BLOCKS)]
+    fast = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+    c = LocalCluster(2, LAYOUT, quiet=True, broker_args=fast, worker_args=["--liveness-ms", "1000", *disk])
+    try:
+        c.start(timeout=60)
+        with c.client(request_timeout=15) as client:
+            manager = PrefixCacheManager(client, BS, LAYOUT.gpu_blocks, 4, swap_timeout=10.0, num_disk_blocks=8)
+            on_disk, on_cpu, on_gpu = prompt(400, 4), prompt(401, 4), prompt(402, 4)
+            original = {}
+            for tokens in (on_disk, on_cpu, on_gpu):
+                original[tokens[0]] = digests(client, compute(client, manager, tokens, seed=tokens[0] % 1000))
+                if tokens is not on_gpu:
+                    assert manager.evict(4) == 4  # on_disk to the CPU, then on_cpu there and on_disk below
+            assert [manager.locate(t)[0] for t in (on_disk, on_cpu, on_gpu)] == ["disk", "cpu", "gpu"]
+
+            c.kill_worker(1)  # SIGKILL: its CPU tier file and disk file stay for the next process
+            c.start_worker(1)
+            st = wait_for(client, lambda s: s["gen"] == 1 and all(r["alive"] for r in s["ranks"]), "the restart")
+            assert st["cpu_gen"] == 0 and client.gen == 1, "the GPU generation moved alone"
+
+            assert manager.match(on_gpu).num_blocks == 0 and manager.locate(on_gpu) == []
+            for tokens, tier in ((on_cpu, "cpu"), (on_disk, "disk")):
+                lease = manager.match(tokens)
+                assert getattr(lease, f"{tier}_hit_blocks") == 4, f"the {tier} entries survived the restart"
+                assert digests(client, lease.block_ids) == original[tokens[0]], "bit for bit, on every rank"
+                manager.release(lease)
+            stats = manager.stats()
+            assert (stats["gpu_generation_drops"], stats["generation_resets"]) == (1, 0)
+            assert_consistent(manager)
+    finally:
+        c.stop()
+
+
 def test_pause_clear_resume_in_the_middle_of_a_workload(client):
     manager = manager_for(client)
     workload = ChatWorkload(BS, ChatSpec.for_cache(LAYOUT.gpu_blocks), seed=3)
@@ -117,7 +194,7 @@ def test_pause_clear_resume_in_the_middle_of_a_workload(client):
     assert {client.wait(task, timeout=10).outcome for task in busy} <= {"ok", "cancelled"}
     for lease in held:
         manager.release(lease)  # from before the clear: a no-op
-    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32, "reserved": 0}
+    assert manager.stats()["gpu"] == {"total": 32, "used": 0, "free": 32, "peak_used": 0, "reserved": 0}
     assert_consistent(manager)
 
     second = serve_workload(client, manager, 30, workload=workload)
@@ -179,11 +256,11 @@ def test_a_swap_that_times_out_on_a_stopped_rank_is_rolled_back_and_released_lat
             assert lease.num_blocks == 0, "the swap-in timed out: no hit"
             manager.release(lease)
             assert manager.locate(tokens) == ["cpu"] * 4, "the blocks stay on the CPU"
-            quarantined = {"gpu": 4, "cpu": 0}
+            quarantined = {"gpu": 4, "cpu": 0, "disk": 0}
         else:
             assert manager.evict(4) == 4
             assert manager.locate(tokens) == [], "the victims are dropped"
-            quarantined = {"gpu": 0, "cpu": 4}
+            quarantined = {"gpu": 0, "cpu": 4, "disk": 0}
         stats = manager.stats()
         assert stats["swaps"][op]["timeout"] == 1 and stats["quarantined_blocks"] == quarantined
         assert_consistent(manager)
@@ -196,7 +273,7 @@ def test_a_swap_that_times_out_on_a_stopped_rank_is_rolled_back_and_released_lat
     barrier(client)  # the stopped rank has caught up: its late result for the swap is in
     assert manager.reclaim_quarantine() == 4
     stats = manager.stats()
-    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0} and stats["late_outcomes"] == 1
+    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0, "disk": 0} and stats["late_outcomes"] == 1
     assert stats["gpu"]["used"] == 0 and stats["cpu"]["used"] == (4 if op == "swap_in" else 0)
     assert_consistent(manager)
 
@@ -259,15 +336,24 @@ def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
     from zkv.harness.demo import run_demo
 
     lines: list[str] = []
-    assert run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append), "\n".join(lines)
+    ok = run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append, disk_blocks=DISK_BLOCKS)
     text = "\n".join(lines)
+    assert ok, text
     for expected in (
-        "bit-identical",
+        "round trip of 32 blocks on 2 ranks: bit-identical",
+        "through the disk tier: bit-identical",
+        "with the disk tier: 20/20 requests",
+        "without a disk tier: 20/20 requests",
         "requests/s",
-        "hit rate",
+        "hit rate over",
+        "disk ",
         "swap_out:",
         "swap_in:",
+        "spill:",
+        "load:",
+        "dropped for want of room: 0 GPU, 0 CPU, 0 disk blocks; the disk tier peaked at",
         "pause/clear/resume",
+        "with vs without the disk tier:",
         "all bit-identical",
     ):
         assert expected in text, text

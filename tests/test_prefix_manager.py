@@ -3,6 +3,8 @@ swap failures, the clear cycle, and a random workload checked after every step."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -73,7 +75,7 @@ def test_miss_then_hit_on_the_same_blocks():
         engine.manager.release(lease)
     engine.manager.check_invariants()
     stats = engine.manager.stats()
-    assert stats["gpu"] == {"total": 8, "used": 3, "free": 5, "reserved": 0}
+    assert stats["gpu"] == {"total": 8, "used": 3, "free": 5, "peak_used": 4, "reserved": 0}
     assert stats["gpu_hit_rate"] == 0.5 and stats["cpu_hit_rate"] == 0.0
 
 
@@ -263,7 +265,7 @@ def test_a_late_copy_of_a_timed_out_swap_never_lands_in_a_reused_block():
         engine.manager.allocate(1)
     engine.bus.deliver_late()  # the slow rank finally copies into the quarantined blocks
     engine.assert_content(other, engine.manager.match(other).block_ids)
-    assert engine.manager.stats()["quarantined_blocks"] == {"gpu": 0, "cpu": 0}
+    assert engine.manager.stats()["quarantined_blocks"] == {"gpu": 0, "cpu": 0, "disk": 0}
     engine.manager.check_invariants()
     for lease in held:
         engine.manager.release(lease)
@@ -309,7 +311,7 @@ def test_a_drained_bus_frees_the_quarantine():
     engine.manager.evict(3)
     engine.bus.script("timeout")
     engine.manager.match(tokens)
-    assert engine.manager.stats()["quarantined_blocks"] == {"gpu": 3, "cpu": 0}
+    assert engine.manager.stats()["quarantined_blocks"] == {"gpu": 3, "cpu": 0, "disk": 0}
     assert engine.manager.on_bus_drained() == 3  # e.g. after a pause: the late copy can no longer land
     assert engine.manager.stats()["gpu"]["used"] == 0
     engine.manager.check_invariants()
@@ -334,7 +336,7 @@ def test_cpu_pressure_drops_the_oldest_cpu_leaves():
         engine.serve_and_finish(tokens)
     stats = engine.manager.stats()
     assert stats["cpu"]["used"] == 4 and stats["dropped_cpu_blocks"] == 2
-    assert stats["nodes"] == {"ON_GPU": 4, "ON_CPU": 4, "SWAPPING_OUT": 0, "SWAPPING_IN": 0}
+    assert {k: v for k, v in stats["nodes"].items() if v} == {"ON_GPU": 4, "ON_CPU": 4}
     assert engine.manager.match(prompts[0]).num_blocks == 0
     cached = engine.manager.match(prompts[1])
     assert cached.cpu_hit_blocks == 2
@@ -370,7 +372,7 @@ def test_clear_degrades_to_no_hit_and_resume_serves_a_new_layout():
     assert engine.manager.evict(4) == 0
     assert len(engine.bus.submitted) == submitted  # clearing talks to no one
     engine.manager.check_invariants()
-    assert engine.manager.stats()["gpu"] == {"total": 0, "used": 0, "free": 0, "reserved": 0}
+    assert engine.manager.stats()["gpu"] == {"total": 0, "used": 0, "free": 0, "peak_used": 0, "reserved": 0}
 
     engine.manager.resume(num_gpu_blocks=16, num_cpu_blocks=4, block_size=BS)
     assert engine.manager.match(tokens).num_blocks == 0
@@ -404,23 +406,43 @@ def test_bench_reports_microseconds_per_request():
 
 # --------------------------------------------------------------- random workload
 
-SWAP_OUTCOMES = st.lists(st.sampled_from(["ok"] * 5 + FAILURES + ["timeout"]), max_size=3)
+# ZKV_LONG_MODEL=1: the long profile of the model-based tests (as tests/test_bus_model.py)
+LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
+#: outcomes of the tasks a step issues (swaps, spills, loads), some moving the bus's generations meanwhile
+SWAP_OUTCOMES = st.lists(
+    st.sampled_from(["ok"] * 8 + FAILURES + ["timeout", "ok+gen", "ok+cpu_gen", "timeout+gen", "failed+gen"]),
+    max_size=3,
+)
+#: how the bus names its generations: not at all (a test double), gen only (an older broker), both
+GEN_MODES = st.sampled_from(["none", "gen", "both"])
 
 
 class RandomWorkload(RuleBasedStateMachine):
-    """Requests over shared prefixes on small tiers, random swap outcomes and clears.
+    """Requests over shared prefixes on small tiers (GPU, CPU and a disk tier or
+    none), random task outcomes, lost disk blocks, generation moves and clears.
 
-    After every step: every block has exactly one owner on both tiers, and every
-    block a live request holds still contains that request's data.
+    After every step: every block has exactly one owner on every tier, and every
+    block a live request holds still contains that request's data; every block a
+    match serves holds the data written for its key.
     """
 
-    @initialize(gpu=st.integers(3, 12), cpu=st.integers(0, 10))
-    def start(self, gpu: int, cpu: int) -> None:
+    @initialize(
+        gpu=st.integers(3, 10), cpu=st.integers(0, 8), disk=st.sampled_from([0, 2, 4, 6, 8, 12]), gens=GEN_MODES
+    )
+    def start(self, gpu: int, cpu: int, disk: int, gens: str) -> None:
         self.bus = FakeBus()
-        self.manager = PrefixCacheManager(self.bus, BS, gpu, cpu, swap_timeout=0.01)
-        self.running: list[tuple[list[int], BlockLease, BlockLease]] = []
+        self.gens = gens
+        if gens != "none":
+            self.bus.gen, self.bus.cpu_gen = 0, (0 if gens == "both" else None)
+        self.manager = PrefixCacheManager(self.bus, BS, gpu, cpu, swap_timeout=0.01, num_disk_blocks=disk)
+        # (tokens, the match's lease, the allocated lease, the bus's gen they were computed at)
+        self.running: list[tuple[list[int], BlockLease, BlockLease, int | None]] = []
         self.seen: list[list[int]] = []
         self.steps_since_clear = 0
+
+    def script(self, outcomes: list[str]) -> None:
+        """A bus that names no generation cannot move one."""
+        self.bus.script(*(o.partition("+")[0] if self.gens == "none" else o for o in outcomes))
 
     def run_request(
         self, tokens: list[int], outcomes: list[str], use_cache: bool = True, late_copies_land: bool = False
@@ -428,7 +450,8 @@ class RandomWorkload(RuleBasedStateMachine):
         self.steps_since_clear += 1
         if len(self.running) >= 2:  # bounded concurrency, like a scheduler's batch
             self.finish_request(0)
-        self.bus.script(*outcomes)
+        self.script(outcomes)
+        gen = self.bus.gen
         cached = self.manager.match(tokens if use_cache else [])
         if self.manager.cleared:
             assert cached.num_blocks == 0
@@ -445,32 +468,57 @@ class RandomWorkload(RuleBasedStateMachine):
         for position, block in enumerate(fresh.block_ids, start=cached.num_blocks):
             self.bus.gpu[block] = kv_of(keys[position]) if position < len(keys) else ("partial",)
         self.manager.insert(tokens, cached.block_ids + fresh.block_ids[: len(keys) - cached.num_blocks])
-        self.running.append((tokens, cached, fresh))
+        # A generation move meanwhile (a task's "+gen") took what the match served: not checked later.
+        self.running.append((tokens, cached, fresh, gen if self.bus.gen == gen else -1))
         self.seen.append(tokens)
         if late_copies_land:  # timed-out copies landing now would clobber any block reused too early
             self.bus.deliver_late()
 
     @rule(
-        family=st.integers(0, 2),
-        shared=st.integers(0, 5),
-        variant=st.integers(0, 3),
-        extra=st.integers(0, 6),
+        prompts=st.lists(
+            st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 3), st.integers(0, 9)),
+            min_size=1,
+            max_size=3,
+        ),
         outcomes=SWAP_OUTCOMES,
         use_cache=st.booleans(),
         late=st.booleans(),
     )
     def request(
-        self, family: int, shared: int, variant: int, extra: int, outcomes: list[str], use_cache: bool, late: bool
+        self, prompts: list[tuple[int, int, int, int]], outcomes: list[str], use_cache: bool, late: bool
     ) -> None:
-        """A prompt sharing a prefix with others; without the cache it may duplicate cached blocks."""
-        tokens = prompt(family, shared) + [50_000 + family * 100 + variant * 10 + i for i in range(extra)]
-        self.run_request(tokens, outcomes, use_cache, late)
+        """Prompts sharing prefixes with others (family, shared blocks, variant, extra tokens);
+        without the cache they may duplicate cached blocks."""
+        for family, shared, variant, extra in prompts:
+            tokens = prompt(family, shared) + [50_000 + family * 100 + variant * 10 + i for i in range(extra)]
+            self.run_request(tokens, outcomes, use_cache, late)
+            outcomes = []
+
+    @rule(first=st.integers(10, 40), beyond=st.integers(0, 6), blocks=st.integers(1, 4), outcomes=SWAP_OUTCOMES)
+    def burst(self, first: int, beyond: int, blocks: int, outcomes: list[str]) -> None:
+        """Prompts of their own, one after the other, more than the GPU and the CPU
+        hold: older blocks go down the tiers (to the disk, if there is one)."""
+        stats = self.manager.stats()
+        count = (stats["gpu"]["total"] + stats["cpu"]["total"] + beyond) // blocks + 1
+        for family in range(first, first + count):
+            self.run_request(prompt(family, blocks), outcomes)
+            outcomes = []
 
     @precondition(lambda self: self.seen)
-    @rule(pick=st.integers(0, 100), outcomes=SWAP_OUTCOMES, late=st.booleans())
-    def repeat_request(self, pick: int, outcomes: list[str], late: bool) -> None:
-        """An earlier prompt again: its blocks may sit on the CPU by now."""
-        self.run_request(self.seen[pick % len(self.seen)], outcomes, late_copies_land=late)
+    @rule(picks=st.lists(st.integers(0, 100), min_size=1, max_size=3), outcomes=SWAP_OUTCOMES, late=st.booleans())
+    def repeat_request(self, picks: list[int], outcomes: list[str], late: bool) -> None:
+        """Earlier prompts again: their blocks may sit on the CPU or the disk by now."""
+        for pick in picks:
+            self.run_request(self.seen[pick % len(self.seen)], outcomes, late_copies_land=late)
+            outcomes = []
+
+    @precondition(lambda self: self.bus.disk)
+    @rule(pick=st.integers(0, 100), outcomes=SWAP_OUTCOMES)
+    def revisit_the_disk(self, pick: int, outcomes: list[str]) -> None:
+        """An earlier prompt whose blocks reach the disk: the match loads them (or must not serve them)."""
+        on_disk = [tokens for tokens in self.seen[-40:] if "disk" in self.manager.locate(tokens)]
+        if on_disk:
+            self.run_request(on_disk[pick % len(on_disk)], outcomes)
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, 100))
@@ -478,14 +526,31 @@ class RandomWorkload(RuleBasedStateMachine):
         self.finish_request(pick)
 
     def finish_request(self, pick: int) -> None:
-        _, cached, fresh = self.running.pop(pick % len(self.running))
+        _, cached, fresh, _ = self.running.pop(pick % len(self.running))
         self.manager.release(cached)
         self.manager.release(fresh)
 
     @rule(count=st.integers(1, 6), outcomes=SWAP_OUTCOMES)
     def evict(self, count: int, outcomes: list[str]) -> None:
-        self.bus.script(*outcomes)
+        self.script(outcomes)
         self.manager.evict(count)
+
+    @precondition(lambda self: self.bus.ops("spill"))
+    @rule(pick=st.integers(0, 100))
+    def a_disk_block_goes_bad(self, pick: int) -> None:
+        """Its digest will not check (one the last spill wrote, likely still cached): a load of it
+        fails, and it must never be served."""
+        blocks = self.bus.ops("spill")[-1].dst
+        self.bus.lose_disk(blocks[pick % len(blocks)])
+
+    @precondition(lambda self: self.gens != "none")
+    @rule(cpu_too=st.booleans())
+    def a_rank_restarts(self, cpu_too: bool) -> None:
+        """With its CPU tier (gen moves alone) or without (cpu_gen moves too)."""
+        if cpu_too:
+            self.bus.move_cpu_gen()
+        else:
+            self.bus.move_gen()
 
     @rule()
     def slow_ranks_finish(self) -> None:
@@ -504,29 +569,32 @@ class RandomWorkload(RuleBasedStateMachine):
         self.steps_since_clear = 0
 
     @precondition(lambda self: self.manager.cleared)
-    @rule(gpu=st.integers(3, 12), cpu=st.integers(0, 10))
-    def resume(self, gpu: int, cpu: int) -> None:
-        self.manager.resume(gpu, cpu)
+    @rule(gpu=st.integers(3, 10), cpu=st.integers(0, 8), disk=st.sampled_from([0, 2, 4, 6, 8, 12]))
+    def resume(self, gpu: int, cpu: int, disk: int) -> None:
+        self.manager.resume(gpu, cpu, num_disk_blocks=disk)
 
     @invariant()
     def every_block_has_one_owner(self) -> None:
         self.manager.check_invariants()
-        for tier in ("gpu", "cpu"):
-            usage = self.manager.stats()[tier]
+        stats = self.manager.stats()
+        for tier in ("gpu", "cpu", "disk"):
+            usage = stats[tier]
             assert usage["free"] + usage["used"] == usage["total"]
 
     @invariant()
     def running_requests_still_see_their_data(self) -> None:
-        for tokens, cached, fresh in self.running:
-            if cached.epoch != self.manager.epoch:
-                continue  # from before a clear: its blocks are gone
+        for tokens, cached, fresh, gen in self.running:
+            if cached.epoch != self.manager.epoch or gen != self.bus.gen:
+                continue  # from before a clear or a generation move: its blocks are gone
             keys = block_keys(tokens, BS)
             held = cached.block_ids + fresh.block_ids[: len(keys) - cached.num_blocks]
             assert [self.bus.gpu.get(b) for b in held] == [kv_of(k) for k in keys[: len(held)]]
 
 
-RandomWorkload.TestCase.settings = settings(max_examples=100, stateful_step_count=50, deadline=None)
-test_random_workload = RandomWorkload.TestCase
+RandomWorkload.TestCase.settings = settings(
+    max_examples=1000 if LONG else 100, stateful_step_count=100 if LONG else 50, deadline=None
+)
+test_random_workload = pytest.mark.timeout(1800 if LONG else 120)(RandomWorkload.TestCase)
 
 
 def test_serves_hits_after_a_clear_in_the_middle_of_a_workload():

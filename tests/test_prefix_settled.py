@@ -59,7 +59,7 @@ def test_settled_tasks_free_their_quarantine_at_the_next_call(entry):
     else:
         assert manager.reclaim_quarantine() == 3
     stats = manager.stats()
-    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0} and stats["quarantined_tasks"] == 0
+    assert stats["quarantined_blocks"] == {"gpu": 0, "cpu": 0, "disk": 0} and stats["quarantined_tasks"] == 0
     assert stats["late_outcomes"] == 1 and stats["reclaimed_blocks"] == 3
     manager.check_invariants()
 

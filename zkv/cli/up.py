@@ -11,6 +11,7 @@ nothing) instead of letting the broker resize the ranks behind them."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,9 @@ def _tier_args(kw: dict[str, Any]) -> tuple[list[str], str]:
     return args, tier_dir
 
 
+DEMO_DISK_BLOCKS = 2048  # the demo's chat outgrows GPU + CPU; its disk peak stays well below this
+
+
 def _check_engine(engine: str, demo: bool) -> None:
     if not demo:
         fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
@@ -132,6 +136,41 @@ def _check_engine(engine: str, demo: bool) -> None:
         import transformers  # noqa: F401
     except ImportError:
         fail("--engine transformers needs the transformers extra", "pip install -e '.[transformers]'")
+
+
+def _demo_disk(cluster: Any, demo: bool, user_disk: bool, disk_blocks: int) -> tuple[Path | None, int]:
+    """The demo's ranks get a disk tier: the one --disk-dir names, else one in the
+    runtime directory, removed when the demo ends, of --disk-blocks blocks
+    (DEMO_DISK_BLOCKS unless given).  Returns the directory to remove and the blocks."""
+    if not demo or user_disk:
+        return None, disk_blocks
+    if "disk_blocks" not in _explicit(("disk_blocks",)):
+        disk_blocks = DEMO_DISK_BLOCKS
+    disk_dir = cluster.directory / "demo-disk"
+    cluster.worker_args += ["--disk-dir", str(disk_dir), "--disk-blocks", str(disk_blocks)]
+    return disk_dir, disk_blocks
+
+
+def _claim_runtime_dir(
+    runtime_dir: str, fresh: bool, ranks: int, demo: bool, kw: dict[str, Any]
+) -> tuple[dict[str, Any] | None, int]:
+    """Refuse a runtime directory a live bus serves; read the snapshot its broker will restore."""
+    from ..broker.state_file import FILE_NAME
+    from ..client.client import Client, ZkvError
+
+    frontend = Endpoints.in_dir(runtime_dir).frontend
+    with Client(frontend, request_timeout=0.3) as probe:
+        try:
+            probe.ping()
+            fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
+        except ZkvError:
+            pass  # nobody answers: ours to take
+    # The broker inherits ZKV_STATE_FILE from this environment: read the file it will restore.
+    state_path = Path(os.environ.get("ZKV_STATE_FILE") or Path(runtime_dir) / FILE_NAME)
+    restored, ranks = _restore(state_path, fresh, ranks, kw)
+    if demo and restored is not None and restored["state"] != "running":
+        fail(f"--demo needs a running bus; the restored one is {restored['state']}", "add --fresh")
+    return restored, ranks
 
 
 @click.command()
@@ -173,11 +212,11 @@ def _check_engine(engine: str, demo: bool) -> None:
 @click.option(
     "--requests",
     type=int,
-    default=200,
+    default=160,
     show_default=True,
     envvar="ZKV_UP_REQUESTS",
     show_envvar=True,
-    help="Requests in the --demo workload.",
+    help="Requests in the --demo workload (half with the disk tier, half without).",
 )
 @click.option(
     "--attach",
@@ -219,8 +258,6 @@ def up(
         from ..harness.engine_demo import run_engine_demo
 
         sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
-    from ..broker.state_file import FILE_NAME
-    from ..client.client import Client, ZkvError
     from ..harness.cluster import LocalCluster
     from ..net.endpoints import runtime_dir as default_runtime_dir
     from ..obs.prometheus import check_port_free
@@ -237,19 +274,9 @@ def up(
         runtime_dir = str(default_runtime_dir())  # so zkv status & co. find it with no settings
     restored = None
     if runtime_dir is not None:
-        frontend = Endpoints.in_dir(runtime_dir).frontend
-        with Client(frontend, request_timeout=0.3) as probe:
-            try:
-                probe.ping()
-                fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
-            except ZkvError:
-                pass  # nobody answers: ours to take
-        # The broker inherits ZKV_STATE_FILE from this environment: read the file it will restore.
-        state_path = Path(os.environ.get("ZKV_STATE_FILE") or Path(runtime_dir) / FILE_NAME)
-        restored, ranks = _restore(state_path, fresh, ranks, kw)
-        if demo and restored is not None and restored["state"] != "running":
-            fail(f"--demo needs a running bus; the restored one is {restored['state']}", "add --fresh")
+        restored, ranks = _claim_runtime_dir(runtime_dir, fresh, ranks, demo, kw)
     layout = layout_from(kw)
+    disk_blocks, user_disk = kw["disk_blocks"], kw["disk_dir"] is not None
     worker_args, tier_dir = _tier_args(kw)
     broker_args = (
         ["--metrics-port", str(metrics_port), "--metrics-addr", metrics_addr] if metrics_port is not None else []
@@ -268,6 +295,7 @@ def up(
         cluster: Any = AttachedCluster(ranks, layout, **opts)
     else:
         cluster = LocalCluster(ranks, layout, **opts)
+    demo_disk, disk_blocks = _demo_disk(cluster, demo, user_disk, disk_blocks)
     sigterm_as_interrupt()
     try:
         try:
@@ -283,7 +311,9 @@ def up(
             from ..harness.demo import run_demo
 
             update = cluster.reallocate if attach else None
-            ok = run_demo(cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update)
+            ok = run_demo(
+                cluster.endpoints.frontend, layout, requests, echo=click.echo, update=update, disk_blocks=disk_blocks
+            )
             if not ok:
                 sys.exit(1)
             return
@@ -298,3 +328,5 @@ def up(
     finally:
         cluster.stop()
         _remove_sockets(cluster.endpoints)
+        if demo_disk is not None:
+            shutil.rmtree(demo_disk, ignore_errors=True)  # the demo's own disk files: nobody reuses them

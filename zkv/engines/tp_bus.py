@@ -8,6 +8,12 @@ the ``Bus`` the controller needs: on rank 0 it forwards to a real
 group; on the other ranks it returns what rank 0 broadcast.  Every call is
 a collective, which holds because the controllers make the same calls in
 the same order.  The broadcast carries msgpack bytes in a uint8 tensor.
+
+Every op passes through (swaps, and the disk tier's ``spill`` / ``load``).
+``gen`` and ``cpu_gen`` are the client's generations as rank 0 broadcast them
+with the last outcome (or settled list), the same on every rank, so a prefix
+cache manager on each rank follows the same moves at the same call
+(``zkv.prefix.generations``); None until the first broadcast.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class TPBus:
         self.group = group
         self._next = 0  # task ids on ranks without a client
         self._local: dict[int, int] = {}  # rank 0's task id -> ours (for settled)
+        self.gen: int | None = None
+        self.cpu_gen: int | None = None
 
     def submit(self, op: str, src: Any = None, dst: Any = None, timeout: float = 30.0) -> int:
         if self.client is not None:
@@ -52,10 +60,11 @@ class TPBus:
                     "reason": out.reason,
                     "bytes": out.bytes,
                     "ranks": sorted(out.per_rank),
+                    **self._gens(),
                 }
             )
             return out
-        got = self._share(None)
+        got = self._take_gens(self._share(None))
         if got["outcome"] == "timeout":
             self._local[got["task"]] = task
         return TaskOutcome(task, got["outcome"], got["reason"], got["bytes"], 0.0, {r: {} for r in got["ranks"]})
@@ -64,9 +73,19 @@ class TPBus:
         """Rank 0's settled tasks, under each rank's own task ids."""
         if self.client is not None:
             done = self.client.settled(timeout)
-            self._share({"tasks": done})
+            self._share({"tasks": done, **self._gens()})
             return done
-        return [self._local.pop(t) for t in self._share(None)["tasks"] if t in self._local]
+        return [self._local.pop(t) for t in self._take_gens(self._share(None))["tasks"] if t in self._local]
+
+    def _gens(self) -> dict:
+        """Rank 0: the client's generations now, kept as ours too (every rank reads the same)."""
+        assert self.client is not None
+        self.gen, self.cpu_gen = self.client.gen, self.client.cpu_gen
+        return {"gen": self.gen, "cpu_gen": self.cpu_gen}
+
+    def _take_gens(self, got: dict) -> dict:
+        self.gen, self.cpu_gen = got.get("gen"), got.get("cpu_gen")
+        return got
 
     def _share(self, value: dict | None) -> dict:
         size = torch.zeros(1, dtype=torch.int64)

@@ -1,13 +1,18 @@
 """The ``zkv up --demo`` workload: real swaps on every rank, checked bit for bit.
 
 1. A round trip: fill blocks, swap them out, scribble over them, swap them
-   back in, and compare per-rank digests.
+   back in, and compare per-rank digests; with a disk tier, the same through
+   the disk (GPU -> CPU -> disk -> CPU -> GPU).
 2. A chat workload served through the prefix cache manager
-   (``zkv.harness.workload``): shared system prompts, Zipf-popular multi-turn
-   conversations, more KV than the GPU holds, so cold prefixes are swapped
-   out to the CPU and back in when they return.  Every cache hit is checked
-   bit for bit on every rank, and halfway through the workload an RL-style
-   pause / clear / resume cycle runs (``zkv.prefix.cycle``).
+   (``zkv.harness.workload``): evenly popular multi-turn conversations with
+   long turns, more KV than the GPU and the CPU hold together, so cold
+   prefixes go down the tiers and come back when their conversation does.
+   Every cache hit is checked bit for bit on every rank.  It runs twice on
+   the same bus, the same requests each time: with the ranks' disk tier,
+   then (after an RL-style pause / clear / resume cycle, ``zkv.prefix.cycle``,
+   which empties every tier) with ``num_disk_blocks=0``, so the two
+   requests/s figures and hit rates are measured side by side.  Without a
+   disk tier both runs go without one.
 """
 
 from __future__ import annotations
@@ -18,29 +23,38 @@ from typing import Any, Callable
 
 from ..client.client import Client
 from ..prefix import PrefixCacheManager
+from ..prefix.cycle import pause_clear_resume
 from ..wire.layout import CacheLayout
-from .workload import ChatSpec, ChatWorkload, serve_workload
+from .workload import ChatSpec, ChatWorkload, WorkloadReport, serve_workload
+
+TIERS = ("gpu", "cpu", "disk")
 
 
-def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None]) -> bool:
-    n = min(32, layout.gpu_blocks, layout.cpu_blocks)
+def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None], disk_blocks: int = 0) -> bool:
+    """Fill, swap out (and spill, with a disk tier), scribble, bring back, compare digests."""
+    n = min(32, layout.gpu_blocks, layout.cpu_blocks, *([disk_blocks] if disk_blocks else []))
     rng = random.Random(7)
     gpu_ids = rng.sample(range(layout.gpu_blocks), n)
     cpu_ids = rng.sample(range(layout.cpu_blocks), n)
     steps = [c.run("fill", None, gpu_ids, tier="gpu", seed=1)]
     before = c.run("checksum", gpu_ids, tier="gpu")
-    steps += [
-        c.run("swap_out", gpu_ids, cpu_ids),
-        c.run("fill", None, gpu_ids, tier="gpu", seed=2),
-        c.run("swap_in", cpu_ids, gpu_ids),
-    ]
+    steps += [c.run("swap_out", gpu_ids, cpu_ids), c.run("fill", None, gpu_ids, tier="gpu", seed=2)]
+    if disk_blocks:
+        disk_ids = rng.sample(range(disk_blocks), n)
+        steps += [
+            c.run("spill", cpu_ids, disk_ids),
+            c.run("fill", None, cpu_ids, tier="cpu", seed=3),
+            c.run("load", disk_ids, cpu_ids),
+        ]
+    steps.append(c.run("swap_in", cpu_ids, gpu_ids))
     after = c.run("checksum", gpu_ids, tier="gpu")
     same = (
         before.ok
         and after.ok
         and all(before.per_rank[r]["digests"] == after.per_rank[r]["digests"] for r in before.per_rank)
     )
-    echo(f"round trip of {n} blocks on {len(before.per_rank)} ranks: {'bit-identical' if same else 'MISMATCH'}")
+    via = " through the disk tier" if disk_blocks else ""
+    echo(f"round trip of {n} blocks on {len(before.per_rank)} ranks{via}: {'bit-identical' if same else 'MISMATCH'}")
     bad = [s for s in steps if not s.ok]
     for s in bad:
         echo(f"  task {s.task} ended {s.outcome}: {s.reason}")
@@ -67,6 +81,67 @@ def _mib(n: float) -> str:
     return f"{n / 2**10:.0f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
 
 
+def _hit_rates(s: dict[str, Any]) -> str:
+    hits = sum(s[f"{tier}_hit_rate"] for tier in TIERS)
+    return (
+        f"GPU {s['gpu_hit_rate']:.1%}, CPU {s['cpu_hit_rate']:.1%}, disk {s['disk_hit_rate']:.1%}, miss {1 - hits:.1%}"
+    )
+
+
+def _say_run(report: WorkloadReport, title: str, echo: Callable[[str], None]) -> list[str]:
+    """What one run did; returns the problems it showed."""
+    s, st = report.summary(), report.manager
+    echo(
+        f"  {title}: {report.served}/{report.requests} requests in {report.elapsed_s:.2f} s: "
+        f"{s['requests_per_s']:.0f} requests/s ({report.compute_tasks} compute + "
+        f"{report.checksum_tasks} checksum tasks besides the swaps)"
+    )
+    echo(f"    hit rate over {st['queried_blocks']} prompt blocks: {_hit_rates(s)}; {s['computed_blocks']} computed")
+    for op in ("swap_out", "swap_in", "spill", "load"):
+        sw = s["swaps"][op]
+        if op.startswith("swap") or st["disk"]["total"]:
+            outcomes = {k: sw[k] for k in ("ok", "failed", "cancelled", "rejected", "timeout") if sw[k]}
+            echo(
+                f"    {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks,"
+                f" outcomes {outcomes or '{}'}"
+            )
+    disk, dropped = st["disk"], s["dropped"]
+    room = (
+        f"the disk tier peaked at {disk['peak_used']}/{disk['total']} blocks"
+        + (" (full)" if disk["peak_used"] == disk["total"] else "")
+        if disk["total"]
+        else "no disk tier"
+    )
+    echo(
+        f"    dropped for want of room: {dropped['gpu']} GPU, {dropped['cpu']} CPU, {dropped['disk']} disk blocks;"
+        f" {room}"
+    )
+    problems = []
+    if not all(s["swaps"][op]["issued"] == s["swaps"][op]["ok"] for op in s["swaps"]):
+        problems.append(f"{title}: a swap, spill or load did not end ok on a healthy cluster")
+    if disk["total"] and sum(dropped.values()) and disk["peak_used"] < disk["total"]:
+        problems.append(f"{title}: blocks were dropped before the disk tier was full")
+    if report.out_of_blocks:
+        problems.append(f"{title}: {report.out_of_blocks} requests found too few GPU blocks")
+    return problems
+
+
+def _cycle(
+    c: Client, manager: PrefixCacheManager, update: Callable[[], Any] | None, echo: Callable[[str], None]
+) -> list[str]:
+    """The RL trainer's pause / clear / resume between the runs: every tier starts empty again."""
+    try:
+        cycle = pause_clear_resume(c, manager, update=update)
+    except Exception as err:  # noqa: BLE001 - reported, the demo goes on
+        return [f"pause/clear/resume failed: {err}"]
+    echo(
+        f"  pause/clear/resume: drain {cycle['pause'].get('drain_ms', 0):.1f} ms, "
+        f"clear {cycle['clear'].get('clear_ms', 0):.1f} ms ({_mib(cycle['clear'].get('freed', 0))} freed), "
+        f"resume {cycle['resume'].get('resume_ms', 0):.1f} ms: every tier starts empty again"
+    )
+    return []
+
+
 def run_demo(
     broker: str,
     layout: CacheLayout,
@@ -74,83 +149,67 @@ def run_demo(
     echo: Callable[[str], None] = print,
     update: Callable[[], Any] | None = None,
     progress_every: float = 3.0,
+    disk_blocks: int = 0,
 ) -> bool:
-    """Round trip, then ``requests`` chat requests through the prefix cache manager.
+    """Round trip, then ``requests`` chat requests through the prefix cache manager:
+    half with the ranks' disk tier of ``disk_blocks`` (0: none), half without,
+    with a pause / clear / resume cycle between them.
 
     ``update``: runs between the cycle's clear and its resume (with ``--attach``
     the engines reallocate their caches there); a progress line every
     ``progress_every`` seconds."""
     with Client(broker) as c:
         ok = round_trip(c, layout, echo)
-        spec = ChatSpec.for_cache(layout.gpu_blocks)
-        manager = PrefixCacheManager(c, layout.block_size, layout.gpu_blocks, layout.cpu_blocks, swap_timeout=10.0)
-        workload = ChatWorkload(layout.block_size, spec, seed=1)
+        if disk_blocks:
+            ok = round_trip(c, layout, echo, disk_blocks) and ok
+        spec = ChatSpec.for_tiers(layout.gpu_blocks, layout.cpu_blocks, layout.block_size)
+        each = max(1, requests // 2)
+        tiers = f"{layout.gpu_blocks} GPU + {layout.cpu_blocks} CPU" + (f" + {disk_blocks} disk" if disk_blocks else "")
         echo(
-            f"prefix cache: {requests} chat requests, {spec.system_prompts} system prompts x "
-            f"{spec.conversations} Zipf-popular conversations, on {layout.gpu_blocks} GPU + "
-            f"{layout.cpu_blocks} CPU blocks of {layout.block_size} tokens "
-            f"({_mib(layout.block_bytes)} per block per rank); pause/clear/resume at request {requests // 2}"
+            f"prefix cache: {each} chat requests twice ({spec.conversations} evenly popular conversations, turns of"
+            f" {spec.turn_tokens[0] // layout.block_size}-{spec.turn_tokens[1] // layout.block_size} blocks), on "
+            f"{tiers} blocks of {layout.block_size} tokens ({_mib(layout.block_bytes)} per block per rank)"
         )
-        t0 = time.perf_counter()
-        report = serve_workload(
-            c,
-            manager,
-            requests,
-            workload=workload,
-            verify=True,
-            cycle_at=requests // 2 if requests >= 2 else None,
-            cycle_update=update,
-            on_request=Progress(requests, echo, progress_every),
-        )
-        wall = time.perf_counter() - t0
-        s = report.summary()
-        st = report.manager
-        echo(
-            f"  served {report.served}/{report.requests} requests in {wall:.2f} s: "
-            f"{s['requests_per_s']:.0f} requests/s ({report.compute_tasks} compute + "
-            f"{report.checksum_tasks} checksum tasks besides the swaps)"
-        )
-        echo(
-            f"  hit rate over {st['queried_blocks']} prompt blocks: GPU {s['gpu_hit_rate']:.1%}, "
-            f"CPU {s['cpu_hit_rate']:.1%} (swapped back in), miss {1 - s['gpu_hit_rate'] - s['cpu_hit_rate']:.1%}"
-        )
-        for op in ("swap_out", "swap_in"):
-            sw = s["swaps"][op]
-            outcomes = {k: sw[k] for k in ("ok", "failed", "cancelled", "rejected", "timeout") if sw[k]}
-            echo(
-                f"  {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks,"
-                f" outcomes {outcomes or '{}'}"
+        runs: list[tuple[str, WorkloadReport]] = []
+        problems: list[str] = []
+        manager = None
+        for number, disk in enumerate((disk_blocks, 0)):
+            if manager is not None:
+                problems += _cycle(c, manager, update, echo)
+            manager = PrefixCacheManager(
+                c, layout.block_size, layout.gpu_blocks, layout.cpu_blocks, swap_timeout=10.0, num_disk_blocks=disk
             )
-        echo(
-            f"  bytes moved by swaps: {_mib(s['bytes_moved'])}; dropped when the CPU was full: "
-            f"{st['dropped_cpu_blocks']} CPU blocks, {st['dropped_gpu_blocks']} GPU blocks"
-        )
-        for cycle in report.cycles:
-            echo(
-                f"  pause/clear/resume: drain {cycle['pause'].get('drain_ms', 0):.1f} ms, "
-                f"clear {cycle['clear'].get('clear_ms', 0):.1f} ms ({_mib(cycle['clear'].get('freed', 0))} freed), "
-                f"resume {cycle['resume'].get('resume_ms', 0):.1f} ms"
+            report = serve_workload(
+                c,
+                manager,
+                each,
+                workload=ChatWorkload(layout.block_size, spec, seed=1),  # the same requests each run
+                verify=True,
+                on_request=Progress(each, echo, progress_every),
             )
-        if report.cycles:
-            gpu_after, cpu_after = report.hit_rates_since_cycle()
+            title = ("with the disk tier" if disk else "without a disk tier") if disk_blocks else f"run {number + 1}"
+            problems += _say_run(report, title, echo)
+            runs.append((title, report))
+        if disk_blocks:
+            a, b = (report.summary() for _, report in runs)
+            hit_a, hit_b = (sum(x[f"{tier}_hit_rate"] for tier in TIERS) for x in (a, b))
             echo(
-                f"  after the cycle the cache restarted empty and filled again: hit rate since then "
-                f"GPU {gpu_after:.1%}, CPU {cpu_after:.1%}"
+                f"  with vs without the disk tier: {a['requests_per_s']:.0f} vs {b['requests_per_s']:.0f} requests/s,"
+                f" hit rate {hit_a:.1%} vs {hit_b:.1%}, {a['computed_blocks']} vs {b['computed_blocks']} blocks"
+                " computed"
             )
+        verified = sum(report.verified_hit_blocks for _, report in runs)
+        errors = [f"{title}: {error}" for title, report in runs for error in report.errors] + problems
         echo(
-            f"  {report.verified_hit_blocks} cache-hit blocks checked on every rank against the digests taken "
-            f"when they were computed: {'all bit-identical' if not report.errors else 'PROBLEMS'}"
+            f"  {verified} cache-hit blocks checked on every rank against the digests taken "
+            f"when they were computed: {'all bit-identical' if not any(r.errors for _, r in runs) else 'PROBLEMS'}"
         )
+        st = runs[-1][1].manager
         echo(
             f"  end: GPU {st['gpu']['used']}/{st['gpu']['total']} blocks used, CPU {st['cpu']['used']}/"
             f"{st['cpu']['total']}, quarantined {sum(st['quarantined_blocks'].values())}; invariants "
-            f"{'hold' if not report.errors else 'see below'}"
+            f"{'hold' if not errors else 'see below'}"
         )
-        for error in report.errors:
+        for error in errors:
             echo(f"  ERROR {error}")
-        swaps_ok = all(s["swaps"][op]["issued"] == s["swaps"][op]["ok"] for op in ("swap_out", "swap_in"))
-        if not swaps_ok:
-            echo("  ERROR a swap did not end ok on a healthy cluster")
-        if report.out_of_blocks:
-            echo(f"  ERROR {report.out_of_blocks} requests found too few GPU blocks")
-        return ok and report.ok and swaps_ok and not report.out_of_blocks and report.served == report.requests
+        return ok and not errors and all(r.served == r.requests for _, r in runs) and len(runs) == 2

@@ -4,7 +4,8 @@ Requests are multi-turn chats: a few system prompts shared by everyone, and
 conversations picked with Zipf-skewed popularity, each request repeating the
 conversation so far plus a new turn (so every turn's blocks are reused by the
 next).  Popular conversations stay on the GPU; cold ones are swapped out to
-the CPU and, when they come back, swapped in again; the coldest are dropped.
+the CPU and, when they come back, swapped in again; the coldest are spilled
+to the disk tier (when the manager has one) and loaded back, or dropped.
 
 Serving a request is what an engine's scheduler does with the manager:
 ``match`` the prompt, ``allocate`` blocks for the rest, "compute" them (here:
@@ -13,8 +14,9 @@ every rank), ``insert`` the full blocks, ``release`` the leases.
 
 With ``verify`` every block the cache hands out is checked bit for bit: when
 a block is computed its per-rank digests are taken (``checksum`` task) and
-kept under the block's key; every later hit (on the GPU, or swapped back in
-from the CPU) must have the same digests on every rank.  Any mismatch, a task
+kept under the block's key; every later hit (on the GPU, swapped back in
+from the CPU, or loaded back from the disk) must have the same digests on
+every rank.  Any mismatch, a task
 that is not ``ok``, or a broken manager invariant is an error.
 """
 
@@ -57,6 +59,24 @@ class ChatSpec:
             conversations=8,
             turn_tokens=(8, 40),
             max_blocks=max(3, gpu_blocks // 5),
+        )
+
+    @classmethod
+    def for_tiers(cls, gpu_blocks: int, cpu_blocks: int, block_size: int = 16) -> "ChatSpec":
+        """A spec whose conversations outgrow the GPU and the CPU together within
+        about a hundred requests: evenly popular, long turns, so a conversation's
+        history is pushed below the CPU before it comes back (to the disk tier,
+        if there is one, else it is dropped and computed again).  For 256 + 512
+        blocks: 24 conversations of turns of 8-20 blocks."""
+        capacity = gpu_blocks + cpu_blocks
+        turn = max(4, capacity // 96) * block_size
+        return cls(
+            system_prompts=4,
+            system_blocks=max(1, capacity // 96),
+            conversations=24,
+            zipf_s=0.0,
+            turn_tokens=(turn, turn * 5 // 2),
+            max_blocks=max(4, capacity // 8),
         )
 
 
@@ -119,6 +139,11 @@ class WorkloadReport:
     def ok(self) -> bool:
         return not self.errors
 
+    def computed_blocks(self) -> int:
+        """Prompt blocks the cache had on no tier (the engine computes them)."""
+        st = self.manager
+        return st.get("queried_blocks", 0) - sum(st.get(f"{t}_hit_blocks", 0) for t in ("gpu", "cpu", "disk"))
+
     def hit_rates_since_cycle(self) -> tuple[float, float]:
         """GPU and CPU hit rates over the requests after the last cycle."""
         if not self.before_cycle or not self.manager:
@@ -146,6 +171,9 @@ class WorkloadReport:
             "requests_per_s": self.requests_per_s,
             "gpu_hit_rate": stats.get("gpu_hit_rate", 0.0),
             "cpu_hit_rate": stats.get("cpu_hit_rate", 0.0),
+            "disk_hit_rate": stats.get("disk_hit_rate", 0.0),
+            "computed_blocks": self.computed_blocks(),
+            "dropped": {t: stats.get(f"dropped_{t}_blocks", 0) for t in ("gpu", "cpu", "disk")},
             "swaps": swaps,
             "bytes_moved": sum(op.get("bytes", 0) for op in swaps.values()),
             "verified_hit_blocks": self.verified_hit_blocks,
@@ -231,7 +259,7 @@ def _check_manager(manager: PrefixCacheManager) -> str | None:
     except AssertionError as err:
         return f"manager invariant broken: {err}"
     stats = manager.stats()
-    for tier in ("gpu", "cpu"):
+    for tier in ("gpu", "cpu", "disk"):
         usage = stats[tier]
         if usage["free"] + usage["used"] != usage["total"]:
             return f"{tier}: free {usage['free']} + used {usage['used']} != total {usage['total']}"
@@ -277,7 +305,13 @@ def _serve_one(
                 if want is None:
                     return f"hit on block {position} whose contents were never computed"
                 if rows[position] != want:
-                    where = "swapped back from the CPU" if position >= cached.gpu_hit_blocks else "on the GPU"
+                    where = (
+                        "on the GPU"
+                        if position < cached.gpu_hit_blocks
+                        else "swapped back from the CPU"
+                        if position < cached.gpu_hit_blocks + cached.cpu_hit_blocks
+                        else "loaded back from the disk"
+                    )
                     return (
                         f"block {position} ({where}, gpu block {cached.block_ids[position]}) "
                         "differs from what was computed into it"

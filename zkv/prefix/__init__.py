@@ -1,5 +1,6 @@
-"""Client-side prefix cache: a radix tree of KV blocks over a GPU and a CPU tier,
-moving blocks between them through the zkv bus (see manager.py for the policies).
+"""Client-side prefix cache: a radix tree of KV blocks over a GPU, a CPU and
+(optionally) a disk tier, moving blocks between them through the zkv bus (see
+manager.py for the policies).
 
 ``cycle`` runs the pause / clear / resume cycle for a manager and its client.
 The synthetic chat workload over the real bus (``zkv up --demo``, ``zkv bench

@@ -1,4 +1,4 @@
-"""Block allocator for one cache tier (GPU or CPU): hands out block ids 0 … N-1.
+"""Block allocator for one cache tier (GPU, CPU or disk): hands out block ids 0 … N-1.
 
 A free stack plus an in-use byte per block gives O(1) alloc and free per block
 and lets every free be checked: a double free or an id the tier never had is a
@@ -45,7 +45,7 @@ class BlockAllocator:
     in tests show up immediately instead of by luck.
     """
 
-    __slots__ = ("tier", "num_blocks", "reserved", "_free_stack", "_in_use")
+    __slots__ = ("tier", "num_blocks", "reserved", "peak_used", "_free_stack", "_in_use")
 
     def __init__(self, num_blocks: int, tier: str = "gpu", reserved: Iterable[int] = ()) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
@@ -62,6 +62,7 @@ class BlockAllocator:
         self._in_use = bytearray(num_blocks)  # 0 free, 1 in use, 2 reserved
         for block in held:
             self._in_use[block] = _RESERVED
+        self.peak_used = 0  # the most blocks ever in use at once (how close the tier came to full)
 
     @property
     def num_free(self) -> int:
@@ -90,6 +91,9 @@ class BlockAllocator:
         in_use = self._in_use
         for block in taken:
             in_use[block] = 1
+        used = self.num_blocks - len(self.reserved) - len(stack)
+        if used > self.peak_used:
+            self.peak_used = used
         return taken
 
     def free(self, block_ids: Iterable[int]) -> None:

@@ -10,11 +10,16 @@ from typing import Protocol
 
 from ..wire.outcome import TaskOutcome
 
-SWAP_OPS = ("swap_out", "swap_in")
+#: the ops the prefix manager submits: GPU <-> CPU swaps, CPU <-> disk spills and loads (docs/protocol.md §6)
+SWAP_OPS = ("swap_out", "swap_in", "spill", "load")
 
 
 class Bus(Protocol):
     """Submit a swap, wait for its outcome, and learn which timed-out tasks have settled.
+
+    A bus may also name its generations as ``gen`` and ``cpu_gen`` attributes
+    (``zkv.client.Client`` does; ``generations.py``): then the manager drops
+    what the bus lost.
 
     ``settled()``: the ids of tasks that ended ``timeout`` and whose every rank
     has reported since, so their copies are over.  The prefix manager also

@@ -1,8 +1,9 @@
 """The prefix cache's ownership invariant, checked against its allocators:
 every used GPU block has exactly one owner (a tree node, a lease, the
-quarantine), every used CPU block one (a node, the quarantine), and the
-tree's shape holds (GPU residency prefix-closed, reference counts = live
-leases).  A plain function of the state it checks; the manager passes its own
+quarantine), every used CPU or disk block one (a node, the quarantine), and
+the tree's shape holds (residency prefix-closed in tier order: a GPU node's
+parent on the GPU, a CPU node's on the GPU or the CPU; reference counts =
+live leases).  A plain function of the state it checks; the manager passes its own
 (``PrefixCacheManager.check_invariants``)."""
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from collections.abc import Collection, Mapping
 
 from .lease import BlockLease
 from .quarantine import Quarantine
-from .radix import NodeState, RadixNode
+from .radix import NodeState, RadixNode, pins_cpu
 from .swaps import HeldBlocks
-from .tiers import Tiers
+from .tiers import TIER_NAMES, Tiers
+
+#: tier order of each resting state (a node's may not be below its parent's)
+_LEVEL = {NodeState.ON_GPU: 0, NodeState.ON_CPU: 1, NodeState.ON_DISK: 2}
 
 #: block -> what owns it (a node, a lease, a quarantine entry)
 Owners = dict[int, object]
@@ -31,15 +35,14 @@ def check_invariants(
 
     O(tree + blocks); for tests and debugging.  Assumes no swap is being awaited.
     """
-    tiers.gpu.check()
-    tiers.cpu.check()
-    gpu_owner: Owners = {}
-    cpu_owner: Owners = {}
+    owners: dict[str, Owners] = {tier: {} for tier in TIER_NAMES}
+    for tier in TIER_NAMES:
+        tiers.allocator(tier).check()
     refs = _lease_references(live_leases, epoch)
-    _check_tree(tiers, refs, gpu_owner, cpu_owner)
-    _check_private_blocks(private_owner, live_leases, gpu_owner)
-    _check_quarantine(quarantine, gpu_owner, cpu_owner)
-    _check_owned_is_allocated(tiers, gpu_owner, cpu_owner)
+    _check_tree(tiers, refs, owners)
+    _check_private_blocks(private_owner, live_leases, owners["gpu"])
+    _check_quarantine(quarantine, owners)
+    _check_owned_is_allocated(tiers, owners)
     _check_cleared(tiers, cleared)
 
 
@@ -65,14 +68,14 @@ def _lease_references(live_leases: Collection[BlockLease], epoch: int) -> dict[i
     return refs
 
 
-def _check_tree(tiers: Tiers, refs: Mapping[int, int], gpu_owner: Owners, cpu_owner: Owners) -> None:
+def _check_tree(tiers: Tiers, refs: Mapping[int, int], owners: Mapping[str, Owners]) -> None:
     """Every node is linked, resident on one tier and counted right; the tree's size is its count of nodes."""
     tree = tiers.tree
     count = 0
     for node in tree.iter_nodes():
         count += 1
         parent = _check_link(node)
-        _check_residency(node, parent, tree.root, gpu_owner, cpu_owner)
+        _check_residency(node, parent, tree.root, owners)
         _check_counts(node, refs)
     if count != len(tree):
         raise AssertionError(f"tree counts {len(tree)} nodes, found {count}")
@@ -88,22 +91,21 @@ def _check_link(node: RadixNode) -> RadixNode:
     return parent
 
 
-def _check_residency(node: RadixNode, parent: RadixNode, root: RadixNode, gpu_owner: Owners, cpu_owner: Owners) -> None:
-    """A node owns a block of exactly one tier; GPU residency is prefix-closed; CPU nodes are unreferenced."""
-    if node.state is NodeState.ON_GPU:
-        _claim(gpu_owner, node.gpu_block, node, "gpu")
-        if node.cpu_block is not None:
-            raise AssertionError(f"{node!r} on the GPU also holds a CPU block")
-        if parent is not root and parent.state is not NodeState.ON_GPU:
-            raise AssertionError(f"{node!r} is on the GPU but its parent is not")
-    elif node.state is NodeState.ON_CPU:
-        _claim(cpu_owner, node.cpu_block, node, "cpu")
-        if node.gpu_block is not None:
-            raise AssertionError(f"{node!r} on the CPU also holds a GPU block")
-        if node.ref_count:
-            raise AssertionError(f"{node!r} on the CPU is referenced")
-    else:
-        raise AssertionError(f"{node!r} is still swapping outside a call")
+def _check_residency(node: RadixNode, parent: RadixNode, root: RadixNode, owners: Mapping[str, Owners]) -> None:
+    """A node owns a block of exactly one tier, no nearer than its parent's; only GPU nodes are referenced."""
+    level = _LEVEL.get(node.state)
+    if level is None:
+        raise AssertionError(f"{node!r} is still moving outside a call")
+    tier = TIER_NAMES[level]
+    blocks = {"gpu": node.gpu_block, "cpu": node.cpu_block, "disk": node.disk_block}
+    _claim(owners[tier], blocks.pop(tier), node, tier)
+    for other, block in blocks.items():
+        if block is not None:
+            raise AssertionError(f"{node!r} on the {tier} also holds a {other} block")
+    if parent is not root and _LEVEL.get(parent.state, 3) > level:
+        raise AssertionError(f"{node!r} is on the {tier} but its parent is further away ({parent.state.name})")
+    if node.ref_count and tier != "gpu":
+        raise AssertionError(f"{node!r} on the {tier} is referenced")
 
 
 def _check_counts(node: RadixNode, refs: Mapping[int, int]) -> None:
@@ -113,6 +115,9 @@ def _check_counts(node: RadixNode, refs: Mapping[int, int]) -> None:
     pinned = sum(child.state is NodeState.ON_GPU for child in node.children.values())
     if node.num_gpu_children != pinned:
         raise AssertionError(f"{node!r}: num_gpu_children {node.num_gpu_children}, actual {pinned}")
+    off_disk = sum(pins_cpu(child.state) for child in node.children.values())
+    if node.num_cpu_children != off_disk:
+        raise AssertionError(f"{node!r}: num_cpu_children {node.num_cpu_children}, actual {off_disk}")
 
 
 def _check_private_blocks(
@@ -125,17 +130,17 @@ def _check_private_blocks(
         _claim(gpu_owner, block, lease, "gpu")
 
 
-def _check_quarantine(quarantine: Quarantine[HeldBlocks], gpu_owner: Owners, cpu_owner: Owners) -> None:
+def _check_quarantine(quarantine: Quarantine[HeldBlocks], owners: Mapping[str, Owners]) -> None:
     """The quarantine owns the blocks of its timed-out tasks."""
     for task, entry in quarantine.items():
         for block in entry.block_ids:
-            owners = gpu_owner if entry.tier == "gpu" else cpu_owner
-            _claim(owners, block, f"quarantine of task {task}", entry.tier)
+            _claim(owners[entry.tier], block, f"quarantine of task {task}", entry.tier)
 
 
-def _check_owned_is_allocated(tiers: Tiers, gpu_owner: Owners, cpu_owner: Owners) -> None:
+def _check_owned_is_allocated(tiers: Tiers, tier_owners: Mapping[str, Owners]) -> None:
     """The blocks with an owner are exactly the blocks each allocator handed out."""
-    for owners, allocator in ((gpu_owner, tiers.gpu), (cpu_owner, tiers.cpu)):
+    for tier, owners in tier_owners.items():
+        allocator = tiers.allocator(tier)
         if sorted(owners) != allocator.allocated_ids():
             raise AssertionError(
                 f"{allocator.tier}: owned blocks != allocated blocks "
@@ -146,5 +151,5 @@ def _check_owned_is_allocated(tiers: Tiers, gpu_owner: Owners, cpu_owner: Owners
 
 def _check_cleared(tiers: Tiers, cleared: bool) -> None:
     """Cleared caches hold no tree and no blocks."""
-    if cleared and (len(tiers.tree) or tiers.gpu.num_blocks or tiers.cpu.num_blocks):
+    if cleared and (len(tiers.tree) or tiers.gpu.num_blocks or tiers.cpu.num_blocks or tiers.disk.num_blocks):
         raise AssertionError("cleared, yet caches are held")

@@ -19,6 +19,7 @@ class BlockLease:
     epoch: int
     gpu_hit_blocks: int = 0  # match only: blocks that were already on the GPU
     cpu_hit_blocks: int = 0  # match only: blocks swapped in from the CPU
+    disk_hit_blocks: int = 0  # match only: blocks loaded from the disk, then swapped in
     released: bool = False
     nodes: list[RadixNode] = field(default_factory=list, repr=False)
     keys: list[bytes] = field(default_factory=list, repr=False)  # match only: block keys of the tokens asked for
@@ -33,3 +34,4 @@ class InsertResult:
     new_blocks: int  # blocks that became new tree nodes
     duplicate_blocks: int  # already cached on the GPU elsewhere: the caller's block stays private
     adopted_from_cpu: int  # cached on the CPU only: the node moved onto the caller's block
+    adopted_from_disk: int = 0  # cached on the disk only: likewise

@@ -5,8 +5,8 @@ Ownership model (what makes "no leak, no double owner" checkable)
 ------------------------------------------------------------------
 Every used GPU block has exactly one owner: a tree node, a lease (a block from
 ``allocate()`` not yet inserted), or the quarantine (see below).  Every used
-CPU block is owned by a tree node or the quarantine.  ``check_invariants()``
-verifies this against the allocators.
+CPU and disk block is owned by a tree node or the quarantine.
+``check_invariants()`` verifies this against the allocators.
 
 A request holds its blocks through :class:`BlockLease` objects:
 
@@ -17,10 +17,12 @@ A request holds its blocks through :class:`BlockLease` objects:
   block stays on the GPU while the request still reads it;
 * ``release(lease)`` drops the references and frees private blocks still owned.
 
-Tree shape: a node is on the GPU only if its parent is (GPU residency is
-prefix-closed), so a match is a run of GPU nodes followed by a run of CPU nodes
-and the CPU run comes back in ONE swap_in task.  Only nodes on the GPU carry
-references.
+Tree shape: residency is prefix-closed in tier order (a GPU node's parent is
+on the GPU, a CPU node's on the GPU or the CPU, ``tiers.py``), so a match is a
+run of GPU nodes, then of CPU nodes, then of disk nodes: the disk run comes to
+the CPU in ONE load task, then the CPU run with it in ONE swap_in task.  Only
+nodes on the GPU carry references.  The disk tier is off unless
+``num_disk_blocks`` > 0 (the ranks' ``--disk-blocks``, or fewer).
 
 Policies
 --------
@@ -28,8 +30,13 @@ Policies
   the tree keeps its block; the new block stays the caller's and is freed when
   the lease that allocated it is released (the caller may still be reading
   it).  If the cached copy is on the CPU, the new GPU block is adopted instead
-  and the CPU copy freed: the data is already where it is needed.
-* GPU and CPU pressure, failed swaps and timeouts: see ``swaps.py``.
+  and the CPU (or disk) copy freed: the data is already where it is needed.
+* GPU and CPU pressure, failed swaps and timeouts: see ``swaps.py``; the
+  disk tier's spills and loads: ``disk.py``.
+* Generations (``generations.py``): a move of the bus's ``gen`` alone drops
+  the GPU nodes with their subtrees and keeps what lies wholly off the GPU
+  (``gpu_generation_drops``); a move of ``cpu_gen`` (or of ``gen`` on a bus
+  that names no ``cpu_gen``) resets everything (``generation_resets``).
 
 Single-threaded: call every method from one thread (the engine's scheduler
 loop).  Waiting is ``bus.wait(task, swap_timeout)``; nothing sleeps.
@@ -41,34 +48,23 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from . import disk
 from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
+from .generations import LOST_ALL, LOST_GPU, lost_between
 from .invariants import check_invariants
 from .lease import BlockLease, InsertResult
-from .radix import ROOT_KEY, NodeState, RadixNode, block_keys
+from .radix import NodeState, RadixNode, block_keys, check_block_size, keys_reusing
 from .report import COUNTERS, stats_of
 from .swaps import SwapRunner
-from .tiers import Tiers
+from .tiers import WHERE, Tiers, split_path
 
-__all__ = [
-    "BlockLease",
-    "CacheClearedError",
-    "InsertResult",
-    "InvalidBlockError",
-    "InvalidLeaseError",
-    "OutOfGpuBlocksError",
-    "PrefixCacheError",
-    "PrefixCacheManager",
-]
-
-
-def _check_block_size(block_size: int) -> None:
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+__all__ = ["BlockLease", "CacheClearedError", "InsertResult", "InvalidBlockError", "InvalidLeaseError"]
+__all__ += ["OutOfGpuBlocksError", "PrefixCacheError", "PrefixCacheManager"]
 
 
 class PrefixCacheManager:
-    """Radix prefix cache over a GPU and a CPU tier, moving blocks through ``bus``.
+    """Radix prefix cache over a GPU, a CPU and (optionally) a disk tier, moving blocks through ``bus``.
 
     It holds the epoch's ``Tiers`` (tree, allocators, eviction queues), the
     leases, and a ``SwapRunner`` that owns the bus, the swaps and the quarantine.
@@ -83,18 +79,19 @@ class PrefixCacheManager:
         swap_timeout: float = 10.0,
         quarantine_timed_out: bool = True,
         reserved_gpu_blocks: Iterable[int] = (),
+        num_disk_blocks: int = 0,
     ) -> None:
-        _check_block_size(block_size)
+        check_block_size(block_size)
         self._reserved = tuple(sorted(set(reserved_gpu_blocks)))
         self._swaps = SwapRunner(bus, swap_timeout, quarantine_timed_out)
         self._block_size = block_size
         self._num_gpu_blocks = num_gpu_blocks
         self._num_cpu_blocks = num_cpu_blocks
+        self._num_disk_blocks = num_disk_blocks  # kept across clears: the ranks' setting, not the layout's
         self._epoch = 0
         self._cleared = False
         self._clock = itertools.count(1)
         self._counters = dict.fromkeys((c for c in COUNTERS if c not in self._swaps.counters), 0)
-        self._bus_gen: int | None = None  # the bus's cache generation the tree belongs to
         self._start_epoch(num_gpu_blocks, num_cpu_blocks)
 
     # ------------------------------------------------------------------ state
@@ -118,7 +115,7 @@ class PrefixCacheManager:
 
     @property
     def epoch(self) -> int:
-        """Bumped by every reset; leases carry the epoch they were made in."""
+        """Bumped by every reset and GPU generation move; leases carry the epoch they were made in."""
         return self._epoch
 
     @property
@@ -127,20 +124,24 @@ class PrefixCacheManager:
         return self._reserved
 
     def _start_epoch(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, self._reserved if num_gpu_blocks else ())
+        disk_blocks = 0 if self._cleared else self._num_disk_blocks
+        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, self._reserved if num_gpu_blocks else (), disk_blocks)
+        self._forget_leases()
+        self._swaps.forget_quarantine()
+
+    def _forget_leases(self) -> None:
         self._private_owner: dict[int, BlockLease] = {}
         self._live_leases: set[BlockLease] = set()
-        self._swaps.forget_quarantine()
 
     # ------------------------------------------------------------- requests
 
     def match(self, tokens: Sequence[int]) -> BlockLease:
         """Lease the longest cached prefix of ``tokens`` (full blocks only) on the GPU.
 
-        CPU-resident blocks of the match are swapped in first (one task, awaited);
-        if that fails or times out the lease stops before them.  While the caches
-        are cleared the answer is an empty lease.  Pass ``tokens[:-1]`` when the
-        last token must be computed anyway (for its logits).
+        Its disk blocks are loaded to the CPU, then its CPU blocks swapped in (one
+        task each, awaited); where one fails or times out the lease stops.  Empty
+        while the caches are cleared or when the bus lost a tier meanwhile.  Pass
+        ``tokens[:-1]`` when the last token must be computed anyway (its logits).
         """
         self._counters["lookups"] += 1
         self._follow_generation()
@@ -153,31 +154,27 @@ class PrefixCacheManager:
         keys = block_keys(tokens, self._block_size)
         lease.keys = keys
         self._counters["queried_blocks"] += len(keys)
-        path = tiers.tree.walk(keys)
+        gpu_run, cpu_run, disk_run = split_path(tiers.tree.walk(keys))
         now = next(self._clock)
-        split = 0
-        while split < len(path) and path[split].state is NodeState.ON_GPU:
-            split += 1
-        gpu_run, cpu_run = path[:split], path[split:]
-        self._hold(lease, gpu_run, now)  # before any eviction the swap-in may cause
-        if cpu_run:
-            self._hold(lease, self._swaps.swap_in(tiers, cpu_run), now)
+        self._hold(lease, gpu_run, now)  # before any eviction the load or swap-in may cause
+        off_gpu = cpu_run + disk.load(self._swaps, tiers, disk_run) if disk_run else cpu_run
+        if off_gpu:
+            self._hold(lease, self._swaps.swap_in(tiers, off_gpu), now)
         lease.block_ids = [node.gpu_block for node in lease.nodes]  # type: ignore[misc]
-        lease.gpu_hit_blocks = len(gpu_run)
-        lease.cpu_hit_blocks = len(lease.nodes) - len(gpu_run)
-        self._counters["gpu_hit_blocks"] += lease.gpu_hit_blocks
-        self._counters["cpu_hit_blocks"] += lease.cpu_hit_blocks
         self._live_leases.add(lease)
+        if self._swaps.tree_is_stale():  # a tier went while we waited
+            self.release(lease)
+            self._follow_generation()
+            return BlockLease([], self._epoch, keys=keys)
+        swapped_in = len(lease.nodes) - len(gpu_run)
+        lease.gpu_hit_blocks = len(gpu_run)
+        lease.cpu_hit_blocks = min(swapped_in, len(cpu_run))
+        lease.disk_hit_blocks = swapped_in - lease.cpu_hit_blocks
+        counters = self._counters
+        counters["gpu_hit_blocks"] += lease.gpu_hit_blocks
+        counters["cpu_hit_blocks"] += lease.cpu_hit_blocks
+        counters["disk_hit_blocks"] += lease.disk_hit_blocks
         return lease
-
-    def _keys_for(self, tokens: Sequence[int], blocks: int, known: Sequence[bytes]) -> list[bytes]:
-        """Keys of the first ``blocks`` full blocks, reusing ``known`` ones."""
-        bs = self._block_size
-        reuse = list(known[:blocks])
-        if len(reuse) == blocks:
-            return reuse
-        parent = reuse[-1] if reuse else ROOT_KEY
-        return reuse + block_keys(tokens[len(reuse) * bs : blocks * bs], bs, parent_key=parent)
 
     def allocate(self, num_blocks: int) -> BlockLease:
         """Lease ``num_blocks`` fresh GPU blocks, evicting cached blocks if needed.
@@ -219,7 +216,7 @@ class PrefixCacheManager:
             raise InvalidBlockError(f"{len(ids)} block ids for {len(tokens) // self._block_size} full blocks of tokens")
         if len(set(ids)) != len(ids):
             raise InvalidBlockError("the same block id appears twice")
-        keys = self._keys_for(tokens, len(ids), known_keys)
+        keys = keys_reusing(tokens, self._block_size, len(ids), known_keys)
         tiers = self._tiers
         tree = tiers.tree
         existing = tree.walk(keys)
@@ -234,7 +231,7 @@ class PrefixCacheManager:
                 )
 
         now = next(self._clock)
-        new = duplicate = adopted = 0
+        new = duplicate = adopted = from_disk = 0
         parent = tree.root
         for position, block in enumerate(ids):
             node = existing[position] if position < len(existing) else None
@@ -243,13 +240,10 @@ class PrefixCacheManager:
                 node = tree.add_child(parent, keys[position], NodeState.ON_GPU, gpu_block=block)
                 self._hold(owner, [node], now)
                 new += 1
-            elif node.state is NodeState.ON_CPU:
-                owner = self._private_owner.pop(block)
-                tiers.cpu.free([node.cpu_block])  # type: ignore[list-item]
-                node.cpu_block = None
-                node.gpu_block = block
-                tree.set_state(node, NodeState.ON_GPU)
-                self._hold(owner, [node], now)
+            elif node.state is not NodeState.ON_GPU:  # cached on the CPU or the disk only
+                from_disk += node.state is NodeState.ON_DISK
+                tiers.adopt(node, block)
+                self._hold(self._private_owner.pop(block), [node], now)
                 adopted += 1
             else:
                 if node.gpu_block != block:
@@ -258,7 +252,7 @@ class PrefixCacheManager:
                 tiers.offer(node)
             parent = node
         self._counters["duplicate_inserts"] += duplicate
-        return InsertResult(new, duplicate, adopted)
+        return InsertResult(new, duplicate, adopted - from_disk, from_disk)
 
     def release(self, lease: BlockLease) -> None:
         """Drop a lease's references and free its blocks that were never inserted."""
@@ -282,14 +276,12 @@ class PrefixCacheManager:
 
     def locate(self, tokens: Sequence[int]) -> list[str]:
         """Where the cached prefix of ``tokens`` lives, one entry per full block:
-        ``"gpu"`` or ``"cpu"`` (``"swapping_*"`` only during a swap).  Read-only:
-        no lease, no swap, no LRU update; an empty list while cleared."""
+        ``"gpu"``, ``"cpu"`` or ``"disk"`` (another state only during a task).
+        Read-only: no lease, no swap, no LRU update; an empty list while cleared."""
         if self._cleared:
             return []
-        return [
-            "gpu" if node.state is NodeState.ON_GPU else "cpu" if node.state is NodeState.ON_CPU else node.state.value
-            for node in self._tiers.tree.walk(block_keys(tokens, self._block_size))
-        ]
+        walk = self._tiers.tree.walk(block_keys(tokens, self._block_size))
+        return [WHERE.get(node.state) or node.state.value for node in walk]
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
@@ -300,28 +292,32 @@ class PrefixCacheManager:
         return self._swaps.evict_gpu(self._tiers, num_blocks)
 
     def _follow_generation(self) -> None:
-        """A bus whose cache generation moved without our clear (a rank came
-        back with fresh memory, a broker lost its state): what the tree says
-        the blocks hold is gone, so reset exactly as after a clear."""
-        gen = self._swaps.bus_gen()
-        if gen is None:
-            return
-        if self._bus_gen is not None and gen != self._bus_gen:
+        """A bus whose generations moved without our clear (a rank came back
+        with fresh memory, a broker lost its state): forget the tiers that
+        went, as the module doc says (``generations.py``)."""
+        gens = self._swaps.bus_gens()
+        lost = lost_between(self._swaps.gens, gens)
+        if lost == LOST_ALL:
             self._counters["generation_resets"] += 1
             self.reset()
-        self._bus_gen = gen
+        elif lost == LOST_GPU:
+            self._counters["gpu_generation_drops"] += 1
+            self._epoch += 1  # every lease held GPU blocks: all stale now
+            self._tiers.drop_gpu_tier(self._num_gpu_blocks, self._reserved if self._num_gpu_blocks else ())
+            self._forget_leases()
+            self._swaps.forget_quarantine("gpu")
+        if gens[0] is not None:
+            self._swaps.gens = gens
 
     # ----------------------------------------------------------- clear cycle
 
     def on_bus_drained(self) -> int:
         """Every rank acknowledged a pause, so no task runs any more: free quarantined blocks.
 
-        Only true of tasks the ranks already received: a task still queued at
-        the broker runs after a plain resume.  So call this after a pause that a
-        clear follows (``zkv.prefix.cycle.drain_and_clear`` does), or when the
-        paused bus's ``status()`` shows ``queued == 0``.  Returns how many blocks
-        were freed.
-        """
+        Only true of tasks the ranks already received: a task still queued at the
+        broker runs after a plain resume.  So call this after a pause that a clear
+        follows (``cycle.drain_and_clear`` does), or when the paused bus's
+        ``status()`` shows ``queued == 0``.  Returns how many blocks were freed."""
         return self._swaps.release_quarantine(self._tiers)
 
     def reclaim_quarantine(self) -> int:
@@ -344,7 +340,7 @@ class PrefixCacheManager:
         """
         self._counters["resets"] += 1
         self._epoch += 1
-        self._bus_gen = self._swaps.bus_gen()
+        self._swaps.gens = self._swaps.bus_gens()
         self._start_epoch(self._num_gpu_blocks, self._num_cpu_blocks)
 
     def set_cleared(self) -> None:
@@ -359,18 +355,21 @@ class PrefixCacheManager:
         num_cpu_blocks: int,
         block_size: int | None = None,
         reserved_gpu_blocks: Iterable[int] | None = None,
+        num_disk_blocks: int | None = None,
     ) -> None:
         """Serve again on freshly allocated caches (possibly a new layout; the
-        reserved GPU ids stay the same unless given)."""
+        reserved GPU ids and the disk tier's size stay the same unless given)."""
         reserved = self._reserved if reserved_gpu_blocks is None else tuple(sorted(set(reserved_gpu_blocks)))
         if reserved and not 0 <= reserved[0] <= reserved[-1] < num_gpu_blocks:
             raise ValueError(f"reserved GPU ids {list(reserved)} are not all blocks of the {num_gpu_blocks}")
         if block_size is not None:
-            _check_block_size(block_size)
+            check_block_size(block_size)
             self._block_size = block_size
         self._reserved = reserved
         self._num_gpu_blocks = num_gpu_blocks
         self._num_cpu_blocks = num_cpu_blocks
+        if num_disk_blocks is not None:
+            self._num_disk_blocks = num_disk_blocks
         self._cleared = False
         self.reset()
 

@@ -6,7 +6,7 @@ hold and asks the bus when.  Sans-IO: it only keeps the books."""
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, Iterable, ValuesView
+from collections.abc import Callable, ItemsView, Iterable, ValuesView
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -37,6 +37,13 @@ class Quarantine(Generic[T]):
         out = list(self._held.values())
         self._held.clear()
         return out
+
+    def forget_where(self, pred: Callable[[T], bool]) -> int:
+        """Stop holding the entries ``pred`` picks (their memory went with a generation); returns how many."""
+        gone = [task for task, entry in self._held.items() if pred(entry)]
+        for task in gone:
+            del self._held[task]
+        return len(gone)
 
     def __len__(self) -> int:
         return len(self._held)

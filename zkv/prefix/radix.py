@@ -25,10 +25,14 @@ KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
 
 
-def block_keys(tokens: Sequence[int], block_size: int, parent_key: bytes = ROOT_KEY) -> list[bytes]:
-    """Chained keys of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
+def check_block_size(block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+
+
+def block_keys(tokens: Sequence[int], block_size: int, parent_key: bytes = ROOT_KEY) -> list[bytes]:
+    """Chained keys of the full blocks of ``tokens`` (a trailing partial block is ignored)."""
+    check_block_size(block_size)
     full_blocks = len(tokens) // block_size
     if full_blocks == 0:
         return []
@@ -48,23 +52,42 @@ def block_keys(tokens: Sequence[int], block_size: int, parent_key: bytes = ROOT_
     return keys
 
 
+def keys_reusing(tokens: Sequence[int], block_size: int, blocks: int, known: Sequence[bytes]) -> list[bytes]:
+    """Keys of the first ``blocks`` full blocks of ``tokens``, reusing ``known`` ones (a match's)."""
+    reuse = list(known[:blocks])
+    if len(reuse) == blocks:
+        return reuse
+    parent = reuse[-1] if reuse else ROOT_KEY
+    return reuse + block_keys(tokens[len(reuse) * block_size : blocks * block_size], block_size, parent_key=parent)
+
+
 class NodeState(enum.Enum):
-    """Where a node's KV block lives.  SWAPPING_* only exist while a swap task is awaited."""
+    """Where a node's KV block lives.  The -ING states only exist while a task is awaited."""
 
     ON_GPU = "on_gpu"
     SWAPPING_OUT = "swapping_out"  # holds its GPU block and the CPU block being written
     ON_CPU = "on_cpu"
     SWAPPING_IN = "swapping_in"  # holds its CPU block and the GPU block being written
+    SPILLING = "spilling"  # holds its CPU block and the disk block being written
+    ON_DISK = "on_disk"
+    LOADING = "loading"  # holds its disk block and the CPU block being written
 
 
 # States that keep a parent on the GPU: a block on (or coming to) the GPU is only
 # usable if its whole prefix is there too.
 GPU_PINNING_STATES = frozenset({NodeState.ON_GPU, NodeState.SWAPPING_IN})
+# States that let a parent go to the disk: every other one keeps it on the CPU or above.
+DISK_STATES = frozenset({NodeState.ON_DISK, NodeState.SPILLING})
 
 
 def pins_parent(state: NodeState) -> bool:
     """``state in GPU_PINNING_STATES``, without hashing an enum on the hot path."""
     return state is NodeState.ON_GPU or state is NodeState.SWAPPING_IN
+
+
+def pins_cpu(state: NodeState) -> bool:
+    """``state not in DISK_STATES``: a child off the disk keeps its parent off the disk."""
+    return state is not NodeState.ON_DISK and state is not NodeState.SPILLING
 
 
 class RadixNode:
@@ -78,9 +101,11 @@ class RadixNode:
         "state",
         "gpu_block",
         "cpu_block",
+        "disk_block",
         "ref_count",
         "last_access",
         "num_gpu_children",
+        "num_cpu_children",
         "attached",
     )
 
@@ -99,15 +124,17 @@ class RadixNode:
         self.state = state
         self.gpu_block = gpu_block
         self.cpu_block = cpu_block
+        self.disk_block: int | None = None
         self.ref_count = 0
         self.last_access = 0
         self.num_gpu_children = 0  # children in GPU_PINNING_STATES
+        self.num_cpu_children = 0  # children not in DISK_STATES
         self.attached = True
 
     def __repr__(self) -> str:
         return (
             f"RadixNode(depth={self.depth}, key={self.key.hex()[:8]}, {self.state.name}, "
-            f"gpu={self.gpu_block}, cpu={self.cpu_block}, refs={self.ref_count})"
+            f"gpu={self.gpu_block}, cpu={self.cpu_block}, disk={self.disk_block}, refs={self.ref_count})"
         )
 
 
@@ -145,8 +172,8 @@ class RadixTree:
             raise KeyError(f"key {key.hex()} already cached under this parent")
         node = RadixNode(key, parent, state, gpu_block, cpu_block)
         parent.children[key] = node
-        if pins_parent(state):
-            parent.num_gpu_children += 1
+        parent.num_gpu_children += pins_parent(state)
+        parent.num_cpu_children += pins_cpu(state)
         self._num_nodes += 1
         return node
 
@@ -157,16 +184,17 @@ class RadixTree:
         if parent is None or not node.attached:
             raise ValueError("node is the root or already removed")
         del parent.children[node.key]
-        if pins_parent(node.state):
-            parent.num_gpu_children -= 1
+        parent.num_gpu_children -= pins_parent(node.state)
+        parent.num_cpu_children -= pins_cpu(node.state)
         node.attached = False
         self._num_nodes -= 1
 
     def set_state(self, node: RadixNode, state: NodeState) -> None:
-        """Change a node's state, keeping the parent's GPU-children count right."""
+        """Change a node's state, keeping the parent's GPU- and CPU-children counts right."""
         parent = node.parent
         if parent is not None and node.attached:
             parent.num_gpu_children += pins_parent(state) - pins_parent(node.state)
+            parent.num_cpu_children += pins_cpu(state) - pins_cpu(node.state)
         node.state = state
 
     def iter_nodes(self) -> Iterator[RadixNode]:

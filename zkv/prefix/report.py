@@ -1,5 +1,5 @@
 """What ``PrefixCacheManager.stats()`` reports: every counter in its order, the hit
-rates and the tiers' occupancy.  A plain function of the state it reads, so the
+rates per tier and the tiers' occupancy.  A plain function of the state it reads, so the
 report's shape lives in one place and the manager passes its own state."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .allocator import BlockAllocator
 from .radix import NodeState
 from .swaps import SwapRunner
 from .tiers import Tiers
@@ -18,35 +19,55 @@ COUNTERS = (
     "queried_blocks",
     "gpu_hit_blocks",
     "cpu_hit_blocks",
+    "disk_hit_blocks",
     "swapped_out_blocks",
+    "spilled_blocks",
+    "loaded_blocks",
     "dropped_gpu_blocks",
     "dropped_cpu_blocks",
+    "dropped_disk_blocks",
     "duplicate_inserts",
     "late_outcomes",
     "reclaimed_blocks",
     "resets",
-    "generation_resets",
+    "generation_resets",  # the bus lost every tier (its cpu_gen moved): the tree reset
+    "gpu_generation_drops",  # the bus lost the GPU tier only (its gen moved alone): the GPU nodes went
 )
+
+
+def _usage(allocator: BlockAllocator) -> dict[str, int]:
+    return {
+        "total": allocator.num_blocks,
+        "used": allocator.num_used,
+        "free": allocator.num_free,
+        "peak_used": allocator.peak_used,
+    }
 
 
 def stats_of(
     tiers: Tiers, swaps: SwapRunner, mine: Mapping[str, int], epoch: int, cleared: bool, block_size: int
 ) -> dict[str, Any]:
-    """The ``stats()`` dict: ``mine`` holds the manager's counters, ``swaps`` the rest."""
+    """The ``stats()`` dict: ``mine`` holds the manager's counters, ``swaps`` the rest.
+
+    ``<tier>_hit_rate``: the share of queried blocks served from that tier (a
+    CPU or disk hit came to the GPU for the lease); ``dropped_<tier>_blocks``:
+    blocks forgotten on that tier for want of room below it, or after a
+    failed task."""
     counters = {name: mine[name] if name in mine else swaps.counters[name] for name in COUNTERS}
     queried = counters["queried_blocks"]
     nodes_by_state = dict.fromkeys((state.name for state in NodeState), 0)
     for node in tiers.tree.iter_nodes():
         nodes_by_state[node.state.name] += 1
-    gpu, cpu = tiers.gpu, tiers.cpu
     return {
         "epoch": epoch,
         "cleared": cleared,
         "block_size": block_size,
         "gpu_hit_rate": counters["gpu_hit_blocks"] / queried if queried else 0.0,
         "cpu_hit_rate": counters["cpu_hit_blocks"] / queried if queried else 0.0,
-        "gpu": {"total": gpu.num_blocks, "used": gpu.num_used, "free": gpu.num_free, "reserved": gpu.num_reserved},
-        "cpu": {"total": cpu.num_blocks, "used": cpu.num_used, "free": cpu.num_free},
+        "disk_hit_rate": counters["disk_hit_blocks"] / queried if queried else 0.0,
+        "gpu": {**_usage(tiers.gpu), "reserved": tiers.gpu.num_reserved},
+        "cpu": _usage(tiers.cpu),
+        "disk": _usage(tiers.disk),
         "nodes": nodes_by_state,
         "quarantined_blocks": swaps.quarantined_blocks(),
         "quarantined_tasks": len(swaps.quarantine),

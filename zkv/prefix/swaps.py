@@ -1,23 +1,28 @@
-"""The prefix cache manager's swap runner: eviction under GPU and CPU
-pressure, the swap_out / swap_in tasks over the bus, and the quarantine of
-blocks a timed-out task may still write.  The manager holds one and passes
-it the epoch's ``Tiers`` (tree, allocators, eviction queues) on every call;
-the runner owns the bus, the quarantine and the swap counters.
+"""The prefix cache manager's swap runner: eviction under GPU pressure, the
+swap_out / swap_in tasks over the bus, the running of every task (the disk
+tier's spill / load too, ``disk.py``), and the quarantine of blocks a
+timed-out task may still write.  The manager holds one and passes it the
+epoch's ``Tiers`` (tree, allocators, eviction queues) on every call; the
+runner owns the bus, the quarantine and the swap counters.
 
 Policies
 --------
 * GPU pressure: unreferenced GPU leaves (no child on the GPU) are evicted, LRU
   first, deeper first on ties, in one swap_out task.  Their GPU blocks are freed
   whatever the outcome: on ``ok`` the nodes live on as ON_CPU; on any other
-  outcome they are dropped with their (CPU-only) subtrees.  Rolling them back
+  outcome they are dropped with their (off-GPU) subtrees.  Rolling them back
   onto the GPU would keep the very blocks the caller is waiting for.
-* CPU pressure: LRU CPU leaves are dropped to make room; if none is left, the
-  GPU victim is dropped instead of swapped.  Parents get CPU room before their
-  children (a child without its prefix is useless).
+* CPU pressure: with a disk tier, LRU CPU leaves (no child off the disk) are
+  spilled to it in one spill task first (``disk.py``); what still lacks room
+  (no disk tier, the disk full, a failed spill) is dropped, LRU CPU leaves
+  first; if none is left, the GPU victim is dropped instead of swapped.
+  Parents get room before their children (a child without its prefix is
+  useless).
 * Failed swap-in: the nodes stay ON_CPU with their CPU blocks; the match stops
   before them.
 * Timeout: a timed-out task may still run (a slow rank), so the blocks it
-  writes (CPU blocks for swap_out, GPU blocks for swap_in) go to quarantine
+  writes (CPU blocks for swap_out and load, GPU blocks for swap_in, disk
+  blocks for spill) go to quarantine
   instead of the free list; they are freed when the bus reports the task
   *settled* (``bus.settled()``: every rank has since reported, so nothing
   writes those blocks any more; checked at the start of match / allocate /
@@ -28,6 +33,11 @@ Policies
   outcome for the task frees its blocks.  ``failed``, ``cancelled`` and ``rejected`` are taken to
   mean no rank will write the destination any more; those blocks are freed.
   Pass ``quarantine_timed_out=False`` to free at once.
+* Generations: a task that touches a tier the bus lost since the tree
+  followed its generations (``gens``; ``generations.moved_under``: ``gen``
+  for swaps, ``cpu_gen`` for spill and load) is not submitted, and one whose
+  ``ok`` comes after such a loss is taken as ``cancelled``: either would run
+  on memory the tree does not describe.
 """
 
 from __future__ import annotations
@@ -36,19 +46,30 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..wire.protocol import OUTCOMES
+from . import disk
 from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
+from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from .quarantine import Quarantine
 from .radix import NodeState, RadixNode
-from .tiers import Tiers
+from .tiers import TIER_NAMES, Tiers
 
 #: the runner's counters, in the order the manager's stats report them
-COUNTERS = ("swapped_out_blocks", "dropped_gpu_blocks", "dropped_cpu_blocks", "late_outcomes", "reclaimed_blocks")
+COUNTERS = (
+    "swapped_out_blocks",
+    "spilled_blocks",
+    "loaded_blocks",
+    "dropped_gpu_blocks",
+    "dropped_cpu_blocks",
+    "dropped_disk_blocks",
+    "late_outcomes",
+    "reclaimed_blocks",
+)
 
 
 @dataclass
 class HeldBlocks:
-    """Blocks of one tier a timed-out swap may still write."""
+    """Blocks of one tier a timed-out task may still write."""
 
     tier: str
     block_ids: list[int]
@@ -64,11 +85,15 @@ class SwapRunner:
         self.quarantine: Quarantine[HeldBlocks] = Quarantine()
         self.swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.gens: Gens = UNKNOWN  # the bus's generations the tree describes (the manager follows them)
 
-    def bus_gen(self) -> int | None:
-        """The bus's cache generation, when it tells one (``zkv.client.Client.gen``)."""
-        gen = getattr(self.bus, "gen", None)
-        return gen if type(gen) is int else None
+    def bus_gens(self) -> Gens:
+        """The bus's ``gen`` and ``cpu_gen``, None where it tells none (``zkv.client.Client``)."""
+        return read_gens(self.bus)
+
+    def tree_is_stale(self) -> bool:
+        """Whether the bus lost a tier since the tree last followed its generations."""
+        return lost_between(self.gens, self.bus_gens()) != LOST_NONE
 
     # ---------------------------------------------------------------- blocks
 
@@ -78,7 +103,7 @@ class SwapRunner:
             self.evict_gpu(tiers, shortfall)
         if tiers.gpu.num_free < count:
             if not allow_fewer:
-                quarantined = sum(len(e.block_ids) for e in self.quarantine.values() if e.tier == "gpu")
+                quarantined = self.quarantined_blocks()["gpu"]
                 raise OutOfGpuBlocksError(
                     f"need {count} GPU blocks, {tiers.gpu.num_free} free after evicting every unreferenced block"
                     f" ({quarantined} quarantined behind timed-out swaps)"
@@ -86,10 +111,16 @@ class SwapRunner:
             count = tiers.gpu.num_free
         return tiers.gpu.alloc(count)
 
+    def take_cpu_blocks(self, tiers: Tiers, count: int) -> list[int]:
+        """Up to ``count`` CPU blocks, spilling (or dropping) LRU CPU leaves for room."""
+        disk.make_cpu_room(self, tiers, count - tiers.cpu.num_free)
+        return tiers.cpu.alloc(min(count, tiers.cpu.num_free))
+
     def drop_subtree(self, tiers: Tiers, top: RadixNode) -> None:
-        gpu, cpu = tiers.drop_subtree(top)
+        gpu, cpu, on_disk = tiers.drop_subtree(top)
         self.counters["dropped_gpu_blocks"] += gpu
         self.counters["dropped_cpu_blocks"] += cpu
+        self.counters["dropped_disk_blocks"] += on_disk
 
     def _take_cpu_block(self, tiers: Tiers) -> int | None:
         if not tiers.cpu.num_free:
@@ -110,6 +141,8 @@ class SwapRunner:
             victims.append(node)
             tiers.offer(cast(RadixNode, node.parent))  # may have just become a leaf
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
+        if victims:
+            disk.make_cpu_room(self, tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
         moving: list[RadixNode] = []
         for node in victims:
             if not node.attached:
@@ -127,7 +160,7 @@ class SwapRunner:
     def _swap_out(self, tiers: Tiers, moving: list[RadixNode]) -> None:
         gpu_ids = cast(list[int], [node.gpu_block for node in moving])
         cpu_ids = cast(list[int], [node.cpu_block for node in moving])
-        outcome, task = self._run_swap("swap_out", gpu_ids, cpu_ids)
+        outcome, task = self.run("swap_out", gpu_ids, cpu_ids)
         if outcome == "ok":
             tiers.gpu.free(gpu_ids)
             for node in moving:
@@ -140,7 +173,7 @@ class SwapRunner:
             return
         for node in moving:
             node.cpu_block = None
-        self._settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
+        self.settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
         for node in moving:
             if node.attached:
                 self.drop_subtree(tiers, node)
@@ -158,7 +191,7 @@ class SwapRunner:
         cpu_ids = cast(list[int], [node.cpu_block for node in moving])
         outcome, task = "ok", None
         if moving:
-            outcome, task = self._run_swap("swap_in", cpu_ids, gpu_ids)
+            outcome, task = self.run("swap_in", cpu_ids, gpu_ids)
         if outcome == "ok":
             for node in moving:
                 node.cpu_block = None
@@ -168,7 +201,7 @@ class SwapRunner:
             for node in moving:
                 node.gpu_block = None
                 tiers.tree.set_state(node, NodeState.ON_CPU)
-            self._settle_unsafe(tiers, "gpu", gpu_ids, outcome, task)
+            self.settle_unsafe(tiers, "gpu", gpu_ids, outcome, task)
             moving = []
         for node in cpu_run:
             if node.state is NodeState.ON_CPU:
@@ -177,12 +210,14 @@ class SwapRunner:
 
     # ----------------------------------------------------------------- tasks
 
-    def _run_swap(self, op: str, src: list[int], dst: list[int]) -> tuple[str, int | None]:
-        """Submit one swap task and wait for it; a refused submit counts as ``rejected``."""
+    def run(self, op: str, src: list[int], dst: list[int]) -> tuple[str, int | None]:
+        """Submit one task and wait for it; a refused submit counts as ``rejected``."""
         counters = self.swap_stats[op]
         counters["issued"] += 1
         counters["blocks"] += len(src)
-        gen = self.bus_gen()
+        if moved_under(op, self.gens, self.bus_gens()):  # its blocks are not what the tree says: do not run it
+            counters["cancelled"] += 1
+            return "cancelled", None
         try:
             task = self.bus.submit(op, src, dst, timeout=self.swap_timeout)
         except Exception:  # the bus refused it at once: nothing runs
@@ -197,17 +232,17 @@ class SwapRunner:
             outcome = "timeout"
         if outcome not in OUTCOMES:
             outcome = "failed"
-        if outcome == "ok" and gen is not None and self.bus_gen() != gen:
-            # The bus moved to a new cache generation while it ran: it ran on
-            # memory the tree does not describe (docs/protocol.md §8.2).
+        if outcome == "ok" and moved_under(op, self.gens, self.bus_gens()):
+            # The bus lost a tier this task touches since the tree followed it:
+            # it ran on memory the tree does not describe (docs/protocol.md §8.2).
             outcome = "cancelled"
         counters[outcome] += 1
         if outcome == "timeout" and getattr(result, "ran", None) is False:
             return outcome, None  # the broker never dispatched it: nothing will write its blocks
         return outcome, task
 
-    def _settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
-        """Free the destination blocks of a swap that did not succeed, or quarantine them
+    def settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
+        """Free the destination blocks of a task that did not succeed, or quarantine them
         if the task may still write them."""
         if outcome == "timeout" and task is not None and self.quarantine_timed_out:
             self.quarantine.hold(task, HeldBlocks(tier, block_ids))
@@ -241,12 +276,16 @@ class SwapRunner:
             freed += len(entry.block_ids)
         return freed
 
-    def forget_quarantine(self) -> None:
-        """A reset: the quarantined blocks went with the epoch's allocators."""
-        self.quarantine.release_all()
+    def forget_quarantine(self, tier: str | None = None) -> None:
+        """A reset (every tier) or a GPU generation move (``tier="gpu"``): the
+        quarantined blocks went with those allocators."""
+        if tier is None:
+            self.quarantine.release_all()
+        else:
+            self.quarantine.forget_where(lambda entry: entry.tier == tier)
 
     def quarantined_blocks(self) -> dict[str, int]:
-        held = {"gpu": 0, "cpu": 0}
+        held = dict.fromkeys(TIER_NAMES, 0)
         for entry in self.quarantine.values():
             held[entry.tier] += len(entry.block_ids)
         return held

@@ -1,7 +1,14 @@
-"""One epoch of the prefix cache's blocks: the radix tree, the GPU and CPU
-allocators under it, and the LRU queues of eviction candidates on each tier.
-A reset replaces the whole object; the manager (requests, leases) and the
-swap runner (tasks, quarantine) work on it through these methods."""
+"""One epoch of the prefix cache's blocks: the radix tree, the GPU, CPU and
+disk allocators under it, and the LRU queues of eviction candidates on each
+tier.  A reset replaces the whole object (a GPU generation move only its GPU
+side: ``drop_gpu_tier``); the manager (requests, leases) and the swap runner
+(tasks, quarantine) work on it through these methods.
+
+Shape rule (what makes a match cheap): residency is prefix-closed in tier
+order.  A node on the GPU has its parent on the GPU, a node on the CPU has
+its parent on the GPU or the CPU, disk nodes hang anywhere below; so the
+path of a match is a GPU run, then a CPU run, then a disk run
+(``split_path``)."""
 
 from __future__ import annotations
 
@@ -9,6 +16,11 @@ from collections.abc import Callable, Iterable
 
 from .allocator import BlockAllocator
 from .radix import LeafQueue, NodeState, RadixNode, RadixTree
+
+#: the tiers, nearest first; ``Tiers.allocator`` takes these names
+TIER_NAMES = ("gpu", "cpu", "disk")
+#: what ``locate`` calls each resting state
+WHERE = {NodeState.ON_GPU: "gpu", NodeState.ON_CPU: "cpu", NodeState.ON_DISK: "disk"}
 
 
 def is_gpu_victim(node: RadixNode) -> bool:
@@ -22,30 +34,52 @@ def is_gpu_victim(node: RadixNode) -> bool:
 
 
 def is_cpu_victim(node: RadixNode) -> bool:
-    return node.attached and node.state is NodeState.ON_CPU and not node.children
+    """A CPU node whose children, if any, are all on the disk."""
+    return node.attached and node.state is NodeState.ON_CPU and not node.num_cpu_children
+
+
+def is_disk_victim(node: RadixNode) -> bool:
+    return node.attached and node.state is NodeState.ON_DISK and not node.children
+
+
+def split_path(path: list[RadixNode]) -> tuple[list[RadixNode], list[RadixNode], list[RadixNode]]:
+    """A match's path as its GPU run, CPU run and disk run (the shape rule makes it these three)."""
+    gpu = 0
+    while gpu < len(path) and path[gpu].state is NodeState.ON_GPU:
+        gpu += 1
+    cpu = gpu
+    while cpu < len(path) and path[cpu].state is NodeState.ON_CPU:
+        cpu += 1
+    return path[:gpu], path[gpu:cpu], path[cpu:]
 
 
 class Tiers:
-    """The tree and both tiers' allocators and eviction queues, of one epoch."""
+    """The tree and every tier's allocator and eviction queue, of one epoch."""
 
-    __slots__ = ("tree", "gpu", "cpu", "gpu_victims", "cpu_victims")
+    __slots__ = ("tree", "gpu", "cpu", "disk", "gpu_victims", "cpu_victims", "disk_victims")
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, gpu_reserved: Iterable[int] = ()) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, gpu_reserved: Iterable[int] = (), num_disk_blocks: int = 0
+    ) -> None:
         self.tree = RadixTree()
         self.gpu = BlockAllocator(num_gpu_blocks, "gpu", gpu_reserved)  # the engine's own rows: never handed out
         self.cpu = BlockAllocator(num_cpu_blocks, "cpu")
+        self.disk = BlockAllocator(num_disk_blocks, "disk")
         self.gpu_victims = LeafQueue()
         self.cpu_victims = LeafQueue()
+        self.disk_victims = LeafQueue()
 
     def allocator(self, tier: str) -> BlockAllocator:
-        return self.gpu if tier == "gpu" else self.cpu
+        return self.gpu if tier == "gpu" else self.cpu if tier == "cpu" else self.disk
 
     def offer(self, node: RadixNode) -> None:
-        """Queue ``node`` for eviction if it has become a candidate on either tier."""
+        """Queue ``node`` for eviction if it has become a candidate on its tier."""
         if is_gpu_victim(node):
             self.gpu_victims.offer(node)
         elif is_cpu_victim(node):
             self.cpu_victims.offer(node)
+        elif is_disk_victim(node):
+            self.disk_victims.offer(node)
 
     def pop_gpu_victim(self) -> RadixNode | None:
         return self._pop(self.gpu_victims, is_gpu_victim)
@@ -53,26 +87,67 @@ class Tiers:
     def pop_cpu_victim(self) -> RadixNode | None:
         return self._pop(self.cpu_victims, is_cpu_victim)
 
-    def drop_subtree(self, top: RadixNode) -> tuple[int, int]:
-        """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU) blocks freed."""
+    def pop_disk_victim(self) -> RadixNode | None:
+        return self._pop(self.disk_victims, is_disk_victim)
+
+    def drop_subtree(self, top: RadixNode) -> tuple[int, int, int]:
+        """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU, disk) blocks freed."""
         parent = top.parent
+        freed = self._detach(top, check_refs=True)
+        for tier, ids in zip(TIER_NAMES, freed):
+            self.allocator(tier).free(ids)
+        if parent is not None and parent is not self.tree.root:
+            self.offer(parent)
+        return len(freed[0]), len(freed[1]), len(freed[2])
+
+    def adopt(self, node: RadixNode, gpu_block: int) -> None:
+        """A node cached off the GPU moves onto ``gpu_block`` (a caller's copy of its data)."""
+        if node.cpu_block is not None:
+            self.cpu.free([node.cpu_block])
+            node.cpu_block = None
+        if node.disk_block is not None:
+            self.disk.free([node.disk_block])
+            node.disk_block = None
+        node.gpu_block = gpu_block
+        self.tree.set_state(node, NodeState.ON_GPU)
+
+    def drop_gpu_tier(self, num_gpu_blocks: int, gpu_reserved: Iterable[int]) -> int:
+        """The GPU blocks are gone (a move of the bus's ``gen`` alone): forget every
+        node on the GPU with its subtree (a child without its prefix is useless),
+        keep the nodes whose whole path is off the GPU, start a fresh GPU
+        allocator.  References die with the leases (the caller's new epoch).
+        Returns how many nodes went."""
+        root = self.tree.root
+        gone = 0
+        for top in [child for child in root.children.values() if child.state is NodeState.ON_GPU]:
+            _, cpu_ids, disk_ids = self._detach(top, check_refs=False)
+            self.cpu.free(cpu_ids)
+            self.disk.free(disk_ids)
+            gone += 1
+        self.gpu = BlockAllocator(num_gpu_blocks, "gpu", gpu_reserved)
+        self.gpu_victims.clear()
+        return gone
+
+    def _detach(self, top: RadixNode, check_refs: bool) -> tuple[list[int], list[int], list[int]]:
+        """Remove ``top``'s subtree from the tree; returns its blocks per tier (not yet freed)."""
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
+        disk_ids: list[int] = []
         for node in self.tree.subtree_children_first(top):
-            if node.ref_count:
+            if node.ref_count and check_refs:
                 raise AssertionError(f"dropping referenced {node!r}")
+            node.ref_count = 0
             if node.gpu_block is not None:
                 gpu_ids.append(node.gpu_block)
                 node.gpu_block = None
             if node.cpu_block is not None:
                 cpu_ids.append(node.cpu_block)
                 node.cpu_block = None
+            if node.disk_block is not None:
+                disk_ids.append(node.disk_block)
+                node.disk_block = None
             self.tree.remove_leaf(node)
-        self.gpu.free(gpu_ids)
-        self.cpu.free(cpu_ids)
-        if parent is not None and parent is not self.tree.root:
-            self.offer(parent)
-        return len(gpu_ids), len(cpu_ids)
+        return gpu_ids, cpu_ids, disk_ids
 
     def _pop(self, queue: LeafQueue, is_victim: Callable[[RadixNode], bool]) -> RadixNode | None:
         if len(queue) > 4 * len(self.tree) + 64:
