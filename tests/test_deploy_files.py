@@ -169,7 +169,8 @@ def test_every_env_value_is_what_its_zkv_option_takes(hosts):
             cmd, param = found
             ctx = click.Context(cmd, info_name=cmd.name)
             try:
-                param.type_cast_value(ctx, value)  # paths must exist: the install step made them
+                raw = param.type.split_envvar_value(value) if getattr(param, "multiple", False) else value
+                param.type_cast_value(ctx, raw)  # paths must exist: the install step made them
             except click.BadParameter as err:
                 pytest.fail(f"{path}: {key}={value!r}: {err.format_message()}")
             if key in {"ZKV_FRONTEND", "ZKV_BACKEND", "ZKV_CONTROL", "ZKV_BROKER"}:
