@@ -35,7 +35,7 @@ ROW = 8192 + 100  # not a multiple of the alignment: the bounce path under O_DIR
 KEY = b"k" * 16
 
 
-@pytest.fixture(params=["disk", pytest.param("tmpfs", marks=long_only)])
+@pytest.fixture(params=["disk", "tmpfs"])
 def where(request, tmp_path):
     if request.param == "disk":
         yield str(tmp_path / "disk")  # a disk-backed file system (ext4 here): O_DIRECT

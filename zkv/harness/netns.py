@@ -189,7 +189,9 @@ class Lab:
         host = self.hosts[role]
         log = self.dir / f"{name}.log"
         logf = open(log, "ab")
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        shm = self.dir / f"shm-{role}"  # each host its own /dev/shm: tier files and rank locks are per host
+        shm.mkdir(exist_ok=True)
+        full_env = {"ZKV_TIER_DIR": str(shm), **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         popen = subprocess.Popen(
             ["ip", "netns", "exec", host.ns, *argv],
             stdin=stdin,
