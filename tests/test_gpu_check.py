@@ -9,13 +9,22 @@ import re
 import subprocess
 import sys
 
+import pytest
+from profiles import long_e2e
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+IPC = long_e2e(
+    "its ipc check starts two engine processes, 8-10 s",
+    "tests/test_engine_manifest.py (the same zkv.harness.ipc_check.check on both layouts)",
+)
 
 
-def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
+@pytest.mark.parametrize("ipc", [False, pytest.param(True, marks=IPC)], ids=["no-ipc", "ipc"])
+def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path, ipc):
     out = tmp_path / "figures.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)],
+        [sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)]
+        + ([] if ipc else ["--no-ipc"]),
         capture_output=True,
         text=True,
         timeout=300,
@@ -29,7 +38,7 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path):
         "attached round trip",
         "owned copy stream after the engine stream",
         "attached copy stream after the engine stream",
-        "ipc attach (shared memory)",
+        *(["ipc attach (shared memory)"] if ipc else []),
     ):
         assert re.search(rf"^  PASS  {re.escape(check)}", text, re.M), f"no PASS line for {check!r}:\n{text}"
     for engine, size, ids, op in itertools.product(
