@@ -42,7 +42,7 @@ def assert_clean(fig: Figures, kills: int) -> None:
     assert fig.kills == fig.restarts == kills and len(fig.restart_to_serving_s) == kills, report
     assert fig.kills_mid_task >= 1 and fig.interrupted_tasks >= 1, "a kill landed with tasks in flight on its rank"
     assert fig.unfinished["new"] + fig.unfinished["old"] > 0, "rows of unfinished tasks were read and judged"
-    assert fig.rows_checked > LAYOUT.cpu_blocks * 2, report
+    assert fig.rows_checked["cpu"] > LAYOUT.cpu_blocks * 2 and fig.rows_checked["disk"] > 0, report
     assert fig.outcomes.get("spill ok", 0) and fig.outcomes.get("load ok", 0), report
 
 

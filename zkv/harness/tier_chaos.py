@@ -42,6 +42,7 @@ LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=256, block_size=16, kv_
 DISK_BLOCKS = 1024
 SIZE = {"gpu": LAYOUT.gpu_blocks, "cpu": LAYOUT.cpu_blocks, "disk": DISK_BLOCKS}
 BROKER = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
+WORKER = ["--liveness-ms", "1000", "--disk-blocks", str(DISK_BLOCKS)]
 TASK_S = 30.0  # one task's bound
 SERVE_S = 90.0  # a restarted rank serving again, on a loaded machine
 OPS = {"swap_out": ("gpu", "cpu"), "swap_in": ("cpu", "gpu"), "spill": ("cpu", "disk"), "load": ("disk", "cpu")}
@@ -95,7 +96,7 @@ class Figures:
     )
     interrupted_tasks: int = 0  # sent to the killed rank and never reported by it
     restarts: int = 0
-    rows_checked: int = 0
+    rows_checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("gpu", "cpu", "disk"), 0))
     wrong_bytes: int = 0
     lost_acked_spills: int = 0
     cpu_rows_lost: int = 0
@@ -115,19 +116,16 @@ class Figures:
         return self.kills - self.kills_at["idle"]
 
     def lines(self) -> list[str]:
-        t = self.restart_to_serving_s
+        t, each = self.restart_to_serving_s, lambda d: ", ".join(f"{k} {v}" for k, v in d.items())
         times = f"min {min(t):.2f} s, median {statistics.median(t):.2f} s, max {max(t):.2f} s" if t else "none"
         return [
             f"tier chaos: {self.rounds} rounds, seed {self.seed}; tasks {self.tasks} ({self.tasks_ok} ok)",
-            f"kills {self.kills}: "
-            + ", ".join(f"{k.replace('_', '-')} {v}" for k, v in self.kills_at.items())
-            + f" ({self.interrupted_tasks} tasks cut); restarts {self.restarts}",
-            f"rows checked {self.rows_checked}; rows of unfinished tasks: "
-            + ", ".join(f"{v} {k}" for k, v in self.unfinished.items()),
+            f"kills {self.kills}: {each(self.kills_at)} ({self.interrupted_tasks} tasks cut); restarts {self.restarts}",
+            f"rows checked: {each(self.rows_checked)}; rows of unfinished tasks: {each(self.unfinished)}",
             f"wrong bytes served {self.wrong_bytes}, acked spills lost {self.lost_acked_spills}, "
             f"CPU rows lost {self.cpu_rows_lost}: {'PASS' if self.clean else 'FAIL'}",
             f"restart to serving: {times}",
-            "outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(self.outcomes.items())),
+            f"outcomes: {each(dict(sorted(self.outcomes.items())))}",
             *(f"note: {n}" for n in self.notes),
         ]
 
@@ -137,15 +135,12 @@ class TierChaos:
 
     def __init__(self, seed: int = 0, *, batch: int = 12, per_task: int = 16, steps: int = 10, directory=None):
         self.batch, self.per, self.steps = batch, per_task, steps
-        self.rng = random.Random(seed)
-        self.model = TierModel()
-        self.fig = Figures(seed=seed)
+        self.rng, self.model, self.fig = random.Random(seed), TierModel(), Figures(seed=seed)
         self.base = tempfile.mkdtemp(prefix="zkv-chaos-", dir=directory or "/tmp")
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else self.base  # where a CPU tier lives by default
         self.tiers = tempfile.mkdtemp(prefix="zkv-chaos-tiers-", dir=shm)
         self.disk_dir = os.path.join(self.base, "disk")
-        args = ["--liveness-ms", "1000", "--tier-dir", self.tiers, "--disk-dir", self.disk_dir]
-        args += ["--disk-blocks", str(DISK_BLOCKS)]
+        args = [*WORKER, "--tier-dir", self.tiers, "--disk-dir", self.disk_dir]
         c = os.path.join(self.base, "c")
         self.cluster = LocalCluster(RANKS, LAYOUT, quiet=True, broker_args=BROKER, worker_args=args, directory=c)
         self.cluster.tier_dir = self.tiers
@@ -218,12 +213,14 @@ class TierChaos:
         return self.rng.sample(list(rows), min(k, len(rows)))
 
     def _stock(self) -> None:
-        """GPU rows filled, swapped out and spilled: every tier holds rows of this round."""
+        """GPU rows filled, swapped out, spilled and loaded back: every tier holds rows of this round."""
         gpu = self._sample(range(SIZE["gpu"]), self.per)
         self._fill("gpu", gpu)
         cpu = self._sample(range(SIZE["cpu"]), len(gpu))
         self._task("swap_out", gpu, cpu)
-        self._task("spill", cpu, self._sample(range(SIZE["disk"]), len(cpu)))
+        disk = self._sample(range(SIZE["disk"]), len(cpu))
+        self._task("spill", cpu, disk)
+        self._task("load", disk, self._sample(range(SIZE["cpu"]), len(disk)))
 
     def _step(self) -> None:
         """One random task, run to its outcome before the next (the model stays exact)."""
@@ -361,7 +358,7 @@ class TierChaos:
             if not rows:
                 continue
             got = self.read(tier, rows)
-            self.fig.rows_checked += len(rows) * RANKS
+            self.fig.rows_checked[tier] += len(rows) * RANKS
             lost = []
             for i, row in enumerate(rows):
                 for r in range(RANKS):
