@@ -22,6 +22,7 @@ LONGEST_FIRST = (
     "test_engine_e2e.py",
     "test_engine_attach_e2e.py",
     "test_cpu_tier_restart_e2e.py",
+    "test_tier_chaos.py",
     "test_multihost.py",
     "test_engine_docs.py",
     "test_rank_claims.py",
