@@ -5,7 +5,15 @@ the end instead of one worker finishing a long file alone."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from zkv.harness import zygote
+
+# Rank workers of the test clusters fork from one process that imported torch
+# once (zkv/harness/zygote.py): a worker start costs milliseconds, not seconds of CPU.
+os.environ[zygote.ENV] = str(os.getpid())
 
 # Longest first, as measured by ``--durations`` on a 2-core machine; files not
 # named keep their alphabetical order after these.

@@ -15,11 +15,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..client.client import Client, ZkvError
 from ..net.endpoints import Endpoints
 from ..wire.layout import CacheLayout
+from . import zygote
 
 
 def layout_args(layout: CacheLayout) -> list[str]:
@@ -70,9 +71,14 @@ class LocalCluster:
         self.broker: subprocess.Popen | None = None
         self.workers: dict[int, subprocess.Popen] = {}
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, args: list[str]) -> Any:
+        """A ``zkv`` process (a ``subprocess.Popen``, or a worker forked from the
+        harness's zygote when this process asked for one: ``zygote.py``)."""
         out = subprocess.DEVNULL if self.quiet else None
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if args[0] == "worker" and zygote.wanted():
+            env.pop(zygote.ENV, None)
+            return zygote.spawn(args, env, stdout=out, stderr=out)
         return subprocess.Popen([sys.executable, "-m", "zkv", *args], stdout=out, stderr=out, env=env)
 
     def _ep_args(self) -> list[str]:
