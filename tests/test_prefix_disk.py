@@ -7,45 +7,11 @@ never serves a lost block (zkv/prefix/disk.py)."""
 from __future__ import annotations
 
 import pytest
+from prefix_engine import BS, Engine, kv_of, prompt
 
-from zkv.prefix import PrefixCacheManager, block_keys
-from zkv.testing.fakebus import FakeBus
+from zkv.prefix import block_keys
 
-BS = 4
 FAILURES = ["failed", "cancelled", "rejected", "raise", "timeout"]
-
-
-def prompt(seed: int, blocks: int) -> list[int]:
-    return [seed * 1000 + i for i in range(blocks * BS)]
-
-
-def kv_of(key: bytes) -> tuple[str, str]:
-    return ("kv", key.hex())
-
-
-class Engine:
-    """match + allocate + compute (writes kv_of(key) into the fake GPU) + insert + release."""
-
-    def __init__(self, gpu: int = 4, cpu: int = 4, disk: int = 8, **kwargs) -> None:
-        self.bus = FakeBus()
-        self.manager = PrefixCacheManager(self.bus, BS, gpu, cpu, num_disk_blocks=disk, **kwargs)
-
-    def serve(self, tokens: list[int]):
-        manager = self.manager
-        cached = manager.match(tokens)
-        keys = block_keys(tokens, BS)
-        assert [self.bus.gpu.get(b) for b in cached.block_ids] == [kv_of(k) for k in keys[: cached.num_blocks]]
-        fresh = manager.allocate(len(keys) - cached.num_blocks)
-        for position, block in enumerate(fresh.block_ids, start=cached.num_blocks):
-            self.bus.gpu[block] = kv_of(keys[position])
-        manager.insert(tokens, cached.block_ids + fresh.block_ids)
-        manager.release(cached)
-        manager.release(fresh)
-        manager.check_invariants()
-        return cached
-
-    def stats(self) -> dict:
-        return self.manager.stats()
 
 
 def fill_to_disk(engine: Engine, first: int = 1, count: int = 5, blocks: int = 2) -> list[list[int]]:

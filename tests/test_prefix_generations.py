@@ -6,13 +6,12 @@ a task during which a tier it touches was lost is taken as cancelled."""
 
 from __future__ import annotations
 
+import prefix_engine
 import pytest
+from prefix_engine import BS, prompt
 
-from zkv.prefix import PrefixCacheManager, block_keys
 from zkv.prefix.generations import LOST_ALL, LOST_GPU, LOST_NONE, lost_between, moved_under
 from zkv.testing.fakebus import GARBAGE, FakeBus
-
-BS = 4
 
 
 @pytest.mark.parametrize(
@@ -40,33 +39,13 @@ def test_spill_and_load_ignore_a_move_of_gen_alone_and_swaps_do_not():
     assert not moved_under("swap_in", (3, 1), (3, 1))
 
 
-def prompt(seed: int, blocks: int) -> list[int]:
-    return [seed * 1000 + i for i in range(blocks * BS)]
+class Engine(prefix_engine.Engine):
+    """The stand-in engine on a bus at generation 5 and CPU generation ``cpu_gen``."""
 
-
-def kv_of(key: bytes) -> tuple[str, str]:
-    return ("kv", key.hex())
-
-
-class Engine:
     def __init__(self, gpu: int = 8, cpu: int = 3, disk: int = 8, cpu_gen: int | None = 0) -> None:
-        self.bus = FakeBus()
-        self.bus.gen, self.bus.cpu_gen = 5, cpu_gen
-        self.manager = PrefixCacheManager(self.bus, BS, gpu, cpu, num_disk_blocks=disk)
-
-    def serve(self, tokens: list[int]):
-        """match (its blocks must hold their data) + allocate + compute + insert + release."""
-        manager, keys = self.manager, block_keys(tokens, BS)
-        cached = manager.match(tokens)
-        assert [self.bus.gpu.get(b) for b in cached.block_ids] == [kv_of(k) for k in keys[: cached.num_blocks]]
-        fresh = manager.allocate(len(keys) - cached.num_blocks)
-        for position, block in enumerate(fresh.block_ids, start=cached.num_blocks):
-            self.bus.gpu[block] = kv_of(keys[position])
-        manager.insert(tokens, cached.block_ids + fresh.block_ids)
-        manager.release(cached)
-        manager.release(fresh)
-        manager.check_invariants()
-        return cached
+        bus = FakeBus()
+        bus.gen, bus.cpu_gen = 5, cpu_gen
+        super().__init__(gpu, cpu, disk, bus=bus)
 
     def on_three_tiers(self) -> tuple[list[int], list[int], list[int]]:
         """Three prompts: on the GPU with its last block on the CPU, wholly on the CPU, wholly on the disk."""

@@ -56,7 +56,7 @@ def make_cpu_room(runner: SwapRunner, tiers: Tiers, count: int) -> None:
         if node.attached:
             runner.drop_subtree(tiers, node)  # no disk room left: dropped
     if moving:
-        _spill(runner, tiers, moving)
+        runner.demote(tiers, moving, "spill", "cpu", "disk", NodeState.ON_DISK)
 
 
 def take_disk_blocks(runner: SwapRunner, tiers: Tiers, count: int) -> list[int]:
@@ -67,28 +67,6 @@ def take_disk_blocks(runner: SwapRunner, tiers: Tiers, count: int) -> list[int]:
             break
         runner.drop_subtree(tiers, victim)
     return tiers.disk.alloc(min(count, tiers.disk.num_free))
-
-
-def _spill(runner: SwapRunner, tiers: Tiers, moving: list[RadixNode]) -> None:
-    cpu_ids = cast(list[int], [node.cpu_block for node in moving])
-    disk_ids = cast(list[int], [node.disk_block for node in moving])
-    outcome, task = runner.run("spill", cpu_ids, disk_ids)
-    if outcome == "ok":
-        tiers.cpu.free(cpu_ids)
-        for node in moving:
-            node.cpu_block = None
-            tiers.tree.set_state(node, NodeState.ON_DISK)
-        for node in moving:
-            tiers.offer(node)
-            tiers.offer(cast(RadixNode, node.parent))
-        runner.counters["spilled_blocks"] += len(moving)
-        return
-    for node in moving:
-        node.disk_block = None
-    runner.settle_unsafe(tiers, "disk", disk_ids, outcome, task)
-    for node in moving:
-        if node.attached:
-            runner.drop_subtree(tiers, node)  # frees their CPU blocks: the room asked for
 
 
 def load(runner: SwapRunner, tiers: Tiers, disk_run: list[RadixNode]) -> list[RadixNode]:

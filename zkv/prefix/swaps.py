@@ -66,6 +66,8 @@ COUNTERS = (
     "reclaimed_blocks",
 )
 
+_DEMOTED = {"swap_out": "swapped_out_blocks", "spill": "spilled_blocks"}  # the counter of each op that moves a tier down
+
 
 @dataclass
 class HeldBlocks:
@@ -154,26 +156,30 @@ class SwapRunner:
                 node.cpu_block = cpu_block
                 moving.append(node)
         if moving:
-            self._swap_out(tiers, moving)
+            self.demote(tiers, moving, "swap_out", "gpu", "cpu", NodeState.ON_CPU)
         return len(victims)
 
-    def _swap_out(self, tiers: Tiers, moving: list[RadixNode]) -> None:
-        gpu_ids = cast(list[int], [node.gpu_block for node in moving])
-        cpu_ids = cast(list[int], [node.cpu_block for node in moving])
-        outcome, task = self.run("swap_out", gpu_ids, cpu_ids)
+    def demote(self, tiers: Tiers, moving: list[RadixNode], op: str, src: str, dst: str, state: NodeState) -> None:
+        """One ``op`` task moving ``moving`` a tier down (``swap_out`` GPU -> CPU, ``spill``
+        CPU -> disk; their ``dst`` blocks already taken).  On ``ok`` the ``src`` blocks are
+        freed and the nodes live on in ``state``; otherwise the ``dst`` blocks are freed or
+        quarantined and the nodes dropped with their subtrees (freeing the room asked for)."""
+        src_ids = cast(list[int], [getattr(node, f"{src}_block") for node in moving])
+        dst_ids = cast(list[int], [getattr(node, f"{dst}_block") for node in moving])
+        outcome, task = self.run(op, src_ids, dst_ids)
         if outcome == "ok":
-            tiers.gpu.free(gpu_ids)
+            tiers.allocator(src).free(src_ids)
             for node in moving:
-                node.gpu_block = None
-                tiers.tree.set_state(node, NodeState.ON_CPU)
+                setattr(node, f"{src}_block", None)
+                tiers.tree.set_state(node, state)
             for node in moving:
                 tiers.offer(node)
                 tiers.offer(cast(RadixNode, node.parent))
-            self.counters["swapped_out_blocks"] += len(moving)
+            self.counters[_DEMOTED[op]] += len(moving)
             return
         for node in moving:
-            node.cpu_block = None
-        self.settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
+            setattr(node, f"{dst}_block", None)
+        self.settle_unsafe(tiers, dst, dst_ids, outcome, task)
         for node in moving:
             if node.attached:
                 self.drop_subtree(tiers, node)
