@@ -174,3 +174,26 @@ def test_a_plaintext_peer_on_a_fixed_result_address_does_not_poison_it(secured):
         wait_for(c, lambda st: reconnects(st) >= 1, "a rank counting the rebuilt result connection", 10)
     finally:
         c.close()
+
+
+def test_a_client_whose_result_bind_fails_keeps_no_hold_on_the_context_s_key_check(secured, tmp_path):
+    """A Client that cannot bind its result address raises and releases what it
+    took: another Curve client of this process, with rank keys from another
+    directory, is served afterwards (a leaked hold would refuse it)."""
+    import zmq
+
+    cluster, keys, authorized, me, _ = secured
+    taken = f"tcp://127.0.0.1:{free_port()}"
+    squatter = zmq.Context.instance().socket(zmq.PULL)
+    squatter.setsockopt(zmq.LINGER, 0)
+    try:
+        squatter.bind(taken)
+        with pytest.raises(zmq.ZMQError):
+            Client(cluster.endpoints.frontend, curve=me, reply_to=taken)
+    finally:
+        squatter.close(linger=0)
+    elsewhere = tmp_path / "ranks"
+    shutil.copytree(authorized, elsewhere)
+    other = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(elsewhere))
+    with Client(cluster.endpoints.frontend, curve=other) as c:
+        assert c.status(timeout=10)["state"] == "running"

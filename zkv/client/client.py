@@ -76,33 +76,37 @@ class Client:
         self.pull = make_socket(self.ctx, zmq.PULL)
         self.auth = None
         self._reply_key: str | None = None
-        if curve is not None:
-            # Our PULL is a Curve server that lets in only authorized ranks.
-            curve.make_client(self.dealer)
-            self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
-            curve.make_server(self.pull, RESULTS_DOMAIN)
-            self._reply_key = curve.public_key()
-        self.dealer.connect(self.broker)
         self._ipc_path: Path | None = None
-        if reply_to is None:
-            reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
-        if reply_to is None:
-            self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-            reply_to = f"ipc://{self._ipc_path}"
-        self.pull.bind(reply_to)
-        self.reply_to = advertised(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.broker, advertise)
-        self.poller = zmq.Poller()
-        self.poller.register(self.dealer, zmq.POLLIN)
-        self.poller.register(self.pull, zmq.POLLIN)
-        self.book = ResultBook()
-        self.finished: dict[int, TaskOutcome] = {}
-        self.replies: dict[int, Reply | Error] = {}
-        # Task ids start at a random point: results carry only the id, and a
-        # restarted client on a fixed result address (ZKV_RESULT_ADDR) must not
-        # take its predecessor's late results for its own tasks.
-        self._task_ids = itertools.count(secrets.randbelow(2**40) + 1)
-        self._req_ids = itertools.count(1)
         self.closed = False
+        try:
+            if curve is not None:
+                # Our PULL is a Curve server that lets in only authorized ranks.
+                curve.make_client(self.dealer)
+                self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
+                curve.make_server(self.pull, RESULTS_DOMAIN)
+                self._reply_key = curve.public_key()
+            self.dealer.connect(self.broker)
+            if reply_to is None:
+                reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
+            if reply_to is None:
+                self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+                reply_to = f"ipc://{self._ipc_path}"
+            self.pull.bind(reply_to)
+            self.reply_to = advertised(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.broker, advertise)
+            self.poller = zmq.Poller()
+            self.poller.register(self.dealer, zmq.POLLIN)
+            self.poller.register(self.pull, zmq.POLLIN)
+            self.book = ResultBook()
+            self.finished: dict[int, TaskOutcome] = {}
+            self.replies: dict[int, Reply | Error] = {}
+            # Task ids start at a random point: results carry only the id, and a
+            # restarted client on a fixed result address (ZKV_RESULT_ADDR) must not
+            # take its predecessor's late results for its own tasks.
+            self._task_ids = itertools.count(secrets.randbelow(2**40) + 1)
+            self._req_ids = itertools.count(1)
+        except BaseException:  # a failed bind (address in use) keeps no socket, no hold on the ZAP handler
+            self.close()
+            raise
 
     # --- tasks ---------------------------------------------------------------------
 

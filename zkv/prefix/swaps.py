@@ -66,7 +66,8 @@ COUNTERS = (
     "reclaimed_blocks",
 )
 
-_DEMOTED = {"swap_out": "swapped_out_blocks", "spill": "spilled_blocks"}  # the counter of each op that moves a tier down
+# the counter of each op that moves a tier down
+_DEMOTED = {"swap_out": "swapped_out_blocks", "spill": "spilled_blocks"}
 
 
 @dataclass
