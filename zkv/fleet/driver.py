@@ -107,24 +107,14 @@ class BusLink:
                 self._client.dealer.disable_monitor()
                 self._monitor.close(linger=0)
                 self._monitor = None
-            if self._client.auth is not None:
-                with _contexts_lock:  # a Curve client's close releases its share of the context's ZAP handler
-                    self._client.close()
-            else:
-                self._client.close()
+            self._client.close()
             self._client = None
 
     def _connected(self, timeout: float) -> Client:
         if self._client is None:
             curve = self.spec.curve()
             ctx = _context(self.spec.curve_ranks if curve is not None else None)
-            if curve is None:
-                self._client = Client(self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout)
-            else:
-                with _contexts_lock:  # a context's shared ZAP handler is set up by its first Curve client
-                    self._client = Client(
-                        self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout, curve=curve
-                    )
+            self._client = Client(self.spec.broker, reply_to=RESULT_BIND, ctx=ctx, request_timeout=timeout, curve=curve)
             self._monitor = self._client.dealer.get_monitor_socket(_DOWN)
         return self._client
 

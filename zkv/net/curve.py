@@ -15,6 +15,7 @@ travels in each task as ``reply_key``.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,7 @@ class SharedAuthenticator:
     starting another races ("Address already in use")."""
 
     _by_ctx: dict[int, "SharedAuthenticator"] = {}
+    _lock = threading.Lock()  # clients of one Context may start and close on several threads (a fleet's)
 
     def __init__(self, ctx: zmq.Context):
         from zmq.auth.thread import ThreadAuthenticator
@@ -135,19 +137,21 @@ class SharedAuthenticator:
 
     @classmethod
     def acquire(cls, ctx: zmq.Context, domains: dict[str, str]) -> "SharedAuthenticator":
-        shared = cls._by_ctx.get(id(ctx))
-        if shared is None:
-            shared = cls._by_ctx[id(ctx)] = cls(ctx)
-        for domain, directory in domains.items():
-            if shared.domains.get(domain) == directory:
-                continue
-            if domain in shared.domains and shared.users:
-                raise ValueError(f"this Context already authorizes {domain} keys from {shared.domains[domain]}")
-            shared.auth.configure_curve(domain=domain, location=directory)
-            shared.domains[domain] = directory
-        shared.users += 1
-        return shared
+        with cls._lock:
+            shared = cls._by_ctx.get(id(ctx))
+            if shared is None:
+                shared = cls._by_ctx[id(ctx)] = cls(ctx)
+            for domain, directory in domains.items():
+                if shared.domains.get(domain) == directory:
+                    continue
+                if domain in shared.domains and shared.users:
+                    raise ValueError(f"this Context already authorizes {domain} keys from {shared.domains[domain]}")
+                shared.auth.configure_curve(domain=domain, location=directory)
+                shared.domains[domain] = directory
+            shared.users += 1
+            return shared
 
     def stop(self) -> None:
         """Release this user's hold (the handler itself stays with the Context)."""
-        self.users -= 1
+        with self._lock:
+            self.users -= 1

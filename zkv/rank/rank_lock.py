@@ -89,6 +89,8 @@ class RankLock:
 def clean_locks(directory: str, bus: str | None = None) -> list[Path]:
     """Remove the rank locks (of ``bus``, when given) no live worker holds: those a
     killed worker left; return their paths."""
+    from .tier_file import remove_tier  # numpy: not on a worker's start path
+
     removed: list[Path] = []
     try:
         names = sorted(os.listdir(directory))
@@ -101,17 +103,10 @@ def clean_locks(directory: str, bus: str | None = None) -> list[Path]:
             continue
         path = Path(directory) / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            if remove_tier(path):  # a waiter that then locks the unlinked file takes the path's
+                removed.append(path)
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            path.unlink(missing_ok=True)  # a waiter that then locks the unlinked file takes the path's
-            removed.append(path)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
     return removed
 
 

@@ -280,7 +280,7 @@ def list_tiers(directory: str = DEFAULT_DIR) -> Iterator[TierInfo]:
 
 
 def remove_tier(path: Path) -> bool:
-    """Remove a tier file no live process holds mapped; False when one does."""
+    """Remove a tier file (or a rank lock) no live process holds; False when one does."""
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
