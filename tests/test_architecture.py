@@ -32,11 +32,15 @@ ALLOWED: dict[str, set[str]] = {
     "engines": {
         "wire",
         "net",
+        "obs",
+        "broker",
         "rank",
         "client",
+        "fleet",
         "prefix",
         "engines",
-    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine
+    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine; broker: the bus a
+    # vLLM scheduler process hosts; fleet: the RL cycle over many vLLM engines
     "prefix": {"wire", "prefix"},  # it reaches the bus only through prefix.bus.Bus
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "client", "trace", "replay", "harness"},

@@ -119,20 +119,28 @@ class Client:
         *,
         tier: str | None = None,
         seed: int | None = None,
+        task: int | None = None,
     ) -> int:
-        """Send one task to every rank; return its id.  The outcome comes from wait/poll."""
+        """Send one task to every rank; return its id.  The outcome comes from wait/poll.
+        ``task``: an id of the caller's (see ``submit_raw``)."""
         extra: dict[str, Any] = {}
         if tier is not None:
             extra["tier"] = tier
         if seed is not None:
             extra["seed"] = seed
-        return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout)
+        return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout, task=task)
 
-    def submit_raw(self, body: bytes, timeout: float = 30.0) -> int:
+    def submit_raw(self, body: bytes, timeout: float = 30.0, *, task: int | None = None) -> int:
         """Submit an already encoded body (for tools and tests of bad input).
         ``timeout`` is the task's deadline at the broker too: still queued
-        then, it ends ``timeout`` and never runs (``TaskOutcome.ran`` is False)."""
-        task = next(self._task_ids)
+        then, it ends ``timeout`` and never runs (``TaskOutcome.ran`` is False).
+        ``task``: an id the caller chose (an engine whose other processes must
+        name the same task: vLLM's job ids), unique among this client's tasks
+        and a positive safe integer; default: the client's own counter."""
+        if task is None:
+            task = next(self._task_ids)
+        elif type(task) is not int or not 0 < task <= bounds.MAX_SAFE_INT or task in self.book.open:
+            raise ValueError(f"task id {task!r}: a positive int up to {bounds.MAX_SAFE_INT}, not one already open")
         self.book.add(task, time.monotonic(), timeout + BROKER_WORD_S)
         header = F.encode_submit(task, self.reply_to, deadline_ms(timeout), reply_key=self._reply_key)
         try:

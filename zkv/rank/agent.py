@@ -18,7 +18,7 @@ the clear too: the new cache waits for the next resume).
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -30,6 +30,7 @@ from .cache.memory import EngineMemory
 from .cache.regions import EngineCache, TensorEntry
 from .cache.store import BlockStore
 from .registration import RankRefused
+from .tier_file import TierPlace, bus_name
 from .worker import RankWorker
 
 CacheLike = EngineCache | Sequence[TensorEntry]
@@ -54,7 +55,13 @@ class RankAgent:
     names both values (``rank.cache.geometry``).
     ``compute_stream``: the engine's CUDA stream that copies wait for.
     ``disk_dir`` / ``disk_blocks``: a disk tier below the CPU tier (as
-    ``zkv worker --disk-dir``; ``spill`` / ``load`` tasks)."""
+    ``zkv worker --disk-dir``; ``spill`` / ``load`` tasks).  ``tier_dir``: keep
+    the CPU tier in a file there (as ``zkv worker --tier-dir``), so that it
+    outlives this process.  ``source``: where each resume takes the engine's
+    cache when none was handed over with ``attach`` (an engine whose tensors
+    stay where they are across a clear: vLLM).  ``on_task_done(task, outcome)``:
+    called on the rank's thread after each task ran here, for an engine that
+    must know when this rank's own copy is over (vLLM's TP workers)."""
 
     def __init__(
         self,
@@ -71,6 +78,9 @@ class RankAgent:
         liveness_ms: int = 2000,
         disk_dir: str | None = None,
         disk_blocks: int = 4096,
+        tier_dir: str | None = None,
+        source: Callable[[], EngineCache] | None = None,
+        on_task_done: Callable[[int, str], None] | None = None,
     ):
         self.rank = rank
         self.world = world
@@ -78,8 +88,17 @@ class RankAgent:
         self._curve = curve
         self._liveness_ms = liveness_ms
         disk = DiskSpec(disk_dir, disk_blocks) if disk_dir is not None else None  # below the CPU tier
+        place = TierPlace(bus_name(backend), rank, tier_dir) if tier_dir is not None else None
+        self._on_task_done = on_task_done
         self.store = BlockStore.attached(
-            _as_cache(cache, 1), cpu_rows, layout=layout, rank=rank, compute_stream=compute_stream, disk=disk
+            _as_cache(cache, 1),
+            cpu_rows,
+            layout=layout,
+            rank=rank,
+            compute_stream=compute_stream,
+            disk=disk,
+            place=place,
+            source=source,
         )
         self._ctx: zmq.Context | None = None
         self._worker: RankWorker | None = None
@@ -100,12 +119,15 @@ class RankAgent:
         cache = self.store.cache
         return cache.descriptor.reserved if cache is not None else ()
 
-    def start(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 10.0, *, wait: bool = True) -> None:
         """Connect, register, and return once the broker welcomed this rank.
 
         Raises ``TimeoutError`` (the agent is stopped again) if that takes
         longer than ``timeout`` seconds, ``RankRefused`` if the broker will
-        not take the rank.  A second call on a started agent does nothing."""
+        not take the rank.  A second call on a started agent does nothing.
+        ``wait=False`` returns once the loop runs: for an engine that builds
+        its workers before the process that hosts the broker (vLLM), the rank
+        registers whenever the broker comes up (``registered`` says when)."""
         with self._lock:
             if self._thread is not None:
                 return
@@ -125,8 +147,11 @@ class RankAgent:
                 self._ctx = None
                 raise
             self._worker.registered = self._settled  # set on the first welcome; _run sets it when the loop ends
+            self._worker.executor.runner.on_done = self._on_task_done
             self._thread = threading.Thread(target=self._run, name=f"zkv-rank-{self.rank}", daemon=True)
             self._thread.start()
+        if not wait:
+            return
         self._settled.wait(timeout)
         if self._settled.is_set() and self._error is None and self.is_alive():
             return
@@ -149,6 +174,11 @@ class RankAgent:
             self._error = err
         finally:
             self._settled.set()
+
+    @property
+    def registered(self) -> bool:
+        """The broker welcomed this rank at least once (and the loop still runs)."""
+        return self._settled.is_set() and self._error is None and self.is_alive()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

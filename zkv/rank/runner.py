@@ -62,6 +62,8 @@ class TaskRunner:
         self.book = book
         self.paused_ack = paused_ack
         self.session = session
+        # An engine's hook for "this rank's copy of task T is over" (RankAgent's on_task_done).
+        self.on_done: Callable[[int, str], None] | None = None
 
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return
@@ -119,4 +121,9 @@ class TaskRunner:
                 ex.cpu_gen,
             ),
         )
+        if self.on_done is not None:
+            try:
+                self.on_done(ex.task, outcome)
+            except Exception:  # noqa: BLE001 - the engine's hook must not end the rank's thread
+                log.exception("on_task_done hook failed for task %s", ex.task)
         return Finished(ex.seq, ex.n, outcome, nbytes, ex.gen)

@@ -27,9 +27,9 @@ from typing import Mapping
 
 import torch
 
-from ..rank.cache.errors import CacheError
-from ..rank.cache.layouts import expect_dims
-from ..rank.cache.regions import TensorEntry
+from ...rank.cache.errors import CacheError
+from ...rank.cache.layouts import expect_dims
+from ...rank.cache.regions import TensorEntry
 
 NULL_BLOCK = 0  # vLLM v1 BlockPool's null block
 

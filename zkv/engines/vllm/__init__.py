@@ -1,0 +1,12 @@
+"""zkv inside vLLM.
+
+``layouts``: vLLM's KV caches as zkv regions (FlashAttention, FlashInfer,
+block-major), for a rank attached to a vLLM worker's tensors.  The offload
+backend that a vLLM user turns on with one ``--kv-transfer-config``
+(docs/engine-vllm.md) lives in ``connector`` and the modules it names; only
+those import vLLM itself.
+"""
+
+from .layouts import NULL_BLOCK, block_major, flash_attn, flashinfer
+
+__all__ = ["NULL_BLOCK", "block_major", "flash_attn", "flashinfer"]

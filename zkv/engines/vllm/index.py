@@ -1,0 +1,324 @@
+"""What zkv holds for one vLLM engine, as its scheduler sees it: which offload
+key lives in which CPU or disk row, in which state, in LRU order.
+
+Sans-IO (docs/engine-vllm.md, "What holds"): the manager (``manager.py``)
+turns vLLM's calls and zkv's task outcomes into calls here, and the answers
+into tasks.  The rules it keeps, checked after every step by a model-based
+test:
+
+- a row belongs to at most one key per tier, or is free, or is in limbo (a
+  task of ours may still touch it after a reset): nothing is handed out twice;
+- a key is a hit only while its CPU row holds exactly its bytes: its store
+  (or its load from disk) ended ``ok``, and no load from that row failed since;
+- a row being written (a store, a load from disk, a spill's disk row) or read
+  (a load into vLLM, a spill's CPU row) is never evicted or handed out.
+
+A CPU row that was spilled is *clean*: its key has a copy on disk too, so
+evicting the CPU copy loses nothing.  Spills run ahead of need (``plan_spills``
+keeps ``spill_below`` CPU rows free or clean), so a store never waits for one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ...wire.vocab import Tier
+
+Key = bytes
+
+
+class Found(enum.Enum):
+    """What a lookup finds."""
+
+    MISS = "miss"
+    HIT = "hit"  # readable from its CPU row now
+    PENDING = "pending"  # being written (a store, a load from disk): ask again
+    ON_DISK = "on_disk"  # only on disk: load it into a CPU row first (``start_load``)
+
+
+class CpuState(enum.Enum):
+    STORING = "storing"  # vLLM's store job writes the row
+    LOADING = "loading"  # our load task writes it from the disk row
+    READY = "ready"
+
+
+@dataclass
+class Entry:
+    key: Key
+    cpu_row: int | None = None
+    cpu_state: CpuState | None = None
+    disk_row: int | None = None
+    spilling: bool = False  # our spill task writes disk_row from cpu_row
+    readers: int = 0  # vLLM load jobs reading cpu_row
+    doomed: bool = False  # a read of it failed: gone once its readers are done
+
+    @property
+    def clean(self) -> bool:
+        """Its CPU copy can go without losing the key: a finished copy is on disk."""
+        return self.disk_row is not None and not self.spilling
+
+
+@dataclass
+class Event:
+    """A residency change a KV-aware router can follow (vLLM's ``OffloadingEvent``)."""
+
+    keys: list[Key]
+    tier: Tier
+    removed: bool
+
+
+@dataclass
+class OffloadIndex:
+    cpu_rows: int
+    disk_rows: int = 0
+    spill_below: int = 0  # keep this many CPU rows free or clean (0: no spills)
+    entries: OrderedDict[Key, Entry] = field(default_factory=OrderedDict)  # least recently used first
+    events: list[Event] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_rows", "disk_rows", "spill_below"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.free: dict[Tier, list[int]] = {
+            Tier.CPU: list(range(self.cpu_rows - 1, -1, -1)),
+            Tier.DISK: list(range(self.disk_rows - 1, -1, -1)),
+        }
+        # Rows a task of ours still touches after its key was forgotten (a
+        # reset, a failed read): (op, key, row) -> the rows to free when it ends.
+        self.limbo: dict[tuple[str, Key, int], list[tuple[Tier, int]]] = {}
+
+    # --- what vLLM asks --------------------------------------------------------
+
+    def lookup(self, key: Key) -> Found:
+        e = self.entries.get(key)
+        if e is None or e.doomed:
+            return Found.MISS
+        if e.cpu_state is CpuState.READY:
+            return Found.HIT
+        if e.cpu_state is not None:
+            return Found.PENDING
+        if e.disk_row is not None and not e.spilling:
+            return Found.ON_DISK
+        return Found.MISS
+
+    def touch(self, keys: list[Key]) -> None:
+        for key in keys:
+            if key in self.entries:
+                self.entries.move_to_end(key)
+
+    def prepare_load(self, keys: list[Key]) -> list[int]:
+        """The CPU rows vLLM's load job reads; each key must be a hit."""
+        rows = []
+        for key in keys:
+            e = self.entries[key]
+            if e.cpu_state is not CpuState.READY or e.doomed or e.cpu_row is None:
+                raise KeyError(f"key {key.hex()[:16]} is not readable from the CPU tier")
+            e.readers += 1
+            rows.append(e.cpu_row)
+        self.touch(keys)
+        return rows
+
+    def complete_load(self, keys: list[Key], ok: bool) -> None:
+        """A load job ended; a failed one dooms its keys (never a hit again)."""
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None or e.readers == 0:
+                continue  # forgotten by a reset meanwhile
+            e.readers -= 1
+            if not ok:
+                e.doomed = True
+            if e.doomed and e.readers == 0:
+                self._drop(e)
+
+    def prepare_store(self, keys: list[Key]) -> tuple[list[Key], list[int], list[Key]] | None:
+        """(keys to store, their CPU rows, keys evicted for them), or None when
+        there is no room for all of them (nothing changes then)."""
+        new = list(dict.fromkeys(k for k in keys if k not in self.entries))
+        if len(new) > len(self.free[Tier.CPU]) + self._evictable_cpu():
+            return None
+        evicted: list[Key] = []
+        rows = [self._take_cpu_row(evicted) for _ in new]
+        for key, row in zip(new, rows):
+            self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.STORING)
+        return new, rows, evicted
+
+    def complete_store(self, keys: list[Key], ok: bool) -> None:
+        stored = []
+        for key in keys:
+            e = self.entries.get(key)
+            if e is None or e.cpu_state is not CpuState.STORING:
+                continue
+            if ok:
+                e.cpu_state = CpuState.READY
+                stored.append(key)
+            else:
+                self._drop(e, announce=False)
+        if stored:
+            self.events.append(Event(stored, Tier.CPU, removed=False))
+
+    # --- what zkv does below ---------------------------------------------------
+
+    def plan_spills(self, limit: int) -> list[tuple[Key, int, int]]:
+        """Up to ``limit`` spills (key, CPU row, disk row) of the least recently
+        used dirty rows, while fewer than ``spill_below`` CPU rows are free or clean."""
+        if not self.disk_rows or not self.spill_below:
+            return []
+        spare = len(self.free[Tier.CPU]) + sum(
+            1 for e in self.entries.values() if e.cpu_state is CpuState.READY and (e.clean or e.spilling)
+        )
+        plan: list[tuple[Key, int, int]] = []
+        for e in list(self.entries.values()):
+            if spare >= self.spill_below or len(plan) >= limit:
+                break
+            if e.cpu_state is not CpuState.READY or e.doomed or e.disk_row is not None:
+                continue
+            row = self._take_disk_row(protect=e.key)
+            if row is None:
+                break
+            e.disk_row, e.spilling = row, True
+            plan.append((e.key, e.cpu_row, row))  # type: ignore[arg-type]
+            spare += 1
+        return plan
+
+    def spill_done(self, key: Key, disk_row: int, ok: bool) -> None:
+        if self._end_limbo("spill", key, disk_row):
+            return
+        e = self.entries.get(key)
+        if e is None or not e.spilling or e.disk_row != disk_row:
+            return
+        e.spilling = False
+        if ok:
+            self.events.append(Event([key], Tier.DISK, removed=False))
+        else:
+            e.disk_row = None
+            self.free[Tier.DISK].append(disk_row)
+
+    def start_load(self, key: Key) -> tuple[int, int] | None:
+        """(disk row, CPU row) of a load that brings an on-disk key back to the
+        CPU tier, or None when no CPU row can be had now."""
+        e = self.entries.get(key)
+        if e is None or self.lookup(key) is not Found.ON_DISK:
+            return None
+        if not self.free[Tier.CPU] and not self._evictable_cpu():
+            return None
+        evicted: list[Key] = []
+        row = self._take_cpu_row(evicted)
+        e.cpu_row, e.cpu_state = row, CpuState.LOADING
+        self.entries.move_to_end(key)
+        return e.disk_row, row  # type: ignore[return-value]
+
+    def load_done(self, key: Key, cpu_row: int, ok: bool) -> None:
+        """Our disk -> CPU load ended; a failed one (a digest that did not check,
+        a lost row) loses the key on every tier."""
+        if self._end_limbo("load", key, cpu_row):
+            return
+        e = self.entries.get(key)
+        if e is None or e.cpu_state is not CpuState.LOADING or e.cpu_row != cpu_row:
+            return
+        if ok:
+            e.cpu_state = CpuState.READY
+            self.events.append(Event([key], Tier.CPU, removed=False))
+        else:
+            self._drop(e)
+
+    def reset(self) -> list[Key]:
+        """Forget every key (a generation moved): what vLLM's jobs were doing
+        is over once vLLM flushed them; rows our own tasks still touch wait in
+        limbo for those tasks to end.  Returns the keys forgotten."""
+        gone = list(self.entries)
+        for tier in (Tier.CPU, Tier.DISK):
+            removed = [k for k, e in self.entries.items() if self._announced_on(e, tier)]
+            if removed:
+                self.events.append(Event(removed, tier, removed=True))
+        for e in list(self.entries.values()):
+            self._drop(e, announce=False)
+        return gone
+
+    # --- counts ------------------------------------------------------------------
+
+    def used(self, tier: Tier) -> int:
+        rows = self.cpu_rows if tier is Tier.CPU else self.disk_rows
+        return rows - len(self.free[tier])
+
+    def take_events(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
+
+    # --- rows --------------------------------------------------------------------
+
+    def _cpu_evictable(self, e: Entry) -> bool:
+        return e.cpu_state is CpuState.READY and e.readers == 0 and not e.spilling
+
+    def _evictable_cpu(self) -> int:
+        return sum(1 for e in self.entries.values() if self._cpu_evictable(e))
+
+    def _take_cpu_row(self, evicted: list[Key]) -> int:
+        if self.free[Tier.CPU]:
+            return self.free[Tier.CPU].pop()
+        # A clean copy first (the key stays on disk), then the least recently used.
+        victim = next((e for e in self.entries.values() if self._cpu_evictable(e) and e.clean), None)
+        if victim is None:
+            victim = next(e for e in self.entries.values() if self._cpu_evictable(e))
+        row = victim.cpu_row
+        assert row is not None
+        if victim.clean:
+            victim.cpu_row, victim.cpu_state = None, None
+            self.events.append(Event([victim.key], Tier.CPU, removed=True))
+        else:
+            self._drop(victim)
+            evicted.append(victim.key)
+            self.free[Tier.CPU].remove(row)  # _drop freed it: take it back
+        return row
+
+    def _take_disk_row(self, protect: Key) -> int | None:
+        if self.free[Tier.DISK]:
+            return self.free[Tier.DISK].pop()
+        for e in self.entries.values():
+            if e.key == protect or e.disk_row is None or e.spilling or e.cpu_state is CpuState.LOADING:
+                continue
+            row = e.disk_row
+            if e.cpu_state is None:  # only on disk: the key goes
+                self._drop(e)
+                self.free[Tier.DISK].remove(row)
+            else:  # its CPU copy stays, dirty again
+                e.disk_row = None
+                self.events.append(Event([e.key], Tier.DISK, removed=True))
+            return row
+        return None
+
+    @staticmethod
+    def _announced_on(e: Entry, tier: Tier) -> bool:
+        """A router was told the key is on ``tier`` (a stored event went out)."""
+        if tier is Tier.CPU:
+            return e.cpu_state is CpuState.READY
+        return e.disk_row is not None and not e.spilling
+
+    def _drop(self, e: Entry, announce: bool = True) -> None:
+        """Forget ``e``; its rows are free at once unless a task of ours still
+        touches them (a spill reads the CPU row and writes the disk row, a load
+        from disk the other way round): then they wait in limbo for its end."""
+        if announce:
+            for tier in (Tier.CPU, Tier.DISK):
+                if self._announced_on(e, tier):
+                    self.events.append(Event([e.key], tier, removed=True))
+        rows = [(Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)]
+        held = [(t, r) for t, r in rows if r is not None]
+        if e.spilling:
+            self.limbo[("spill", e.key, e.disk_row)] = held  # type: ignore[index]
+        elif e.cpu_state is CpuState.LOADING:
+            self.limbo[("load", e.key, e.cpu_row)] = held  # type: ignore[index]
+        else:
+            for tier, row in held:
+                self.free[tier].append(row)
+        del self.entries[e.key]
+
+    def _end_limbo(self, op: str, key: Key, row: int) -> bool:
+        rows = self.limbo.pop((op, key, row), None)
+        if rows is None:
+            return False
+        for tier, r in rows:
+            self.free[tier].append(r)
+        return True

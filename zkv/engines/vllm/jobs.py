@@ -1,0 +1,116 @@
+"""When a vLLM worker may call an offload job finished (sans-IO).
+
+vLLM counts a job done when every worker reported it; zkv runs the job as
+one task on every rank.  A worker reports a job once *its own rank's* copy
+is over, so no worker lets vLLM reuse (or compute on) GPU blocks its rank
+still reads or writes:
+
+- the worker of rank 0 submitted the task and waits for its outcome too: a
+  job is finished when the outcome is in and this rank ran the task (or the
+  outcome says no rank ever will: ``ran`` is False);
+- any other worker reports when its rank ran the task.
+
+A rank that never gets the task (the broker cancelled or timed it out while
+queued) reports at the task's deadline plus ``grace``.  The job succeeded
+only if the outcome (rank 0) or this rank's run (others) was ``ok``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ...wire.outcome import TaskOutcome
+from ...wire.vocab import Outcome
+
+
+@dataclass
+class Job:
+    job_id: int
+    task: int
+    is_store: bool
+    gpu_ids: list[int]
+    nbytes: int
+    started: float
+    deadline: float
+    outcome: TaskOutcome | None = None
+    local: str | None = None  # this rank's own outcome of the task
+
+
+@dataclass
+class Finished:
+    job: Job
+    success: bool
+    reason: str
+
+
+@dataclass
+class JobBook:
+    """Jobs of one worker; ``submitter``: this worker's rank submits the tasks."""
+
+    submitter: bool
+    grace: float = 1.0
+    jobs: dict[int, Job] = field(default_factory=dict)  # by zkv task id
+    _lock: threading.Condition = field(default_factory=threading.Condition)
+
+    @staticmethod
+    def task_of(job_id: int) -> int:
+        """The task id every worker of the engine names job ``job_id`` by."""
+        return job_id + 1
+
+    def add(self, job: Job) -> None:
+        with self._lock:
+            self.jobs[job.task] = job
+
+    def on_local(self, task: int, outcome: str) -> None:
+        """This rank ran ``task`` (the rank's thread)."""
+        with self._lock:
+            job = self.jobs.get(task)
+            if job is not None:
+                job.local = outcome
+                self._lock.notify_all()
+
+    def on_outcome(self, out: TaskOutcome) -> None:
+        with self._lock:
+            job = self.jobs.get(out.task)
+            if job is not None:
+                job.outcome = out
+                self._lock.notify_all()
+
+    def _verdict(self, job: Job, now: float) -> Finished | None:
+        late = now >= job.deadline + self.grace
+        if self.submitter:
+            out = job.outcome
+            if out is None:
+                return None
+            if job.local is not None or out.ran is False or late:
+                return Finished(job, out.ok and job.local in (None, Outcome.OK), out.reason)
+            return None
+        if job.local is not None:
+            return Finished(job, job.local == Outcome.OK, f"this rank's copy ended {job.local}")
+        if late:
+            return Finished(job, False, "this rank never ran the task before its deadline")
+        return None
+
+    def take_finished(self, now: float) -> list[Finished]:
+        with self._lock:
+            done = [v for job in self.jobs.values() if (v := self._verdict(job, now)) is not None]
+            for v in done:
+                del self.jobs[v.job.task]
+            return done
+
+    def is_finished(self, task: int, now: float) -> bool:
+        with self._lock:
+            job = self.jobs.get(task)
+            return job is None or self._verdict(job, now) is not None
+
+    def wait_local(self, task: int, until: float, clock) -> None:
+        """Block until ``task`` is finished for this worker or ``until`` passes
+        (the rank's thread notifies; outcomes are the caller's to feed)."""
+        with self._lock:
+            while True:
+                now = clock()
+                job = self.jobs.get(task)
+                if job is None or self._verdict(job, now) is not None or now >= until:
+                    return
+                self._lock.wait(max(0.0, min(until, job.deadline + self.grace) - now))

@@ -1,0 +1,260 @@
+"""vLLM's ``OffloadingManager`` on zkv: the scheduler's side of the offload
+backend (docs/engine-vllm.md).
+
+vLLM's scheduler keeps deciding what to store and load; this manager answers
+from its ``OffloadIndex`` and is a zkv client of the engine's bus: it runs the
+disk tier's spills and loads as zkv tasks, learns the bus's state and
+generations from ``status`` (at most every ``status_interval_s``), and so:
+
+- while the bus is not running (paused, cleared, ranks missing), lookups
+  miss and stores are skipped: vLLM serves by recompute, and no job of vLLM's
+  waits on a paused bus;
+- a CPU generation that moved (a clear without ``keep_cpu``) forgets every
+  key, and so does vLLM's ``reset_cache`` unless the bus went through a clear
+  that kept the CPU tier since the keys were stored (the caller said the
+  weights did not change): nothing computed under old weights is served;
+- a store or load that failed (``ZkvConnector`` hands the job's outcome over
+  before vLLM completes it) is not indexed, or forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from ...broker.state import BusState
+from ...client.client import Client
+from ...wire.errors import ZkvError
+from ...wire.vocab import Op, Tier
+from .index import Found, OffloadIndex
+from .rows import ZkvRows
+from .settings import ZkvSettings
+
+log = logging.getLogger("zkv.vllm")
+
+_FOUND = {
+    Found.MISS: LookupResult.MISS,
+    Found.HIT: LookupResult.HIT,
+    Found.PENDING: LookupResult.HIT_PENDING,
+}
+_MEDIUM = {Tier.CPU: Medium.CPU, Tier.DISK: Medium.STORAGE}
+_SPILLS_PER_STEP = 64
+
+
+class BusView:
+    """What the manager knows of its bus, refreshed by ``status`` when older
+    than ``interval`` seconds.  ``serving``: running with every rank alive."""
+
+    def __init__(self, client: Client, world: int, interval: float):
+        self.client = client
+        self.world = world
+        self.interval = interval
+        self.checked = -float("inf")
+        self.serving = False
+        self.gen: int | None = None
+        self.cpu_gen: int | None = None
+
+    def refresh(self, now: float, force: bool = False) -> bool:
+        """True when the generations moved since the last look."""
+        if not force and now - self.checked < self.interval:
+            return False
+        self.checked = now
+        try:
+            st = self.client.status(timeout=1.0)
+        except ZkvError as err:
+            if self.serving:
+                log.warning("zkv bus not answering (%s): offload off until it does", err)
+            self.serving = False
+            return False
+        alive = sum(1 for r in st.get("ranks", []) if r.get("alive"))
+        self.serving = st.get("state") == BusState.RUNNING and alive >= self.world
+        moved = (st.get("gen"), st.get("cpu_gen")) != (self.gen, self.cpu_gen)
+        self.gen, self.cpu_gen = st.get("gen"), st.get("cpu_gen")
+        return moved
+
+
+class ZkvOffloadManager(OffloadingManager):
+    """The scheduler-side book of zkv's CPU and disk tiers for one engine."""
+
+    def __init__(self, settings: ZkvSettings, world: int, emit_events: bool = True):
+        self.settings = settings
+        disk_rows = settings.disk_blocks if settings.disk_dir else 0
+        self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below)
+        self.client = Client(settings.endpoints.frontend, request_timeout=2.0)
+        self.bus = BusView(self.client, world, settings.status_interval_s)
+        self.emit_events = emit_events
+        self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
+        self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at
+        self._tasks: dict[int, tuple[Op, bytes, int]] = {}  # our spills and loads: task -> (op, key, row)
+        self._failed_stores: set[OffloadKey] = set()
+        self._failed_loads: set[OffloadKey] = set()
+        self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
+        self._lock = threading.Lock()  # vLLM calls us from its scheduler thread; stats from any
+        self.counts = {"hits": 0, "misses_not_serving": 0, "stores_skipped": 0, "store_failed": 0, "load_failed": 0}
+        self.counts |= {"spills": 0, "spill_failed": 0, "disk_loads": 0, "disk_load_failed": 0, "resets": 0}
+        self.counts |= {"resets_kept": 0}
+
+    # --- the bus ---------------------------------------------------------------
+
+    def _serving(self) -> bool:
+        if self.bus.refresh(time.monotonic()) and self._stored_at[1] is not None:
+            if self.bus.cpu_gen != self._stored_at[1]:
+                self._forget("the bus's CPU generation moved (a clear without keep_cpu)")
+        return self.bus.serving
+
+    def _pump(self) -> None:
+        """Take the outcomes of our spills and loads; start the spills due."""
+        for out in self.client.poll(0.0):
+            op, key, row = self._tasks.pop(out.task, (None, b"", -1))
+            if op is Op.SPILL:
+                self.counts["spills" if out.ok else "spill_failed"] += 1
+                self.index.spill_done(key, row, out.ok)
+            elif op is Op.LOAD:
+                self.counts["disk_loads" if out.ok else "disk_load_failed"] += 1
+                if not out.ok:
+                    log.info("zkv: load of a disk row failed (%s): recomputed", out.reason)
+                self.index.load_done(key, row, out.ok)
+        if self.bus.serving:
+            for key, cpu_row, disk_row in self.index.plan_spills(_SPILLS_PER_STEP):
+                self._submit(Op.SPILL, [cpu_row], [disk_row], key, disk_row)
+
+    def _submit(self, op: Op, src: list[int], dst: list[int], key: bytes, row: int) -> None:
+        try:
+            task = self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
+        except ZkvError as err:
+            log.warning("zkv: %s not submitted: %s", op, err)
+            (self.index.spill_done if op is Op.SPILL else self.index.load_done)(key, row, False)
+            return
+        self._tasks[task] = (op, key, row)
+
+    def _forget(self, why: str) -> None:
+        gone = self.index.reset()
+        self._stored_at = (None, None)
+        if gone:
+            log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
+
+    # --- OffloadingManager -------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._serving():
+            self.counts["misses_not_serving"] += 1
+            return LookupResult.MISS
+        self._pump()
+        found = self.index.lookup(key)
+        if found is Found.ON_DISK:
+            where = self.index.start_load(key)
+            if where is None:
+                return LookupResult.MISS
+            disk_row, cpu_row = where
+            self._submit(Op.LOAD, [disk_row], [cpu_row], key, cpu_row)
+            return LookupResult.RETRY
+        if found is Found.HIT:
+            self.counts["hits"] += 1
+        return _FOUND[found]
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ZkvRows:
+        return ZkvRows(self.index.prepare_load(list(keys)))
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.index.touch(list(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
+        failed = bool(self._failed_loads.intersection(keys))
+        self._failed_loads.difference_update(keys)
+        if failed:
+            self.counts["load_failed"] += 1
+        self.index.complete_load(keys, ok=not failed)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if not self._serving():
+            self.counts["stores_skipped"] += 1
+            return None
+        planned = self.index.prepare_store(list(keys))
+        if planned is None:
+            self.counts["stores_skipped"] += 1
+            return None
+        if self._stored_at[1] is None:
+            self._stored_at = (self.bus.gen, self.bus.cpu_gen)
+        new, rows, evicted = planned
+        return PrepareStoreOutput(keys_to_store=new, store_spec=ZkvRows(rows), evicted_keys=evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        keys = list(keys)
+        failed = not success or bool(self._failed_stores.intersection(keys))
+        self._failed_stores.difference_update(keys)
+        if failed:
+            self.counts["store_failed"] += 1
+        self.index.complete_store(keys, ok=not failed)
+
+    def job_failed(self, keys: Iterable[OffloadKey], is_store: bool) -> None:
+        """A worker reported this job's zkv task failed (``ZkvConnector``): called
+        before vLLM completes the job, so the completion sees it."""
+        (self._failed_stores if is_store else self._failed_loads).update(keys)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: Any) -> None:
+        if self._serving():
+            self._pump()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._tasks)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = self.index.take_events()
+        if self._events_file is not None and events:
+            stamp = {"gen": self.bus.gen, "cpu_gen": self.bus.cpu_gen, "t": round(time.time(), 3)}
+            for ev in events:
+                line = {**stamp, "tier": str(ev.tier), "removed": ev.removed, "keys": [k.hex() for k in ev.keys]}
+                self._events_file.write(json.dumps(line) + "\n")
+            self._events_file.flush()
+        if not self.emit_events:
+            return []
+        return [OffloadingEvent(keys=list(ev.keys), medium=_MEDIUM[ev.tier], removed=ev.removed) for ev in events]
+
+    def reset_cache(self) -> None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: keep the keys only
+        if the bus went through a clear that kept its CPU tier since they were
+        stored (the caller's word that the weights did not change)."""
+        self.counts["resets"] += 1
+        self.bus.refresh(time.monotonic(), force=True)
+        gen, cpu_gen = self._stored_at
+        kept = gen is not None and self.bus.gen != gen and self.bus.cpu_gen == cpu_gen
+        if kept:
+            self.counts["resets_kept"] += 1
+            self._stored_at = (self.bus.gen, cpu_gen)
+            log.info("zkv: reset kept %d offloaded blocks: the bus's clear kept its CPU tier", len(self.index.entries))
+            return
+        self._forget("vLLM reset the cache and the bus did not keep its CPU tier")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counts,
+            "cpu_used": self.index.used(Tier.CPU),
+            "disk_used": self.index.used(Tier.DISK),
+            "keys": len(self.index.entries),
+        }
+
+    def shutdown(self) -> None:
+        self.client.close()
+        if self._events_file is not None:
+            self._events_file.close()
+        if self.broker is not None:
+            self.broker.stop()

@@ -1,0 +1,152 @@
+"""vLLM's ``OffloadingWorker`` on zkv: each vLLM worker process hosts one zkv
+rank on that worker's own KV tensors, and vLLM's store and load jobs run as
+zkv tasks (docs/engine-vllm.md).
+
+The rank (a ``RankAgent`` on vLLM's canonical block tensors, one region each,
+vLLM's null block reserved) registers with the engine's bus whenever it
+comes up.  The worker of TP rank 0 submits each job as one task to every
+rank (``swap_out`` GPU blocks -> CPU rows for a store, ``swap_in`` for a
+load), under a task id every worker derives from vLLM's job id; each worker
+reports a job finished when its own rank's copy is over (``jobs.py``).  A job
+whose task did not end ``ok`` is reported failed: ``ZkvConnector`` turns a
+failed load into blocks vLLM recomputes and a failed store into a key never
+indexed, instead of vLLM's stock assert.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+
+from ...client.client import Client
+from ...rank.agent import RankAgent
+from ...rank.cache.regions import EngineCache, TensorEntry
+from ...wire.errors import ZkvError
+from ...wire.outcome import TaskOutcome
+from ...wire.vocab import Op
+from .jobs import Finished, Job, JobBook
+from .layouts import NULL_BLOCK
+from .rows import ZkvRows
+from .settings import ZkvSettings
+
+log = logging.getLogger("zkv.vllm")
+
+
+def canonical_entries(kv_caches: CanonicalKVCaches) -> list[TensorEntry]:
+    """vLLM's canonical ``(num_blocks, page_bytes)`` tensors as zkv regions, one
+    each, with vLLM's null block reserved (``layouts.py``)."""
+    return [TensorEntry(f"kv{i}", t.tensor, reserved_blocks=(NULL_BLOCK,)) for i, t in enumerate(kv_caches.tensors)]
+
+
+def _gpu_ids(spec: GPULoadStoreSpec) -> list[int]:
+    if spec.group_sizes is not None and len(spec.group_sizes) > 1:
+        raise ValueError("zkv offloads one KV cache group; this model has several (docs/engine-vllm.md, Limits)")
+    return [int(b) for b in spec.block_ids]
+
+
+class ZkvOffloadWorker(OffloadingWorker):
+    """One vLLM worker's zkv rank, and (rank 0) the client that runs the jobs."""
+
+    def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
+        self.settings = settings
+        self.rank, self.world = rank, world
+        entries = canonical_entries(kv_caches)
+        self.block_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
+        generations = itertools.count(2)
+        ep = settings.endpoints
+        self.book = JobBook(submitter=rank == 0)
+        self.agent = RankAgent(
+            rank,
+            world,
+            ep.backend,
+            ep.control,
+            entries,
+            settings.cpu_blocks,
+            disk_dir=settings.disk_dir,
+            disk_blocks=settings.disk_blocks,
+            tier_dir=settings.tier_dir,
+            # vLLM keeps its KV tensors where they are across a zkv clear: each
+            # resume serves the same tensors again, as a new generation.
+            source=lambda: EngineCache.from_tensors(entries, generation=next(generations)),
+            on_task_done=self.book.on_local,
+        )
+        self.agent.start(wait=False)  # the engine's broker may come up after its workers
+        self.client = Client(ep.frontend, request_timeout=2.0) if rank == 0 else None
+        self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute
+        self._failed_jobs: dict[int, bool] = {}  # job id -> is_store, of failed jobs not yet taken
+
+    # --- jobs --------------------------------------------------------------------------
+
+    def _submit(self, job_id: int, op: Op, src: list[int], dst: list[int], gpu_ids: list[int]) -> bool:
+        now = time.monotonic()
+        timeout = self.settings.task_timeout_s
+        task = JobBook.task_of(job_id)
+        job = Job(job_id, task, op is Op.SWAP_OUT, gpu_ids, len(gpu_ids) * self.block_bytes, now, now + timeout)
+        self.book.add(job)
+        if self.client is not None:
+            try:
+                self.client.submit(op, src, dst, timeout=timeout, task=task)
+            except ZkvError as err:  # the bus is unreachable: the job fails, vLLM recomputes
+                self.book.on_outcome(TaskOutcome(task, "failed", f"not submitted: {err}", never_ran=True))
+        return True
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        assert isinstance(dst_spec, ZkvRows)
+        gpu = _gpu_ids(src_spec)
+        return self._submit(job_id, Op.SWAP_OUT, gpu, dst_spec.rows, gpu)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        assert isinstance(src_spec, ZkvRows)
+        gpu = _gpu_ids(dst_spec)
+        return self._submit(job_id, Op.SWAP_IN, src_spec.rows, gpu, gpu)
+
+    def _pump(self, timeout: float = 0.0) -> None:
+        if self.client is not None:
+            for out in self.client.poll(timeout):
+                self.book.on_outcome(out)
+
+    def _result(self, done: Finished) -> TransferResult:
+        job = done.job
+        if not done.success:
+            self._failed_jobs[job.job_id] = job.is_store
+            if not job.is_store:
+                self._failed_loads.update(job.gpu_ids)
+            log.info("zkv: %s job %d failed (%s)", "store" if job.is_store else "load", job.job_id, done.reason)
+        # success=True even for a failure: ZkvConnector reports it itself (take_failures)
+        return TransferResult(job.job_id, True, job.nbytes, time.monotonic() - job.started)
+
+    def get_finished(self) -> list[TransferResult]:
+        self._pump()
+        return [self._result(done) for done in self.book.take_finished(time.monotonic())]
+
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until every job in ``job_ids`` is finished for this worker
+        (bounded by each task's deadline); they are still reported by get_finished."""
+        for job_id in job_ids:
+            task = JobBook.task_of(job_id)
+            job = self.book.jobs.get(task)
+            if job is None:
+                continue
+            until = job.deadline + self.book.grace
+            while not self.book.is_finished(task, time.monotonic()) and time.monotonic() < until:
+                if self.client is not None and job.outcome is None and self.client.open_tasks:
+                    self._pump(max(0.0, until - time.monotonic()))
+                else:
+                    self.book.wait_local(task, until, time.monotonic)
+
+    def take_failures(self) -> tuple[dict[int, bool], set[int]]:
+        """(failed job id -> is_store, GPU block ids of failed loads) since the last call."""
+        jobs, blocks = self._failed_jobs, self._failed_loads
+        self._failed_jobs, self._failed_loads = {}, set()
+        return jobs, blocks
+
+    def stats(self) -> dict:
+        return self.agent.stats()
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.agent.stop(timeout=10.0)
