@@ -51,18 +51,18 @@ class Engine:
     disk: Path
 
 
-def _engine(root: Path, name: str, weights: str) -> Engine:
+def _engine(root: Path, name: str, weights: str, **extra) -> Engine:
     bus, disk, events = root / f"{name}-bus", root / f"{name}-disk", root / f"{name}-events.jsonl"
-    transfer = zkv_transfer(
-        bus,
-        cpu_blocks=CPU_BLOCKS,
-        tier_dir=str(root),
-        disk_dir=str(disk),
-        disk_blocks=DISK_BLOCKS,
-        spill_below=CPU_BLOCKS,  # write through to disk: every block there before its CPU row goes
-        status_interval_s=0.0,  # see a pause at once (a test pauses and reads right after)
-        events_path=str(events),
-    )
+    settings = {
+        "cpu_blocks": CPU_BLOCKS,
+        "tier_dir": str(root),
+        "disk_dir": str(disk),
+        "disk_blocks": DISK_BLOCKS,
+        "spill_below": CPU_BLOCKS,  # write through to disk: every block there before its CPU row goes
+        "status_interval_s": 0.0,  # see a pause at once (a test pauses and reads right after)
+        "events_path": str(events),
+    }
+    transfer = zkv_transfer(bus, **{**settings, **extra})
     llm = start_engine(weights, transfer, GPU_BLOCKS, max_model_len=1024)
     probe = BusProbe(bus)
     probe.status(wait_ranks=1)
@@ -81,12 +81,17 @@ def engines(tmp_path_factory, weights):
     made: list[Engine] = []
     try:
         made.append(_engine(root, "a", weights[0]))
-        made.append(_engine(root, "b", weights[0]))
+        # B looks at its bus only when vLLM resets it, so a pause it does not see
+        # makes its jobs wait on a paused bus until their deadline: failed stores and loads.
+        made.append(_engine(root, "b", weights[0], status_interval_s=60.0, task_timeout_s=1.0))
         yield made
     finally:
         for e in made:
             stop_engine(e.llm)
         gc.collect()
+
+
+REFERENCE: dict[str, list[list[int]]] = {}  # the chat's tokens under weights w0, from engine A
 
 
 def reference(engine: Engine) -> list[list[int]]:
@@ -103,7 +108,7 @@ def reference(engine: Engine) -> list[list[int]]:
 
 def test_tokens_are_identical_with_loads_from_the_cpu_and_the_disk_tier(engines):
     a = engines[0]
-    want = reference(a)
+    want = REFERENCE["w0"] = reference(a)
     before = a.probe.blocks_by_op(BLOCK)
     a.llm.reset_prefix_cache(reset_connector=True)
     got = chat().run(a.llm)
@@ -136,6 +141,26 @@ def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
     assert chat().run(a.llm) == want
     after = a.probe.blocks_by_op(BLOCK)
     assert after["swap_out"] > before["swap_out"] and after["spill"] > before["spill"], "offload goes on"
+
+
+def test_failed_stores_and_loads_are_recomputed_and_serving_goes_on(engines):
+    b = engines[1]
+    want = REFERENCE.get("w0") or reference(engines[0])
+    assert chat().run(b.llm) == want  # B's tiers filled, its view of the bus fresh
+    counters = b.probe.counters()
+    with b.probe.client() as c:
+        c.pause(timeout=30)  # B's manager does not look: its jobs queue on the paused bus and time out
+        b.llm.reset_prefix_cache()
+        got = chat().run(b.llm)
+        c.resume(timeout=30)
+    assert got == want
+    timed_out = b.probe.counters().get("timeout", 0) - counters.get("timeout", 0)
+    assert timed_out >= 2, f"stores and loads failed by timeout: {timed_out}"
+    before = b.probe.blocks_by_op(BLOCK)
+    b.llm.reset_prefix_cache(reset_connector=True)
+    assert chat().run(b.llm) == want
+    after = b.probe.blocks_by_op(BLOCK)
+    assert after["swap_out"] > before["swap_out"] and after["swap_in"] > before["swap_in"], "offload goes on"
 
 
 def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_when_told(engines, weights):

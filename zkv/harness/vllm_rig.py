@@ -118,8 +118,11 @@ def greedy(llm: Any, prompt: Sequence[int], max_tokens: int = 16) -> tuple[list[
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
-    out = llm.generate([{"prompt_token_ids": list(prompt)}], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": list(prompt)}],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     return list(out[0].outputs[0].token_ids), time.perf_counter() - t0
 
 

@@ -51,6 +51,10 @@ class JobBook:
     submitter: bool
     grace: float = 1.0
     jobs: dict[int, Job] = field(default_factory=dict)  # by zkv task id
+    # Runs this rank finished before this worker heard of the job (the worker
+    # of rank 0 may submit before the others were handed the same job).
+    early: dict[int, str] = field(default_factory=dict)
+    early_limit: int = 4096
     _lock: threading.Condition = field(default_factory=threading.Condition)
 
     @staticmethod
@@ -60,15 +64,20 @@ class JobBook:
 
     def add(self, job: Job) -> None:
         with self._lock:
+            job.local = self.early.pop(job.task, job.local)
             self.jobs[job.task] = job
 
     def on_local(self, task: int, outcome: str) -> None:
         """This rank ran ``task`` (the rank's thread)."""
         with self._lock:
             job = self.jobs.get(task)
-            if job is not None:
-                job.local = outcome
-                self._lock.notify_all()
+            if job is None:
+                self.early[task] = outcome
+                while len(self.early) > self.early_limit:
+                    del self.early[next(iter(self.early))]  # the oldest: a job no worker will add
+                return
+            job.local = outcome
+            self._lock.notify_all()
 
     def on_outcome(self, out: TaskOutcome) -> None:
         with self._lock:

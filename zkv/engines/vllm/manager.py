@@ -100,7 +100,9 @@ class ZkvOffloadManager(OffloadingManager):
         self.emit_events = emit_events
         self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
         self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at
-        self._tasks: dict[int, tuple[Op, list[tuple[bytes, int]]]] = {}  # our spills / loads: task -> (op, [(key, row)])
+        self._tasks: dict[
+            int, tuple[Op, list[tuple[bytes, int]]]
+        ] = {}  # our spills / loads: task -> (op, [(key, row)])
         self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
@@ -142,7 +144,9 @@ class ZkvOffloadManager(OffloadingManager):
         if self.bus.serving:
             spills = self.index.plan_spills(_SPILLS_PER_STEP)
             if spills:
-                self._submit(Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills], [(k, d) for k, _, d in spills])
+                self._submit(
+                    Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills], [(k, d) for k, _, d in spills]
+                )
 
     def _submit(self, op: Op, src: list[int], dst: list[int], rows: list[tuple[bytes, int]]) -> None:
         try:
