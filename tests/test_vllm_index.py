@@ -188,7 +188,7 @@ class IndexMachine(RuleBasedStateMachine):
         for key, cpu_row, disk_row in self.spills:
             assert disk_row not in self.index.free[Tier.DISK]
             assert cpu_row not in self.index.free[Tier.CPU], f"a spill of {key!r} still reads CPU row {cpu_row}"
-        for ks, rows in self.loads:
+        for _ks, rows in self.loads:
             for row in rows:
                 assert row not in self.index.free[Tier.CPU]
 
