@@ -86,7 +86,7 @@ def test_block_runs(block):
         (["submit", "swap-sideways", "--src", "0"], "swap-sideways"),
         (["resume", "--gpu-blocks"], "requires an argument"),
         (["trace", "check"], "missing argument"),
-        (["up", "--engine", "vllm", "--demo"], "vllm"),
+        (["up", "--engine", "sglang", "--demo"], "sglang"),
         (["status", "extra"], "unexpected extra"),
     ],
 )

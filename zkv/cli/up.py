@@ -131,7 +131,16 @@ DEMO_DISK_BLOCKS = 2048  # the demo's chat outgrows GPU + CPU; its disk peak sta
 
 def _check_engine(engine: str, demo: bool) -> None:
     if not demo:
-        fail("--engine transformers runs only with --demo", "zkv up --demo --engine transformers")
+        fail(f"--engine {engine} runs only with --demo", f"zkv up --demo --engine {engine}")
+    if engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            fail(
+                "--engine vllm needs vLLM (Python 3.11+; its own environment, docs/engine-vllm.md)",
+                "bash tests/vllm_setup.sh && .venv-vllm/bin/zkv up --demo --engine vllm",
+            )
+        return
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -228,13 +237,14 @@ def _claim_runtime_dir(
 )
 @click.option(
     "--engine",
-    type=click.Choice(["zkv", "transformers"]),
+    type=click.Choice(["zkv", "transformers", "vllm"]),
     default="zkv",
     show_default=True,
     envvar="ZKV_UP_ENGINE",
     show_envvar=True,
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
-    "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process.",
+    "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process; 'vllm' a chat "
+    "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md).",
 )
 @tier_options
 @disk_options
@@ -253,6 +263,11 @@ def up(
     **kw: Any,
 ) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    if engine == "vllm":
+        _check_engine(engine, demo)
+        from ..harness.vllm_demo import run_vllm_demo
+
+        sys.exit(0 if run_vllm_demo(echo=click.echo) else 1)
     if engine == "transformers":
         _check_engine(engine, demo)
         from ..harness.engine_demo import run_engine_demo

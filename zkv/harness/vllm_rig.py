@@ -143,7 +143,9 @@ class Chat:
     reply_tokens: int = 16
     vocab: int = 512
     seed: int = 1
+    probe_ttft: bool = False  # time each returning turn's first token first (a 1-token request)
     history: list[list[int]] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
@@ -162,6 +164,8 @@ class Chat:
             for c in range(self.conversations):
                 if turn:
                     self.history[c] += self._words(self.turn_tokens)
+                    if self.probe_ttft:
+                        self.ttft.append(ttft(llm, self.history[c]))
                 out, _ = greedy(llm, self.history[c], self.reply_tokens)
                 outputs.append(out)
                 self.history[c] += out

@@ -60,10 +60,19 @@ class EmbeddedBroker:
     def __init__(self, settings: ZkvSettings, world: int, engine_id: str):
         state = Path(settings.bus_dir) / f"state-{engine_id[:12]}.json"  # a new engine starts running
         self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state)
+        self.metrics = None
+        if settings.metrics_port is not None:
+            from ...obs.prometheus import make_registry, start_metrics_server
+
+            self.metrics = start_metrics_server(settings.metrics_port, make_registry(self.broker.core), "127.0.0.1")
+            log.warning("zkv: bus %s metrics at %s", settings.bus_dir, self.metrics.url)
         self.thread = threading.Thread(target=self.broker.serve, name="zkv-vllm-broker", daemon=True)
         self.thread.start()
+        log.warning("zkv: bus of this engine at ipc://%s/frontend.sock", settings.bus_dir)
 
     def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self.broker.stop()
         self.thread.join(timeout=10)
 

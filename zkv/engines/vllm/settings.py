@@ -45,7 +45,11 @@ class ZkvSettings:
     operator runs there).  ``cpu_blocks`` rows of zkv's CPU tier per worker,
     in a file under ``tier_dir`` (None: process memory); ``disk_dir`` /
     ``disk_blocks``: the disk tier below it.  ``task_timeout_s``: how long a
-    store or load may take before vLLM recomputes instead."""
+    store or load may take before vLLM recomputes instead.  ``metrics_port``:
+    the embedded broker's Prometheus ``/metrics`` on loopback (0: a free
+    port, named in the engine's log).  ``events_path``: a JSON line per
+    residency change (keys stored or removed per tier, with the bus's
+    generations), for a KV-aware router."""
 
     bus_dir: str
     broker: str = "embedded"
@@ -57,6 +61,7 @@ class ZkvSettings:
     task_timeout_s: float = 5.0
     status_interval_s: float = 0.05
     events_path: str | None = None
+    metrics_port: int | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], engine_id: str) -> "ZkvSettings":
@@ -83,6 +88,7 @@ class ZkvSettings:
             task_timeout_s=_seconds(extra, "task_timeout_s", 5.0, 0.01, 3600.0),
             status_interval_s=_seconds(extra, "status_interval_s", 0.05, 0.0, 60.0),
             events_path=_path(extra, "events_path"),
+            metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
         )
 
     @property

@@ -1,0 +1,123 @@
+"""``zkv bench vllm``: the time to first token of a returning conversation
+on a real vLLM engine, with zkv as its offload backend, beside recompute (no
+connector) and beside the floor of any offload backend here (vLLM's own
+offloading connector on an in-process torch copy, ``vllm_floor.py``), each on
+an engine of its own, in the same run (docs/benchmarks.md).
+
+The workload: ``conversations`` contexts of ``context`` tokens on a model
+large enough that prefill costs; the engine's KV cache holds about one of
+them, so a returning conversation's blocks are gone from vLLM's cache and
+come back from the offload tier (or are recomputed).  Each returning turn
+adds ``turn`` tokens; its first token is timed with a 1-token request, and
+every engine's greedy tokens are compared at the end.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from .vllm_rig import (
+    BLOCK_TOKENS,
+    ModelShape,
+    floor_transfer,
+    greedy,
+    start_engine,
+    stop_engine,
+    ttft,
+    write_llama,
+    zkv_transfer,
+)
+
+
+def _workload(shape: ModelShape, conversations: int, context: int, seed: int = 3) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, shape.vocab) for _ in range(context)] for _ in range(conversations)]
+
+
+def _run(llm: Any, contexts: list[list[int]], turn: int, rounds: int) -> tuple[list[float], list[list[int]]]:
+    """TTFT of every returning turn, and each conversation's last greedy reply."""
+    import random
+
+    rng = random.Random(7)
+    history = [list(c) for c in contexts]
+    for h in history:  # first visit: prefill, and the offload backend stores it
+        greedy(llm, h, 2)
+    times = []
+    for _ in range(rounds):
+        for h in history:
+            h += [rng.randrange(1, 500) for _ in range(turn)]
+            times.append(ttft(llm, h))
+            h += greedy(llm, h, 2)[0]
+    return times, [greedy(llm, h, 8)[0] for h in history]
+
+
+def bench_vllm(quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+    shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
+    context = 1024 if quick else 3072
+    conversations, rounds, turn = 3, 2 if quick else 4, 64
+    per_conv = -(-(context + rounds * (turn + 2) + 16) // BLOCK_TOKENS)
+    gpu_blocks = per_conv + 8  # about one conversation: the others are evicted between visits
+    cpu_blocks = conversations * per_conv + 16
+    max_len = per_conv * BLOCK_TOKENS
+    contexts = _workload(shape, conversations, context)
+    result: dict[str, Any] = {
+        "model": {"layers": shape.layers, "hidden": shape.hidden, "kv_heads": shape.kv_heads},
+        "context_tokens": context,
+        "conversations": conversations,
+        "gpu_blocks": gpu_blocks,
+        "block_bytes": shape.block_bytes(),
+    }
+    with tempfile.TemporaryDirectory(prefix="zkv-bench-vllm-") as tmp:
+        model = write_llama(Path(tmp) / "model", shape, seed=0)
+        variants = {
+            "recompute": None,
+            "zkv": zkv_transfer(Path(tmp) / "bus", cpu_blocks=cpu_blocks, tier_dir=tmp),
+            "torch_copy_floor": floor_transfer(cpu_blocks),
+        }
+        tokens = {}
+        for name, transfer in variants.items():
+            say(f"vllm bench: {name} ...")
+            llm = start_engine(model, transfer, gpu_blocks, max_len)
+            try:
+                if name == "zkv":
+                    from .vllm_rig import BusProbe
+
+                    BusProbe(Path(tmp) / "bus").status(wait_ranks=1)
+                times, tokens[name] = _run(llm, contexts, turn, rounds)
+            finally:
+                stop_engine(llm)
+                del llm
+                gc.collect()
+            result[name] = {
+                "ttft_ms_p50": statistics.median(times) * 1000,
+                "ttft_ms": [round(t * 1000, 1) for t in times],
+            }
+    z, r, f = (result[k]["ttft_ms_p50"] for k in ("zkv", "recompute", "torch_copy_floor"))
+    result["zkv_vs_recompute"] = z / r
+    result["zkv_vs_floor"] = z / f
+    result["tokens_identical"] = tokens["zkv"] == tokens["recompute"] == tokens["torch_copy_floor"]
+    return result
+
+
+def summary(res: dict[str, Any]) -> str:
+    m = res["model"]
+    return "\n".join(
+        [
+            f"vLLM, returning conversation of {res['context_tokens']} tokens ({m['layers']} layers, hidden"
+            f" {m['hidden']}; {res['conversations']} conversations, KV cache of {res['gpu_blocks']} blocks):",
+            f"  time to first token p50: zkv {res['zkv']['ttft_ms_p50']:.0f} ms"
+            f" | recompute {res['recompute']['ttft_ms_p50']:.0f} ms"
+            f" | in-process torch copy {res['torch_copy_floor']['ttft_ms_p50']:.0f} ms",
+            f"  zkv vs recompute {res['zkv_vs_recompute']:.2f}x"
+            f" ({'ok' if res['zkv_vs_recompute'] <= 0.5 else 'MISSED'}: target <= 0.5x);"
+            f" zkv vs the copy floor {res['zkv_vs_floor']:.2f}x"
+            f" ({'ok' if res['zkv_vs_floor'] <= 1.2 else 'MISSED'}: target <= 1.2x)",
+            f"  greedy tokens identical across the three engines: {res['tokens_identical']}",
+        ]
+    )
