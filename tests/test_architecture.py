@@ -73,8 +73,11 @@ TORCH_LAYERS = {"rank", "engines"}
 #: Modules outside them that may: the copy benchmarks time plain torch copies
 #: as the baseline for the rank's copy engine; the GPU check and its rig drive
 #: it on real tensors; the stand-in engine process owns tensors of its own; the random
-#: test models are torch modules.
+#: test models are torch modules, and so is the random Llama a vLLM engine serves; the
+#: vLLM benchmark's floor copies with plain torch.
 TORCH_EXCEPTIONS = {
+    "zkv.harness.vllm_rig",
+    "zkv.harness.vllm_floor",
     "zkv.harness.bench",
     "zkv.harness.bench_copy",
     "zkv.harness.gpu_check",
