@@ -38,9 +38,10 @@ ALLOWED: dict[str, set[str]] = {
         "client",
         "fleet",
         "prefix",
+        "trace",
         "engines",
-    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine; broker: the bus a
-    # vLLM scheduler process hosts; fleet: the RL cycle over many vLLM engines
+    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine; broker and trace: the
+    # bus a vLLM scheduler process hosts, and its records; fleet: the RL cycle over many vLLM engines
     "prefix": {"wire", "prefix"},  # it reaches the bus only through prefix.bus.Bus
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "client", "trace", "replay", "harness"},

@@ -61,6 +61,7 @@ def _engine(root: Path, name: str, weights: str, **extra) -> Engine:
         "spill_below": CPU_BLOCKS,  # write through to disk: every block there before its CPU row goes
         "status_interval_s": 0.0,  # see a pause at once (a test pauses and reads right after)
         "events_path": str(events),
+        "trace_path": str(root / f"{name}-trace.jsonl"),
     }
     transfer = zkv_transfer(bus, **{**settings, **extra})
     llm = start_engine(weights, transfer, GPU_BLOCKS, max_model_len=1024)
@@ -118,6 +119,8 @@ def test_tokens_are_identical_with_loads_from_the_cpu_and_the_disk_tier(engines)
     assert moved.get("spill", 0) > 0, moved  # zkv spilled them to its disk tier
     assert moved.get("swap_in", 0) > 0, moved  # returning conversations loaded them into vLLM
     assert moved.get("load", 0) > 0, moved  # some from the disk tier
+    submits = [r for r in read_events(a.events.with_name("a-trace.jsonl")) if r.get("ev") == "submit"]
+    assert {"swap_out", "swap_in", "spill", "load"} <= {r["op"] for r in submits}, "every job is a recorded task"
     stored = [e for e in read_events(a.events) if not e["removed"]]
     assert {e["tier"] for e in stored} == {"cpu", "disk"}, "residency events for both tiers"
     assert all(isinstance(e["cpu_gen"], int) for e in stored)

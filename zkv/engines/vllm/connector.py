@@ -59,7 +59,12 @@ class EmbeddedBroker:
 
     def __init__(self, settings: ZkvSettings, world: int, engine_id: str):
         state = Path(settings.bus_dir) / f"state-{engine_id[:12]}.json"  # a new engine starts running
-        self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state)
+        self.recorder = None
+        if settings.trace_path is not None:
+            from ...trace import TraceRecorder
+
+            self.recorder = TraceRecorder(settings.trace_path, world=world)
+        self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state, recorder=self.recorder)
         self.metrics = None
         if settings.metrics_port is not None:
             from ...obs.prometheus import make_registry, start_metrics_server
@@ -75,6 +80,8 @@ class EmbeddedBroker:
             self.metrics.close()
         self.broker.stop()
         self.thread.join(timeout=10)
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 class ZkvSpec(OffloadingSpec):

@@ -49,7 +49,9 @@ class ZkvSettings:
     the embedded broker's Prometheus ``/metrics`` on loopback (0: a free
     port, named in the engine's log).  ``events_path``: a JSON line per
     residency change (keys stored or removed per tier, with the bus's
-    generations), for a KV-aware router."""
+    generations), for a KV-aware router.  ``trace_path``: the embedded
+    broker records every task and control operation there (docs/traces.md),
+    as ``zkv broker --record``."""
 
     bus_dir: str
     broker: str = "embedded"
@@ -62,6 +64,7 @@ class ZkvSettings:
     status_interval_s: float = 0.05
     events_path: str | None = None
     metrics_port: int | None = None
+    trace_path: str | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], engine_id: str) -> "ZkvSettings":
@@ -89,6 +92,7 @@ class ZkvSettings:
             status_interval_s=_seconds(extra, "status_interval_s", 0.05, 0.0, 60.0),
             events_path=_path(extra, "events_path"),
             metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
+            trace_path=_path(extra, "trace_path"),
         )
 
     @property
