@@ -13,6 +13,8 @@ the RL cycle over a fleet of two buses."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +126,13 @@ def test_tokens_are_identical_with_loads_from_the_cpu_and_the_disk_tier(engines)
     stored = [e for e in read_events(a.events) if not e["removed"]]
     assert {e["tier"] for e in stored} == {"cpu", "disk"}, "residency events for both tiers"
     assert all(isinstance(e["cpu_gen"], int) for e in stored)
+    shown = subprocess.run(
+        [sys.executable, "-m", "zkv", "status", "--broker", a.probe.frontend],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert f"rank 0 cpu: {CPU_BLOCKS}/{CPU_BLOCKS} blocks" in shown.stdout, shown.stdout
+    assert "rank 0 disk:" in shown.stdout, shown.stdout
 
 
 def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
