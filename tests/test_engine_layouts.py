@@ -48,59 +48,71 @@ class Engine:
         return [[raw(t) for t in self.block(b)] for b in ids]
 
 
-def zkv_engine():
-    store = torch.zeros((2 * L, NB, H, BS, D), dtype=torch.bfloat16)  # zkv/kvcache.py's gpu_store
+def zkv_engine(nb: int = NB):
+    store = torch.zeros((2 * L, nb, H, BS, D), dtype=torch.bfloat16)  # zkv/kvcache.py's gpu_store
     per_layer = list(store.unbind(0))
     ks, vs = per_layer[0::2], per_layer[1::2]
     return Engine([store], layouts.zkv_native(ks, vs), lambda b: [t[b] for t in per_layer])
 
 
-def fastdeploy_engine():
-    ks = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
-    vs = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
-    scales = [torch.zeros((NB, H, BS), dtype=torch.float32) for _ in range(L)]
+def fastdeploy_engine(nb: int = NB):
+    ks = [torch.zeros((nb, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    vs = [torch.zeros((nb, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    scales = [torch.zeros((nb, H, BS), dtype=torch.float32) for _ in range(L)]
     tensors = ks + vs + scales
     return Engine(tensors, fastdeploy.regions(ks, vs, key_scales=scales), lambda b: [t[b] for t in tensors])
 
 
-def vllm_flash_engine():
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, NB, BS, H, D), dtype=torch.float16) for i in range(L)}
+def vllm_flash_engine(nb: int = NB):
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, nb, BS, H, D), dtype=torch.float16) for i in range(L)}
     return Engine(list(kv.values()), vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
-def vllm_flash_hnd_engine():
+def vllm_flash_hnd_engine(nb: int = NB):
     """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
-    kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
+    kv = {f"layer.{i}": torch.zeros((2, nb, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
     storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
     return Engine(storage, vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
-def vllm_mla_engine():
-    kv = {f"layer.{i}": torch.zeros((NB, BS, 576), dtype=torch.bfloat16) for i in range(L)}
+def vllm_mla_engine(nb: int = NB):
+    kv = {f"layer.{i}": torch.zeros((nb, BS, 576), dtype=torch.bfloat16) for i in range(L)}
     return Engine(list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()])
 
 
-def vllm_cross_layer_engine():
-    t = torch.zeros((NB, L, 2, BS, H, D), dtype=torch.bfloat16)
+def vllm_cross_layer_engine(nb: int = NB):
+    t = torch.zeros((nb, L, 2, BS, H, D), dtype=torch.bfloat16)
     return Engine([t], layouts.per_layer({"kv_cache": t}), lambda b: [t[b]])
 
 
-def flashinfer_engine():
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
+def vllm_canonical_engine(nb: int = NB):
+    """What vLLM's offloading spec hands ``get_worker``: per layer, FlashAttention's storage viewed
+    as int8 ``(2, blocks, page / 2)`` and unbound into a K and a V tensor (offloading/worker.py)."""
+    kv = [torch.zeros((2, nb, BS, H, D), dtype=torch.bfloat16) for _ in range(L)]
+    canonical = []
+    for t in kv:
+        flat = torch.empty(0, dtype=torch.int8).set_(t.untyped_storage())
+        canonical += list(flat.view(2, nb, -1).unbind(0))
+    entries = vllm.canonical_pages(canonical, null_block=None)
+    return Engine(kv, entries, lambda b: [t[:, b] for t in kv])
+
+
+def flashinfer_engine(nb: int = NB):
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((nb, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
     return Engine(list(kv.values()), vllm.flashinfer(kv, null_block=None), lambda b: [t[b] for t in kv.values()])
 
 
-def transformers_engine():
+def transformers_engine(nb: int = NB):
     dtype = torch.bfloat16
     page = L * 2 * BS * H * D * 2
-    cache_tensor = torch.zeros(NB * page, dtype=torch.uint8)
-    typed = cache_tensor.view(dtype).view(NB, L, 2, BS, H, D)
+    cache_tensor = torch.zeros(nb * page, dtype=torch.uint8)
+    typed = cache_tensor.view(dtype).view(nb, L, 2, BS, H, D)
     return Engine([cache_tensor], transformers_layout.regions(cache_tensor, L, BS, H, D, dtype), lambda b: [typed[b]])
 
 
-def sglang_engine():
+def sglang_engine(nb: int = NB):
     page_size = BS
-    slots = NB * page_size
+    slots = nb * page_size
     ks = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     vs = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     tensors = ks + vs
@@ -114,6 +126,7 @@ ENGINES = {
     "fastdeploy": fastdeploy_engine,
     "vllm_flash": vllm_flash_engine,
     "vllm_flash_hnd": vllm_flash_hnd_engine,
+    "vllm_canonical": vllm_canonical_engine,
     "vllm_mla": vllm_mla_engine,
     "vllm_cross_layer": vllm_cross_layer_engine,
     "flashinfer": flashinfer_engine,
@@ -257,3 +270,33 @@ def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is
     with pytest.raises(CacheError, match="'k' and 'kv' overlap"):
         straddling = t.view(NB, -1)[:, half // 2 : half + half // 2]  # the second half of K and the first of V
         EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("kv", straddling)])
+
+
+def test_vllm_canonical_pages_are_one_region_per_tensor_and_halves_share_a_buffer():
+    descriptor = EngineCache.from_tensors(vllm_canonical_engine().entries).descriptor
+    half = BS * H * D * 2
+    assert len(descriptor.regions) == 2 * L and len(descriptor.buffers) == L
+    assert [r.name for r in descriptor.regions][:2] == ["canonical[0]", "canonical[1]"]
+    assert [(r.buffer, r.offset, r.row_stride, r.page_bytes) for r in descriptor.regions[:2]] == [
+        (0, 0, half, half),
+        (0, NB * half, half, half),
+    ]
+    assert descriptor.reserved == ()
+    pages = [torch.zeros((NB, 64), dtype=torch.int8)]
+    assert EngineCache.from_tensors(vllm.canonical_pages(pages)).descriptor.reserved == (vllm.NULL_BLOCK,)
+
+
+def test_vllm_canonical_pages_take_the_spec_objects_and_check_them():
+    class CanonicalKVCacheTensor:  # vllm/v1/kv_offload/spec.py's shape: a tensor and its page bytes
+        def __init__(self, tensor, page_size_bytes):
+            self.tensor, self.page_size_bytes = tensor, page_size_bytes
+
+    t = torch.zeros((NB, 128), dtype=torch.int8)
+    entries = vllm.canonical_pages([CanonicalKVCacheTensor(t, 128)], names=["layer.0"], null_block=None)
+    assert [(e.name, e.tensor is t) for e in entries] == [("layer.0", True)]
+    with pytest.raises(CacheError, match="page_size_bytes 64"):
+        vllm.canonical_pages([CanonicalKVCacheTensor(t, 64)])
+    with pytest.raises(CacheError, match=r"expected \(num_blocks, page_bytes\)"):
+        vllm.canonical_pages([t.view(NB, 2, 64)])
+    with pytest.raises(CacheError, match="2 names for 1"):
+        vllm.canonical_pages([t], names=["a", "b"])
