@@ -8,6 +8,7 @@ views), so a wrong region offset or stride cannot hide."""
 
 from __future__ import annotations
 
+import random
 from typing import Callable
 
 import pytest
@@ -300,3 +301,75 @@ def test_vllm_canonical_pages_take_the_spec_objects_and_check_them():
         vllm.canonical_pages([t.view(NB, 2, 64)])
     with pytest.raises(CacheError, match="2 names for 1"):
         vllm.canonical_pages([t], names=["a", "b"])
+
+
+def _patterns(nb: int, rows: int, seed: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Block ids and tier rows: every shape the CPU copy plan cuts a swap into."""
+    rng = random.Random(seed)
+    n = 40
+    blocks = rng.sample(range(nb), n)
+    run = list(range(7, 7 + n))
+    rng.shuffle(run)
+    mixed_rows = list(range(50, 62)) + list(range(70, 82)) + rng.sample(range(90, rows), n - 24)
+    mixed_blocks = list(range(3, 15)) + rng.sample(range(20, nb), n - 12)
+    return {
+        "scattered blocks into a run of rows": (blocks, run),
+        "scattered on both sides": (blocks, rng.sample(range(rows), n)),
+        "runs, scattered runs and loose pairs": (mixed_blocks, mixed_rows),
+        "a few loose pairs beside a run": (blocks[:12], list(range(30, 39)) + [2, 90, 5]),
+    }
+
+
+@pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
+@pytest.mark.parametrize("pattern", list(_patterns(96, 160, 0)))
+def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern):
+    nb, rows = 96, 160
+    engine = make(nb)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=rows)
+    copier = CopyEngine(cache, tier)
+    copier.cpu.stage_rows = 5  # several staging chunks
+    blocks, tier_rows = _patterns(nb, rows, seed=len(pattern))[pattern]
+    scribble(engine.tensors, seed=4)
+    want = torch.zeros_like(tier.store)  # the same swap, a page at a time through the views
+    for b, r in zip(blocks, tier_rows):
+        for view, (start, page) in zip(cache.views, _spans(cache)):
+            want[r, start : start + page] = view[b]
+    copier.swap_out(blocks, tier_rows)
+    assert torch.equal(tier.store, want), "swap_out moved other bytes than a page-by-page copy"
+    before = engine.snapshot(blocks)
+    scribble(engine.tensors, seed=5)
+    dst = random.Random(1).sample(range(nb), len(blocks))
+    untouched = [b for b in range(nb) if b not in dst]
+    others = engine.snapshot(untouched)
+    copier.swap_in(tier_rows, dst)
+    for want_b, got_b in zip(before, engine.snapshot(dst)):
+        assert all(torch.equal(w, g) for w, g in zip(want_b, got_b))
+    for want_b, got_b in zip(others, engine.snapshot(untouched)):
+        assert all(torch.equal(w, g) for w, g in zip(want_b, got_b)), "a swap-in wrote outside its blocks"
+
+
+def _spans(cache: EngineCache) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for r in cache.descriptor.regions:
+        out.append((start, r.page_bytes))
+        start += r.page_bytes
+    return out
+
+
+def test_repeated_rows_and_blocks_copy_like_a_page_at_a_time():
+    """swap_out may read one block into two rows, swap_in one row into two blocks."""
+    engine = vllm_flash_engine(32)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=32)
+    copier = CopyEngine(cache, tier)
+    scribble(engine.tensors, seed=6)
+    blocks = [5, 9, 5, 2, 9, 30, 1, 5, 17, 17]
+    copier.swap_out(blocks, list(range(10, 20)))
+    for b, r in zip(blocks, range(10, 20)):
+        assert all(torch.equal(v[b], c[r]) for v, c in zip(cache.views, tier.columns))
+    rows = [10, 11, 10, 12, 13, 13, 14, 15, 16, 10]
+    dst = list(range(20, 30))
+    copier.swap_in(rows, dst)
+    for r, b in zip(rows, dst):
+        assert all(torch.equal(v[b], c[r]) for v, c in zip(cache.views, tier.columns))

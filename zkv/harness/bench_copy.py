@@ -1,10 +1,16 @@
 """Attached-cache copy speed beside a plain ``copy_`` of the same bytes, in one run.
 
-Two engine layouts: per-layer K/V tensors (FastDeploy / zkv, one region per
-tensor) and block-major (transformers' continuous-batching flat cache, one
-region).  Ids are contiguous (one run per region) or scattered (a random
-sample of the engine's blocks into shuffled tier rows: no runs at all).
-The baseline copies one contiguous tensor of exactly the bytes moved.
+The engine layouts zkv attaches to, each with the same model (``layers`` x K/V
+pages): per-layer K and V tensors (FastDeploy, zkv's own shape: one region
+and one buffer each), vLLM FlashAttention ``(2, blocks, ...)`` per layer (K
+and V halves of one buffer), the canonical int8 ``(blocks, page_bytes)``
+tensors vLLM's offloading spec hands a worker (``vllm.canonical_pages``),
+SGLang token pools (a block is ``block_size`` slots) and block-major
+(transformers' continuous-batching flat cache, one region).  Ids are
+contiguous (one run per region), scattered (a random sample of the engine's
+blocks into a shuffled run of tier rows) or scattered both ways (tier rows
+sampled from twice as many too: no runs on either side).  The baseline
+copies one contiguous tensor of exactly the bytes moved.
 
 ``python -m zkv.harness.bench_copy`` prints the table; ``bench_copy()``
 returns it as a dict (the integrator's ``zkv bench copy`` can print it)."""
@@ -19,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..engines import sglang, vllm
 from ..rank.cache import layouts
 from ..rank.cache.copier import CopyEngine
 from ..rank.cache.regions import EngineCache
@@ -47,6 +54,10 @@ def _paired(base: list[float], ours: list[float]) -> float:
     return statistics.median(b / o for b, o in zip(base, ours))
 
 
+LAYOUTS = ("fastdeploy", "vllm_flash", "vllm_canonical", "sglang", "block_major")
+PATTERNS = ("contiguous", "scattered", "scattered_both")
+
+
 def _engine(
     layout: str,
     engine_blocks: int,
@@ -57,11 +68,26 @@ def _engine(
     dtype: torch.dtype,
     device: torch.device,
 ) -> EngineCache:
-    if layout == "per_layer":
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(shape, dtype=dtype, device=device)
+
+    if layout == "fastdeploy":
         shape = (engine_blocks, kv_heads, block_size, head_dim)
-        ks = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
-        vs = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
+        ks, vs = [ones(*shape) for _ in range(layers)], [ones(*shape) for _ in range(layers)]
         return EngineCache.from_tensors(layouts.zkv_native(ks, vs))
+    if layout in ("vllm_flash", "vllm_canonical"):
+        kv = {f"layer.{i}": ones(2, engine_blocks, block_size, kv_heads, head_dim) for i in range(layers)}
+        if layout == "vllm_flash":
+            return EngineCache.from_tensors(vllm.flash_attn(kv, null_block=None))
+        pages = [t.view(torch.int8).view(2, engine_blocks, -1).unbind(0) for t in kv.values()]
+        return EngineCache.from_tensors(vllm.canonical_pages([p for pair in pages for p in pair], null_block=None))
+    if layout == "sglang":
+        slots = engine_blocks * block_size
+        ks, vs = (
+            [ones(slots, kv_heads, head_dim) for _ in range(layers)],
+            [ones(slots, kv_heads, head_dim) for _ in range(layers)],
+        )
+        return EngineCache.from_tensors(sglang.mha(ks, vs, block_size))
     es = torch.empty(0, dtype=dtype).element_size()
     flat = torch.ones(
         engine_blocks * layers * 2 * block_size * kv_heads * head_dim * es, dtype=torch.uint8, device=device
@@ -80,6 +106,7 @@ def bench_copy(
     device: str | None = None,
     seed: int = 0,
     threads: int | None = 1,
+    layouts_run: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """GB/s of swap_out / swap_in per layout and id pattern, and of the baseline copy_.
 
@@ -89,7 +116,7 @@ def bench_copy(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed)
+        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed, layouts_run)
     finally:
         torch.set_num_threads(saved)
 
@@ -104,6 +131,7 @@ def _run(
     reps: int,
     device: str | None,
     seed: int,
+    layouts_run: tuple[str, ...],
 ) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(seed)
@@ -111,11 +139,12 @@ def _run(
     patterns = {
         "contiguous": (list(range(blocks)), list(range(blocks))),
         "scattered": (rng.sample(range(engine_blocks), blocks), rng.sample(range(blocks), blocks)),
+        "scattered_both": (rng.sample(range(engine_blocks), blocks), rng.sample(range(2 * blocks), blocks)),
     }
     result: dict[str, Any] = {"blocks": blocks, "device": str(dev), "threads": torch.get_num_threads(), "layouts": {}}
-    for layout in ("per_layer", "block_major"):
+    for layout in layouts_run or LAYOUTS:
         cache = _engine(layout, engine_blocks, layers, kv_heads, block_size, head_dim, dtype, dev)
-        tier = CpuTier.for_cache(cache.descriptor, rows=blocks)
+        tier = CpuTier.for_cache(cache.descriptor, rows=2 * blocks)
         copier = CopyEngine(cache, tier)
         nbytes = blocks * cache.descriptor.block_bytes
         src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
@@ -154,14 +183,14 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
         "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
-        f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10}"
+        f"{'layout':14} {'regions':>7} {'MiB':>5}  {'ids':14}"
         f" {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
     ]
     for layout, row in result["layouts"].items():
-        for name in ("contiguous", "scattered"):
+        for name in PATTERNS:
             c = row[name]
             lines.append(
-                f"{layout:12} {row['regions']:>7} {row['mib']:>5.0f}  {name:10} {c['copy_out_gbps']:>9.2f} "
+                f"{layout:14} {row['regions']:>7} {row['mib']:>5.0f}  {name:14} {c['copy_out_gbps']:>9.2f} "
                 f"{c['out_gbps']:>6.2f} ({c['out_vs_copy']:.2f}x) {c['copy_in_gbps']:>9.2f} "
                 f"{c['in_gbps']:>6.2f} ({c['in_vs_copy']:.2f}x)"
             )
@@ -169,4 +198,6 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    print(format_table(bench_copy()))
+    import sys
+
+    print(format_table(bench_copy(layouts_run=tuple(sys.argv[1:]))))
