@@ -41,8 +41,9 @@ from .staging import group_regions
 # A run of at least this many pages per group is one slice copy or one indexed copy; a shorter
 # one is a memmove per page, which costs ~0.3 us of Python instead of ~5 us for a torch call.
 SLICE_COPY_MIN_ROWS = 8
-# Tier runs shorter than this (rows scattered on both sides) go through staging (or memmove).
-MIN_RUN = 4
+# Tier runs shorter than this (rows scattered on both sides) go through staging (or a block at a
+# time): an indexed copy costs ~3 us per region, a memmove ~0.4 us per page, a group's strided copy ~3 us.
+MIN_RUN = 8
 # Staging for pairs scattered on both sides: a chunk is at most this many bytes (L3-resident).
 STAGE_BYTES = 4 << 20
 # Fewer loose pairs than this, or pages this large, are a memmove per page (no staging pass).
@@ -82,24 +83,25 @@ class Plan:
 
 
 def plan(tier_ids: Sequence[int], engine_ids: Sequence[int]) -> Plan:
-    """Cut the pairs into runs of consecutive tier rows (vectorized: ~20 us for 256 pairs)."""
+    """Cut the pairs into runs of consecutive tier rows (vectorized: Python works only per run
+    of at least MIN_RUN rows; ~20 us for 256 pairs)."""
     t = np.asarray(tier_ids, dtype=np.int64)
     e = np.asarray(engine_ids, dtype=np.int64)
     order = np.argsort(t, kind="stable")
     t, e = t[order], e[order]
     cuts = np.flatnonzero(np.diff(t) != 1) + 1
-    starts = np.concatenate(([0], cuts)).tolist()
-    ends = np.concatenate((cuts, [len(t)])).tolist()
+    starts = np.concatenate(([0], cuts))
+    lengths = np.diff(np.concatenate((starts, [len(t)])))
+    long = lengths >= MIN_RUN
     slices: Runs = []
     indexed: list[tuple[int, np.ndarray]] = []
-    loose = np.zeros(len(t), dtype=bool)
-    for a, b in zip(starts, ends):
-        if b - a < MIN_RUN:
-            loose[a:b] = True
-        elif e[b - 1] - e[a] == b - a - 1 and (b - a == 1 or bool((np.diff(e[a:b]) == 1).all())):
-            slices.append((int(t[a]), int(e[a]), b - a))
+    for a, n in zip(starts[long].tolist(), lengths[long].tolist()):
+        blocks = e[a : a + n]
+        if blocks[-1] - blocks[0] == n - 1 and bool((np.diff(blocks) == 1).all()):
+            slices.append((int(t[a]), int(blocks[0]), n))
         else:
-            indexed.append((int(t[a]), e[a:b]))
+            indexed.append((int(t[a]), blocks))
+    loose = np.repeat(~long, lengths)
     return Plan(slices, indexed, (t[loose], e[loose]))
 
 
@@ -194,10 +196,11 @@ class CpuCopier:
         self._stage = None
 
     def small_pages(self, groups: list[CpuGroup]) -> bool:
-        """Whether a ``memmove`` per page would cost more than a staging pass: pages under
-        ``STAGE_PAGE_BYTES`` on average (a memmove's ~0.4 us is ~5% of a 128 KiB page's copy)."""
-        regions = sum(g.count for g in groups)
-        return self.row_bytes < STAGE_PAGE_BYTES * regions
+        """Whether a block at a time (``copy_runs``: a strided copy per group of at least
+        SLICE_COPY_MIN_ROWS regions, else a ``memmove`` per page) would cost more than a staging
+        pass: under ``STAGE_PAGE_BYTES`` per call (a call's 0.4-3 us is ~5% of 128 KiB's copy)."""
+        calls = sum(1 if g.count >= SLICE_COPY_MIN_ROWS else g.count for g in groups)
+        return self.row_bytes < STAGE_PAGE_BYTES * calls
 
     def copy(self, tier_ids: Sequence[int], engine_ids: Sequence[int], out: bool) -> None:
         """Engine blocks -> tier rows (``out``) or tier rows -> engine blocks, pairwise."""
@@ -211,10 +214,11 @@ class CpuCopier:
             copy_runs(groups, [(e, t, n) if out else (t, e, n) for t, e, n in p.slices], out)
         for t0, blocks in p.indexed:
             self._indexed(groups, t0, blocks, out)
-        rows, blocks = p.loose
-        if len(rows) >= STAGE_MIN_PAIRS and self.small_pages(groups):
-            order = np.argsort(blocks, kind="stable")  # the engine read (or written) in address order
+        rows, blocks = p.loose  # sorted by tier row: swap-in reads in address order
+        if out:  # reads the engine in address order
+            order = np.argsort(blocks, kind="stable")
             rows, blocks = rows[order], blocks[order]
+        if len(rows) >= STAGE_MIN_PAIRS and self.small_pages(groups):
             for at in range(0, len(rows), self.stage_rows):
                 self._staged(groups, rows[at : at + self.stage_rows], blocks[at : at + self.stage_rows], out)
         elif len(rows):
