@@ -197,7 +197,34 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = ()) -> str:
+    """The table with the block-at-a-time CPU path (``cpu_copy.coalesce`` + ``copy_runs``: a
+    ``memmove`` per page per region, or one strided copy per group, what every swap did before
+    the copy plan) and with the plan, alternated in one process: each round beside its own baseline."""
+    from ..rank.cache import cpu_copy
+
+    planned = cpu_copy.CpuCopier.copy
+
+    def block_at_a_time(self: Any, tier_ids: Any, engine_ids: Any, out: bool) -> None:
+        runs = cpu_copy.coalesce(engine_ids, tier_ids) if out else cpu_copy.coalesce(tier_ids, engine_ids)
+        cpu_copy.copy_runs(self.groups(), runs, out)
+
+    tables = []
+    try:
+        for i in range(rounds):
+            for name, copy in (("before: a block at a time", block_at_a_time), ("after: the copy plan", planned)):
+                cpu_copy.CpuCopier.copy = copy  # type: ignore[method-assign]
+                tables.append(f"--- round {i + 1}, {name}\n" + format_table(bench_copy(layouts_run=layouts_run)))
+    finally:
+        cpu_copy.CpuCopier.copy = planned  # type: ignore[method-assign]
+    return "\n".join(tables)
+
+
 if __name__ == "__main__":
     import sys
 
-    print(format_table(bench_copy(layouts_run=tuple(sys.argv[1:]))))
+    args = tuple(a for a in sys.argv[1:] if a != "--before-after")
+    if "--before-after" in sys.argv[1:]:
+        print(before_after(layouts_run=args))
+    else:
+        print(format_table(bench_copy(layouts_run=args)))

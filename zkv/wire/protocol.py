@@ -35,6 +35,7 @@ from .bounds import (
 )
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
+from .nested import nested_ok
 from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
@@ -116,46 +117,10 @@ def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
     return type(value) is int and lo <= value <= hi
 
 
-_SCALARS = (float, bool, type(None), bytes)
-
-
-def _nested_ok(value: Any) -> bool:
-    """Whether ``check_nested`` would take ``value``, decided without building
-    an error: an iterative walk whose loops over a container's integers run in
-    C (``map``, ``min``, ``max``).  False also for anything unusual:
-    ``check_nested`` then decides, and names what is wrong."""
-    stack, total = [(value, 0)], 0
-    while stack:
-        v, depth = stack.pop()
-        t = type(v)
-        if t is dict or t is list:
-            total += len(v)
-            if total > MAX_NEST_ITEMS or (v and depth >= MAX_NEST_DEPTH):
-                return False
-            if t is dict:
-                if set(map(type, v)) - {str} or (v and max(map(len, v)) > MAX_STR):
-                    return False
-                v = list(v.values())
-            ints = [x for x in v if type(x) is int]
-            if ints and (min(ints) < -MAX_SAFE_INT or max(ints) > MAX_SAFE_INT):
-                return False
-            if len(ints) < len(v):
-                stack += [(x, depth + 1) for x in v if type(x) is not int]
-        elif t is str:
-            if len(v) > MAX_STR:
-                return False
-        elif t is int:
-            if not -MAX_SAFE_INT <= v <= MAX_SAFE_INT:
-                return False
-        elif t not in _SCALARS:
-            return False
-    return True
-
-
 def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
     """Bound a map / list field in depth and entries, with str keys and
     integers that fit msgpack, so that echoing it in a reply cannot fail."""
-    if budget is None and depth == 0 and _nested_ok(value):
+    if budget is None and depth == 0 and nested_ok(value):
         return
     budget = budget if budget is not None else [MAX_NEST_ITEMS]
     if depth > MAX_NEST_DEPTH:
