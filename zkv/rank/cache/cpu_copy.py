@@ -134,10 +134,7 @@ class CpuGroup:
     engine_np: Any
     tier_np: Any
     column: int  # the group's first byte in a tier row
-
-    @property
-    def count(self) -> int:
-        return self.engine.shape[0]
+    count: int  # regions (asked per run: a torch shape costs more than a field)
 
 
 def groups_of(views: list[torch.Tensor], store: torch.Tensor, columns: list[torch.Tensor]) -> list[CpuGroup]:
@@ -155,6 +152,7 @@ def groups_of(views: list[torch.Tensor], store: torch.Tensor, columns: list[torc
                 g.source.numpy(),
                 tier3.numpy(),
                 g.column,
+                g.count,
             )
         )
         i += g.count
