@@ -31,6 +31,10 @@ from ..rank.cache.copier import CopyEngine
 from ..rank.cache.regions import EngineCache
 from ..rank.cache.tier import CpuTier
 
+# What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this thread's CPU
+# time (on CPU: a copy is one thread's work, and a loaded 2-core machine preempts it at random).
+CLOCK: Callable[[], float] = time.perf_counter
+
 
 def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> list[list[float]]:
     """Seconds of each of ``fns`` per rep, run interleaved (so load on a shared
@@ -40,12 +44,12 @@ def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> lis
         for fn, acc in zip(fns, times):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if rep:
-                acc.append(time.perf_counter() - t0)
+                acc.append(CLOCK() - t0)
     return times
 
 
@@ -141,7 +145,13 @@ def _run(
         "scattered": (rng.sample(range(engine_blocks), blocks), rng.sample(range(blocks), blocks)),
         "scattered_both": (rng.sample(range(engine_blocks), blocks), rng.sample(range(2 * blocks), blocks)),
     }
-    result: dict[str, Any] = {"blocks": blocks, "device": str(dev), "threads": torch.get_num_threads(), "layouts": {}}
+    result: dict[str, Any] = {
+        "blocks": blocks,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if CLOCK is time.thread_time else "wall time",
+        "layouts": {},
+    }
     for layout in layouts_run or LAYOUTS:
         cache = _engine(layout, engine_blocks, layers, kv_heads, block_size, head_dim, dtype, dev)
         tier = CpuTier.for_cache(cache.descriptor, rows=2 * blocks)
@@ -181,8 +191,8 @@ def _run(
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
-        "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
+        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s), {result.get('clock', '')}: "
+        "GB/s, and x of a plain copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
         f"{'layout':14} {'regions':>7} {'MiB':>5}  {'ids':14}"
         f" {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
     ]
@@ -223,7 +233,9 @@ def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = ()) -> str:
 if __name__ == "__main__":
     import sys
 
-    args = tuple(a for a in sys.argv[1:] if a != "--before-after")
+    args = tuple(a for a in sys.argv[1:] if not a.startswith("--"))
+    if "--cpu-clock" in sys.argv[1:]:
+        CLOCK = time.thread_time
     if "--before-after" in sys.argv[1:]:
         print(before_after(layouts_run=args))
     else:
