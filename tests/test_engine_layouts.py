@@ -8,6 +8,7 @@ views), so a wrong region offset or stride cannot hide."""
 
 from __future__ import annotations
 
+import random
 from typing import Callable
 
 import pytest
@@ -48,59 +49,71 @@ class Engine:
         return [[raw(t) for t in self.block(b)] for b in ids]
 
 
-def zkv_engine():
-    store = torch.zeros((2 * L, NB, H, BS, D), dtype=torch.bfloat16)  # zkv/kvcache.py's gpu_store
+def zkv_engine(nb: int = NB):
+    store = torch.zeros((2 * L, nb, H, BS, D), dtype=torch.bfloat16)  # zkv/kvcache.py's gpu_store
     per_layer = list(store.unbind(0))
     ks, vs = per_layer[0::2], per_layer[1::2]
     return Engine([store], layouts.zkv_native(ks, vs), lambda b: [t[b] for t in per_layer])
 
 
-def fastdeploy_engine():
-    ks = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
-    vs = [torch.zeros((NB, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
-    scales = [torch.zeros((NB, H, BS), dtype=torch.float32) for _ in range(L)]
+def fastdeploy_engine(nb: int = NB):
+    ks = [torch.zeros((nb, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    vs = [torch.zeros((nb, H, BS, D), dtype=torch.bfloat16) for _ in range(L)]
+    scales = [torch.zeros((nb, H, BS), dtype=torch.float32) for _ in range(L)]
     tensors = ks + vs + scales
     return Engine(tensors, fastdeploy.regions(ks, vs, key_scales=scales), lambda b: [t[b] for t in tensors])
 
 
-def vllm_flash_engine():
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, NB, BS, H, D), dtype=torch.float16) for i in range(L)}
+def vllm_flash_engine(nb: int = NB):
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, nb, BS, H, D), dtype=torch.float16) for i in range(L)}
     return Engine(list(kv.values()), vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
-def vllm_flash_hnd_engine():
+def vllm_flash_hnd_engine(nb: int = NB):
     """FlashAttention's logical shape over an HND physical order (get_kv_cache_stride_order)."""
-    kv = {f"layer.{i}": torch.zeros((2, NB, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
+    kv = {f"layer.{i}": torch.zeros((2, nb, H, BS, D), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4) for i in range(L)}
     storage = [t.permute(0, 1, 3, 2, 4) for t in kv.values()]  # contiguous again, for scribbling
     return Engine(storage, vllm.flash_attn(kv, null_block=None), lambda b: [t[:, b] for t in kv.values()])
 
 
-def vllm_mla_engine():
-    kv = {f"layer.{i}": torch.zeros((NB, BS, 576), dtype=torch.bfloat16) for i in range(L)}
+def vllm_mla_engine(nb: int = NB):
+    kv = {f"layer.{i}": torch.zeros((nb, BS, 576), dtype=torch.bfloat16) for i in range(L)}
     return Engine(list(kv.values()), layouts.per_layer(kv), lambda b: [t[b] for t in kv.values()])
 
 
-def vllm_cross_layer_engine():
-    t = torch.zeros((NB, L, 2, BS, H, D), dtype=torch.bfloat16)
+def vllm_cross_layer_engine(nb: int = NB):
+    t = torch.zeros((nb, L, 2, BS, H, D), dtype=torch.bfloat16)
     return Engine([t], layouts.per_layer({"kv_cache": t}), lambda b: [t[b]])
 
 
-def flashinfer_engine():
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((NB, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
+def vllm_canonical_engine(nb: int = NB):
+    """What vLLM's offloading spec hands ``get_worker``: per layer, FlashAttention's storage viewed
+    as int8 ``(2, blocks, page / 2)`` and unbound into a K and a V tensor (offloading/worker.py)."""
+    kv = [torch.zeros((2, nb, BS, H, D), dtype=torch.bfloat16) for _ in range(L)]
+    canonical = []
+    for t in kv:
+        flat = torch.empty(0, dtype=torch.int8).set_(t.untyped_storage())
+        canonical += list(flat.view(2, nb, -1).unbind(0))
+    entries = vllm.canonical_pages(canonical, null_block=None)
+    return Engine(kv, entries, lambda b: [t[:, b] for t in kv])
+
+
+def flashinfer_engine(nb: int = NB):
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros((nb, 2, BS, H, D), dtype=torch.bfloat16) for i in range(L)}
     return Engine(list(kv.values()), vllm.flashinfer(kv, null_block=None), lambda b: [t[b] for t in kv.values()])
 
 
-def transformers_engine():
+def transformers_engine(nb: int = NB):
     dtype = torch.bfloat16
     page = L * 2 * BS * H * D * 2
-    cache_tensor = torch.zeros(NB * page, dtype=torch.uint8)
-    typed = cache_tensor.view(dtype).view(NB, L, 2, BS, H, D)
+    cache_tensor = torch.zeros(nb * page, dtype=torch.uint8)
+    typed = cache_tensor.view(dtype).view(nb, L, 2, BS, H, D)
     return Engine([cache_tensor], transformers_layout.regions(cache_tensor, L, BS, H, D, dtype), lambda b: [typed[b]])
 
 
-def sglang_engine():
+def sglang_engine(nb: int = NB):
     page_size = BS
-    slots = NB * page_size
+    slots = nb * page_size
     ks = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     vs = [torch.zeros((slots, H, D), dtype=torch.bfloat16) for _ in range(L)]
     tensors = ks + vs
@@ -114,6 +127,7 @@ ENGINES = {
     "fastdeploy": fastdeploy_engine,
     "vllm_flash": vllm_flash_engine,
     "vllm_flash_hnd": vllm_flash_hnd_engine,
+    "vllm_canonical": vllm_canonical_engine,
     "vllm_mla": vllm_mla_engine,
     "vllm_cross_layer": vllm_cross_layer_engine,
     "flashinfer": flashinfer_engine,
@@ -257,3 +271,105 @@ def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is
     with pytest.raises(CacheError, match="'k' and 'kv' overlap"):
         straddling = t.view(NB, -1)[:, half // 2 : half + half // 2]  # the second half of K and the first of V
         EngineCache.from_tensors([TensorEntry("k", t[:, 0]), TensorEntry("kv", straddling)])
+
+
+def test_vllm_canonical_pages_are_one_region_per_tensor_and_halves_share_a_buffer():
+    descriptor = EngineCache.from_tensors(vllm_canonical_engine().entries).descriptor
+    half = BS * H * D * 2
+    assert len(descriptor.regions) == 2 * L and len(descriptor.buffers) == L
+    assert [r.name for r in descriptor.regions][:2] == ["canonical[0]", "canonical[1]"]
+    assert [(r.buffer, r.offset, r.row_stride, r.page_bytes) for r in descriptor.regions[:2]] == [
+        (0, 0, half, half),
+        (0, NB * half, half, half),
+    ]
+    assert descriptor.reserved == ()
+    pages = [torch.zeros((NB, 64), dtype=torch.int8)]
+    assert EngineCache.from_tensors(vllm.canonical_pages(pages)).descriptor.reserved == (vllm.NULL_BLOCK,)
+
+
+def test_vllm_canonical_pages_take_the_spec_objects_and_check_them():
+    class CanonicalKVCacheTensor:  # vllm/v1/kv_offload/spec.py's shape: a tensor and its page bytes
+        def __init__(self, tensor, page_size_bytes):
+            self.tensor, self.page_size_bytes = tensor, page_size_bytes
+
+    t = torch.zeros((NB, 128), dtype=torch.int8)
+    entries = vllm.canonical_pages([CanonicalKVCacheTensor(t, 128)], names=["layer.0"], null_block=None)
+    assert [(e.name, e.tensor is t) for e in entries] == [("layer.0", True)]
+    with pytest.raises(CacheError, match="page_size_bytes 64"):
+        vllm.canonical_pages([CanonicalKVCacheTensor(t, 64)])
+    with pytest.raises(CacheError, match=r"expected \(num_blocks, page_bytes\)"):
+        vllm.canonical_pages([t.view(NB, 2, 64)])
+    with pytest.raises(CacheError, match="2 names for 1"):
+        vllm.canonical_pages([t], names=["a", "b"])
+
+
+def _patterns(nb: int, rows: int, seed: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Block ids and tier rows: every shape the CPU copy plan cuts a swap into."""
+    rng = random.Random(seed)
+    n = 40
+    blocks = rng.sample(range(nb), n)
+    run = list(range(7, 7 + n))
+    rng.shuffle(run)
+    mixed_rows = list(range(50, 62)) + list(range(70, 82)) + rng.sample(range(90, rows), n - 24)
+    mixed_blocks = list(range(3, 15)) + rng.sample(range(20, nb), n - 12)
+    return {
+        "scattered blocks into a run of rows": (blocks, run),
+        "scattered on both sides": (blocks, rng.sample(range(rows), n)),
+        "runs, scattered runs and loose pairs": (mixed_blocks, mixed_rows),
+        "a few loose pairs beside a run": (blocks[:12], list(range(30, 39)) + [2, 90, 5]),
+    }
+
+
+@pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
+@pytest.mark.parametrize("pattern", list(_patterns(96, 160, 0)))
+def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern):
+    nb, rows = 96, 160
+    engine = make(nb)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=rows)
+    copier = CopyEngine(cache, tier)
+    copier.cpu.stage_rows = 5  # several staging chunks
+    blocks, tier_rows = _patterns(nb, rows, seed=len(pattern))[pattern]
+    scribble(engine.tensors, seed=4)
+    want = torch.zeros_like(tier.store)  # the same swap, a page at a time through the views
+    for b, r in zip(blocks, tier_rows):
+        for view, (start, page) in zip(cache.views, _spans(cache)):
+            want[r, start : start + page] = view[b]
+    copier.swap_out(blocks, tier_rows)
+    assert torch.equal(tier.store, want), "swap_out moved other bytes than a page-by-page copy"
+    before = engine.snapshot(blocks)
+    scribble(engine.tensors, seed=5)
+    dst = random.Random(1).sample(range(nb), len(blocks))
+    untouched = [b for b in range(nb) if b not in dst]
+    others = engine.snapshot(untouched)
+    copier.swap_in(tier_rows, dst)
+    for want_b, got_b in zip(before, engine.snapshot(dst)):
+        assert all(torch.equal(w, g) for w, g in zip(want_b, got_b))
+    for want_b, got_b in zip(others, engine.snapshot(untouched)):
+        assert all(torch.equal(w, g) for w, g in zip(want_b, got_b)), "a swap-in wrote outside its blocks"
+
+
+def _spans(cache: EngineCache) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for r in cache.descriptor.regions:
+        out.append((start, r.page_bytes))
+        start += r.page_bytes
+    return out
+
+
+def test_repeated_rows_and_blocks_copy_like_a_page_at_a_time():
+    """swap_out may read one block into two rows, swap_in one row into two blocks."""
+    engine = vllm_flash_engine(32)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=32)
+    copier = CopyEngine(cache, tier)
+    scribble(engine.tensors, seed=6)
+    blocks = [5, 9, 5, 2, 9, 30, 1, 5, 17, 17]
+    copier.swap_out(blocks, list(range(10, 20)))
+    for b, r in zip(blocks, range(10, 20)):
+        assert all(torch.equal(v[b], c[r]) for v, c in zip(cache.views, tier.columns))
+    rows = [10, 11, 10, 12, 13, 13, 14, 15, 16, 10]
+    dst = list(range(20, 30))
+    copier.swap_in(rows, dst)
+    for r, b in zip(rows, dst):
+        assert all(torch.equal(v[b], c[r]) for v, c in zip(cache.views, tier.columns))

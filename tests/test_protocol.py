@@ -413,3 +413,43 @@ def test_pack_ids_never_imports_torch():
 
     tree = ast.parse(inspect.getsource(P))
     assert not [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "torch"]
+
+
+_LEAVES = st.one_of(
+    st.integers(min_value=-(2**60), max_value=2**60),
+    st.text(max_size=5) | st.just("x" * (P.MAX_STR + 1)),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.none(),
+    st.binary(max_size=3),
+)
+_NESTED = st.recursive(
+    _LEAVES,
+    lambda inner: (
+        st.lists(inner, max_size=40) | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=40)
+    ),
+    max_leaves=400,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_NESTED)
+def test_the_quick_nested_check_takes_exactly_what_the_full_one_takes(value):
+    def verdict(**budget):
+        try:
+            P.check_nested(value, "m.stats", **budget)
+        except P.ProtocolError as err:
+            return err.code, err.reason
+        return None
+
+    assert verdict() == verdict(budget=[P.MAX_NEST_ITEMS])  # an explicit budget takes the full walk
+
+
+def test_the_quick_nested_check_keeps_the_depth_rule():
+    four = {"a": {"b": {"c": {"d": 1}}}}
+    P.check_nested(four, "m.stats")
+    with pytest.raises(P.ProtocolError, match="beyond 2"):
+        P.check_nested(2**53, "m.stats")
+    for five in ({"a": four}, {"a": {"b": {"c": {"d": {"e": 1}}}}}, [[[[[1]]]]]):
+        with pytest.raises(P.ProtocolError, match="deeper than 4"):
+            P.check_nested(five, "m.stats")

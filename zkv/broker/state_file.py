@@ -111,11 +111,8 @@ class StateFile:
         if len(snapshot.get("gen_reason") or "") > _REASON_CHARS:
             snapshot = dict(snapshot, gen_reason=snapshot["gen_reason"][:_REASON_CHARS])
         body = json.dumps(snapshot, sort_keys=True, separators=(",", ":"))
-        line = json.dumps(
-            {"seq": self.seq + 1, "crc": zlib.crc32(body.encode()), "snapshot": snapshot},
-            sort_keys=True,
-            separators=(",", ":"),
-        ).encode()
+        # the bytes json.dumps({"seq", "crc", "snapshot"}, sort_keys=True) writes, the snapshot encoded once
+        line = b'{"crc":%d,"seq":%d,"snapshot":%s}' % (zlib.crc32(body.encode()), self.seq + 1, body.encode())
         if len(line) >= SLOT_BYTES:
             raise OSError(f"a broker snapshot of {len(line)} bytes does not fit a {SLOT_BYTES}-byte slot")
         self.seq += 1

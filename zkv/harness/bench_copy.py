@@ -1,10 +1,16 @@
 """Attached-cache copy speed beside a plain ``copy_`` of the same bytes, in one run.
 
-Two engine layouts: per-layer K/V tensors (FastDeploy / zkv, one region per
-tensor) and block-major (transformers' continuous-batching flat cache, one
-region).  Ids are contiguous (one run per region) or scattered (a random
-sample of the engine's blocks into shuffled tier rows: no runs at all).
-The baseline copies one contiguous tensor of exactly the bytes moved.
+The engine layouts zkv attaches to, each with the same model (``layers`` x K/V
+pages): per-layer K and V tensors (FastDeploy, zkv's own shape: one region
+and one buffer each), vLLM FlashAttention ``(2, blocks, ...)`` per layer (K
+and V halves of one buffer), the canonical int8 ``(blocks, page_bytes)``
+tensors vLLM's offloading spec hands a worker (``vllm.canonical_pages``),
+SGLang token pools (a block is ``block_size`` slots) and block-major
+(transformers' continuous-batching flat cache, one region).  Ids are
+contiguous (one run per region), scattered (a random sample of the engine's
+blocks into a shuffled run of tier rows) or scattered both ways (tier rows
+sampled from twice as many too: no runs on either side).  The baseline
+copies one contiguous tensor of exactly the bytes moved.
 
 ``python -m zkv.harness.bench_copy`` prints the table; ``bench_copy()``
 returns it as a dict (the integrator's ``zkv bench copy`` can print it)."""
@@ -19,10 +25,15 @@ from typing import Any, Callable
 
 import torch
 
+from ..engines import sglang, vllm
 from ..rank.cache import layouts
 from ..rank.cache.copier import CopyEngine
 from ..rank.cache.regions import EngineCache
 from ..rank.cache.tier import CpuTier
+
+# What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this thread's CPU
+# time (on CPU: a copy is one thread's work, and a loaded 2-core machine preempts it at random).
+CLOCK: Callable[[], float] = time.perf_counter
 
 
 def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> list[list[float]]:
@@ -33,18 +44,22 @@ def _timed(fns: list[Callable[[], Any]], reps: int, device: torch.device) -> lis
         for fn, acc in zip(fns, times):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if rep:
-                acc.append(time.perf_counter() - t0)
+                acc.append(CLOCK() - t0)
     return times
 
 
 def _paired(base: list[float], ours: list[float]) -> float:
     """Median over reps of baseline time / our time (1.0: as fast as the plain copy)."""
     return statistics.median(b / o for b, o in zip(base, ours))
+
+
+LAYOUTS = ("fastdeploy", "vllm_flash", "vllm_canonical", "sglang", "block_major")
+PATTERNS = ("contiguous", "scattered", "scattered_both")
 
 
 def _engine(
@@ -57,11 +72,26 @@ def _engine(
     dtype: torch.dtype,
     device: torch.device,
 ) -> EngineCache:
-    if layout == "per_layer":
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(shape, dtype=dtype, device=device)
+
+    if layout == "fastdeploy":
         shape = (engine_blocks, kv_heads, block_size, head_dim)
-        ks = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
-        vs = [torch.ones(shape, dtype=dtype, device=device) for _ in range(layers)]
+        ks, vs = [ones(*shape) for _ in range(layers)], [ones(*shape) for _ in range(layers)]
         return EngineCache.from_tensors(layouts.zkv_native(ks, vs))
+    if layout in ("vllm_flash", "vllm_canonical"):
+        kv = {f"layer.{i}": ones(2, engine_blocks, block_size, kv_heads, head_dim) for i in range(layers)}
+        if layout == "vllm_flash":
+            return EngineCache.from_tensors(vllm.flash_attn(kv, null_block=None))
+        pages = [t.view(torch.int8).view(2, engine_blocks, -1).unbind(0) for t in kv.values()]
+        return EngineCache.from_tensors(vllm.canonical_pages([p for pair in pages for p in pair], null_block=None))
+    if layout == "sglang":
+        slots = engine_blocks * block_size
+        ks, vs = (
+            [ones(slots, kv_heads, head_dim) for _ in range(layers)],
+            [ones(slots, kv_heads, head_dim) for _ in range(layers)],
+        )
+        return EngineCache.from_tensors(sglang.mha(ks, vs, block_size))
     es = torch.empty(0, dtype=dtype).element_size()
     flat = torch.ones(
         engine_blocks * layers * 2 * block_size * kv_heads * head_dim * es, dtype=torch.uint8, device=device
@@ -80,6 +110,7 @@ def bench_copy(
     device: str | None = None,
     seed: int = 0,
     threads: int | None = 1,
+    layouts_run: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """GB/s of swap_out / swap_in per layout and id pattern, and of the baseline copy_.
 
@@ -89,7 +120,7 @@ def bench_copy(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed)
+        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed, layouts_run)
     finally:
         torch.set_num_threads(saved)
 
@@ -104,6 +135,7 @@ def _run(
     reps: int,
     device: str | None,
     seed: int,
+    layouts_run: tuple[str, ...],
 ) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(seed)
@@ -111,11 +143,18 @@ def _run(
     patterns = {
         "contiguous": (list(range(blocks)), list(range(blocks))),
         "scattered": (rng.sample(range(engine_blocks), blocks), rng.sample(range(blocks), blocks)),
+        "scattered_both": (rng.sample(range(engine_blocks), blocks), rng.sample(range(2 * blocks), blocks)),
     }
-    result: dict[str, Any] = {"blocks": blocks, "device": str(dev), "threads": torch.get_num_threads(), "layouts": {}}
-    for layout in ("per_layer", "block_major"):
+    result: dict[str, Any] = {
+        "blocks": blocks,
+        "device": str(dev),
+        "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if CLOCK is time.thread_time else "wall time",
+        "layouts": {},
+    }
+    for layout in layouts_run or LAYOUTS:
         cache = _engine(layout, engine_blocks, layers, kv_heads, block_size, head_dim, dtype, dev)
-        tier = CpuTier.for_cache(cache.descriptor, rows=blocks)
+        tier = CpuTier.for_cache(cache.descriptor, rows=2 * blocks)
         copier = CopyEngine(cache, tier)
         nbytes = blocks * cache.descriptor.block_bytes
         src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
@@ -152,21 +191,52 @@ def _run(
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s): GB/s, and x of a plain "
-        "copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
-        f"{'layout':12} {'regions':>7} {'MiB':>5}  {'ids':10}"
+        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s), {result.get('clock', '')}: "
+        "GB/s, and x of a plain copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
+        f"{'layout':14} {'regions':>7} {'MiB':>5}  {'ids':14}"
         f" {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
     ]
     for layout, row in result["layouts"].items():
-        for name in ("contiguous", "scattered"):
+        for name in PATTERNS:
             c = row[name]
             lines.append(
-                f"{layout:12} {row['regions']:>7} {row['mib']:>5.0f}  {name:10} {c['copy_out_gbps']:>9.2f} "
+                f"{layout:14} {row['regions']:>7} {row['mib']:>5.0f}  {name:14} {c['copy_out_gbps']:>9.2f} "
                 f"{c['out_gbps']:>6.2f} ({c['out_vs_copy']:.2f}x) {c['copy_in_gbps']:>9.2f} "
                 f"{c['in_gbps']:>6.2f} ({c['in_vs_copy']:.2f}x)"
             )
     return "\n".join(lines)
 
 
+def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = ()) -> str:
+    """The table with the block-at-a-time CPU path (``cpu_copy.coalesce`` + ``copy_runs``: a
+    ``memmove`` per page per region, or one strided copy per group, what every swap did before
+    the copy plan) and with the plan, alternated in one process: each round beside its own baseline."""
+    from ..rank.cache import cpu_copy
+
+    planned = cpu_copy.CpuCopier.copy
+
+    def block_at_a_time(self: Any, tier_ids: Any, engine_ids: Any, out: bool) -> None:
+        runs = cpu_copy.coalesce(engine_ids, tier_ids) if out else cpu_copy.coalesce(tier_ids, engine_ids)
+        cpu_copy.copy_runs(self.groups(), runs, out)
+
+    tables = []
+    try:
+        for i in range(rounds):
+            for name, copy in (("before: a block at a time", block_at_a_time), ("after: the copy plan", planned)):
+                cpu_copy.CpuCopier.copy = copy  # type: ignore[method-assign]
+                tables.append(f"--- round {i + 1}, {name}\n" + format_table(bench_copy(layouts_run=layouts_run)))
+    finally:
+        cpu_copy.CpuCopier.copy = planned  # type: ignore[method-assign]
+    return "\n".join(tables)
+
+
 if __name__ == "__main__":
-    print(format_table(bench_copy()))
+    import sys
+
+    args = tuple(a for a in sys.argv[1:] if not a.startswith("--"))
+    if "--cpu-clock" in sys.argv[1:]:
+        CLOCK = time.thread_time
+    if "--before-after" in sys.argv[1:]:
+        print(before_after(layouts_run=args))
+    else:
+        print(format_table(bench_copy(layouts_run=args)))

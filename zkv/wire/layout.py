@@ -3,7 +3,7 @@ the ranks and clients agree on (it travels in READY, WELCOME and RESUME)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .bounds import LAYOUT_MAX
@@ -46,7 +46,9 @@ class CacheLayout:
         return 2 * self.layers * self.block_bytes_per_layer
 
     def to_wire(self) -> dict[str, Any]:
-        return asdict(self)
+        """A fresh map of the fields (every value a plain int or str: ``asdict``'s deep copy
+        costs ~6 us, three times per pause in the broker)."""
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_wire(cls, data: Any) -> "CacheLayout":
@@ -61,3 +63,6 @@ class CacheLayout:
 
     def with_changes(self, **changes: Any) -> "CacheLayout":
         return replace(self, **changes)
+
+
+_FIELDS = tuple(f.name for f in fields(CacheLayout))

@@ -35,6 +35,7 @@ from .bounds import (
 )
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
+from .nested import nested_ok
 from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
 
@@ -119,6 +120,8 @@ def is_uint(value: Any, hi: int = MAX_SAFE_INT, lo: int = 0) -> bool:
 def check_nested(value: Any, where: str, depth: int = 0, budget: list[int] | None = None) -> None:
     """Bound a map / list field in depth and entries, with str keys and
     integers that fit msgpack, so that echoing it in a reply cannot fail."""
+    if budget is None and depth == 0 and nested_ok(value):
+        return
     budget = budget if budget is not None else [MAX_NEST_ITEMS]
     if depth > MAX_NEST_DEPTH:
         raise ProtocolError("bad_field", f"{where} is nested deeper than {MAX_NEST_DEPTH} levels")

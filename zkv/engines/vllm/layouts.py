@@ -7,7 +7,9 @@ block-major), FlashInfer ``(blocks, 2, block_size, kv_heads, head_dim)``
 (``flashinfer``: one region, a page holds K and V).  HND physical orders are
 the same to zkv (a page's inner order does not matter); MLA ``(blocks,
 block_size, head_size)`` per layer and the cross-layer tensor are
-block-major already (``block_major``).  Serve them with
+block-major already (``block_major``).  What vLLM's offloading spec hands a
+worker, its canonical ``(num_blocks, page_bytes)`` int8 tensors, is
+``canonical_pages``.  Serve them with
 ``zkv.rank.agent.RankAgent(..., cache=flash_attn(kv_caches), ...)``
 (docs/engines.md).
 
@@ -23,7 +25,7 @@ cache manager on this cache must never hand it out (``RankAgent.reserved_blocks`
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -63,3 +65,25 @@ def block_major(tensors: Mapping[str, torch.Tensor], null_block: int | None = NU
     """MLA ``(blocks, block_size, head_size)`` per layer, or the cross-layer ``(blocks, layers, 2, block_size,
     kv_heads, head_dim)`` tensor: any tensors whose dim 0 is the block, one region each."""
     return [TensorEntry(name, t, reserved_blocks=_reserved(null_block)) for name, t in tensors.items()]
+
+
+def canonical_pages(
+    tensors: Sequence[Any], names: Sequence[str] | None = None, null_block: int | None = NULL_BLOCK
+) -> list[TensorEntry]:
+    """vLLM's canonical KV caches as its offloading spec's ``get_worker`` receives them
+    (``CanonicalKVCaches.tensors``): block-major ``(num_blocks, page_bytes)`` int8 tensors, one per
+    layer, per K or V half, or one cross-layer tensor, or ``CanonicalKVCacheTensor``s holding one
+    (``.tensor``; ``.page_size_bytes`` must then be its row).  One region each, named ``names[i]``
+    (default ``canonical[i]``); halves of one storage are one buffer (docs/engines.md)."""
+    if names is not None and len(names) != len(tensors):
+        raise CacheError("bad_layout", f"{len(names)} names for {len(tensors)} canonical tensors")
+    entries = []
+    for i, item in enumerate(tensors):
+        name = names[i] if names is not None else f"canonical[{i}]"
+        t = getattr(item, "tensor", item)
+        expect_dims(name, t, 2, "(num_blocks, page_bytes)")
+        page, row = getattr(item, "page_size_bytes", None), t.shape[1] * t.element_size()
+        if page is not None and page != row:
+            raise CacheError("bad_layout", f"tensor {name!r}: page_size_bytes {page} but rows of {row} bytes")
+        entries.append(TensorEntry(name, t, reserved_blocks=_reserved(null_block)))
+    return entries
