@@ -23,22 +23,16 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadSto
 
 from ...client.client import Client
 from ...rank.agent import RankAgent
-from ...rank.cache.regions import EngineCache, TensorEntry
+from ...rank.cache.regions import EngineCache
 from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op
 from .jobs import Finished, Job, JobBook
-from .layouts import NULL_BLOCK
+from .layouts import canonical_pages
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
 log = logging.getLogger("zkv.vllm")
-
-
-def canonical_entries(kv_caches: CanonicalKVCaches) -> list[TensorEntry]:
-    """vLLM's canonical ``(num_blocks, page_bytes)`` tensors as zkv regions, one
-    each, with vLLM's null block reserved (``layouts.py``)."""
-    return [TensorEntry(f"kv{i}", t.tensor, reserved_blocks=(NULL_BLOCK,)) for i, t in enumerate(kv_caches.tensors)]
 
 
 def _gpu_ids(spec: GPULoadStoreSpec) -> list[int]:
@@ -53,7 +47,7 @@ class ZkvOffloadWorker(OffloadingWorker):
     def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
         self.settings = settings
         self.rank, self.world = rank, world
-        entries = canonical_entries(kv_caches)
+        entries = canonical_pages(kv_caches.tensors)  # vLLM's null block reserved
         self.block_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
         generations = itertools.count(2)
         ep = settings.endpoints
