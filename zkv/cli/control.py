@@ -176,15 +176,15 @@ def _why_not_now(st: dict) -> str:
 
 
 @click.command()
-@click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum"]))
+@click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum", "spill", "load"]))
 @click.option(
     "--src",
     default="",
     envvar="ZKV_SUBMIT_SRC",
     show_envvar=True,
     callback=lambda ctx, param, value: _parse_ids(value),
-    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in these CPU blocks, "
-    "checksum these blocks of --tier.",
+    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in and spill these CPU blocks, "
+    "load these disk blocks, checksum these blocks of --tier.",
 )
 @click.option(
     "--dst",
@@ -192,16 +192,16 @@ def _why_not_now(st: dict) -> str:
     envvar="ZKV_SUBMIT_DST",
     show_envvar=True,
     callback=lambda ctx, param, value: _parse_ids(value),
-    help="Destination block ids: swap-out writes these CPU blocks, swap-in these GPU blocks, "
-    "fill writes these blocks of --tier.",
+    help="Destination block ids: swap-out and load write these CPU blocks, swap-in these GPU blocks, "
+    "spill these disk blocks, fill these blocks of --tier.",
 )
 @click.option(
     "--tier",
-    type=click.Choice(["gpu", "cpu"]),
+    type=click.Choice(["gpu", "cpu", "disk"]),
     default=None,
     envvar="ZKV_SUBMIT_TIER",
     show_envvar=True,
-    help="Tier for fill/checksum.",
+    help="Tier for fill (gpu, cpu) and checksum (gpu, cpu, disk: ranks started with --disk-dir).",
 )
 @click.option(
     "--seed", type=int, default=None, envvar="ZKV_SUBMIT_SEED", show_envvar=True, help="Seed of the bytes fill writes."
@@ -219,9 +219,10 @@ def submit(
 ) -> None:
     """Run one task on every rank and print its outcome.
 
-    swap-out --src GPU --dst CPU, swap-in --src CPU --dst GPU, fill --dst IDS
-    [--tier gpu|cpu] [--seed N], checksum --src IDS [--tier gpu|cpu] (prints
-    each rank's digests)."""
+    swap-out --src GPU --dst CPU, swap-in --src CPU --dst GPU, spill --src CPU
+    --dst DISK, load --src DISK --dst CPU, fill --dst IDS [--tier gpu|cpu]
+    [--seed N], checksum --src IDS [--tier gpu|cpu|disk] (prints each rank's
+    digests)."""
     from ..obs.status_view import human_bytes
 
     src_ids, dst_ids = src or None, dst or None  # parsed by the options' callback, before the broker is asked
@@ -350,5 +351,18 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
         r,
         as_json,
         f"running: epoch {r['epoch']}, generation {r['gen']}"
-        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"),
+        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms")
+        + _cpu_tier_said(r),
     )
+    if r.get("cpu_kept") is False and not as_json:
+        click.echo("zkv: note: the CPU blocks kept by the clear are gone; a swap-in of them fails lost_block", err=True)
+
+
+def _cpu_tier_said(r: dict) -> str:
+    """What a resume after ``clear --keep-cpu`` did with the CPU tier (its ``cpu_kept``)."""
+    if r.get("cpu_kept") is True:
+        return f"; CPU blocks kept (CPU generation {r.get('cpu_gen')})"
+    if r.get("cpu_kept") is False:
+        why = r.get("note") or "the CPU tier could not be kept"
+        return f"; CPU blocks NOT kept: {why} (now CPU generation {r.get('cpu_gen')})"
+    return ""
