@@ -304,7 +304,8 @@ def test_every_option_of_the_operator_commands_has_an_environment_variable():
     runner = CliRunner()
     assert runner.invoke(main, ["--version"]).output.strip() == f"zkv {zkv_package.__version__}"
     helped = " ".join(runner.invoke(main, ["submit", "--help"]).output.split())
-    assert "fill writes these blocks of --tier" in helped and "ZKV_SUBMIT_DST" in helped
+    assert "fill these blocks of --tier" in helped and "spill these disk blocks" in helped
+    assert "ZKV_SUBMIT_DST" in helped
     backwards = runner.invoke(main, ["submit", "checksum", "--src", "5-2"])
     assert backwards.exit_code == 2 and "5-2: the end is before the start" in backwards.output
     doc = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()

@@ -203,6 +203,14 @@ def main(verbose: int) -> None:
     "module loaded) and take over the moment it exits, kill -9 included: map its CPU tier again and register. "
     "Needs a --tier-dir (the rank's lock lives there). Without it such a worker is refused.",
 )
+@click.option(
+    "--adopt-layout",
+    is_flag=True,
+    envvar="ZKV_ADOPT_LAYOUT",
+    show_envvar=True,
+    help="When the bus holds another layout than the layout options say, take the bus's (and say so in the log) "
+    "instead of being refused. Without it the broker refuses such a worker, naming both layouts.",
+)
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -217,6 +225,7 @@ def worker(
     tier_digests: bool,
     startup_times: str | None,
     standby: bool,
+    adopt_layout: bool,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
@@ -243,6 +252,7 @@ def worker(
     if standby:  # everything loaded: wait for the serving worker to go
         lock = _hold_rank(rank, backend, tiers, standby)
     opts = {"liveness_ms": liveness_ms, "curve": curve, "disk": disk, "tier_dir": tiers, "tier_digests": tier_digests}
+    opts.update(adopt_layout=adopt_layout, note=lambda text: click.echo(f"zkv worker: {text}", err=True))
     try:
         if manifest is None:
             w = RankWorker(rank, world_size, backend, control, layout, device=device, **opts)
@@ -266,7 +276,7 @@ def worker(
     try:
         w.serve()
     except RankRefused as err:
-        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options")
+        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options (or --adopt-layout)")
     except KeyboardInterrupt:
         pass
     finally:
