@@ -119,10 +119,13 @@ class BlockStore:
         self.copier: CopyEngine | None = None
         self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
         self.generation: int | None = None  # of the device tier last attached
+        self.used = False  # the bus used that device tier (a resume attached it, or a task named it)
         self.instance = ""  # the engine process that exported it ("" in process)
+        self.nonce = ""  # the manifest export it was mapped from ("" in process)
         self._retired: set[str] = set()  # engine instances replaced by a newer one: their manifests are stale
         self._tier_key: Hashable = None
         self.allocate(layout)
+        self.used = False  # attached at the rank's start: the bus has not used it yet
 
     @classmethod
     def owned(
@@ -217,6 +220,7 @@ class BlockStore:
             self.memory.release(cache)
             raise
         self.cache, self.layout, self.cpu_kept, self.generation = cache, layout, kept, cache.generation
+        self.nonce, self.used = cache.nonce, True
         if cache.instance != self.instance:
             if self.instance:
                 self._retired.add(self.instance)
@@ -226,7 +230,11 @@ class BlockStore:
     def _check_newer(self, cache: EngineCache) -> None:
         """A resume's cache must be new memory (docs/engines.md, "Generations"):
         a later generation of the same engine instance, or the first cache of
-        a restarted engine (another instance, never one already replaced)."""
+        a restarted engine (another instance, never one already replaced).
+        The manifest export this rank attached at its start counts only once the
+        bus used it: until then that same export (its nonce) is the instance's
+        first cache for the bus (a fresh engine's rank meeting a bus that must
+        resume, or a cleared one)."""
         if self.generation is None:
             return
         if cache.instance in self._retired:
@@ -236,8 +244,15 @@ class BlockStore:
             )
         if cache.instance != self.instance:
             return  # a restarted engine: its generations start again
+        if not self.used and cache.nonce and cache.nonce == self.nonce:
+            return  # the very export attached at start, never part of the bus: taken for the first time
         if type(cache.generation) is not int or cache.generation <= self.generation:
-            raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
+            raise CacheError(
+                "stale_manifest",
+                f"generation {cache.generation} is not newer than {self.generation}, which this rank served: "
+                "the engine must hand over its next cache (export generation "
+                f"{self.generation + 1 if type(self.generation) is int else 'N+1'} or later) before the resume",
+            )
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
@@ -310,6 +325,7 @@ class BlockStore:
         fill (a checksum may read a reserved block)."""
         if self.cache is None:
             raise TaskInvalid("caches are cleared on this rank")
+        self.used = True
         layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
         reserved = self.cache.descriptor.reserved_ids  # the engine's own rows: never swapped or filled
         op = body.op
