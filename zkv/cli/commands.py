@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib
 import logging
 import signal
+import sys
 from typing import Any, Callable
 
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import MAX_TIMEOUT_MS, MAX_WORLD
 from .options import (
     curve_from,
     curve_options,
@@ -76,6 +78,25 @@ class LazyGroup(click.Group):
         super().__init__(*args, **kwargs)
         self.commands = self._loader = _LazyCommands(lazy, dict(self.commands))
 
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        """As click's, but a usage error (a bad option or environment value, a missing
+        argument) is one line naming the command and its ``--help``, exit 2."""
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as err:
+            where = err.ctx.command_path if err.ctx is not None else "zkv"
+            click.echo(f"{where}: error: {err.format_message()} (see {where} --help)", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self._loader, *self._loader.lazy})
 
@@ -131,11 +152,16 @@ def main(verbose: int) -> None:
 
 @main.command()
 @click.option(
-    "--rank", type=int, required=True, envvar="ZKV_RANK", show_envvar=True, help="This worker's tensor-parallel rank."
+    "--rank",
+    type=click.IntRange(0, MAX_WORLD - 1),
+    required=True,
+    envvar="ZKV_RANK",
+    show_envvar=True,
+    help="This worker's tensor-parallel rank.",
 )
 @click.option(
     "--world-size",
-    type=int,
+    type=click.IntRange(1, MAX_WORLD),
     default=2,
     show_default=True,
     envvar="ZKV_WORLD_SIZE",
@@ -153,7 +179,7 @@ def main(verbose: int) -> None:
 )
 @click.option(
     "--liveness-ms",
-    type=int,
+    type=click.IntRange(1, MAX_TIMEOUT_MS),
     default=2000,
     show_default=True,
     envvar="ZKV_LIVENESS_MS",
@@ -162,7 +188,7 @@ def main(verbose: int) -> None:
 )
 @click.option(
     "--torch-threads",
-    type=int,
+    type=click.IntRange(1, 1024),
     default=1,
     show_default=True,
     envvar="ZKV_TORCH_THREADS",

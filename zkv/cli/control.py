@@ -15,6 +15,7 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import LAYOUT_MAX, MAX_SAFE_INT, MAX_TIMEOUT_MS, MAX_WORLD
 from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
 from . import fleet as fleet_cli
@@ -62,7 +63,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
     )
     @click.option(
         "--timeout",
-        type=float,
+        type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
         default=30.0,
         show_default=True,
         envvar="ZKV_TIMEOUT",
@@ -127,7 +128,7 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 @fleet_options(fleet_cli.status)
 @click.option(
     "--wait-ranks",
-    type=int,
+    type=click.IntRange(0, MAX_WORLD),
     default=0,
     envvar="ZKV_STATUS_WAIT_RANKS",
     show_envvar=True,
@@ -204,7 +205,12 @@ def _why_not_now(st: dict) -> str:
     help="Tier for fill (gpu, cpu) and checksum (gpu, cpu, disk: ranks started with --disk-dir).",
 )
 @click.option(
-    "--seed", type=int, default=None, envvar="ZKV_SUBMIT_SEED", show_envvar=True, help="Seed of the bytes fill writes."
+    "--seed",
+    type=click.IntRange(0, MAX_SAFE_INT),
+    default=None,
+    envvar="ZKV_SUBMIT_SEED",
+    show_envvar=True,
+    help="Seed of the bytes fill writes.",
 )
 @client_options
 def submit(
@@ -323,7 +329,7 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 @fleet_options(fleet_cli.resume)
 @click.option(
     "--gpu-blocks",
-    type=int,
+    type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
     default=None,
     envvar="ZKV_RESUME_GPU_BLOCKS",
     show_envvar=True,
@@ -331,7 +337,7 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 )
 @click.option(
     "--cpu-blocks",
-    type=int,
+    type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
     default=None,
     envvar="ZKV_RESUME_CPU_BLOCKS",
     show_envvar=True,

@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import MAX_WORLD
 from .options import (
     disk_options,
     fail,
@@ -176,7 +177,7 @@ def _claim_runtime_dir(
 @click.command()
 @click.option(
     "--ranks",
-    type=int,
+    type=click.IntRange(1, MAX_WORLD),
     default=2,
     show_default=True,
     envvar="ZKV_RANKS",
@@ -211,7 +212,7 @@ def _claim_runtime_dir(
 )
 @click.option(
     "--requests",
-    type=int,
+    type=click.IntRange(1, 1 << 20),
     default=160,
     show_default=True,
     envvar="ZKV_UP_REQUESTS",
@@ -301,7 +302,8 @@ def up(
         try:
             st = _start(cluster, attach, timeout=120)
         except RuntimeError as err:  # a process exited; its own error line is above
-            fail(f"the bus did not start: {err}", "see the error above")
+            usage = str(err).endswith("exited with 2")  # a value it refused: a usage error here too
+            fail(f"the bus did not start: {err}", "see the error above", 2 if usage else 1)
         except TimeoutError as err:
             fail(f"the bus did not start: {err}", "see the processes' output above")
         owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
