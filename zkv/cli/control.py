@@ -292,15 +292,46 @@ def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tie
     show_envvar=True,
     help="Several buses: a failed pause leaves the buses it paused paused (default: resumes them).",
 )
-def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool) -> None:
-    """Stop dispatch and wait until every rank drained its tasks (every bus, with several)."""
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    envvar="ZKV_PAUSE_ALLOW_PARTIAL",
+    show_envvar=True,
+    help="Exit 0 when the pause completed without some ranks of the world (dead or not registered); "
+    "by default that exits 1.",
+)
+def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool) -> None:
+    """Stop dispatch and wait until every rank drained its tasks (every bus, with several).
+
+    Exits 1 when not every rank of the world acknowledged (a rank dead or
+    never started: the pause completed without it), unless --allow-partial."""
     del leave_paused  # one bus: the broker itself runs a failed pause again (docs/protocol.md §8.3)
     r = client.pause(timeout)
+    st = client.status(timeout=timeout)
+    world = st["world"]
+    # a noop (already paused): every live rank holds the pause (a rank learns it when it registers)
+    held = [x["rank"] for x in st["ranks"] if x.get("alive") and (r.get("noop") or x.get("acked_epoch") == r["epoch"])]
+    missing = sorted(set(range(world)) - set(held))
+    acked = world - len(missing)
+    r["world"] = world
     _print_reply(
         r,
         as_json,
-        f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""),
+        f"paused: epoch {r['epoch']}, {acked} of {world} ranks "
+        + ("hold it" if r.get("noop") else "acked")
+        + f", drained in {r['drain_ms']} ms"
+        + (f" ({r['note']})" if r.get("noop") else "")
+        + (f" (ranks {missing} did not: dead or not registered)" if missing else ""),
     )
+    if missing and not allow_partial:
+        if not as_json:
+            click.echo(
+                f"zkv: error: only {acked} of {world} ranks acknowledged the pause: the bus is paused without "
+                f"ranks {missing} (they learn it when they register); check zkv status, or add --allow-partial "
+                "to accept a pause of the live ranks",
+                err=True,
+            )
+        sys.exit(1)
 
 
 @click.command()

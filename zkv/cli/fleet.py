@@ -101,7 +101,8 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
     fail(what, "run the same command again once the buses above answer: buses already there answer noop")
 
 
-def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool) -> None:
+def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool = False) -> None:
+    del allow_partial  # each bus's row shows its ranks_acked (--json); one bus checks it (control.pause)
     _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else "resume"), as_json)
 
 
