@@ -129,12 +129,14 @@ _LAZY = {
     "broker": ".broker_command:broker",
     "bench": ".bench:bench",
     "shm": ".shm:shm",
-    **{name: f".control:{name}" for name in ("status", "submit", "pause", "clear", "resume")},
+    **{name: f".control:{name}" for name in ("status", "pause", "clear", "resume")},
+    "submit": ".submit:submit",
     "state": ".state:state",
     "tier": ".tier:tier",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
     "up": ".up:up",
+    "down": ".supervise:down",
 }
 
 
