@@ -78,7 +78,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
         if kwargs.get("watch") or kwargs.get("wait_ranks"):  # waits for a bus still coming up: only the address
             check_broker(broker, curve, probe=False)
         else:
-            check_broker(broker, curve)
+            check_broker(broker, curve, as_json=as_json)
         try:
             client_cm = Client(broker, request_timeout=timeout, curve=curve)
         except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback

@@ -332,7 +332,9 @@ def draw_plot(draw: Any, *args: Any) -> str:
     try:
         return draw(*args)
     except ImportError:
-        _error("plots need matplotlib: pip install 'zkv[plot]'")
+        from ..obs.plots import MISSING
+
+        _error(MISSING)
     except OSError as err:
         _error(f"{err.filename or args[0]}: {err.strerror or err}")
     except ValueError as err:

@@ -286,25 +286,28 @@ def list_tiers(directory: str = DEFAULT_DIR) -> Iterator[TierInfo]:
             yield TierInfo(path, bus, fields[8], fields[3], fields[4], fields[6], fields[7], owned, size)
 
 
-def remove_tier(path: Path) -> bool:
-    """Remove a tier file (or a rank lock) no live process holds; False when one does."""
+def remove_tier(path: Path, dry_run: bool = False) -> bool:
+    """Remove a tier file (or a rank lock) no live process holds; False when one does.
+    ``dry_run``: only say whether it would be removed."""
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        os.unlink(path)
+        if not dry_run:
+            os.unlink(path)
         return True
     finally:
         os.close(fd)
 
 
-def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None) -> list[Path]:
-    """Remove every tier file (of ``bus``, when given) that no live process holds; return their paths."""
+def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None, dry_run: bool = False) -> list[Path]:
+    """Remove every tier file (of ``bus``, when given) that no live process holds; return their paths
+    (``dry_run``: those it would remove, removing none)."""
     removed = []
     for info in list_tiers(directory):
-        if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path):
+        if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path, dry_run):
             removed.append(info.path)
     return removed
 
