@@ -169,3 +169,13 @@ def test_a_new_process_with_another_layout_is_refused_naming_both_unless_it_adop
     not_fresh = {**ready, "fresh": False}  # a process whose memory was the bus's: the bus moved while it was away
     out = core.on_rank(b"r1", [P.encode("ready", rank=1, session=4, layout=other.to_wire(), **not_fresh)], 1.0)
     assert all(m.kind != "refused" for m in rank_msgs(out))
+
+
+def test_a_ready_cpu_gen_above_2_40_is_accepted_but_never_taken_as_the_bus_cpu_generation():
+    """docs/protocol.md §4.4: ``ready.cpu_gen`` is any uint on the wire; the broker takes one only up to 2^40-1."""
+    for cpu_gen in (2**40, 2**53 - 1):
+        core = BrokerCore(BrokerConfig(world=1))
+        ready = {"rank": 0, "world": 1, "session": 1, "layout": LAYOUT.to_wire(), "gen": 5, "fresh": True}
+        out = core.on_rank(b"r0", [P.encode("ready", **ready, kept_tiers=["cpu"], cpu_gen=cpu_gen)], 1.0)
+        assert [m.kind for m in rank_msgs(out)] == ["welcome"]
+        assert core.gens.cpu_gen < 2**40 and core.gens.gen < 2**40, (core.gens.cpu_gen, core.gens.gen)
