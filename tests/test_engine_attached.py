@@ -140,7 +140,7 @@ def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
 
         store.free(keep_cpu=True)
         store.allocate(store.layout)  # the very export attached at start, never used by the bus: taken again
-        assert store.allocated and store.attached.used
+        assert store.allocated and store.handover.used
         for export, refusal in (
             (("engine-a", 3), "generation 3 is not newer than 3"),  # the engine died before it exported again
             (("engine-b", 1), None),  # its restart: a first generation again, under a new instance

@@ -78,13 +78,20 @@ class LazyGroup(click.Group):
         super().__init__(*args, **kwargs)
         self.commands = self._loader = _LazyCommands(lazy, dict(self.commands))
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         """As click's, but a usage error (a bad option or environment value, a missing
         argument) is one line naming the command and its ``--help``, exit 2."""
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(args, prog_name, complete_var, False, **extra)
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as err:
             where = err.ctx.command_path if err.ctx is not None else "zkv"
             click.echo(f"{where}: error: {err.format_message()} (see {where} --help)", err=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -329,7 +329,7 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def fail(message: str, hint: str = "", code: int = 1) -> None:
+def fail(message: str, hint: str = "", code: int = 1) -> NoReturn:
     click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
     sys.exit(code)
 

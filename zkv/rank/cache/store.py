@@ -119,7 +119,7 @@ class BlockStore:
         self.tier: CpuTier | None = None
         self.copier: CopyEngine | None = None
         self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
-        self.attached = Attached()  # the engine caches attached, and which one a resume may take
+        self.handover = Attached()  # the engine caches attached, and which one a resume may take
         self._tier_key: Hashable = None
         self.allocate(layout)
 
@@ -196,7 +196,7 @@ class BlockStore:
         self._drop_device()  # a resume that changes the layout without a clear
         cache = self.memory.acquire(layout)
         try:
-            self.attached.check(cache)
+            self.handover.check(cache)
             geometry.check(layout, cache.descriptor, "the engine's new cache", resume=self.generation is not None)
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
@@ -217,17 +217,17 @@ class BlockStore:
             raise
         first = self.generation is None
         self.cache, self.layout, self.cpu_kept = cache, layout, kept
-        self.attached.took(cache, first)
+        self.handover.took(cache, first)
         return self.nbytes()
 
     @property
     def generation(self) -> int | None:
         """The generation of the device tier last attached (None before the first)."""
-        return self.attached.generation
+        return self.handover.generation
 
     @property
     def instance(self) -> str:
-        return self.attached.instance
+        return self.handover.instance
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
@@ -300,7 +300,7 @@ class BlockStore:
         fill (a checksum may read a reserved block)."""
         if self.cache is None:
             raise TaskInvalid("caches are cleared on this rank")
-        self.attached.used = True
+        self.handover.used = True
         layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
         reserved = self.cache.descriptor.reserved_ids  # the engine's own rows: never swapped or filled
         op = body.op
