@@ -82,10 +82,7 @@ class Bus:
         self.disk: dict[str, Any] | None = None
         self.broker = BrokerCore(BrokerConfig(world=world, **CFG))
         self.sessions = itertools.count(1)  # every registration its own session, restarts too
-        self.ranks = {
-            r: Rank(RankCore(r, world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__))
-            for r in range(world)
-        }
+        self.ranks = {r: Rank(self._core(r)) for r in range(world)}
         self.to_broker: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
         self.client_in: collections.deque = collections.deque()
         self.results_in: dict[int, collections.deque] = {r: collections.deque() for r in range(world)}
@@ -403,11 +400,16 @@ class Bus:
         sr.work.clear()
         self.results_in[rank].clear()  # a dead PUSH loses what it had queued
 
-    def start_rank(self, rank: int) -> None:
-        """A new process: fresh memory, generation 0, its command-line layout."""
-        self.ranks[rank] = Rank(
-            RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__)
-        )
+    def _core(self, rank: int, adopt_layout: bool = True) -> RankCore:
+        core = RankCore(rank, self.world, LAYOUT, heartbeat_ms=100, liveness_ms=1000, sessions=self.sessions.__next__)
+        core.adopt_layout = adopt_layout
+        return core
+
+    def start_rank(self, rank: int, adopt_layout: bool = True) -> None:
+        """A new process: fresh memory, generation 0, its command-line layout; it
+        takes the bus's layout when that differs, as a supervisor's restart does
+        (``adopt_layout``; without it the broker refuses it)."""
+        self.ranks[rank] = Rank(self._core(rank, adopt_layout))
         self._rank_actions(rank, self.ranks[rank].core.start(self.now))
 
     def restart_broker(self) -> None:

@@ -111,7 +111,15 @@ def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
 
         listing = zkv("list")
         assert "rank 0" in listing and "held by pid" in listing and "rank 1" in listing and "orphan" in listing
-        assert "1 orphaned CPU tier(s) removed" in zkv("clean")
+        bus = next(t.bus for t in list_tiers(str(tier_dir)))
+        refused = subprocess.run(
+            [sys.executable, "-m", "zkv", "tier", "clean"], capture_output=True, text=True, env=env
+        )
+        assert refused.returncode == 2 and "--bus ID" in refused.stderr and "--all" in refused.stderr, refused.stderr
+        dry = zkv("clean", "--bus", bus, "--dry-run")
+        assert "would remove" in dry and "1 orphaned CPU tier(s) would be removed" in dry and "nothing removed" in dry
+        assert len(list(list_tiers(str(tier_dir)))) == 2, "a dry run removes nothing"
+        assert "1 orphaned CPU tier(s) removed" in zkv("clean", "--bus", bus)
         assert [t.rank for t in list_tiers(str(tier_dir))] == [0], "a live worker's tier is never removed"
     finally:
         c.stop()

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 import zmq
+from test_worker_paths import Lines
 
 from zkv import Client, ZkvError
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.cluster import LocalCluster, layout_args
 from zkv.net.curve import Curve, generate_keypair, load_keypair, load_public
 from zkv.net.endpoints import Endpoints
 from zkv.wire import protocol as P
@@ -142,3 +143,24 @@ def test_a_client_key_cannot_register_or_listen_to_control(roles):
     finally:
         dealer.close()
         sub.close()
+
+
+def test_a_worker_whose_key_the_broker_refuses_says_so_while_it_waits(roles):
+    """docs/deploy.md §4: a refused Curve handshake is never answered; the worker names it."""
+    cluster, keys, _ranks, _me = roles
+    ep = cluster.endpoints
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zkv", "worker", "--rank", "0", "--world-size", "1", "--tier-dir", "none"]
+        + ["--backend", ep.backend, "--control", ep.control, *layout_args(LAYOUT)]
+        + ["--curve-secret", str(keys / "client.key_secret"), "--curve-server", str(keys / "broker.key")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        said = Lines(proc).wait_for("waiting for the broker at", timeout=30)
+        assert "refused the Curve handshake (HANDSHAKE_FAILED" in said and "--curve-ranks" in said, said
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

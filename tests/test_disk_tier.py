@@ -188,6 +188,9 @@ def test_the_store_keeps_the_disk_tier_with_keep_cpu_and_drops_it_on_a_clear_or_
     store.allocate(LAYOUT)
     with pytest.raises(DiskLost):
         store.load([10], [0])
+    with pytest.raises(CacheError, match=r"lost_block.*\[0\] hold nothing"):
+        store.spill([0], [3])  # the failed load left CPU row 0 holding nothing: never spilled as zeros
+    store.fill("cpu", [0], seed=4)
     store.spill([0], [3])
     store.allocate(LAYOUT.with_changes(head_dim=32))  # a resume with a new layout
     with pytest.raises(DiskLost):

@@ -202,6 +202,7 @@ def test_a_client_that_went_away_never_blocks_a_rank(cluster, client, tmp_path):
 
 
 def test_many_pipelined_tasks_each_get_exactly_one_outcome(client):
+    assert client.run("fill", dst=list(range(64)), tier="cpu", timeout=30).ok  # the rows the swap-ins read
     tasks = [
         client.submit("swap_out" if i % 2 else "swap_in", [i % 64], [i % 128] if i % 2 else [i % 64])
         for i in range(500)

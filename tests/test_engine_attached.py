@@ -119,7 +119,9 @@ def test_a_resume_with_nothing_handed_over_or_the_wrong_block_count_fails_naming
 def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
     """docs/engines.md, "Generations and restarts": a resume takes the first
     cache of another engine instance at any generation, refuses the replaced
-    instance's manifest, and within one instance needs a newer generation."""
+    instance's manifest, and within one instance needs a newer generation
+    than one the bus used (the cache a rank attached at its start and never
+    served may be taken once more)."""
     from zkv.harness.ipc_check import mapped
     from zkv.rank.cache import layouts
     from zkv.rank.cache.manifest import ShmArena, export_manifest
@@ -136,6 +138,9 @@ def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
             store.free(keep_cpu=True)
             store.allocate(store.layout)
 
+        store.free(keep_cpu=True)
+        store.allocate(store.layout)  # the very export attached at start, never used by the bus: taken again
+        assert store.allocated and store.handover.used
         for export, refusal in (
             (("engine-a", 3), "generation 3 is not newer than 3"),  # the engine died before it exported again
             (("engine-b", 1), None),  # its restart: a first generation again, under a new instance

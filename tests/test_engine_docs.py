@@ -1,4 +1,4 @@
-"""The Python snippets of docs/engines.md and docs/engine-transformers.md run
+"""The Python snippets of docs/engines.md, docs/engine-transformers.md and docs/operations.md run
 as written, each in a fresh interpreter (on the GPU when torch sees one, on
 the CPU otherwise), and close what they open: before the snippet's process
 exits, no ``ShmArena`` is still open and no thread but the main one still
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("engines.md", "engine-transformers.md")
+DOCS = ("engines.md", "engine-transformers.md", "operations.md")
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 #: (doc, snippet index) -> arguments: the benchmark on its smallest run (its table's sizes take minutes).

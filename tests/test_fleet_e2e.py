@@ -7,6 +7,7 @@ repaired by its retry, and the CLI's fleet forms (docs/deploy.md, "A fleet of bu
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ from zkv import Client, Fleet, FleetError
 from zkv.cli.commands import main
 from zkv.fleet import Answer
 from zkv.harness.fleet_rig import FleetRig
+from zkv.net.curve import generate_keypair
 
 NAMES = ("b0", "b1", "b2")
 
@@ -105,7 +107,7 @@ def test_a_rank_killed_during_a_fleet_pause_fails_it_naming_that_bus_and_every_b
         assert box["elapsed"] < 6, box  # the rank's death ended it, not the 10 s deadline
         assert statuses(fleet) == dict.fromkeys(NAMES, "running")
     finally:
-        bus.start_worker(1)
+        bus.start_worker(1, ["--adopt-layout"])  # the bus resumed to 24 blocks: not the flags' layout
         bus.wait_ready(60)
 
 
@@ -229,7 +231,7 @@ def test_the_cli_drives_the_fleet_and_shows_one_row_per_bus(rig, tmp_path):
         )
     )
     out = runner.invoke(main, ["pause", "--fleet", str(broken), "--timeout", "3"])
-    assert out.exit_code == 1 and "fleet pause failed on gone; the buses it paused were resumed" in out.output
+    assert out.exit_code == 1 and "fleet pause failed on gone; the buses it paused (b0) were resumed" in out.output
     assert "b0    ok" in out.output and "ok (" in out.output  # b0 paused, then resumed by the rollback
     out = runner.invoke(main, ["status", "--fleet", str(fleet_file), "--broker", rig.frontends[0]])
     assert out.exit_code == 2 and "not both" in out.output
@@ -237,6 +239,52 @@ def test_the_cli_drives_the_fleet_and_shows_one_row_per_bus(rig, tmp_path):
     bad.write_text(json.dumps({"buses": [{"name": "x", "broker": "localhost:5555"}]}))
     out = runner.invoke(main, ["pause", "--fleet", str(bad)])
     assert out.exit_code == 2 and "is not a broker address" in out.output
+
+
+def test_a_stopped_broker_bounds_the_whole_fleet_pause_and_its_row_says_not_resumed(rig):
+    """docs/deploy.md §6: a bus that does not answer is named at --timeout; the
+    resume a failed pause sends it is bounded by --timeout too (at most 10 s),
+    its row says NOT RESUMED, it is the slowest, and times are rounded."""
+    stopped = rig.clusters[1].broker
+    brokers = [w for a in rig.frontends for w in ("--broker", a)]
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        out = CliRunner().invoke(main, ["pause", *brokers, "--timeout", "2"])
+        elapsed = time.monotonic() - start
+        record = json.loads(
+            CliRunner().invoke(main, ["status", *brokers, "--timeout", "1", "--json"]).output.split("\n")[0]
+        )
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+    name = rig.frontends[1]
+    assert out.exit_code == 1, out.output
+    assert elapsed < 2 + 2 + 1.5, f"the fleet pause took {elapsed:.1f} s for --timeout 2"
+    assert f"slowest {name} at" in out.output, out.output
+    row = next(line for line in out.output.splitlines() if line.startswith(name))
+    assert "no_reply" in row and "NOT RESUMED" in row, row
+    assert f"NOT RESUMED: {name}" in out.output and "were resumed" in out.output
+    assert not re.search(r"\d\.\d{4,}", out.output), out.output  # no 2.998484979999944
+    assert record["bus"] == rig.frontends[0] and record["state"] == "running"  # resumed by the rollback
+    with Client(name, request_timeout=30) as c:  # the stopped bus comes back: leave it running
+        c.status(wait_ranks=1, timeout=30)
+        if c.status()["state"] != "running":
+            c.resume(timeout=30)
+
+
+def test_a_bus_that_refuses_the_curve_handshake_is_named_with_a_curve_hint(rig, tmp_path):
+    keys = tmp_path / "keys"
+    for name in ("broker", "trainer", "rank"):
+        generate_keypair(str(keys), name)
+    (keys / "ranks").mkdir()
+    (keys / "rank.key").rename(keys / "ranks" / "rank.key")
+    curve = ["--curve-secret", str(keys / "trainer.key_secret"), "--curve-server", str(keys / "broker.key")]
+    curve += ["--curve-ranks", str(keys / "ranks")]
+    brokers = [w for a in rig.frontends[:2] for w in ("--broker", a)]  # plain buses: a Curve client gets no answer
+    out = CliRunner().invoke(main, ["status", *brokers, *curve, "--timeout", "1"])
+    assert out.exit_code == 1, out.output
+    assert "with Curve, a broker that refuses the handshake never answers" in out.output, out.output
+    assert "within 1 s" in out.output or "within 0." in out.output, out.output
 
 
 def test_status_watch_redraws_the_fleet_table_until_sigterm(rig, tmp_path):

@@ -85,6 +85,7 @@ def test_no_pinned_allocation_after_the_first_swap(fake_cuda):
     cache = cuda_like_cache(fake_cuda)
     rng = random.Random(5)
     cache.swap("swap_out", rng.sample(range(64), 16), rng.sample(range(96), 16))
+    cache.fill("cpu", list(range(96)), seed=5)  # every row written: a swap-in reads any of them
     first, staging = fake_cuda.pinned_allocations, cache.copier.staged._staging
     assert first == 1, "the index upload buffer, once"
     for _ in range(40):

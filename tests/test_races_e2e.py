@@ -212,7 +212,9 @@ def test_10_random_cycles_with_real_processes(client):
     def collect(timeout=0.0):
         for out in client.poll(timeout):
             assert out.task not in outcomes, f"task {out.task} reported twice"
-            outcomes[out.task] = out.outcome
+            # a swap_in of a CPU row not written in this CPU generation is lost, never ok with zeros
+            lost = out.outcome == "failed" and "lost_block: " in out.reason
+            outcomes[out.task] = "lost" if lost else out.outcome
 
     for i in range(1000):
         for _ in range(rng.randint(0, 3)):
@@ -247,7 +249,8 @@ def test_10_random_cycles_with_real_processes(client):
     missing = [t for t in submitted if t not in outcomes]
     assert not missing, f"{len(missing)} tasks without an outcome, e.g. {missing[:5]}"
     kinds = set(outcomes.values())
-    assert "ok" in kinds and "cancelled" in kinds | {"rejected"} and kinds <= {"ok", "cancelled", "rejected"}, kinds
+    assert "ok" in kinds and "cancelled" in kinds | {"rejected"}, kinds
+    assert kinds <= {"ok", "cancelled", "rejected", "lost"}, kinds
     assert verified == 10
     ran = sum(1 for o in outcomes.values() if o == "ok")
     stats = rank_stats(client, want_tasks=min(base) + ran)  # stats that cover every task that ran
@@ -299,7 +302,7 @@ def test_11_a_clear_on_another_connection_cancels_only_the_tasks_of_the_old_gene
         assert [o.outcome for o in after_outs] == ["ok"] * 20, [o.reason for o in after_outs if not o.ok]
         assert all(res["gen"] == new for o in after_outs for res in o.per_rank.values())
         assert engine.gen == new, "the engine learned the new generation from its results"
-        assert engine.run("swap_in", [0], [0], timeout=10).ok
+        assert engine.run("swap_in", [1], [0], timeout=10).ok  # a row written at the new CPU generation
 
 
 def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_same_one_joins(cluster, client):
@@ -405,7 +408,7 @@ def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops
     cluster.quiet = False  # the restarted ranks log to this test's stderr
     try:
         for r in (0, 1):
-            cluster.start_worker(r)
+            cluster.start_worker(r, ["--adopt-layout"])  # the bus's layout, not their flags'
     finally:
         cluster.quiet = True
     st = wait_for(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)

@@ -5,7 +5,7 @@ test_recovery_e2e.py runs real processes)."""
 
 import pytest
 
-from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient
+from zkv.broker.core import BrokerConfig, BrokerCore, SaveState, ToClient, ToRank
 from zkv.broker.generation import Generation
 from zkv.prefix import PrefixCacheManager
 from zkv.testing.fakebus import FakeBus
@@ -15,6 +15,10 @@ from zkv.wire import protocol as P
 
 def replies(actions):
     return [P.decode(a.frames[0]) for a in actions if isinstance(a, ToClient)]
+
+
+def rank_msgs(actions):
+    return [P.decode(a.frames[0]) for a in actions if isinstance(a, ToRank)]
 
 
 def test_pause_then_clear_with_no_rank_registered_both_answer():
@@ -144,3 +148,34 @@ def test_a_generation_move_without_a_reason_is_refused():
     with pytest.raises(ValueError):
         gens.cleared(False, "")
     assert gens.gen == 0 and gens.reason == ""
+
+
+def test_a_new_process_with_another_layout_is_refused_naming_both_unless_it_adopts_the_bus_layout():
+    core = BrokerCore(BrokerConfig(world=2))
+    ready = {"world": 2, "gen": 0, "fresh": True}
+    core.on_rank(b"r0", [P.encode("ready", rank=0, session=1, layout=LAYOUT.to_wire(), **ready)], 1.0)
+    other = LAYOUT.with_changes(gpu_blocks=LAYOUT.gpu_blocks * 2, layers=LAYOUT.layers + 1)
+    out = core.on_rank(b"r1", [P.encode("ready", rank=1, session=2, layout=other.to_wire(), **ready)], 1.0)
+    (refused,) = rank_msgs(out)
+    assert refused.kind == "refused", refused
+    assert f"gpu_blocks {other.gpu_blocks} (the bus: {LAYOUT.gpu_blocks})" in refused.reason
+    assert f"layers {other.layers} (the bus: {LAYOUT.layers})" in refused.reason and "--adopt-layout" in refused.reason
+    assert 1 not in core.rank_table.ranks and core.gens.layout == LAYOUT, "a refused ready changes nothing"
+    out = core.on_rank(
+        b"r1", [P.encode("ready", rank=1, session=3, layout=other.to_wire(), adopt_layout=True, **ready)], 1.0
+    )
+    (welcome,) = [m for m in rank_msgs(out) if m.kind == "welcome"]
+    assert welcome.layout == LAYOUT.to_wire(), "it adopts the bus's layout"
+    not_fresh = {**ready, "fresh": False}  # a process whose memory was the bus's: the bus moved while it was away
+    out = core.on_rank(b"r1", [P.encode("ready", rank=1, session=4, layout=other.to_wire(), **not_fresh)], 1.0)
+    assert all(m.kind != "refused" for m in rank_msgs(out))
+
+
+def test_a_ready_cpu_gen_above_2_40_is_accepted_but_never_taken_as_the_bus_cpu_generation():
+    """docs/protocol.md §4.4: ``ready.cpu_gen`` is any uint on the wire; the broker takes one only up to 2^40-1."""
+    for cpu_gen in (2**40, 2**53 - 1):
+        core = BrokerCore(BrokerConfig(world=1))
+        ready = {"rank": 0, "world": 1, "session": 1, "layout": LAYOUT.to_wire(), "gen": 5, "fresh": True}
+        out = core.on_rank(b"r0", [P.encode("ready", **ready, kept_tiers=["cpu"], cpu_gen=cpu_gen)], 1.0)
+        assert [m.kind for m in rank_msgs(out)] == ["welcome"]
+        assert core.gens.cpu_gen < 2**40 and core.gens.gen < 2**40, (core.gens.cpu_gen, core.gens.gen)

@@ -59,6 +59,12 @@ def line_of(proc: subprocess.Popen, timeout: float = 120) -> str:
     return proc.stdout.readline().strip()
 
 
+def default_sighup() -> None:
+    """The engine starts with SIGHUP at its default action, as from a terminal, even
+    when this test runs under ``nohup`` (which ignores it, and a child inherits that)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Engine:
     """An engine process holding two arenas (one made off the main thread) in ``directory``."""
 
@@ -69,6 +75,7 @@ class Engine:
             stdout=subprocess.PIPE,
             text=True,
             env=ENV,
+            preexec_fn=default_sighup,
         )
         self.info: dict = {}
 

@@ -174,6 +174,7 @@ def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_pat
         broker.stop()
         thread.join(timeout=10)
     assert tier_row(text, "gpu") == ["gpu", "8", "24576", "(24.0", "KiB)", "192.0", "KiB"]
+    assert "model fields: not announced" in text and "head_dim" not in text, "no made-up model shape"
     assert tier_row(text, "cpu") == ["cpu", "3", "24576", "(24.0", "KiB)", "72.0", "KiB"]
     row = " ".join(rank_row(text, 0))
     assert row.startswith("0 yes") and "48.0 KiB 192.0 KiB 72.0 KiB" in row, "bytes moved (2 blocks), gpu and cpu cache"

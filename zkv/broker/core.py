@@ -295,7 +295,7 @@ class BrokerCore:
         """A rank registers (or re-registers): checked, reconciled with the
         bus (``recovery.py``) and welcomed with the bus's state."""
         table = self.rank_table
-        layout, refusal = table.admit(msg)
+        layout, refusal = table.admit(msg, self.gens.layout)
         if layout is None:
             out.append(ToRank(identity, [P.encode("refused", reason=P.clamp(refusal))]))
             return

@@ -106,7 +106,8 @@ class Generation:
             if self.cpu_lost:
                 self.move_cpu()
                 fields["note"] = (
-                    f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))}: its block shape changed"
+                    f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))} (a new block shape, "
+                    "or a rank that came back without it): the blocks the clear kept are gone"
                 )
             self.keep_cpu = False
         fields["cpu_gen"] = self.cpu_gen

@@ -15,6 +15,12 @@ from .actions import Action, Record, ToRank
 from .records import BrokerConfig, RankState
 
 
+def layout_difference(mine: CacheLayout, bus: CacheLayout) -> str:
+    """The fields where two layouts differ, both values named: ``gpu_blocks 32 (the bus: 64)``."""
+    a, b = mine.to_wire(), bus.to_wire()
+    return ", ".join(f"{k} {a[k]} (the bus: {b[k]})" for k in a if a[k] != b.get(k))
+
+
 class RankTable:
     """Registered ranks by number and by identity, and their liveness."""
 
@@ -40,16 +46,27 @@ class RankTable:
             return None
         return rs
 
-    def admit(self, msg: Ready) -> tuple[CacheLayout | None, str]:
-        """A ``ready``'s layout, or why the rank is refused."""
+    def admit(self, msg: Ready, bus: CacheLayout | None) -> tuple[CacheLayout | None, str]:
+        """A ``ready``'s layout, or why the rank is refused: another world size, a
+        bad layout, or a new process started with another layout than the bus's
+        (``bus``) that did not ask to adopt it (docs/protocol.md §10.1): never
+        resized behind its operator's back."""
         rank, world = msg.rank, msg.world
         if world != self.cfg.world or rank >= world:
             self.counters["refused"] += 1
             return None, f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}"
         try:
-            return CacheLayout.from_wire(msg.layout), ""
+            layout = CacheLayout.from_wire(msg.layout)
         except (P.ProtocolError, TypeError) as err:
             return None, f"bad layout: {err}"
+        if msg.fresh and bus is not None and layout != bus and not msg.adopt_layout:
+            self.counters["refused"] += 1
+            return None, (
+                f"rank {rank} was started with another layout than the bus's: {layout_difference(layout, bus)}; "
+                "start it with the bus's layout options (zkv status shows them), or with --adopt-layout to take "
+                "the bus's"
+            )
+        return layout, ""
 
     def is_repeat(self, identity: bytes, msg: Ready) -> bool:
         """The same live process said ``ready`` again (its welcome crossed it)."""

@@ -10,6 +10,7 @@ import click
 import zmq
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import MAX_WORLD
 from .commands import _DEFAULT, endpoint_options, stop_on_signals
 from .options import (
     broker_options,
@@ -98,7 +99,7 @@ def _broker_config(world: int, kw: dict) -> Any:
 @endpoint_options
 @click.option(
     "--world-size",
-    type=int,
+    type=click.IntRange(1, MAX_WORLD),
     default=2,
     show_default=True,
     envvar="ZKV_WORLD_SIZE",

@@ -12,11 +12,13 @@ from __future__ import annotations
 import importlib
 import logging
 import signal
+import sys
 from typing import Any, Callable
 
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import MAX_TIMEOUT_MS, MAX_WORLD
 from .options import (
     curve_from,
     curve_options,
@@ -76,6 +78,32 @@ class LazyGroup(click.Group):
         super().__init__(*args, **kwargs)
         self.commands = self._loader = _LazyCommands(lazy, dict(self.commands))
 
+    def main(
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """As click's, but a usage error (a bad option or environment value, a missing
+        argument) is one line naming the command and its ``--help``, exit 2."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as err:
+            where = err.ctx.command_path if err.ctx is not None else "zkv"
+            click.echo(f"{where}: error: {err.format_message()} (see {where} --help)", err=True)
+            sys.exit(err.exit_code)
+        except click.ClickException as err:
+            err.show()
+            sys.exit(err.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self._loader, *self._loader.lazy})
 
@@ -108,12 +136,14 @@ _LAZY = {
     "broker": ".broker_command:broker",
     "bench": ".bench:bench",
     "shm": ".shm:shm",
-    **{name: f".control:{name}" for name in ("status", "submit", "pause", "clear", "resume")},
+    **{name: f".control:{name}" for name in ("status", "pause", "clear", "resume")},
+    "submit": ".submit:submit",
     "state": ".state:state",
     "tier": ".tier:tier",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
     "up": ".up:up",
+    "down": ".supervise:down",
 }
 
 
@@ -131,11 +161,16 @@ def main(verbose: int) -> None:
 
 @main.command()
 @click.option(
-    "--rank", type=int, required=True, envvar="ZKV_RANK", show_envvar=True, help="This worker's tensor-parallel rank."
+    "--rank",
+    type=click.IntRange(0, MAX_WORLD - 1),
+    required=True,
+    envvar="ZKV_RANK",
+    show_envvar=True,
+    help="This worker's tensor-parallel rank.",
 )
 @click.option(
     "--world-size",
-    type=int,
+    type=click.IntRange(1, MAX_WORLD),
     default=2,
     show_default=True,
     envvar="ZKV_WORLD_SIZE",
@@ -153,7 +188,7 @@ def main(verbose: int) -> None:
 )
 @click.option(
     "--liveness-ms",
-    type=int,
+    type=click.IntRange(1, MAX_TIMEOUT_MS),
     default=2000,
     show_default=True,
     envvar="ZKV_LIVENESS_MS",
@@ -162,7 +197,7 @@ def main(verbose: int) -> None:
 )
 @click.option(
     "--torch-threads",
-    type=int,
+    type=click.IntRange(1, 1024),
     default=1,
     show_default=True,
     envvar="ZKV_TORCH_THREADS",
@@ -203,6 +238,14 @@ def main(verbose: int) -> None:
     "module loaded) and take over the moment it exits, kill -9 included: map its CPU tier again and register. "
     "Needs a --tier-dir (the rank's lock lives there). Without it such a worker is refused.",
 )
+@click.option(
+    "--adopt-layout",
+    is_flag=True,
+    envvar="ZKV_ADOPT_LAYOUT",
+    show_envvar=True,
+    help="When the bus holds another layout than the layout options say, take the bus's (and say so in the log) "
+    "instead of being refused. Without it the broker refuses such a worker, naming both layouts.",
+)
 @curve_options(server=False, client=True)
 def worker(
     rank: int,
@@ -217,6 +260,7 @@ def worker(
     tier_digests: bool,
     startup_times: str | None,
     standby: bool,
+    adopt_layout: bool,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
@@ -243,6 +287,7 @@ def worker(
     if standby:  # everything loaded: wait for the serving worker to go
         lock = _hold_rank(rank, backend, tiers, standby)
     opts = {"liveness_ms": liveness_ms, "curve": curve, "disk": disk, "tier_dir": tiers, "tier_digests": tier_digests}
+    opts.update(adopt_layout=adopt_layout, note=lambda text: click.echo(f"zkv worker: {text}", err=True))
     try:
         if manifest is None:
             w = RankWorker(rank, world_size, backend, control, layout, device=device, **opts)
@@ -266,7 +311,7 @@ def worker(
     try:
         w.serve()
     except RankRefused as err:
-        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options")
+        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options (or --adopt-layout)")
     except KeyboardInterrupt:
         pass
     finally:

@@ -1,5 +1,6 @@
-"""The client commands of ``zkv``: ``status``, ``submit``, ``pause``,
-``clear`` and ``resume``, each a request to the broker's frontend.
+"""The client commands of ``zkv``: ``status``, ``pause``, ``clear`` and
+``resume`` (``submit`` is ``submit.py``), each a request to the broker's
+frontend, and the options every client command shares.
 
 They print a one-line summary or ``--json``, and exit non-zero on any outcome
 other than ok, with a line that says what to do.
@@ -15,25 +16,13 @@ from typing import Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS, MAX_WORLD
 from ..wire.errors import ZkvError
-from ..wire.ids import decode_ids
 from . import fleet as fleet_cli
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
 
 _DEFAULT = Endpoints.default
-
-
-def _parse_ids(text: str) -> list[int]:
-    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11], by the wire's one parser."""
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, dash, hi = part.partition("-")
-        if dash and lo.strip().isdigit() and hi.strip().isdigit() and int(hi) < int(lo):
-            raise click.BadParameter(f"{part}: the end is before the start (write {hi.strip()}-{lo.strip()})")
-    try:
-        return decode_ids(text, "ids")
-    except ValueError as err:
-        raise click.BadParameter(str(err)) from None
 
 
 def client_options(fn: Callable) -> Callable:
@@ -62,7 +51,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
     )
     @click.option(
         "--timeout",
-        type=float,
+        type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
         default=30.0,
         show_default=True,
         envvar="ZKV_TIMEOUT",
@@ -89,7 +78,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
         if kwargs.get("watch") or kwargs.get("wait_ranks"):  # waits for a bus still coming up: only the address
             check_broker(broker, curve, probe=False)
         else:
-            check_broker(broker, curve)
+            check_broker(broker, curve, as_json=as_json)
         try:
             client_cm = Client(broker, request_timeout=timeout, curve=curve)
         except ValueError as err:  # e.g. Curve without --curve-ranks: say so, no traceback
@@ -127,7 +116,7 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 @fleet_options(fleet_cli.status)
 @click.option(
     "--wait-ranks",
-    type=int,
+    type=click.IntRange(0, MAX_WORLD),
     default=0,
     envvar="ZKV_STATUS_WAIT_RANKS",
     show_envvar=True,
@@ -159,123 +148,6 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: b
     _print_reply(st, as_json, render_status(st))
 
 
-def _why_not_now(st: dict) -> str:
-    """What keeps a task submitted now from running at once, from a status reply ('' when nothing)."""
-    state = st.get("state")
-    if state == "paused":
-        return "the bus is paused: tasks are held until zkv resume"
-    if state == "cleared":
-        return "the bus is cleared: the broker rejects tasks until zkv resume reallocates the caches"
-    if state not in (None, "running"):
-        return f"the bus is {state}: the task waits until that op completes"
-    alive = sum(1 for r in st.get("ranks") or [] if r.get("alive"))
-    world = st.get("world")
-    if isinstance(world, int) and alive < world:
-        return f"{alive} of {world} ranks answer: a task runs on every rank, so it waits for the missing ones"
-    return ""
-
-
-@click.command()
-@click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum"]))
-@click.option(
-    "--src",
-    default="",
-    envvar="ZKV_SUBMIT_SRC",
-    show_envvar=True,
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in these CPU blocks, "
-    "checksum these blocks of --tier.",
-)
-@click.option(
-    "--dst",
-    default="",
-    envvar="ZKV_SUBMIT_DST",
-    show_envvar=True,
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Destination block ids: swap-out writes these CPU blocks, swap-in these GPU blocks, "
-    "fill writes these blocks of --tier.",
-)
-@click.option(
-    "--tier",
-    type=click.Choice(["gpu", "cpu"]),
-    default=None,
-    envvar="ZKV_SUBMIT_TIER",
-    show_envvar=True,
-    help="Tier for fill/checksum.",
-)
-@click.option(
-    "--seed", type=int, default=None, envvar="ZKV_SUBMIT_SEED", show_envvar=True, help="Seed of the bytes fill writes."
-)
-@client_options
-def submit(
-    client: Any,
-    timeout: float,
-    as_json: bool,
-    op: str,
-    src: list[int],
-    dst: list[int],
-    tier: str | None,
-    seed: int | None,
-) -> None:
-    """Run one task on every rank and print its outcome.
-
-    swap-out --src GPU --dst CPU, swap-in --src CPU --dst GPU, fill --dst IDS
-    [--tier gpu|cpu] [--seed N], checksum --src IDS [--tier gpu|cpu] (prints
-    each rank's digests)."""
-    from ..obs.status_view import human_bytes
-
-    src_ids, dst_ids = src or None, dst or None  # parsed by the options' callback, before the broker is asked
-    st = client.status(timeout=timeout)  # the broker answers first, or the error names it, not the ranks
-    waits = _why_not_now(st)
-    if waits and not as_json:
-        click.echo(f"zkv: note: {waits}", err=True)
-    out = _run_or_cancel(client, op.replace("-", "_"), src_ids, dst_ids, timeout, tier, seed)
-    digests = {r: [d.hex() for d in res["digests"]] for r, res in sorted(out.per_rank.items()) if "digests" in res}
-    if as_json:
-        data = out.to_json()
-        for r, hexes in digests.items():
-            data["ranks"][str(r)]["digests"] = hexes
-        click.echo(json.dumps(data))
-    else:
-        reason = out.reason
-        if out.outcome == "timeout" and out.ran is False:
-            reason = f"still queued after {timeout:g} s, the broker dropped it: it never ran" + (
-                f" ({waits})" if waits else ""
-            )
-        elif out.outcome == "timeout" and not out.per_rank:
-            reason = f"no rank answered within {timeout:g} s: " + (waits or "see zkv status")
-        click.echo(
-            f"task {out.task}: {out.outcome}"
-            + (f" ({reason})" if reason else "")
-            + f"  {human_bytes(out.bytes)} moved in {out.elapsed_s * 1000:.2f} ms across {len(out.per_rank)} ranks"
-        )
-        for r, hexes in digests.items():
-            click.echo(f"  rank {r} digests: {' '.join(hexes)}")
-    if not out.ok:
-        if not as_json:
-            click.echo("zkv: error: the task did not succeed; see the reason above", err=True)
-        sys.exit(1)
-
-
-def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tier: str | None, seed: int | None) -> Any:
-    """The task's outcome; Ctrl-C cancels it when the broker still holds it queued."""
-    task = client.submit(op, src, dst, timeout, tier=tier, seed=seed)
-    try:
-        return client.wait(task)
-    except KeyboardInterrupt:
-        try:
-            answer = client.cancel(task, timeout=min(timeout, 5.0))
-        except ZkvError:
-            answer = {"cancelled": False, "state": "unknown"}
-        if answer.get("cancelled"):
-            click.echo(f"zkv: task {task} cancelled before it was dispatched: it never ran", err=True)
-        else:
-            click.echo(
-                f"zkv: task {task} was {answer.get('state')} when Ctrl-C came: it runs to its own outcome", err=True
-            )
-        sys.exit(130)
-
-
 @click.command()
 @fleet_options(fleet_cli.pause)
 @click.option(
@@ -285,15 +157,46 @@ def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tie
     show_envvar=True,
     help="Several buses: a failed pause leaves the buses it paused paused (default: resumes them).",
 )
-def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool) -> None:
-    """Stop dispatch and wait until every rank drained its tasks (every bus, with several)."""
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    envvar="ZKV_PAUSE_ALLOW_PARTIAL",
+    show_envvar=True,
+    help="Exit 0 when the pause completed without some ranks of the world (dead or not registered); "
+    "by default that exits 1.",
+)
+def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool) -> None:
+    """Stop dispatch and wait until every rank drained its tasks (every bus, with several).
+
+    Exits 1 when not every rank of the world acknowledged (a rank dead or
+    never started: the pause completed without it), unless --allow-partial."""
     del leave_paused  # one bus: the broker itself runs a failed pause again (docs/protocol.md §8.3)
     r = client.pause(timeout)
+    st = client.status(timeout=timeout)
+    world = st["world"]
+    # a noop (already paused): every live rank holds the pause (a rank learns it when it registers)
+    held = [x["rank"] for x in st["ranks"] if x.get("alive") and (r.get("noop") or x.get("acked_epoch") == r["epoch"])]
+    missing = sorted(set(range(world)) - set(held))
+    acked = world - len(missing)
+    r["world"] = world
     _print_reply(
         r,
         as_json,
-        f"paused: epoch {r['epoch']}, drained in {r['drain_ms']} ms" + (f" ({r['note']})" if r.get("noop") else ""),
+        f"paused: epoch {r['epoch']}, {acked} of {world} ranks "
+        + ("hold it" if r.get("noop") else "acked")
+        + f", drained in {r['drain_ms']} ms"
+        + (f" ({r['note']})" if r.get("noop") else "")
+        + (f" (ranks {missing} did not: dead or not registered)" if missing else ""),
     )
+    if missing and not allow_partial:
+        if not as_json:
+            click.echo(
+                f"zkv: error: only {acked} of {world} ranks acknowledged the pause: the bus is paused without "
+                f"ranks {missing} (they learn it when they register); check zkv status, or add --allow-partial "
+                "to accept a pause of the live ranks",
+                err=True,
+            )
+        sys.exit(1)
 
 
 @click.command()
@@ -322,7 +225,7 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 @fleet_options(fleet_cli.resume)
 @click.option(
     "--gpu-blocks",
-    type=int,
+    type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
     default=None,
     envvar="ZKV_RESUME_GPU_BLOCKS",
     show_envvar=True,
@@ -330,7 +233,7 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 )
 @click.option(
     "--cpu-blocks",
-    type=int,
+    type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
     default=None,
     envvar="ZKV_RESUME_CPU_BLOCKS",
     show_envvar=True,
@@ -350,5 +253,18 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
         r,
         as_json,
         f"running: epoch {r['epoch']}, generation {r['gen']}"
-        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms"),
+        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms")
+        + _cpu_tier_said(r),
     )
+    if r.get("cpu_kept") is False and not as_json:
+        click.echo("zkv: note: the CPU blocks kept by the clear are gone; a swap-in of them fails lost_block", err=True)
+
+
+def _cpu_tier_said(r: dict) -> str:
+    """What a resume after ``clear --keep-cpu`` did with the CPU tier (its ``cpu_kept``)."""
+    if r.get("cpu_kept") is True:
+        return f"; CPU blocks kept (CPU generation {r.get('cpu_gen')})"
+    if r.get("cpu_kept") is False:
+        why = r.get("note") or "the CPU tier could not be kept"
+        return f"; CPU blocks NOT kept: {why} (now CPU generation {r.get('cpu_gen')})"
+    return ""

@@ -90,10 +90,12 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
     stuck = report.not_resumable()
     what = f"fleet {report.op} failed on {failed}"
     if report.op == "pause":
+        paused = [b.name for b in report.buses if b.answer.answer.value == "ok"]
         left = "left paused" if report.on_failure == "stay" else "resumed"
-        what += f"; the buses it paused were {left}"
+        what += f"; the buses it paused ({', '.join(paused)}) were {left}" if paused else "; no bus was paused by it"
         if stuck:
-            what += f", except {', '.join(b.name for b in stuck)} (state unknown: see above)"
+            names = ", ".join(b.name for b in stuck)
+            what += f"; NOT RESUMED: {names} (the resume sent after the failed pause did not succeed: state unknown)"
         fail(what, "fix what the rows above name, then run the same command again")
     codes = {b.answer.code for b in report.failed()}
     if report.op == "clear" and "not_paused" in codes:
@@ -101,7 +103,8 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
     fail(what, "run the same command again once the buses above answer: buses already there answer noop")
 
 
-def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool) -> None:
+def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool = False) -> None:
+    del allow_partial  # each bus's row shows its ranks_acked (--json); one bus checks it (control.pause)
     _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else "resume"), as_json)
 
 

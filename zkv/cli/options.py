@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import click
+
+from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS
 
 
 def stacked(fn: Callable, opts: list[Callable]) -> Callable:
@@ -25,7 +27,7 @@ def broker_options(fn: Callable) -> Callable:
     opts = [
         click.option(
             "--max-inflight",
-            type=int,
+            type=click.IntRange(1, 1 << 20),
             default=d.max_inflight_per_rank,
             show_default=True,
             envvar="ZKV_MAX_INFLIGHT",
@@ -34,7 +36,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--max-queue",
-            type=int,
+            type=click.IntRange(1, 1 << 30),
             default=d.max_queue,
             show_default=True,
             envvar="ZKV_MAX_QUEUE",
@@ -43,7 +45,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--heartbeat-ms",
-            type=int,
+            type=click.IntRange(1, MAX_TIMEOUT_MS),
             default=d.heartbeat_ms,
             show_default=True,
             envvar="ZKV_HEARTBEAT_MS",
@@ -52,7 +54,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--liveness-ms",
-            type=int,
+            type=click.IntRange(1, MAX_TIMEOUT_MS),
             default=d.liveness_ms,
             show_default=True,
             envvar="ZKV_LIVENESS_MS",
@@ -61,7 +63,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--op-timeout-ms",
-            type=int,
+            type=click.IntRange(1, MAX_TIMEOUT_MS),
             default=d.op_timeout_ms,
             show_default=True,
             envvar="ZKV_OP_TIMEOUT_MS",
@@ -70,7 +72,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--max-open-per-client",
-            type=int,
+            type=click.IntRange(1, 1 << 30),
             default=d.max_open_per_client,
             show_default=True,
             envvar="ZKV_MAX_OPEN_PER_CLIENT",
@@ -79,7 +81,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--max-waiters-per-client",
-            type=int,
+            type=click.IntRange(1, 1 << 20),
             default=d.max_waiters_per_client,
             show_default=True,
             envvar="ZKV_MAX_WAITERS_PER_CLIENT",
@@ -88,7 +90,7 @@ def broker_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--max-waiters",
-            type=int,
+            type=click.IntRange(1, 1 << 20),
             default=d.max_waiters,
             show_default=True,
             envvar="ZKV_MAX_WAITERS",
@@ -114,7 +116,7 @@ def layout_options(fn: Callable) -> Callable:
     opts = [
         click.option(
             "--layers",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["layers"]),
             default=d.layers,
             show_default=True,
             envvar="ZKV_LAYERS",
@@ -123,7 +125,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--gpu-blocks",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
             default=d.gpu_blocks,
             show_default=True,
             envvar="ZKV_GPU_BLOCKS",
@@ -132,7 +134,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--cpu-blocks",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
             default=d.cpu_blocks,
             show_default=True,
             envvar="ZKV_CPU_BLOCKS",
@@ -141,7 +143,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--block-size",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["block_size"]),
             default=d.block_size,
             show_default=True,
             envvar="ZKV_BLOCK_SIZE",
@@ -150,7 +152,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--kv-heads",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["kv_heads"]),
             default=d.kv_heads,
             show_default=True,
             envvar="ZKV_KV_HEADS",
@@ -159,7 +161,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--head-dim",
-            type=int,
+            type=click.IntRange(1, LAYOUT_MAX["head_dim"]),
             default=d.head_dim,
             show_default=True,
             envvar="ZKV_HEAD_DIM",
@@ -327,9 +329,9 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def fail(message: str, hint: str = "") -> None:
+def fail(message: str, hint: str = "", code: int = 1) -> NoReturn:
     click.echo(f"zkv: error: {message}" + (f" ({hint})" if hint else ""), err=True)
-    sys.exit(1)
+    sys.exit(code)
 
 
 def tier_options(fn: Callable) -> Callable:

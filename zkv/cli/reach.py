@@ -6,6 +6,7 @@ cannot reach the broker")."""
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -57,16 +58,21 @@ def curve_hint(address: str, curve: Any) -> str:
     return ""
 
 
-def check_broker(address: str, curve: Any = None, probe: bool = True) -> None:
+def check_broker(address: str, curve: Any = None, probe: bool = True, as_json: bool = False) -> None:
     """Exit 2 for an address no client can use; with ``probe``, exit 1 at once
-    for a broker that certainly is not there (``certainly_absent``)."""
+    for a broker that certainly is not there (``certainly_absent``).  With
+    ``as_json`` that failure is also one JSON object on stdout, as every
+    other failure of a ``--json`` command is."""
     try:
         check_connect_address(address)
     except ValueError as err:
         usage_error(f"--broker {err}")
     why = certainly_absent(address) if probe else None
     if why is not None:
-        fail(f"no broker answers at {address}: {why}", start_hint(address))
+        reason = f"no broker answers at {address}: {why}"
+        if as_json:
+            click.echo(json.dumps({"ok": False, "code": "unreachable", "reason": reason}))
+        fail(reason, start_hint(address))
 
 
 def hint(code: str, address: str, curve: Any) -> str:

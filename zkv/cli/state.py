@@ -94,7 +94,7 @@ def state(state_file: str | None, as_json: bool) -> None:
             f"no broker state at {path}",
             "a broker writes it as soon as it runs; pass --state-file for a broker with a tcp:// frontend",
         )
-    seq, snap = loaded  # type: ignore[misc]
+    seq, snap = loaded
     if as_json:
         click.echo(json.dumps({"file": str(path), "seq": seq, "snapshot": snap}))
     else:

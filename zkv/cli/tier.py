@@ -50,18 +50,27 @@ def list_cmd(tier_dir: str, as_json: bool) -> None:
 
 @tier.command()
 @_DIR
-@click.option("--bus", default=None, help="Only this bus's tiers (the id in the file names).")
-def clean(tier_dir: str, bus: str | None) -> None:
+@click.option("--bus", default=None, help="Only this bus's tiers (the id in the file names: zkv tier list).")
+@click.option("--all", "every_bus", is_flag=True, help="Every bus's orphans on this host (else name one with --bus).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+def clean(tier_dir: str, bus: str | None, every_bus: bool, dry_run: bool) -> None:
     """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier),
-    and the rank locks killed workers left."""
+    and the rank locks killed workers left: of one bus (--bus), or of every bus on this host (--all)."""
     from ..rank.rank_lock import clean_locks
     from ..rank.tier_file import clean_tiers
 
-    removed = clean_tiers(tier_dir, bus)
+    if (bus is None) == (not every_bus):
+        raise click.UsageError(
+            "name the bus whose orphans to remove (--bus ID, as zkv tier list shows it) or pass --all for every "
+            "bus on this host (--dry-run says what would go)"
+        )
+    removed = clean_tiers(tier_dir, bus, dry_run)
+    verb = "would remove" if dry_run else "removed"
     for path in removed:
-        click.echo(f"removed {path}")
-    locks = clean_locks(tier_dir, bus)
+        click.echo(f"{verb} {path}")
+    locks = clean_locks(tier_dir, bus, dry_run)
     click.echo(
-        f"{len(removed)} orphaned CPU tier(s) removed from {tier_dir}"
+        f"{len(removed)} orphaned CPU tier(s) {'would be removed' if dry_run else 'removed'} from {tier_dir}"
         + (f", {len(locks)} rank lock(s)" if locks else "")
+        + (" (dry run: nothing removed)" if dry_run else "")
     )

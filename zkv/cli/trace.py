@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from ..wire.bounds import MAX_TIMEOUT_MS
 from .options import curve_from, curve_options, layout_from, layout_options
 
 
@@ -64,7 +65,7 @@ def _load(path: str) -> Any:
 )
 @click.option(
     "--task-timeout",
-    type=float,
+    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
     default=30.0,
     show_default=True,
     envvar="ZKV_REPLAY_TASK_TIMEOUT",
@@ -73,7 +74,7 @@ def _load(path: str) -> Any:
 )
 @click.option(
     "--op-timeout",
-    type=float,
+    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
     default=30.0,
     show_default=True,
     envvar="ZKV_REPLAY_OP_TIMEOUT",
@@ -167,17 +168,31 @@ def trace() -> None:
 @trace.command("gen")
 @click.argument("shape", type=click.Choice(["steady", "bursty", "rl-cycle"]))
 @click.option("--tasks", type=click.IntRange(min=0), default=100, show_default=True, help="Tasks in the trace.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (same seed, same trace).")
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**53 - 1),
+    default=0,
+    show_default=True,
+    help="Random seed (same seed, same trace).",
+)
 @click.option(
     "--world-size", type=click.IntRange(min=1), default=2, show_default=True, help="Ranks the trace is made for."
 )
 @layout_options
-@click.option("--rate", type=float, default=200.0, show_default=True, help="steady / rl-cycle: tasks per second.")
+@click.option(
+    "--rate",
+    type=click.FloatRange(0, min_open=True),
+    default=200.0,
+    show_default=True,
+    help="steady / rl-cycle: tasks per second.",
+)
 @click.option(
     "--clients", type=click.IntRange(min=1), default=None, help="Submitting clients (steady/rl-cycle 1, bursty 2)."
 )
 @click.option("--burst", type=click.IntRange(min=1), default=16, show_default=True, help="bursty: tasks per burst.")
-@click.option("--gap", type=float, default=0.05, show_default=True, help="bursty: seconds between bursts.")
+@click.option(
+    "--gap", type=click.FloatRange(0), default=0.05, show_default=True, help="bursty: seconds between bursts."
+)
 @click.option(
     "--every",
     type=click.IntRange(min=1),
@@ -317,7 +332,9 @@ def draw_plot(draw: Any, *args: Any) -> str:
     try:
         return draw(*args)
     except ImportError:
-        _error("plots need matplotlib: pip install 'zkv[plot]'")
+        from ..obs.plots import MISSING
+
+        _error(MISSING)
     except OSError as err:
         _error(f"{err.filename or args[0]}: {err.strerror or err}")
     except ValueError as err:

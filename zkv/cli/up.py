@@ -20,6 +20,7 @@ from typing import Any
 import click
 
 from ..net.endpoints import Endpoints
+from ..wire.bounds import MAX_WORLD
 from .options import (
     disk_options,
     fail,
@@ -30,6 +31,7 @@ from .options import (
     sigterm_as_interrupt,
     tier_options,
 )
+from .supervise import hold_up_lock, supervise
 
 _LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
 
@@ -92,6 +94,17 @@ def _start(cluster: Any, attach: bool, timeout: float) -> dict:
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise
+
+
+def _start_or_fail(cluster: Any, attach: bool) -> dict:
+    try:
+        return _start(cluster, attach, timeout=120)
+    except RuntimeError as err:  # a process exited; its own error line is above
+        usage = str(err).endswith("exited with 2")  # a value it refused: a usage error here too
+        fail(f"the bus did not start: {err}", "see the error above", 2 if usage else 1)
+    except TimeoutError as err:
+        fail(f"the bus did not start: {err}", "see the processes' output above")
+    raise AssertionError("unreachable")
 
 
 def _remove_sockets(endpoints: Endpoints) -> None:
@@ -166,12 +179,22 @@ def _claim_runtime_dir(
     """Refuse a runtime directory a live bus serves; read the snapshot its broker will restore."""
     from ..broker.state_file import FILE_NAME
     from ..client.client import Client, ZkvError
+    from ..harness import lifeline
 
     frontend = Endpoints.in_dir(runtime_dir).frontend
+    up_pid = lifeline.running(runtime_dir)
+    if up_pid is not None:
+        fail(
+            f"zkv up (pid {up_pid}) is already running a bus at {frontend}",
+            f"stop it with: zkv down --runtime-dir {runtime_dir}, or pass another --runtime-dir",
+        )
     with Client(frontend, request_timeout=0.3) as probe:
         try:
             probe.ping()
-            fail(f"a bus is already running at {frontend}", "stop it first, or pass another --runtime-dir")
+            fail(
+                f"a bus is already running at {frontend} (a broker started on its own, not by zkv up)",
+                "stop that broker first (SIGTERM), or pass another --runtime-dir",
+            )
         except ZkvError:
             pass  # nobody answers: ours to take
     # The broker inherits ZKV_STATE_FILE from this environment: read the file it will restore.
@@ -185,7 +208,7 @@ def _claim_runtime_dir(
 @click.command()
 @click.option(
     "--ranks",
-    type=int,
+    type=click.IntRange(1, MAX_WORLD),
     default=2,
     show_default=True,
     envvar="ZKV_RANKS",
@@ -220,7 +243,7 @@ def _claim_runtime_dir(
 )
 @click.option(
     "--requests",
-    type=int,
+    type=click.IntRange(1, 1 << 20),
     default=160,
     show_default=True,
     envvar="ZKV_UP_REQUESTS",
@@ -307,18 +330,14 @@ def up(
     if attach:
         from ..harness.attached_cluster import AttachedCluster  # torch: only when it is needed
 
-        cluster: Any = AttachedCluster(ranks, layout, **opts)
+        cluster: Any = AttachedCluster(ranks, layout, die_with_parent=True, **opts)
     else:
-        cluster = LocalCluster(ranks, layout, **opts)
+        cluster = LocalCluster(ranks, layout, die_with_parent=True, **opts)
     demo_disk, disk_blocks = _demo_disk(cluster, demo, user_disk, disk_blocks)
     sigterm_as_interrupt()
+    held = None if demo else hold_up_lock(cluster.directory)
     try:
-        try:
-            st = _start(cluster, attach, timeout=120)
-        except RuntimeError as err:  # a process exited; its own error line is above
-            fail(f"the bus did not start: {err}", "see the error above")
-        except TimeoutError as err:
-            fail(f"the bus did not start: {err}", "see the processes' output above")
+        st = _start_or_fail(cluster, attach)
         owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
         click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
         _say_state(st, restored is not None)
@@ -332,15 +351,14 @@ def up(
             if not ok:
                 sys.exit(1)
             return
+        click.echo(f"zkv up: a rank that exits is started again; zkv down --runtime-dir {cluster.directory} stops all")
         click.echo("Ctrl-C to stop.")
-        names = {p.pid: f"rank {r}" for r, p in cluster.workers.items()}
-        names[cluster.broker.pid] = "broker"
-        names.update({e.proc.pid: f"engine {r}" for r, e in getattr(cluster, "engines", {}).items()})
-        pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
-        fail(f"{names.get(pid, pid)} exited with code {os.waitstatus_to_exitcode(status)}", "see its log above")
+        supervise(cluster)
     except KeyboardInterrupt:
         click.echo("zkv up: stopping")
     finally:
+        if held is not None:
+            held.release()
         cluster.stop()
         _remove_sockets(cluster.endpoints)
         if demo_disk is not None:

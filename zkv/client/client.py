@@ -238,7 +238,7 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ZkvError(
-                    "no_reply", f"no reply to {what} from {self.broker} within {timeout} s; is the broker running?"
+                    "no_reply", f"no reply to {what} from {self.broker} within {timeout:.3g} s; is the broker running?"
                 )
             self._pump(left)
         reply = self.replies.pop(req)

@@ -158,7 +158,13 @@ class BusLink:
                 return BusAnswer(Answer.ERROR, at(), err.code, err.reason)
             self._drop()  # drops what is still queued to it (linger 0)
             answer = Answer.NO_REPLY if err.code == "no_reply" else Answer.UNREACHABLE
-            return BusAnswer(answer, at(), err.code, err.reason)
+            reason = err.reason
+            if answer is Answer.NO_REPLY and self.spec.curve() is not None:
+                reason += (
+                    " (with Curve, a broker that refuses the handshake never answers: check that curve_server is "
+                    "this broker's public key and that the client's key is in its --curve-clients)"
+                )
+            return BusAnswer(answer, at(), err.code, reason)
         except zmq.ZMQError as err:
             self._drop()
             return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"socket error: {err}")

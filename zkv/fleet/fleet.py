@@ -37,7 +37,9 @@ class Fleet:
 
     ``timeout`` bounds each operation (the default of each call);
     ``rollback_timeout`` bounds the resume a failed pause sends each bus it
-    paused, so a failed pause returns within ``timeout + rollback_timeout``."""
+    may have paused, at most ``timeout`` itself: so a call returns within
+    ``timeout``, and a failed pause within ``timeout + min(rollback_timeout,
+    timeout)`` (docs/deploy.md §6)."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class Fleet:
     ) -> FleetReport:
         timeout = self.timeout if timeout is None else _seconds(timeout, "timeout")
         rollback = self.rollback_timeout if rollback_timeout is None else _seconds(rollback_timeout, "rollback_timeout")
+        rollback = min(rollback, timeout)  # the rollback never takes longer than the operation may
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a Fleet runs one operation at a time (use it from one thread)")
         try:

@@ -7,6 +7,7 @@ so the tests exercise exactly what a user runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from ..client.client import Client, ZkvError
 from ..net.endpoints import Endpoints
 from ..wire.layout import CacheLayout
 from . import zygote
+from .lifeline import die_with_parent
 
 
 def layout_args(layout: CacheLayout) -> list[str]:
@@ -56,8 +58,10 @@ class LocalCluster:
         quiet: bool = False,
         endpoints: Endpoints | None = None,
         tier_dir: str | None = None,
+        die_with_parent: bool = False,
     ):
         self.ranks = ranks
+        self.die_with_parent = die_with_parent  # every process gets SIGTERM when this one dies (lifeline.py)
         self.layout = layout or CacheLayout()
         self._own_dir = directory is None
         # ipc:// paths are limited to ~107 bytes: keep the directory short.
@@ -79,7 +83,10 @@ class LocalCluster:
         if args[0] == "worker" and zygote.wanted():
             env.pop(zygote.ENV, None)
             return zygote.spawn(args, env, stdout=out, stderr=out)
-        return subprocess.Popen([sys.executable, "-m", "zkv", *args], stdout=out, stderr=out, env=env)
+        lifeline = functools.partial(die_with_parent, os.getpid()) if self.die_with_parent else None
+        return subprocess.Popen(
+            [sys.executable, "-m", "zkv", *args], stdout=out, stderr=out, env=env, preexec_fn=lifeline
+        )
 
     def _ep_args(self) -> list[str]:
         ep = self.endpoints

@@ -154,10 +154,10 @@ class TierChaos:
         except BaseException:
             self.close()
             raise
-        for tier in ("gpu", "cpu"):  # a fresh tier holds zeros
-            rows = range(SIZE[tier])
-            if (out := self._task("checksum", rows, None, tier=tier)).ok:
-                self.model.learn(tier, rows, out)
+        rows = range(SIZE["gpu"])  # a fresh device tier holds zeros
+        if (out := self._task("checksum", rows, None, tier="gpu")).ok:
+            self.model.learn("gpu", rows, out)
+        self._fill("cpu", list(range(SIZE["cpu"])))  # a fresh CPU tier holds nothing (lost_block) until written
         return self
 
     def __exit__(self, *exc) -> None:

@@ -59,8 +59,10 @@ def render_fleet_report(record: dict[str, Any]) -> str:
     body, notes = [], []
     for b in buses:
         rollback = b.get("rollback", "")
-        if rollback:
+        if rollback in ("ok", "noop"):
             rollback = f"{rollback} ({_ms(b.get('rollback_ms'))} ms)" if "rollback_ms" in b else rollback
+        elif rollback:  # a resume it needed that did not happen: the operator's to look at
+            rollback = f"NOT RESUMED ({rollback}" + (f", {_ms(b['rollback_ms'])} ms)" if "rollback_ms" in b else ")")
         reply = b.get("reply") or {}
         note = reply.get("note", "") if isinstance(reply, dict) else ""
         body.append([str(b.get("bus", "?")), str(b.get("outcome", "?")), _ms(b.get("ms")), b.get("state") or "unknown"])

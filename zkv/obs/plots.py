@@ -1,7 +1,7 @@
 """Pictures of what the bus did: a trace's task latencies over time, and a
 benchmark report beside its same-run baselines.
 
-matplotlib is an optional extra (``pip install 'zkv[plot]'``), imported only
+matplotlib is an optional extra (``pip install -e '.[plot]'`` in the checkout), imported only
 when a plot is drawn.  Figures are drawn on matplotlib's Agg canvas directly
 (no pyplot), so plotting never changes the backend of a process that has
 its own (an engine, a notebook).
@@ -24,7 +24,7 @@ OP_COLOURS = {"pause": "#f2c744", "clear": "#e8645a", "resume": "#7cc47c"}
 STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
 
 
-MISSING = "plots need matplotlib: pip install 'zkv[plot]'"
+MISSING = "plots need matplotlib: pip install -e '.[plot]' in the zkv checkout (the README's install)"
 
 
 class MatplotlibMissing(ImportError):

@@ -60,10 +60,17 @@ def _layout_lines(layout: dict[str, Any]) -> list[str]:
         total = blocks * block_bytes if block_bytes is not None and type(blocks) is int else None
         rows.append([tier, _count(blocks), per_block, human_bytes(total)])
     field = {k: layout.get(k, "-") for k in ("layers", "kv_heads", "block_size", "head_dim", "dtype")}
-    model = (
-        f"model fields: {field['layers']} layers, {field['kv_heads']} kv heads, "
-        f"{field['block_size']} tokens per block, head_dim {field['head_dim']}, {field['dtype']}"
-    )
+    if field["layers"] == field["kv_heads"] == field["block_size"] == 1:
+        # what a rank derives from an engine's memory: only the product is the engine's (geometry.derive)
+        model = (
+            f"model fields: not announced (a rank on an engine's memory knows only its bytes per block; "
+            f"{field['dtype']}; zkv worker --attach with the layout options names them)"
+        )
+    else:
+        model = (
+            f"model fields: {field['layers']} layers, {field['kv_heads']} kv heads, "
+            f"{field['block_size']} tokens per block, head_dim {field['head_dim']}, {field['dtype']}"
+        )
     return ["", *table(["layout", "blocks", "bytes per block", "per rank"], rows), model]
 
 

@@ -1,5 +1,5 @@
 """What a rank's core asks its loop to do: a frame for the broker, a task or
-a cache operation for the executor, an ack to note.
+a cache operation for the executor, an ack to note, a line for the operator.
 
 ``ToBroker`` and ``Execute`` are made per task, so they are slotted, not
 frozen (a frozen dataclass's ``__init__`` costs ~3 us, six times a plain
@@ -58,4 +58,11 @@ class Acked:
     epoch: int
 
 
-RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked]
+@dataclass(frozen=True)
+class Note:
+    """A line for the operator (the worker's log): what the rank did that its flags did not say."""
+
+    text: str
+
+
+RankAction = Union[ToBroker, Execute, FreeCache, AllocateCache, Acked, Note]

@@ -19,7 +19,7 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Control, Error, Heartbeat, Map, Refused, Reregister, Task, Welcome
 from ..wire.vocab import ControlOp
-from .actions import Acked, AllocateCache, Execute, FreeCache, RankAction, ToBroker
+from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
 from .registration import RankPhase, RankRefused, Registration
 
@@ -47,6 +47,7 @@ class RankCore:
         self.layout = layout  # the layout of the memory this rank holds (or last held)
         self.bus_layout = layout  # the layout the broker last named
         self.fresh = True  # this process's memory was never part of a bus generation
+        self.adopt_layout = False  # a new process takes the bus's layout when its own differs (else it is refused)
         self.cache = CacheState()  # the cache's phase in the clear/resume cycle, and what its acks repeat
         self.registration = Registration(sessions, heartbeat_ms, liveness_ms)  # phase, session, the link's clock
         self.stats = stats  # counters sent in heartbeats and acks
@@ -82,6 +83,8 @@ class RankCore:
         fields: dict[str, Any] = {"rank": self.rank, "world": self.world, "session": reg.session, "gen": self.gen}
         fields.update(layout=self.layout.to_wire(), pid=reg.pid, host=reg.host or None, fresh=self.fresh)
         fields.update(has_cache=self.cache.phase.serves)
+        if self.adopt_layout:
+            fields["adopt_layout"] = True
         return [ToBroker(P.encode("ready", **fields, **(self.tiers() if self.tiers else {})))]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
@@ -265,6 +268,14 @@ class RankCore:
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
         self.bus_layout = CacheLayout.from_wire(msg.layout)
+        if self.fresh and self.bus_layout != self.layout:  # only with adopt_layout: the broker refuses it otherwise
+            self.counters["layouts_adopted"] += 1
+            hello.append(
+                Note(
+                    f"rank {self.rank} adopts the bus's layout {self.bus_layout.to_wire()} (started with "
+                    f"{self.layout.to_wire()}): its caches are allocated anew at the broker's resume"
+                )
+            )
         self.fresh = False
         self.gen = msg.gen
         self.counters["welcomes"] += 1

@@ -86,9 +86,9 @@ class RankLock:
         self._fd = -1
 
 
-def clean_locks(directory: str, bus: str | None = None) -> list[Path]:
+def clean_locks(directory: str, bus: str | None = None, dry_run: bool = False) -> list[Path]:
     """Remove the rank locks (of ``bus``, when given) no live worker holds: those a
-    killed worker left; return their paths."""
+    killed worker left; return their paths (``dry_run``: those it would remove)."""
     from .tier_file import remove_tier  # numpy: not on a worker's start path
 
     removed: list[Path] = []
@@ -103,7 +103,7 @@ def clean_locks(directory: str, bus: str | None = None) -> list[Path]:
             continue
         path = Path(directory) / name
         try:
-            if remove_tier(path):  # a waiter that then locks the unlinked file takes the path's
+            if remove_tier(path, dry_run):  # a waiter that then locks the unlinked file takes the path's
                 removed.append(path)
         except OSError:
             continue

@@ -18,9 +18,10 @@ version 2, one of packed rows version 1 (the layouts are otherwise one).
 
 A write sets the mark to "being written" first and to valid last, so a
 write torn by a kill leaves a row whose header does not check: that block
-is lost, never served (a row never written, its header all zeros, holds
-the zeros of a fresh tier).  A tier in host memory dies only with the host, so the mark is
-what catches the tears it can suffer; the row digest is opt-in
+is lost, never served.  A row not written in the current generation (its
+header all zeros, or sealed at another generation) holds nothing: it is
+lost too, never served as zeros.  A tier in host memory dies only with the
+host, so the mark is what catches the tears it can suffer; the row digest is opt-in
 (``TierPlace.digests``, ``zkv worker --tier-digests``) because hashing a row
 costs several times copying it (BLAKE2b ~0.3-0.7 GB/s per core against a
 copy's several GB/s).  With it, a row's bytes are checked against the digest
@@ -196,20 +197,26 @@ class TierFile:
     def _row_digest(self, row: int) -> bytes:
         return hashlib.blake2b(self.data[row], digest_size=16).digest()
 
-    def lost(self, rows: list[int]) -> list[int]:
-        """The rows among ``rows`` whose header or digest does not check (headers
-        checked together; with digests, each row's bytes hashed here).  A row
-        never written since the file was made (its header all zeros) is not
-        lost: it holds the zeros of a fresh tier, as an in-memory one would."""
+    def lost(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        """The rows among ``rows`` that must not be served, as ``(empty, torn)``:
+        ``empty`` holds nothing of this generation (never written since the file
+        was made: its header is all zeros; or sealed at another generation);
+        ``torn`` was being written when its writer died, or its header or
+        digest does not check.  Headers are checked
+        together; with digests, each row's bytes are hashed here."""
         idx = np.fromiter(dict.fromkeys(rows), dtype=np.intp)
         heads = self.heads[idx]
-        ok = self._checks(heads) | ~heads.any(axis=1)
+        ok = self._checks(heads)
+        sealed = (heads[:, 0:4] == np.frombuffer(MARK, dtype=np.uint8)).all(axis=1)
+        other_gen = sealed & (heads[:, 8:16].copy().view("<u8")[:, 0] != self.gen)
+        torn = ~ok & ~other_gen & heads.any(axis=1)
         if self.digests:
             for i in np.flatnonzero(ok):
                 stored = bytes(heads[i, 32:48])
                 if stored != _NO_DIGEST and self._row_digest(int(idx[i])) != stored:
-                    ok[i] = False
-        return [int(r) for r in idx[~ok]]
+                    ok[i], torn[i] = False, True
+        empty = ~ok & ~torn
+        return [int(r) for r in idx[empty]], [int(r) for r in idx[torn]]
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (views of ``data`` must be gone) and, if ``unlink``, remove the file."""
@@ -279,25 +286,28 @@ def list_tiers(directory: str = DEFAULT_DIR) -> Iterator[TierInfo]:
             yield TierInfo(path, bus, fields[8], fields[3], fields[4], fields[6], fields[7], owned, size)
 
 
-def remove_tier(path: Path) -> bool:
-    """Remove a tier file (or a rank lock) no live process holds; False when one does."""
+def remove_tier(path: Path, dry_run: bool = False) -> bool:
+    """Remove a tier file (or a rank lock) no live process holds; False when one does.
+    ``dry_run``: only say whether it would be removed."""
     fd = os.open(path, os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        os.unlink(path)
+        if not dry_run:
+            os.unlink(path)
         return True
     finally:
         os.close(fd)
 
 
-def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None) -> list[Path]:
-    """Remove every tier file (of ``bus``, when given) that no live process holds; return their paths."""
+def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None, dry_run: bool = False) -> list[Path]:
+    """Remove every tier file (of ``bus``, when given) that no live process holds; return their paths
+    (``dry_run``: those it would remove, removing none)."""
     removed = []
     for info in list_tiers(directory):
-        if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path):
+        if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path, dry_run):
             removed.append(info.path)
     return removed
 

@@ -29,10 +29,11 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
@@ -41,7 +42,7 @@ from ..obs import startup
 from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp
-from .actions import Acked, AllocateCache, Execute, FreeCache, ToBroker
+from .actions import Acked, AllocateCache, Execute, FreeCache, Note, ToBroker
 from .batching import DoneBatcher, InlinePolicy
 from .cache.disk_tier import DiskSpec
 from .cache.geometry import LayoutGiven
@@ -54,6 +55,14 @@ from .result_links import ResultSenders
 from .tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
+WAIT_NOTE_S = 5.0  # a rank not yet welcomed says what it waits for after this
+WAIT_NOTE_EVERY_S = 30.0  # and again at this rate while it still waits
+_EVENT_NAMES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "HANDSHAKE_FAILED_NO_DETAIL",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "HANDSHAKE_FAILED_PROTOCOL",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "HANDSHAKE_FAILED_AUTH",
+}
+_HANDSHAKE_FAILED = int(sum(_EVENT_NAMES))
 
 _ids = itertools.count()
 
@@ -95,8 +104,15 @@ class RankWorker:
         tier_dir: str | None = None,
         tier_digests: bool = False,
         disk: DiskSpec | None = None,
+        adopt_layout: bool = False,
+        note: Callable[[str], None] | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
+        self.note = note or log.warning  # lines for the operator: a layout adopted, a broker that does not answer
+        self.backend, self.curve = backend, curve
+        self._joining_since: float | None = None  # when this rank last began waiting for a welcome
+        self._next_wait_note = 0.0
+        self._said_waiting = False
         self._owns_cache = cache is None  # ours to close when the loop ends (a tier file stays for a restart)
         if cache is None:
             if layout is None:
@@ -107,6 +123,7 @@ class RankWorker:
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.core.tiers = lambda: cache.kept_tiers(self.core.fresh)
+        self.core.adopt_layout = adopt_layout
         self.registered = threading.Event()  # set once the broker first welcomed this rank
         uid = next(_ids)
         # Unguessable, like every inproc name in zkv (no reply_to can name one anyway).
@@ -121,6 +138,9 @@ class RankWorker:
         if curve is not None:
             curve.make_client(self.dealer)
             curve.make_client(self.sub)
+        # With Curve, a handshake the broker refuses is never answered: watch for it to say so
+        self._handshakes = self.dealer.get_monitor_socket(_HANDSHAKE_FAILED) if curve is not None else None
+        self._handshake_failed = ""
         self.dealer.connect(backend)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(control)
@@ -215,14 +235,67 @@ class RankWorker:
                 if core.registered and not self.registered.is_set():
                     startup.mark("welcome")
                     self.registered.set()
+                self._say_waiting(time.monotonic())
         finally:
             self.executor.work.put(None)
             self.executor.join(timeout=10)
+            if self._handshakes is not None:
+                self.dealer.disable_monitor()
+                self._handshakes.close(linger=0)
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
             self._inline_senders.close()
             if self._owns_cache:
                 self.cache.close()
+
+    def _say_waiting(self, now: float) -> None:
+        """A rank that waits for the broker's welcome says so after ``WAIT_NOTE_S`` and
+        then every ``WAIT_NOTE_EVERY_S`` (a broker down, a Curve key it refuses: the
+        handshake fails in silence), and once it is welcomed, after how long."""
+        core = self.core
+        if core.registered:
+            if self._joining_since is not None and self._said_waiting:
+                self.note(f"rank {core.rank}: registered with the broker after {now - self._joining_since:.0f} s")
+            self._joining_since, self._said_waiting = None, False
+            if self._handshakes is not None:  # the handshake went through: nothing more to watch
+                self.dealer.disable_monitor()
+                self._handshakes.close(linger=0)
+                self._handshakes = None
+            return
+        if self._joining_since is None:
+            self._joining_since, self._next_wait_note = now, now + WAIT_NOTE_S
+            return
+        if now < self._next_wait_note:
+            return
+        self._next_wait_note = now + WAIT_NOTE_EVERY_S
+        self._said_waiting = True
+        failed = self._handshake_failures()
+        if failed:
+            why = (
+                f"the broker refused the Curve handshake ({failed}): is this rank's public key in the broker's "
+                "--curve-ranks directory, and is --curve-server the broker's public key?"
+            )
+        elif self.curve is not None:
+            why = (
+                "is the broker up there, is this rank's public key in the broker's --curve-ranks directory, "
+                "and is --curve-server the broker's public key? (a refused Curve key is never answered)"
+            )
+        else:
+            why = "is zkv broker running with this --backend (and --control) address?"
+        self.note(
+            f"rank {core.rank}/{core.world}: waiting for the broker at {self.backend} to answer its registration "
+            f"({now - self._joining_since:.0f} s so far): {why}"
+        )
+
+    def _handshake_failures(self) -> str:
+        """The handshake failures the DEALER's monitor saw so far (their event names), '' for none."""
+        monitor = self._handshakes
+        while monitor is not None and monitor.poll(0):
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            name = _EVENT_NAMES.get(zmq.Event(event["event"]), str(event["event"]))
+            if name not in self._handshake_failed:
+                self._handshake_failed = ", ".join(filter(None, [self._handshake_failed, name]))
+        return self._handshake_failed
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for frames in ready_messages(sock, 512):
@@ -308,6 +381,8 @@ class RankWorker:
                     ex.paused_ack.set()
                 else:
                     ex.paused_ack.clear()
+            elif kind is Note:
+                self.note(action.text)
             elif kind is FreeCache or kind is AllocateCache:
                 if kind is AllocateCache:
                     ex.paused_ack.clear()

@@ -12,12 +12,19 @@ from .format import DEFAULT_CONTROL_CLIENT, header_record
 SHAPES = ("steady", "bursty", "rl-cycle")
 
 
-def _task_fields(rng: random.Random, layout: CacheLayout, i: int, max_blocks: int) -> dict[str, Any]:
+def _task_fields(rng: random.Random, layout: CacheLayout, i: int, max_blocks: int, written: set[int]) -> dict[str, Any]:
+    """Every other task a swap_out, else a swap_in of CPU rows ``written`` (by this
+    client's earlier swap_outs, in this CPU generation: a row never written is
+    lost, never ``ok``, docs/protocol.md §6.2); a swap_out while none is."""
     k = rng.randint(1, max(1, min(max_blocks, layout.gpu_blocks, layout.cpu_blocks)))
-    gpu = sorted(rng.sample(range(layout.gpu_blocks), k))
-    cpu = sorted(rng.sample(range(layout.cpu_blocks), k))
-    if i % 2 == 0:
+    if i % 2 == 0 or not written:
+        gpu = sorted(rng.sample(range(layout.gpu_blocks), k))
+        cpu = sorted(rng.sample(range(layout.cpu_blocks), k))
+        written.update(cpu)
         return {"op": "swap_out", "src": encode_ids(gpu), "dst": encode_ids(cpu)}
+    k = min(k, len(written))
+    gpu = sorted(rng.sample(range(layout.gpu_blocks), k))
+    cpu = sorted(rng.sample(sorted(written), k))
     return {"op": "swap_in", "src": encode_ids(cpu), "dst": encode_ids(gpu)}
 
 
@@ -55,8 +62,11 @@ def generate(
     n_clients = clients or (2 if shape == "bursty" else 1)
     yield header_record(world, layout, source="gen", shape=shape, seed=seed, tasks=tasks)
     counters = [0] * n_clients
+    # CPU rows each client's swap_outs wrote (one client's tasks reach the broker
+    # in order; a clear without keep_cpu drops them all)
+    written: list[set[int]] = [set() for _ in range(n_clients)]
 
-    def task(i: int, t: float, expect: str) -> dict[str, Any]:
+    def task(i: int, t: float, expect: str | list[str]) -> dict[str, Any]:
         c = i % n_clients
         counters[c] += 1
         return {
@@ -64,7 +74,8 @@ def generate(
             "ev": "submit",
             "client": f"c{c}",
             "task": counters[c],
-            **_task_fields(rng, layout, i, max_blocks),
+            # a task that cannot end ok (held then cancelled, or rejected) writes nothing
+            **_task_fields(rng, layout, i // n_clients, max_blocks, written[c] if "ok" in expect else set(written[c])),
             "expect": expect,
         }
 
@@ -92,6 +103,8 @@ def generate(
         if phase == "paused" and (phase_left == 0 or i >= tasks):
             yield {"t": round(t, 6), "ev": "clear", "client": DEFAULT_CONTROL_CLIENT, "expect": "ok"}
             phase, phase_left = "cleared", held
+            for rows in written:
+                rows.clear()
             continue
         if phase == "cleared" and (phase_left == 0 or i >= tasks):
             yield {"t": round(t, 6), "ev": "resume", "client": DEFAULT_CONTROL_CLIENT, "expect": "ok"}

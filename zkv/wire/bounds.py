@@ -27,6 +27,7 @@ MAX_PID = 2**32 - 1
 MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
 DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
 MAX_STR = 4096  # any str field, in characters (what the bus sends too: error reasons are clamped to it)
+STR_MAX = {"host": 255}  # str fields bounded lower than MAX_STR (POSIX HOST_NAME_MAX)
 MAX_ECHO = 64  # characters of a peer's value an error reason quotes, then an ellipsis
 MAX_ADDRESS = 512  # reply_to
 MAX_NEST_DEPTH = 4  # maps / lists enclosing any value of a map / list field, the field's own counted

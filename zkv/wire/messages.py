@@ -170,6 +170,7 @@ class Ready(Message, frozen=True):
     host: str | None = None
     kept_tiers: list[str] | None = None
     cpu_gen: int | None = None
+    adopt_layout: bool | None = None
 
 
 class Heartbeat(Message, frozen=True):

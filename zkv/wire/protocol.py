@@ -30,6 +30,7 @@ from .bounds import (
     MAX_SAFE_INT,
     MAX_STATS_BYTES,
     MAX_STR,
+    STR_MAX,
     Z85_KEY_LEN,
     uint_bounds,
 )
@@ -158,8 +159,9 @@ def _check_uint(kind: str, name: str, value: Any) -> bool:
 def _check_str(kind: str, name: str, value: Any) -> bool:
     if not isinstance(value, str):
         return False
-    if len(value) > MAX_STR:
-        raise ProtocolError("bad_field", f"{kind}.{name} is longer than {MAX_STR} characters")
+    most = STR_MAX.get(name, MAX_STR)
+    if len(value) > most:
+        raise ProtocolError("bad_field", f"{kind}.{name} is longer than {most} characters")
     allowed = ENUMS.get((kind, name))
     if allowed is not None and value not in allowed:
         raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {shown(value)}")

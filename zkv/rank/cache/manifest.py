@@ -279,6 +279,6 @@ def attach(
         for h, spec in zip(m.handles, m.descriptor.buffers):
             mapper = _map_shm if h["kind"] == "shm" else _map_cuda
             flats.append(mapper(h, spec.name, spec.nbytes))
-        return EngineCache(m.descriptor, flats, generation=m.generation, instance=m.instance)
+        return EngineCache(m.descriptor, flats, generation=m.generation, instance=m.instance, nonce=m.nonce)
     finally:
         flats.clear()  # on failure nothing stays mapped; on success the cache holds the only references

@@ -179,7 +179,12 @@ class EngineCache:
     (views and buffers), after which the engine's own free is a real free."""
 
     def __init__(
-        self, descriptor: CacheDescriptor, flats: Sequence[torch.Tensor], generation: int = 0, instance: str = ""
+        self,
+        descriptor: CacheDescriptor,
+        flats: Sequence[torch.Tensor],
+        generation: int = 0,
+        instance: str = "",
+        nonce: str = "",
     ):
         if len(flats) != len(descriptor.buffers):
             raise CacheError("bad_layout", f"{len(flats)} buffers for a descriptor of {len(descriptor.buffers)}")
@@ -191,6 +196,7 @@ class EngineCache:
         self.descriptor = descriptor
         self.generation = generation
         self.instance = instance  # the exporting engine process (a manifest's ``instance``); "" in process
+        self.nonce = nonce  # the export it was mapped from (a manifest's ``nonce``); "" in process
         self._flats: list[torch.Tensor] = list(flats)
         self.views: list[torch.Tensor] = [
             self._flats[r.buffer].as_strided(

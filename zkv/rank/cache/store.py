@@ -44,6 +44,7 @@ from .copier import CopyEngine
 from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
+from .handover import Attached
 from .memory import EngineMemory, MemorySource, OwnedMemory
 from .regions import EngineCache, check_ids
 from .staging import STAGING_BYTES
@@ -118,9 +119,7 @@ class BlockStore:
         self.tier: CpuTier | None = None
         self.copier: CopyEngine | None = None
         self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
-        self.generation: int | None = None  # of the device tier last attached
-        self.instance = ""  # the engine process that exported it ("" in process)
-        self._retired: set[str] = set()  # engine instances replaced by a newer one: their manifests are stale
+        self.handover = Attached()  # the engine caches attached, and which one a resume may take
         self._tier_key: Hashable = None
         self.allocate(layout)
 
@@ -197,7 +196,7 @@ class BlockStore:
         self._drop_device()  # a resume that changes the layout without a clear
         cache = self.memory.acquire(layout)
         try:
-            self._check_newer(cache)
+            self.handover.check(cache)
             geometry.check(layout, cache.descriptor, "the engine's new cache", resume=self.generation is not None)
             key = self.memory.tier_key(layout, cache.descriptor)
             kept = self.tier is not None and key == self._tier_key
@@ -216,28 +215,19 @@ class BlockStore:
         except BaseException:
             self.memory.release(cache)
             raise
-        self.cache, self.layout, self.cpu_kept, self.generation = cache, layout, kept, cache.generation
-        if cache.instance != self.instance:
-            if self.instance:
-                self._retired.add(self.instance)
-            self.instance = cache.instance
+        first = self.generation is None
+        self.cache, self.layout, self.cpu_kept = cache, layout, kept
+        self.handover.took(cache, first)
         return self.nbytes()
 
-    def _check_newer(self, cache: EngineCache) -> None:
-        """A resume's cache must be new memory (docs/engines.md, "Generations"):
-        a later generation of the same engine instance, or the first cache of
-        a restarted engine (another instance, never one already replaced)."""
-        if self.generation is None:
-            return
-        if cache.instance in self._retired:
-            raise CacheError(
-                "stale_manifest",
-                f"engine instance {cache.instance} was replaced by {self.instance}: its cache is not the engine's",
-            )
-        if cache.instance != self.instance:
-            return  # a restarted engine: its generations start again
-        if type(cache.generation) is not int or cache.generation <= self.generation:
-            raise CacheError("stale_manifest", f"generation {cache.generation} is not newer than {self.generation}")
+    @property
+    def generation(self) -> int | None:
+        """The generation of the device tier last attached (None before the first)."""
+        return self.handover.generation
+
+    @property
+    def instance(self) -> str:
+        return self.handover.instance
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
@@ -310,6 +300,7 @@ class BlockStore:
         fill (a checksum may read a reserved block)."""
         if self.cache is None:
             raise TaskInvalid("caches are cleared on this rank")
+        self.handover.used = True
         layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
         reserved = self.cache.descriptor.reserved_ids  # the engine's own rows: never swapped or filled
         op = body.op

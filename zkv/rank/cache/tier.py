@@ -14,6 +14,12 @@ every row read is checked first (``check_rows``): a block whose header or
 digest does not check is lost, never served.  Without one it is process
 memory, gone with the process.
 
+Either way a row is served only if it was written in the tier's current CPU
+generation (docs/protocol.md §8.2): a row never written, or written before
+the generation moved, holds nothing and reads as lost (``lost_block`` naming
+it), never as zeros.  A tier file keeps that in its row headers; a tier in
+process memory keeps one flag per row (``_written``).
+
 Rows start page-aligned, in memory as in a tier file (``tier_file.row_stride``:
 a row not a multiple of a page is padded to one when that costs at most 1/16
 more), so the disk tier's O_DIRECT I/O goes straight between a row and the
@@ -55,6 +61,8 @@ class CpuTier:
         self._registered = 0  # the pointer registered with CUDA (a mapped, pinned tier)
         self.digest_failures = 0
         self._writing_gen = gen
+        self._gen = gen  # a tier in process memory: the generation its written rows belong to
+        self._written = np.zeros(rows, dtype=bool)  # a tier in process memory: rows written at ``_gen``
         self.stride = row_stride(self.row_bytes, pad=not self.pinned)
         if place is None:
             # zeros, not empty: every page is faulted in once here, not during the first copies
@@ -111,7 +119,8 @@ class CpuTier:
         return self.file.gen if self.file is not None else None
 
     def valid_rows(self) -> int:
-        return int(np.count_nonzero(self.file.valid)) if self.file is not None else 0  # per ack: no bool->int sum
+        rows = self.file.valid if self.file is not None else self._written
+        return int(np.count_nonzero(rows))  # per ack: no bool->int sum
 
     def to_stats(self, kept: bool) -> dict[str, object]:
         """What the rank's stats say of this tier (``zkv status``, the metrics):
@@ -124,8 +133,12 @@ class CpuTier:
         return out
 
     def set_gen(self, gen: int) -> None:
+        """The rows now belong to CPU generation ``gen``: rows written at another one hold nothing."""
         if self.file is not None:
             self.file.set_gen(gen)
+        elif gen != self._gen:
+            self._gen = gen
+            self._written[:] = False
 
     def fits(self, descriptor: CacheDescriptor) -> bool:
         """Whether this tier's rows are blocks of ``descriptor``'s regions (same names and page sizes)."""
@@ -138,28 +151,44 @@ class CpuTier:
     # --- the write and read rules of a mapped tier ---------------------------------
 
     def writing(self, rows: Sequence[int]) -> None:
-        """Rows are about to be written: a kill from here on loses them."""
+        """Rows are about to be written: a kill (or a failure) from here on loses them."""
         if self.file is not None:
             self._writing_gen = self.file.gen
             self.file.unseal(list(rows))
+        else:
+            self._writing_gen = self._gen
+            self._written[list(rows)] = False
 
     def written(self, rows: Sequence[int]) -> None:
-        """Rows hold their new bytes: seal them (digest, then the mark)."""
+        """Rows hold their new bytes: seal them (digest, then the mark); a row whose
+        write began before the generation moved holds nothing of the new one."""
         if self.file is not None:
             self.file.seal(list(rows), self._writing_gen)
+        else:
+            self._written[list(rows)] = self._writing_gen == self._gen
 
     def check_rows(self, rows: Sequence[int]) -> None:
-        """Before rows are read: ``CacheError("lost_block")`` naming every row that does not check."""
-        if self.file is None:
+        """Before rows are read: ``CacheError("lost_block")`` naming every row that
+        was not written in this generation, or whose header or digest does not check."""
+        if self.file is not None:
+            empty, torn = self.file.lost(list(rows))
+            self.file.valid[empty + torn] = False
+        else:
+            empty = [int(r) for r in dict.fromkeys(rows) if not self._written[r]]
+            torn = []
+        if not empty and not torn:
             return
-        bad = self.file.lost(list(rows))
-        if bad:
-            self.digest_failures += len(bad)
-            self.file.valid[bad] = False
-            raise CacheError(
-                "lost_block",
-                f"CPU block(s) {bad[:16]} lost: header or digest does not check (a torn write or corruption)",
+        self.digest_failures += len(torn)
+        said = []
+        if empty:
+            gen = self.gen if self.file is not None else self._gen
+            said.append(
+                f"CPU block(s) {_some(empty)} hold nothing of CPU generation {gen} "
+                "(never written in it, or dropped by a clear or a move of the generation)"
             )
+        if torn:
+            said.append(f"CPU block(s) {_some(torn)} lost: header or digest does not check (torn write or corruption)")
+        raise CacheError("lost_block", "; ".join(said))
 
     def close(self, unlink: bool = False) -> None:
         """Drop the rows; a mapped tier's file is kept for the next process unless ``unlink``."""
@@ -170,3 +199,9 @@ class CpuTier:
         self.store = torch.zeros((0, self.row_bytes), dtype=torch.uint8)
         if self.file is not None:
             self.file.close(unlink)
+
+
+def _some(rows: list[int]) -> str:
+    """The first 16 rows, and how many more."""
+    more = f" and {len(rows) - 16} more" if len(rows) > 16 else ""
+    return f"{rows[:16]}{more}"

@@ -1,0 +1,93 @@
+"""``zkv up`` as a supervisor: a rank killed with kill -9 is started again and
+serves (the bus keeps its layout, a resume's included); ``zkv down`` stops a
+running one from another terminal; a ``zkv up`` killed with kill -9 leaves no
+broker or rank behind, and the next ``zkv up`` in that directory starts
+(docs/operations.md, "Starting, restarting, and a broker that does not answer")."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+
+from test_operator_paths import LAYOUT, Up, cli, zkv
+from waits import wait_for
+
+from zkv.client.client import Client
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """Wait (bounded, on a pidfd) until ``pid`` exits."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(int(timeout * 1000)))
+    finally:
+        os.close(fd)
+
+
+def pids(broker: str) -> dict[int, int]:
+    with Client(broker) as c:
+        return {r["rank"]: r["pid"] for r in c.status()["ranks"]}
+
+
+def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
+    bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT)
+    try:
+        said = bus.wait_for("Ctrl-C to stop.")
+        assert f"zkv down --runtime-dir {tmp_path}" in said
+        b = ["--broker", bus.broker]
+        assert cli("pause", *b).returncode == 0 and cli("clear", *b).returncode == 0
+        assert cli("resume", "--gpu-blocks", "48", *b).returncode == 0  # the bus's layout is no longer the flags'
+        before = pids(bus.broker)
+        os.kill(before[1], signal.SIGKILL)
+        bus.wait_for("zkv up: rank 1 exited with code -9; starting it again")
+        with Client(bus.broker) as c:
+            st = wait_for(
+                c,
+                lambda st: (
+                    {r["rank"]: (r["pid"], r["alive"]) for r in st["ranks"]}.get(1, (0, False))[1]
+                    and next(r["pid"] for r in st["ranks"] if r["rank"] == 1) != before[1]
+                    and st["state"] == "running"
+                ),
+                "rank 1 to come back",
+                timeout=60,
+            )
+            assert st["layout"]["gpu_blocks"] == 48
+            assert c.run("fill", dst=[47], tier="gpu", seed=1, timeout=30).ok, "the restarted rank serves at 48 blocks"
+        second = zkv("up", "--runtime-dir", str(tmp_path), "--ranks", "2", timeout=60)
+        assert second.returncode == 1 and f"zkv down --runtime-dir {tmp_path}" in second.stderr, second.stderr
+
+        down = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
+        assert down.returncode == 0 and "stopped zkv up" in down.stdout, down.stdout + down.stderr
+        assert bus.proc.wait(timeout=30) == 0
+        again = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
+        assert again.returncode == 1 and "no zkv up is running" in again.stderr
+    finally:
+        if bus.proc.poll() is None:
+            bus.stop()
+
+
+def test_a_zkv_up_killed_with_kill_9_leaves_no_process_and_the_next_one_starts(tmp_path):
+    bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT)
+    try:
+        bus.wait_for("Ctrl-C to stop.")
+        ranks = pids(bus.broker)
+        broker = int((tmp_path / "broker.lock").read_text())
+        bus.proc.kill()
+        bus.proc.wait(timeout=30)
+        assert gone(broker, 30), "the broker outlived its zkv up"
+        assert all(gone(pid, 30) for pid in ranks.values()), "a rank outlived its zkv up"
+    finally:
+        if bus.proc.poll() is None:
+            bus.proc.kill()
+    again = Up(tmp_path, "--ranks", "2", "--gpu-blocks", "32", *LAYOUT)
+    try:
+        again.wait_for("Ctrl-C to stop.")
+        assert cli("submit", "fill", "--dst", "1", "--broker", again.broker).returncode == 0
+    finally:
+        again.stop()

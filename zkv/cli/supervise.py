@@ -1,0 +1,85 @@
+"""``zkv up`` as a supervisor and ``zkv down``: a rank that exits is started
+again, the processes die with ``zkv up`` (``harness/lifeline.py``), and
+another terminal finds and stops a running ``zkv up`` by the lock it holds in
+its runtime directory."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .options import fail
+
+RESTARTS_PER_MINUTE = 5  # a rank that exits more often than this is not restarted again
+
+
+def supervise(cluster: Any) -> None:
+    """Until Ctrl-C or SIGTERM (``zkv down``): a rank that exits is started again
+    (on the bus's layout, which a resume may have changed; its CPU tier file makes
+    that cheap), unless it exits too often; the broker or an engine exiting stops all."""
+    restarts: dict[int, list[float]] = {}
+    while True:
+        pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
+        code = os.waitstatus_to_exitcode(status)
+        rank = next((r for r, p in cluster.workers.items() if p.pid == pid), None)
+        if rank is None:
+            if cluster.broker is not None and pid == cluster.broker.pid:
+                fail(f"the broker exited with code {code}", "see its log above")
+            engines = {e.proc.pid: r for r, e in getattr(cluster, "engines", {}).items()}
+            if pid in engines:
+                fail(f"engine {engines[pid]} exited with code {code}", "see its log above")
+            continue  # a child that is no longer ours (a rank already restarted)
+        cluster.workers[rank].returncode = code  # reaped here: Popen must not wait for it again
+        now = time.monotonic()
+        recent = [t for t in restarts.get(rank, []) if now - t < 60] + [now]
+        restarts[rank] = recent
+        if len(recent) > RESTARTS_PER_MINUTE:
+            fail(f"rank {rank} exited {len(recent)} times within a minute (last with code {code})", "see its log above")
+        click.echo(f"zkv up: rank {rank} exited with code {code}; starting it again")
+        cluster.start_worker(rank, ["--adopt-layout"])
+
+
+def hold_up_lock(directory: Path) -> Any:
+    """``up.lock`` in the runtime directory, by which ``zkv down`` finds this process."""
+    from ..harness.lifeline import UpLock
+
+    try:
+        return UpLock(directory)
+    except BlockingIOError:
+        fail(f"another zkv up holds {directory}", f"stop it with: zkv down --runtime-dir {directory}")
+
+
+@click.command()
+@click.option(
+    "--runtime-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    envvar="ZKV_RUNTIME_DIR",
+    show_envvar=True,
+    help="The runtime directory of the zkv up to stop (default: the one zkv up uses by default).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=30.0,
+    show_default=True,
+    envvar="ZKV_TIMEOUT",
+    show_envvar=True,
+    help="Seconds to wait for it to stop.",
+)
+def down(runtime_dir: str | None, timeout: float) -> None:
+    """Stop the zkv up running in a runtime directory (as Ctrl-C does): its broker, ranks and engines."""
+    from ..harness import lifeline
+    from ..net.endpoints import runtime_dir as default_runtime_dir
+
+    where = runtime_dir or str(default_runtime_dir())
+    pid = lifeline.running(where)
+    if pid is None:
+        fail(f"no zkv up is running in {where}", "pass the --runtime-dir it was started with")
+    if not lifeline.stop(pid, timeout):
+        fail(f"zkv up (pid {pid}) did not stop within {timeout:g} s", f"kill -9 {pid} stops its processes too")
+    click.echo(f"zkv down: stopped zkv up (pid {pid}) in {where}")
