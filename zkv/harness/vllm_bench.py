@@ -57,7 +57,10 @@ def _run(llm: Any, contexts: list[list[int]], turn: int, rounds: int) -> tuple[l
     return times, [greedy(llm, h, 8)[0] for h in history]
 
 
-def bench_vllm(quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+def bench_vllm(
+    quick: bool = False, say: Callable[[str], None] = print, zkv_extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``zkv_extra``: more of zkv's settings (docs/engine-vllm.md) for its engine."""
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     conversations, rounds, turn = 3, 2 if quick else 4, 64
@@ -77,7 +80,7 @@ def bench_vllm(quick: bool = False, say: Callable[[str], None] = print) -> dict[
         model = write_llama(Path(tmp) / "model", shape, seed=0)
         variants = {
             "recompute": None,
-            "zkv": zkv_transfer(Path(tmp) / "bus", cpu_blocks=cpu_blocks, tier_dir=tmp),
+            "zkv": zkv_transfer(Path(tmp) / "bus", cpu_blocks=cpu_blocks, tier_dir=tmp, **(zkv_extra or {})),
             "torch_copy_floor": floor_transfer(cpu_blocks),
         }
         tokens = {}

@@ -68,7 +68,7 @@ class ZkvOffloadWorker(OffloadingWorker):
             on_task_done=self.book.on_local,
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
-        self.client = Client(ep.frontend, request_timeout=2.0) if rank == 0 else None
+        self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute
         self._failed_jobs: dict[int, bool] = {}  # job id -> is_store, of failed jobs not yet taken
 
@@ -114,17 +114,28 @@ class ZkvOffloadWorker(OffloadingWorker):
 
     def get_finished(self) -> list[TransferResult]:
         self._pump()
+        wait = self.settings.load_wait_s
+        if wait > 0:
+            # A request waiting on a load cannot run before the next engine step
+            # sees the load finished: waiting here a little (the copy is usually
+            # milliseconds) saves the steps in between.
+            loads = [j.job_id for j in list(self.book.jobs.values()) if not j.is_store]
+            if loads:
+                self._wait(loads, time.monotonic() + wait)
         return [self._result(done) for done in self.book.take_finished(time.monotonic())]
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until every job in ``job_ids`` is finished for this worker
         (bounded by each task's deadline); they are still reported by get_finished."""
+        self._wait(job_ids, float("inf"))
+
+    def _wait(self, job_ids, bound: float) -> None:
         for job_id in job_ids:
             task = JobBook.task_of(job_id)
             job = self.book.jobs.get(task)
             if job is None:
                 continue
-            until = job.deadline + self.book.grace
+            until = min(bound, job.deadline + self.book.grace)
             while not self.book.is_finished(task, time.monotonic()) and time.monotonic() < until:
                 if self.client is not None and job.outcome is None and self.client.open_tasks:
                     self._pump(max(0.0, until - time.monotonic()))
