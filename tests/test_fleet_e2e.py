@@ -287,6 +287,29 @@ def test_a_bus_that_refuses_the_curve_handshake_is_named_with_a_curve_hint(rig, 
     assert "within 1 s" in out.output or "within 0." in out.output, out.output
 
 
+def test_a_fleet_pause_without_every_rank_of_a_bus_exits_1_unless_allowed(rig):
+    """As for one bus (docs/operations.md, "A pause that not every rank acknowledged")."""
+    bus = rig.clusters[0]
+    brokers = [w for a in rig.frontends for w in ("--broker", a)]
+    bus.kill_worker(1)
+    try:
+        with Client(bus.endpoints.frontend) as c:
+            wait_for(c, lambda st: sum(r["alive"] for r in st["ranks"]) == 1, "rank 1 of b0 declared dead")
+        out = CliRunner().invoke(main, ["pause", *brokers, "--timeout", "10"])
+        assert out.exit_code == 1, out.output
+        name = rig.frontends[0]
+        assert f"not by every rank: {name} (1 of 2 ranks)" in out.output, out.output
+        row = next(line for line in out.output.splitlines() if line.startswith(name))
+        assert "1 of 2 ranks acked" in row, row
+        assert CliRunner().invoke(main, ["resume", *brokers]).exit_code == 0
+        out = CliRunner().invoke(main, ["pause", *brokers, "--timeout", "10", "--allow-partial"])
+        assert out.exit_code == 0, out.output
+        assert CliRunner().invoke(main, ["resume", *brokers]).exit_code == 0
+    finally:
+        bus.start_worker(1, ["--adopt-layout"])
+        bus.wait_ready(60)
+
+
 def test_status_watch_redraws_the_fleet_table_until_sigterm(rig, tmp_path):
     args = [w for a in rig.frontends for w in ("--broker", a)]
     proc = subprocess.Popen(

@@ -262,6 +262,7 @@ class ControlMachine:
             self.gens.resumed(op.layout, fields)
         fields["state"] = self.state
         fields["ranks_acked"] = len(self.ranks.live())
+        fields["world"] = self.cfg.world  # fewer acked than the world: the op completed without some ranks
         self.counters[f"{op.op}_ok"] += 1
         if self.recording:
             out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **fields}))

@@ -104,8 +104,21 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
 
 
 def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool = False) -> None:
-    del allow_partial  # each bus's row shows its ranks_acked (--json); one bus checks it (control.pause)
     _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else "resume"), as_json)
+    partial = [
+        f"{b.name} ({b.answer.reply['ranks_acked']} of {b.answer.reply['world']} ranks)"
+        for b in (fleet.last_report.buses if fleet.last_report else ())
+        if isinstance(b.answer.reply.get("world"), int)
+        and b.answer.reply.get("ranks_acked", 0) < b.answer.reply["world"]
+    ]
+    if partial and not allow_partial:  # as for one bus (control.pause): not every rank of the world acked
+        if not as_json:
+            click.echo(
+                f"zkv: error: the fleet is paused, but not by every rank: {', '.join(partial)}; check zkv status, "
+                "or add --allow-partial to accept a pause of the live ranks",
+                err=True,
+            )
+        sys.exit(1)
 
 
 def clear(fleet: Fleet, timeout: float, as_json: bool, keep_cpu: bool) -> None:

@@ -65,6 +65,9 @@ def render_fleet_report(record: dict[str, Any]) -> str:
             rollback = f"NOT RESUMED ({rollback}" + (f", {_ms(b['rollback_ms'])} ms)" if "rollback_ms" in b else ")")
         reply = b.get("reply") or {}
         note = reply.get("note", "") if isinstance(reply, dict) else ""
+        if isinstance(reply, dict) and isinstance(reply.get("world"), int) and "ranks_acked" in reply:
+            acked = f"{reply['ranks_acked']} of {reply['world']} ranks acked"
+            note = f"{note}; {acked}" if note else acked
         body.append([str(b.get("bus", "?")), str(b.get("outcome", "?")), _ms(b.get("ms")), b.get("state") or "unknown"])
         body[-1] += [rollback or "-", note or "-"]
         for key in ("reason", "rollback_reason"):
