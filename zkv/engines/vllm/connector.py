@@ -27,7 +27,6 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
@@ -207,11 +206,3 @@ class ZkvConnector(OffloadingConnector):
                 if status is not None and manager is not None:
                     manager.job_failed(status.keys, is_store)
         super().update_connector_output(connector_output)
-
-    def zkv_stats(self) -> dict[str, Any]:
-        """The manager's counts (scheduler side) or the rank's stats (worker side)."""
-        if self.spec._manager is not None:
-            return self.spec._manager.stats()
-        if self.spec._worker is not None:
-            return self.spec._worker.stats()
-        return {}
