@@ -99,26 +99,26 @@ class ZkvSpec(OffloadingSpec):
         self.settings = ZkvSettings.from_extra(self.extra_config, config.engine_id)
         self.world = par.world_size
         self.rank = par.rank
-        self._manager: ZkvOffloadManager | None = None
-        self._worker: ZkvOffloadWorker | None = None
+        self.manager: ZkvOffloadManager | None = None
+        self.worker: ZkvOffloadWorker | None = None
         self._broker: EmbeddedBroker | None = None
 
     def get_manager(self) -> OffloadingManager:
-        if self._manager is None:
+        if self.manager is None:
             if self.settings.broker == "embedded":
                 self._broker = EmbeddedBroker(self.settings, self.world, self.config.engine_id)
-            self._manager = ZkvOffloadManager(
+            self.manager = ZkvOffloadManager(
                 self.settings, self.world, emit_events=self.kv_events_config.enable_kv_cache_events
             )
-            self._manager.broker = self._broker  # stopped with the manager
-        return self._manager
+            self.manager.broker = self._broker  # stopped with the manager
+        return self.manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
+        if self.worker is None:
             if len(kv_caches.group_data_refs) > 1:
                 raise ValueError("zkv offloads one KV cache group (docs/engine-vllm.md, Limits)")
-            self._worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches)
-        return self._worker
+            self.worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches)
+        return self.worker
 
 
 @dataclass
@@ -197,7 +197,7 @@ class ZkvConnector(OffloadingConnector):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ZkvWorkerMetadata) and meta.failed_jobs:
-            manager = self.spec._manager
+            manager = self.spec.manager
             # vLLM 0.32 keeps a job's keys in its scheduler's job table until the
             # job completes, which the call below does: hand the failure over first.
             jobs = self.scheduler._jobs
