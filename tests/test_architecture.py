@@ -3,7 +3,8 @@
 Every ``import`` and ``from ... import`` in zkv/ (at the top of a module or
 inside a function: a lazy import is still a dependency) is resolved to the
 zkv module it names and checked against the layer rules below.  A new
-subpackage needs a rule here before it can import anything.
+subpackage needs a rule here before it can import anything, and no imports
+may run in a circle, inside a folder included.
 """
 
 from __future__ import annotations
@@ -200,6 +201,93 @@ def test_known_exceptions_are_still_needed():
 def test_the_checker_catches_a_crossing(module, source, complaint):
     found = violations(module, source)
     assert found and complaint in found[0], found
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the zkv modules it imports, from ``{module: (source, is_package)}``.
+    A module importing a package it lives in is no edge: the package is already
+    being imported when the module runs."""
+    graph: dict[str, set[str]] = {}
+    for module, (source, is_package) in sources.items():
+        graph[module] = {
+            target
+            for _, target in imports_of(module, source, is_package)
+            if target.startswith("zkv") and target != module and not module.startswith(target + ".")
+        }
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import each other, directly or round a circle
+    (the strongly connected components of more than one module, Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_even_inside_a_folder():
+    """A circle of imports is two concepts tangled: split them by concept (a module
+    that needs its owner belongs to it, or both need a third, lower one), never by
+    deferring an import."""
+    sources = {
+        module_name(path): (path.read_text(encoding="utf-8"), path.name == "__init__.py") for path in all_modules()
+    }
+    cycles = import_cycles(import_graph(sources))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+@pytest.mark.parametrize(
+    "sources,cycle",
+    [
+        (  # inside one folder, one side lazy
+            {
+                "zkv.wire.messages": ("def f():\n    from .protocol import decode\n", False),
+                "zkv.wire.protocol": ("from .messages import MESSAGES\n", False),
+            },
+            ["zkv.wire.messages", "zkv.wire.protocol"],
+        ),
+        (  # round a circle of three, one import only for the type checker
+            {
+                "zkv.prefix.swaps": ("from . import tiers\n", False),
+                "zkv.prefix.tiers": ("from .radix import RadixNode\n", False),
+                "zkv.prefix.radix": ("if TYPE_CHECKING:\n    from .swaps import SwapRunner\n", False),
+            },
+            ["zkv.prefix.radix", "zkv.prefix.swaps", "zkv.prefix.tiers"],
+        ),
+    ],
+)
+def test_the_checker_catches_an_import_cycle(sources, cycle):
+    assert import_cycles(import_graph(sources)) == [cycle]
+    package = {
+        "zkv.prefix": ("from .swaps import SwapRunner\n", True),
+        "zkv.prefix.swaps": ("from . import x\n", False),
+    }
+    assert import_cycles(import_graph(package)) == []  # a module under its package's __init__ is no circle
 
 
 #: The floors the product is built of; the tools (harness, testing, cli, replay) stand on them.
