@@ -294,7 +294,10 @@ def test_the_checker_catches_an_import_cycle(sources, cycle):
 LIBRARY_FLOORS = {"wire", "net", "obs", "broker", "rank", "client", "fleet", "prefix", "engines", "trace"}
 #: Module names that say "a tool": checks, benchmarks and demos live in harness/.
 TOOL_MODULE = re.compile(r"(_check|^bench.*|.*_bench|^demo.*|.*_demo)$")
-MAX_MODULE_LINES = 400
+#: A guard, not a target: a module is one concept, and one that grows past this holds a
+#: second concept to find and give its own object and state (never a helper module that
+#: takes its owner as a parameter: those make import circles).
+MAX_MODULE_LINES = 800
 
 
 def _zkv_classes() -> dict[str, list[str]]:
@@ -337,7 +340,10 @@ def floor_violations(module: str, lines: int) -> list[str]:
     if layer_of(module) in LIBRARY_FLOORS and TOOL_MODULE.search(module.rpartition(".")[2]):
         found.append(f"{module} is a check, benchmark or demo: it belongs in zkv/harness/")
     if lines > MAX_MODULE_LINES:
-        found.append(f"{module} has {lines} lines (at most {MAX_MODULE_LINES}: one concept per module)")
+        found.append(
+            f"{module} has {lines} lines (over {MAX_MODULE_LINES}): it holds more than one concept; "
+            "split it by concept, each part with its own object and state, not by line count"
+        )
     return found
 
 
@@ -382,13 +388,14 @@ def test_the_checker_catches_a_mixin_core(source):
         ("zkv.rank.cache.gpu_check", 10, "belongs in zkv/harness"),
         ("zkv.rank.cache.bench_copy", 10, "belongs in zkv/harness"),
         ("zkv.engines.demo_engine", 10, "belongs in zkv/harness"),
-        ("zkv.broker.core", 401, "at most 400"),
+        ("zkv.broker.core", 801, "split it by concept"),
     ],
 )
 def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
     found = floor_violations(module, lines)
     assert found and complaint in found[0], found
     assert not floor_violations("zkv.harness.gpu_check", 10)
+    assert not floor_violations("zkv.broker.core", 800)
 
 
 def test_the_lower_layers_load_without_torch():
