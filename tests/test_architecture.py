@@ -398,6 +398,81 @@ def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
     assert not floor_violations("zkv.broker.core", 800)
 
 
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+#: A file path in backticks (``zkv/rank/core.py``, ``rank/core.py``, ``tests/conftest.py``), or
+#: in parentheses in the component tree (``(tasks.py)``).
+_DOC_PATH = re.compile(r"`([\w./]+\.py)`|\((\w+\.py)\)")
+_DOC_COMMAND = re.compile(r"python -m (zkv(?:\.\w+)+)")
+#: A class's member in backticks (``Recovery.reconcile``, ``BrokerCore.on_client``).
+_DOC_MEMBER = re.compile(r"`([A-Z]\w*)\.(\w+)`")
+
+
+def _zkv_members() -> dict[str, set[str]]:
+    """Every class defined in zkv/: name -> what it defines (methods, class
+    attributes, ``self.x`` assignments in its methods)."""
+    out: dict[str, set[str]] = {}
+    for path in all_modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            members = out.setdefault(node.name, set())
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store):
+                    members.add(item.id)
+                elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store):
+                    members.add(item.attr)
+    return out
+
+
+def doc_drift(text: str) -> list[str]:
+    """What docs/architecture.md says of the code and the code does not bear out: a
+    module path it names that does not exist, a ``python -m`` module that does not,
+    a package under zkv/ it never names (by a path inside it), a member it names
+    of a zkv class that does not define it (a method that moved)."""
+    found = []
+    modules = [p.relative_to(ROOT).as_posix() for p in all_modules()]
+    names = {p.rpartition("/")[2] for p in modules}
+    named = {a or b for a, b in _DOC_PATH.findall(text)}
+    for path in sorted(named):
+        if "/" not in path:
+            exists = path in names
+        elif path.startswith(("zkv/", "tests/")):
+            exists = (ROOT / path).is_file()
+        else:
+            exists = (PKG / path).is_file()
+        if not exists:
+            found.append(f"docs/architecture.md names {path}, which does not exist")
+    for command in sorted(set(_DOC_COMMAND.findall(text))):
+        if not module_exists(command):
+            found.append(f"docs/architecture.md runs python -m {command}, which does not exist")
+    members = _zkv_members()
+    for cls, member in sorted(set(_DOC_MEMBER.findall(text))):
+        if cls in members and member not in members[cls]:
+            found.append(f"docs/architecture.md names {cls}.{member}, which {cls} does not define")
+    full = {p if p.startswith(("zkv/", "tests/")) else f"zkv/{p}" for p in named if "/" in p}
+    for init in sorted(PKG.rglob("__init__.py")):
+        package = init.parent.relative_to(ROOT).as_posix() + "/"
+        if package != "zkv/" and not any(p.startswith(package) for p in full):
+            found.append(f"docs/architecture.md never names the package {package} (add its modules to the table)")
+    return found
+
+
+def test_the_architecture_doc_names_the_code_as_it_is():
+    problems = doc_drift(ARCHITECTURE_DOC.read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+def test_the_doc_check_catches_drift():
+    text = ARCHITECTURE_DOC.read_text(encoding="utf-8")
+    assert any("zkv/broker/gone.py, which does not exist" in p for p in doc_drift(text + "\n`zkv/broker/gone.py`\n"))
+    assert any("rank/gone.py" in p for p in doc_drift(text + "\nsee `rank/gone.py`\n"))
+    assert any("python -m zkv.harness.gone" in p for p in doc_drift(text + "\n`python -m zkv.harness.gone`\n"))
+    assert any("BrokerCore._reconcile" in p for p in doc_drift(text + "\n`BrokerCore._reconcile`\n"))
+    assert any("package zkv/fleet/" in p for p in doc_drift(text.replace("zkv/fleet/", "zkv/elsewhere/")))
+
+
 def test_the_lower_layers_load_without_torch():
     """Measured, not parsed: a fresh interpreter imports them and torch stays out."""
     code = (
