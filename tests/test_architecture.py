@@ -45,8 +45,23 @@ ALLOWED: dict[str, set[str]] = {
     # bus a vLLM scheduler process hosts, and its records; fleet: the RL cycle over many vLLM engines
     "prefix": {"wire", "prefix"},  # it reaches the bus only through prefix.bus.Bus
     "trace": {"wire", "trace"},
-    "replay": {"wire", "net", "client", "trace", "replay", "harness"},
-    "harness": {"wire", "net", "obs", "engines", "broker", "rank", "client", "fleet", "prefix", "testing", "harness"},
+    "replay": {"wire", "net", "obs", "client", "trace", "replay"},
+    # the product's tools: benchmarks, demos, checks, and what zkv up and zkv replay start
+    "harness": {
+        "wire",
+        "net",
+        "obs",
+        "engines",
+        "broker",
+        "rank",
+        "client",
+        "fleet",
+        "prefix",
+        "trace",
+        "replay",
+        "testing",
+        "harness",
+    },
     "testing": {"wire", "net", "broker", "rank", "client", "prefix", "testing"},
     "cli": {
         "wire",
@@ -165,6 +180,12 @@ def test_every_module_follows_the_import_rules():
     for path in all_modules():
         problems += violations(module_name(path), path.read_text(encoding="utf-8"), path.name == "__init__.py")
     assert not problems, "\n".join(problems)
+
+
+def test_only_the_commands_import_the_tools():
+    """Benchmarks, demos and checks (harness/) ship as commands: the library floors,
+    the replay and the test tools never import them; only the CLI and harness do."""
+    assert {layer for layer, allowed in ALLOWED.items() if "harness" in allowed} == {"harness", "cli"}
 
 
 def test_every_package_has_an_init():
@@ -402,7 +423,7 @@ ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
 #: A file path in backticks (``zkv/rank/core.py``, ``rank/core.py``, ``tests/conftest.py``), or
 #: in parentheses in the component tree (``(tasks.py)``).
 _DOC_PATH = re.compile(r"`([\w./]+\.py)`|\((\w+\.py)\)")
-_DOC_COMMAND = re.compile(r"python -m (zkv(?:\.\w+)+)")
+_DOC_COMMAND = re.compile(r"python\s+-m\s+(zkv(?:\.\w+)+)")
 #: A class's member in backticks (``Recovery.reconcile``, ``BrokerCore.on_client``).
 _DOC_MEMBER = re.compile(r"`([A-Z]\w*)\.(\w+)`")
 
@@ -468,7 +489,7 @@ def test_the_doc_check_catches_drift():
     text = ARCHITECTURE_DOC.read_text(encoding="utf-8")
     assert any("zkv/broker/gone.py, which does not exist" in p for p in doc_drift(text + "\n`zkv/broker/gone.py`\n"))
     assert any("rank/gone.py" in p for p in doc_drift(text + "\nsee `rank/gone.py`\n"))
-    assert any("python -m zkv.harness.gone" in p for p in doc_drift(text + "\n`python -m zkv.harness.gone`\n"))
+    assert any("python -m zkv.harness.gone" in p for p in doc_drift(text + "\n(`python -m\nzkv.harness.gone`)\n"))
     assert any("BrokerCore._reconcile" in p for p in doc_drift(text + "\n`BrokerCore._reconcile`\n"))
     assert any("package zkv/fleet/" in p for p in doc_drift(text.replace("zkv/fleet/", "zkv/elsewhere/")))
 
