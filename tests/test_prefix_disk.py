@@ -2,7 +2,7 @@
 pressure spills to the disk in one task, a match that reaches the disk loads
 it back (one load, then the one swap_in), disk pressure drops LRU disk
 leaves, and every failure of spill and load leaves one owner per block and
-never serves a lost block (zkv/prefix/disk.py)."""
+never serves a lost block (zkv/prefix/swaps.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The tiers under chaos (zkv/harness/tier_chaos.py): real rank processes with a
+"""The tiers under chaos (tests/tier_chaos.py): real rank processes with a
 CPU tier file and a disk tier, kill -9 among spills and loads, restarts on the
 same directories, and every row the model knows read back (docs/protocol.md
 §6.3: an acked spill is never lost, a block is served exact or reported lost;
@@ -9,8 +9,8 @@ The default run is two kills; ``ZKV_DISK_LONG=1`` adds a run of many rounds."""
 import os
 
 import pytest
+from tier_chaos import DISK_BLOCKS, LAYOUT, Figures, TierChaos, TierModel
 
-from zkv.harness.tier_chaos import DISK_BLOCKS, LAYOUT, Figures, TierChaos, TierModel
 from zkv.wire.outcome import TaskOutcome
 
 LONG = os.environ.get("ZKV_DISK_LONG") == "1"

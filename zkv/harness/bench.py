@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import zmq
 
+from ..obs.stats import cpu_seconds, percentiles
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from .stats import cpu_seconds, percentiles
 
 # The targets for 1-block tasks beside the relay, and for a pause's cost beyond its drain.
 BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "pause_overhead_p99_ms": 2.0}

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 from ..client.client import Client, ZkvError
 from ..net.endpoints import Endpoints
+from ..testing import zygote
 from ..wire.layout import CacheLayout
-from . import zygote
 from .lifeline import die_with_parent
 
 

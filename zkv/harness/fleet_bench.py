@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 
 from ..client.client import Client
 from ..fleet import Fleet
+from ..obs.stats import percentiles
 from .fleet_rig import FleetRig
-from .stats import percentiles
 
 TARGET = 1.5  # fleet pause <= 1.5x the slowest single bus's pause
 

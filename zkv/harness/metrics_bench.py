@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..broker.core import BrokerConfig, BrokerCore
 from ..obs.book import BusBook, task_op
+from ..obs.stats import cpu_seconds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from .stats import cpu_seconds
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
     from ..broker import Broker

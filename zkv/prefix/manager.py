@@ -48,7 +48,6 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import disk
 from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
 from .generations import LOST_ALL, LOST_GPU, lost_between
@@ -157,7 +156,7 @@ class PrefixCacheManager:
         gpu_run, cpu_run, disk_run = split_path(tiers.tree.walk(keys))
         now = next(self._clock)
         self._hold(lease, gpu_run, now)  # before any eviction the load or swap-in may cause
-        off_gpu = cpu_run + disk.load(self._swaps, tiers, disk_run) if disk_run else cpu_run
+        off_gpu = cpu_run + self._swaps.load(tiers, disk_run) if disk_run else cpu_run
         if off_gpu:
             self._hold(lease, self._swaps.swap_in(tiers, off_gpu), now)
         lease.block_ids = [node.gpu_block for node in lease.nodes]  # type: ignore[misc]

@@ -1,7 +1,7 @@
-"""The prefix cache manager's swap runner: eviction under GPU pressure, the
-swap_out / swap_in tasks over the bus, the running of every task (the disk
-tier's spill / load too, ``disk.py``), and the quarantine of blocks a
-timed-out task may still write.  The manager holds one and passes it the
+"""The prefix cache manager's swap runner: the tier moves (eviction under GPU
+pressure, swap_out / swap_in, the disk tier's spill / load), the running of
+every task over the bus, and the quarantine of blocks a timed-out task may
+still write.  The manager holds one and passes it the
 epoch's ``Tiers`` (tree, allocators, eviction queues) on every call; the
 runner owns the bus, the quarantine and the swap counters.
 
@@ -13,11 +13,21 @@ Policies
   outcome they are dropped with their (off-GPU) subtrees.  Rolling them back
   onto the GPU would keep the very blocks the caller is waiting for.
 * CPU pressure: with a disk tier, LRU CPU leaves (no child off the disk) are
-  spilled to it in one spill task first (``disk.py``); what still lacks room
-  (no disk tier, the disk full, a failed spill) is dropped, LRU CPU leaves
-  first; if none is left, the GPU victim is dropped instead of swapped.
-  Parents get room before their children (a child without its prefix is
-  useless).
+  spilled to it in one spill task first, parents first; disk room comes from
+  free blocks, then from dropping LRU disk leaves, and a CPU leaf that still
+  finds none is dropped.  The spilled CPU blocks are freed whatever the
+  outcome: on ``ok`` the nodes live on as ON_DISK; on any other they are
+  dropped with their (disk-only) subtrees.  What still lacks room (no disk
+  tier, the disk full, a failed spill) is dropped, LRU CPU leaves first; if
+  none is left, the GPU victim is dropped instead of swapped.  Parents get
+  room before their children (a child without its prefix is useless).
+* Load (a match whose path reaches the disk): the disk run comes to the CPU
+  in one load task (fewer blocks when the CPU has no more room), then with
+  the CPU run in the match's one swap_in.  ``ok``: the nodes are ON_CPU and
+  their disk blocks freed.  ``failed`` (a block whose digest did not check,
+  docs/protocol.md §6.3: it is lost): the run is dropped with its subtree,
+  never served.  Any other outcome: the nodes stay ON_DISK and the match
+  stops before them.
 * Failed swap-in: the nodes stay ON_CPU with their CPU blocks; the match stops
   before them.
 * Timeout: a timed-out task may still run (a slow rank), so the blocks it
@@ -46,7 +56,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..wire.protocol import OUTCOMES
-from . import disk
 from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
@@ -116,7 +125,7 @@ class SwapRunner:
 
     def take_cpu_blocks(self, tiers: Tiers, count: int) -> list[int]:
         """Up to ``count`` CPU blocks, spilling (or dropping) LRU CPU leaves for room."""
-        disk.make_cpu_room(self, tiers, count - tiers.cpu.num_free)
+        self.make_cpu_room(tiers, count - tiers.cpu.num_free)
         return tiers.cpu.alloc(min(count, tiers.cpu.num_free))
 
     def drop_subtree(self, tiers: Tiers, top: RadixNode) -> None:
@@ -145,7 +154,7 @@ class SwapRunner:
             tiers.offer(cast(RadixNode, node.parent))  # may have just become a leaf
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
         if victims:
-            disk.make_cpu_room(self, tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
+            self.make_cpu_room(tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
         moving: list[RadixNode] = []
         for node in victims:
             if not node.attached:
@@ -212,6 +221,76 @@ class SwapRunner:
             moving = []
         for node in cpu_run:
             if node.state is NodeState.ON_CPU:
+                tiers.offer(node)
+        return moving
+
+    # ------------------------------------------------------------------ disk
+
+    def make_cpu_room(self, tiers: Tiers, count: int) -> None:
+        """Free ``count`` more CPU blocks (fewer if the CPU runs out of leaves) by spilling
+        LRU CPU leaves; without a disk tier this does nothing (the caller drops)."""
+        if count <= 0 or not tiers.disk.num_blocks:
+            return
+        victims: list[RadixNode] = []
+        while len(victims) < count:
+            node = tiers.pop_cpu_victim()
+            if node is None:
+                break
+            tiers.tree.set_state(node, NodeState.SPILLING)
+            victims.append(node)
+            tiers.offer(cast(RadixNode, node.parent))  # may have just become a CPU leaf
+        if not victims:
+            return
+        victims.sort(key=lambda node: node.depth)  # parents get disk room first
+        disk_ids = self._take_disk_blocks(tiers, len(victims))
+        moving = victims[: len(disk_ids)]
+        for node, block in zip(moving, disk_ids):
+            node.disk_block = block
+        for node in victims[len(disk_ids) :]:
+            if node.attached:
+                self.drop_subtree(tiers, node)  # no disk room left: dropped
+        if moving:
+            self.demote(tiers, moving, "spill", "cpu", "disk", NodeState.ON_DISK)
+
+    def _take_disk_blocks(self, tiers: Tiers, count: int) -> list[int]:
+        """Up to ``count`` disk blocks, dropping LRU disk leaves for room."""
+        while tiers.disk.num_free < count:
+            victim = tiers.pop_disk_victim()
+            if victim is None:
+                break
+            self.drop_subtree(tiers, victim)
+        return tiers.disk.alloc(min(count, tiers.disk.num_free))
+
+    def load(self, tiers: Tiers, disk_run: list[RadixNode]) -> list[RadixNode]:
+        """Bring a match's disk run to the CPU in one task; returns the nodes that arrived (a prefix of it)."""
+        for node in disk_run:
+            tiers.tree.set_state(node, NodeState.LOADING)  # shields them, and the CPU run above, from eviction
+        cpu_ids = self.take_cpu_blocks(tiers, len(disk_run))
+        moving, staying = disk_run[: len(cpu_ids)], disk_run[len(cpu_ids) :]
+        for node in staying:
+            tiers.tree.set_state(node, NodeState.ON_DISK)
+        for node, block in zip(moving, cpu_ids):
+            node.cpu_block = block
+        disk_ids = cast(list[int], [node.disk_block for node in moving])
+        outcome, task = "ok", None
+        if moving:
+            outcome, task = self.run("load", disk_ids, cpu_ids)
+        if outcome == "ok":
+            for node in moving:
+                node.disk_block = None
+                tiers.tree.set_state(node, NodeState.ON_CPU)
+            tiers.disk.free(disk_ids)
+            self.counters["loaded_blocks"] += len(moving)
+        else:
+            for node in moving:
+                node.cpu_block = None
+                tiers.tree.set_state(node, NodeState.ON_DISK)
+            self.settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
+            if outcome == "failed":
+                self.drop_subtree(tiers, moving[0])  # a lost block is never served: its run goes
+            moving = []
+        for node in disk_run:
+            if node.attached:
                 tiers.offer(node)
         return moving
 

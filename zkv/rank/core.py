@@ -225,7 +225,7 @@ class RankCore:
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
         try:
-            ctl: Control = Control.from_wire(frame)
+            ctl = P.decode_as(Control, frame)
         except P.ProtocolError:
             self.counters["bad_control_msgs"] += 1
             return []

@@ -20,7 +20,7 @@ cleared are rejected.
 """
 
 from .checker import COUNTERS, ControlResult, Observation, Observed, Report, check, format_report, rank_stats_fresh
-from .driver import ObservingBook, Replayer, parse_speed, replay, replay_embedded
+from .driver import ObservingBook, Replayer, parse_speed, replay
 
 __all__ = [
     "COUNTERS",
@@ -35,5 +35,4 @@ __all__ = [
     "parse_speed",
     "rank_stats_fresh",
     "replay",
-    "replay_embedded",
 ]

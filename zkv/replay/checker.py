@@ -9,7 +9,7 @@ import collections
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..harness.stats import percentiles
+from ..obs.stats import percentiles
 from ..trace import CONTROL_REQUESTS, Trace
 
 Key = tuple  # (client label, task label) as in the trace

@@ -6,9 +6,7 @@ ordering rules are in ``zkv.replay``'s docstring.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from typing import Any, Callable
 
@@ -16,8 +14,7 @@ import zmq
 
 from ..client import Client, ResultBook, ZkvError
 from ..net.curve import Curve
-from ..trace import LAYOUT_ENV, Op, Trace
-from ..wire.layout import CacheLayout
+from ..trace import Op, Trace
 from ..wire.messages import Result
 from .checker import ControlResult, Key, Observation, Observed, Report, check, rank_stats_fresh
 
@@ -285,39 +282,3 @@ def parse_speed(text: str | float | None) -> float | None:
 def replay(trace: Trace, address: str, **kwargs: Any) -> Report:
     """Replay against a running broker and check."""
     return check(trace, Replayer(trace, address, **kwargs).run())
-
-
-def replay_embedded(
-    trace: Trace, *, record: str | None = None, heartbeat_ms: int = 100, start_timeout: float = 120.0, **kwargs: Any
-) -> Report:
-    """Start a LocalCluster with the trace's world size and layout, replay, stop it.
-
-    ``record`` passes ``--record`` to its broker (the layout goes into the
-    recording's header through ``ZKV_TRACE_LAYOUT``: the broker does not know it).
-    """
-    from ..harness.cluster import LocalCluster
-
-    layout = trace.layout or CacheLayout()
-    args = ["--heartbeat-ms", str(heartbeat_ms)]
-    if record:
-        args += ["--record", record]
-    cluster = LocalCluster(trace.world, layout, quiet=True, broker_args=args)
-    old = os.environ.get(LAYOUT_ENV)
-    os.environ[LAYOUT_ENV] = json.dumps(layout.to_wire())
-    try:
-        try:
-            cluster.start(timeout=start_timeout)
-        finally:
-            if old is None:
-                os.environ.pop(LAYOUT_ENV, None)
-            else:
-                os.environ[LAYOUT_ENV] = old
-        obs = Replayer(trace, cluster.endpoints.frontend, **kwargs).run()
-        obs.target = (
-            f"an embedded cluster ({trace.world} ranks, {layout.gpu_blocks} GPU / {layout.cpu_blocks} CPU blocks)"
-        )
-    finally:
-        codes = cluster.stop()
-    if any(codes.values()):
-        obs.notes.append(f"cluster processes exited with {codes}")
-    return check(trace, obs)

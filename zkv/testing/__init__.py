@@ -4,6 +4,11 @@
   that only move when the test says so: exact interleavings, no sockets.
 - :class:`FakeBus` is an in-process bus for the prefix cache manager whose
   outcome per task is scripted.
+
+Not re-exported (each loads what it needs when used): ``zygote`` (rank workers
+forked from one process that imported torch, for test clusters), ``netns`` and
+``netns_bus`` (many hosts on one machine, a Curve bus across them), ``models``
+(seeded random models).
 """
 
 from .fakebus import FakeBus, FakeBusError

@@ -5,14 +5,15 @@ required ones, optional ones default to ``None`` (absent and nil are the same
 on the wire, docs/protocol.md §2).  The classes are the one definition of
 each kind's fields: ``protocol.SCHEMAS`` is read off them, and
 ``protocol.py``'s tables add the bounds.  Every decoder (``protocol.decode``,
-the fast path in ``fast.py``) returns these.
+the fast path in ``fast.py``) returns these; this module knows no codec, so
+it imports none (a message is data, the codec is built on it).
 
 ``kind`` is a class attribute (the ``kind`` the frame carries); ``v`` is not a
 field, every frame is version ``VERSION``.  A ``reply`` carries the results of
 its op beside ``req`` and ``op``: they are in ``extra``.
 
     ack = Ack(epoch=3, op="pause", upto=7)
-    Ack.from_wire(ack.to_wire()) == ack
+    protocol.decode_as(Ack, ack.to_wire()) == ack
 """
 
 from __future__ import annotations
@@ -42,13 +43,6 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
     kind: ClassVar[str]
     v: ClassVar[int] = VERSION
-
-    @classmethod
-    def from_wire(cls, frame: bytes) -> Any:
-        """Decode and validate ``frame`` as this kind; raise ProtocolError otherwise."""
-        from .protocol import decode
-
-        return decode(frame, (cls.kind,))
 
     def to_dict(self) -> dict[str, Any]:
         """The wire fields in schema order, ``None`` ones left out (and a
@@ -310,19 +304,11 @@ def wire_fields(cls: type[Message]) -> tuple[str, ...]:
     return _WIRE_FIELDS[cls.kind]
 
 
-def from_wire(frame: bytes, expect_kinds: tuple[str, ...] | None = None) -> Message:
-    """Decode any frame (of ``expect_kinds``, when given) as its typed message."""
-    from .protocol import decode
-
-    return decode(frame, expect_kinds)
-
-
 __all__ = [
     "MESSAGES",
     "Message",
     "Ids",
     "Map",
-    "from_wire",
     "wire_fields",
     *(cls.__name__ for cls in MESSAGES.values()),
 ]

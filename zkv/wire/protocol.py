@@ -13,7 +13,7 @@ from __future__ import annotations
 import array
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, Union, get_args, get_origin
+from typing import Any, Iterable, Sequence, TypeVar, Union, get_args, get_origin
 
 import msgpack
 import msgspec
@@ -270,6 +270,15 @@ def decode(frame: bytes, expect_kinds: Iterable[str] | None = None) -> Any:
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError("malformed", f"not a msgpack frame ({type(exc).__name__})") from None
     return message(validate(msg, expect_kinds))
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode_as(cls: type[M], frame: bytes) -> M:
+    """Decode and validate ``frame`` as a message of ``cls``'s kind; raise ProtocolError otherwise."""
+    msg: M = decode(frame, (cls.kind,))
+    return msg
 
 
 def message(msg: dict) -> Any:

@@ -8,45 +8,56 @@ CPU rows, so they are unsealed before and sealed after, as a ``swap_out``
 does (a rank killed mid-load leaves them lost, never other bytes).
 
 Disk blocks belong to the bus's CPU generation as CPU rows do: the disk
-file's ``cpu_gen`` is always the store's (``sync_disk`` here, then
+file's ``cpu_gen`` is always the store's (``DiskLink.sync`` here, then
 ``BlockStore.set_cpu_gen`` before a task reads a row), so a rank never
 serves blocks of a CPU generation the bus has left, even one that moved
 while the rank was down."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from ...wire.layout import CacheLayout
-from .disk_tier import DiskTier, layout_key
+from .disk_tier import DiskSpec, DiskTier, layout_key
 from .tier import CpuTier
 
-if TYPE_CHECKING:
-    from .store import BlockStore
 
+class DiskLink:
+    """A rank's disk tier under its CPU tier: where its file lives (``spec``)
+    and the file open for the current layout (``disk``, None until the first
+    allocation)."""
 
-def sync_disk(store: "BlockStore", layout: CacheLayout, kept: bool) -> None:
-    """Give ``store`` the disk tier for ``layout`` at its CPU generation: the open one, or
-    its file opened (a file of this layout's blocks is reused: a restart keeps it); when
-    the CPU tier was not kept or the layout changed, its blocks become those of the new
-    layout (none).  A reused file's blocks of another CPU generation are dropped, unless
-    the store knows none yet (a first allocation whose CPU tier is new): it takes the
-    file's then (its ``kept_tiers`` names ``disk``; the broker judges it, §8.2)."""
-    spec, tier, disk = store.disk_spec, store.tier, store.disk
-    assert spec is not None and tier is not None
-    fields = (layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, str(layout.dtype))
-    key = layout_key(tier.page_shape, fields)
-    if disk is not None and disk.row_bytes != tier.row_bytes:
-        disk.close()  # another block size: the file is made anew below
-        store.disk = disk = None
-    if disk is None:
-        store.disk = disk = DiskTier(spec, tier.row_bytes, key, store.rank, store.cpu_gen)
-        if store.generation is None and not store.restored and disk.kept:
-            store.set_cpu_gen(disk.cpu_gen)  # the file's blocks name the store's generation
-        else:
-            disk.set_cpu_gen(store.cpu_gen)
-    elif not kept or key != disk.key:
-        disk.invalidate(key)
+    def __init__(self, spec: DiskSpec, rank: int):
+        self.spec = spec
+        self.rank = rank
+        self.disk: DiskTier | None = None
+
+    def sync(self, tier: CpuTier, layout: CacheLayout, kept: bool, cpu_gen: int, adopt: bool) -> int | None:
+        """Open (or keep) the disk tier for ``layout`` at ``cpu_gen``: a file of this layout's
+        blocks is reused (a restart keeps it); when the CPU tier was not ``kept`` or the layout
+        changed, its blocks become those of the new layout (none).  A reused file's blocks of
+        another CPU generation are dropped, unless ``adopt`` (the store knows no generation
+        yet: a first allocation whose CPU tier is new): then the file's CPU generation is
+        returned for the store to take (its ``kept_tiers`` names ``disk``; the broker judges
+        it, §8.2).  None: nothing adopted."""
+        fields = (layout.layers, layout.block_size, layout.kv_heads, layout.head_dim, str(layout.dtype))
+        key = layout_key(tier.page_shape, fields)
+        if self.disk is not None and self.disk.row_bytes != tier.row_bytes:
+            self.close()  # another block size: the file is made anew below
+        if self.disk is None:
+            self.disk = DiskTier(self.spec, tier.row_bytes, key, self.rank, cpu_gen)
+            if adopt and self.disk.kept:
+                return self.disk.cpu_gen  # the file's blocks name the store's generation
+            self.disk.set_cpu_gen(cpu_gen)
+        elif not kept or key != self.disk.key:
+            self.disk.invalidate(key)
+        return None
+
+    def close(self) -> None:
+        """Close the file (it stays valid for the next process of this rank)."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
 
 def ready_tiers(cpu: bool, disk: DiskTier | None, cpu_gen: int, fresh: bool) -> dict:

@@ -39,8 +39,9 @@ from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
 from ...wire.protocol import TaskBody
 from ..tier_file import TierPlace
-from . import disk_link, geometry
+from . import geometry
 from .copier import CopyEngine
+from .disk_link import DiskLink, load, ready_tiers, spill
 from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
@@ -111,8 +112,7 @@ class BlockStore:
         self.place = place  # where a persistent CPU tier lives (None: process memory)
         self.restored = False  # the first allocation mapped a CPU tier a previous process left
         self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
-        self.disk_spec = disk
-        self.disk: DiskTier | None = None  # below the CPU tier (disk_tier.py), with --disk-dir
+        self.disk_link = DiskLink(disk, rank) if disk is not None else None  # with --disk-dir
         self.rank = rank
         self.layout = layout  # what the rank announces; gpu_blocks / cpu_blocks bound the ids
         self.cache: EngineCache | None = None
@@ -209,8 +209,11 @@ class BlockStore:
                 if self.generation is None and self.tier.kept:
                     self.restored, self.cpu_gen = True, self.tier.gen or 0
             assert self.tier is not None
-            if self.disk_spec is not None:
-                disk_link.sync_disk(self, layout, kept)  # the disk's blocks: this layout's, at cpu_gen
+            if self.disk_link is not None:  # the disk's blocks: this layout's, at cpu_gen
+                adopt = self.generation is None and not self.restored
+                adopted = self.disk_link.sync(self.tier, layout, kept, self.cpu_gen, adopt)
+                if adopted is not None:
+                    self.set_cpu_gen(adopted)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
             self.memory.release(cache)
@@ -219,6 +222,11 @@ class BlockStore:
         self.cache, self.layout, self.cpu_kept = cache, layout, kept
         self.handover.took(cache, first)
         return self.nbytes()
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier below the CPU tier (disk_tier.py): None without --disk-dir or before the first allocation."""
+        return self.disk_link.disk if self.disk_link is not None else None
 
     @property
     def generation(self) -> int | None:
@@ -269,15 +277,14 @@ class BlockStore:
         disk file stays valid for a restart), anything pending."""
         self._drop_device()
         self._drop_tier(unlink=False)
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        if self.disk_link is not None:
+            self.disk_link.close()
         self.memory.close()
 
     def kept_tiers(self, fresh: bool) -> dict[str, Any]:
         """A READY's kept tiers: content this process held in the bus or found again, at ``cpu_gen``."""
         cpu = self.tier is not None and (not fresh or self.restored)
-        return disk_link.ready_tiers(cpu, self.disk, self.cpu_gen, fresh)
+        return ready_tiers(cpu, self.disk, self.cpu_gen, fresh)
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
@@ -346,12 +353,12 @@ class BlockStore:
     def spill(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """CPU rows ``src[i]`` to disk blocks ``dst[i]`` (ids validated); return bytes, once on the device."""
         assert self.disk is not None and self.tier is not None
-        return disk_link.spill(self.disk, self.tier, src, dst)
+        return spill(self.disk, self.tier, src, dst)
 
     def load(self, src: Sequence[int], dst: Sequence[int]) -> int:
         """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost`` names failures)."""
         assert self.disk is not None and self.tier is not None
-        return disk_link.load(self.disk, self.tier, src, dst)
+        return load(self.disk, self.tier, src, dst)
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""

@@ -86,7 +86,7 @@ class Zygote:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(ENV, None)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", f"from zkv.harness.zygote import serve; serve({theirs.fileno()})"],
+            [sys.executable, "-c", f"from zkv.testing.zygote import serve; serve({theirs.fileno()})"],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,

@@ -15,7 +15,7 @@ that read back lost (**CPU rows lost**: a restart keeps the CPU tier).  The
 destination rows of the tasks that did not end ``ok`` are read back too:
 whatever a rank serves of them is their old bytes or their new ones.
 
-    python -m zkv.harness.tier_chaos --rounds 5 --seed 1
+    PYTHONPATH=. python tests/tier_chaos.py --rounds 5 --seed 1
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from ..client.client import Client
-from ..wire.layout import CacheLayout
-from ..wire.outcome import TaskOutcome
-from .cluster import LocalCluster
+from zkv.client.client import Client
+from zkv.harness.cluster import LocalCluster
+from zkv.wire.layout import CacheLayout
+from zkv.wire.outcome import TaskOutcome
 
 RANKS = 2
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)  # 32 KiB blocks
