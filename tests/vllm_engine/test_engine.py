@@ -53,7 +53,7 @@ class Engine:
     disk: Path
 
 
-def _engine(root: Path, name: str, weights: str, **extra) -> Engine:
+def _engine(root: Path, name: str, weights: str, kv_events: str | None = None, **extra) -> Engine:
     bus, disk, events = root / f"{name}-bus", root / f"{name}-disk", root / f"{name}-events.jsonl"
     settings = {
         "cpu_blocks": CPU_BLOCKS,
@@ -66,7 +66,7 @@ def _engine(root: Path, name: str, weights: str, **extra) -> Engine:
         "trace_path": str(root / f"{name}-trace.jsonl"),
     }
     transfer = zkv_transfer(bus, **{**settings, **extra})
-    llm = start_engine(weights, transfer, GPU_BLOCKS, max_model_len=1024)
+    llm = start_engine(weights, transfer, GPU_BLOCKS, max_model_len=1024, kv_events=kv_events)
     probe = BusProbe(bus)
     probe.status(wait_ranks=1)
     return Engine(llm, bus, probe, events, disk)
@@ -86,7 +86,11 @@ def engines(tmp_path_factory, weights):
         made.append(_engine(root, "a", weights[0]))
         # B looks at its bus only when vLLM resets it, so a pause it does not see
         # makes its jobs wait on a paused bus until their deadline: failed stores and loads.
-        made.append(_engine(root, "b", weights[0], status_interval_s=60.0, task_timeout_s=1.0))
+        made.append(
+            _engine(
+                root, "b", weights[0], kv_events=f"ipc://{root}/b-kv-events", status_interval_s=60.0, task_timeout_s=1.0
+            )
+        )
         yield made
     finally:
         for e in made:
@@ -155,10 +159,36 @@ def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
     assert after["swap_out"] > before["swap_out"] and after["spill"] > before["spill"], "offload goes on"
 
 
+def kv_events(endpoint: str, run) -> list:
+    """vLLM's KV cache events published while ``run()`` runs, as a router subscribed to them sees them."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        run()
+        decoder, events = msgspec.msgpack.Decoder(KVEventBatch), []
+        while sub.poll(2000):  # the publisher's thread sends within a step; 2 s of silence ends it
+            _topic, _seq, payload = sub.recv_multipart()
+            events += decoder.decode(payload).events
+        return events
+    finally:
+        sub.close(linger=0)
+
+
 def test_failed_stores_and_loads_are_recomputed_and_serving_goes_on(engines):
     b = engines[1]
     want = REFERENCE.get("w0") or reference(engines[0])
-    assert chat().run(b.llm) == want  # B's tiers filled, its view of the bus fresh
+    first: list = []
+    events = kv_events(f"ipc://{b.bus.parent}/b-kv-events", lambda: first.extend(chat().run(b.llm)))
+    assert first == want  # B's tiers filled, its view of the bus fresh
+    stored = {(type(e).__name__, e.medium) for e in events}
+    assert ("BlockStored", "CPU") in stored and ("BlockStored", "STORAGE") in stored, stored  # zkv's two tiers
     counters = b.probe.counters()
     with b.probe.client() as c:
         c.pause(timeout=30)  # B's manager does not look: its jobs queue on the paused bus and time out

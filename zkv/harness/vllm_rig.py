@@ -87,14 +87,19 @@ def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
     }
 
 
-def start_engine(model: str, transfer: dict[str, Any] | None, gpu_blocks: int, max_model_len: int) -> Any:
-    """A vLLM ``LLM`` with ``gpu_blocks`` KV blocks (small, so that it evicts)."""
+def start_engine(
+    model: str, transfer: dict[str, Any] | None, gpu_blocks: int, max_model_len: int, kv_events: str | None = None
+) -> Any:
+    """A vLLM ``LLM`` with ``gpu_blocks`` KV blocks (small, so that it evicts);
+    ``kv_events``: a ZMQ endpoint where vLLM publishes its KV cache events."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kw: dict[str, Any] = {}
     if transfer is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**transfer)
+    if kv_events is not None:
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
     return LLM(
         model=model,
         skip_tokenizer_init=True,
