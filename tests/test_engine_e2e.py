@@ -143,7 +143,7 @@ def test_rl_cycle_through_the_bus_resumes_on_a_new_cache_with_new_weights():
             engine.return_blocks(blocks)
 
 
-def test_a_swap_in_that_times_out_recomputes_exactly_and_its_late_copy_lands_in_quarantine():
+def test_a_swap_in_that_times_out_recomputes_exactly_and_holds_its_blocks_only_while_a_copy_may_land():
     model = random_llama(0)
     with rig_for(model) as rig:
         turn1, expected = baseline(rig)
@@ -154,11 +154,17 @@ def test_a_swap_in_that_times_out_recomputes_exactly_and_its_late_copy_lands_in_
         rig.controller.timeout = 0.3
         how = rig.controller.continue_turn("chat", random_tokens(2, USER2), TURN2)
         assert how == "recomputed" and rig.controller.stats.failed == {"swap_in:timeout": 1}
-        assert rig.controller.quarantined == 1  # its blocks stay taken: the copy may still land there
+        # Two orders race at the deadline: the client gives up first (the task may still
+        # copy: its blocks stay taken until it settles), or the broker's word that it expired
+        # in the queue comes first (it never ran: nothing is held).
+        late = rig.controller.quarantined
+        assert late in (0, 1)
         rig.controller.run_until_idle()
         got = rig.controller.result("chat")
-        rig.client.resume(timeout=10)  # the held task now runs, late, into the quarantined blocks
-        assert rig.controller.reap(wait=10.0) == 1 and rig.controller.quarantined == 0
+        rig.client.resume(timeout=10)  # a held task now settles (run late, or expired in the queue)
+        if late:
+            assert rig.controller.reap(wait=10.0) == 1
+        assert rig.controller.quarantined == 0
     ref = rig.new_engine()
     expected_recompute = plain_run(ref, "chat", random_tokens(1, PROMPT) + turn1[0] + random_tokens(2, USER2), TURN2)
     assert (got.generated_tokens, got.logprobs) == expected_recompute

@@ -264,8 +264,9 @@ class SwapController:
 
     def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
         """Rejected/cancelled never copied and a rank-reported failure means every rank answered;
-        a timeout may copy late."""
-        if outcome.outcome == "timeout" or (outcome.outcome == "failed" and not outcome.per_rank):
+        a timeout may copy late, unless the broker said it was never dispatched (``ran`` False)."""
+        may_copy_late = outcome.outcome == "timeout" or (outcome.outcome == "failed" and not outcome.per_rank)
+        if may_copy_late and outcome.ran is not False:
             self._quarantine.hold(outcome.task, (blocks, rows))
             return
         if blocks:
