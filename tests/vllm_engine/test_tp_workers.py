@@ -101,6 +101,6 @@ def test_a_task_that_never_runs_ends_on_every_worker_within_its_deadline(tp):
         assert all(finished(w, 3) for w in workers)
         took = time.monotonic() - start
         c.resume(timeout=10)
-    assert took < settings.task_timeout_s + 2.5, took  # the deadline plus the non-submitters' grace
+    assert took < 2 * settings.task_timeout_s + 1.5, took  # the deadline plus the non-submitters' grace (as long again)
     for w in workers:
         assert w.take_failures() == ({3: True}, set())

@@ -11,7 +11,10 @@ still reads or writes:
 - any other worker reports when its rank ran the task.
 
 A rank that never gets the task (the broker cancelled or timed it out while
-queued) reports at the task's deadline plus ``grace``.  The job succeeded
+queued) reports at the task's deadline plus ``grace``.  The grace must cover a
+task that reached this rank but still waits in its queue (it runs there
+later, in order): the worker gives as long as the task's own timeout, so that
+vLLM does not recompute into GPU blocks a late copy would still write.  The job succeeded
 only if the outcome (rank 0) or this rank's run (others) was ``ok``.
 """
 

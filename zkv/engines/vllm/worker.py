@@ -51,7 +51,9 @@ class ZkvOffloadWorker(OffloadingWorker):
         self.block_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
         generations = itertools.count(2)
         ep = settings.endpoints
-        self.book = JobBook(submitter=rank == 0)
+        # A task still queued on this rank past its deadline may yet run: a job is given up on
+        # only after as long again, so that vLLM never recomputes into blocks a late copy writes.
+        self.book = JobBook(submitter=rank == 0, grace=max(1.0, settings.task_timeout_s))
         self.agent = RankAgent(
             rank,
             world,
