@@ -104,3 +104,16 @@ def test_a_task_that_never_runs_ends_on_every_worker_within_its_deadline(tp):
     assert took < 2 * settings.task_timeout_s + 1.5, took  # the deadline plus the non-submitters' grace (as long again)
     for w in workers:
         assert w.take_failures() == ({3: True}, set())
+
+
+def test_the_submitter_cancels_what_waits_on_a_paused_bus_at_once(tp):
+    workers, _, settings = tp
+    with Client(settings.endpoints.frontend) as c:
+        c.pause(timeout=10)
+        start = time.monotonic()
+        workers[0].submit_load(4, ZkvRows([1]), gpu([5]))
+        assert finished(workers[0], 4)
+        took = time.monotonic() - start
+        c.resume(timeout=10)
+    assert took < settings.task_timeout_s / 2, f"cancelled, not waited for its deadline: {took:.2f} s"
+    assert workers[0].take_failures() == ({4: False}, {5})

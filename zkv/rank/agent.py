@@ -180,6 +180,12 @@ class RankAgent:
         """The broker welcomed this rank at least once (and the loop still runs)."""
         return self._settled.is_set() and self._error is None and self.is_alive()
 
+    @property
+    def paused(self) -> bool:
+        """This rank acked a pause or clear and no resume since: no copy starts here now."""
+        worker = self._worker
+        return worker is not None and worker.executor.paused_ack.is_set()
+
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -73,6 +73,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute
         self._failed_jobs: dict[int, bool] = {}  # job id -> is_store, of failed jobs not yet taken
+        self._cancel_asked: set[int] = set()  # tasks whose cancel was sent while the bus was paused
 
     # --- jobs --------------------------------------------------------------------------
 
@@ -101,8 +102,25 @@ class ZkvOffloadWorker(OffloadingWorker):
 
     def _pump(self, timeout: float = 0.0) -> None:
         if self.client is not None:
+            self._cancel_while_paused()
             for out in self.client.poll(timeout):
                 self.book.on_outcome(out)
+
+    def _cancel_while_paused(self) -> None:
+        """No job waits on a paused bus: the submitter cancels its tasks still
+        queued at the broker (a dispatched one runs to its own outcome), so
+        they end ``cancelled`` now, and vLLM recomputes, instead of at their deadline."""
+        assert self.client is not None
+        if not self.agent.paused:
+            self._cancel_asked.clear()
+            return
+        for job in list(self.book.jobs.values()):
+            if job.outcome is None and job.local is None and job.task not in self._cancel_asked:
+                self._cancel_asked.add(job.task)
+                try:
+                    self.client.cancel(job.task, timeout=0.25)
+                except ZkvError as err:
+                    log.info("zkv: cancel of job %d not answered: %s", job.job_id, err)
 
     def _result(self, done: Finished) -> TransferResult:
         job = done.job
