@@ -110,7 +110,7 @@ class BlockRun:
         env.update(PATH=path, PYTHONPATH=pythonpath, PYTHON=sys.executable, ZKV_RUNTIME_DIR=str(self.runtime))
         env.update(MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
         self.env = env
-        self.values = {"{port}": str(free_port()), "{runtime}": str(self.runtime)}
+        self.values = {"{port}": str(free_port()), "{runtime}": str(self.runtime), "{root}": str(ROOT)}
         self.transcript: list[str] = []
         self.background: list[Background] = []
         self.made: set[str] = set()
