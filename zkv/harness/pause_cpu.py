@@ -52,7 +52,7 @@ def measure(cycles: int = 300, ranks: int = 2, layout: CacheLayout = SMALL) -> d
             client.pause()
             client.resume()
         before, start = _threads_ns(pids), time.perf_counter()
-        time.sleep(1.0)
+        time.sleep(1.0)  # not a wait for an event: a one-second window of idle CPU, measured
         idle = {w: (n - before[w]) / (time.perf_counter() - start) / 1e6 for w, n in _threads_ns(pids).items()}
         books: dict[str, dict[str, int]] = {"pause": {}, "resume": {}}
         wall: list[float] = []

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .vllm_rig import (
     BLOCK_TOKENS,
+    BusProbe,
     ModelShape,
     floor_transfer,
     greedy,
@@ -89,8 +90,6 @@ def bench_vllm(
             llm = start_engine(model, transfer, gpu_blocks, max_len)
             try:
                 if name == "zkv":
-                    from .vllm_rig import BusProbe
-
                     BusProbe(Path(tmp) / "bus").status(wait_ranks=1)
                 times, tokens[name] = _run(llm, contexts, turn, rounds)
             finally:

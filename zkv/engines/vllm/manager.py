@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -54,6 +53,19 @@ _FOUND = {
 }
 _MEDIUM = {Tier.CPU: Medium.CPU, Tier.DISK: Medium.STORAGE}
 _SPILLS_PER_STEP = 64
+_COUNTS = (
+    "hits",
+    "misses_not_serving",
+    "stores_skipped",
+    "store_failed",
+    "load_failed",
+    "spills",
+    "spill_failed",
+    "disk_loads",
+    "disk_load_failed",
+    "resets",
+    "resets_kept",
+)
 
 
 class ZkvOffloadManager(OffloadingManager):
@@ -75,10 +87,7 @@ class ZkvOffloadManager(OffloadingManager):
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
-        self._lock = threading.Lock()  # vLLM calls us from its scheduler thread; stats from any
-        self.counts = {"hits": 0, "misses_not_serving": 0, "stores_skipped": 0, "store_failed": 0, "load_failed": 0}
-        self.counts |= {"spills": 0, "spill_failed": 0, "disk_loads": 0, "disk_load_failed": 0, "resets": 0}
-        self.counts |= {"resets_kept": 0}
+        self.counts = dict.fromkeys(_COUNTS, 0)  # vLLM calls us from its scheduler thread only
 
     # --- the bus ---------------------------------------------------------------
 

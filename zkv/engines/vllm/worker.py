@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
 
@@ -149,7 +150,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         (bounded by each task's deadline); they are still reported by get_finished."""
         self._wait(job_ids, float("inf"))
 
-    def _wait(self, job_ids, bound: float) -> None:
+    def _wait(self, job_ids: Iterable[int], bound: float) -> None:
         for job_id in job_ids:
             task = JobBook.task_of(job_id)
             job = self.book.jobs.get(task)
