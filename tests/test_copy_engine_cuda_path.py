@@ -203,7 +203,7 @@ def test_the_rank_backend_waits_for_the_stream_the_engine_passed(fake_cuda):
     store.copier = CopyEngine(store.cache, store.tier, store.memory.compute_stream, cuda=True)
     fake_cuda.watch("engine", k)
     fake_cuda.clear()
-    store.swap("swap_out", [2, 3], [0, 1])
+    store.move("swap_out", [2, 3], [0, 1])
     assert fake_cuda.calls[0] == ("wait_stream", store.copier.staged.copy_stream.name, "engine-stream")
     assert_ordered_and_synced(fake_cuda)
 

@@ -23,14 +23,14 @@ def test_a_second_process_of_the_rank_maps_the_tier_again_with_every_sealed_bloc
     s = store(tmp_path)
     assert not s.restored and s.tier is not None and not s.tier.kept
     s.fill("gpu", [0, 1, 2], seed=7)
-    s.swap("swap_out", [0, 1, 2], [5, 6, 7])
+    s.move("swap_out", [0, 1, 2], [5, 6, 7])
     digests = s.checksum("cpu", [5, 6, 7])
     assert digests == s.checksum("gpu", [0, 1, 2])
     s.close()  # the rank stops: the file stays
     again = store(tmp_path)
     assert again.restored and again.tier.valid_rows() == 3
     assert again.kept_tiers(fresh=True) == {"kept_tiers": ["cpu"], "cpu_gen": 0}
-    again.swap("swap_in", [5, 6, 7], [8, 9, 10])
+    again.move("swap_in", [5, 6, 7], [8, 9, 10])
     assert again.checksum("gpu", [8, 9, 10]) == digests
     again.free()  # a clear without keep_cpu: the file goes
     assert list(list_tiers(str(tmp_path))) == []
@@ -44,11 +44,11 @@ def test_a_torn_header_loses_that_block_only_and_a_swap_in_naming_it_fails(tmp_p
     # with digests: the digest no longer matches the bytes; without: the header's mark is gone
     s.tier.file.heads[4, 40 if digests else 0] ^= 0xFF
     with pytest.raises(CacheError, match=r"lost_block.*\[4\]"):
-        s.swap("swap_in", [3, 4, 5], [0, 1, 2])
+        s.move("swap_in", [3, 4, 5], [0, 1, 2])
     with pytest.raises(CacheError, match="lost_block"):
         s.checksum("cpu", [4])
     assert s.tier.digest_failures == 2
-    s.swap("swap_in", [3, 5], [0, 1])
+    s.move("swap_in", [3, 5], [0, 1])
     assert s.checksum("gpu", [0, 1]) == good
     s.close()
 

@@ -20,7 +20,7 @@ from waits import wait_for
 
 from zkv.harness.cluster import LocalCluster
 from zkv.obs.status_view import render_status
-from zkv.rank.cache import disk_io, disk_link
+from zkv.rank.cache import disk_io
 from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.store import BlockStore
@@ -178,7 +178,7 @@ LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_hea
 def test_the_store_keeps_the_disk_tier_with_keep_cpu_and_drops_it_on_a_clear_or_a_new_layout(tmp_path):
     store = BlockStore.owned(LAYOUT, disk=DiskSpec(str(tmp_path), 32))
     store.fill("cpu", [0, 1], seed=3)
-    store.spill([0, 1], [10, 11])
+    store.move("spill", [0, 1], [10, 11])
     want = store.checksum("cpu", [0, 1])
     assert store.checksum("disk", [10, 11]) == want
     store.free(keep_cpu=True)
@@ -187,11 +187,11 @@ def test_the_store_keeps_the_disk_tier_with_keep_cpu_and_drops_it_on_a_clear_or_
     store.free(keep_cpu=False)
     store.allocate(LAYOUT)
     with pytest.raises(DiskLost):
-        store.load([10], [0])
+        store.move("load", [10], [0])
     with pytest.raises(CacheError, match=r"lost_block.*\[0\] hold nothing"):
-        store.spill([0], [3])  # the failed load left CPU row 0 holding nothing: never spilled as zeros
+        store.move("spill", [0], [3])  # the failed load left CPU row 0 holding nothing: never spilled as zeros
     store.fill("cpu", [0], seed=4)
-    store.spill([0], [3])
+    store.move("spill", [0], [3])
     store.allocate(LAYOUT.with_changes(head_dim=32))  # a resume with a new layout
     with pytest.raises(DiskLost):
         store.checksum("disk", [3])
@@ -205,13 +205,13 @@ def test_with_a_persistent_cpu_tier_spill_checks_rows_load_seals_them_and_close_
     want = store.checksum("cpu", [0, 1])
     store.tier.file.heads[2, 0] ^= 0xFF  # a torn header: CPU block 2 is lost
     with pytest.raises(CacheError, match=r"lost_block.*\[2\]"):
-        store.spill([1, 2], [5, 6])
+        store.move("spill", [1, 2], [5, 6])
     assert store.disk.used == 0, "a spill naming a lost CPU block writes nothing"
-    store.spill([0, 1], [5, 6])
-    store.load([5, 6], [2, 3])  # a load seals the rows it writes: block 2 is whole again
+    store.move("spill", [0, 1], [5, 6])
+    store.move("load", [5, 6], [2, 3])  # a load seals the rows it writes: block 2 is whole again
     assert store.checksum("cpu", [2, 3]) == want
     with pytest.raises(DiskLost):
-        store.load([7], [0])  # nothing there: CPU row 0 now holds undefined bytes
+        store.move("load", [7], [0])  # nothing there: CPU row 0 now holds undefined bytes
     with pytest.raises(CacheError, match="lost_block"):
         store.checksum("cpu", [0])
     store.close()  # the rank stops: the tier file and the disk file both stay
@@ -231,7 +231,7 @@ def test_disk_blocks_belong_to_the_cpu_generation_of_the_store_across_restarts(t
     store = BlockStore.owned(LAYOUT, place=place, disk=disk)
     store.set_cpu_gen(5)  # a task at the bus's CPU generation 5
     store.fill("cpu", [0, 1], seed=6)
-    store.spill([0, 1], [10, 11])
+    store.move("spill", [0, 1], [10, 11])
     want = store.checksum("cpu", [0, 1])
     store.close()
 
@@ -240,13 +240,13 @@ def test_disk_blocks_belong_to_the_cpu_generation_of_the_store_across_restarts(t
     assert again.checksum("disk", [10, 11]) == want
     again.set_cpu_gen(6)  # the bus moved on (a clear this rank missed): the disk blocks go with the CPU rows
     with pytest.raises(DiskLost, match="hold no block"):
-        again.load([10], [0])
+        again.move("load", [10], [0])
     assert again.kept_tiers(fresh=False) == {"kept_tiers": ["cpu", "disk"], "cpu_gen": 6}
     with pytest.raises(CacheError, match="lost_block"):
-        again.spill([1], [12])  # the CPU rows of 5 are gone too
+        again.move("spill", [1], [12])  # the CPU rows of 5 are gone too
     again.fill("cpu", [1], seed=7)
     later = again.checksum("cpu", [1])
-    again.spill([1], [12])
+    again.move("spill", [1], [12])
     again.close()
 
     memory_only = BlockStore.owned(LAYOUT, disk=disk)  # a new CPU tier: the store takes the file's generation
@@ -254,7 +254,7 @@ def test_disk_blocks_belong_to_the_cpu_generation_of_the_store_across_restarts(t
     assert memory_only.checksum("disk", [12]) == later
     memory_only.set_cpu_gen(7)
     memory_only.fill("cpu", [0], seed=8)
-    memory_only.spill([0], [13])
+    memory_only.move("spill", [0], [13])
     memory_only.close()
 
     behind = BlockStore.owned(LAYOUT, place=place, disk=disk)  # CPU tier at 6, disk blocks at 7
@@ -281,9 +281,9 @@ def test_cpu_tier_rows_start_page_aligned_so_spill_and_load_skip_the_bounce_buff
     tier.store.copy_(torch.randint(0, 256, (6, tier.row_bytes), dtype=torch.uint8))
     tier.written(range(6))
     want = tier.store.clone()
-    disk_link.spill(disk, tier, [0, 1, 2, 5], [3, 4, 5, 0])  # a run of three rows and a stray
+    disk.write([3, 4, 5, 0], tier.addresses([0, 1, 2, 5]), tier.stride)  # a run of three rows and a stray
     tier.store.zero_()
-    disk_link.load(disk, tier, [5, 3, 4, 0], [2, 0, 1, 5])
+    disk.read([5, 3, 4, 0], tier.addresses([2, 0, 1, 5]), tier.stride)
     assert torch.equal(tier.store[[0, 1, 2, 5]], want[[0, 1, 2, 5]])
     assert disk._bounces == {}, "no row went through a bounce buffer"
     disk.close()

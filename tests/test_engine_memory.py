@@ -34,7 +34,7 @@ def resume(store: BlockStore, cache: EngineCache, cpu_rows: int) -> bool:
 def test_after_a_clear_zkv_holds_no_engine_memory_and_refuses_copies():
     kv, cache = engine(8)
     store = BlockStore.attached(cache, cpu_rows=4)
-    store.swap("swap_out", [1, 2], [0, 1])
+    store.move("swap_out", [1, 2], [0, 1])
     refs = [StorageWeakRef(t.untyped_storage()) for t in kv.values()]
     tier_ref = StorageWeakRef(store.tier.store.untyped_storage())
     block_bytes = cache.descriptor.block_bytes
@@ -53,13 +53,13 @@ def test_after_a_clear_zkv_holds_no_engine_memory_and_refuses_copies():
 def test_keep_cpu_keeps_the_bytes_for_a_new_generation_with_another_block_count():
     kv, cache = engine(8)
     store = BlockStore.attached(cache, cpu_rows=4)
-    store.swap("swap_out", [5, 6], [2, 3])
+    store.move("swap_out", [5, 6], [2, 3])
     want = [t[:, 5:7].clone() for t in kv.values()]
     assert store.free(keep_cpu=True).cpu_kept
     del kv, cache  # the engine frees, updates, reallocates with more blocks
     kv2, cache2 = engine(32, generation=2)
     assert resume(store, cache2, cpu_rows=4) is True
-    store.swap("swap_in", [2, 3], [30, 31])
+    store.move("swap_in", [2, 3], [30, 31])
     for t, w in zip(kv2.values(), want):
         assert torch.equal(t[:, 30:32].view(torch.int16), w.view(torch.int16))
 

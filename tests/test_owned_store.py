@@ -27,11 +27,11 @@ def test_swap_out_and_in_round_trip_bit_identical_for_mixed_ids(dtype):
     cache.fill("gpu", gpu, seed=3)
     before = cache.checksum("gpu", gpu)
     assert len(set(before)) == len(gpu), "fill gives distinct blocks"
-    assert cache.swap("swap_out", gpu, cpu) == len(gpu) * LAYOUT.with_changes(dtype=dtype).block_bytes
+    assert cache.move("swap_out", gpu, cpu) == len(gpu) * LAYOUT.with_changes(dtype=dtype).block_bytes
     assert cache.checksum("cpu", cpu) == before
     cache.fill("gpu", gpu, seed=4)
     assert cache.checksum("gpu", gpu) != before
-    cache.swap("swap_in", cpu, gpu)
+    cache.move("swap_in", cpu, gpu)
     assert cache.checksum("gpu", gpu) == before
     untouched = [b for b in range(LAYOUT.gpu_blocks) if b not in gpu]
     assert all(bool((t[untouched] == 0).all()) for t in cache.views("gpu"))
@@ -40,7 +40,7 @@ def test_swap_out_and_in_round_trip_bit_identical_for_mixed_ids(dtype):
 def test_swap_writes_only_the_destination_blocks_of_every_layer():
     cache = BlockStore.owned(LAYOUT)
     cache.fill("gpu", [5], seed=1)
-    cache.swap("swap_out", [5], [9])
+    cache.move("swap_out", [5], [9])
     assert len(cache.views("gpu")) == 2 * LAYOUT.layers, "a K and a V region per layer"
     for g, c in zip(cache.views("gpu"), cache.views("cpu")):
         assert torch.equal(g[5], c[9])  # bytes: fill may make NaNs

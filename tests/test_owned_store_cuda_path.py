@@ -49,13 +49,13 @@ def test_swaps_wait_for_the_compute_stream_and_return_after_an_event(fake_cuda, 
     cache.fill("gpu", src, seed=5)
     before = cache.checksum("gpu", src)
     fake_cuda.clear()
-    cache.swap("swap_out", src, dst)
+    cache.move("swap_out", src, dst)
     assert fake_cuda.calls[0] == ("wait_stream", cache.copier.staged.copy_stream.name, "compute")
     assert_ordered_and_synced(fake_cuda)
     assert cache.checksum("cpu", dst) == before
     cache.fill("gpu", src, seed=6)
     fake_cuda.clear()
-    cache.swap("swap_in", dst, src)
+    cache.move("swap_in", dst, src)
     assert_ordered_and_synced(fake_cuda)
     assert cache.checksum("gpu", src) == before
 
@@ -67,7 +67,7 @@ def test_a_scattered_swap_is_one_gather_and_one_transfer_per_staging_chunk(fake_
     blocks, rows = rng.sample(range(64), 30), [r + 50 for r in rng.sample(range(30), 30)]
     cache.fill("gpu" if op == "swap_out" else "cpu", blocks if op == "swap_out" else rows, seed=1)
     fake_cuda.clear()
-    cache.swap(op, blocks, rows) if op == "swap_out" else cache.swap(op, rows, blocks)
+    cache.move(op, blocks, rows) if op == "swap_out" else cache.move(op, rows, blocks)
     transfers = fake_cuda.on("tier")
     assert len(transfers) == 4, "30 pairs, 8 rows a chunk: four transfers across the link"
     assert all(
@@ -84,14 +84,14 @@ def test_a_scattered_swap_is_one_gather_and_one_transfer_per_staging_chunk(fake_
 def test_no_pinned_allocation_after_the_first_swap(fake_cuda):
     cache = cuda_like_cache(fake_cuda)
     rng = random.Random(5)
-    cache.swap("swap_out", rng.sample(range(64), 16), rng.sample(range(96), 16))
+    cache.move("swap_out", rng.sample(range(64), 16), rng.sample(range(96), 16))
     cache.fill("cpu", list(range(96)), seed=5)  # every row written: a swap-in reads any of them
     first, staging = fake_cuda.pinned_allocations, cache.copier.staged._staging
     assert first == 1, "the index upload buffer, once"
     for _ in range(40):
         n = rng.randint(1, 64)
-        cache.swap("swap_out", rng.sample(range(64), n), rng.sample(range(96), n))
-        cache.swap("swap_in", rng.sample(range(96), n), rng.sample(range(64), n))
+        cache.move("swap_out", rng.sample(range(64), n), rng.sample(range(96), n))
+        cache.move("swap_in", rng.sample(range(96), n), rng.sample(range(64), n))
     assert fake_cuda.pinned_allocations == first, "swaps allocate no pinned memory"
     assert cache.copier.staged._staging is staging, "the staging buffers are allocated once per cache allocation"
 

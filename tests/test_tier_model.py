@@ -81,7 +81,7 @@ class TierModel(RuleBasedStateMachine):
             st.lists(st.integers(0, self.layout.cpu_blocks - 1), min_size=len(src), max_size=len(src), unique=True)
         )
         want = self.store.checksum("gpu", src)
-        self.store.swap("swap_out", src, dst)
+        self.store.move("swap_out", src, dst)
         self.cpu.update(zip(dst, want))
 
     # --- reads (each also a write for swap_in, spill and load) ---------------------
@@ -113,7 +113,7 @@ class TierModel(RuleBasedStateMachine):
             st.lists(st.integers(0, LAYOUT.gpu_blocks - 1), min_size=len(src), max_size=len(src), unique=True)
         )
         before = self.store.checksum("gpu", dst)
-        if self._read(self.cpu, src, "lost_block", lambda: self.store.swap("swap_in", src, dst)) is None:
+        if self._read(self.cpu, src, "lost_block", lambda: self.store.move("swap_in", src, dst)) is None:
             assert self.store.checksum("gpu", dst) == before, "a failed swap_in copied something"
         else:
             assert self.store.checksum("gpu", dst) == [self.cpu[i] for i in src]
@@ -122,7 +122,7 @@ class TierModel(RuleBasedStateMachine):
     def spill(self, data):
         src = data.draw(st.lists(st.integers(0, self.layout.cpu_blocks - 1), min_size=1, max_size=3))
         dst = data.draw(st.lists(st.integers(0, DISK_BLOCKS - 1), min_size=len(src), max_size=len(src), unique=True))
-        if self._read(self.cpu, src, "lost_block", lambda: self.store.spill(src, dst)) is not None:
+        if self._read(self.cpu, src, "lost_block", lambda: self.store.move("spill", src, dst)) is not None:
             self.disk.update(zip(dst, [self.cpu[i] for i in src]))
 
     @rule(data=st.data())
@@ -131,7 +131,7 @@ class TierModel(RuleBasedStateMachine):
         dst = data.draw(
             st.lists(st.integers(0, self.layout.cpu_blocks - 1), min_size=len(src), max_size=len(src), unique=True)
         )
-        if self._read(self.disk, src, "disk_lost", lambda: self.store.load(src, dst)) is None:
+        if self._read(self.disk, src, "disk_lost", lambda: self.store.move("load", src, dst)) is None:
             for i in dst:
                 self.cpu.pop(i, None)  # a failed load's rows are lost, never served
         else:

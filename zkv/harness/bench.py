@@ -299,8 +299,8 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
         "bytes": nbytes,
         "baseline_plain_contiguous_copy_GBps": rate(plain_contiguous),
         "baseline_index_select_copy_GBps": rate(gather_scatter),
-        "zkv_contiguous_ids_GBps": rate(lambda: cache.swap("swap_out", range(blocks), range(blocks))),
-        "zkv_scattered_ids_GBps": rate(lambda: cache.swap("swap_out", scattered_src, scattered_dst)),
+        "zkv_contiguous_ids_GBps": rate(lambda: cache.move("swap_out", range(blocks), range(blocks))),
+        "zkv_scattered_ids_GBps": rate(lambda: cache.move("swap_out", scattered_src, scattered_dst)),
         "threads": torch.get_num_threads(),
     }
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from ..wire.moves import MOVES
 from ..wire.outcome import TaskOutcome
 
-#: the ops the prefix manager submits: GPU <-> CPU swaps, CPU <-> disk spills and loads (docs/protocol.md §6)
-SWAP_OPS = ("swap_out", "swap_in", "spill", "load")
+#: the ops the prefix manager submits: the tier moves, GPU <-> CPU swaps and CPU <-> disk spills and loads
+#: (``wire/moves.py``, docs/protocol.md §6)
+SWAP_OPS = tuple(MOVES)
 
 
 class Bus(Protocol):

@@ -21,6 +21,8 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from hashlib import blake2b
 
+from ..wire.vocab import Tier
+
 KEY_BYTES = 16
 ROOT_KEY = bytes(KEY_BYTES)
 
@@ -130,6 +132,19 @@ class RadixNode:
         self.num_gpu_children = 0  # children in GPU_PINNING_STATES
         self.num_cpu_children = 0  # children not in DISK_STATES
         self.attached = True
+
+    def block_on(self, tier: Tier) -> int | None:
+        """This node's block on ``tier`` (None: it has none there)."""
+        return self.gpu_block if tier == Tier.GPU else self.cpu_block if tier == Tier.CPU else self.disk_block
+
+    def set_block(self, tier: Tier, block: int | None) -> None:
+        """Give this node block ``block`` on ``tier`` (None: take its block there away)."""
+        if tier == Tier.GPU:
+            self.gpu_block = block
+        elif tier == Tier.CPU:
+            self.cpu_block = block
+        else:
+            self.disk_block = block
 
     def __repr__(self) -> str:
         return (

@@ -53,9 +53,11 @@ Policies
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Callable, cast
 
+from ..wire.moves import MOVES
 from ..wire.protocol import OUTCOMES
+from ..wire.vocab import Op, Outcome
 from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
@@ -76,7 +78,7 @@ COUNTERS = (
 )
 
 # the counter of each op that moves a tier down
-_DEMOTED = {"swap_out": "swapped_out_blocks", "spill": "spilled_blocks"}
+_DEMOTED = {Op.SWAP_OUT: "swapped_out_blocks", Op.SPILL: "spilled_blocks"}
 
 
 @dataclass
@@ -166,21 +168,23 @@ class SwapRunner:
                 node.cpu_block = cpu_block
                 moving.append(node)
         if moving:
-            self.demote(tiers, moving, "swap_out", "gpu", "cpu", NodeState.ON_CPU)
+            self.demote(tiers, moving, Op.SWAP_OUT, NodeState.ON_CPU)
         return len(victims)
 
-    def demote(self, tiers: Tiers, moving: list[RadixNode], op: str, src: str, dst: str, state: NodeState) -> None:
+    def demote(self, tiers: Tiers, moving: list[RadixNode], op: Op, state: NodeState) -> None:
         """One ``op`` task moving ``moving`` a tier down (``swap_out`` GPU -> CPU, ``spill``
-        CPU -> disk; their ``dst`` blocks already taken).  On ``ok`` the ``src`` blocks are
-        freed and the nodes live on in ``state``; otherwise the ``dst`` blocks are freed or
-        quarantined and the nodes dropped with their subtrees (freeing the room asked for)."""
-        src_ids = cast(list[int], [getattr(node, f"{src}_block") for node in moving])
-        dst_ids = cast(list[int], [getattr(node, f"{dst}_block") for node in moving])
+        CPU -> disk: ``wire/moves.py``; their destination blocks already taken).  On ``ok``
+        the source blocks are freed and the nodes live on in ``state``; otherwise the
+        destination blocks are freed or quarantined and the nodes dropped with their
+        subtrees (freeing the room asked for)."""
+        move = MOVES[op]
+        src_ids = cast(list[int], [node.block_on(move.source) for node in moving])
+        dst_ids = cast(list[int], [node.block_on(move.dest) for node in moving])
         outcome, task = self.run(op, src_ids, dst_ids)
-        if outcome == "ok":
-            tiers.allocator(src).free(src_ids)
+        if outcome == Outcome.OK:
+            tiers.allocator(move.source).free(src_ids)
             for node in moving:
-                setattr(node, f"{src}_block", None)
+                node.set_block(move.source, None)
                 tiers.tree.set_state(node, state)
             for node in moving:
                 tiers.offer(node)
@@ -188,41 +192,62 @@ class SwapRunner:
             self.counters[_DEMOTED[op]] += len(moving)
             return
         for node in moving:
-            setattr(node, f"{dst}_block", None)
-        self.settle_unsafe(tiers, dst, dst_ids, outcome, task)
+            node.set_block(move.dest, None)
+        self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
         for node in moving:
             if node.attached:
                 self.drop_subtree(tiers, node)
 
-    def swap_in(self, tiers: Tiers, cpu_run: list[RadixNode]) -> list[RadixNode]:
-        """Bring a run of CPU nodes to the GPU in one task; returns those that arrived."""
-        for node in cpu_run:
-            tiers.tree.set_state(node, NodeState.SWAPPING_IN)  # shields them from CPU eviction
-        gpu_ids = self.take_gpu_blocks(tiers, len(cpu_run), allow_fewer=True)
-        moving, staying = cpu_run[: len(gpu_ids)], cpu_run[len(gpu_ids) :]
+    def promote(
+        self,
+        tiers: Tiers,
+        run: list[RadixNode],
+        op: Op,
+        states: tuple[NodeState, NodeState, NodeState],
+        take: Callable[[int], list[int]],
+    ) -> tuple[list[RadixNode], str]:
+        """One ``op`` task moving ``run`` a tier up (``swap_in`` CPU -> GPU, ``load`` disk ->
+        CPU: ``wire/moves.py``).  ``states``: the run's state while it moves, where it rests,
+        where it arrives.  ``take(n)`` gives up to ``n`` destination blocks; the nodes beyond
+        them stay.  On ``ok`` the source blocks of those that moved are freed; otherwise the
+        destination blocks are freed or quarantined and the nodes rest where they were.
+        Returns the nodes that were moved and the task's outcome."""
+        move = MOVES[op]
+        moving_state, resting, arrived = states
+        for node in run:
+            tiers.tree.set_state(node, moving_state)  # shields them (and their ancestors) from eviction
+        dst_ids = take(len(run))
+        moving, staying = run[: len(dst_ids)], run[len(dst_ids) :]
         for node in staying:
-            tiers.tree.set_state(node, NodeState.ON_CPU)
-        for node, block in zip(moving, gpu_ids):
-            node.gpu_block = block
-        cpu_ids = cast(list[int], [node.cpu_block for node in moving])
-        outcome, task = "ok", None
+            tiers.tree.set_state(node, resting)
+        for node, block in zip(moving, dst_ids):
+            node.set_block(move.dest, block)
+        src_ids = cast(list[int], [node.block_on(move.source) for node in moving])
+        outcome, task = Outcome.OK, None
         if moving:
-            outcome, task = self.run("swap_in", cpu_ids, gpu_ids)
-        if outcome == "ok":
+            outcome, task = self.run(op, src_ids, dst_ids)
+        if outcome == Outcome.OK:
             for node in moving:
-                node.cpu_block = None
-                tiers.tree.set_state(node, NodeState.ON_GPU)
-            tiers.cpu.free(cpu_ids)
+                node.set_block(move.source, None)
+                tiers.tree.set_state(node, arrived)
+            tiers.allocator(move.source).free(src_ids)
         else:
             for node in moving:
-                node.gpu_block = None
-                tiers.tree.set_state(node, NodeState.ON_CPU)
-            self.settle_unsafe(tiers, "gpu", gpu_ids, outcome, task)
-            moving = []
+                node.set_block(move.dest, None)
+                tiers.tree.set_state(node, resting)
+            self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
+        return moving, outcome
+
+    def swap_in(self, tiers: Tiers, cpu_run: list[RadixNode]) -> list[RadixNode]:
+        """Bring a run of CPU nodes to the GPU in one task; returns those that arrived."""
+        states = (NodeState.SWAPPING_IN, NodeState.ON_CPU, NodeState.ON_GPU)
+        moving, outcome = self.promote(
+            tiers, cpu_run, Op.SWAP_IN, states, lambda n: self.take_gpu_blocks(tiers, n, allow_fewer=True)
+        )
         for node in cpu_run:
             if node.state is NodeState.ON_CPU:
                 tiers.offer(node)
-        return moving
+        return moving if outcome == Outcome.OK else []
 
     # ------------------------------------------------------------------ disk
 
@@ -250,7 +275,7 @@ class SwapRunner:
             if node.attached:
                 self.drop_subtree(tiers, node)  # no disk room left: dropped
         if moving:
-            self.demote(tiers, moving, "spill", "cpu", "disk", NodeState.ON_DISK)
+            self.demote(tiers, moving, Op.SPILL, NodeState.ON_DISK)
 
     def _take_disk_blocks(self, tiers: Tiers, count: int) -> list[int]:
         """Up to ``count`` disk blocks, dropping LRU disk leaves for room."""
@@ -263,30 +288,12 @@ class SwapRunner:
 
     def load(self, tiers: Tiers, disk_run: list[RadixNode]) -> list[RadixNode]:
         """Bring a match's disk run to the CPU in one task; returns the nodes that arrived (a prefix of it)."""
-        for node in disk_run:
-            tiers.tree.set_state(node, NodeState.LOADING)  # shields them, and the CPU run above, from eviction
-        cpu_ids = self.take_cpu_blocks(tiers, len(disk_run))
-        moving, staying = disk_run[: len(cpu_ids)], disk_run[len(cpu_ids) :]
-        for node in staying:
-            tiers.tree.set_state(node, NodeState.ON_DISK)
-        for node, block in zip(moving, cpu_ids):
-            node.cpu_block = block
-        disk_ids = cast(list[int], [node.disk_block for node in moving])
-        outcome, task = "ok", None
-        if moving:
-            outcome, task = self.run("load", disk_ids, cpu_ids)
-        if outcome == "ok":
-            for node in moving:
-                node.disk_block = None
-                tiers.tree.set_state(node, NodeState.ON_CPU)
-            tiers.disk.free(disk_ids)
+        states = (NodeState.LOADING, NodeState.ON_DISK, NodeState.ON_CPU)  # LOADING shields the CPU run above too
+        moving, outcome = self.promote(tiers, disk_run, Op.LOAD, states, lambda n: self.take_cpu_blocks(tiers, n))
+        if outcome == Outcome.OK:
             self.counters["loaded_blocks"] += len(moving)
         else:
-            for node in moving:
-                node.cpu_block = None
-                tiers.tree.set_state(node, NodeState.ON_DISK)
-            self.settle_unsafe(tiers, "cpu", cpu_ids, outcome, task)
-            if outcome == "failed":
+            if outcome == Outcome.FAILED:
                 self.drop_subtree(tiers, moving[0])  # a lost block is never served: its run goes
             moving = []
         for node in disk_run:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from ..wire.moves import TIER_ORDER
+from ..wire.vocab import Tier
 from .allocator import BlockAllocator
 from .radix import LeafQueue, NodeState, RadixNode, RadixTree
 
-#: the tiers, nearest first; ``Tiers.allocator`` takes these names
-TIER_NAMES = ("gpu", "cpu", "disk")
+#: the tiers, nearest first; ``Tiers.allocator`` takes these
+TIER_NAMES = TIER_ORDER
 #: what ``locate`` calls each resting state
-WHERE = {NodeState.ON_GPU: "gpu", NodeState.ON_CPU: "cpu", NodeState.ON_DISK: "disk"}
+WHERE = {NodeState.ON_GPU: Tier.GPU, NodeState.ON_CPU: Tier.CPU, NodeState.ON_DISK: Tier.DISK}
 
 
 def is_gpu_victim(node: RadixNode) -> bool:
@@ -62,15 +64,15 @@ class Tiers:
         self, num_gpu_blocks: int, num_cpu_blocks: int, gpu_reserved: Iterable[int] = (), num_disk_blocks: int = 0
     ) -> None:
         self.tree = RadixTree()
-        self.gpu = BlockAllocator(num_gpu_blocks, "gpu", gpu_reserved)  # the engine's own rows: never handed out
-        self.cpu = BlockAllocator(num_cpu_blocks, "cpu")
-        self.disk = BlockAllocator(num_disk_blocks, "disk")
+        self.gpu = BlockAllocator(num_gpu_blocks, Tier.GPU, gpu_reserved)  # the engine's own rows: never handed out
+        self.cpu = BlockAllocator(num_cpu_blocks, Tier.CPU)
+        self.disk = BlockAllocator(num_disk_blocks, Tier.DISK)
         self.gpu_victims = LeafQueue()
         self.cpu_victims = LeafQueue()
         self.disk_victims = LeafQueue()
 
-    def allocator(self, tier: str) -> BlockAllocator:
-        return self.gpu if tier == "gpu" else self.cpu if tier == "cpu" else self.disk
+    def allocator(self, tier: Tier | str) -> BlockAllocator:
+        return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else self.disk
 
     def offer(self, node: RadixNode) -> None:
         """Queue ``node`` for eviction if it has become a candidate on its tier."""

@@ -23,6 +23,7 @@ from typing import Callable
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire.moves import MOVES
 from ..wire.vocab import Op, Outcome
 from .actions import Execute
 from .cache.errors import CacheError
@@ -33,8 +34,6 @@ from .result_links import ResultSenders
 log = logging.getLogger("zkv.worker")
 
 _OK, _FAILED, _FILL = Outcome.OK, Outcome.FAILED, Op.FILL  # module names: an enum member read costs ~0.1 us (3.11)
-_SWAPS = (Op.SWAP_OUT, Op.SWAP_IN)
-_SPILL, _LOAD = Op.SPILL, Op.LOAD
 
 
 class TaskRunner:
@@ -85,14 +84,10 @@ class TaskRunner:
             self.cache.validate(body)
             if self.paused_ack.is_set():
                 self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
-            if op in _SWAPS:
-                nbytes = self.cache.swap(op, body.src, body.dst)
+            if op in MOVES:  # a spill never runs on the I/O thread (batching.InlinePolicy): it waits on the device
+                nbytes = self.cache.move(op, body.src, body.dst)
             elif op == _FILL:
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
-            elif op == _SPILL:  # never on the I/O thread (batching.InlinePolicy): it waits on the device
-                nbytes = self.cache.spill(body.src, body.dst)
-            elif op == _LOAD:
-                nbytes = self.cache.load(body.src, body.dst)
             else:
                 digests = self.cache.checksum(body.tier, body.src)
         except (P.ProtocolError, TaskInvalid, CacheError) as err:

@@ -1,11 +1,7 @@
-"""Between a store's CPU tier and its disk tier (docs/protocol.md §6.3): the
-disk tier opened for a layout, and ``spill`` / ``load`` under the CPU tier's
-rules.
-
-A spill reads CPU rows, so they are checked first, as a ``swap_in`` does (a
-lost CPU block is never written to disk as if it were good); a load writes
-CPU rows, so they are unsealed before and sealed after, as a ``swap_out``
-does (a rank killed mid-load leaves them lost, never other bytes).
+"""A store's disk tier under its CPU tier (docs/protocol.md §6.3): the disk
+tier opened for a layout, and what a READY says the rank kept.  The moves
+between the two (``spill``, ``load``) are the store's, under the one set of
+rules of every move (``BlockStore.move``, ``wire/moves.py``).
 
 Disk blocks belong to the bus's CPU generation as CPU rows do: the disk
 file's ``cpu_gen`` is always the store's (``DiskLink.sync`` here, then
@@ -14,8 +10,6 @@ serves blocks of a CPU generation the bus has left, even one that moved
 while the rank was down."""
 
 from __future__ import annotations
-
-from typing import Sequence
 
 from ...wire.layout import CacheLayout
 from .disk_tier import DiskSpec, DiskTier, layout_key
@@ -68,24 +62,3 @@ def ready_tiers(cpu: bool, disk: DiskTier | None, cpu_gen: int, fresh: bool) -> 
     if disk is not None and disk.cpu_gen == cpu_gen and (disk.kept or not fresh):
         tiers.append("disk")
     return {"kept_tiers": tiers, "cpu_gen": cpu_gen} if tiers else {}
-
-
-def _row_addresses(tier: CpuTier, rows: Sequence[int]) -> list[int]:
-    base, stride = tier.store.data_ptr(), tier.store.stride(0)
-    return [base + r * stride for r in rows]
-
-
-def spill(disk: DiskTier, tier: CpuTier, src: Sequence[int], dst: Sequence[int]) -> int:
-    """CPU rows ``src[i]`` to disk blocks ``dst[i]``; return bytes, once on the device.
-    A lost CPU row fails it (``CacheError("lost_block")``) before anything is written."""
-    tier.check_rows(src)
-    return disk.write(dst, _row_addresses(tier, src), tier.stride)
-
-
-def load(disk: DiskTier, tier: CpuTier, src: Sequence[int], dst: Sequence[int]) -> int:
-    """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost``
-    names failures; the ``dst`` rows then stay unsealed: lost, never served)."""
-    tier.writing(dst)
-    nbytes = disk.read(src, _row_addresses(tier, dst), tier.stride)
-    tier.written(dst)
-    return nbytes

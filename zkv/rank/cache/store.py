@@ -37,11 +37,13 @@ import torch
 
 from ...wire.errors import ReasonError
 from ...wire.layout import CacheLayout
+from ...wire.moves import MOVES
 from ...wire.protocol import TaskBody
+from ...wire.vocab import Op, Tier
 from ..tier_file import TierPlace
 from . import geometry
 from .copier import CopyEngine
-from .disk_link import DiskLink, load, ready_tiers, spill
+from .disk_link import DiskLink, ready_tiers
 from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
@@ -303,62 +305,76 @@ class BlockStore:
     def validate(self, body: TaskBody) -> None:
         """The one rule for which ids a task may name: ``TaskInvalid`` while
         cleared, ``CacheError("bad_block_id")`` for an id out of range, twice
-        in a destination, or reserved by the engine in a swap or a device-tier
-        fill (a checksum may read a reserved block)."""
+        in a destination, or reserved by the engine in a move or a device-tier
+        fill (a checksum may read a reserved block).  A move's tiers are the
+        table's (``wire/moves.py``)."""
         if self.cache is None:
             raise TaskInvalid("caches are cleared on this rank")
         self.handover.used = True
-        layout = self.layout  # its block counts are the device tier's and the CPU tier's (allocate)
-        reserved = self.cache.descriptor.reserved_ids  # the engine's own rows: never swapped or filled
         op = body.op
-        if op == "swap_out":
-            check_ids("src", body.src, "gpu", layout.gpu_blocks, False, reserved)
-            check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
-        elif op == "swap_in":
-            check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
-            check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
-        elif op == "fill":
-            if body.tier == "gpu":
-                check_ids("dst", body.dst, "gpu", layout.gpu_blocks, True, reserved)
-            elif body.tier == "cpu":
-                check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
-            else:
+        move = MOVES.get(op)
+        if move is not None:
+            self._check_ids("src", body.src, move.source, unique=False)
+            self._check_ids("dst", body.dst, move.dest, unique=True)
+        elif op == Op.FILL:
+            if body.tier == Tier.DISK:
                 raise TaskInvalid("fill is not offered on the disk tier: fill cpu blocks, then spill them")
-        elif op == "checksum":
-            limit = {"gpu": layout.gpu_blocks, "cpu": layout.cpu_blocks}.get(body.tier) or self._disk_rows()
-            check_ids("src", body.src, body.tier, limit, unique=False)
-        elif op == "spill":
-            check_ids("src", body.src, "cpu", layout.cpu_blocks, unique=False)
-            check_ids("dst", body.dst, "disk", self._disk_rows(), unique=True)
-        elif op == "load":
-            check_ids("src", body.src, "disk", self._disk_rows(), unique=False)
-            check_ids("dst", body.dst, "cpu", layout.cpu_blocks, unique=True)
+            self._check_ids("dst", body.dst, Tier(body.tier), unique=True)
+        elif op == Op.CHECKSUM:
+            self._check_ids("src", body.src, Tier(body.tier), unique=False, reserved=False)
 
-    def _disk_rows(self) -> int:
+    def _check_ids(self, what: str, ids: Sequence[int], tier: Tier, unique: bool, reserved: bool = True) -> None:
+        """``check_ids`` against ``tier``'s block count; the engine's own device
+        rows are never moved or filled (``reserved``), only read by a checksum."""
+        assert self.cache is not None
+        held = self.cache.descriptor.reserved_ids if reserved and tier == Tier.GPU else frozenset()
+        check_ids(what, ids, tier, self._blocks(tier), unique, held)
+
+    def _blocks(self, tier: Tier) -> int:
+        """How many blocks ``tier`` holds (the layout's counts: ``allocate`` sized the tiers by them)."""
+        if tier == Tier.GPU:
+            return self.layout.gpu_blocks
+        if tier == Tier.CPU:
+            return self.layout.cpu_blocks
         if self.disk is None:
             raise CacheError("no_disk", f"rank {self.rank} has no disk tier (start it with --disk-dir)")
         return self.disk.rows
 
-    def swap(self, op: str, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Copy blocks between tiers (ids validated); return bytes moved once they are there."""
-        assert self.copier is not None and self.tier is not None, "swap on a cleared store"
-        if op == "swap_out":
+    def move(self, op: Op | str, src: Sequence[int], dst: Sequence[int]) -> int:
+        """Move blocks ``src[i]`` to ``dst[i]`` between the tiers of ``op``
+        (``wire/moves.py``; ids validated) and return the bytes moved once they
+        are there.  The rules are the same for every move: CPU rows read are
+        checked first (a lost block fails the task, never copies other bytes;
+        a disk block's digest is checked as it is read), CPU rows written are
+        unsealed before and sealed after (a failure or a kill in between leaves
+        them lost, never other bytes)."""
+        assert self.copier is not None and self.tier is not None, "a move on a cleared store"
+        move = MOVES[Op(op)]
+        if move.source == Tier.CPU:
+            self.tier.check_rows(src)
+        if move.dest == Tier.CPU:
             self.tier.writing(dst)
-            nbytes = self.copier.copy_out(src, dst)
+        nbytes = self._paths[move.op](src, dst)
+        if move.dest == Tier.CPU:
             self.tier.written(dst)
-            return nbytes
-        self.tier.check_rows(src)  # a lost block fails the task, never copies other bytes
-        return self.copier.copy_in(src, dst)
+        return nbytes
 
-    def spill(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """CPU rows ``src[i]`` to disk blocks ``dst[i]`` (ids validated); return bytes, once on the device."""
-        assert self.disk is not None and self.tier is not None
-        return spill(self.disk, self.tier, src, dst)
+    @property
+    def _paths(self) -> dict[Op, Callable[[Sequence[int], Sequence[int]], int]]:
+        """The transfer path of each move: the copy engine between the device and
+        the CPU tier, the disk tier's I/O between the CPU tier and its file."""
+        assert self.copier is not None and self.tier is not None
+        copier, cpu = self.copier, self.tier
+        return {
+            Op.SWAP_OUT: copier.copy_out,
+            Op.SWAP_IN: copier.copy_in,
+            Op.SPILL: lambda src, dst: self._disk().write(dst, cpu.addresses(src), cpu.stride),
+            Op.LOAD: lambda src, dst: self._disk().read(src, cpu.addresses(dst), cpu.stride),
+        }
 
-    def load(self, src: Sequence[int], dst: Sequence[int]) -> int:
-        """Disk blocks ``src[i]`` to CPU rows ``dst[i]``, each digest checked (``DiskLost`` names failures)."""
-        assert self.disk is not None and self.tier is not None
-        return load(self.disk, self.tier, src, dst)
+    def _disk(self) -> DiskTier:
+        assert self.disk is not None, "a disk move on a rank without a disk tier"
+        return self.disk
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""

@@ -144,6 +144,11 @@ class CpuTier:
         """Whether this tier's rows are blocks of ``descriptor``'s regions (same names and page sizes)."""
         return descriptor.page_shape == self.page_shape
 
+    def addresses(self, rows: Sequence[int]) -> list[int]:
+        """Where each row starts in memory (the disk tier's I/O goes straight to them)."""
+        base, stride = self.store.data_ptr(), self.store.stride(0)
+        return [base + r * stride for r in rows]
+
     def row_bytes_of(self, row: int) -> bytes:
         """One row's bytes (for checks and checksums)."""
         return ctypes.string_at(self.store[row].data_ptr(), self.row_bytes)

@@ -1,0 +1,52 @@
+"""The tier moves: which ops move blocks from one tier to another, and the
+rules every side of the bus applies to them (docs/protocol.md §6).
+
+Rule 1: a move is data.  ``MOVES`` maps each moving ``Op`` to its ``Move``;
+the rank (``rank/cache/store.py``: which ids a task may name, which rows it
+checks and seals) and the prefix cache manager (``prefix/swaps.py``: which
+blocks a task takes and frees) both read this table and spell no move of
+their own.
+
+Rule 2: the same rules for every move.  ``src[i]`` goes to ``dst[i]``; a
+source id may repeat, a destination id may not (two copies into one block
+would race); a host tier's rows are checked before they are read and sealed
+after they are written (the rank's part: a block that does not check is
+lost, never served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .vocab import Op, Tier
+
+#: the tiers, nearest to the engine first
+TIER_ORDER = (Tier.GPU, Tier.CPU, Tier.DISK)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One op's move: ``src`` blocks of tier ``source`` to ``dst`` blocks of tier ``dest``."""
+
+    op: Op
+    source: Tier
+    dest: Tier
+
+    @property
+    def down(self) -> bool:
+        """Whether it moves blocks away from the engine (a demotion: swap_out, spill)."""
+        return TIER_ORDER.index(self.dest) > TIER_ORDER.index(self.source)
+
+    def tier_of(self, field: str) -> Tier:
+        """The tier a task's ``src`` or ``dst`` ids name."""
+        return self.source if field == "src" else self.dest
+
+
+MOVES: dict[Op, Move] = {
+    Op.SWAP_OUT: Move(Op.SWAP_OUT, Tier.GPU, Tier.CPU),
+    Op.SWAP_IN: Move(Op.SWAP_IN, Tier.CPU, Tier.GPU),
+    Op.SPILL: Move(Op.SPILL, Tier.CPU, Tier.DISK),
+    Op.LOAD: Move(Op.LOAD, Tier.DISK, Tier.CPU),
+}
+
+__all__ = ["MOVES", "Move", "TIER_ORDER"]
