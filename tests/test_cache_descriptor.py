@@ -15,10 +15,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from zkv.engines import vllm
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine
+from zkv.rank.cache.cpu_tier import CpuTier
 from zkv.rank.cache.descriptor import CacheDescriptor
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache, TensorEntry, canonicalize
-from zkv.rank.cache.tier import CpuTier
 
 
 def flash_descriptor(num_blocks=8) -> CacheDescriptor:

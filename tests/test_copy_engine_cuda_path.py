@@ -15,9 +15,9 @@ from fake_cuda import fake_cuda_fixture  # noqa: F401  (the fake_cuda fixture)
 
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine
+from zkv.rank.cache.cpu_tier import CpuTier
 from zkv.rank.cache.regions import EngineCache
 from zkv.rank.cache.staging import Chunk, plan
-from zkv.rank.cache.tier import CpuTier
 
 
 def one_region(rec, rows=8, **kw):

@@ -18,9 +18,9 @@ from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine, coalesce
+from zkv.rank.cache.cpu_tier import CpuTier
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.regions import EngineCache, TensorEntry
-from zkv.rank.cache.tier import CpuTier
 
 NB, BS, H, D, L = 12, 4, 2, 8, 3
 

@@ -22,11 +22,11 @@ from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts
 from zkv.rank.cache.copier import CopyEngine
+from zkv.rank.cache.cpu_tier import CpuTier
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.manifest import ShmArena, attach, export_manifest
 from zkv.rank.cache.regions import EngineCache, TensorEntry
 from zkv.rank.cache.store import BlockStore
-from zkv.rank.cache.tier import CpuTier
 from zkv.wire.protocol import TaskBody
 
 NB = 8

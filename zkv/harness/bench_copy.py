@@ -28,8 +28,8 @@ import torch
 from ..engines import sglang, vllm
 from ..rank.cache import layouts
 from ..rank.cache.copier import CopyEngine
+from ..rank.cache.cpu_tier import CpuTier
 from ..rank.cache.regions import EngineCache
-from ..rank.cache.tier import CpuTier
 
 # What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this thread's CPU
 # time (on CPU: a copy is one thread's work, and a loaded 2-core machine preempts it at random).

@@ -11,10 +11,10 @@ import torch
 
 from ..rank.cache import layouts
 from ..rank.cache.copier import CopyEngine
+from ..rank.cache.cpu_tier import CpuTier
 from ..rank.cache.regions import EngineCache
 from ..rank.cache.staging import STAGING_BYTES
 from ..rank.cache.store import BlockStore, block_digests
-from ..rank.cache.tier import CpuTier
 from ..wire.layout import CacheLayout
 
 

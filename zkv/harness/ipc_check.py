@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..rank.cache.copier import CopyEngine
+from ..rank.cache.cpu_tier import CpuTier
 from ..rank.cache.manifest import attach
-from ..rank.cache.tier import CpuTier
 
 REPLY_TIMEOUT_S = 60.0
 

@@ -223,7 +223,8 @@ class SwapRunner:
         for node, block in zip(moving, dst_ids):
             node.set_block(move.dest, block)
         src_ids = cast(list[int], [node.block_on(move.source) for node in moving])
-        outcome, task = Outcome.OK, None
+        outcome: str = Outcome.OK
+        task: int | None = None
         if moving:
             outcome, task = self.run(op, src_ids, dst_ids)
         if outcome == Outcome.OK:
@@ -378,7 +379,7 @@ class SwapRunner:
             self.quarantine.forget_where(lambda entry: entry.tier == tier)
 
     def quarantined_blocks(self) -> dict[str, int]:
-        held = dict.fromkeys(TIER_NAMES, 0)
+        held: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
         for entry in self.quarantine.values():
             held[entry.tier] += len(entry.block_ids)
         return held

@@ -1,4 +1,4 @@
-"""The file a persistent CPU tier (``cache.tier.CpuTier``) lives in, so that it outlives the rank
+"""The file a persistent CPU tier (``cache.cpu_tier.CpuTier``) lives in, so that it outlives the rank
 process (docs/architecture.md, "Memory below and beyond one process").
 
 A tier file (in ``/dev/shm`` by default: host memory that no process owns)

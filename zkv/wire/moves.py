@@ -42,7 +42,8 @@ class Move:
         return self.source if field == "src" else self.dest
 
 
-MOVES: dict[Op, Move] = {
+#: keyed by the ``Op`` members, so that a decoded op (a plain ``str``) finds its move too
+MOVES: dict[str, Move] = {
     Op.SWAP_OUT: Move(Op.SWAP_OUT, Tier.GPU, Tier.CPU),
     Op.SWAP_IN: Move(Op.SWAP_IN, Tier.CPU, Tier.GPU),
     Op.SPILL: Move(Op.SPILL, Tier.CPU, Tier.DISK),

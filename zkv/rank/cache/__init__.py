@@ -4,12 +4,12 @@ layout adapters and cross-process manifests.  Torch only; nothing here knows
 about sockets or the protocol."""
 
 from .copier import CopyEngine
+from .cpu_tier import CpuTier
 from .descriptor import CacheDescriptor, RegionSpec
 from .errors import CacheError
 from .memory import EngineMemory, MemorySource, OwnedMemory
 from .regions import EngineCache
 from .store import BlockStore, TaskInvalid
-from .tier import CpuTier
 
 __all__ = [
     "BlockStore",

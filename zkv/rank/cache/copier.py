@@ -26,10 +26,10 @@ from typing import Any, Sequence
 import torch
 
 from .cpu_copy import CpuCopier, CpuGroup, coalesce, groups_of
+from .cpu_tier import CpuTier
 from .errors import CacheError
 from .regions import EngineCache, check_ids
 from .staging import STAGING_BYTES, StagedCopier
-from .tier import CpuTier
 
 __all__ = ["CopyEngine", "coalesce"]
 

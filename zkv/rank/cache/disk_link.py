@@ -12,8 +12,8 @@ while the rank was down."""
 from __future__ import annotations
 
 from ...wire.layout import CacheLayout
+from .cpu_tier import CpuTier
 from .disk_tier import DiskSpec, DiskTier, layout_key
-from .tier import CpuTier
 
 
 class DiskLink:

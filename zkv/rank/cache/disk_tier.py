@@ -29,7 +29,7 @@ whatever the size); digests are checked on every read.  An exclusive
 ``flock`` keeps a second process off a live rank's file.
 
 Rows go straight between the CPU tier and the file (its rows are
-page-aligned, tier.py), one buffer per run of rows that lie back to back;
+page-aligned, cpu_tier.py), one buffer per run of rows that lie back to back;
 only rows that are not (an unaligned address under O_DIRECT) pass through
 a bounce buffer.  A big batch is cut into pieces (``disk_io.PIECE``) that
 the pool's threads share: one thread's read or write runs while another
@@ -242,7 +242,7 @@ class DiskTier:
     def _zero_copy(self, addresses: Sequence[int], span: int) -> bool:
         """Whether rows go straight between memory and the file: always with buffered I/O;
         with O_DIRECT when every address is aligned and owns a whole slot (``span``, the
-        CPU tier's row stride: its rows are page-aligned, tier.py)."""
+        CPU tier's row stride: its rows are page-aligned, cpu_tier.py)."""
         if not self.direct:
             return True
         return (self.slot == self.row_bytes or span >= self.slot) and all(a % io.ALIGN == 0 for a in addresses)

@@ -21,7 +21,7 @@ Tiers are named as on the wire: ``gpu`` is the device tier, ``cpu`` zkv's
 swap space.  ``checksum`` of a block is the BLAKE2b of its page in every
 region, in region order, which is exactly a CPU tier row: a block and the row
 it was swapped to have one digest.  With a ``place`` the CPU tier is a tier
-file that outlives the process (``tier.CpuTier``): ``restored`` says the
+file that outlives the process (``cpu_tier.CpuTier``): ``restored`` says the
 first allocation mapped one an earlier process of this rank left, and
 ``cpu_gen`` is the CPU generation its rows belong to.  One thread (the rank's executor, or the
 I/O thread while nothing is queued) drives a store."""
@@ -43,6 +43,7 @@ from ...wire.vocab import Op, Tier
 from ..tier_file import TierPlace
 from . import geometry
 from .copier import CopyEngine
+from .cpu_tier import CpuTier, HostTier
 from .disk_link import DiskLink, ready_tiers
 from .disk_tier import DiskSpec, DiskTier
 from .errors import CacheError
@@ -51,7 +52,6 @@ from .handover import Attached
 from .memory import EngineMemory, MemorySource, OwnedMemory
 from .regions import EngineCache, check_ids
 from .staging import STAGING_BYTES
-from .tier import CpuTier
 
 __all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "pick_device", "tensor_bytes"]
 
@@ -260,10 +260,17 @@ class BlockStore:
         """The bus's CPU generation: new rows belong to it, and a mapped tier's
         rows of another one stop checking (they are gone for every client)."""
         self.cpu_gen = gen
+        for tier in self.host_tiers().values():
+            tier.set_cpu_gen(gen)  # the disk's blocks are CPU blocks moved down: gone with them
+
+    def host_tiers(self) -> dict[Tier, HostTier]:
+        """The tiers held in host memory or below it, as the store calls them (``cpu_tier.HostTier``)."""
+        tiers: dict[Tier, HostTier] = {}
         if self.tier is not None:
-            self.tier.set_gen(gen)
+            tiers[Tier.CPU] = self.tier
         if self.disk is not None:
-            self.disk.set_cpu_gen(gen)  # the disk's blocks are CPU blocks moved down
+            tiers[Tier.DISK] = self.disk
+        return tiers
 
     def _drop_device(self) -> None:
         cache, copier = self.cache, self.copier
@@ -349,7 +356,7 @@ class BlockStore:
         unsealed before and sealed after (a failure or a kill in between leaves
         them lost, never other bytes)."""
         assert self.copier is not None and self.tier is not None, "a move on a cleared store"
-        move = MOVES[Op(op)]
+        move = MOVES[op]
         if move.source == Tier.CPU:
             self.tier.check_rows(src)
         if move.dest == Tier.CPU:
@@ -406,9 +413,7 @@ class BlockStore:
         """A 16-byte BLAKE2b digest of every block (its page in every region; a disk block
         is read back and its stored digest checked first); a lost CPU block fails it
         (``CacheError("lost_block")``)."""
-        if tier == "disk":
-            assert self.disk is not None
-            return self.disk.checksum(ids)
-        if tier == "cpu" and self.tier is not None:
-            self.tier.check_rows(ids)
+        host = self.host_tiers().get(Tier(tier))
+        if host is not None:
+            return host.checksum(ids)
         return block_digests(self.views(tier), ids)

@@ -17,8 +17,15 @@ memory, gone with the process.
 Either way a row is served only if it was written in the tier's current CPU
 generation (docs/protocol.md §8.2): a row never written, or written before
 the generation moved, holds nothing and reads as lost (``lost_block`` naming
-it), never as zeros.  A tier file keeps that in its row headers; a tier in
-process memory keeps one flag per row (``_written``).
+it), never as zeros.  Which rows are sealed is the tier's ``seals``, one
+interface (``RowSeals``) with two keepers: a tier file keeps them in its row
+headers (``tier_file.TierFile``), a tier in process memory as one flag per
+row (``MemorySeals``); the tier's read and write rules are written once, on
+top of either.
+
+The store calls a CPU tier and the disk tier (``disk_tier.DiskTier``) through
+the same few members (``HostTier``): their size, ``set_cpu_gen``,
+``checksum`` and ``close``.
 
 Rows start page-aligned, in memory as in a tier file (``tier_file.row_stride``:
 a row not a multiple of a page is padded to one when that costs at most 1/16
@@ -29,7 +36,8 @@ staging copies move runs of rows as one contiguous transfer."""
 from __future__ import annotations
 
 import ctypes
-from typing import Hashable, Sequence
+import hashlib
+from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +45,68 @@ import torch
 from ..tier_file import ROW_ALIGN, TierFile, TierPlace, row_stride
 from .descriptor import CacheDescriptor
 from .errors import CacheError
+
+
+class HostTier(Protocol):
+    """What the store asks of a tier in host memory or below it (the CPU tier, the disk tier)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def set_cpu_gen(self, gen: int) -> None: ...
+
+    def checksum(self, ids: Sequence[int]) -> list[bytes]: ...
+
+
+class RowSeals(Protocol):
+    """Which rows of a CPU tier hold bytes of its generation ``gen`` (``valid``), and the
+    seal that says so: broken before a row is written, set after (``TierFile`` has them
+    in a file, ``MemorySeals`` in process memory)."""
+
+    gen: int
+    kept: bool
+    valid: np.ndarray
+
+    def set_gen(self, gen: int) -> None: ...
+
+    def unseal(self, rows: list[int]) -> None: ...
+
+    def seal(self, rows: list[int], gen: int) -> None: ...
+
+    def lost(self, rows: list[int]) -> tuple[list[int], list[int]]: ...
+
+    def close(self, unlink: bool = False) -> None: ...
+
+
+class MemorySeals:
+    """The seals of a CPU tier in process memory: one flag per row written at ``gen``,
+    gone with the process (nothing can tear them, so no row is ever ``torn``)."""
+
+    kept = False
+
+    def __init__(self, rows: int, gen: int):
+        self.gen = gen
+        self.valid = np.zeros(rows, dtype=bool)
+
+    def set_gen(self, gen: int) -> None:
+        if gen != self.gen:
+            self.gen = gen
+            self.valid[:] = False
+
+    def unseal(self, rows: list[int]) -> None:
+        self.valid[rows] = False
+
+    def seal(self, rows: list[int], gen: int) -> None:
+        self.valid[rows] = gen == self.gen
+
+    def lost(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        return [int(r) for r in dict.fromkeys(rows) if not self.valid[r]], []
+
+    def close(self, unlink: bool = False) -> None:
+        pass
 
 
 class CpuTier:
@@ -60,9 +130,8 @@ class CpuTier:
         self.file: TierFile | None = None
         self._registered = 0  # the pointer registered with CUDA (a mapped, pinned tier)
         self.digest_failures = 0
-        self._writing_gen = gen
-        self._gen = gen  # a tier in process memory: the generation its written rows belong to
-        self._written = np.zeros(rows, dtype=bool)  # a tier in process memory: rows written at ``_gen``
+        self._writing_gen = gen  # the generation when the rows being written began
+        self.seals: RowSeals = MemorySeals(rows, gen)
         self.stride = row_stride(self.row_bytes, pad=not self.pinned)
         if place is None:
             # zeros, not empty: every page is faulted in once here, not during the first copies
@@ -70,7 +139,8 @@ class CpuTier:
             at = -flat.data_ptr() % ROW_ALIGN  # the first row page-aligned (pinned memory is already)
             self.store = flat[at : at + rows * self.stride].view(rows, self.stride)[:, : self.row_bytes]
         else:
-            self.file = TierFile(place, (self.page_shape, rows, key), rows, self.row_bytes, gen, self.stride)
+            key = (self.page_shape, rows, key)
+            self.file = self.seals = TierFile(place, key, rows, self.row_bytes, gen, self.stride)
             self.store = torch.from_numpy(self.file.data)
             if not self.file.kept:
                 self.store.zero_()  # fault every page in once, as above
@@ -111,16 +181,15 @@ class CpuTier:
     @property
     def kept(self) -> bool:
         """Mapped again from a tier file an earlier process of this rank left."""
-        return self.file is not None and self.file.kept
+        return self.seals.kept
 
     @property
-    def gen(self) -> int | None:
-        """The CPU generation the rows belong to (None: process memory, no record)."""
-        return self.file.gen if self.file is not None else None
+    def gen(self) -> int:
+        """The CPU generation the rows belong to."""
+        return self.seals.gen
 
     def valid_rows(self) -> int:
-        rows = self.file.valid if self.file is not None else self._written
-        return int(np.count_nonzero(rows))  # per ack: no bool->int sum
+        return int(np.count_nonzero(self.seals.valid))  # per ack: no bool->int sum
 
     def to_stats(self, kept: bool) -> dict[str, object]:
         """What the rank's stats say of this tier (``zkv status``, the metrics):
@@ -132,13 +201,9 @@ class CpuTier:
         out["digest_failures"] = self.digest_failures
         return out
 
-    def set_gen(self, gen: int) -> None:
+    def set_cpu_gen(self, gen: int) -> None:
         """The rows now belong to CPU generation ``gen``: rows written at another one hold nothing."""
-        if self.file is not None:
-            self.file.set_gen(gen)
-        elif gen != self._gen:
-            self._gen = gen
-            self._written[:] = False
+        self.seals.set_gen(gen)
 
     def fits(self, descriptor: CacheDescriptor) -> bool:
         """Whether this tier's rows are blocks of ``descriptor``'s regions (same names and page sizes)."""
@@ -153,47 +218,45 @@ class CpuTier:
         """One row's bytes (for checks and checksums)."""
         return ctypes.string_at(self.store[row].data_ptr(), self.row_bytes)
 
-    # --- the write and read rules of a mapped tier ---------------------------------
+    # --- the write and read rules (the same on either keeper of the seals) ------------
 
     def writing(self, rows: Sequence[int]) -> None:
         """Rows are about to be written: a kill (or a failure) from here on loses them."""
-        if self.file is not None:
-            self._writing_gen = self.file.gen
-            self.file.unseal(list(rows))
-        else:
-            self._writing_gen = self._gen
-            self._written[list(rows)] = False
+        self._writing_gen = self.seals.gen
+        self.seals.unseal(list(rows))
 
     def written(self, rows: Sequence[int]) -> None:
-        """Rows hold their new bytes: seal them (digest, then the mark); a row whose
-        write began before the generation moved holds nothing of the new one."""
-        if self.file is not None:
-            self.file.seal(list(rows), self._writing_gen)
-        else:
-            self._written[list(rows)] = self._writing_gen == self._gen
+        """Rows hold their new bytes: seal them (a tier file: digest, then the mark); a row
+        whose write began before the generation moved holds nothing of the new one."""
+        self.seals.seal(list(rows), self._writing_gen)
 
     def check_rows(self, rows: Sequence[int]) -> None:
         """Before rows are read: ``CacheError("lost_block")`` naming every row that
         was not written in this generation, or whose header or digest does not check."""
-        if self.file is not None:
-            empty, torn = self.file.lost(list(rows))
-            self.file.valid[empty + torn] = False
-        else:
-            empty = [int(r) for r in dict.fromkeys(rows) if not self._written[r]]
-            torn = []
+        empty, torn = self.seals.lost(list(rows))
         if not empty and not torn:
             return
+        self.seals.valid[empty + torn] = False
         self.digest_failures += len(torn)
         said = []
         if empty:
-            gen = self.gen if self.file is not None else self._gen
             said.append(
-                f"CPU block(s) {_some(empty)} hold nothing of CPU generation {gen} "
+                f"CPU block(s) {_some(empty)} hold nothing of CPU generation {self.seals.gen} "
                 "(never written in it, or dropped by a clear or a move of the generation)"
             )
         if torn:
             said.append(f"CPU block(s) {_some(torn)} lost: header or digest does not check (torn write or corruption)")
         raise CacheError("lost_block", "; ".join(said))
+
+    def checksum(self, ids: Sequence[int]) -> list[bytes]:
+        """A 16-byte BLAKE2b digest of each row (a block's page in every region, in
+        region order), a lost row failing it first (``check_rows``)."""
+        self.check_rows(ids)
+        known: dict[int, bytes] = {}
+        for r in ids:
+            if r not in known:
+                known[r] = hashlib.blake2b(self.row_bytes_of(r), digest_size=16).digest()
+        return [known[r] for r in ids]
 
     def close(self, unlink: bool = False) -> None:
         """Drop the rows; a mapped tier's file is kept for the next process unless ``unlink``."""
@@ -202,8 +265,7 @@ class CpuTier:
             self._registered = 0
         self.columns = []
         self.store = torch.zeros((0, self.row_bytes), dtype=torch.uint8)
-        if self.file is not None:
-            self.file.close(unlink)
+        self.seals.close(unlink)
 
 
 def _some(rows: list[int]) -> str:
