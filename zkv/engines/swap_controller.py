@@ -29,6 +29,7 @@ from typing import Any, Sequence
 from ..prefix.bus import Bus
 from ..prefix.quarantine import Quarantine
 from ..wire.outcome import TaskOutcome
+from ..wire.vocab import Op, Outcome
 from .idle_policy import IdlePolicy
 from .transformers.engine import CacheFull, NoFreeBlocks, TransformersCBEngine
 
@@ -188,12 +189,12 @@ class SwapController:
         """Move a parked conversation's KV to CPU rows; on ``ok`` release its blocks. False: it stays resident."""
         table = self._same("block table", [engine.block_table(conversation) for engine in self.replicas])
         if len(self._free_rows) < len(table):
-            self.stats.failure("swap_out", "cpu_full")
+            self.stats.failure(Op.SWAP_OUT, "cpu_full")
             return False
         rows = [self._free_rows.pop() for _ in table]
-        outcome, elapsed = self._run("swap_out", table, rows)
+        outcome, elapsed = self._run(Op.SWAP_OUT, table, rows)
         if not outcome.ok:
-            self.stats.failure("swap_out", outcome.outcome, outcome.reason)
+            self.stats.failure(Op.SWAP_OUT, outcome.outcome, outcome.reason)
             self._settle_later(outcome, [], rows)
             return False
         for engine in self.replicas:
@@ -214,11 +215,11 @@ class SwapController:
                 raise ReplicasDiverged(f"{conversation!r} needs {needed} blocks but {len(rows)} rows hold it")
             blocks = self._take(needed)
             if blocks is None:
-                self.stats.failure("swap_in", "no_free_blocks")
+                self.stats.failure(Op.SWAP_IN, "no_free_blocks")
                 return False
-            outcome, elapsed = self._run("swap_in", rows, blocks)
+            outcome, elapsed = self._run(Op.SWAP_IN, rows, blocks)
             if not outcome.ok:
-                self.stats.failure("swap_in", outcome.outcome, outcome.reason)
+                self.stats.failure(Op.SWAP_IN, outcome.outcome, outcome.reason)
                 self._settle_later(outcome, blocks, [])
                 return False
             for engine in self.replicas:
@@ -265,7 +266,9 @@ class SwapController:
     def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
         """Rejected/cancelled never copied and a rank-reported failure means every rank answered;
         a timeout may copy late, unless the broker said it was never dispatched (``ran`` False)."""
-        may_copy_late = outcome.outcome == "timeout" or (outcome.outcome == "failed" and not outcome.per_rank)
+        may_copy_late = outcome.outcome == Outcome.TIMEOUT or (
+            outcome.outcome == Outcome.FAILED and not outcome.per_rank
+        )
         if may_copy_late and outcome.ran is not False:
             self._quarantine.hold(outcome.task, (blocks, rows))
             return

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..client.client import Client
 from ..wire.outcome import TaskOutcome
+from ..wire.vocab import Outcome
 
 
 class TPBus:
@@ -65,7 +66,7 @@ class TPBus:
             )
             return out
         got = self._take_gens(self._share(None))
-        if got["outcome"] == "timeout":
+        if got["outcome"] == Outcome.TIMEOUT:
             self._local[got["task"]] = task
         return TaskOutcome(task, got["outcome"], got["reason"], got["bytes"], 0.0, {r: {} for r in got["ranks"]})
 

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping, Sequence
 
-OPS = ("pause", "clear", "resume", "status")
-ON_FAILURE = ("resume", "stay")
+from ..wire.vocab import ControlOp
+
+OPS = (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME, "status")
+ON_FAILURE = (ControlOp.RESUME, "stay")
 
 
 class Answer(str, Enum):
@@ -71,8 +73,8 @@ class Step(str, Enum):
 
 #: Errors after which the broker says where the bus is (docs/protocol.md §8.3).
 _STATE_AFTER_ERROR: dict[str, dict[str, str]] = {
-    "pause": {"pause_timeout": "running", "rank_dead": "running"},
-    "clear": {"clear_timeout": "cleared", "rank_dead": "cleared"},
+    ControlOp.PAUSE: {"pause_timeout": "running", "rank_dead": "running"},
+    ControlOp.CLEAR: {"clear_timeout": "cleared", "rank_dead": "cleared"},
 }
 #: How a failed resume's reason ends, by the state it rolled back to (docs/protocol.md §8.3).
 _RESUME_ROLLED_BACK = (("the bus is cleared again", "cleared"), ("the bus is paused again", "paused"))
@@ -81,7 +83,7 @@ _RESUME_ROLLED_BACK = (("the bus is cleared again", "cleared"), ("the bus is pau
 class FleetOp:
     """One operation over named buses: answers in, next steps and the outcome out."""
 
-    def __init__(self, op: str, names: Sequence[str], on_failure: str = "resume"):
+    def __init__(self, op: str, names: Sequence[str], on_failure: str = ControlOp.RESUME):
         if op not in OPS:
             raise ValueError(f"unknown fleet operation {op!r} (known: {', '.join(OPS)})")
         if on_failure not in ON_FAILURE:
@@ -126,8 +128,8 @@ class FleetOp:
         """A bus this failed pause may have paused, to be resumed."""
         answer = self.answers.get(name)
         return (
-            self.op == "pause"
-            and self.on_failure == "resume"
+            self.op == ControlOp.PAUSE
+            and self.on_failure == ControlOp.RESUME
             and answer is not None
             and answer.answer in (Answer.OK, Answer.NO_REPLY)
         )
@@ -161,7 +163,7 @@ class FleetOp:
             state = answer.reply.get("state")
             return state if isinstance(state, str) else None
         if answer.answer is Answer.ERROR:
-            if self.op == "resume":
+            if self.op == ControlOp.RESUME:
                 return next((s for end, s in _RESUME_ROLLED_BACK if answer.reason.endswith(end)), None)
             return _STATE_AFTER_ERROR.get(self.op, {}).get(answer.code)
         return None

@@ -26,6 +26,7 @@ from ..client.client import BROKER_WORD_S, Client
 from ..net.endpoints import certainly_absent
 from ..wire import bounds
 from ..wire.errors import ZkvError
+from ..wire.vocab import ControlOp
 from .decision import Answer, BusAnswer, FleetOp, Step
 from .spec import BusSpec
 
@@ -210,7 +211,7 @@ def run(
             cond.notify_all()
 
     def rollback(name: str) -> None:
-        back = _ask(by_name[name], "resume", {}, time.monotonic() + rollback_s, t0)
+        back = _ask(by_name[name], ControlOp.RESUME, {}, time.monotonic() + rollback_s, t0)
         with cond:
             fleet_op.rolled_back(name, back)
             cond.notify_all()

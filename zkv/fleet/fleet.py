@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from ..wire.vocab import ControlOp
 from . import driver
 from .decision import ON_FAILURE, FleetOp
 from .report import FleetError, FleetReport
@@ -72,25 +73,25 @@ class Fleet:
     # --- the operations ------------------------------------------------------------------
 
     def pause(
-        self, timeout: float | None = None, *, on_failure: str = "resume", rollback_timeout: float | None = None
+        self, timeout: float | None = None, *, on_failure: str = ControlOp.RESUME, rollback_timeout: float | None = None
     ) -> FleetReport:
         """Drain every bus.  Unless every bus paused (or already was paused),
         raise ``FleetError``; the buses this call paused are resumed first
         (``on_failure="stay"``: left paused)."""
         if on_failure not in ON_FAILURE:
             raise ValueError(f"on_failure {on_failure!r}: one of {', '.join(ON_FAILURE)}")
-        return self._run("pause", {}, timeout, on_failure, rollback_timeout)
+        return self._run(ControlOp.PAUSE, {}, timeout, on_failure, rollback_timeout)
 
     def clear(self, keep_cpu: bool = False, timeout: float | None = None) -> FleetReport:
         """Free every bus's caches (each must be paused); ``FleetError`` names the
         buses that did not clear.  Run it again to finish: cleared buses answer noop."""
-        return self._run("clear", {"keep_cpu": bool(keep_cpu)}, timeout)
+        return self._run(ControlOp.CLEAR, {"keep_cpu": bool(keep_cpu)}, timeout)
 
     def resume(self, layout: Mapping[str, Any] | None = None, timeout: float | None = None) -> FleetReport:
         """Serve again on every bus (``layout``: changes for every bus, after a
         clear).  ``FleetError`` names the buses that did not resume; run it
         again to finish: running buses answer noop."""
-        return self._run("resume", {"layout": dict(layout)} if layout else {}, timeout)
+        return self._run(ControlOp.RESUME, {"layout": dict(layout)} if layout else {}, timeout)
 
     def status(self, timeout: float | None = None, wait_ranks: int = 0) -> FleetReport:
         """Every bus's status reply (``report[name].answer.reply``); never raises
@@ -107,7 +108,7 @@ class Fleet:
         op: str,
         fields: dict[str, Any],
         timeout: float | None,
-        on_failure: str = "resume",
+        on_failure: str = ControlOp.RESUME,
         rollback_timeout: float | None = None,
         raise_error: bool = True,
     ) -> FleetReport:

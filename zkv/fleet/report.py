@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..wire.errors import ZkvError
+from ..wire.vocab import ControlOp
 from .decision import Answer, BusAnswer, FleetOp
 
 RECORD_EV = "fleet"
@@ -88,7 +89,7 @@ class FleetReport:
     ok: bool
     duration_ms: float
     buses: tuple[BusReport, ...]
-    on_failure: str = "resume"
+    on_failure: str = ControlOp.RESUME
     wall_time: float = 0.0  # time.time() when the operation began
 
     @classmethod
@@ -101,7 +102,7 @@ class FleetReport:
         for name in fleet_op.names:
             answer = fleet_op.answers.get(name) or BusAnswer(Answer.NO_REPLY, duration_ms, "no_reply", _MISSING)
             if name not in fleet_op.answers:
-                needed = fleet_op.op == "pause" and fleet_op.on_failure == "resume"
+                needed = fleet_op.op == ControlOp.PAUSE and fleet_op.on_failure == ControlOp.RESUME
             else:
                 needed = fleet_op.needs_rollback(name) and fleet_op.failed
             buses.append(
@@ -154,7 +155,7 @@ class FleetReport:
             "ok": self.ok,
             "ms": self.duration_ms,
             "slowest": slowest.name if slowest is not None else None,
-            **({"on_failure": self.on_failure} if self.op == "pause" else {}),
+            **({"on_failure": self.on_failure} if self.op == ControlOp.PAUSE else {}),
             "buses": [b.to_json() for b in self.buses],
         }
 

@@ -3,7 +3,8 @@
 ``python -m zkv.harness.vocab_count [PKGDIR]`` prints, per package under
 ``zkv/`` (``wire/`` excluded: the words are defined there), how many string
 literals are a *domain word*, and how many uses of the vocabulary enums there
-are, then the totals.
+are, then the totals; ``--where PACKAGE`` lists that package's literals
+(file, line, word).
 
 A domain word is the value of a member of a ``str`` enum defined in
 ``zkv/wire/vocab.py`` (``ControlOp``, ``Outcome``, ``Op``, ``Tier``,
@@ -67,17 +68,24 @@ def _skipped(tree: ast.AST) -> set[int]:
     return skip
 
 
-def count_file(source: str, enums: dict[str, dict[str, str]]) -> tuple[int, int]:
-    """(string domain words, enum uses) in one module's source."""
+def literals(source: str, enums: dict[str, dict[str, str]]) -> list[tuple[int, str]]:
+    """(line, word) of every string domain word in one module's source."""
     words = {value for members in enums.values() for value in members.values()}
     tree = ast.parse(source)
     skip = _skipped(tree)
-    strings = uses = 0
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value in words and id(node) not in skip:
-                strings += 1
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in words and id(node) not in skip
+    )
+
+
+def count_file(source: str, enums: dict[str, dict[str, str]]) -> tuple[int, int]:
+    """(string domain words, enum uses) in one module's source."""
+    strings = len(literals(source, enums))
+    uses = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id in enums and node.attr in enums[node.value.id]:
                 uses += 1
     return strings, uses
@@ -100,7 +108,14 @@ def count(pkg: Path = PKG) -> dict[str, tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``[PKGDIR]``: the table; ``--where PACKAGE``: every literal of that package, one a line."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--where"]:
+        enums = vocabulary(PKG / "wire" / "vocab.py")
+        for path in sorted((PKG / args[1]).rglob("*.py")):
+            for line, word in literals(path.read_text(encoding="utf-8"), enums):
+                print(f"{path.relative_to(PKG.parent)}:{line}: {word}")
+        return 0
     counts = count(Path(args[0]) if args else PKG)
     print(f"{'package':<10} {'strings':>8} {'enum uses':>10}")
     for package, (s, u) in counts.items():

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..wire.vocab import Tier
+
 
 class BlockAllocatorError(ValueError):
     """A block id was misused (double free, foreign id) or the tier is exhausted."""
@@ -47,7 +49,7 @@ class BlockAllocator:
 
     __slots__ = ("tier", "num_blocks", "reserved", "peak_used", "_free_stack", "_in_use")
 
-    def __init__(self, num_blocks: int, tier: str = "gpu", reserved: Iterable[int] = ()) -> None:
+    def __init__(self, num_blocks: int, tier: str = Tier.GPU, reserved: Iterable[int] = ()) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
             raise ValueError(f"{tier}: num_blocks must be an int >= 0, got {num_blocks!r}")
         self.tier = tier

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..wire.vocab import Op
+
 #: (``gen``, ``cpu_gen``) as a bus names them, None where it names none
 Gens = tuple[int | None, int | None]
 
 LOST_NONE, LOST_GPU, LOST_ALL = "none", "gpu", "all"
 #: ops that touch only the tiers under ``cpu_gen`` (CPU and disk)
-CPU_SIDE_OPS = frozenset({"spill", "load"})
+CPU_SIDE_OPS = frozenset({Op.SPILL, Op.LOAD})
 UNKNOWN: Gens = (None, None)
 
 

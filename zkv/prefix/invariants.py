@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from ..wire.vocab import Tier
 from .lease import BlockLease
 from .quarantine import Quarantine
 from .radix import NodeState, RadixNode, pins_cpu
@@ -40,7 +41,7 @@ def check_invariants(
         tiers.allocator(tier).check()
     refs = _lease_references(live_leases, epoch)
     _check_tree(tiers, refs, owners)
-    _check_private_blocks(private_owner, live_leases, owners["gpu"])
+    _check_private_blocks(private_owner, live_leases, owners[Tier.GPU])
     _check_quarantine(quarantine, owners)
     _check_owned_is_allocated(tiers, owners)
     _check_cleared(tiers, cleared)
@@ -97,14 +98,14 @@ def _check_residency(node: RadixNode, parent: RadixNode, root: RadixNode, owners
     if level is None:
         raise AssertionError(f"{node!r} is still moving outside a call")
     tier = TIER_NAMES[level]
-    blocks = {"gpu": node.gpu_block, "cpu": node.cpu_block, "disk": node.disk_block}
+    blocks = {Tier.GPU: node.gpu_block, Tier.CPU: node.cpu_block, Tier.DISK: node.disk_block}
     _claim(owners[tier], blocks.pop(tier), node, tier)
     for other, block in blocks.items():
         if block is not None:
             raise AssertionError(f"{node!r} on the {tier} also holds a {other} block")
     if parent is not root and _LEVEL.get(parent.state, 3) > level:
         raise AssertionError(f"{node!r} is on the {tier} but its parent is further away ({parent.state.name})")
-    if node.ref_count and tier != "gpu":
+    if node.ref_count and tier != Tier.GPU:
         raise AssertionError(f"{node!r} on the {tier} is referenced")
 
 
@@ -127,7 +128,7 @@ def _check_private_blocks(
     for block, lease in private_owner.items():
         if lease not in live_leases or block not in lease.block_ids:
             raise AssertionError(f"private gpu block {block} belongs to no live lease")
-        _claim(gpu_owner, block, lease, "gpu")
+        _claim(gpu_owner, block, lease, Tier.GPU)
 
 
 def _check_quarantine(quarantine: Quarantine[HeldBlocks], owners: Mapping[str, Owners]) -> None:

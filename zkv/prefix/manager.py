@@ -48,6 +48,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..wire.vocab import Tier
 from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
 from .generations import LOST_ALL, LOST_GPU, lost_between
@@ -304,7 +305,7 @@ class PrefixCacheManager:
             self._epoch += 1  # every lease held GPU blocks: all stale now
             self._tiers.drop_gpu_tier(self._num_gpu_blocks, self._reserved if self._num_gpu_blocks else ())
             self._forget_leases()
-            self._swaps.forget_quarantine("gpu")
+            self._swaps.forget_quarantine(Tier.GPU)
         if gens[0] is not None:
             self._swaps.gens = gens
 

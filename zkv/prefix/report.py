@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..wire.vocab import Tier
 from .allocator import BlockAllocator
 from .radix import NodeState
 from .swaps import SwapRunner
@@ -65,9 +66,9 @@ def stats_of(
         "gpu_hit_rate": counters["gpu_hit_blocks"] / queried if queried else 0.0,
         "cpu_hit_rate": counters["cpu_hit_blocks"] / queried if queried else 0.0,
         "disk_hit_rate": counters["disk_hit_blocks"] / queried if queried else 0.0,
-        "gpu": {**_usage(tiers.gpu), "reserved": tiers.gpu.num_reserved},
-        "cpu": _usage(tiers.cpu),
-        "disk": _usage(tiers.disk),
+        Tier.GPU: {**_usage(tiers.gpu), "reserved": tiers.gpu.num_reserved},
+        Tier.CPU: _usage(tiers.cpu),
+        Tier.DISK: _usage(tiers.disk),
         "nodes": nodes_by_state,
         "quarantined_blocks": swaps.quarantined_blocks(),
         "quarantined_tasks": len(swaps.quarantine),

@@ -57,7 +57,7 @@ from typing import Any, Callable, cast
 
 from ..wire.moves import MOVES
 from ..wire.protocol import OUTCOMES
-from ..wire.vocab import Op, Outcome
+from ..wire.vocab import Op, Outcome, Tier
 from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
@@ -117,7 +117,7 @@ class SwapRunner:
             self.evict_gpu(tiers, shortfall)
         if tiers.gpu.num_free < count:
             if not allow_fewer:
-                quarantined = self.quarantined_blocks()["gpu"]
+                quarantined = self.quarantined_blocks()[Tier.GPU]
                 raise OutOfGpuBlocksError(
                     f"need {count} GPU blocks, {tiers.gpu.num_free} free after evicting every unreferenced block"
                     f" ({quarantined} quarantined behind timed-out swaps)"
@@ -310,35 +310,35 @@ class SwapRunner:
         counters["issued"] += 1
         counters["blocks"] += len(src)
         if moved_under(op, self.gens, self.bus_gens()):  # its blocks are not what the tree says: do not run it
-            counters["cancelled"] += 1
-            return "cancelled", None
+            counters[Outcome.CANCELLED] += 1
+            return Outcome.CANCELLED, None
         try:
             task = self.bus.submit(op, src, dst, timeout=self.swap_timeout)
         except Exception:  # the bus refused it at once: nothing runs
-            counters["rejected"] += 1
-            return "rejected", None
+            counters[Outcome.REJECTED] += 1
+            return Outcome.REJECTED, None
         result = None
         try:
             result = self.bus.wait(task, timeout=self.swap_timeout)
             outcome = result.outcome
             counters["bytes"] += getattr(result, "bytes", 0) or 0
         except Exception:  # cannot tell whether it runs: treat like a timeout
-            outcome = "timeout"
+            outcome = Outcome.TIMEOUT
         if outcome not in OUTCOMES:
-            outcome = "failed"
-        if outcome == "ok" and moved_under(op, self.gens, self.bus_gens()):
+            outcome = Outcome.FAILED
+        if outcome == Outcome.OK and moved_under(op, self.gens, self.bus_gens()):
             # The bus lost a tier this task touches since the tree followed it:
             # it ran on memory the tree does not describe (docs/protocol.md §8.2).
-            outcome = "cancelled"
+            outcome = Outcome.CANCELLED
         counters[outcome] += 1
-        if outcome == "timeout" and getattr(result, "ran", None) is False:
+        if outcome == Outcome.TIMEOUT and getattr(result, "ran", None) is False:
             return outcome, None  # the broker never dispatched it: nothing will write its blocks
         return outcome, task
 
     def settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
         """Free the destination blocks of a task that did not succeed, or quarantine them
         if the task may still write them."""
-        if outcome == "timeout" and task is not None and self.quarantine_timed_out:
+        if outcome == Outcome.TIMEOUT and task is not None and self.quarantine_timed_out:
             self.quarantine.hold(task, HeldBlocks(tier, block_ids))
         else:
             tiers.allocator(tier).free(block_ids)

@@ -126,7 +126,7 @@ class Tiers:
             self.cpu.free(cpu_ids)
             self.disk.free(disk_ids)
             gone += 1
-        self.gpu = BlockAllocator(num_gpu_blocks, "gpu", gpu_reserved)
+        self.gpu = BlockAllocator(num_gpu_blocks, Tier.GPU, gpu_reserved)
         self.gpu_victims.clear()
         return gone
 

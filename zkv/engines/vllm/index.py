@@ -24,7 +24,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ...wire.vocab import Tier
+from ...wire.vocab import Op, Tier
 
 Key = bytes
 
@@ -184,7 +184,7 @@ class OffloadIndex:
         return plan
 
     def spill_done(self, key: Key, disk_row: int, ok: bool) -> None:
-        if self._end_limbo("spill", key, disk_row):
+        if self._end_limbo(Op.SPILL, key, disk_row):
             return
         e = self.entries.get(key)
         if e is None or not e.spilling or e.disk_row != disk_row:
@@ -213,7 +213,7 @@ class OffloadIndex:
     def load_done(self, key: Key, cpu_row: int, ok: bool) -> None:
         """Our disk -> CPU load ended; a failed one (a digest that did not check,
         a lost row) loses the key on every tier."""
-        if self._end_limbo("load", key, cpu_row):
+        if self._end_limbo(Op.LOAD, key, cpu_row):
             return
         e = self.entries.get(key)
         if e is None or e.cpu_state is not CpuState.LOADING or e.cpu_row != cpu_row:
@@ -227,7 +227,7 @@ class OffloadIndex:
 
     def cancel_load(self, key: Key, cpu_row: int) -> None:
         """A load from disk that never started: the key stays on disk, the row is free."""
-        if self._end_limbo("load", key, cpu_row):
+        if self._end_limbo(Op.LOAD, key, cpu_row):
             return
         e = self.entries.get(key)
         if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row:
@@ -317,9 +317,9 @@ class OffloadIndex:
         rows = [(Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)]
         held = [(t, r) for t, r in rows if r is not None]
         if e.spilling:
-            self.limbo[("spill", e.key, e.disk_row)] = held  # type: ignore[index]
+            self.limbo[(Op.SPILL, e.key, e.disk_row)] = held  # type: ignore[index]
         elif e.cpu_state is CpuState.LOADING:
-            self.limbo[("load", e.key, e.cpu_row)] = held  # type: ignore[index]
+            self.limbo[(Op.LOAD, e.key, e.cpu_row)] = held  # type: ignore[index]
         else:
             for tier, row in held:
                 self.free[tier].append(row)

@@ -27,7 +27,7 @@ from ...rank.agent import RankAgent
 from ...rank.cache.regions import EngineCache
 from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
-from ...wire.vocab import Op
+from ...wire.vocab import Op, Outcome
 from .jobs import Finished, Job, JobBook
 from .layouts import canonical_pages
 from .rows import ZkvRows
@@ -88,7 +88,7 @@ class ZkvOffloadWorker(OffloadingWorker):
             try:
                 self.client.submit(op, src, dst, timeout=timeout, task=task)
             except ZkvError as err:  # the bus is unreachable: the job fails, vLLM recomputes
-                self.book.on_outcome(TaskOutcome(task, "failed", f"not submitted: {err}", never_ran=True))
+                self.book.on_outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
         return True
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ...wire.vocab import Tier
 from .cpu_copy import CpuCopier, CpuGroup, coalesce, groups_of
 from .cpu_tier import CpuTier
 from .errors import CacheError
@@ -82,15 +83,15 @@ class CopyEngine:
     def swap_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:
         """Copy engine blocks into tier rows; return bytes moved once the bytes are there."""
         self._check(src_blocks, dst_rows)
-        check_ids("src", src_blocks, "gpu", self.cache.num_blocks, False, self.cache.descriptor.reserved_ids)
-        check_ids("dst", dst_rows, "cpu", self.tier.rows, unique=True)
+        check_ids("src", src_blocks, Tier.GPU, self.cache.num_blocks, False, self.cache.descriptor.reserved_ids)
+        check_ids("dst", dst_rows, Tier.CPU, self.tier.rows, unique=True)
         return self.copy_out(src_blocks, dst_rows, wait_event)
 
     def swap_in(self, src_rows: Sequence[int], dst_blocks: Sequence[int], wait_event: Any = None) -> int:
         """Copy tier rows into engine blocks; return bytes moved once the bytes are there."""
         self._check(src_rows, dst_blocks)
-        check_ids("src", src_rows, "cpu", self.tier.rows, unique=False)
-        check_ids("dst", dst_blocks, "gpu", self.cache.num_blocks, True, self.cache.descriptor.reserved_ids)
+        check_ids("src", src_rows, Tier.CPU, self.tier.rows, unique=False)
+        check_ids("dst", dst_blocks, Tier.GPU, self.cache.num_blocks, True, self.cache.descriptor.reserved_ids)
         return self.copy_in(src_rows, dst_blocks, wait_event)
 
     def copy_out(self, src_blocks: Sequence[int], dst_rows: Sequence[int], wait_event: Any = None) -> int:

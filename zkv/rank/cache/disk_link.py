@@ -12,6 +12,7 @@ while the rank was down."""
 from __future__ import annotations
 
 from ...wire.layout import CacheLayout
+from ...wire.vocab import Tier
 from .cpu_tier import CpuTier
 from .disk_tier import DiskSpec, DiskTier, layout_key
 
@@ -58,7 +59,7 @@ def ready_tiers(cpu: bool, disk: DiskTier | None, cpu_gen: int, fresh: bool) -> 
     """A READY's ``kept_tiers`` and their ``cpu_gen``: ``cpu`` when the CPU tier is the
     bus's content (``cpu``), ``disk`` when the disk file's blocks are at ``cpu_gen``
     and, for a fresh process, an earlier one spilled them."""
-    tiers = ["cpu"] if cpu else []
+    tiers = [Tier.CPU] if cpu else []
     if disk is not None and disk.cpu_gen == cpu_gen and (disk.kept or not fresh):
-        tiers.append("disk")
+        tiers.append(Tier.DISK)
     return {"kept_tiers": tiers, "cpu_gen": cpu_gen} if tiers else {}

@@ -241,7 +241,7 @@ class BlockStore:
 
     def free(self, keep_cpu: bool = False) -> Freed:
         """Drop every view of the device tier (and the CPU tier unless kept); return bytes released."""
-        freed = self.tier_nbytes()["gpu"]
+        freed = self.tier_nbytes()[Tier.GPU]
         self._drop_device()
         if not keep_cpu and self.tier is not None:
             freed += self.tier.nbytes
@@ -297,15 +297,15 @@ class BlockStore:
 
     def tier_nbytes(self) -> dict[str, int]:
         return {
-            "gpu": sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
-            "cpu": self.tier.nbytes if self.tier is not None else 0,
-            **({"disk": self.disk.nbytes} if self.disk is not None else {}),
+            Tier.GPU: sum(b.nbytes for b in self.cache.descriptor.buffers) if self.cache is not None else 0,
+            Tier.CPU: self.tier.nbytes if self.tier is not None else 0,
+            **({Tier.DISK: self.disk.nbytes} if self.disk is not None else {}),
         }
 
     def nbytes(self) -> int:
         """Memory held (the device and CPU tiers; the disk file is not memory)."""
         n = self.tier_nbytes()
-        return n["gpu"] + n["cpu"]
+        return n[Tier.GPU] + n[Tier.CPU]
 
     # --- tasks ---------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ class BlockStore:
 
     def views(self, tier: str) -> list[torch.Tensor]:
         """A tier as ``[blocks, page_bytes]`` uint8 views, one per region, in region order."""
-        if tier == "gpu":
+        if tier == Tier.GPU:
             assert self.cache is not None, "the device tier is cleared"
             return self.cache.views
         assert self.tier is not None, "the CPU tier is cleared"
@@ -396,7 +396,7 @@ class BlockStore:
         rng = torch.Generator().manual_seed((seed * 1_000_003 + self.rank) % 2**64)  # any uint seed (up to 2^53-1)
         index = torch.tensor(list(ids), dtype=torch.long)
         views = self.views(tier)
-        if tier == "cpu":
+        if tier == Tier.CPU:
             assert self.tier is not None
             self.tier.writing(ids)
         for view in views:
@@ -404,7 +404,7 @@ class BlockStore:
             view.index_copy_(0, index.to(view.device), values.to(view.device))
         if views and views[0].is_cuda:
             torch.cuda.synchronize(views[0].device)
-        if tier == "cpu":
+        if tier == Tier.CPU:
             assert self.tier is not None
             self.tier.written(ids)
         return len(ids) * sum(v.shape[1] for v in views)
