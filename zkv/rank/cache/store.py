@@ -3,9 +3,13 @@
 A store is a device tier of regions (``EngineCache``) from a memory source
 (``memory.OwnedMemory``: zkv's own tensors; ``memory.EngineMemory``: an
 engine's, handed over in process or mapped from a manifest), zkv's
-block-major CPU tier (``CpuTier``) and the copy engine between them
-(``CopyEngine``).  What is the same for every source lives here once: the
-ids a task may name, swap, fill, checksum, and the clear and resume rules.
+block-major CPU tier (``CpuTier``), the disk tier below it (``DiskTier``,
+with ``--disk-dir``) and the paths between them (``CopyEngine`` between the
+device and the CPU tier, the disk tier's I/O below).  What is the same for
+every source lives here once: the ids a task may name, every tier move (one
+rule for all, by the table of ``wire/moves.py``: ``move``), fill, checksum,
+and the clear and resume rules.  The host tiers are objects that own their
+rows, seals and generation; the store calls them as ``HostTier``.
 
 Clear (``free``) drops every view of the device tier before it returns, so
 before the rank acks: zkv's memory is then freed, an engine's is the
