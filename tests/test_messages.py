@@ -75,5 +75,5 @@ def test_the_vocabulary_is_the_wire_strings():
     assert Outcome.OK == "ok" and f"{ControlOp.PAUSE}" == "pause" and str(Tier.CPU) == "cpu"
     assert msgpack.packb(Outcome.FAILED) == msgpack.packb("failed")
     assert P.encode("done", seq=1, n=1, outcome=Outcome.OK, gen=1) == P.encode("done", seq=1, n=1, outcome="ok", gen=1)
-    assert F.encode_done(1, 1, Outcome.OK, 1) == F.encode_done(1, 1, "ok", 1)
+    assert Done(seq=1, n=1, outcome=Outcome.OK, gen=1).to_wire() == Done(seq=1, n=1, outcome="ok", gen=1).to_wire()
     assert [d.itemsize for d in Dtype] == [2, 2, 4]

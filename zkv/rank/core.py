@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Control, Error, Heartbeat, Map, Refused, Reregister, Task, Welcome
+from ..wire.messages import Ack, Control, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
 from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
@@ -85,7 +85,7 @@ class RankCore:
         fields.update(has_cache=self.cache.phase.serves)
         if self.adopt_layout:
             fields["adopt_layout"] = True
-        return [ToBroker(P.encode("ready", **fields, **(self.tiers() if self.tiers else {})))]
+        return [ToBroker(Ready(**fields, **(self.tiers() if self.tiers else {})).to_wire())]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
         """The READY is unanswered: send it again with the *same* session.  It
@@ -108,7 +108,7 @@ class RankCore:
         register again and they are refused, never copied."""
         if self.registration.woke(now):
             self.counters["frozen"] += 1
-            return [ToBroker(P.encode("hb", inflight=self.inflight, probe=True))]
+            return [ToBroker(Heartbeat(inflight=self.inflight, probe=True).to_wire())]
         return []
 
     def _end_probe(self, now: float) -> list[RankAction]:
@@ -262,7 +262,7 @@ class RankCore:
         self.received = msg.upto
         reg.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
         hello: list[RankAction] = [
-            ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))
+            ToBroker(Heartbeat(inflight=self.inflight, stats=self.stats() if self.stats else {}).to_wire())
         ]
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
@@ -334,14 +334,13 @@ class RankCore:
             self.counters["acks"] += 1
             return [
                 ToBroker(
-                    P.encode(
-                        "ack",
+                    Ack(
                         epoch=self.epoch,
-                        op=op.value,
+                        op=op,
                         gen=self.gen,
                         layout=self.layout.to_wire(),
                         error=cache.error,
-                    )
+                    ).to_wire()
                 )
             ]
         if op is ControlOp.PAUSE and (self.received < self.upto or self.inflight):
@@ -363,14 +362,16 @@ class RankCore:
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
-        return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, **fields)), Acked(op, self.epoch)]
+        return [ToBroker(Ack(epoch=self.epoch, op=op, **fields).to_wire()), Acked(op, self.epoch)]
 
     # --- executor events -----------------------------------------------------------
 
     def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
-        out: list[RankAction] = [ToBroker(F.encode_done(seq, n, outcome, gen, nbytes), done=True)]
+        out: list[RankAction] = [
+            ToBroker(Done(seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes).to_wire(), done=True)
+        ]
         return out + self._maybe_ack()
 
     def on_cache_done(self, freed: int = 0, error: str = "", cpu_kept: bool | None = None) -> list[RankAction]:
@@ -393,7 +394,7 @@ class RankCore:
             return self._restart(now)
         if reg.heartbeat_due(now):
             reg.last_heartbeat_sent = now
-            return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
+            return [ToBroker(Heartbeat(inflight=self.inflight, stats=self.stats() if self.stats else {}).to_wire())]
         return []
 
     def next_deadline(self, now: float) -> float:

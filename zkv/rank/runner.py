@@ -23,6 +23,7 @@ from typing import Callable
 from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire.messages import Result
 from ..wire.vocab import Op, Outcome
 from .actions import Execute
 from .cache.errors import CacheError
@@ -108,18 +109,18 @@ class TaskRunner:
         senders.send(
             ex.reply_to,
             ex.reply_key,
-            F.encode_result(
-                ex.task,
-                self.rank,
-                self.world,
-                outcome,
-                reason,
-                ex.gen,
-                nbytes,
-                int(elapsed * 1e6),
-                digests,
-                ex.cpu_gen,
-            ),
+            Result(
+                task=ex.task,
+                rank=self.rank,
+                world=self.world,
+                outcome=outcome,
+                reason=reason,
+                gen=ex.gen,
+                bytes=nbytes,
+                elapsed_us=int(elapsed * 1e6),
+                digests=digests,
+                cpu_gen=ex.cpu_gen,
+            ).to_wire(),
         )
         if self.on_done is not None:
             try:
