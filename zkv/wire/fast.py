@@ -58,6 +58,11 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
         return _Annotated[int, msgspec.Meta(ge=lo, le=hi)]
     if typ == "str":
         allowed = P.ENUMS.get((kind, name))
+        word = P.WORDS[kind].get(name)
+        if word is not None:  # msgspec decodes its member, as protocol.message makes it
+            if allowed is None or tuple(w.value for w in word) != tuple(allowed):
+                raise TypeError(f"{kind}.{name}: its enum {word.__name__} is not protocol.ENUMS' words")
+            return word
         return _str(name) if allowed is None else _Literal[allowed]
     if typ == "bool":
         return bool

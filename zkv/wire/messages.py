@@ -20,15 +20,34 @@ its op beside ``req`` and ``op``: they are in ``extra``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
-from .vocab import VERSION
+from .bounds import uint_bounds
+from .vocab import VERSION, ControlOp, Outcome, RankOutcome
 
 Digest = bytes  # one checksum digest (a name: a field called ``bytes`` hides the type in a class body)
 Ids = Union[bytes, list[int]]  # a block-id list: packed little-endian int32, or an array of int
 Map = dict[str, Any]
+
+
+def _uint(name: str) -> Any:
+    """A uint field named ``name``, bounded as bounds.py's tables bound it (the
+    same in every kind); decoders check the bounds, constructors do not."""
+    lo, hi = uint_bounds("", name)
+    return Annotated[int, msgspec.Meta(ge=lo, le=hi)]
+
+
+Uint = _uint("")  # 0 .. 2^53-1: seq, n, task, req, gen, epoch, session, ...
+World = _uint("world")
+RankNo = _uint("rank")
+WaitRanks = _uint("wait_ranks")
+TimeoutMs = _uint("timeout_ms")
+HeartbeatMs = _uint("heartbeat_ms")
+ByteCount = _uint("bytes")
+Freed = _uint("freed")
+Pid = _uint("pid")
 
 _KIND_OF_CLASS = {"Heartbeat": "hb", "OutcomeMsg": "outcome"}
 
@@ -82,44 +101,44 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 class Submit(Message, frozen=True):
     """The header of a task; its body follows as a second frame."""
 
-    task: int
+    task: Uint
     reply_to: str
-    timeout_ms: int | None = None
+    timeout_ms: TimeoutMs | None = None
     reply_key: str | None = None
 
 
 class Pause(Message, frozen=True):
-    req: int
-    timeout_ms: int | None = None
+    req: Uint
+    timeout_ms: TimeoutMs | None = None
 
 
 class Clear(Message, frozen=True):
-    req: int
-    timeout_ms: int | None = None
+    req: Uint
+    timeout_ms: TimeoutMs | None = None
     keep_cpu: bool | None = None
 
 
 class Resume(Message, frozen=True):
-    req: int
-    timeout_ms: int | None = None
+    req: Uint
+    timeout_ms: TimeoutMs | None = None
     layout: Map | None = None
 
 
 class Status(Message, frozen=True):
-    req: int
-    wait_ranks: int | None = None
-    timeout_ms: int | None = None
+    req: Uint
+    wait_ranks: WaitRanks | None = None
+    timeout_ms: TimeoutMs | None = None
 
 
 class Ping(Message, frozen=True):
-    req: int
+    req: Uint
 
 
 class Cancel(Message, frozen=True):
     """End a task of this connection that is still queued (docs/protocol.md §7.6)."""
 
-    req: int
-    task: int
+    req: Uint
+    task: Uint
 
 
 # --- broker -> client (frontend) -------------------------------------------------------
@@ -128,7 +147,7 @@ class Cancel(Message, frozen=True):
 class Reply(Message, frozen=True):
     """A request's answer; ``extra`` holds the fields its op returns (not a wire field)."""
 
-    req: int
+    req: Uint
     op: str
     extra: Map = msgspec.field(default_factory=dict)
 
@@ -136,18 +155,18 @@ class Reply(Message, frozen=True):
 class Error(Message, frozen=True):
     code: str
     reason: str
-    req: int | None = None
-    task: int | None = None
+    req: Uint | None = None
+    task: Uint | None = None
 
 
 class OutcomeMsg(Message, frozen=True):
-    """How a task ended, from the broker: ``outcome`` is an ``Outcome``."""
+    """How a task ended, from the broker."""
 
-    task: int
-    outcome: str
+    task: Uint
+    outcome: Outcome
     reason: str
-    gen: int | None = None
-    cpu_gen: int | None = None
+    gen: Uint | None = None
+    cpu_gen: Uint | None = None
     ran: bool | None = None  # false: never dispatched, no rank touched its blocks (§7.3)
 
 
@@ -155,22 +174,22 @@ class OutcomeMsg(Message, frozen=True):
 
 
 class Ready(Message, frozen=True):
-    rank: int
-    world: int
-    session: int
+    rank: RankNo
+    world: World
+    session: Uint
     layout: Map
-    gen: int
-    pid: int | None = None
+    gen: Uint
+    pid: Pid | None = None
     fresh: bool | None = None
     has_cache: bool | None = None
     host: str | None = None
     kept_tiers: list[str] | None = None
-    cpu_gen: int | None = None
+    cpu_gen: Uint | None = None
     adopt_layout: bool | None = None
 
 
 class Heartbeat(Message, frozen=True):
-    inflight: int | None = None
+    inflight: Uint | None = None
     stats: Map | None = None
     probe: bool | None = None
 
@@ -178,21 +197,21 @@ class Heartbeat(Message, frozen=True):
 class Done(Message, frozen=True):
     """A rank finished the task dispatched as ``seq``: ``outcome`` is ok or failed."""
 
-    seq: int
-    n: int
-    outcome: str
-    gen: int
-    bytes: int | None = None
+    seq: Uint
+    n: Uint
+    outcome: RankOutcome
+    gen: Uint
+    bytes: ByteCount | None = None
 
 
 class Ack(Message, frozen=True):
     """A rank acknowledges the op of ``epoch`` (its fields in the order a rank writes them)."""
 
-    epoch: int
-    op: str
-    gen: int | None = None
-    upto: int | None = None
-    freed: int | None = None
+    epoch: Uint
+    op: ControlOp  # pause, clear or resume (protocol.ENUMS)
+    gen: Uint | None = None
+    upto: Uint | None = None
+    freed: Freed | None = None
     layout: Map | None = None
     cpu_kept: bool | None = None
     stats: Map | None = None
@@ -203,14 +222,14 @@ class Ack(Message, frozen=True):
 
 
 class Welcome(Message, frozen=True):
-    epoch: int
-    op: str
-    gen: int
-    upto: int
+    epoch: Uint
+    op: ControlOp
+    gen: Uint
+    upto: Uint
     layout: Map
-    heartbeat_ms: int
+    heartbeat_ms: HeartbeatMs
     keep_cpu: bool | None = None
-    session: int | None = None
+    session: Uint | None = None
 
 
 class Refused(Message, frozen=True):
@@ -224,23 +243,23 @@ class Reregister(Message, frozen=True):
 class Task(Message, frozen=True):
     """The header of a task sent to one rank; its body follows untouched."""
 
-    seq: int
-    n: int
-    task: int
+    seq: Uint
+    n: Uint
+    task: Uint
     reply_to: str
-    gen: int
+    gen: Uint
     reply_key: str | None = None
-    session: int | None = None
-    cpu_gen: int | None = None
+    session: Uint | None = None
+    cpu_gen: Uint | None = None
 
 
 class Control(Message, frozen=True):
     """The control state the broker repeats on PUB: ``upto[r]`` tasks went to rank ``r``."""
 
-    epoch: int
-    op: str
-    gen: int
-    upto: list[int]
+    epoch: Uint
+    op: ControlOp  # pause, clear or resume (protocol.ENUMS)
+    gen: Uint
+    upto: list[Uint]
     keep_cpu: bool | None = None
     layout: Map | None = None
 
@@ -249,16 +268,16 @@ class Control(Message, frozen=True):
 
 
 class Result(Message, frozen=True):
-    task: int
-    rank: int
-    world: int
-    outcome: str
+    task: Uint
+    rank: RankNo
+    world: World
+    outcome: RankOutcome
     reason: str
-    gen: int
-    bytes: int | None = None
-    elapsed_us: int | None = None
+    gen: Uint
+    bytes: ByteCount | None = None
+    elapsed_us: Uint | None = None
     digests: list[Digest] | None = None
-    cpu_gen: int | None = None
+    cpu_gen: Uint | None = None
 
 
 class Body(Message, frozen=True):
@@ -268,7 +287,7 @@ class Body(Message, frozen=True):
     src: Ids | None = None
     dst: Ids | None = None
     tier: str | None = None
-    seed: int | None = None
+    seed: Uint | None = None
 
 
 #: kind -> its class, in the order of docs/protocol.md §4.
