@@ -149,12 +149,13 @@ class RankCore:
         if isinstance(msg, Heartbeat):
             return self._end_probe(now) if msg.probe and self.registration.probing else []
         if isinstance(msg, Welcome):
-            if not self._layout_ok(msg.layout):
+            layout = self._entered_layout(msg.layout)
+            if layout is None:
                 return []
             if msg.session is not None and msg.session != self.registration.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
-            return self._welcome(msg, now)
+            return self._welcome(msg, layout, now)
         if isinstance(msg, Reregister):
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
@@ -232,21 +233,24 @@ class RankCore:
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
-        if ctl.layout is not None and not self._layout_ok(ctl.layout):
-            return []
+        layout = None
+        if ctl.layout is not None:
+            layout = self._entered_layout(ctl.layout)
+            if layout is None:
+                return []
         upto = ctl.upto[self.rank] if self.rank < len(ctl.upto) else 0
-        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, ctl.layout, bool(ctl.keep_cpu), now)
+        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, layout, bool(ctl.keep_cpu), now)
 
-    def _layout_ok(self, wire: Map | None) -> bool:
-        """A layout from the broker is checked where it enters, like every value."""
+    def _entered_layout(self, wire: Map) -> CacheLayout | None:
+        """A layout from the broker, parsed where it enters, like every value
+        (and carried as a ``CacheLayout`` from here); ``None`` if bad."""
         try:
-            CacheLayout.from_wire(wire)
-            return True
+            return CacheLayout.from_wire(wire)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
-            return False
+            return None
 
-    def _welcome(self, msg: Welcome, now: float) -> list[RankAction]:
+    def _welcome(self, msg: Welcome, layout: CacheLayout, now: float) -> list[RankAction]:
         if msg.upto > self.received:
             # The broker sent tasks of this session before this welcome and
             # they never came: the connection they took died (a welcome
@@ -267,7 +271,7 @@ class RankCore:
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
-        self.bus_layout = CacheLayout.from_wire(msg.layout)
+        self.bus_layout = layout
         if self.fresh and self.bus_layout != self.layout:  # only with adopt_layout: the broker refuses it otherwise
             self.counters["layouts_adopted"] += 1
             hello.append(
@@ -285,15 +289,14 @@ class RankCore:
     def _apply(
         self,
         epoch: int,
-        wire_op: str,
+        op: ControlOp,
         gen: int,
         upto: int,
-        layout: Map | None,
+        layout: CacheLayout | None,
         keep_cpu: bool,
         now: float,
         welcome: bool = False,
     ) -> list[RankAction]:
-        op = ControlOp(wire_op)  # the decoders let only these four through
         if epoch < self.epoch and not welcome:
             self.counters["stale_controls"] += 1
             return []
@@ -312,7 +315,7 @@ class RankCore:
                 out.append(FreeCache(keep_cpu))
         else:  # RESUME, or RUN: a (restarted) broker that is running
             if layout is not None:
-                self.bus_layout = CacheLayout.from_wire(layout)
+                self.bus_layout = layout
             if not self.cache.phase.serves or self.bus_layout != self.layout:
                 self.layout = self.bus_layout
                 self.cache.allocate()
