@@ -12,6 +12,7 @@ from typing import Any, Iterable, Union
 
 from ..wire import protocol as P
 from ..wire.messages import Error, OutcomeMsg, Reply
+from ..wire.vocab import Outcome
 
 
 @dataclass(slots=True)
@@ -64,4 +65,6 @@ def error(client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
 def outcome(client: bytes, task: int, result: str, reason: str, gen: int, ran: bool | None = None) -> ToClient:
     """A task's final outcome, told by the broker itself (the ranks tell the
     rest); ``ran=False``: it was never dispatched."""
-    return ToClient(client, [OutcomeMsg(task=task, outcome=result, reason=P.clamp(reason), gen=gen, ran=ran).to_wire()])
+    return ToClient(
+        client, [OutcomeMsg(task=task, outcome=Outcome(result), reason=P.clamp(reason), gen=gen, ran=ran).to_wire()]
+    )

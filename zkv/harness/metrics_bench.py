@@ -32,6 +32,7 @@ from ..obs.stats import cpu_seconds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Done, Ready, Submit
+from ..wire.vocab import RankOutcome
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
     from ..broker import Broker
@@ -72,7 +73,7 @@ def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
         [
             (
                 f"rank-{r}".encode(),
-                [Done(seq=i + 1, n=i + 1, outcome="ok", gen=0, bytes=ids * LAYOUT.block_bytes).to_wire()],
+                [Done(seq=i + 1, n=i + 1, outcome=RankOutcome.OK, gen=0, bytes=ids * LAYOUT.block_bytes).to_wire()],
             )
             for r in range(world)
         ]

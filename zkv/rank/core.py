@@ -18,7 +18,7 @@ from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ack, Control, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
-from ..wire.vocab import ControlOp
+from ..wire.vocab import ControlOp, RankOutcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
 from .registration import RankPhase, RankRefused, Registration
@@ -373,7 +373,7 @@ class RankCore:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
         out: list[RankAction] = [
-            ToBroker(Done(seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes).to_wire(), done=True)
+            ToBroker(Done(seq=seq, n=n, outcome=RankOutcome(outcome), gen=gen, bytes=nbytes).to_wire(), done=True)
         ]
         return out + self._maybe_ack()
 

@@ -24,7 +24,7 @@ from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.messages import Result
-from ..wire.vocab import Op, Outcome
+from ..wire.vocab import Op, Outcome, RankOutcome
 from .actions import Execute
 from .cache.errors import CacheError
 from .cache.store import BlockStore, TaskInvalid
@@ -113,7 +113,7 @@ class TaskRunner:
                 task=ex.task,
                 rank=self.rank,
                 world=self.world,
-                outcome=outcome,
+                outcome=RankOutcome(outcome),
                 reason=reason,
                 gen=ex.gen,
                 bytes=nbytes,

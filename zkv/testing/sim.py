@@ -19,7 +19,7 @@ from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, To
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import MESSAGES, Control, Error, Message, Reply, Result, Submit
-from zkv.wire.vocab import ControlOp, Outcome
+from zkv.wire.vocab import ControlOp, RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
 CLIENT = b"client-A"
@@ -183,7 +183,7 @@ class Sim:
                 task=ex.task,
                 rank=rank,
                 world=len(self.ranks),
-                outcome=Outcome.FAILED if ex.refuse else outcome,
+                outcome=RankOutcome.FAILED if ex.refuse else RankOutcome(outcome),
                 reason=ex.refuse,
                 gen=ex.gen,
                 bytes=nbytes,

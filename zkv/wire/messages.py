@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 
-from .bounds import uint_bounds
+from .bounds import MAX_SAFE_INT, UINT_MAX, UINT_MIN
 from .vocab import VERSION, ControlOp, Outcome, RankOutcome
 
 Digest = bytes  # one checksum digest (a name: a field called ``bytes`` hides the type in a class body)
@@ -32,22 +32,18 @@ Ids = Union[bytes, list[int]]  # a block-id list: packed little-endian int32, or
 Map = dict[str, Any]
 
 
-def _uint(name: str) -> Any:
-    """A uint field named ``name``, bounded as bounds.py's tables bound it (the
-    same in every kind); decoders check the bounds, constructors do not."""
-    lo, hi = uint_bounds("", name)
-    return Annotated[int, msgspec.Meta(ge=lo, le=hi)]
-
-
-Uint = _uint("")  # 0 .. 2^53-1: seq, n, task, req, gen, epoch, session, ...
-World = _uint("world")
-RankNo = _uint("rank")
-WaitRanks = _uint("wait_ranks")
-TimeoutMs = _uint("timeout_ms")
-HeartbeatMs = _uint("heartbeat_ms")
-ByteCount = _uint("bytes")
-Freed = _uint("freed")
-Pid = _uint("pid")
+# uint fields, bounded as bounds.py's tables bound their names (the same in
+# every kind; a test holds each field's bounds to ``uint_bounds``): decoders
+# check the bounds, constructors do not
+Uint = Annotated[int, msgspec.Meta(ge=0, le=MAX_SAFE_INT)]  # seq, n, task, req, gen, epoch, session, ...
+World = Annotated[int, msgspec.Meta(ge=UINT_MIN["world"], le=UINT_MAX["world"])]
+RankNo = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["rank"])]
+WaitRanks = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["wait_ranks"])]
+TimeoutMs = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["timeout_ms"])]
+HeartbeatMs = Annotated[int, msgspec.Meta(ge=UINT_MIN["heartbeat_ms"], le=UINT_MAX["heartbeat_ms"])]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["bytes"])]
+Freed = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["freed"])]
+Pid = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["pid"])]
 
 _KIND_OF_CLASS = {"Heartbeat": "hb", "OutcomeMsg": "outcome"}
 
