@@ -75,5 +75,30 @@ def test_the_vocabulary_is_the_wire_strings():
     assert Outcome.OK == "ok" and f"{ControlOp.PAUSE}" == "pause" and str(Tier.CPU) == "cpu"
     assert msgpack.packb(Outcome.FAILED) == msgpack.packb("failed")
     assert P.encode("done", seq=1, n=1, outcome=Outcome.OK, gen=1) == P.encode("done", seq=1, n=1, outcome="ok", gen=1)
-    assert F.encode_done(1, 1, Outcome.OK, 1) == F.encode_done(1, 1, "ok", 1)
+    assert Done(seq=1, n=1, outcome=Outcome.OK, gen=1).to_wire() == Done(seq=1, n=1, outcome="ok", gen=1).to_wire()
     assert [d.itemsize for d in Dtype] == [2, 2, 4]
+
+
+def test_a_uint_field_is_typed_with_the_bounds_the_tables_give():
+    import typing
+
+    import msgspec
+
+    for kind, cls in MESSAGES.items():
+        for f in msgspec.structs.fields(cls):
+            if P.SCHEMAS[kind][0].get(f.name, P.SCHEMAS[kind][1].get(f.name)) != "uint":
+                continue
+            ann = next(a for a in (f.type, *typing.get_args(f.type)) if typing.get_origin(a) is typing.Annotated)
+            meta = typing.get_args(ann)[1]
+            assert (meta.ge, meta.le) == P.uint_bounds(kind, f.name), (kind, f.name)
+
+
+@pytest.mark.parametrize("decode", [P.decode, F.decoder("done")], ids=["protocol", "fast"])
+def test_a_decoded_word_is_its_vocabulary_member(decode):
+    from zkv.wire.vocab import RankOutcome
+
+    done = decode(Done(seq=1, n=1, outcome="failed", gen=0).to_wire())
+    assert done.outcome is RankOutcome.FAILED and done.outcome == Outcome.FAILED == "failed"
+    ack = P.decode(Ack(epoch=1, op="clear", freed=0).to_wire())
+    assert ack.op is ControlOp.CLEAR
+    assert P.WORDS["outcome"] == {"outcome": Outcome} and P.WORDS["welcome"] == {"op": ControlOp}

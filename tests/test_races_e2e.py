@@ -13,9 +13,9 @@ from waits import wait_for
 from zkv import ZkvError
 from zkv.cli import main
 from zkv.harness.cluster import LocalCluster
-from zkv.wire import fast as F
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
+from zkv.wire.messages import Submit
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=128, cpu_blocks=256, block_size=16, kv_heads=4, head_dim=64)
 FAST = ["--heartbeat-ms", "100", "--liveness-ms", "1000", "--op-timeout-ms", "10000"]
@@ -339,7 +339,7 @@ def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_nev
     try:
         t0 = time.monotonic()
         dealer.send_multipart(
-            [F.encode_submit(1, client.reply_to, timeout_ms=300), P.encode_body("swap_out", [0], [0])]
+            [Submit(task=1, reply_to=client.reply_to, timeout_ms=300).to_wire(), P.encode_body("swap_out", [0], [0])]
         )
         assert dealer.poll(5_000), "no outcome while the bus stays paused"
         out = P.decode(dealer.recv())

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
 from ..wire import protocol as P
+from ..wire.messages import Error, OutcomeMsg, Reply
+from ..wire.vocab import Outcome
 
 
 @dataclass(slots=True)
@@ -52,18 +54,17 @@ def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
 
 def reply(client: bytes, req: int, op: str, **fields: Any) -> ToClient:
     """A client request's answer."""
-    return ToClient(client, [P.encode("reply", req=req, op=op, **fields)])
+    return ToClient(client, [Reply(req=req, op=op, extra=fields).to_wire()])
 
 
 def error(client: bytes, code: str, reason: str, **fields: Any) -> ToClient:
     """A client request refused or failed, with its code."""
-    return ToClient(client, [P.encode("error", code=code, reason=P.clamp(reason), **fields)])
+    return ToClient(client, [Error(code=code, reason=P.clamp(reason), **fields).to_wire()])
 
 
 def outcome(client: bytes, task: int, result: str, reason: str, gen: int, ran: bool | None = None) -> ToClient:
     """A task's final outcome, told by the broker itself (the ranks tell the
     rest); ``ran=False``: it was never dispatched."""
-    if ran is None:
-        return ToClient(client, [P.encode("outcome", task=task, outcome=result, reason=P.clamp(reason), gen=gen)])
-    frame = P.encode("outcome", task=task, outcome=result, reason=P.clamp(reason), gen=gen, ran=ran)
-    return ToClient(client, [frame])
+    return ToClient(
+        client, [OutcomeMsg(task=task, outcome=Outcome(result), reason=P.clamp(reason), gen=gen, ran=ran).to_wire()]
+    )

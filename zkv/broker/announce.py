@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Control, Welcome
 from .state import ControlOp
 
 
@@ -25,22 +25,20 @@ def control_frame(
     epoch: int, op: ControlOp, gen: int, upto: list[int], layout: CacheLayout | None, keep_cpu: bool
 ) -> bytes:
     """The PUB control message: ``layout`` is a resume's, ``keep_cpu`` a clear's."""
-    return P.encode("control", epoch=epoch, op=op, gen=gen, upto=upto, **_named(layout, keep_cpu))
+    return Control(epoch=epoch, op=op, gen=gen, upto=upto, **_named(layout, keep_cpu)).to_wire()
 
 
 def welcome_frame(
     epoch: int, op: ControlOp, gen: int, upto: int, layout: CacheLayout, heartbeat_ms: int, session: int, keep_cpu: bool
 ) -> bytes:
     """A registered rank's welcome; ``session`` echoes its ready's (§10.2)."""
-    keep = {"keep_cpu": True} if keep_cpu else {}
-    return P.encode(
-        "welcome",
+    return Welcome(
         epoch=epoch,
         op=op,
         gen=gen,
         upto=upto,
         layout=layout.to_wire(),
         heartbeat_ms=heartbeat_ms,
+        keep_cpu=True if keep_cpu else None,
         session=session,
-        **keep,
-    )
+    ).to_wire()

@@ -17,9 +17,8 @@ import collections
 import logging
 from dataclasses import dataclass
 
-from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ready
+from ..wire.messages import Ready, Refused
 from .actions import Action, Record, ToRank
 from .records import RankState
 
@@ -64,7 +63,7 @@ class ClaimTable:
         reason = refusal(live, claim, now)
         events["duplicate_ranks_refused"] += 1
         log.warning("%s", reason)
-        out.append(ToRank(claim.identity, [P.encode("refused", reason=reason)]))
+        out.append(ToRank(claim.identity, [Refused(reason=reason).to_wire()]))
         if recording:
             out.append(Record({"ev": "rank_refused", "t": now, "rank": live.rank, "reason": reason}))
 

@@ -36,7 +36,7 @@ from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ready, Status
+from ..wire.messages import Error, Heartbeat, Ready, Refused, Reregister, Status
 from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
 from .claims import Claim, ClaimTable
 from .control import ControlMachine
@@ -68,6 +68,10 @@ log = logging.getLogger("zkv.broker")
 _decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
 _decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
+# the frames that never change, made once
+_REREGISTER = Reregister().to_wire()
+_PROBE_ANSWER = Heartbeat(probe=True).to_wire()
+_HEARTBEAT = Heartbeat().to_wire()
 
 
 class BrokerCore:
@@ -235,7 +239,7 @@ class BrokerCore:
             self._on_rank(identity, frames, now, out)
         except Exception as err:  # noqa: BLE001
             reason = P.clamp(self._internal(err, "a rank message"))
-            out.append(ToRank(identity, [P.encode("error", code="internal", reason=reason)]))
+            out.append(ToRank(identity, [Error(code="internal", reason=reason).to_wire()]))
         self.recovery.save_if_changed(out)
         return out
 
@@ -245,7 +249,7 @@ class BrokerCore:
                 P.check_frames(frames, 1, bounds.MAX_BATCH)
             except P.ProtocolError as err:
                 self._events["bad_rank_msgs"] += 1
-                out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
+                out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))
                 return
             for frame in frames:  # each on its own: one bad frame loses no other's credit
                 self._on_rank_frame(identity, frame, _decode_done, now, out)
@@ -259,7 +263,7 @@ class BrokerCore:
             msg = decode(frame)
         except P.ProtocolError as err:
             self._events["bad_rank_msgs"] += 1
-            out.append(ToRank(identity, [P.encode("error", code=err.code, reason=err.reason)]))
+            out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))
             return
         kind = msg.kind
         if kind == "ready":
@@ -268,7 +272,7 @@ class BrokerCore:
         rs = self.rank_table.sender(identity)
         if rs is None:
             self._events["unregistered_msgs"] += 1
-            out.append(ToRank(identity, [P.encode("reregister")]))
+            out.append(ToRank(identity, [_REREGISTER]))
             return
         rs.last_seen = now
         if self.claims.claims and rs.rank in self.claims.claims:  # it is alive: refuse the claimant
@@ -283,7 +287,7 @@ class BrokerCore:
             if msg.stats:
                 rs.stats = msg.stats
             if msg.probe:  # a rank back from a freeze asks if it is still ours
-                out.append(ToRank(identity, [P.encode("hb", probe=True)]))
+                out.append(ToRank(identity, [_PROBE_ANSWER]))
         else:
             self.control.ack(rs, msg, now, out)
 
@@ -297,7 +301,7 @@ class BrokerCore:
         table = self.rank_table
         layout, refusal = table.admit(msg, self.gens.layout)
         if layout is None:
-            out.append(ToRank(identity, [P.encode("refused", reason=P.clamp(refusal))]))
+            out.append(ToRank(identity, [Refused(reason=P.clamp(refusal)).to_wire()]))
             return
         rank = msg.rank
         if not table.is_repeat(identity, msg):
@@ -305,7 +309,7 @@ class BrokerCore:
             if old is not None and old.alive and old.identity != identity:
                 # another process: the rank restarted, or a second one claims it (claims.py)
                 if self.claims.park(identity, msg, layout, now):
-                    out.append(ToRank(old.identity, [P.encode("hb")]))  # undeliverable if its connection is gone
+                    out.append(ToRank(old.identity, [_HEARTBEAT]))  # undeliverable if its connection is gone
                 return
             if old is not None and old.alive:
                 self._rank_lost(old, f"rank {rank} re-registered (restarted); its tasks were lost", now, out)

@@ -10,7 +10,7 @@ import collections
 
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ready
+from ..wire.messages import Heartbeat, Ready
 from .actions import Action, Record, ToRank
 from .records import BrokerConfig, RankState
 
@@ -104,7 +104,7 @@ class RankTable:
         """Heartbeat every live rank when one is due."""
         if (now - self.last_heartbeat) * 1000 >= self.cfg.heartbeat_ms:
             self.last_heartbeat = now
-            beat = P.encode("hb")
+            beat = Heartbeat().to_wire()
             for rs in self.live():
                 out.append(ToRank(rs.identity, [beat]))
 

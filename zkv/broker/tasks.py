@@ -11,9 +11,9 @@ import heapq
 import itertools
 
 from ..obs.book import BusBook, task_op
-from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.messages import Cancel, Done, Submit
+from ..wire.messages import Task as TaskMsg
 from ..wire.outcome import RankFold
 from ..wire.vocab import Outcome
 from .actions import Action, Record, ToRank, error, outcome, reply
@@ -180,16 +180,16 @@ class TaskTable:
             for rs in ranks:
                 rs.inflight += 1
                 rs.dispatched += 1
-                header = F.encode_task(
-                    task.seq,
-                    rs.dispatched,
-                    task.task,
-                    task.reply_to,
-                    gen,
-                    task.reply_key or None,
-                    rs.session,
-                    cpu_gen,
-                )
+                header = TaskMsg(
+                    seq=task.seq,
+                    n=rs.dispatched,
+                    task=task.task,
+                    reply_to=task.reply_to,
+                    gen=gen,
+                    reply_key=task.reply_key or None,
+                    session=rs.session,
+                    cpu_gen=cpu_gen,
+                ).to_wire()
                 out.append(ToRank(rs.identity, [header, task.body]))
             sent += 1
         if sent:

@@ -29,7 +29,7 @@ from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.errors import ZkvError
-from ..wire.messages import Error, Message, OutcomeMsg, Reply, Result
+from ..wire.messages import MESSAGES, Error, Message, OutcomeMsg, Reply, Result, Submit
 from ..wire.outcome import TaskOutcome
 from .results import ResultBook
 
@@ -142,7 +142,9 @@ class Client:
         elif type(task) is not int or not 0 < task <= bounds.MAX_SAFE_INT or task in self.book.open:
             raise ValueError(f"task id {task!r}: a positive int up to {bounds.MAX_SAFE_INT}, not one already open")
         self.book.add(task, time.monotonic(), timeout + BROKER_WORD_S)
-        header = F.encode_submit(task, self.reply_to, deadline_ms(timeout), reply_key=self._reply_key)
+        header = Submit(
+            task=task, reply_to=self.reply_to, timeout_ms=deadline_ms(timeout), reply_key=self._reply_key
+        ).to_wire()
         try:
             self._send([header, body])
         except ZkvError:
@@ -216,7 +218,7 @@ class Client:
     def send_request(self, kind: str, **fields: Any) -> int:
         """Send a request without waiting; returns its ``req`` for await_reply."""
         req = next(self._req_ids)
-        self._send([P.encode(kind, req=req, **fields)])
+        self._send([MESSAGES[kind](req=req, **fields).to_wire()])
         return req
 
     def _send(self, frames: list[bytes]) -> None:

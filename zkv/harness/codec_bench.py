@@ -1,5 +1,6 @@
 """The codec's cost per hot message: ``protocol``'s validating codec beside
-the typed fast path (``wire/fast.py``) on the same frames, in the same run.
+the typed fast path (``wire/fast.py``) and the typed encoders
+(``wire/messages.py``) on the same frames, in the same run.
 
 Each figure is the best of ``repeats`` timings of ``number`` calls, old and
 new in turns, in microseconds per call (the best: the other processes on the
@@ -13,62 +14,57 @@ from typing import Any, Callable
 
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire.messages import MESSAGES
 
 _REPLY_TO = "ipc:///run/user/1000/zkv/client-12345-0123abcd.sock"  # as Client makes them
 
+#: the frames of a 1-block swap task on a 2-rank bus, and the two a broker and a
+#: rank send most beside them (a broker's own outcome, a rank's heartbeat)
+CASES: dict[str, dict[str, Any]] = {
+    "submit": {"task": 1 << 40, "reply_to": _REPLY_TO},
+    "task": {"seq": 123_456, "n": 61_728, "task": 1 << 40, "reply_to": _REPLY_TO, "gen": 3, "session": 987_654_321},
+    "done": {"seq": 123_456, "n": 61_728, "outcome": "ok", "gen": 3, "bytes": 65_536},
+    "result": {
+        "task": 1 << 40,
+        "rank": 1,
+        "world": 2,
+        "outcome": "ok",
+        "reason": "",
+        "gen": 3,
+        "bytes": 65_536,
+        "elapsed_us": 87,
+    },
+    "outcome": {"task": 1 << 40, "outcome": "cancelled", "reason": "cancelled by its client", "gen": 3, "ran": False},
+    "hb": {"inflight": 2, "stats": {}},
+}
+_SOCKETS: dict[str, tuple[str, ...] | None] = {
+    "submit": ("submit", "pause", "clear", "resume", "status", "ping"),
+    "task": ("task",),
+    "done": ("ready", "hb", "done", "ack"),
+    "result": None,
+}
+
 
 def bench_codec(number: int = 20_000, repeats: int = 5) -> dict[str, dict[str, dict[str, float]]]:
-    """``{kind: {"decode" | "encode": {"protocol_us", "fast_us", "speedup"}}}``
-    for the frames of a 1-block swap task on a 2-rank bus."""
+    """``{kind: {"decode" | "encode": {"protocol_us", "fast_us", "speedup"}}}``:
+    decoding by ``protocol.decode`` beside the typed fast path, encoding by
+    ``protocol.encode`` (a map of keyword fields) beside what zkv sends, its
+    typed message built and ``to_wire()``-d (``messages.py``)."""
     body = P.encode_body("swap_out", [7], [3])
-    cases: dict[str, tuple[dict[str, Any], Callable[[], bytes], Callable[[], bytes]]] = {
-        "submit": (
-            {"task": 1 << 40, "reply_to": _REPLY_TO},
-            lambda: P.encode("submit", task=1 << 40, reply_to=_REPLY_TO),
-            lambda: F.encode_submit(1 << 40, _REPLY_TO),
-        ),
-        "task": (
-            {"seq": 123_456, "n": 61_728, "task": 1 << 40, "reply_to": _REPLY_TO, "gen": 3, "session": 987_654_321},
-            lambda: P.encode(
-                "task", seq=123_456, n=61_728, task=1 << 40, reply_to=_REPLY_TO, gen=3, session=987_654_321
-            ),
-            lambda: F.encode_task(123_456, 61_728, 1 << 40, _REPLY_TO, 3, None, 987_654_321),
-        ),
-        "done": (
-            {"seq": 123_456, "n": 61_728, "outcome": "ok", "gen": 3, "bytes": 65_536},
-            lambda: P.encode("done", seq=123_456, n=61_728, outcome="ok", gen=3, bytes=65_536),
-            lambda: F.encode_done(123_456, 61_728, "ok", 3, 65_536),
-        ),
-        "result": (
-            {
-                "task": 1 << 40,
-                "rank": 1,
-                "world": 2,
-                "outcome": "ok",
-                "reason": "",
-                "gen": 3,
-                "bytes": 65_536,
-                "elapsed_us": 87,
-            },
-            lambda: P.encode(
-                "result", task=1 << 40, rank=1, world=2, outcome="ok", reason="", gen=3, bytes=65_536, elapsed_us=87
-            ),
-            lambda: F.encode_result(1 << 40, 1, 2, "ok", "", 3, 65_536, 87),
-        ),
-    }
-    sockets = {
-        "submit": ("submit", "pause", "clear", "resume", "status", "ping"),
-        "task": ("task",),
-        "done": ("ready", "hb", "done", "ack"),
-        "result": None,
-    }
     report: dict[str, dict[str, dict[str, float]]] = {}
-    for kind, (fields, old_encode, new_encode) in cases.items():
-        report[kind] = {
-            "decode": _decoding(kind, P.encode(kind, **fields), sockets[kind], number, repeats),
-            "encode": _pair(old_encode, new_encode, number, repeats),
-        }
+    for kind, fields in CASES.items():
+        cls = MESSAGES[kind]
+
+        def old_encode(kind: str = kind, fields: dict[str, Any] = fields) -> bytes:
+            return P.encode(kind, **fields)
+
+        def new_encode(cls: Any = cls, fields: dict[str, Any] = fields) -> bytes:
+            return cls(**fields).to_wire()
+
         assert new_encode() == old_encode()
+        report[kind] = {"encode": _pair(old_encode, new_encode, number, repeats)}
+        if kind in _SOCKETS:
+            report[kind]["decode"] = _decoding(kind, old_encode(), _SOCKETS[kind], number, repeats)
     assert F.decode_body(body) == P.decode_body(body)
     report["body"] = {"decode": _pair(lambda: P.decode_body(body), lambda: F.decode_body(body), number, repeats)}
     return report

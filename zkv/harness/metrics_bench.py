@@ -31,6 +31,8 @@ from ..obs.book import BusBook, task_op
 from ..obs.stats import cpu_seconds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.messages import Done, Ready, Submit
+from ..wire.vocab import RankOutcome
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
     from ..broker import Broker
@@ -66,12 +68,12 @@ class NullRankBook:
 
 def _frames(tasks: int, world: int, ids: int) -> tuple[list, list]:
     body = P.encode_body("swap_out", list(range(ids)), list(range(ids)))
-    submits = [[P.encode("submit", task=i + 1, reply_to="ipc:///tmp/zkv-bench-client"), body] for i in range(tasks)]
+    submits = [[Submit(task=i + 1, reply_to="ipc:///tmp/zkv-bench-client").to_wire(), body] for i in range(tasks)]
     dones = [
         [
             (
                 f"rank-{r}".encode(),
-                [P.encode("done", seq=i + 1, n=i + 1, outcome="ok", gen=0, bytes=ids * LAYOUT.block_bytes)],
+                [Done(seq=i + 1, n=i + 1, outcome=RankOutcome.OK, gen=0, bytes=ids * LAYOUT.block_bytes).to_wire()],
             )
             for r in range(world)
         ]
@@ -85,7 +87,7 @@ def _core(null_book: bool, world: int) -> Any:
     for r in range(world):
         core.on_rank(
             f"rank-{r}".encode(),
-            [P.encode("ready", rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0)],
+            [Ready(rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0).to_wire()],
             0.0,
         )
     return core

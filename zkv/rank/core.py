@@ -17,8 +17,8 @@ from typing import Any, Callable
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Control, Error, Heartbeat, Map, Refused, Reregister, Task, Welcome
-from ..wire.vocab import ControlOp
+from ..wire.messages import Ack, Control, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
+from ..wire.vocab import ControlOp, RankOutcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
 from .registration import RankPhase, RankRefused, Registration
@@ -85,7 +85,7 @@ class RankCore:
         fields.update(has_cache=self.cache.phase.serves)
         if self.adopt_layout:
             fields["adopt_layout"] = True
-        return [ToBroker(P.encode("ready", **fields, **(self.tiers() if self.tiers else {})))]
+        return [ToBroker(Ready(**fields, **(self.tiers() if self.tiers else {})).to_wire())]
 
     def _repeat_ready(self, now: float) -> list[RankAction]:
         """The READY is unanswered: send it again with the *same* session.  It
@@ -108,7 +108,7 @@ class RankCore:
         register again and they are refused, never copied."""
         if self.registration.woke(now):
             self.counters["frozen"] += 1
-            return [ToBroker(P.encode("hb", inflight=self.inflight, probe=True))]
+            return [ToBroker(Heartbeat(inflight=self.inflight, probe=True).to_wire())]
         return []
 
     def _end_probe(self, now: float) -> list[RankAction]:
@@ -149,12 +149,13 @@ class RankCore:
         if isinstance(msg, Heartbeat):
             return self._end_probe(now) if msg.probe and self.registration.probing else []
         if isinstance(msg, Welcome):
-            if not self._layout_ok(msg.layout):
+            layout = self._entered_layout(msg.layout)
+            if layout is None:
                 return []
             if msg.session is not None and msg.session != self.registration.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
-            return self._welcome(msg, now)
+            return self._welcome(msg, layout, now)
         if isinstance(msg, Reregister):
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
@@ -232,21 +233,24 @@ class RankCore:
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
-        if ctl.layout is not None and not self._layout_ok(ctl.layout):
-            return []
+        layout = None
+        if ctl.layout is not None:
+            layout = self._entered_layout(ctl.layout)
+            if layout is None:
+                return []
         upto = ctl.upto[self.rank] if self.rank < len(ctl.upto) else 0
-        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, ctl.layout, bool(ctl.keep_cpu), now)
+        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, layout, bool(ctl.keep_cpu), now)
 
-    def _layout_ok(self, wire: Map | None) -> bool:
-        """A layout from the broker is checked where it enters, like every value."""
+    def _entered_layout(self, wire: Map) -> CacheLayout | None:
+        """A layout from the broker, parsed where it enters, like every value
+        (and carried as a ``CacheLayout`` from here); ``None`` if bad."""
         try:
-            CacheLayout.from_wire(wire)
-            return True
+            return CacheLayout.from_wire(wire)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
-            return False
+            return None
 
-    def _welcome(self, msg: Welcome, now: float) -> list[RankAction]:
+    def _welcome(self, msg: Welcome, layout: CacheLayout, now: float) -> list[RankAction]:
         if msg.upto > self.received:
             # The broker sent tasks of this session before this welcome and
             # they never came: the connection they took died (a welcome
@@ -262,12 +266,12 @@ class RankCore:
         self.received = msg.upto
         reg.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
         hello: list[RankAction] = [
-            ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))
+            ToBroker(Heartbeat(inflight=self.inflight, stats=self.stats() if self.stats else {}).to_wire())
         ]
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the
         # broker starts one when this rank's memory does not match the bus).
-        self.bus_layout = CacheLayout.from_wire(msg.layout)
+        self.bus_layout = layout
         if self.fresh and self.bus_layout != self.layout:  # only with adopt_layout: the broker refuses it otherwise
             self.counters["layouts_adopted"] += 1
             hello.append(
@@ -285,15 +289,14 @@ class RankCore:
     def _apply(
         self,
         epoch: int,
-        wire_op: str,
+        op: ControlOp,
         gen: int,
         upto: int,
-        layout: Map | None,
+        layout: CacheLayout | None,
         keep_cpu: bool,
         now: float,
         welcome: bool = False,
     ) -> list[RankAction]:
-        op = ControlOp(wire_op)  # the decoders let only these four through
         if epoch < self.epoch and not welcome:
             self.counters["stale_controls"] += 1
             return []
@@ -312,7 +315,7 @@ class RankCore:
                 out.append(FreeCache(keep_cpu))
         else:  # RESUME, or RUN: a (restarted) broker that is running
             if layout is not None:
-                self.bus_layout = CacheLayout.from_wire(layout)
+                self.bus_layout = layout
             if not self.cache.phase.serves or self.bus_layout != self.layout:
                 self.layout = self.bus_layout
                 self.cache.allocate()
@@ -334,14 +337,13 @@ class RankCore:
             self.counters["acks"] += 1
             return [
                 ToBroker(
-                    P.encode(
-                        "ack",
+                    Ack(
                         epoch=self.epoch,
-                        op=op.value,
+                        op=op,
                         gen=self.gen,
                         layout=self.layout.to_wire(),
                         error=cache.error,
-                    )
+                    ).to_wire()
                 )
             ]
         if op is ControlOp.PAUSE and (self.received < self.upto or self.inflight):
@@ -363,14 +365,16 @@ class RankCore:
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
-        return [ToBroker(P.encode("ack", epoch=self.epoch, op=op.value, **fields)), Acked(op, self.epoch)]
+        return [ToBroker(Ack(epoch=self.epoch, op=op, **fields).to_wire()), Acked(op, self.epoch)]
 
     # --- executor events -----------------------------------------------------------
 
     def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
-        out: list[RankAction] = [ToBroker(F.encode_done(seq, n, outcome, gen, nbytes), done=True)]
+        out: list[RankAction] = [
+            ToBroker(Done(seq=seq, n=n, outcome=RankOutcome(outcome), gen=gen, bytes=nbytes).to_wire(), done=True)
+        ]
         return out + self._maybe_ack()
 
     def on_cache_done(self, freed: int = 0, error: str = "", cpu_kept: bool | None = None) -> list[RankAction]:
@@ -393,7 +397,7 @@ class RankCore:
             return self._restart(now)
         if reg.heartbeat_due(now):
             reg.last_heartbeat_sent = now
-            return [ToBroker(P.encode("hb", inflight=self.inflight, stats=self.stats() if self.stats else {}))]
+            return [ToBroker(Heartbeat(inflight=self.inflight, stats=self.stats() if self.stats else {}).to_wire())]
         return []
 
     def next_deadline(self, now: float) -> float:

@@ -18,8 +18,8 @@ from zkv.client.results import ResultBook
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
-from zkv.wire.messages import Control, Error, Message, Reply, Result
-from zkv.wire.vocab import ControlOp, Outcome
+from zkv.wire.messages import MESSAGES, Control, Error, Message, Reply, Result, Submit
+from zkv.wire.vocab import ControlOp, RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
 CLIENT = b"client-A"
@@ -119,14 +119,15 @@ class Sim:
         task = self.next_task
         self.next_task += 1
         self.book.add(task, self.now, 30.0)
-        frames = [P.encode("submit", task=task, reply_to="ipc:///sim/client"), P.encode_body(op, list(src), list(dst))]
+        header = Submit(task=task, reply_to="ipc:///sim/client").to_wire()
+        frames = [header, P.encode_body(op, list(src), list(dst))]
         self._broker_actions(self.broker.on_client(CLIENT, frames, self.now))
         return task
 
     def request(self, kind: str, **fields) -> int:
         req = self.next_req
         self.next_req += 1
-        self._broker_actions(self.broker.on_client(CLIENT, [P.encode(kind, req=req, **fields)], self.now))
+        self._broker_actions(self.broker.on_client(CLIENT, [MESSAGES[kind](req=req, **fields).to_wire()], self.now))
         return req
 
     def reply(self, req: int) -> Reply | Error | None:
@@ -182,7 +183,7 @@ class Sim:
                 task=ex.task,
                 rank=rank,
                 world=len(self.ranks),
-                outcome=Outcome.FAILED if ex.refuse else outcome,
+                outcome=RankOutcome.FAILED if ex.refuse else RankOutcome(outcome),
                 reason=ex.refuse,
                 gen=ex.gen,
                 bytes=nbytes,

@@ -16,12 +16,11 @@ has no field that is required on the wire yet defaulted in Python); a message
 equals the same message made by hand (``Message.__eq__``).
 
 Rule 2: nothing here restates the protocol.  Fields come from the message
-classes, bounds and enums from protocol.py's tables.  The encoders write the
-bytes ``protocol.encode`` writes for the same fields (the golden vectors'),
-and leave absent optionals out, never nil.
+classes, bounds and enums from protocol.py's tables.  Encoding needs no fast
+path: every message class has its own ``to_wire()`` (messages.py).
 
-The decoders and the encoder keep no state between calls (and call no
-Python code): one may serve several threads.
+The decoders keep no state between calls (and call no Python code): one may
+serve several threads.
 """
 
 from __future__ import annotations
@@ -59,6 +58,11 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
         return _Annotated[int, msgspec.Meta(ge=lo, le=hi)]
     if typ == "str":
         allowed = P.ENUMS.get((kind, name))
+        word = P.WORDS[kind].get(name)
+        if word is not None:  # msgspec decodes its member, as protocol.message makes it
+            if allowed is None or tuple(w.value for w in word) != tuple(allowed):
+                raise TypeError(f"{kind}.{name}: its enum {word.__name__} is not protocol.ENUMS' words")
+            return word
         return _str(name) if allowed is None else _Literal[allowed]
     if typ == "bool":
         return bool
@@ -140,77 +144,3 @@ _body = decoder("body", ("body",))
 def decode_body(frame: bytes) -> P.TaskBody:
     """:func:`protocol.decode_body`, the body read on the typed fast path."""
     return P.task_body(_body(frame))
-
-
-# --- encoders: protocol.encode's bytes for the same fields ----------------------------
-
-_encode = msgspec.msgpack.Encoder().encode
-
-
-def encode_submit(task: int, reply_to: str, timeout_ms: int | None = None, reply_key: str | None = None) -> bytes:
-    msg: dict[str, Any] = {"task": task, "reply_to": reply_to}
-    if timeout_ms is not None:
-        msg["timeout_ms"] = timeout_ms
-    if reply_key is not None:
-        msg["reply_key"] = reply_key
-    msg["v"] = P.VERSION
-    msg["kind"] = "submit"
-    return _encode(msg)
-
-
-def encode_task(
-    seq: int,
-    n: int,
-    task: int,
-    reply_to: str,
-    gen: int,
-    reply_key: str | None = None,
-    session: int | None = None,
-    cpu_gen: int | None = None,
-) -> bytes:
-    msg: dict[str, Any] = {"seq": seq, "n": n, "task": task, "reply_to": reply_to, "gen": gen}
-    if reply_key is not None:
-        msg["reply_key"] = reply_key
-    if session is not None:
-        msg["session"] = session
-    if cpu_gen is not None:
-        msg["cpu_gen"] = cpu_gen
-    msg["v"] = P.VERSION
-    msg["kind"] = "task"
-    return _encode(msg)
-
-
-def encode_done(seq: int, n: int, outcome: str, gen: int, nbytes: int | None = None) -> bytes:
-    """``nbytes`` travels as ``bytes``."""
-    if nbytes is None:
-        return _encode({"seq": seq, "n": n, "outcome": outcome, "gen": gen, "v": P.VERSION, "kind": "done"})
-    return _encode(
-        {"seq": seq, "n": n, "outcome": outcome, "gen": gen, "bytes": nbytes, "v": P.VERSION, "kind": "done"}
-    )
-
-
-def encode_result(
-    task: int,
-    rank: int,
-    world: int,
-    outcome: str,
-    reason: str,
-    gen: int,
-    nbytes: int | None = None,
-    elapsed_us: int | None = None,
-    digests: list[bytes] | None = None,
-    cpu_gen: int | None = None,
-) -> bytes:
-    """``nbytes`` travels as ``bytes``."""
-    msg: dict[str, Any] = {"task": task, "rank": rank, "world": world, "outcome": outcome, "reason": reason, "gen": gen}
-    if nbytes is not None:
-        msg["bytes"] = nbytes
-    if elapsed_us is not None:
-        msg["elapsed_us"] = elapsed_us
-    if digests is not None:
-        msg["digests"] = digests
-    if cpu_gen is not None:
-        msg["cpu_gen"] = cpu_gen
-    msg["v"] = P.VERSION
-    msg["kind"] = "result"
-    return _encode(msg)

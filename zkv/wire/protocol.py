@@ -11,9 +11,10 @@ under ``tests/vectors``.  No pickle, ever.
 from __future__ import annotations
 
 import array
+import enum
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Iterable, Sequence, TypeVar, Union, get_args, get_origin
 
 import msgpack
 import msgspec
@@ -68,13 +69,25 @@ class ProtocolError(ZkvError):
 _U, _S, _B, _M, _L, _IDS, _BIN = "uint", "str", "bool", "map", "list", "ids", "bin"
 
 
-def _schema_type(annotation: Any) -> str:
-    """The schema type of a message field's annotation (``None`` stripped)."""
+def _plain(annotation: Any) -> Any:
+    """A field's annotation without ``None`` and bounds: ``int``, an enum, ``list[...]``, ..."""
     args = tuple(a for a in get_args(annotation) if a is not type(None))
     if get_origin(annotation) is Union or type(annotation).__name__ == "UnionType":
         if set(args) == {bytes, list[int]}:
-            return _IDS
+            return annotation
         annotation = args[0] if len(args) == 1 else annotation
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation
+
+
+def _schema_type(annotation: Any) -> str:
+    """The schema type of a message field's annotation (``None`` stripped)."""
+    annotation = _plain(annotation)
+    if set(get_args(annotation)) - {type(None)} == {bytes, list[int]}:
+        return _IDS
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return _S  # a vocabulary word travels as its str (vocab.py)
     origin = get_origin(annotation) or annotation
     found = {int: _U, str: _S, bool: _B, dict: _M, list: _L, bytes: _BIN}.get(origin)
     if found is None:
@@ -93,6 +106,15 @@ def _schema(cls: type[Message]) -> tuple[dict[str, str], dict[str, str]]:
 
 # kind -> (required fields, optional fields), read off the message classes (messages.py)
 SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {kind: _schema(cls) for kind, cls in MESSAGES.items()}
+# kind -> {field: its vocabulary enum}: a decoded word is the enum's member
+WORDS: dict[str, dict[str, type[enum.Enum]]] = {
+    kind: {
+        f.name: _plain(f.type)
+        for f in msgspec.structs.fields(cls)
+        if isinstance(_plain(f.type), type) and issubclass(_plain(f.type), enum.Enum)
+    }
+    for kind, cls in MESSAGES.items()
+}
 
 
 def shown(value: Any) -> str:
@@ -286,6 +308,9 @@ def message(msg: dict) -> Any:
     kind = msg["kind"]
     cls = MESSAGES[kind]
     fields = {name: msg[name] for name in wire_fields(cls) if name in msg}
+    for name, word in WORDS[kind].items():  # validate() let only the enum's words through
+        if fields.get(name) is not None:
+            fields[name] = word(fields[name])
     if kind == "reply":
         fields["extra"] = {k: v for k, v in msg.items() if k not in fields and k not in ("v", "kind")}
     return cls(**fields)

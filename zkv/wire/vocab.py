@@ -44,6 +44,14 @@ class Outcome(_Word):
     TIMEOUT = "timeout"
 
 
+class RankOutcome(_Word):
+    """How a task ended on one rank (``done`` and ``result``): an ``Outcome``'s
+    first two words, equal to them (``RankOutcome.OK == Outcome.OK``)."""
+
+    OK = "ok"
+    FAILED = "failed"
+
+
 class Op(_Word):
     """What a task body asks of every rank."""
 
@@ -78,5 +86,5 @@ class Dtype(_Word):
 
 _ITEMSIZE = {Dtype.BF16: 2, Dtype.FP16: 2, Dtype.FP32: 4}
 
-RANK_OUTCOMES = (Outcome.OK, Outcome.FAILED)  # what one rank reports of a task
+RANK_OUTCOMES = tuple(RankOutcome)  # what one rank reports of a task
 CLIENT_OPS = (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME)  # what a client asks, and a rank acks
