@@ -21,6 +21,7 @@ from .radix import LeafQueue, NodeState, RadixNode, RadixTree
 TIER_NAMES = ("gpu", "cpu", "disk")
 #: what ``locate`` calls each resting state
 WHERE = {NodeState.ON_GPU: "gpu", NodeState.ON_CPU: "cpu", NodeState.ON_DISK: "disk"}
+_ON_GPU, _ON_CPU, _ON_DISK = NodeState.ON_GPU, NodeState.ON_CPU, NodeState.ON_DISK
 
 
 def is_gpu_victim(node: RadixNode) -> bool:
@@ -73,12 +74,18 @@ class Tiers:
         return self.gpu if tier == "gpu" else self.cpu if tier == "cpu" else self.disk
 
     def offer(self, node: RadixNode) -> None:
-        """Queue ``node`` for eviction if it has become a candidate on its tier."""
-        if is_gpu_victim(node):
-            self.gpu_victims.offer(node)
-        elif is_cpu_victim(node):
-            self.cpu_victims.offer(node)
-        elif is_disk_victim(node):
+        """Queue ``node`` for eviction if it has become a candidate on its tier (``is_gpu_victim``,
+        ``is_cpu_victim``, ``is_disk_victim``: one state each, so the state is read once)."""
+        if not node.attached:
+            return
+        state = node.state
+        if state is _ON_GPU:
+            if not node.ref_count and not node.num_gpu_children and node.parent is not None:
+                self.gpu_victims.offer(node)
+        elif state is _ON_CPU:
+            if not node.num_cpu_children:
+                self.cpu_victims.offer(node)
+        elif state is _ON_DISK and not node.children:
             self.disk_victims.offer(node)
 
     def pop_gpu_victim(self) -> RadixNode | None:
@@ -94,8 +101,9 @@ class Tiers:
         """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU, disk) blocks freed."""
         parent = top.parent
         freed = self._detach(top, check_refs=True)
-        for tier, ids in zip(TIER_NAMES, freed):
-            self.allocator(tier).free(ids)
+        for allocator, ids in zip((self.gpu, self.cpu, self.disk), freed):
+            if ids:
+                allocator.free(ids)
         if parent is not None and parent is not self.tree.root:
             self.offer(parent)
         return len(freed[0]), len(freed[1]), len(freed[2])
