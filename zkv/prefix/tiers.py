@@ -158,6 +158,6 @@ class Tiers:
         return gpu_ids, cpu_ids, disk_ids
 
     def _pop(self, queue: LeafQueue, is_victim: Callable[[RadixNode], bool]) -> RadixNode | None:
-        if len(queue) > 4 * len(self.tree) + 64:
+        if len(queue._heap) > 4 * self.tree._num_nodes + 64:  # fields, not __len__: once per pop
             queue.rebuild(self.tree.iter_nodes(), is_victim)
         return queue.pop(is_victim)
