@@ -158,11 +158,9 @@ class SwapRunner:
         # CPU room for the batch at once: drop LRU CPU leaves until every victim has a block (what
         # ``_take_cpu_block`` does node by node), then take the blocks in one allocation.
         cpu = tiers.cpu
-        while cpu.num_free < len(victims):
-            victim = tiers.pop_cpu_victim()
-            if victim is None:
-                break
-            self.drop_subtree(tiers, victim)
+        if cpu.num_free < len(victims):
+            for kind, n in zip(("gpu", "cpu", "disk"), tiers.drop_cpu_leaves(len(victims))):
+                self.counters[f"dropped_{kind}_blocks"] += n
         blocks = cpu.alloc(min(len(victims), cpu.num_free))
         blocks.reverse()
         moving: list[RadixNode] = []

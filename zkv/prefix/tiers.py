@@ -108,6 +108,27 @@ class Tiers:
             self.offer(parent)
         return len(freed[0]), len(freed[1]), len(freed[2])
 
+    def drop_cpu_leaves(self, want_free: int) -> tuple[int, int, int]:
+        """Drop LRU CPU leaves (``pop_cpu_victim``, each with its disk subtree) until ``want_free``
+        CPU blocks are free or no leaf is left; one free per tier for the lot.  Returns the
+        (GPU, CPU, disk) blocks freed, as ``drop_subtree`` does for one."""
+        free = self.cpu.num_free
+        dropped: tuple[list[int], list[int], list[int]] = ([], [], [])
+        while free < want_free:
+            top = self.pop_cpu_victim()
+            if top is None:
+                break
+            parent = top.parent
+            for acc, ids in zip(dropped, self._detach(top, check_refs=True)):
+                acc.extend(ids)
+            free = self.cpu.num_free + len(dropped[1])
+            if parent is not None and parent is not self.tree.root:
+                self.offer(parent)  # may be the next leaf to go
+        for allocator, ids in zip((self.gpu, self.cpu, self.disk), dropped):
+            if ids:
+                allocator.free(ids)
+        return len(dropped[0]), len(dropped[1]), len(dropped[2])
+
     def adopt(self, node: RadixNode, gpu_block: int) -> None:
         """A node cached off the GPU moves onto ``gpu_block`` (a caller's copy of its data)."""
         if node.cpu_block is not None:
