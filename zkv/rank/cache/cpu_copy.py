@@ -215,7 +215,10 @@ class Span:
         page = views[0].shape[1] if views else 0
         if not views or any(v.shape[1] != page or v.stride(1) != 1 or v.stride(0) <= 0 for v in views):
             return None
-        return Span(views, page)
+        try:
+            return Span(views, page)
+        except (ValueError, OverflowError, RuntimeError):  # regions so far apart that the view's size overflows
+            return None
 
     def fits(self, store: torch.Tensor, columns: list[torch.Tensor]) -> bool:
         """Whether a tier's rows are this span's pages side by side, rows unpadded: a run of rows is
