@@ -330,3 +330,18 @@ def test_every_outcome_of_a_task_the_broker_never_dispatched_says_ran_false():
     rejected = sim.submit()
     assert _outcome_of(sim, queued).ran is False and _outcome_of(sim, queued).outcome == "cancelled"
     assert _outcome_of(sim, rejected).ran is False and _outcome_of(sim, rejected).outcome == "rejected"
+
+
+def test_once_every_rank_acked_the_loop_sleeps_until_a_real_deadline():
+    """The control op's repeat is due only while a live rank has not acked it: an idle broker's
+    poll waits for its heartbeat, not 1 ms at a time."""
+    sim = Sim().up()
+    req = sim.request("pause")
+    repeat_s = sim.broker.cfg.control_repeat_ms / 1000
+    assert sim.now + repeat_s in sim.broker.control.deadlines()  # owed until the ranks ack
+    sim.settle()
+    assert sim.reply(req).kind == "reply"
+    assert sim.broker.control.deadlines() == []
+    sim.broker.on_tick(sim.now + 2 * repeat_s)
+    assert sim.broker.next_deadline(sim.now + 2 * repeat_s) > 0.3  # the next heartbeat, ~0.5 s on
+    assert sim.broker.counters["control_repeats"] == 0

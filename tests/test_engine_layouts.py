@@ -11,12 +11,13 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
-from zkv.rank.cache import layouts
+from zkv.rank.cache import cpu_copy, layouts
 from zkv.rank.cache.copier import CopyEngine, coalesce
 from zkv.rank.cache.cpu_tier import CpuTier
 from zkv.rank.cache.errors import CacheError
@@ -320,14 +321,25 @@ def _patterns(nb: int, rows: int, seed: int) -> dict[str, tuple[list[int], list[
     }
 
 
+# How the CPU copy plan moves a run: every region's pages with one call (cpu_copy.Span), a call per
+# region group (no span: pages of several sizes, padded tier rows), or the span refusing a swap-in
+# whose source lies among the regions' addresses (numpy would copy it to a temporary first).
+SPAN_PATHS = ("span", "no span", "span refuses the source")
+
+
 @pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
 @pytest.mark.parametrize("pattern", list(_patterns(96, 160, 0)))
-def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern):
+@pytest.mark.parametrize("path", SPAN_PATHS)
+def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern, path, monkeypatch):
     nb, rows = 96, 160
     engine = make(nb)
     cache = EngineCache.from_tensors(engine.entries)
     tier = CpuTier.for_cache(cache.descriptor, rows=rows)
     copier = CopyEngine(cache, tier)
+    if path == "no span":
+        monkeypatch.setattr(copier.cpu, "_span", lambda: None)
+    elif path == "span refuses the source":
+        monkeypatch.setattr(cpu_copy.np, "may_share_memory", lambda *a: True)
     copier.cpu.stage_rows = 5  # several staging chunks
     blocks, tier_rows = _patterns(nb, rows, seed=len(pattern))[pattern]
     scribble(engine.tensors, seed=4)
@@ -347,6 +359,20 @@ def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern):
         assert all(torch.equal(w, g) for w, g in zip(want_b, got_b))
     for want_b, got_b in zip(others, engine.snapshot(untouched)):
         assert all(torch.equal(w, g) for w, g in zip(want_b, got_b)), "a swap-in wrote outside its blocks"
+
+
+def test_one_call_per_run_where_every_page_has_one_size():
+    """The span covers every region where their pages are one size and the tier's rows are those
+    pages side by side; a swap-in from memory among the regions is refused, not copied twice."""
+    engine = vllm_flash_engine(32)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=32)
+    span = CopyEngine(cache, tier).cpu._span()
+    assert span is not None and span.count == len(cache.views)
+    inside = span.pages_np[: 2 * span.count]  # regions' own bytes as a source
+    assert not span.scatter(np.arange(2), inside)
+    mixed = EngineCache.from_tensors(ENGINES["fastdeploy"](32).entries)  # pages of two sizes
+    assert CopyEngine(mixed, CpuTier.for_cache(mixed.descriptor, rows=32)).cpu._span() is None
 
 
 def _spans(cache: EngineCache) -> list[tuple[int, int]]:

@@ -358,12 +358,13 @@ class ControlMachine:
         """PUB is lossy: publish again until every live rank acked this epoch.
         A restored running bus (op ``run``) has nothing to publish: ``control.op``
         is pause, clear or resume (docs/protocol.md §4.6); ranks learn ``run`` in a welcome."""
-        if self.op is ControlOp.RUN:
-            return
-        if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms:
-            if any(rs.acked_epoch != self.epoch for rs in self.ranks.live()):
-                self.counters["control_repeats"] += 1
-                self.publish(now, out)
+        if self.epoch and (now - self.last_publish) * 1000 >= self.cfg.control_repeat_ms and self._unacked():
+            self.counters["control_repeats"] += 1
+            self.publish(now, out)
+
+    def _unacked(self) -> bool:
+        """Whether a publish is still owed: a live rank has not acked this epoch's op."""
+        return self.op is not ControlOp.RUN and any(rs.acked_epoch != self.epoch for rs in self.ranks.live())
 
     def expire(self, now: float, out: list[Action]) -> None:
         """Requests past their own deadline, then the op past its deadline."""
@@ -384,7 +385,7 @@ class ControlMachine:
 
     def deadlines(self) -> list[float]:
         due = []
-        if self.epoch:
+        if self.epoch and self._unacked():  # once every rank acked, no repeat is due: the loop sleeps
             due.append(self.last_publish + self.cfg.control_repeat_ms / 1000)
         if self.pending is not None:
             due.append(self.pending.deadline)

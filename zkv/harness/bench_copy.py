@@ -207,26 +207,38 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = ()) -> str:
+def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = (), span: bool = False) -> str:
     """The table with the block-at-a-time CPU path (``cpu_copy.coalesce`` + ``copy_runs``: a
     ``memmove`` per page per region, or one strided copy per group, what every swap did before
-    the copy plan) and with the plan, alternated in one process: each round beside its own baseline."""
+    the copy plan) and with the plan, alternated in one process: each round beside its own baseline.
+    With ``span``, "before" is the plan with a call per region or group for each run of tier rows
+    (no ``cpu_copy.Span``) and "after" one call per run for every region."""
     from ..rank.cache import cpu_copy
 
-    planned = cpu_copy.CpuCopier.copy
+    planned, spanned = cpu_copy.CpuCopier.copy, cpu_copy.CpuCopier._span
 
     def block_at_a_time(self: Any, tier_ids: Any, engine_ids: Any, out: bool) -> None:
         runs = cpu_copy.coalesce(engine_ids, tier_ids) if out else cpu_copy.coalesce(tier_ids, engine_ids)
         cpu_copy.copy_runs(self.groups(), runs, out)
 
+    def no_span(self: Any) -> None:
+        return None
+
+    variants: Any = (
+        (("before: a call per region group", planned, no_span), ("after: one call per run", planned, spanned))
+        if span
+        else (("before: a block at a time", block_at_a_time, spanned), ("after: the copy plan", planned, spanned))
+    )
     tables = []
     try:
         for i in range(rounds):
-            for name, copy in (("before: a block at a time", block_at_a_time), ("after: the copy plan", planned)):
+            for name, copy, span_of in variants:
                 cpu_copy.CpuCopier.copy = copy  # type: ignore[method-assign]
+                cpu_copy.CpuCopier._span = span_of  # type: ignore[method-assign]
                 tables.append(f"--- round {i + 1}, {name}\n" + format_table(bench_copy(layouts_run=layouts_run)))
     finally:
         cpu_copy.CpuCopier.copy = planned  # type: ignore[method-assign]
+        cpu_copy.CpuCopier._span = spanned  # type: ignore[method-assign]
     return "\n".join(tables)
 
 
@@ -236,7 +248,9 @@ if __name__ == "__main__":
     args = tuple(a for a in sys.argv[1:] if not a.startswith("--"))
     if "--cpu-clock" in sys.argv[1:]:
         CLOCK = time.thread_time
-    if "--before-after" in sys.argv[1:]:
+    if "--span-before-after" in sys.argv[1:]:
+        print(before_after(layouts_run=args, span=True))
+    elif "--before-after" in sys.argv[1:]:
         print(before_after(layouts_run=args))
     else:
         print(format_table(bench_copy(layouts_run=args)))

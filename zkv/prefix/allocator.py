@@ -130,6 +130,17 @@ class BlockAllocator:
         return isinstance(block, int) and not isinstance(block, bool) and 0 <= block < self.num_blocks
 
     def _check_freeable(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        in_use = self._in_use
+        if (
+            all(type(block) is int for block in ids)
+            and 0 <= min(ids)
+            and max(ids) < self.num_blocks
+            and all(in_use[block] == 1 for block in ids)
+            and len(set(ids)) == len(ids)
+        ):
+            return  # the common case, checked in a few C loops; the loop below names a refusal
         seen: set[int] = set()
         for block in ids:
             if not self._owns(block):

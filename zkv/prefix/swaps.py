@@ -157,16 +157,26 @@ class SwapRunner:
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
         if victims:
             self.make_cpu_room(tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
+        # CPU room for the batch at once: drop LRU CPU leaves until every victim has a block (what
+        # ``_take_cpu_block`` does node by node), then take the blocks in one allocation.
+        cpu = tiers.cpu
+        if cpu.num_free < len(victims):
+            for kind, n in zip(TIER_NAMES, tiers.drop_cpu_leaves(len(victims))):
+                self.counters[f"dropped_{kind}_blocks"] += n
+        blocks = cpu.alloc(min(len(victims), cpu.num_free))
+        blocks.reverse()
         moving: list[RadixNode] = []
         for node in victims:
             if not node.attached:
                 continue  # went with an ancestor's subtree
-            cpu_block = self._take_cpu_block(tiers)
+            cpu_block = blocks.pop() if blocks else self._take_cpu_block(tiers)
             if cpu_block is None:
                 self.drop_subtree(tiers, node)
             else:
                 node.cpu_block = cpu_block
                 moving.append(node)
+        if blocks:
+            cpu.free(blocks)  # taken for victims that went with an ancestor
         if moving:
             self.demote(tiers, moving, Op.SWAP_OUT, NodeState.ON_CPU)
         return len(victims)

@@ -23,6 +23,7 @@ from .radix import LeafQueue, NodeState, RadixNode, RadixTree
 TIER_NAMES = TIER_ORDER
 #: what ``locate`` calls each resting state
 WHERE = {NodeState.ON_GPU: Tier.GPU, NodeState.ON_CPU: Tier.CPU, NodeState.ON_DISK: Tier.DISK}
+_ON_GPU, _ON_CPU, _ON_DISK = NodeState.ON_GPU, NodeState.ON_CPU, NodeState.ON_DISK
 
 
 def is_gpu_victim(node: RadixNode) -> bool:
@@ -75,12 +76,18 @@ class Tiers:
         return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else self.disk
 
     def offer(self, node: RadixNode) -> None:
-        """Queue ``node`` for eviction if it has become a candidate on its tier."""
-        if is_gpu_victim(node):
-            self.gpu_victims.offer(node)
-        elif is_cpu_victim(node):
-            self.cpu_victims.offer(node)
-        elif is_disk_victim(node):
+        """Queue ``node`` for eviction if it has become a candidate on its tier (``is_gpu_victim``,
+        ``is_cpu_victim``, ``is_disk_victim``: one state each, so the state is read once)."""
+        if not node.attached:
+            return
+        state = node.state
+        if state is _ON_GPU:
+            if not node.ref_count and not node.num_gpu_children and node.parent is not None:
+                self.gpu_victims.offer(node)
+        elif state is _ON_CPU:
+            if not node.num_cpu_children:
+                self.cpu_victims.offer(node)
+        elif state is _ON_DISK and not node.children:
             self.disk_victims.offer(node)
 
     def pop_gpu_victim(self) -> RadixNode | None:
@@ -96,11 +103,33 @@ class Tiers:
         """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU, disk) blocks freed."""
         parent = top.parent
         freed = self._detach(top, check_refs=True)
-        for tier, ids in zip(TIER_NAMES, freed):
-            self.allocator(tier).free(ids)
+        for allocator, ids in zip((self.gpu, self.cpu, self.disk), freed):
+            if ids:
+                allocator.free(ids)
         if parent is not None and parent is not self.tree.root:
             self.offer(parent)
         return len(freed[0]), len(freed[1]), len(freed[2])
+
+    def drop_cpu_leaves(self, want_free: int) -> tuple[int, int, int]:
+        """Drop LRU CPU leaves (``pop_cpu_victim``, each with its disk subtree) until ``want_free``
+        CPU blocks are free or no leaf is left; one free per tier for the lot.  Returns the
+        (GPU, CPU, disk) blocks freed, as ``drop_subtree`` does for one."""
+        free = self.cpu.num_free
+        dropped: tuple[list[int], list[int], list[int]] = ([], [], [])
+        while free < want_free:
+            top = self.pop_cpu_victim()
+            if top is None:
+                break
+            parent = top.parent
+            for acc, ids in zip(dropped, self._detach(top, check_refs=True)):
+                acc.extend(ids)
+            free = self.cpu.num_free + len(dropped[1])
+            if parent is not None and parent is not self.tree.root:
+                self.offer(parent)  # may be the next leaf to go
+        for allocator, ids in zip((self.gpu, self.cpu, self.disk), dropped):
+            if ids:
+                allocator.free(ids)
+        return len(dropped[0]), len(dropped[1]), len(dropped[2])
 
     def adopt(self, node: RadixNode, gpu_block: int) -> None:
         """A node cached off the GPU moves onto ``gpu_block`` (a caller's copy of its data)."""
@@ -152,6 +181,6 @@ class Tiers:
         return gpu_ids, cpu_ids, disk_ids
 
     def _pop(self, queue: LeafQueue, is_victim: Callable[[RadixNode], bool]) -> RadixNode | None:
-        if len(queue) > 4 * len(self.tree) + 64:
+        if len(queue._heap) > 4 * self.tree._num_nodes + 64:  # fields, not __len__: once per pop
             queue.rebuild(self.tree.iter_nodes(), is_victim)
         return queue.pop(is_victim)

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from ...wire.vocab import Tier
-from .cpu_copy import CpuCopier, CpuGroup, coalesce, groups_of
+from .cpu_copy import CpuCopier, CpuGroup, Span, coalesce, groups_of
 from .cpu_tier import CpuTier
 from .errors import CacheError
 from .regions import EngineCache, check_ids
@@ -66,12 +66,24 @@ class CopyEngine:
                 "bad_layout", "on CUDA the CPU tier must be pinned (asynchronous copies, no driver staging)"
             )
         self.staged = StagedCopier(cache, tier.store, compute_stream, staging_bytes) if self.cuda else None
-        self.cpu = None if self.cuda else CpuCopier(tier, lambda: cache.derived("cpu_groups", self._groups_cpu))
+        self.cpu = (
+            None
+            if self.cuda
+            else CpuCopier(
+                tier,
+                lambda: cache.derived("cpu_groups", self._groups_cpu),
+                span=lambda: cache.derived("cpu_span", self._span_cpu),
+            )
+        )
 
     def _groups_cpu(self, views: list[torch.Tensor]) -> list[CpuGroup]:
         """The CPU path's region groups (``cpu_copy.groups_of``), kept by the cache
         (``EngineCache.derived``), so its release drops them, numpy views too."""
         return groups_of(views, self.tier.store, self.tier.columns)
+
+    def _span_cpu(self, views: list[torch.Tensor]) -> Span | None:
+        """The CPU path's byte-addressed view of every region (``cpu_copy.Span``), kept by the cache."""
+        return Span.of(views)
 
     def close(self) -> None:
         """Drop the device staging buffers (call on clear, with ``cache.release()``)."""

@@ -184,13 +184,81 @@ def copy_runs(groups: list[CpuGroup], runs: Runs, out: bool) -> None:
                 copy_rows(column, view, rest)
 
 
+class Span:
+    """Every region's pages as rows of one byte-addressed view: ``pages[offset]`` is the page that
+    starts ``offset`` bytes into the address range the regions cover (a ``[span - page + 1, page]``
+    view with strides ``(1, 1)``, torch and numpy over the same memory; only the indexed pages are
+    ever touched).  Page ``(region r, block b)`` starts at ``start[r] + b * stride[r]``.
+
+    So a run of tier rows moves every region's pages with one call: swap-out one ``index_select``
+    into the run's tier rows seen as ``[rows * regions, page]`` (one contiguous write), swap-in one
+    numpy assignment from them (one contiguous read), where a call per region (or group) wrote or
+    read a column of every row.  Only for regions of one page size laid side by side in a tier
+    row (``of``); it holds the views, so the memory it addresses lives as long as it does."""
+
+    def __init__(self, views: list[torch.Tensor], page: int):
+        ptrs = [v.data_ptr() for v in views]
+        base = min(ptrs)
+        size = max(p + (v.shape[0] - 1) * v.stride(0) + page for p, v in zip(ptrs, views)) - base
+        raw = (ctypes.c_uint8 * size).from_address(base)
+        self.views = views  # keeps the engine's storages alive while the span addresses them
+        self.page = page
+        self.count = len(views)
+        self.start = np.asarray(ptrs, dtype=np.int64) - base
+        self.stride = np.asarray([v.stride(0) for v in views], dtype=np.int64)
+        self.pages_np = np.ndarray(buffer=raw, dtype=np.uint8, shape=(size - page + 1, page), strides=(1, 1))
+        self.pages = torch.from_numpy(self.pages_np)
+
+    @staticmethod
+    def of(views: list[torch.Tensor]) -> "Span | None":
+        """The span of a cache's region ``views``, or None where their pages differ in size."""
+        page = views[0].shape[1] if views else 0
+        if not views or any(v.shape[1] != page or v.stride(1) != 1 or v.stride(0) <= 0 for v in views):
+            return None
+        try:
+            return Span(views, page)
+        except (ValueError, OverflowError, RuntimeError):  # regions so far apart that the view's size overflows
+            return None
+
+    def fits(self, store: torch.Tensor, columns: list[torch.Tensor]) -> bool:
+        """Whether a tier's rows are this span's pages side by side, rows unpadded: a run of rows is
+        then one ``[rows * regions, page]`` view."""
+        base, page = store.data_ptr(), self.page
+        return (
+            store.stride(0) == store.shape[1] == page * self.count
+            and store.stride(1) == 1
+            and len(columns) == self.count
+            and all(c.data_ptr() == base + i * page and c.shape[1] == page for i, c in enumerate(columns))
+        )
+
+    def offsets(self, blocks: np.ndarray) -> torch.Tensor:
+        """Each block's pages, region after region: the order of a tier row's pages."""
+        return torch.from_numpy((blocks[:, None] * self.stride + self.start).reshape(-1))
+
+    def gather(self, blocks: np.ndarray, out: torch.Tensor) -> None:
+        """The blocks' pages into ``out`` (``[n * regions, page]``, tier-row order)."""
+        torch.index_select(self.pages, 0, self.offsets(blocks), out=out)
+
+    def scatter(self, blocks: np.ndarray, pages: Any) -> bool:
+        """``pages`` (numpy ``[n * regions, page]``, tier-row order) into the blocks; False (nothing
+        done) where ``pages`` lie inside the address range the regions cover: numpy would first
+        copy them to a fresh temporary (measured 0.35x of a plain copy instead of 0.9x)."""
+        if np.may_share_memory(self.pages_np, pages):
+            return False
+        self.pages_np[self.offsets(blocks).numpy()] = pages
+        return True
+
+
 class CpuCopier:
     """Swaps between one cache's groups and one tier on CPU (see the module docstring); one thread
-    drives it.  ``groups()`` returns the cache's groups (built once and kept by the cache)."""
+    drives it.  ``groups()`` returns the cache's groups, ``span()`` its ``Span`` or None (both built
+    once and kept by the cache)."""
 
-    def __init__(self, tier: Any, groups: Any, stage_bytes: int = STAGE_BYTES):
+    def __init__(self, tier: Any, groups: Any, stage_bytes: int = STAGE_BYTES, span: Any = None):
         self.tier = tier  # its ``store`` is read per swap, never kept: a mapped tier's file must close
         self.groups = groups
+        self.span = span or (lambda: None)
+        self._fits: bool | None = None
         self.row_bytes = tier.store.shape[1]
         self.stage_rows = max(1, stage_bytes // self.row_bytes)
         self._stage: tuple[torch.Tensor, Any, list[torch.Tensor], list[Any]] | None = None
@@ -215,15 +283,23 @@ class CpuCopier:
         p = plan(tier_ids, engine_ids)
         if p.slices:
             copy_runs(groups, [(e, t, n) if out else (t, e, n) for t, e, n in p.slices], out)
+        span = self._span() if p.indexed or len(p.loose[0]) else None
         for t0, blocks in p.indexed:
-            self._indexed(groups, t0, blocks, out)
+            if span is None:
+                self._indexed(groups, t0, blocks, out)
+            elif out:
+                span.gather(blocks, self.tier.store[t0 : t0 + len(blocks)].view(-1, span.page))
+            elif not span.scatter(blocks, self.tier.store[t0 : t0 + len(blocks)].view(-1, span.page).numpy()):
+                self._indexed(groups, t0, blocks, out)
         rows, blocks = p.loose  # sorted by tier row: swap-in reads in address order
         if out:  # reads the engine in address order
             order = np.argsort(blocks, kind="stable")
             rows, blocks = rows[order], blocks[order]
         if len(rows) >= STAGE_MIN_PAIRS and self.small_pages(groups):
             for at in range(0, len(rows), self.stage_rows):
-                self._staged(groups, rows[at : at + self.stage_rows], blocks[at : at + self.stage_rows], out)
+                chunk = rows[at : at + self.stage_rows], blocks[at : at + self.stage_rows]
+                if span is None or not self._staged_span(span, *chunk, out):
+                    self._staged(groups, *chunk, out)
         elif len(rows):
             pairs = zip(blocks.tolist(), rows.tolist()) if out else zip(rows.tolist(), blocks.tolist())
             copy_runs(groups, [(s, d, 1) for s, d in pairs], out)
@@ -257,6 +333,28 @@ class CpuCopier:
                 group_views.append(view.numpy())
             self._stage = (stage, stage.numpy(), columns, group_views)
         return self._stage
+
+    def _span(self) -> Span | None:
+        """The cache's span where this tier's rows fit it (decided once), else None."""
+        span: Span | None = self.span() if self._fits is not False else None
+        if span is not None and self._fits is None:
+            self._fits = span.fits(self.tier.store, self.tier.columns)
+        return span if self._fits else None
+
+    def _staged_span(self, span: Span, rows: np.ndarray, blocks: np.ndarray, out: bool) -> bool:
+        """``_staged`` with one call per side: swap-out gathers every page of the chunk into the
+        staging rows (``Span.gather``) then scatters whole rows; swap-in the reverse.  False
+        (nothing done) where the staging rows lie among the regions (``Span.scatter``)."""
+        stage = self._staging(self.groups())[0]
+        n = len(rows)
+        if out:
+            span.gather(blocks, stage[:n].view(-1, span.page))
+            self.tier.store.numpy()[rows] = stage[:n].numpy()
+            return True
+        if np.may_share_memory(span.pages_np, stage.numpy()):
+            return False
+        torch.index_select(self.tier.store, 0, torch.from_numpy(rows), out=stage[:n])
+        return span.scatter(blocks, stage[:n].view(-1, span.page).numpy())
 
     def _staged(self, groups: list[CpuGroup], rows: np.ndarray, blocks: np.ndarray, out: bool) -> None:
         """Pairs scattered on both sides, through staging rows laid out as tier rows: swap-out
