@@ -49,6 +49,19 @@ BASE = {  # one valid map of each hot kind, every optional field present
         "digests": [b"\x01" * 16],
     },
     "body": {"op": "swap_out", "src": P.pack_ids([1, 2]), "dst": P.pack_ids([3, 4]), "tier": "gpu", "seed": 0},
+    "ack": {
+        "epoch": 3,
+        "op": "resume",
+        "gen": 2,
+        "upto": 9,
+        "freed": 4096,
+        "layout": {"layers": 2, "gpu_blocks": 64},
+        "cpu_kept": True,
+        "stats": {"tasks_ok": 7, "device": "cpu", "copy_seconds": 0.25, "cpu_tier": {"rows": [1, {"k": []}]}},
+        "error": "",
+    },
+    "control": {"epoch": 4, "op": "resume", "gen": 3, "upto": [7, 0], "keep_cpu": False, "layout": {"gpu_blocks": 32}},
+    "hb": {"inflight": 2, "stats": {"tasks_ok": 7, "op": "run", "x": None, "ok": False}, "probe": True},
 }
 
 
@@ -479,10 +492,25 @@ BOUNDARY = [
     {"a": 1},
     {1: 2},
     {"a": {"b": {"c": {}}}},
+    {"a": {"b": {"c": {"d": {}}}}},  # an empty map at the deepest level a map field allows
+    {"a": {"b": {"c": {"d": {"e": 1}}}}},  # one level deeper than that
+    {"a": [[[1]]]},
+    {"n": list(range(bounds.MAX_NEST_ITEMS))},  # one entry over the field's budget (the map's own counts)
+    {"n": list(range(bounds.MAX_NEST_ITEMS - 1))},
+    {"s": "x" * bounds.MAX_STR, "t": "y" * bounds.MAX_STR, "u": "z" * bounds.MAX_STR},  # a large stats map
+    {"i": bounds.MAX_SAFE_INT, "j": -bounds.MAX_SAFE_INT - 1, "f": 1.5, "b": b"\x00"},
     [[[]]],
+    list(range(bounds.LIST_MAX["upto"] + 1)),  # an upto of more ranks than a world may have
     msgpack.ExtType(1, b"x"),
 ]
+_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**54), 2**54), st.floats(), st.text(max_size=4), st.binary(max_size=2)
+)
+nested = st.recursive(
+    _scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+)
 value = st.one_of(
+    nested,
     st.sampled_from(BOUNDARY),
     st.integers(-(2**63), 2**64 - 1),
     st.text(max_size=8),
@@ -492,6 +520,7 @@ value = st.one_of(
 key = st.one_of(
     st.sampled_from(
         ["v", "kind", "seq", "n", "task", "gen", "bytes", "reply_to", "reply_key", "outcome", "src", "tier", "zz"]
+        + ["stats", "layout", "op", "epoch", "inflight", "upto", "keep_cpu"]
     ),
     st.text(max_size=4),
     st.integers(-(2**63), 2**64 - 1),
@@ -519,7 +548,8 @@ def mutated(draw):
         elif how == "repeat" and pairs:
             pairs.insert(draw(st.integers(0, len(pairs))), (draw(st.sampled_from(pairs))[0], draw(value)))
         elif how == "swap_kind":
-            pairs.append(("kind", draw(st.sampled_from(["submit", "task", "done", "result", "body", "hb", "ping"]))))
+            kinds = ["submit", "task", "done", "result", "body", "hb", "ack", "control", "ping"]
+            pairs.append(("kind", draw(st.sampled_from(kinds))))
     frame = raw_map(pairs)
     if draw(st.integers(0, 9)) == 0:  # sometimes a byte changed or cut off
         i = draw(st.integers(0, len(frame) - 1))
@@ -539,11 +569,16 @@ def test_fast_accept_is_slow_accept_and_fast_refuse_is_slow_error(case, where):
             "task": ("task",),
             "result": None,
             "body": ("body",),
+            "ack": ("ready", "hb", "done", "ack"),
+            "hb": ("ready", "hb", "done", "ack"),
+            "control": ("control",),
         }[kind]
         if where
         else None
     )
-    check_agrees(kind, frame, kinds)
+    # on the broker's rank socket, one decoder takes the three hot kinds a rank sends
+    hot = ("done", "ack", "hb") if where and kind in ("done", "ack", "hb") else kind
+    check_agrees(hot, frame, kinds)
 
 
 # --- encoders: a message built and to_wire()-d --------------------------------------------

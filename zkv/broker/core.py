@@ -66,7 +66,7 @@ __all__ = [
 log = logging.getLogger("zkv.broker")
 # the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
 _decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
-_decode_rank_msg = F.decoder("done", ("ready", "hb", "done", "ack"))
+_decode_rank_msg = F.decoder(("done", "ack", "hb"), ("ready", "hb", "done", "ack"))
 _decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
 # the frames that never change, made once
 _REREGISTER = Reregister().to_wire()

@@ -17,13 +17,14 @@ from typing import Any, Callable
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ack, Control, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
+from ..wire.messages import Ack, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
 from ..wire.vocab import ControlOp, RankOutcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
 from .registration import RankPhase, RankRefused, Registration
 
 _decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
+_decode_control = F.decoder("control", ("control",))
 _BROKER_KINDS = ("welcome", "hb", "task", "refused", "reregister", "error")  # what the DEALER brings alone
 
 
@@ -226,7 +227,7 @@ class RankCore:
     def on_control(self, frame: bytes, now: float) -> list[RankAction]:
         """A control message from the broker's PUB socket."""
         try:
-            ctl = P.decode_as(Control, frame)
+            ctl = _decode_control(frame)
         except P.ProtocolError:
             self.counters["bad_control_msgs"] += 1
             return []

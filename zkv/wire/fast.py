@@ -1,5 +1,7 @@
 """The typed fast path of the hot message kinds: ``submit``, ``task``,
-``done``, ``result`` and the task ``body``, the frames every task sends.
+``done``, ``result`` and the task ``body``, the frames every task sends, and
+the pause's ``control`` and every rank's ``ack`` of it, and ``hb`` (an ack
+and a heartbeat carry the rank's ``stats`` map).
 
 Rule 1: it accepts only what :func:`protocol.decode` accepts, and returns the
 message that would (same class, fields, values and types).  msgspec decodes a
@@ -34,7 +36,7 @@ import msgspec
 from . import protocol as P
 from .messages import MESSAGES, Message
 
-HOT_KINDS = ("submit", "task", "done", "result", "body")
+HOT_KINDS = ("submit", "task", "done", "result", "body", "ack", "hb", "control")
 _MAP16 = 0xDE  # a msgpack map of n < 16 entries is the byte 0x80 + n, then its entries; 0xde starts a longer one
 # typing's special forms, built from values at import (so the checker sees Any)
 _Annotated: Any = typing.Annotated
@@ -51,6 +53,31 @@ def _str(name: str) -> Any:
     return _Annotated[str, msgspec.Meta(max_length=P.MAX_STR)]
 
 
+def _nested(depth: int) -> Any:
+    """What ``check_nested`` takes at ``depth`` inside a map / list field (the
+    field itself is depth 0): a scalar, or a container whose entries sit one
+    deeper; at ``MAX_NEST_DEPTH`` a container must be empty.  The entry count
+    over the whole field is ``decoder``'s to check (no type bounds a sum).  No
+    bin: msgspec takes one str-like type per union, so a map holding a bin
+    goes to the slow path (ranks send none)."""
+    text = _Annotated[str, msgspec.Meta(max_length=P.MAX_STR)]
+    scalar: Any = typing.Union[
+        _Annotated[int, msgspec.Meta(ge=-P.MAX_SAFE_INT, le=P.MAX_SAFE_INT)], float, text, bool, None
+    ]
+    if depth >= P.MAX_NEST_DEPTH:
+        empty_list = _Annotated[list[Any], msgspec.Meta(max_length=0)]
+        empty_map = _Annotated[dict[text, Any], msgspec.Meta(max_length=0)]  # type: ignore[valid-type]
+        return typing.Union[scalar, empty_list, empty_map]
+    inner = _nested(depth + 1)
+    return typing.Union[scalar, list[inner], dict[text, inner]]  # type: ignore[valid-type]
+
+
+_MAP_FIELD: Any = dict[_Annotated[str, msgspec.Meta(max_length=P.MAX_STR)], _nested(1)]  # type: ignore[misc]
+
+
+_SOME_WORDS: dict[str, list[tuple[str, frozenset[str]]]] = {}  # kind -> (field, the words it may carry)
+
+
 def _field_type(kind: str, name: str, typ: str) -> Any:
     """The msgspec type that accepts a subset of what ``_check_field`` does."""
     if typ == "uint":
@@ -60,8 +87,10 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
         allowed = P.ENUMS.get((kind, name))
         word = P.WORDS[kind].get(name)
         if word is not None:  # msgspec decodes its member, as protocol.message makes it
-            if allowed is None or tuple(w.value for w in word) != tuple(allowed):
+            if allowed is None or not set(allowed) <= {w.value for w in word}:
                 raise TypeError(f"{kind}.{name}: its enum {word.__name__} is not protocol.ENUMS' words")
+            if len(allowed) < len(word):  # some of the enum's words only: decoder checks the value
+                _SOME_WORDS.setdefault(kind, []).append((name, frozenset(allowed)))
             return word
         return _str(name) if allowed is None else _Literal[allowed]
     if typ == "bool":
@@ -70,6 +99,11 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
         return bytes
     if typ == "ids":  # int32 range, MAX_IDS and whole int32s are task_body's to check, as for the slow path
         return bytes | list[int]
+    if typ == "map":
+        return _MAP_FIELD
+    if (typ, name) == ("list", "upto"):
+        uint = _Annotated[int, msgspec.Meta(ge=0, le=P.MAX_SAFE_INT)]
+        return _Annotated[list[uint], msgspec.Meta(max_length=P.LIST_MAX["upto"])]  # type: ignore[valid-type]
     if (typ, name) == ("list", "digests"):
         digest = _Annotated[bytes, msgspec.Meta(min_length=P.DIGEST_BYTES, max_length=P.DIGEST_BYTES)]
         return _Annotated[list[digest], msgspec.Meta(max_length=P.LIST_MAX["digests"])]  # type: ignore[valid-type]
@@ -108,20 +142,63 @@ class _NoKind(Message, frozen=True, tag="\x00"):
 
 
 TYPES: dict[str, type[Message]] = {kind: wire_type(kind) for kind in HOT_KINDS}
-_TYPED: dict[str, Callable[[bytes], Any]] = {
-    kind: msgspec.msgpack.Decoder(typing.Union[t, _NoKind]).decode for kind, t in TYPES.items()
+_MAP_FIELDS = {
+    kind: tuple(n for n, t in {**P.SCHEMAS[kind][0], **P.SCHEMAS[kind][1]}.items() if t == "map") for kind in HOT_KINDS
 }
+
+
+def _entries(value: Any) -> int:
+    """Entries of a map / list field, nested ones counted (``check_nested``'s budget)."""
+    total, stack = len(value), [value]
+    while stack:
+        v = stack.pop()
+        inner = [x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list]
+        total += sum(map(len, inner))
+        stack += inner
+    return total
+
+
+def _maps_fit(msg: Any, names: tuple[str, ...], frame_bytes: int) -> bool:
+    """The bounds of a map field no type states: its entry count, and a
+    ``stats`` map's encoded size, which its frame's bounds when half of
+    ``MAX_STATS_BYTES`` (re-encoding at most grows a float32 from 5 bytes to 9).
+    False: the slow path decides and names what is wrong."""
+    for name in names:
+        value = getattr(msg, name)
+        if value is None:
+            continue
+        if _entries(value) > P.MAX_NEST_ITEMS or (name == "stats" and 2 * frame_bytes > P.MAX_STATS_BYTES):
+            return False
+    return True
+
+
 Slow = Callable[[bytes, "tuple[str, ...] | None"], Any]
 
 
-def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.decode) -> Callable[[bytes], Any]:
-    """``protocol.decode(frame, expect_kinds)``, through ``hot``'s typed
-    decoder first: one per call site, made once.  ``slow`` decodes what the
-    typed decoder does not take (a test passes one that counts)."""
+def _post_checks(kind: str) -> Callable[[Any, int], bool] | None:
+    """The checks no msgspec type makes, for ``kind``: a map field's entry count
+    and size, a field that carries some of its enum's words only."""
+    maps, words = _MAP_FIELDS[kind], tuple(_SOME_WORDS.get(kind, ()))
+    if not maps and not words:
+        return None
+    return lambda msg, size: _maps_fit(msg, maps, size) and all(getattr(msg, n) in ok for n, ok in words)
+
+
+_CHECKS = {kind: _post_checks(kind) for kind in HOT_KINDS}
+
+
+def decoder(
+    hot: str | tuple[str, ...], expect_kinds: Iterable[str] | None = None, slow: Slow = P.decode
+) -> Callable[[bytes], Any]:
+    """``protocol.decode(frame, expect_kinds)``, through the typed decoder of
+    the ``hot`` kind(s) first: one per call site, made once.  ``slow`` decodes
+    what the typed decoder does not take (a test passes one that counts)."""
     kinds = None if expect_kinds is None else tuple(expect_kinds)
-    if hot not in _TYPED or (kinds is not None and hot not in kinds):
+    hots = (hot,) if isinstance(hot, str) else tuple(hot)
+    if not hots or any(h not in TYPES or (kinds is not None and h not in kinds) for h in hots):
         raise ValueError(f"{hot!r} is not a hot kind of {kinds}")
-    typed, cap = _TYPED[hot], P.MAX_FRAME_BYTES
+    typed = msgspec.msgpack.Decoder(typing.Union[tuple(TYPES[h] for h in hots) + (_NoKind,)]).decode
+    cap, checks = P.MAX_FRAME_BYTES, {h: _CHECKS[h] for h in hots}
 
     def decode(frame: bytes) -> Any:
         if len(frame) <= cap:
@@ -130,11 +207,12 @@ def decoder(hot: str, expect_kinds: Iterable[str] | None = None, slow: Slow = P.
             except Exception:  # noqa: BLE001 - any refusal: the slow path names it
                 pass
             else:
-                if frame[0] < _MAP16:
+                check = checks[msg.kind]
+                if frame[0] < _MAP16 and (check is None or check(msg, len(frame))):
                     return msg
         return slow(frame, kinds)
 
-    decode.__doc__ = f"protocol.decode(frame, {kinds}), {hot} on the typed fast path"
+    decode.__doc__ = f"protocol.decode(frame, {kinds}), {', '.join(hots)} on the typed fast path"
     return decode
 
 
