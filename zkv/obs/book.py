@@ -23,6 +23,9 @@ import collections
 import math
 from typing import Any, Iterable
 
+from ..wire.moves import MOVES
+from ..wire.vocab import Op, Outcome
+
 # Bucket upper bounds (the +Inf bucket is implicit).  Round trips on this
 # machine are ~0.3 ms at p50; a pause drains in ms to seconds.
 RTT_BUCKETS_S = (
@@ -64,8 +67,8 @@ COPY_BUCKETS_S = (
 CONTROL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
 
-OPS = ("swap_out", "swap_in", "fill", "checksum", "spill", "load")
-COPY_OPS = ("swap_out", "swap_in", "spill", "load")  # spill / load: the disk tier's write / read latency
+OPS = tuple(Op)
+COPY_OPS = tuple(MOVES)  # the tier moves; spill / load: the disk tier's write / read latency
 MAX_SERIES = 64
 OTHER = "other"
 
@@ -151,7 +154,7 @@ class TaskSeries:
 
     def __init__(self, outcome: str):
         self.rtt = Histogram(RTT_BUCKETS_S)
-        self.size = Histogram(BYTES_BUCKETS) if outcome == "ok" else None
+        self.size = Histogram(BYTES_BUCKETS) if outcome == Outcome.OK else None
 
 
 class BusBook:
@@ -200,7 +203,7 @@ class BusBook:
         ``seconds`` (pause drain, clear, resume time) for completed ops."""
         key = self.controls.key((op, result))
         self.controls[key] = self.controls.get(key, 0) + 1
-        if result == "ok" and seconds is not None:
+        if result == Outcome.OK and seconds is not None:
             key = self.control_seconds.key((op,))
             h = self.control_seconds.get(key)
             if h is None:
