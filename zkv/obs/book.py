@@ -68,7 +68,8 @@ CONTROL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
 
 OPS = tuple(Op)
-COPY_OPS = tuple(MOVES)  # the tier moves; spill / load: the disk tier's write / read latency
+# the tier moves; spill / load: the disk tier's write / read latency
+COPY_OPS = tuple(move.op for move in MOVES.values())
 MAX_SERIES = 64
 OTHER = "other"
 
@@ -233,8 +234,8 @@ class RankBook:
     (``copy_seconds``, ``bytes_by_op``); booked on the executor thread."""
 
     def __init__(self) -> None:
-        self.copy = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
-        self.bytes_by_op = dict.fromkeys(OPS, 0)
+        self.copy: dict[str, Histogram] = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
+        self.bytes_by_op: dict[str, int] = dict.fromkeys(OPS, 0)
 
     def task_done(self, op: str, seconds: float, nbytes: int) -> None:
         h = self.copy.get(op)

@@ -15,14 +15,16 @@ from typing import Any
 
 from ..wire.vocab import ControlOp, Outcome
 
-OUTCOME_COLOURS = {
+OUTCOME_COLOURS: dict[str, str] = {
     Outcome.OK: "#2b7bba",
     Outcome.FAILED: "#d62728",
     Outcome.CANCELLED: "#ff7f0e",
     Outcome.REJECTED: "#9467bd",
     Outcome.TIMEOUT: "#111111",
 }
-OP_COLOURS = {ControlOp.PAUSE: "#f2c744", ControlOp.CLEAR: "#e8645a", ControlOp.RESUME: "#7cc47c"}
+OP_COLOURS: dict[str, str] = {ControlOp.PAUSE: "#f2c744", ControlOp.CLEAR: "#e8645a", ControlOp.RESUME: "#7cc47c"}
+#: the bus state a control op leaves behind
+AFTER: dict[str, str] = {ControlOp.PAUSE: "paused", ControlOp.CLEAR: "cleared", ControlOp.RESUME: "running"}
 STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
 
 
@@ -66,7 +68,7 @@ class TraceTimeline:
     end: float = 0.0
 
 
-_DURATION = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}
+_DURATION: dict[str, str] = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}
 
 
 def read_timeline(path: str) -> TraceTimeline:
@@ -138,7 +140,7 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     for op, _start, end, ok in sorted(tl.ops, key=lambda o: o[2]):
         if not ok:
             continue
-        new = {ControlOp.PAUSE: "paused", ControlOp.CLEAR: "cleared", ControlOp.RESUME: "running"}[op]
+        new = AFTER[op]
         if state in STATE_COLOURS and end > since:
             ax.axvspan(since, end, color=STATE_COLOURS[state], zorder=0, lw=0)
         state, since = new, end

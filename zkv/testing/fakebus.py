@@ -127,7 +127,8 @@ class FakeBus:
         if outcome == Outcome.TIMEOUT:
             self._running_late[task] = record
         else:
-            copied = {Outcome.OK: len(src), Outcome.FAILED: len(src) // 2}.get(outcome, 0)
+            copies: dict[str, int] = {Outcome.OK: len(src), Outcome.FAILED: len(src) // 2}
+            copied = copies.get(outcome, 0)
             self._copy(record, copied)
             self._finished[task] = TaskOutcome(task, outcome, reason, copied * self.block_bytes)
         if move == "gen":

@@ -46,7 +46,7 @@ from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Out
 OUTCOMES = tuple(o.value for o in Outcome)
 OPS = tuple(o.value for o in Op)
 TIERS = tuple(t.value for t in Tier)
-_PAIRED = tuple(m.value for m in MOVES)  # the tier moves (moves.py): src[i] -> dst[i]
+_PAIRED = tuple(move.op.value for move in MOVES.values())  # the tier moves (moves.py): src[i] -> dst[i]
 DTYPES = tuple(d.value for d in Dtype)
 CONTROL_OPS = tuple(o.value for o in ControlOp)
 _RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
