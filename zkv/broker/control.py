@@ -11,6 +11,7 @@ from typing import Any
 from ..obs.book import BusBook
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ack, Clear, Pause, Resume
+from ..wire.vocab import Outcome
 from .actions import Action, Publish, Record, error, reply
 from .admission import Refusal, check_clear, noop_reply, resume_layout
 from .announce import control_frame, welcome_frame
@@ -246,7 +247,7 @@ class ControlMachine:
         if op.failure is not None:  # every live rank is back where the bus is
             self._answer_failure(op, out)
             return
-        self.book.control_finished(op.op, "ok", now - op.started)
+        self.book.control_finished(op.op, Outcome.OK, now - op.started)
         elapsed_ms = round((now - op.started) * 1000, 3)
         fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen, "cpu_gen": self.gens.cpu_gen}
         self.state = ON_SUCCESS[op.op]

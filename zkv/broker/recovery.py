@@ -12,6 +12,7 @@ from typing import Any
 from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ready
+from ..wire.vocab import Tier
 from .actions import Action, Record, SaveState
 from .control import ControlMachine
 from .generation import Generation
@@ -172,7 +173,7 @@ class Recovery:
         resume allocates a new one).  A disk tier follows it: its blocks belong
         to the same ``cpu_gen`` and the rank drops them itself at a task of
         another one, so ``disk`` in ``kept_tiers`` never keeps a ``cpu_gen``."""
-        kept = "cpu" in (msg.kept_tiers or ()) and msg.cpu_gen is not None
+        kept = Tier.CPU in (msg.kept_tiers or ()) and msg.cpu_gen is not None
         return not (kept and msg.cpu_gen == self.gens.cpu_gen and layout == self.gens.layout)
 
     def _move_gen(self, gen: int, reason: str, now: float, out: list[Action]) -> None:

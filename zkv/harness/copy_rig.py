@@ -16,6 +16,7 @@ from ..rank.cache.regions import EngineCache
 from ..rank.cache.staging import STAGING_BYTES
 from ..rank.cache.store import BlockStore, block_digests
 from ..wire.layout import CacheLayout
+from ..wire.vocab import Dtype, Tier
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Size:
             block_size=self.tokens,
             kv_heads=self.heads,
             head_dim=self.head_dim,
-            dtype="bf16",
+            dtype=Dtype.BF16,
         )
 
 
@@ -100,7 +101,7 @@ class Rig:
         )
 
     def digests(self, tier: str, ids: list[int]) -> list[bytes]:
-        return block_digests(self.cache.views if tier == "gpu" else self.tier.columns, ids)
+        return block_digests(self.cache.views if tier == Tier.GPU else self.tier.columns, ids)
 
     def close(self) -> None:
         self.copier.close()

@@ -25,9 +25,11 @@ from ..client.client import Client
 from ..prefix import PrefixCacheManager
 from ..prefix.cycle import pause_clear_resume
 from ..wire.layout import CacheLayout
+from ..wire.moves import MOVES, TIER_ORDER
+from ..wire.vocab import Op, Outcome, Tier
 from .workload import ChatSpec, ChatWorkload, WorkloadReport, serve_workload
 
-TIERS = ("gpu", "cpu", "disk")
+TIERS = TIER_ORDER
 
 
 def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None], disk_blocks: int = 0) -> bool:
@@ -36,18 +38,18 @@ def round_trip(c: Client, layout: CacheLayout, echo: Callable[[str], None], disk
     rng = random.Random(7)
     gpu_ids = rng.sample(range(layout.gpu_blocks), n)
     cpu_ids = rng.sample(range(layout.cpu_blocks), n)
-    steps = [c.run("fill", None, gpu_ids, tier="gpu", seed=1)]
-    before = c.run("checksum", gpu_ids, tier="gpu")
-    steps += [c.run("swap_out", gpu_ids, cpu_ids), c.run("fill", None, gpu_ids, tier="gpu", seed=2)]
+    steps = [c.run(Op.FILL, None, gpu_ids, tier=Tier.GPU, seed=1)]
+    before = c.run(Op.CHECKSUM, gpu_ids, tier=Tier.GPU)
+    steps += [c.run(Op.SWAP_OUT, gpu_ids, cpu_ids), c.run(Op.FILL, None, gpu_ids, tier=Tier.GPU, seed=2)]
     if disk_blocks:
         disk_ids = rng.sample(range(disk_blocks), n)
         steps += [
-            c.run("spill", cpu_ids, disk_ids),
-            c.run("fill", None, cpu_ids, tier="cpu", seed=3),
-            c.run("load", disk_ids, cpu_ids),
+            c.run(Op.SPILL, cpu_ids, disk_ids),
+            c.run(Op.FILL, None, cpu_ids, tier=Tier.CPU, seed=3),
+            c.run(Op.LOAD, disk_ids, cpu_ids),
         ]
-    steps.append(c.run("swap_in", cpu_ids, gpu_ids))
-    after = c.run("checksum", gpu_ids, tier="gpu")
+    steps.append(c.run(Op.SWAP_IN, cpu_ids, gpu_ids))
+    after = c.run(Op.CHECKSUM, gpu_ids, tier=Tier.GPU)
     same = (
         before.ok
         and after.ok
@@ -97,10 +99,10 @@ def _say_run(report: WorkloadReport, title: str, echo: Callable[[str], None]) ->
         f"{report.checksum_tasks} checksum tasks besides the swaps)"
     )
     echo(f"    hit rate over {st['queried_blocks']} prompt blocks: {_hit_rates(s)}; {s['computed_blocks']} computed")
-    for op in ("swap_out", "swap_in", "spill", "load"):
+    for op in MOVES:
         sw = s["swaps"][op]
         if op.startswith("swap") or st["disk"]["total"]:
-            outcomes = {k: sw[k] for k in ("ok", "failed", "cancelled", "rejected", "timeout") if sw[k]}
+            outcomes = {k.value: sw[k] for k in Outcome if sw[k]}
             echo(
                 f"    {op}: {sw['issued']} tasks, {sw['blocks']} blocks, {_mib(sw['bytes'])} across ranks,"
                 f" outcomes {outcomes or '{}'}"
@@ -117,7 +119,7 @@ def _say_run(report: WorkloadReport, title: str, echo: Callable[[str], None]) ->
         f" {room}"
     )
     problems = []
-    if not all(s["swaps"][op]["issued"] == s["swaps"][op]["ok"] for op in s["swaps"]):
+    if not all(s["swaps"][op]["issued"] == s["swaps"][op][Outcome.OK] for op in s["swaps"]):
         problems.append(f"{title}: a swap, spill or load did not end ok on a healthy cluster")
     if disk["total"] and sum(dropped.values()) and disk["peak_used"] < disk["total"]:
         problems.append(f"{title}: blocks were dropped before the disk tier was full")

@@ -21,6 +21,7 @@ from typing import Callable
 from ..engines.idle_policy import IdlePolicy
 from ..rank.cache.store import block_digests
 from ..testing.models import load_weights, random_llama, random_tokens, set_threads
+from ..wire.vocab import Dtype
 from .engine_rig import EngineRig, hold_ids
 
 
@@ -133,7 +134,7 @@ def probe(rig: EngineRig) -> dict:
 
 
 def run_engine_demo(
-    ranks: int = 2, plan: ChatPlan | None = None, dtype: str = "fp32", echo: Callable[[str], None] = print
+    ranks: int = 2, plan: ChatPlan | None = None, dtype: str = Dtype.FP32, echo: Callable[[str], None] = print
 ) -> bool:
     plan = plan or ChatPlan()
     old_threads = set_threads(1)

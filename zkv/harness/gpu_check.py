@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ..rank.cache.staging import STAGING_BYTES
+from ..wire.vocab import Op, Tier
 from .bench_copy import _paired, _timed
 from .copy_rig import Rig, Size, patterns
 
@@ -68,14 +69,14 @@ def check_round_trip(engine: str, size: Size, dev: torch.device) -> dict[str, An
         rng = random.Random(2)
         src = list(range(4, 24)) + rng.sample(range(24, 64), 30)  # a run and scattered ids
         rows = list(range(50, 70)) + rng.sample(range(50), 30)
-        before = rig.digests("gpu", src)
+        before = rig.digests(Tier.GPU, src)
         rig.out(src, rows)
-        out_ok = rig.digests("cpu", rows) == before
+        out_ok = rig.digests(Tier.CPU, rows) == before
         dst = rng.sample(range(64), len(src))
         for v in rig.cache.views:
             v.zero_()
         rig.into(rows, dst)
-        in_ok = rig.digests("gpu", dst) == before
+        in_ok = rig.digests(Tier.GPU, dst) == before
         return {
             "check": f"{engine} round trip",
             "ok": out_ok and in_ok,
@@ -184,7 +185,7 @@ def bandwidth(engine: str, size: Size, dev: torch.device, reps: int) -> dict[str
             ]
             base_out, t_out, base_in, t_in = _timed(fns, reps, dev)
             row: dict[str, Any] = {}
-            for op, base, ours in (("swap_out", base_out, t_out), ("swap_in", base_in, t_in)):
+            for op, base, ours in ((Op.SWAP_OUT, base_out, t_out), (Op.SWAP_IN, base_in, t_in)):
                 gbps, pinned = nbytes / statistics.median(ours) / 1e9, nbytes / statistics.median(base) / 1e9
                 ratio = _paired(base, ours)
                 row[op] = {
@@ -275,7 +276,7 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
                 continue
             report["bandwidth"].append(r)
             for name in ("contiguous", "scattered"):
-                for op in ("swap_out", "swap_in"):
+                for op in (Op.SWAP_OUT, Op.SWAP_IN):
                     c = r[name][op]
                     say(
                         f"  {engine:9} {size.name:7} {r['regions']:>7} {r['mib']:>5.1f}  {name:10} {op:8}"
@@ -292,7 +293,7 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
             failed += [f"{r['engine']} {r['size']} {name} bytes"] if not r[name]["bytes_ok"] else []
             failed += [
                 f"{r['engine']} {r['size']} {name} {op}"
-                for op in ("swap_out", "swap_in")
+                for op in (Op.SWAP_OUT, Op.SWAP_IN)
                 if r[name][op]["pass"] is False
             ]
     report["failed"] = failed

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from ..wire.vocab import Op
 from .vllm_rig import BusProbe, Chat, ModelShape, start_engine, stop_engine, write_llama, zkv_transfer
 
 SHAPE = ModelShape(layers=4, hidden=256, heads=4, kv_heads=4)
@@ -88,7 +89,7 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
                 f" ({sum(a == b for a, b in zip(after, fresh))}/{len(fresh)} turns identical to recompute"
                 " under the new weights)"
             )
-            ok = ok and clean and moved.get("swap_in", 0) > 0 and moved.get("load", 0) > 0
+            ok = ok and clean and moved.get(Op.SWAP_IN, 0) > 0 and moved.get(Op.LOAD, 0) > 0
             echo("vLLM demo: " + ("all checks hold" if ok else "CHECKS FAILED"))
             return ok
         finally:

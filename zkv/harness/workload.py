@@ -33,6 +33,8 @@ from typing import Any
 from ..prefix.cycle import pause_clear_resume
 from ..prefix.manager import OutOfGpuBlocksError, PrefixCacheManager
 from ..prefix.radix import block_keys
+from ..wire.moves import TIER_ORDER
+from ..wire.vocab import Op, Tier
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ class WorkloadReport:
     def computed_blocks(self) -> int:
         """Prompt blocks the cache had on no tier (the engine computes them)."""
         st = self.manager
-        return st.get("queried_blocks", 0) - sum(st.get(f"{t}_hit_blocks", 0) for t in ("gpu", "cpu", "disk"))
+        return st.get("queried_blocks", 0) - sum(st.get(f"{t}_hit_blocks", 0) for t in TIER_ORDER)
 
     def hit_rates_since_cycle(self) -> tuple[float, float]:
         """GPU and CPU hit rates over the requests after the last cycle."""
@@ -173,7 +175,7 @@ class WorkloadReport:
             "cpu_hit_rate": stats.get("cpu_hit_rate", 0.0),
             "disk_hit_rate": stats.get("disk_hit_rate", 0.0),
             "computed_blocks": self.computed_blocks(),
-            "dropped": {t: stats.get(f"dropped_{t}_blocks", 0) for t in ("gpu", "cpu", "disk")},
+            "dropped": {t: stats.get(f"dropped_{t}_blocks", 0) for t in TIER_ORDER},
             "swaps": swaps,
             "bytes_moved": sum(op.get("bytes", 0) for op in swaps.values()),
             "verified_hit_blocks": self.verified_hit_blocks,
@@ -259,7 +261,7 @@ def _check_manager(manager: PrefixCacheManager) -> str | None:
     except AssertionError as err:
         return f"manager invariant broken: {err}"
     stats = manager.stats()
-    for tier in ("gpu", "cpu", "disk"):
+    for tier in TIER_ORDER:
         usage = stats[tier]
         if usage["free"] + usage["used"] != usage["total"]:
             return f"{tier}: free {usage['free']} + used {usage['used']} != total {usage['total']}"
@@ -291,12 +293,12 @@ def _serve_one(
         full_fresh = fresh.block_ids[: len(keys) - cached.num_blocks]
         if fresh.block_ids:
             report.compute_tasks += 1
-            out = client.run("fill", None, fresh.block_ids, timeout=task_timeout, tier="gpu", seed=number + 1)
+            out = client.run(Op.FILL, None, fresh.block_ids, timeout=task_timeout, tier=Tier.GPU, seed=number + 1)
             if not out.ok:
                 return f"fill of {fresh.num_blocks} blocks ended {out.outcome}: {out.reason}"
         if verify and (cached.block_ids or full_fresh):
             report.checksum_tasks += 1
-            out = client.run("checksum", cached.block_ids + full_fresh, timeout=task_timeout, tier="gpu")
+            out = client.run(Op.CHECKSUM, cached.block_ids + full_fresh, timeout=task_timeout, tier=Tier.GPU)
             if not out.ok:
                 return f"checksum ended {out.outcome}: {out.reason}"
             rows = verifier.per_block(out)
@@ -320,7 +322,7 @@ def _serve_one(
             before = manager.locate(tokens[: len(keys) * bs])
             for offset in range(len(full_fresh)):
                 position = cached.num_blocks + offset
-                if position < len(before) and before[position] == "gpu":
+                if position < len(before) and before[position] == Tier.GPU:
                     continue  # cached elsewhere already: the tree keeps that block (a duplicate)
                 verifier.digests[keys[position]] = rows[position]
         manager.insert(tokens, cached.block_ids + full_fresh, known_keys=cached.keys)

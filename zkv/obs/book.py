@@ -23,6 +23,9 @@ import collections
 import math
 from typing import Any, Iterable
 
+from ..wire.moves import MOVES
+from ..wire.vocab import Op, Outcome
+
 # Bucket upper bounds (the +Inf bucket is implicit).  Round trips on this
 # machine are ~0.3 ms at p50; a pause drains in ms to seconds.
 RTT_BUCKETS_S = (
@@ -64,8 +67,9 @@ COPY_BUCKETS_S = (
 CONTROL_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB, x4
 
-OPS = ("swap_out", "swap_in", "fill", "checksum", "spill", "load")
-COPY_OPS = ("swap_out", "swap_in", "spill", "load")  # spill / load: the disk tier's write / read latency
+OPS = tuple(Op)
+# the tier moves; spill / load: the disk tier's write / read latency
+COPY_OPS = tuple(move.op for move in MOVES.values())
 MAX_SERIES = 64
 OTHER = "other"
 
@@ -151,7 +155,7 @@ class TaskSeries:
 
     def __init__(self, outcome: str):
         self.rtt = Histogram(RTT_BUCKETS_S)
-        self.size = Histogram(BYTES_BUCKETS) if outcome == "ok" else None
+        self.size = Histogram(BYTES_BUCKETS) if outcome == Outcome.OK else None
 
 
 class BusBook:
@@ -200,7 +204,7 @@ class BusBook:
         ``seconds`` (pause drain, clear, resume time) for completed ops."""
         key = self.controls.key((op, result))
         self.controls[key] = self.controls.get(key, 0) + 1
-        if result == "ok" and seconds is not None:
+        if result == Outcome.OK and seconds is not None:
             key = self.control_seconds.key((op,))
             h = self.control_seconds.get(key)
             if h is None:
@@ -230,8 +234,8 @@ class RankBook:
     (``copy_seconds``, ``bytes_by_op``); booked on the executor thread."""
 
     def __init__(self) -> None:
-        self.copy = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
-        self.bytes_by_op = dict.fromkeys(OPS, 0)
+        self.copy: dict[str, Histogram] = {op: Histogram(COPY_BUCKETS_S) for op in COPY_OPS}
+        self.bytes_by_op: dict[str, int] = dict.fromkeys(OPS, 0)
 
     def task_done(self, op: str, seconds: float, nbytes: int) -> None:
         h = self.copy.get(op)

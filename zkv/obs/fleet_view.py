@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ..wire.vocab import Outcome
 from .status_view import table
 
 
@@ -59,7 +60,7 @@ def render_fleet_report(record: dict[str, Any]) -> str:
     body, notes = [], []
     for b in buses:
         rollback = b.get("rollback", "")
-        if rollback in ("ok", "noop"):
+        if rollback in (Outcome.OK, "noop"):
             rollback = f"{rollback} ({_ms(b.get('rollback_ms'))} ms)" if "rollback_ms" in b else rollback
         elif rollback:  # a resume it needed that did not happen: the operator's to look at
             rollback = f"NOT RESUMED ({rollback}" + (f", {_ms(b['rollback_ms'])} ms)" if "rollback_ms" in b else ")")

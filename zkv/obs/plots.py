@@ -13,14 +13,18 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-OUTCOME_COLOURS = {
-    "ok": "#2b7bba",
-    "failed": "#d62728",
-    "cancelled": "#ff7f0e",
-    "rejected": "#9467bd",
-    "timeout": "#111111",
+from ..wire.vocab import ControlOp, Outcome
+
+OUTCOME_COLOURS: dict[str, str] = {
+    Outcome.OK: "#2b7bba",
+    Outcome.FAILED: "#d62728",
+    Outcome.CANCELLED: "#ff7f0e",
+    Outcome.REJECTED: "#9467bd",
+    Outcome.TIMEOUT: "#111111",
 }
-OP_COLOURS = {"pause": "#f2c744", "clear": "#e8645a", "resume": "#7cc47c"}
+OP_COLOURS: dict[str, str] = {ControlOp.PAUSE: "#f2c744", ControlOp.CLEAR: "#e8645a", ControlOp.RESUME: "#7cc47c"}
+#: the bus state a control op leaves behind
+AFTER: dict[str, str] = {ControlOp.PAUSE: "paused", ControlOp.CLEAR: "cleared", ControlOp.RESUME: "running"}
 STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
 
 
@@ -64,7 +68,7 @@ class TraceTimeline:
     end: float = 0.0
 
 
-_DURATION = {"pause": "drain_ms", "clear": "clear_ms", "resume": "resume_ms"}
+_DURATION: dict[str, str] = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}
 
 
 def read_timeline(path: str) -> TraceTimeline:
@@ -136,7 +140,7 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     for op, _start, end, ok in sorted(tl.ops, key=lambda o: o[2]):
         if not ok:
             continue
-        new = {"pause": "paused", "clear": "cleared", "resume": "running"}[op]
+        new = AFTER[op]
         if state in STATE_COLOURS and end > since:
             ax.axvspan(since, end, color=STATE_COLOURS[state], zorder=0, lw=0)
         state, since = new, end
@@ -171,7 +175,7 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     if positive and max(positive) / min(positive) > 50:
         ax.set_yscale("log")
     floor = min(positive) / 2 if positive else 0.001
-    for outcome in sorted({o for _, _, o in tl.tasks}, key=lambda o: (o != "ok", o)):
+    for outcome in sorted({o for _, _, o in tl.tasks}, key=lambda o: (o != Outcome.OK, o)):
         pts = [(s, max(lat * 1000, floor)) for s, lat, o in tl.tasks if o == outcome]
         ax.scatter(
             [p[0] for p in pts],
@@ -196,7 +200,7 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     span = max(tl.end - first, 1e-3)
     ax.set_xlim(max(0.0, first - 0.02 * span), tl.end + 0.02 * span)  # a recording starts when the broker does
     ax.grid(True, axis="y", alpha=0.3)
-    ok_ms = sorted(lat * 1000 for _, lat, o in tl.tasks if o == "ok")
+    ok_ms = sorted(lat * 1000 for _, lat, o in tl.tasks if o == Outcome.OK)
     summary = f"{len(tl.tasks)} tasks" + (
         f", ok p50 {ok_ms[len(ok_ms) // 2]:.2f} ms, p99 {ok_ms[min(len(ok_ms) - 1, int(0.99 * len(ok_ms)))]:.2f} ms"
         if ok_ms

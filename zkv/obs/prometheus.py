@@ -33,6 +33,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from ..wire.vocab import CLIENT_OPS, RANK_OUTCOMES, ControlOp, Outcome, Tier
 from .book import (
     BYTES_BUCKETS,
     CONTROL_BUCKETS_S,
@@ -61,11 +62,20 @@ _BROKER_STALE = {"stale_acks": "ack", "stray_done": "done"}
 # Every label set an alert may watch exists from the first scrape, at 0: a
 # series born at 1 makes ``increase()`` miss the first failure of its kind
 # after a broker start (docs/operations.md, "What to alert on").
-TASK_OUTCOMES = ("ok", "failed", "cancelled", "rejected")
+TASK_OUTCOMES = (Outcome.OK, Outcome.FAILED, Outcome.CANCELLED, Outcome.REJECTED)
 CONTROL_RESULTS = {
-    "pause": ("ok", "noop", "busy", "rank_dead", "pause_timeout"),
-    "clear": ("ok", "noop", "busy", "rank_dead", "clear_timeout", "not_paused"),
-    "resume": ("ok", "noop", "busy", "rank_dead", "resume_timeout", "not_cleared", "bad_field", "alloc_failed"),
+    ControlOp.PAUSE: (Outcome.OK, "noop", "busy", "rank_dead", "pause_timeout"),
+    ControlOp.CLEAR: (Outcome.OK, "noop", "busy", "rank_dead", "clear_timeout", "not_paused"),
+    ControlOp.RESUME: (
+        Outcome.OK,
+        "noop",
+        "busy",
+        "rank_dead",
+        "resume_timeout",
+        "not_cleared",
+        "bad_field",
+        "alloc_failed",
+    ),
 }
 BAD_REQUEST_CODES = (
     "malformed",
@@ -184,7 +194,7 @@ class BusCollector(Collector):
         op = GaugeMetricFamily(
             "zkv_control_pending", "1 while a pause/clear/resume is waiting for the ranks' acks.", labels=["op"]
         )
-        for name in ("pause", "clear", "resume"):
+        for name in CLIENT_OPS:
             op.add_metric([name], 1.0 if pending is not None and pending.op == name else 0.0)
         yield op
 
@@ -232,14 +242,14 @@ class BusCollector(Collector):
             stats = rs.stats if isinstance(rs.stats, dict) else {}
             gpu, cpu = _uint(stats.get("cache_bytes_gpu")), _uint(stats.get("cache_bytes_cpu"))
             if gpu is not None and cpu is not None:
-                cache.add_metric([r, "gpu"], gpu)
-                cache.add_metric([r, "cpu"], cpu)
+                cache.add_metric([r, Tier.GPU], gpu)
+                cache.add_metric([r, Tier.CPU], cpu)
                 if (disk := _uint(stats.get("cache_bytes_disk"))) is not None:
-                    cache.add_metric([r, "disk"], disk)
+                    cache.add_metric([r, Tier.DISK], disk)
                 tiers.add(r, stats)
             elif (all_bytes := _uint(stats.get("cache_bytes"))) is not None:
                 cache.add_metric([r, "all"], all_bytes)
-            for outcome in ("ok", "failed"):
+            for outcome in RANK_OUTCOMES:
                 v = _uint(stats.get(f"tasks_{outcome}"))
                 if v is not None:
                     tasks.add_metric([r, outcome], v)

@@ -17,6 +17,7 @@ from typing import Any, Callable, TextIO
 
 from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
+from ..wire.vocab import Tier
 
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -55,7 +56,7 @@ def _layout_lines(layout: dict[str, Any]) -> list[str]:
     if block_bytes is not None and block_bytes >= 1024:
         per_block += f" ({human_bytes(block_bytes)})"
     rows = []
-    for tier in ("gpu", "cpu"):
+    for tier in (Tier.GPU, Tier.CPU):
         blocks = layout.get(f"{tier}_blocks")
         total = blocks * block_bytes if block_bytes is not None and type(blocks) is int else None
         rows.append([tier, _count(blocks), per_block, human_bytes(total)])
@@ -89,7 +90,7 @@ def _printable(text: Any) -> str:
 def _tier_line(rank: Any, tier: str, got: dict[str, Any]) -> str:
     blocks, used = _count(got.get("blocks")), got.get("used")
     held = f"{_count(used)}/{blocks}" if type(used) is int else blocks
-    if tier == "cpu":
+    if tier == Tier.CPU:
         start = "kept from an earlier process" if got.get("kept") else "fresh"
         where = f"file {_printable(got.get('file'))}" if got.get("file") else "in process memory"
         where += ", digests" if got.get("digests") else ""
@@ -107,7 +108,7 @@ def _tier_lines(ranks: list) -> list[str]:
     out = []
     for r in sorted(ranks, key=lambda r: r.get("rank") if type(r.get("rank")) is int else -1):
         stats = r.get("stats") or {}
-        for tier, key in (("cpu", "cpu_tier"), ("disk", "disk")):
+        for tier, key in ((Tier.CPU, "cpu_tier"), (Tier.DISK, "disk")):
             got = stats.get(key)
             if isinstance(got, dict):
                 out.append(_tier_line(r.get("rank", "?"), tier, got))

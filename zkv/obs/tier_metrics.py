@@ -11,7 +11,10 @@ from typing import Any, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-TIERS = ("cpu", "disk")
+from ..wire.moves import TIER_ORDER
+from ..wire.vocab import Tier
+
+TIERS = TIER_ORDER[1:]  # the tiers below the device
 
 
 def _uint(value: Any) -> int | None:
@@ -49,16 +52,16 @@ class TierFamilies:
 
     def add(self, rank: str, stats: dict[str, Any]) -> None:
         for tier in TIERS:
-            got = stats.get("cpu_tier" if tier == "cpu" else "disk")
+            got = stats.get("cpu_tier" if tier == Tier.CPU else "disk")
             if not isinstance(got, dict):
                 continue
             for family, key in ((self.blocks, "blocks"), (self.used, "used"), (self.failures, "digest_failures")):
                 if (v := _uint(got.get(key))) is not None:
                     family.add_metric([rank, tier], v)
-            kept = got.get("kept") if tier == "cpu" else got.get("reopened")
+            kept = got.get("kept") if tier == Tier.CPU else got.get("reopened")
             if type(kept) is bool or _uint(kept) is not None:
                 self.kept.add_metric([rank, tier], 1.0 if kept else 0.0)
-            if tier == "disk":
+            if tier == Tier.DISK:
                 if type(direct := got.get("direct")) is bool:
                     self.direct.add_metric([rank], 1.0 if direct else 0.0)
                 for io in ("read", "write"):

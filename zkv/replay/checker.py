@@ -11,6 +11,7 @@ from typing import Any
 
 from ..obs.stats import percentiles
 from ..trace import CONTROL_REQUESTS, Trace
+from ..wire.vocab import ControlOp, Outcome
 
 Key = tuple  # (client label, task label) as in the trace
 COUNTERS = ("copies_after_ack",)  # rank stats that must not move
@@ -200,7 +201,7 @@ def _check_outcomes(
         first = seen[0]
         counts[first.outcome] += 1
         lat_all.append(first.latency_ms)
-        if first.outcome == "ok":
+        if first.outcome == Outcome.OK:
             lat_ok.append(first.latency_ms)
         for line, allowed in spec.expects:
             if first.outcome not in allowed:
@@ -222,14 +223,14 @@ def _check_fifo(trace: Trace, obs: Observation, violations: _Violations) -> None
     segment = 0
     first_cancel: dict[tuple[int, str], Any] = {}
     for op in trace.ops:
-        if op.ev == "clear":
+        if op.ev == ControlOp.CLEAR:
             segment += 1
         elif op.ev == "submit" and obs.outcomes.get(op.key):
             spec, outcome = trace.tasks[op.key], obs.outcomes[op.key][0].outcome
             cancelled = first_cancel.get((segment, op.client))
-            if outcome == "cancelled" and cancelled is None:
+            if outcome == Outcome.CANCELLED and cancelled is None:
                 first_cancel[(segment, op.client)] = spec
-            elif outcome in ("ok", "failed") and cancelled is not None:
+            elif outcome in (Outcome.OK, Outcome.FAILED) and cancelled is not None:
                 violations.add(
                     "fifo",
                     [cancelled.line, spec.line],
@@ -242,7 +243,7 @@ def _check_fifo(trace: Trace, obs: Observation, violations: _Violations) -> None
 
 def _check_paused_ranks(trace: Trace, obs: Observation, ranks: list[dict[str, Any]], violations: _Violations) -> None:
     """No rank's work counters moved while the bus was paused."""
-    pause_lines = [op.line for op in trace.ops if op.ev in ("pause", "clear")]
+    pause_lines = [op.line for op in trace.ops if op.ev in (ControlOp.PAUSE, ControlOp.CLEAR)]
     for row in ranks:
         moved = {name: row[name] for name in COUNTERS if row[name] > 0}
         if moved:
@@ -268,10 +269,10 @@ def _control_figures(obs: Observation) -> dict[str, dict[str, Any]]:
         rows = [cr for cr in obs.controls if cr.op == kind]
         if not rows:
             continue
-        bus_field = {"pause": "drain_ms", "clear": "clear_ms", "resume": "resume_ms"}[kind]
+        bus_field = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}[kind]
         per_op[kind] = {
             "results": dict(collections.Counter(cr.result for cr in rows)),
-            "wall_ms": percentiles([cr.wall_ms for cr in rows if cr.result == "ok"]),
+            "wall_ms": percentiles([cr.wall_ms for cr in rows if cr.result == Outcome.OK]),
             bus_field: percentiles([float(cr.fields[bus_field]) for cr in rows if bus_field in cr.fields]),
         }
     return per_op

@@ -16,6 +16,7 @@ from ..client import Client, ResultBook, ZkvError
 from ..net.curve import Curve
 from ..trace import Op, Trace
 from ..wire.messages import Result
+from ..wire.vocab import ControlOp, Outcome
 from .checker import ControlResult, Key, Observation, Observed, Report, check, rank_stats_fresh
 
 
@@ -168,13 +169,13 @@ class Replayer:
         fields: dict[str, Any] = {}
         start = time.perf_counter()
         try:
-            if op.ev == "pause":
+            if op.ev == ControlOp.PAUSE:
                 reply = c.pause(timeout)
-            elif op.ev == "clear":
+            elif op.ev == ControlOp.CLEAR:
                 reply = c.clear(keep_cpu=op.params.get("keep_cpu", False), timeout=timeout)
             else:
                 reply = c.resume(op.params.get("layout"), timeout)
-            result = "noop" if reply.get("noop") else "ok"
+            result = "noop" if reply.get("noop") else Outcome.OK
             reason = reply.get("note", "")
             fields = {
                 k: reply[k]

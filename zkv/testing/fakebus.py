@@ -39,12 +39,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..wire.moves import MOVES
 from ..wire.outcome import TaskOutcome
+from ..wire.vocab import Op, Outcome
 
-SCRIPTABLE_OUTCOMES = ("ok", "failed", "cancelled", "rejected", "timeout", "raise")
+SCRIPTABLE_OUTCOMES = (*Outcome, "raise")
 GEN_MOVES = ("gen", "cpu_gen")
 #: op -> (source tier, destination tier)
-OPS = {"swap_out": ("gpu", "cpu"), "swap_in": ("cpu", "gpu"), "spill": ("cpu", "disk"), "load": ("disk", "cpu")}
+OPS = {op: (move.source, move.dest) for op, move in MOVES.items()}
 #: what a lost generation's memory and a failed load's destination hold: never a block's data
 GARBAGE = ("garbage",)
 
@@ -74,7 +76,7 @@ class FakeBus:
     ranks or sockets: for the real bus use ``zkv.harness``.
     """
 
-    def __init__(self, block_bytes: int = 1, default_outcome: str = "ok", settles: bool = True) -> None:
+    def __init__(self, block_bytes: int = 1, default_outcome: str = Outcome.OK, settles: bool = True) -> None:
         self.gpu: dict[int, object] = {}
         self.cpu: dict[int, object] = {}
         self.disk: dict[int, object] = {}
@@ -115,17 +117,18 @@ class FakeBus:
             raise FakeBusError("bus refused the task")
         task = next(self._task_ids)
         if op not in OPS or len(src) != len(dst) or len(set(dst)) != len(dst):
-            outcome = "rejected"
-        reason = "" if outcome == "ok" else f"scripted {outcome}"
-        lost = sorted({b for b in src if b in self.lost_disk or b not in self.disk}) if op == "load" else []
-        if lost and outcome == "ok":
-            outcome, reason = "failed", f"disk_lost: disk blocks {lost} did not check"
+            outcome = Outcome.REJECTED
+        reason = "" if outcome == Outcome.OK else f"scripted {outcome}"
+        lost = sorted({b for b in src if b in self.lost_disk or b not in self.disk}) if op == Op.LOAD else []
+        if lost and outcome == Outcome.OK:
+            outcome, reason = Outcome.FAILED, f"disk_lost: disk blocks {lost} did not check"
         record = SubmittedTask(task, op, tuple(src), tuple(dst), outcome)
         self.submitted.append(record)
-        if outcome == "timeout":
+        if outcome == Outcome.TIMEOUT:
             self._running_late[task] = record
         else:
-            copied = {"ok": len(src), "failed": len(src) // 2}.get(outcome, 0)
+            copies: dict[str, int] = {Outcome.OK: len(src), Outcome.FAILED: len(src) // 2}
+            copied = copies.get(outcome, 0)
             self._copy(record, copied)
             self._finished[task] = TaskOutcome(task, outcome, reason, copied * self.block_bytes)
         if move == "gen":
@@ -138,8 +141,8 @@ class FakeBus:
         if task in self._finished:
             return self._finished.pop(task)
         if task in self._running_late:
-            return TaskOutcome(task, "timeout", "no result before the deadline")
-        return TaskOutcome(task, "failed", "unknown task")
+            return TaskOutcome(task, Outcome.TIMEOUT, "no result before the deadline")
+        return TaskOutcome(task, Outcome.FAILED, "unknown task")
 
     def poll(self, timeout: float = 0.0) -> list[TaskOutcome]:
         results = list(self._finished.values())
@@ -158,7 +161,7 @@ class FakeBus:
         self._running_late.clear()
         for record in late:
             self._copy(record, len(record.src))
-            self._report_late(record, "ok", "late", len(record.src) * self.block_bytes)
+            self._report_late(record, Outcome.OK, "late", len(record.src) * self.block_bytes)
         return len(late)
 
     def move_gen(self) -> None:
@@ -182,7 +185,7 @@ class FakeBus:
         """The caches were freed: pending copies never happen, contents are gone."""
         if not self.settles:  # the real client never settles a task the clear cut short
             for task in self._running_late:
-                self._finished[task] = TaskOutcome(task, "cancelled", "caches cleared")
+                self._finished[task] = TaskOutcome(task, Outcome.CANCELLED, "caches cleared")
         self._running_late.clear()
         self.gpu.clear()
         self.cpu.clear()
@@ -197,7 +200,7 @@ class FakeBus:
         late = list(self._running_late.values())
         self._running_late.clear()
         for record in late:
-            self._report_late(record, "failed", reason, 0)
+            self._report_late(record, Outcome.FAILED, reason, 0)
 
     def _report_late(self, record: SubmittedTask, outcome: str, reason: str, nbytes: int) -> None:
         if self.settles:
@@ -211,10 +214,10 @@ class FakeBus:
         source_tier, target_tier = OPS[record.op]
         source, target = getattr(self, source_tier), getattr(self, target_tier)
         for src, dst in zip(record.src[:count], record.dst[:count]):
-            target[dst] = GARBAGE if record.op == "load" and src in self.lost_disk else source.get(src)
+            target[dst] = GARBAGE if record.op == Op.LOAD and src in self.lost_disk else source.get(src)
             if target is self.disk:
                 self.lost_disk.discard(dst)  # written anew, with a fresh digest
-        if record.op == "load" and record.outcome == "failed":
+        if record.op == Op.LOAD and record.outcome == Outcome.FAILED:
             for dst in record.dst[count:]:
                 target[dst] = GARBAGE  # a failed load's destination holds undefined bytes
 

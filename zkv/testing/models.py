@@ -40,7 +40,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def random_llama(seed: int, dtype: str = "fp32", config: str = "small") -> transformers.LlamaForCausalLM:
+def random_llama(seed: int, dtype: str = Dtype.FP32, config: str = "small") -> transformers.LlamaForCausalLM:
     cfg = transformers.LlamaConfig(initializer_range=0.2, **CONFIGS[config])
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -51,7 +51,7 @@ def random_llama(seed: int, dtype: str = "fp32", config: str = "small") -> trans
 def load_weights(model: transformers.PreTrainedModel, seed: int, config: str = "small") -> None:
     """Copy the weights of ``random_llama(seed)`` into ``model`` in place (the RL trainer's update)."""
     dtype = next(model.parameters()).dtype
-    other: Any = random_llama(seed, "fp32", config)
+    other: Any = random_llama(seed, Dtype.FP32, config)
     model.load_state_dict(other.to(dtype).state_dict())
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..wire.vocab import Dtype
 from .netns import ClientAgent, Host, Lab, Proc
 
 PORTS = {"frontend": 5555, "backend": 5556, "control": 5557}
@@ -36,7 +37,7 @@ class Bus:
         "--head-dim",
         "16",
         "--dtype",
-        "fp32",
+        Dtype.FP32,
     )
     broker_args: Sequence[str] = ()
     worker_args: Sequence[str] = ()

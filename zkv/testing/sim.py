@@ -19,7 +19,7 @@ from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, To
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import MESSAGES, Control, Error, Message, Reply, Result, Submit
-from zkv.wire.vocab import ControlOp, RankOutcome
+from zkv.wire.vocab import ControlOp, Op, RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
 CLIENT = b"client-A"
@@ -115,7 +115,7 @@ class Sim:
     def start_rank(self, rank: int) -> None:
         self._rank_actions(rank, self.ranks[rank].core.start(self.now))
 
-    def submit(self, op: str = "swap_out", src=(0,), dst=(0,)) -> int:
+    def submit(self, op: str = Op.SWAP_OUT, src=(0,), dst=(0,)) -> int:
         task = self.next_task
         self.next_task += 1
         self.book.add(task, self.now, 30.0)
@@ -168,7 +168,7 @@ class Sim:
                 self._rank_actions(rank, sr.core.on_control(frame, self.now))
         return count
 
-    def finish(self, rank: int, n: int | None = None, outcome: str = "ok") -> int:
+    def finish(self, rank: int, n: int | None = None, outcome: str = RankOutcome.OK) -> int:
         """Complete running tasks on a rank (the simulated executor)."""
         sr = self.ranks[rank]
         count = 0

@@ -9,12 +9,12 @@ import json
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterable
 
-from ..wire import protocol as P
 from ..wire.layout import CacheLayout
+from ..wire.vocab import CLIENT_OPS
 
 FORMAT_VERSION = 1
-#: The control requests a client makes; the protocol's other control op, "run", is the broker's own.
-CONTROL_REQUESTS = tuple(op for op in P.CONTROL_OPS if op != "run")
+#: The control requests a client makes; the protocol's other control op, ``run``, is the broker's own.
+CONTROL_REQUESTS = CLIENT_OPS
 #: Records the replayer acts on, and records that are information only.
 ACTION_EVENTS = ("submit", *CONTROL_REQUESTS)
 INFO_EVENTS = ("outcome", "control", "rank", "note")

@@ -12,6 +12,7 @@ from typing import Any, Iterable, TextIO
 from ..wire import protocol as P
 from ..wire.ids import decode_ids
 from ..wire.layout import CacheLayout
+from ..wire.vocab import ControlOp
 from .format import (
     _CONTROL_KEYS,
     _OUTCOME_KEYS,
@@ -244,13 +245,13 @@ def _control_params(rec: dict, ev: str, line: int, source: str) -> dict[str, Any
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise TraceError(line, f"timeout_ms must be a positive integer, got {v!r}", source)
         params["timeout_ms"] = v
-    if ev == "clear" and rec.get("keep_cpu") is not None:
+    if ev == ControlOp.CLEAR and rec.get("keep_cpu") is not None:
         if not isinstance(rec["keep_cpu"], bool):
             raise TraceError(line, f"keep_cpu must be true or false, got {rec['keep_cpu']!r}", source)
         params["keep_cpu"] = rec["keep_cpu"]
     elif "keep_cpu" in rec:
         raise TraceError(line, f"keep_cpu belongs to clear, not {ev}", source)
-    if ev == "resume" and rec.get("layout") is not None:
+    if ev == ControlOp.RESUME and rec.get("layout") is not None:
         if not isinstance(rec["layout"], dict):
             raise TraceError(line, 'resume layout must be an object like {"gpu_blocks": 128}', source)
         params["layout"] = rec["layout"]

@@ -20,6 +20,7 @@ import msgpack
 from ..wire import protocol as P
 from ..wire.ids import encode_ids
 from ..wire.layout import CacheLayout
+from ..wire.vocab import Op
 from .format import _CONTROL_KEYS, LAYOUT_ENV, _now_iso, header_record
 
 
@@ -33,9 +34,9 @@ def _submit_fields(body: bytes) -> dict[str, Any]:
         fields["src"] = encode_ids(b.src)
     if b.dst:
         fields["dst"] = encode_ids(b.dst)
-    if b.op in ("fill", "checksum"):
+    if b.op in (Op.FILL, Op.CHECKSUM):
         fields["tier"] = b.tier
-    if b.op == "fill":
+    if b.op == Op.FILL:
         fields["seed"] = b.seed
     return fields
 

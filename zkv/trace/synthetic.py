@@ -7,6 +7,7 @@ from typing import Any, Iterator
 
 from ..wire.ids import encode_ids
 from ..wire.layout import CacheLayout
+from ..wire.vocab import ControlOp, Op, Outcome
 from .format import DEFAULT_CONTROL_CLIENT, header_record
 
 SHAPES = ("steady", "bursty", "rl-cycle")
@@ -21,11 +22,11 @@ def _task_fields(rng: random.Random, layout: CacheLayout, i: int, max_blocks: in
         gpu = sorted(rng.sample(range(layout.gpu_blocks), k))
         cpu = sorted(rng.sample(range(layout.cpu_blocks), k))
         written.update(cpu)
-        return {"op": "swap_out", "src": encode_ids(gpu), "dst": encode_ids(cpu)}
+        return {"op": Op.SWAP_OUT, "src": encode_ids(gpu), "dst": encode_ids(cpu)}
     k = min(k, len(written))
     gpu = sorted(rng.sample(range(layout.gpu_blocks), k))
     cpu = sorted(rng.sample(sorted(written), k))
-    return {"op": "swap_in", "src": encode_ids(cpu), "dst": encode_ids(gpu)}
+    return {"op": Op.SWAP_IN, "src": encode_ids(cpu), "dst": encode_ids(gpu)}
 
 
 def generate(
@@ -75,17 +76,19 @@ def generate(
             "client": f"c{c}",
             "task": counters[c],
             # a task that cannot end ok (held then cancelled, or rejected) writes nothing
-            **_task_fields(rng, layout, i // n_clients, max_blocks, written[c] if "ok" in expect else set(written[c])),
+            **_task_fields(
+                rng, layout, i // n_clients, max_blocks, written[c] if Outcome.OK in expect else set(written[c])
+            ),
             "expect": expect,
         }
 
     if shape == "steady":
         for i in range(tasks):
-            yield task(i, i / rate, "ok")
+            yield task(i, i / rate, Outcome.OK)
         return
     if shape == "bursty":
         for i in range(tasks):
-            yield task(i, (i // burst) * gap, "ok")
+            yield task(i, (i // burst) * gap, Outcome.OK)
         return
     # rl-cycle
     dt = 1.0 / rate
@@ -97,24 +100,24 @@ def generate(
     phase_left = 0
     while i < tasks or phase != "running":
         if phase == "running" and running == every and i < tasks:
-            yield {"t": round(t, 6), "ev": "pause", "client": DEFAULT_CONTROL_CLIENT, "expect": "ok"}
+            yield {"t": round(t, 6), "ev": ControlOp.PAUSE, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
             phase, phase_left, running = "paused", held, 0
             continue
         if phase == "paused" and (phase_left == 0 or i >= tasks):
-            yield {"t": round(t, 6), "ev": "clear", "client": DEFAULT_CONTROL_CLIENT, "expect": "ok"}
+            yield {"t": round(t, 6), "ev": ControlOp.CLEAR, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
             phase, phase_left = "cleared", held
             for rows in written:
                 rows.clear()
             continue
         if phase == "cleared" and (phase_left == 0 or i >= tasks):
-            yield {"t": round(t, 6), "ev": "resume", "client": DEFAULT_CONTROL_CLIENT, "expect": "ok"}
+            yield {"t": round(t, 6), "ev": ControlOp.RESUME, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
             phase, phase_start = "running", i
             continue
-        expect: Any = {"running": "ok", "paused": "cancelled", "cleared": "rejected"}[phase]
+        expect: Any = {"running": Outcome.OK, "paused": Outcome.CANCELLED, "cleared": Outcome.REJECTED}[phase]
         if phase == "running" and phase_start + every < tasks:
             # A pause and a clear follow: a task still queued behind the ranks'
             # credits when the pause comes is held, then cancelled by the clear.
-            expect = ["ok", "cancelled"]
+            expect = [Outcome.OK, Outcome.CANCELLED]
         yield task(i, t, expect)
         i += 1
         t += dt

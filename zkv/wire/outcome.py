@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .vocab import Outcome
+
 
 @dataclass
 class TaskOutcome:
@@ -26,7 +28,7 @@ class TaskOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.outcome == "ok"
+        return self.outcome == Outcome.OK
 
     @property
     def ran(self) -> bool | None:
@@ -59,7 +61,7 @@ class RankFold:
 
     def __init__(self, ranks: int | set[int]):
         self.waiting: set[int] = set(range(ranks)) if isinstance(ranks, int) else set(ranks)
-        self.outcome = "ok"
+        self.outcome: str = Outcome.OK
         self.reason = ""
         self.bytes = 0
 
@@ -69,14 +71,14 @@ class RankFold:
             return False
         self.waiting.discard(rank)
         self.bytes += nbytes
-        if outcome != "ok" and self.outcome == "ok":
+        if outcome != Outcome.OK and self.outcome == Outcome.OK:
             self.outcome = outcome
             self.reason = f"rank {rank}: {reason}" if reason else f"rank {rank}: {outcome}"
         return True
 
     def fail(self, outcome: str, reason: str) -> None:
         """Force a non-ok outcome (first one wins), e.g. a rank that died."""
-        if self.outcome == "ok":
+        if self.outcome == Outcome.OK:
             self.outcome = outcome
             self.reason = reason
 

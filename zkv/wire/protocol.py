@@ -37,6 +37,7 @@ from .bounds import (
 )
 from .errors import ZkvError
 from .messages import MESSAGES, Body, Message, wire_fields
+from .moves import MOVES
 from .nested import nested_ok
 from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
@@ -45,7 +46,7 @@ from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Out
 OUTCOMES = tuple(o.value for o in Outcome)
 OPS = tuple(o.value for o in Op)
 TIERS = tuple(t.value for t in Tier)
-_PAIRED = ("swap_out", "swap_in", "spill", "load")  # src[i] -> dst[i]
+_PAIRED = tuple(move.op.value for move in MOVES.values())  # the tier moves (moves.py): src[i] -> dst[i]
 DTYPES = tuple(d.value for d in Dtype)
 CONTROL_OPS = tuple(o.value for o in ControlOp)
 _RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
@@ -363,7 +364,7 @@ class TaskBody:
     op: str
     src: list[int]
     dst: list[int]
-    tier: str = "gpu"
+    tier: str = Tier.GPU.value
     seed: int = 0
 
 
@@ -380,7 +381,7 @@ def task_body(msg: Body) -> TaskBody:
     src = unpack_ids(msg.src or [], "src")
     dst = unpack_ids(msg.dst or [], "dst")
     tier = msg.tier
-    tier = "gpu" if tier is None else tier  # "" is not gpu: only absent / nil is
+    tier = Tier.GPU.value if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
         raise ProtocolError("bad_field", f"tier must be one of {', '.join(TIERS)}, got {shown(tier)}")
     if op in _PAIRED:
@@ -388,11 +389,11 @@ def task_body(msg: Body) -> TaskBody:
             raise ProtocolError("bad_field", f"src has {len(src)} ids but dst has {len(dst)}")
         if not src:
             raise ProtocolError("bad_field", f"{op} needs at least one block")
-    elif op == "fill" and not dst:
+    elif op == Op.FILL and not dst:
         raise ProtocolError("bad_field", "fill needs dst ids")
-    elif op == "checksum" and not src:
+    elif op == Op.CHECKSUM and not src:
         raise ProtocolError("bad_field", "checksum needs src ids")
-    elif op == "checksum" and len(src) > MAX_CHECKSUM_IDS:  # its digests must fit one result frame
+    elif op == Op.CHECKSUM and len(src) > MAX_CHECKSUM_IDS:  # its digests must fit one result frame
         raise ProtocolError("too_large", f"checksum of {len(src)} blocks; at most {MAX_CHECKSUM_IDS} per task")
     return TaskBody(op, src, dst, tier, msg.seed or 0)
 
