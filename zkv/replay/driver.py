@@ -204,7 +204,7 @@ class Replayer:
             except ZkvError as err:
                 self.obs.notes.append(f"status failed: {err.reason}" if st is not None else err.reason)
                 return st, False
-            if rank_stats_fresh(st.fields):
+            if rank_stats_fresh(dict(st.fields)):
                 return st, True
             left = deadline - time.monotonic()
             if left <= 0:
