@@ -16,7 +16,7 @@ import zmq
 from ..net.curve import Curve
 from ..obs.book import RankBook
 from ..wire.errors import ZkvError
-from ..wire.vocab import Outcome
+from ..wire.vocab import RankOutcome
 from .actions import AllocateCache, FreeCache
 from .cache.store import BlockStore
 from .reports import CacheDone, Finished, Report
@@ -115,4 +115,4 @@ class Executor(threading.Thread):
         """The report for work that raised, so the I/O thread's books stay right."""
         if isinstance(item, (FreeCache, AllocateCache)):
             return CacheDone(0, None, reason)
-        return Finished(item.seq, item.n, Outcome.FAILED, 0, item.gen)
+        return Finished(item.seq, item.n, RankOutcome.FAILED, 0, item.gen)

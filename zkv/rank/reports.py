@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from ..wire.vocab import Outcome
+from ..wire.vocab import RankOutcome
 
 
 @dataclass(slots=True)
@@ -18,7 +18,7 @@ class Finished:
 
     seq: int
     n: int
-    outcome: Outcome  # ok or failed
+    outcome: RankOutcome  # ok or failed
     nbytes: int
     gen: int
 
