@@ -62,11 +62,11 @@ def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generatio
             c.start_worker(1)
             st = wait_for(
                 client,
-                lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+                lambda s: s.gen == 1 and s.state == "running" and all(r.alive for r in s.ranks),
                 "the restarted rank",
             )
             print(f"\nrank restart with its CPU tier kept: serving again after {time.monotonic() - started:.2f} s")
-            assert st["cpu_gen"] == 0 and "GPU blocks of generation 0 are gone; CPU blocks kept" in st["gen_reason"]
+            assert st.cpu_gen == 0 and "GPU blocks of generation 0 are gone; CPU blocks kept" in st.gen_reason
 
             back = other.run("swap_in", [10, 12], [4, 5], timeout=10)
             assert back.ok and other.gen == 1 and other.cpu_gen == 0, "gen moved, cpu_gen did not"
@@ -78,10 +78,10 @@ def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generatio
             torn = other.run("swap_in", [11], [6], timeout=10)
             assert torn.outcome == "failed" and "lost_block" in torn.reason and "[11]" in torn.reason
             assert torn.per_rank[0]["outcome"] == "ok", "rank 0's block 11 is intact"
-            st = wait_for(client, lambda s: s["ranks"][1]["stats"]["cpu_tier"]["digest_failures"], "the stats")
-            tier = st["ranks"][1]["stats"]["cpu_tier"]
+            st = wait_for(client, lambda s: s.ranks[1].stats["cpu_tier"]["digest_failures"], "the stats")
+            tier = st.ranks[1].stats["cpu_tier"]
             assert tier["used"] == 2 and tier["kept"] and tier["file"] == str(mine.path)
-            lines = render_status(st).splitlines()
+            lines = render_status(st.as_dict()).splitlines()
             kept = f"rank 1 cpu: 2/64 blocks (32.0 KiB, kept from an earlier process, file {mine.path}, "
             kept += "1 digest failures)"
             assert kept in lines
@@ -146,11 +146,11 @@ def test_an_attached_worker_killed_after_swap_out_maps_its_cpu_tier_again_and_se
             c.start_worker(0)  # attached to the same engine's manifest
             st = wait_for(
                 client,
-                lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+                lambda s: s.gen == 1 and s.state == "running" and all(r.alive for r in s.ranks),
                 "the restarted attached rank",
                 timeout=60,
             )
-            assert st["cpu_gen"] == 0 and "CPU blocks kept" in st["gen_reason"], st["gen_reason"]
+            assert st.cpu_gen == 0 and "CPU blocks kept" in st.gen_reason, st.gen_reason
             back = client.run("swap_in", rows, dst, timeout=10)
             assert back.ok and client.gen == 1 and client.cpu_gen == 0, back.reason
             assert c.engines[0].digest(dst) == before, "the exact bytes"

@@ -68,7 +68,7 @@ def test_authorized_client_and_ranks_swap_over_curve(secured):
     with Client(cluster.endpoints.frontend, curve=me) as c:
         out = c.run("swap_out", [0, 1], [2, 3], timeout=10)
         assert out.ok and set(out.per_rank) == {0, 1}
-        assert c.pause()["state"] == "paused" and c.resume()["state"] == "running"
+        assert c.pause().state == "paused" and c.resume().state == "running"
 
 
 def test_unknown_key_gets_no_service(secured):
@@ -170,7 +170,7 @@ def test_a_plaintext_peer_on_a_fixed_result_address_does_not_poison_it(secured):
         out = c.run("swap_out", [5], [5], timeout=10)
         assert out.ok and set(out.per_rank) == {0, 1}, out
         # the ranks say what they rebuilt (stats travel with the next heartbeat)
-        reconnects = lambda st: sum(r["stats"].get("result_reconnects", 0) for r in st["ranks"])  # noqa: E731
+        reconnects = lambda st: sum(r.stats.get("result_reconnects", 0) for r in st.ranks)  # noqa: E731
         wait_for(c, lambda st: reconnects(st) >= 1, "a rank counting the rebuilt result connection", 10)
     finally:
         c.close()
@@ -196,4 +196,4 @@ def test_a_client_whose_result_bind_fails_keeps_no_hold_on_the_context_s_key_che
     shutil.copytree(authorized, elsewhere)
     other = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(elsewhere))
     with Client(cluster.endpoints.frontend, curve=other) as c:
-        assert c.status(timeout=10)["state"] == "running"
+        assert c.status(timeout=10).state == "running"

@@ -139,7 +139,7 @@ def test_a_client_key_cannot_register_or_listen_to_control(roles):
             assert not sub.poll(1000), "a client key heard the control socket"
             c.resume()
             st = c.status()
-        assert st["counters"].get("registrations") == 1 and [r["alive"] for r in st["ranks"]] == [True]
+        assert st.counters.get("registrations") == 1 and [r.alive for r in st.ranks] == [True]
     finally:
         dealer.close()
         sub.close()

@@ -343,14 +343,14 @@ def test_spill_and_load_round_trip_exact_bytes_and_a_torn_block_fails_naming_it(
         assert client.run("fill", None, [1], tier="disk").outcome == "failed", "fill is not offered on disk"
         disk = disk_stats(client, lambda d: d["digest_failures"] == 1)  # stats travel with heartbeats
         assert disk["used"] == 32 and disk["blocks"] == 1024 and disk["bytes"] >= 1024 * E2E.block_bytes
-        assert "rank 0 disk: 32/1024 blocks" in render_status(client.status()), "zkv status shows the tiers"
+        assert "rank 0 disk: 32/1024 blocks" in render_status(client.status().as_dict()), "zkv status shows the tiers"
 
 
 def disk_stats(client, predicate, timeout: float = 10.0) -> dict:
     """Rank 0's disk stats once ``predicate`` holds (each status call is one bounded round trip)."""
     deadline = time.monotonic() + timeout
     while True:
-        disk = client.status()["ranks"][0]["stats"].get("disk")
+        disk = client.status().ranks[0].stats.get("disk")
         if disk is not None and predicate(disk):
             return disk
         assert time.monotonic() < deadline, disk
@@ -376,15 +376,15 @@ def test_kill_9_in_the_middle_of_spills_loses_no_acked_block_and_serves_no_torn_
         deadline = time.monotonic() + 60
         while True:  # the restarted process registered, serving at the bus's generation
             st = client.status(wait_ranks=1, timeout=30)
-            r = st["ranks"][0]
-            if st["state"] == "running" and r["pid"] == pid and r["alive"] and r["stats"].get("gen") == st["gen"]:
+            r = st.ranks[0]
+            if st.state == "running" and r.pid == pid and r.alive and r.stats.get("gen") == st.gen:
                 break
             assert time.monotonic() < deadline, st
             time.sleep(0.05)
         for o in client.poll(0.0):  # outcomes that arrived after the kill
             if o.ok:
                 acked.append(ids[o.task])
-        assert r["stats"]["disk"]["reopened"] >= len(acked) * per
+        assert r.stats["disk"]["reopened"] >= len(acked) * per
         for i in range(tasks):
             out = client.run("checksum", [base + i * per + r for r in rows], tier="disk")
             if i in acked:
@@ -406,7 +406,7 @@ def test_a_pause_waits_for_the_spills_in_flight(rank_cluster):
         spills = [client.submit("spill", rows, [i * 64 + r for r in rows], timeout=30) for i in range(8)]
         client.pause()
         st = client.status()
-        assert st["inflight"] == 0 and st["ranks"][0]["inflight"] == 0, "the ack came after every spill ended"
+        assert st.inflight == 0 and st.ranks[0].inflight == 0, "the ack came after every spill ended"
         assert all(client.wait(t, timeout=10).ok for t in spills), "dispatched spills finished, none cancelled"
         client.resume()
 
@@ -434,14 +434,14 @@ def test_a_clear_while_a_rank_is_down_drops_its_disk_blocks_and_a_keep_cpu_clear
         before = list(range(8))
         spilled(1, before)
         cluster.kill_worker(1)  # kill -9: its tier file and disk file stay, at the CPU generation of the spill
-        wait_for(client, lambda s: not s["ranks"][1]["alive"], "rank 1 declared dead")
+        wait_for(client, lambda s: not s.ranks[1].alive, "rank 1 declared dead")
         client.pause()
-        assert client.clear()["cpu_gen"] == 1, "a clear without keep_cpu: CPU content gone, on rank 0 only"
+        assert client.clear().cpu_gen == 1, "a clear without keep_cpu: CPU content gone, on rank 0 only"
         client.resume()
         pid = cluster.start_worker(1).pid
         wait_for(
             client,
-            lambda s: s["state"] == "running" and all(r["alive"] for r in s["ranks"]) and s["ranks"][1]["pid"] == pid,
+            lambda s: s.state == "running" and all(r.alive for r in s.ranks) and s.ranks[1].pid == pid,
             "the restarted rank 1",
         )
         old = client.run("load", before, rows)

@@ -195,10 +195,10 @@ def test_a_client_that_went_away_never_blocks_a_rank(cluster, client, tmp_path):
 
     deadline = time.monotonic() + 10
     st = client.status()
-    while (st["inflight"] or st["queued"]) and time.monotonic() < deadline:
+    while (st.inflight or st.queued) and time.monotonic() < deadline:
         client.poll(0.05)
         st = client.status()
-    assert st["inflight"] == 0 and st["queued"] == 0
+    assert st.inflight == 0 and st.queued == 0
 
 
 def test_many_pipelined_tasks_each_get_exactly_one_outcome(client):
@@ -231,7 +231,7 @@ def test_a_rank_that_reregisters_drops_the_tasks_the_broker_already_failed(clust
     assert_still_serving(client)
     deadline = time.monotonic() + 10
     while True:  # rank 1's next heartbeats carry its stats
-        stats = client.status()["ranks"][1]["stats"]
+        stats = client.status().ranks[1].stats
         if stats.get("refused_stale_session", 0) >= 5 or time.monotonic() > deadline:
             break
         client.poll(0.1)

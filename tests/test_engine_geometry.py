@@ -126,7 +126,7 @@ def test_status_and_swap_bytes_report_the_engines_blocks_not_zkvs_defaults(tmp_p
         agent = RankAgent(0, 1, b.endpoints.backend, b.endpoints.control, flat_entries(), 4)
         agent.start(timeout=30)
         try:
-            shown = CacheLayout.from_wire(c.status(timeout=10)["layout"])
+            shown = c.status(timeout=10).layout
             assert (shown.gpu_blocks, shown.cpu_blocks, shown.block_bytes) == (ROWS, 4, PAGE)
             out = c.run("swap_out", [1, 2], [0, 1], timeout=30)
             assert out.ok and out.bytes == 2 * shown.block_bytes == 2 * PAGE
@@ -159,7 +159,7 @@ def test_an_attached_worker_without_layout_options_announces_the_engines_memory(
         thread = threading.Thread(target=worker.serve, daemon=True)
         thread.start()
         try:
-            shown = CacheLayout.from_wire(c.status(timeout=10, wait_ranks=1)["layout"])
+            shown = c.status(timeout=10, wait_ranks=1).layout
             assert (shown.gpu_blocks, shown.cpu_blocks, shown.block_bytes) == (16, 8, ENGINE.block_bytes)
             assert c.run("swap_out", [15], [7], timeout=30).bytes == ENGINE.block_bytes
         finally:

@@ -277,7 +277,6 @@ def test_the_rank_on_the_engine_announces_its_layout_and_refuses_its_scratch_row
     from zkv.engines.transformers import attach
     from zkv.engines.transformers.layout import model_layout
     from zkv.net.endpoints import Endpoints
-    from zkv.wire.layout import CacheLayout
 
     engine = engine_for(llama(0), num_blocks=16)
     layout = engine.layout
@@ -288,7 +287,7 @@ def test_the_rank_on_the_engine_announces_its_layout_and_refuses_its_scratch_row
     agent = attach.start_rank(engine, 0, 1, ep, 8)
     try:
         with Client(ep.frontend) as c:
-            shown = CacheLayout.from_wire(c.status(timeout=10)["layout"])
+            shown = c.status(timeout=10).layout
             assert shown == model_layout(layout, 8) and shown.block_bytes == layout.block_bytes
             assert shown.gpu_blocks == layout.num_blocks and layout.scratch_blocks == 2
             for block in range(layout.scratch_blocks):

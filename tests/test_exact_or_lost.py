@@ -127,9 +127,9 @@ def test_a_fresh_engine_serves_on_a_broker_that_remembers_a_later_generation_and
         again.start_worker(0, ["--adopt-layout"])
         again.wait_ready(timeout=60)
         with again.client() as c:
-            st = wait_for(c, lambda st: st["restate_error"], "the broker's own resume to fail")
-        assert st["state"] == "resuming" and "bad_layout" in st["restate_error"], st
-        assert "zkv pause" in st["restate_error"], st
+            st = wait_for(c, lambda st: st.restate_error, "the broker's own resume to fail")
+        assert st.state == "resuming" and "bad_layout" in st.restate_error, st
+        assert "zkv pause" in st.restate_error, st
         b = ["--broker", again.endpoints.frontend]
         assert cli("pause", *b).returncode == 0
         assert cli("clear", *b).returncode == 0

@@ -67,9 +67,9 @@ def buses(tmp_path_factory):
 def test_a_curve_fleet_from_a_fleet_file_pauses_and_resumes_every_bus(buses):
     fleet_file, _ = buses
     with Fleet.from_file(fleet_file, timeout=10) as fleet:
-        assert fleet.pause().ok and fleet.status()["engine-1"].answer.reply["state"] == "paused"
+        assert fleet.pause().ok and fleet.status()["engine-1"].answer.reply.state == "paused"
         report = fleet.resume()
-        assert report.ok and [b.answer.reply["state"] for b in report.buses] == ["running", "running"]
+        assert report.ok and [b.answer.reply.state for b in report.buses] == ["running", "running"]
 
 
 def test_a_client_key_the_broker_does_not_know_gets_no_answer_within_the_deadline(buses, tmp_path):

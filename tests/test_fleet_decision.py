@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from zkv.client.replies import ControlReply
 from zkv.fleet.decision import OPS, Answer, BusAnswer, FleetOp, Step
 from zkv.fleet.report import FleetError, FleetReport
+from zkv.wire.vocab import ControlOp
 
 ERROR_CODES = ("pause_timeout", "rank_dead", "busy", "not_paused", "clear_timeout", "resume_timeout", "internal")
 
@@ -22,7 +24,9 @@ def answer(kind: Answer, code: str = "", at: float = 1.0, reason: str = "") -> B
     if kind is Answer.ERROR:
         return BusAnswer(kind, at, code or "rank_dead", reason or "rank 1 went silent")
     if kind in (Answer.OK, Answer.NOOP):
-        return BusAnswer(kind, at, reply={"state": "paused", **({"noop": True} if kind is Answer.NOOP else {})})
+        fields = {"state": "paused", **({"noop": True} if kind is Answer.NOOP else {})}
+        reply = ControlReply(1, fields, control=ControlOp.PAUSE, state="paused", noop=kind is Answer.NOOP)
+        return BusAnswer(kind, at, reply=reply)
     return BusAnswer(kind, at, str(kind), f"{kind} within 1 s")
 
 

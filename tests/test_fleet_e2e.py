@@ -44,7 +44,7 @@ def fleet(rig):
 
 def statuses(fleet: Fleet) -> dict[str, str]:
     report = fleet.status(timeout=5)
-    return {b.name: b.answer.reply.get("state", str(b.answer.answer)) for b in report.buses}
+    return {b.name: b.answer.reply.state if b.answer.reply else str(b.answer.answer) for b in report.buses}
 
 
 def in_background(call):
@@ -66,16 +66,16 @@ def in_background(call):
 def test_the_rl_cycle_over_a_fleet_with_a_fleet_record(rig, fleet, tmp_path):
     record = tmp_path / "fleet.jsonl"
     fleet.record = record
-    gens = {b.name: b.answer.reply["gen"] for b in fleet.status().buses}
+    gens = {b.name: b.answer.reply.gen for b in fleet.status().buses}
     assert fleet.pause().ok
     assert statuses(fleet) == dict.fromkeys(NAMES, "paused")
     cleared = fleet.clear(keep_cpu=False)
-    assert all(b.answer.reply["gen"] == gens[b.name] + 1 for b in cleared.buses)
+    assert all(b.answer.reply.gen == gens[b.name] + 1 for b in cleared.buses)
     resumed = fleet.resume(layout={"gpu_blocks": 24})
-    assert all(b.answer.reply["layout"]["gpu_blocks"] == 24 for b in resumed.buses)
+    assert all(b.answer.reply.layout.gpu_blocks == 24 for b in resumed.buses)
     again = fleet.resume(layout={"gpu_blocks": 24})  # idempotent: every bus says it is running
     assert [b.answer.answer for b in again.buses] == [Answer.NOOP] * 3
-    assert {b.answer.reply["note"] for b in again.buses} == {"already running"}
+    assert {b.answer.reply.note for b in again.buses} == {"already running"}
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [(r["ev"], r["op"], r["ok"]) for r in lines] == [
         ("fleet", op, True) for op in ("pause", "clear", "resume", "resume")
@@ -95,7 +95,7 @@ def test_a_rank_killed_during_a_fleet_pause_fails_it_naming_that_bus_and_every_b
     try:
         thread, box = in_background(lambda: fleet.pause(timeout=10))
         with Client(bus.endpoints.frontend) as watcher:
-            wait_for(watcher, lambda st: st["state"] == "pausing", "b0 pausing", timeout=10)
+            wait_for(watcher, lambda st: st.state == "pausing", "b0 pausing", timeout=10)
         bus.kill_worker(1)
         thread.join(15)
         err = box.get("error")
@@ -119,7 +119,7 @@ def test_a_broker_killed_during_a_fleet_clear_is_named_and_a_repeated_clear_comp
     try:
         thread, box = in_background(lambda: fleet.clear(timeout=1.5))
         with Client(bus.endpoints.frontend) as watcher:
-            wait_for(watcher, lambda st: st["state"] == "clearing", "b1 clearing", timeout=10)
+            wait_for(watcher, lambda st: st.state == "clearing", "b1 clearing", timeout=10)
         bus.broker.kill()
         bus.broker.wait(10)
         thread.join(10)
@@ -177,7 +177,7 @@ def test_a_bus_unreachable_from_the_start_is_reported_within_the_deadline(rig, t
                 "silent": "no_reply",
                 "b2": "ok",
             }
-            assert st["b0"].answer.reply["state"] == "running" and st["b2"].answer.reply["state"] == "running"
+            assert st["b0"].answer.reply.state == "running" and st["b2"].answer.reply.state == "running"
     finally:
         silent.close()
 
@@ -191,7 +191,7 @@ def test_a_failed_fleet_resume_is_repaired_by_the_same_call(rig, fleet):
         fleet.resume(layout={"gpu_blocks": 20})  # b1 is paused, not cleared: it cannot change its layout
     report = caught.value.report
     assert report["b1"].answer.code == "not_cleared" and report["b1"].state is None
-    assert report["b0"].state == "running" and report["b2"].answer.reply["layout"]["gpu_blocks"] == 20
+    assert report["b0"].state == "running" and report["b2"].answer.reply.layout.gpu_blocks == 20
     with Client(rig.frontends[1]) as c:
         c.clear(timeout=10)
     retry = fleet.resume(layout={"gpu_blocks": 20})
@@ -268,7 +268,7 @@ def test_a_stopped_broker_bounds_the_whole_fleet_pause_and_its_row_says_not_resu
     assert record["bus"] == rig.frontends[0] and record["state"] == "running"  # resumed by the rollback
     with Client(name, request_timeout=30) as c:  # the stopped bus comes back: leave it running
         c.status(wait_ranks=1, timeout=30)
-        if c.status()["state"] != "running":
+        if c.status().state != "running":
             c.resume(timeout=30)
 
 
@@ -294,7 +294,7 @@ def test_a_fleet_pause_without_every_rank_of_a_bus_exits_1_unless_allowed(rig):
     bus.kill_worker(1)
     try:
         with Client(bus.endpoints.frontend) as c:
-            wait_for(c, lambda st: sum(r["alive"] for r in st["ranks"]) == 1, "rank 1 of b0 declared dead")
+            wait_for(c, lambda st: sum(r.alive for r in st.ranks) == 1, "rank 1 of b0 declared dead")
         out = CliRunner().invoke(main, ["pause", *brokers, "--timeout", "10"])
         assert out.exit_code == 1, out.output
         name = rig.frontends[0]

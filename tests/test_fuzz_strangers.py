@@ -192,7 +192,7 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
     replies = [0]
     start = time.monotonic()
     with cluster.client(request_timeout=30) as genuine:
-        bad_before = genuine.status()["counters"]
+        bad_before = genuine.status().counters
         while sum(sent.values()) < MESSAGES:
             front, back = stranger(cluster.endpoints.frontend), stranger(cluster.endpoints.backend)
             try:
@@ -225,23 +225,23 @@ def test_strangers_fuzz_the_frontend_and_backend_and_a_genuine_client_is_served_
             if not out.ok:
                 st = genuine.status()
                 pytest.fail(
-                    f"genuine task failed after {sent}: {out}; broker counters {st['counters']}; "
-                    f"ranks {[(r['rank'], r['alive'], r['last_seen_ms'], r['stats']) for r in st['ranks']]}"
+                    f"genuine task failed after {sent}: {out}; broker counters {st.counters}; "
+                    f"ranks {[(r.rank, r.alive, r.last_seen_ms, r.stats) for r in st.ranks]}"
                 )
         st = genuine.status()
     elapsed = time.monotonic() - start
-    assert st["state"] == "running" and [r["alive"] for r in st["ranks"]] == [True, True]
+    assert st.state == "running" and [r.alive for r in st.ranks] == [True, True]
     refused = (
-        st["counters"].get("bad_requests", 0)
+        st.counters.get("bad_requests", 0)
         - bad_before.get("bad_requests", 0)
-        + st["counters"].get("bad_rank_msgs", 0)
+        + st.counters.get("bad_rank_msgs", 0)
         - bad_before.get("bad_rank_msgs", 0)
     )
     assert refused > 0.6 * sum(sent.values()), (refused, sent)
     assert replies[0] > 0.6 * sum(sent.values()), (replies, sent)  # each read and decoded under the bounds
     # Every message was handled by the codec, none by the last-resort exception handler.
-    assert st["counters"].get("internal_errors", 0) == 0, st["counters"]
-    assert all(r["stats"].get("internal_errors", 0) == 0 for r in st["ranks"]), [r["stats"] for r in st["ranks"]]
+    assert st.counters.get("internal_errors", 0) == 0, st.counters
+    assert all(r.stats.get("internal_errors", 0) == 0 for r in st.ranks), [r.stats for r in st.ranks]
     print(
         f"\nfuzz: {sum(sent.values())} messages ({sent}) in {elapsed:.1f} s, {refused} refused, "
         f"{replies[0]} replies in bounds, seed {SEED}"

@@ -112,7 +112,7 @@ def test_client_speaks_zkv(cluster: LocalCluster, lang: str, pull: str) -> None:
     status = _fields(lines["status"])
     assert lines["status"].startswith("ok ") and status["state"] == "running", where
     assert status["world"] == str(WORLD) and status["alive"] == str(WORLD), where
-    assert status["gen"] == str(before["gen"]), where
+    assert status["gen"] == str(before.gen), where
     assert lines["ping"] == "ok", where
 
     swap_bytes = 4 * LAYOUT.block_bytes * WORLD  # 4 blocks on each of 2 ranks
@@ -127,7 +127,7 @@ def test_client_speaks_zkv(cluster: LocalCluster, lang: str, pull: str) -> None:
     assert "999 is out of range for the cpu tier" in bad, where
 
     pause, clear, resume = _fields(lines["pause"]), _fields(lines["clear"]), _fields(lines["resume"])
-    epoch, gen = before["epoch"], before["gen"]
+    epoch, gen = before.epoch, before.gen
     assert lines["pause"].startswith("ok ") and pause["state"] == "paused", where
     assert pause["epoch"] == str(epoch + 1) and pause["gen"] == str(gen), where
     assert float(pause["drain_ms"]) >= 0, where
@@ -154,7 +154,7 @@ def test_client_speaks_zkv(cluster: LocalCluster, lang: str, pull: str) -> None:
     # The bus is healthy after a foreign client: running, both ranks alive, no deaths.
     with cluster.client() as py:
         after = py.status()
-    assert after["state"] == "running" and after["gen"] == gen + 2, after
-    assert [r["alive"] for r in after["ranks"]] == [True] * WORLD, after
-    assert after["counters"].get("rank_deaths", 0) == 0, after["counters"]
-    assert after["queued"] == 0 and after["inflight"] == 0, after
+    assert after.state == "running" and after.gen == gen + 2, after
+    assert [r.alive for r in after.ranks] == [True] * WORLD, after
+    assert after.counters.get("rank_deaths", 0) == 0, after.counters
+    assert after.queued == 0 and after.inflight == 0, after

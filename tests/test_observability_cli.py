@@ -108,7 +108,7 @@ def test_up_gives_every_rank_its_tiers_and_status_and_metrics_show_each_tier(bus
         assert client.run("fill", None, [40, 41, 42, 43], tier="cpu", seed=4, timeout=30).ok
         assert client.run("spill", [40, 41, 42, 43], [10, 11, 12, 13], timeout=30).ok
         assert client.run("load", [10, 11], [50, 51], timeout=30).ok
-        direct = client.status()["ranks"][0]["stats"]["disk"]["direct"]
+        direct = client.status().ranks[0].stats["disk"]["direct"]
         slot = disk_io.align_up(BLOCK_BYTES) if direct else BLOCK_BYTES
         for rank, tier in files.items():
             corrupt(tier.path, HEADER_BYTES + 43 * tier.row_bytes)

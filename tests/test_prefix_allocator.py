@@ -148,7 +148,7 @@ def test_a_prefix_manager_on_a_vllm_cache_never_hands_out_the_null_block(tmp_pat
         agent.start(timeout=30)
         assert agent.reserved_blocks == (vllm.NULL_BLOCK,) == (0,)
         with Client(endpoints.frontend) as client:
-            gpu_blocks = client.status(timeout=10)["layout"]["gpu_blocks"]
+            gpu_blocks = client.status(timeout=10).layout.gpu_blocks
             assert gpu_blocks == NB, "the null block counts: ids are the engine's"
             manager = PrefixCacheManager(
                 client, BS, gpu_blocks, CPU_ROWS, swap_timeout=10.0, reserved_gpu_blocks=agent.reserved_blocks

@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 
 from zkv.client.client import ZkvError
+from zkv.client.replies import ControlReply, StatusReply
 from zkv.prefix import CacheClearedError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.testing.fakebus import FakeBus
+from zkv.wire.layout import CacheLayout
+from zkv.wire.vocab import ControlOp
 
 BS = 4
 LAYOUT = {
@@ -38,29 +41,29 @@ class ControlBus(FakeBus):
             self.fail[op] -= 1
             raise ZkvError("no_reply", f"no reply to {op}")
 
-    def pause(self, timeout: float = 30.0) -> dict:
+    def pause(self, timeout: float = 30.0) -> ControlReply:
         self._maybe_fail("pause")
         if self.state == "running":
             self.state = "paused"
-        return {"state": self.state, "drain_ms": 0.1}
+        return ControlReply(1, control=ControlOp.PAUSE, state=self.state, elapsed_ms=0.1)
 
-    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
+    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> ControlReply:
         self._maybe_fail("clear")
         self.state = "cleared"
         super().clear()
-        return {"state": "cleared", "freed": 1}
+        return ControlReply(1, control=ControlOp.CLEAR, state="cleared", freed=1)
 
-    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
+    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> ControlReply:
         self._maybe_fail("resume")
         if layout:
             assert self.state == "cleared"
             self.layout.update(layout)
         self.state = "running"
-        return {"state": "running"}
+        return ControlReply(1, control=ControlOp.RESUME, state="running")
 
-    def status(self, timeout: float | None = None) -> dict:
+    def status(self, timeout: float | None = None) -> StatusReply:
         self._maybe_fail("status")
-        return {"state": self.state, "layout": dict(self.layout)}
+        return StatusReply(1, state=self.state, layout=CacheLayout.from_wire(dict(self.layout)))
 
 
 def setup(quarantine: bool = False) -> tuple[ControlBus, PrefixCacheManager, list[int]]:
@@ -91,7 +94,7 @@ def test_the_cycle_runs_in_design_order_and_serves_the_new_layout():
     info = pause_clear_resume(bus, manager, {"gpu_blocks": 16}, update=lambda: updated.append(manager.cleared))
     assert bus.calls == ["pause", "clear", "resume", "status"]
     assert updated == [True], "weights are updated while the manager is cleared"
-    assert info["quarantine_freed"] == 3 and info["layout"]["gpu_blocks"] == 16
+    assert info["quarantine_freed"] == 3 and info["layout"].gpu_blocks == 16
     assert not manager.cleared and manager.stats()["gpu"]["total"] == 16
     assert manager.match(tokens).num_blocks == 0, "nothing survives a clear"
     assert_consistent(manager)

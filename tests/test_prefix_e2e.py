@@ -162,8 +162,8 @@ def test_a_rank_restart_that_keeps_its_cpu_tier_costs_the_manager_only_its_gpu_e
 
             c.kill_worker(1)  # SIGKILL: its CPU tier file and disk file stay for the next process
             c.start_worker(1)
-            st = wait_for(client, lambda s: s["gen"] == 1 and all(r["alive"] for r in s["ranks"]), "the restart")
-            assert st["cpu_gen"] == 0 and client.gen == 1, "the GPU generation moved alone"
+            st = wait_for(client, lambda s: s.gen == 1 and all(r.alive for r in s.ranks), "the restart")
+            assert st.cpu_gen == 0 and client.gen == 1, "the GPU generation moved alone"
 
             assert manager.match(on_gpu).num_blocks == 0 and manager.locate(on_gpu) == []
             for tokens, tier in ((on_cpu, "cpu"), (on_disk, "disk")):
@@ -189,8 +189,8 @@ def test_pause_clear_resume_in_the_middle_of_a_workload(client):
     held = manager.match(tokens), manager.allocate(3)  # a request in flight across the cycle
     busy = [client.submit("checksum", list(range(8)), None, 10, tier="cpu") for _ in range(8)]  # tasks to drain
     info = pause_clear_resume(client, manager)
-    assert info["pause"]["state"] == "paused" and info["clear"]["state"] == "cleared"
-    assert info["resume"]["state"] == "running" and info["layout"]["gpu_blocks"] == LAYOUT.gpu_blocks
+    assert info["pause"].state == "paused" and info["clear"].state == "cleared"
+    assert info["resume"].state == "running" and info["layout"].gpu_blocks == LAYOUT.gpu_blocks
     assert {client.wait(task, timeout=10).outcome for task in busy} <= {"ok", "cancelled"}
     for lease in held:
         manager.release(lease)  # from before the clear: a no-op
@@ -219,18 +219,18 @@ def test_a_workload_with_a_cycle_that_resumes_on_more_gpu_blocks(client):
             cycle_layout={"gpu_blocks": 48},
         )
         assert report.ok, report.errors
-        assert len(report.cycles) == 1 and report.cycles[0]["layout"]["gpu_blocks"] == 48
+        assert len(report.cycles) == 1 and report.cycles[0]["layout"].gpu_blocks == 48
         assert report.manager["gpu"]["total"] == 48 and report.manager["cpu"]["total"] == LAYOUT.cpu_blocks
         gpu_after, cpu_after = report.hit_rates_since_cycle()
         assert gpu_after > 0, "hits again after the resume"
-        assert client.status()["layout"]["gpu_blocks"] == 48
+        assert client.status().layout.gpu_blocks == 48
         ids = compute(client, manager, prompt(60, 2), seed=9)
         assert max(ids) < 48
         assert_consistent(manager)
     finally:
         drain_and_clear(client, manager)
         resume(client, manager, {"gpu_blocks": LAYOUT.gpu_blocks})
-    assert manager.stats()["gpu"]["total"] == LAYOUT.gpu_blocks and client.status()["layout"] == LAYOUT.to_wire()
+    assert manager.stats()["gpu"]["total"] == LAYOUT.gpu_blocks and client.status().layout == LAYOUT
 
 
 def barrier(client):

@@ -35,7 +35,7 @@ def client(cluster):
         # leave the bus running for the next test
         try:
             st = c.status()
-            if st["state"] != "running":
+            if st.state != "running":
                 c.resume()
         except ZkvError:
             pass
@@ -46,7 +46,7 @@ def rank_stats(client, want_tasks: int | None = None, timeout: float = 10.0) -> 
     until both ranks reported at least that many finished tasks."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = [r["stats"] for r in client.status()["ranks"]]
+        stats = [r.stats for r in client.status().ranks]
         done = [s.get("tasks_ok", 0) + s.get("tasks_failed", 0) for s in stats]
         if want_tasks is None or min(done) >= want_tasks:
             return stats
@@ -63,9 +63,9 @@ def test_1_pause_acks_after_every_inflight_task_and_no_copy_starts_after(client)
     base = sum(s.get("tasks_ok", 0) + s.get("tasks_failed", 0) for s in rank_stats(client)[:1])
     tasks = [big_swap(client, rng) for _ in range(24)]
     reply = client.pause()
-    assert reply["state"] == "paused" and reply["drain_ms"] > 0
+    assert reply.state == "paused" and reply.elapsed_ms > 0
     st = client.status()
-    assert st["inflight"] == 0 and all(r["inflight"] == 0 for r in st["ranks"])
+    assert st.inflight == 0 and all(r.inflight == 0 for r in st.ranks)
     outs = [client.wait(t, timeout=10) for t in tasks]
     assert all(o.ok for o in outs), "every task dispatched before the pause ran to the end"
     stats = rank_stats(client, want_tasks=base + 24)
@@ -78,10 +78,10 @@ def test_3_tasks_submitted_while_paused_are_held_then_run_once_after_resume(clie
     held = [client.submit("swap_out", [i], [i]) for i in range(5)]
     st = client.status()
     deadline = time.monotonic() + 5
-    while st["queued"] < 5 and time.monotonic() < deadline:  # submits are in flight to the broker
+    while st.queued < 5 and time.monotonic() < deadline:  # submits are in flight to the broker
         client.poll(0.01)
         st = client.status()
-    assert st["state"] == "paused" and st["queued"] == 5 and st["inflight"] == 0
+    assert st.state == "paused" and st.queued == 5 and st.inflight == 0
     assert client.poll(0.2) == [], "nothing runs while paused"
     client.resume()
     outs = [client.wait(t, timeout=10) for t in held]
@@ -93,15 +93,15 @@ def test_4_clear_cancels_every_held_task_and_rejects_until_resume(client):
     client.pause()
     held = [client.submit("swap_out", [i], [i]) for i in range(6)]
     reply = client.clear()
-    assert reply["gen"] >= 1 and reply["freed"] > 0
+    assert reply.gen >= 1 and reply.freed > 0
     outs = [client.wait(t, timeout=10) for t in held]
     assert [o.outcome for o in outs] == ["cancelled"] * 6
     late = client.wait(client.submit("swap_out", [0], [0]), timeout=10)
     assert late.outcome == "rejected" and "cleared" in late.reason
-    assert client.status()["state"] == "cleared"
+    assert client.status().state == "cleared"
     resumed = client.resume(layout={"gpu_blocks": 64})
-    assert resumed["state"] == "running"
-    assert client.status()["layout"]["gpu_blocks"] == 64
+    assert resumed.state == "running"
+    assert client.status().layout.gpu_blocks == 64
     bad = client.run("swap_out", [100], [0], timeout=10)
     assert bad.outcome == "failed" and "out of range" in bad.reason, "ranks really use the new layout"
     assert client.run("swap_out", [63], [0], timeout=10).ok
@@ -148,14 +148,14 @@ def test_7_rank_joining_while_paused_learns_it_and_takes_no_tasks(tmp_path):
             t = client.submit("swap_out", [1], [1])
             c.start_worker(1)
             st = client.status(wait_ranks=2, timeout=60)
-            assert st["state"] == "paused"
+            assert st.state == "paused"
             # the late rank acknowledges the pause it learned from its welcome
             deadline = time.monotonic() + 10
-            while not all(r["acked_epoch"] == st["epoch"] for r in st["ranks"]):
-                assert time.monotonic() < deadline, st["ranks"]
+            while not all(r.acked_epoch == st.epoch for r in st.ranks):
+                assert time.monotonic() < deadline, st.ranks
                 client.poll(0.05)
                 st = client.status()
-            assert st["queued"] == 1 and st["inflight"] == 0
+            assert st.queued == 1 and st.inflight == 0
             client.resume()
             assert client.wait(t, timeout=10).ok
     finally:
@@ -174,7 +174,7 @@ def test_9a_rank_that_never_acks_fails_the_pause_naming_it_within_the_timeout(cl
         assert elapsed < 3.0
     finally:
         proc.send_signal(signal.SIGCONT)
-    assert client.status()["state"] == "running"
+    assert client.status().state == "running"
     assert client.run("swap_out", [0], [0], timeout=10).ok
 
 
@@ -194,7 +194,7 @@ def test_9b_rank_killed_during_the_pause_fails_it_naming_the_rank_then_a_restart
     cluster.start_worker(1)
     cluster.wait_ready(timeout=60)
     # its memory is fresh: the bus moved to a new generation, and status tells the client
-    assert "rank 1 restarted with fresh memory" in client.status()["gen_reason"]
+    assert "rank 1 restarted with fresh memory" in client.status().gen_reason
     assert client.run("swap_out", [0], [0], timeout=10).ok
 
 
@@ -229,7 +229,7 @@ def test_10_random_cycles_with_real_processes(client):
             assert err.code in ("not_paused",), err
         collect()
         if i % 100 == 99:  # a verified round trip on a running bus
-            if client.status()["state"] != "running":
+            if client.status().state != "running":
                 client.resume()
             ids = rng.sample(range(LAYOUT.gpu_blocks), 16)
             cpu = rng.sample(range(LAYOUT.cpu_blocks), 16)
@@ -241,7 +241,7 @@ def test_10_random_cycles_with_real_processes(client):
             after = client.run("checksum", ids, tier="gpu")
             assert all(before.per_rank[r]["digests"] == after.per_rank[r]["digests"] for r in (0, 1))
             verified += 1
-    if client.status()["state"] != "running":
+    if client.status().state != "running":
         client.resume()
     deadline = time.monotonic() + 60
     while len(outcomes) < len(submitted) and time.monotonic() < deadline:
@@ -255,7 +255,7 @@ def test_10_random_cycles_with_real_processes(client):
     ran = sum(1 for o in outcomes.values() if o == "ok")
     stats = rank_stats(client, want_tasks=min(base) + ran)  # stats that cover every task that ran
     assert all(s["copies_after_ack"] == 0 for s in stats)
-    assert client.status()["counters"].get("pause_ok", 0) > 100
+    assert client.status().counters.get("pause_ok", 0) > 100
 
 
 def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
@@ -267,12 +267,12 @@ def test_a_restarted_broker_picks_up_the_ranks_and_their_generation(tmp_path):
         with c.client(request_timeout=15) as client:
             client.pause()
             client.clear()
-            assert client.resume()["gen"] == 1
+            assert client.resume().gen == 1
             c.broker.kill()
             c.broker.wait(timeout=10)
             c.start_broker()
             st = client.status(wait_ranks=2, timeout=30)  # the ranks notice the silence and register again
-            assert st["gen"] == 1 and st["state"] == "running"
+            assert st.gen == 1 and st.state == "running"
             out = client.run("swap_out", [0, 1], [2, 3], timeout=10)
             assert out.ok, "results of generation 1 are not ignored by a client that saw the clear"
     finally:
@@ -289,11 +289,11 @@ def test_11_a_clear_on_another_connection_cancels_only_the_tasks_of_the_old_gene
         client.pause()
         held = [engine.submit("swap_out", [i], [i], timeout=10) for i in range(4)]  # queued at the broker
         deadline = time.monotonic() + 5
-        while client.status()["queued"] < 4:  # the engine's submits are on another connection
+        while client.status().queued < 4:  # the engine's submits are on another connection
             assert time.monotonic() < deadline, "the engine's submits never reached the broker"
             engine.poll(0.01)
-        assert client.clear()["cancelled"] == 4
-        new = client.resume()["gen"]
+        assert client.clear().cancelled == 4
+        new = client.resume().gen
         assert new > old
         after = [engine.submit("swap_out", [i], [i + 1], timeout=10) for i in range(20)]  # pipelined
         outs = [engine.wait(t, timeout=10) for t in held + after]
@@ -312,7 +312,7 @@ def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_sam
     proc.send_signal(signal.SIGSTOP)  # it cannot ack: the resume stays in progress
     try:
         first = client.send_request("resume", layout={"gpu_blocks": 64}, timeout_ms=10_000)
-        assert client.status()["pending_op"] == "resume"  # same connection: read after the resume began
+        assert client.status().pending_op == "resume"  # same connection: read after the resume began
         with cluster.client(request_timeout=15) as other:
             with pytest.raises(ZkvError) as err:
                 other.resume(layout={"gpu_blocks": 32}, timeout=5)
@@ -323,16 +323,16 @@ def test_a_resume_to_another_layout_is_busy_while_one_is_in_progress_and_the_sam
         reply = client.await_reply(first, timeout=10)
     finally:
         proc.send_signal(signal.SIGCONT)
-    assert reply["layout"]["gpu_blocks"] == joined["layout"]["gpu_blocks"] == 64
-    assert client.status()["layout"]["gpu_blocks"] == 64
+    assert reply.layout.gpu_blocks == joined.layout.gpu_blocks == 64
+    assert client.status().layout.gpu_blocks == 64
     client.pause()  # back to the module's layout for the next test
     client.clear()
-    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["layout"] == LAYOUT.to_wire()
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks}).layout == LAYOUT
 
 
 def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_never_runs(cluster, client):
     client.pause()
-    dispatched = client.status()["counters"].get("dispatched", 0)
+    dispatched = client.status().counters.get("dispatched", 0)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(cluster.endpoints.frontend)
@@ -349,10 +349,10 @@ def test_a_queued_task_past_its_submit_timeout_ends_timeout_while_paused_and_nev
     assert out.kind == "outcome" and out.task == 1 and out.outcome == "timeout" and "never dispatched" in out.reason
     assert 0.29 <= elapsed < 2.0, f"ended after {elapsed:.3f} s, its timeout_ms was 300"
     st = client.status()
-    assert st["state"] == "paused" and st["queued"] == 0
+    assert st.state == "paused" and st.queued == 0
     client.resume()
     assert client.run("swap_out", [0], [0], timeout=10).ok
-    assert client.status()["counters"]["dispatched"] == dispatched + 1, "the expired task was dispatched"
+    assert client.status().counters["dispatched"] == dispatched + 1, "the expired task was dispatched"
 
 
 def test_a_caller_s_timeout_is_the_task_s_deadline_the_cli_says_it_never_ran_and_resume_does_not_run_it(
@@ -363,7 +363,7 @@ def test_a_caller_s_timeout_is_the_task_s_deadline_the_cli_says_it_never_ran_and
     run = CliRunner()
     assert client.run("fill", dst=[5], tier="gpu", seed=1, timeout=10).ok
     before = client.run("checksum", src=[5], tier="gpu", timeout=10).per_rank
-    dispatched = client.status()["counters"]["dispatched"]
+    dispatched = client.status().counters["dispatched"]
     assert run.invoke(main, ["pause"], env=env).exit_code == 0
     t0 = time.monotonic()
     gave_up = run.invoke(
@@ -372,26 +372,26 @@ def test_a_caller_s_timeout_is_the_task_s_deadline_the_cli_says_it_never_ran_and
     elapsed = time.monotonic() - t0
     assert gave_up.exit_code == 1 and "timeout" in gave_up.stdout and "it never ran" in gave_up.stdout, gave_up.output
     assert 1.0 <= elapsed < 5.0, f"the CLI gave up after {elapsed:.2f} s"
-    assert client.status()["queued"] == 0, "the task the caller gave up on is still queued"
+    assert client.status().queued == 0, "the task the caller gave up on is still queued"
     assert run.invoke(main, ["resume"], env=env).exit_code == 0
     after = client.run("checksum", src=[5], tier="gpu", timeout=10).per_rank
     assert [after[r]["digests"] for r in (0, 1)] == [before[r]["digests"] for r in (0, 1)], "the fill ran after all"
-    assert client.status()["counters"]["dispatched"] == dispatched + 1, "only the checksum was dispatched"
+    assert client.status().counters["dispatched"] == dispatched + 1, "only the checksum was dispatched"
 
 
 def test_client_cancel_ends_a_queued_task_and_is_too_late_for_a_running_one(client):
     client.pause()
     task = client.submit("fill", dst=[6], tier="gpu", seed=3, timeout=10)
     answer = client.cancel(task)
-    assert answer["cancelled"] is True and answer["state"] == "queued"
+    assert answer.cancelled is True and answer.state == "queued"
     out = client.wait(task, timeout=0)  # filed before cancel returned
     assert out.outcome == "cancelled" and out.ran is False and "by its client" in out.reason
-    assert client.cancel(task)["state"] == "done"
+    assert client.cancel(task).state == "done"
     client.resume()
     running = client.submit("checksum", src=[6], tier="gpu", timeout=10)
     assert client.wait(running).ok  # the ranks ran it: its cancel comes too late
     late = client.cancel(running)
-    assert late["cancelled"] is False and late["state"] in ("dispatched", "done")  # the broker's fold may lag
+    assert late.cancelled is False and late.state in ("dispatched", "done")  # the broker's fold may lag
 
 
 def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops_it(cluster, client, capfd):
@@ -401,26 +401,26 @@ def test_a_resume_no_rank_can_allocate_backs_off_logs_one_line_and_a_pause_stops
     the rank logs one line per failure, and zkv pause, clear, resume gets out."""
     for r in (0, 1):
         cluster.kill_worker(r)
-    wait_for(client, lambda st: not any(r["alive"] for r in st["ranks"]), "ranks declared dead")
+    wait_for(client, lambda st: not any(r.alive for r in st.ranks), "ranks declared dead")
     client.pause()
     client.clear()
-    assert client.resume(layout={"gpu_blocks": 2**31 - 1})["ranks_acked"] == 0
+    assert client.resume(layout={"gpu_blocks": 2**31 - 1}).ranks_acked == 0
     cluster.quiet = False  # the restarted ranks log to this test's stderr
     try:
         for r in (0, 1):
             cluster.start_worker(r, ["--adopt-layout"])  # the bus's layout, not their flags'
     finally:
         cluster.quiet = True
-    st = wait_for(client, lambda st: st["restate_failures"] >= 2, "the broker's own resume failed twice", 60)
-    assert "alloc_failed" in st["restate_error"] and "zkv pause" in st["restate_error"]
+    st = wait_for(client, lambda st: st.restate_failures >= 2, "the broker's own resume failed twice", 60)
+    assert "alloc_failed" in st.restate_error and "zkv pause" in st.restate_error
     t0 = time.monotonic()
     st = wait_for(client, lambda st: time.monotonic() - t0 >= 3.0, "three more seconds")
-    assert st["restate_failures"] <= 7, f"{st['restate_failures']} tries: not backed off"
-    assert st["state"] == "resuming"
-    assert client.pause(timeout=5)["state"] == "paused"
-    assert client.status()["restate_retry_in_s"] is None, "a retry is still due behind the pause"
+    assert st.restate_failures <= 7, f"{st['restate_failures']} tries: not backed off"
+    assert st.state == "resuming"
+    assert client.pause(timeout=5).state == "paused"
+    assert client.status().restate_retry_in_s is None, "a retry is still due behind the pause"
     client.clear()
-    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks})["state"] == "running"
+    assert client.resume(layout={"gpu_blocks": LAYOUT.gpu_blocks}).state == "running"
     assert client.run("fill", dst=[0], tier="gpu", timeout=10).ok
     err = capfd.readouterr().err
     assert "AllocateCache failed" in err and "Traceback" not in err, err[-3000:]

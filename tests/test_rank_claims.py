@@ -82,9 +82,9 @@ def test_a_second_worker_with_a_live_rank_number_is_refused_and_nothing_moves():
             assert f"rank 1 is served by a live process (pid {live_pid} on " in dup.stderr
             assert "Traceback" not in dup.stderr
             after = c.status()
-            assert after["gen"] == before["gen"] and after["counters"].get("rank_deaths", 0) == 0
-            assert [r["pid"] for r in after["ranks"]] == [r["pid"] for r in before["ranks"]]
-            assert after["counters"]["duplicate_ranks_refused"] == 1
+            assert after.gen == before.gen and after.counters.get("rank_deaths", 0) == 0
+            assert [r.pid for r in after.ranks] == [r.pid for r in before.ranks]
+            assert after.counters["duplicate_ranks_refused"] == 1
             assert c.run("swap_out", [1], [1], timeout=10).ok
     finally:
         cluster.stop()

@@ -78,7 +78,7 @@ def test_a_standby_worker_takes_over_a_killed_one_and_serves_its_cpu_and_disk_bl
         assert c.run("checksum", [4, 5, 6], tier="gpu", timeout=30).per_rank[0]["digests"] == want
         assert c.run("checksum", [0, 1, 2], tier="disk", timeout=30).per_rank[0]["digests"] == want
         st = c.status()
-        assert "CPU blocks kept" in st["gen_reason"] and st["ranks"][0]["pid"] == proc.pid
+        assert "CPU blocks kept" in st.gen_reason and st.ranks[0].pid == proc.pid
         assert [t.rank for t in list_tiers(str(tmp_path / "tiers")) if t.owned] == [0], "the standby holds the tier"
     finally:
         bus.close()

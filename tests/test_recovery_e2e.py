@@ -16,6 +16,7 @@ import pytest
 from waits import wait_for
 
 from zkv import ZkvError
+from zkv.client import StatusReply
 from zkv.harness.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
@@ -58,29 +59,29 @@ def cache_bytes(layout: CacheLayout) -> int:
     return (layout.gpu_blocks + layout.cpu_blocks) * layout.block_bytes
 
 
-def no_internal_errors(st: dict) -> bool:
-    return st["counters"].get("internal_errors", 0) == 0
+def no_internal_errors(st: StatusReply) -> bool:
+    return st.counters.get("internal_errors", 0) == 0
 
 
 def test_1_pause_and_clear_before_any_rank_registered_are_answered_and_stay_true(cluster):
     cluster.start_broker()
     with cluster.client(request_timeout=10) as client:
         paused = client.pause(timeout=5)
-        assert paused["state"] == "paused" and paused["ranks_acked"] == 0
+        assert paused.state == "paused" and paused.ranks_acked == 0
         cleared = client.clear(timeout=5)  # used to raise AttributeError in the broker: no reply at all
-        assert cleared["state"] == "cleared" and cleared["cancelled"] == 0
+        assert cleared.state == "cleared" and cleared.cancelled == 0
         for rank in range(2):
             cluster.start_worker(rank)
         st = client.status(wait_ranks=2, timeout=60)
-        assert st["state"] == "cleared" and no_internal_errors(st)
+        assert st.state == "cleared" and no_internal_errors(st)
         # the ranks joined a cleared bus: they free their caches (cleared stays cleared)
         wait_for(
             client,
-            lambda s: all(r["stats"].get("op") == "clear" and r["stats"].get("cache_bytes") == 0 for r in s["ranks"]),
+            lambda s: all(r.stats.get("op") == "clear" and r.stats.get("cache_bytes") == 0 for r in s.ranks),
             "ranks to free their caches",
         )
         assert client.submit_raw(b"") and client.poll(5)[0].outcome == "rejected"
-        assert client.resume(timeout=10)["state"] == "running"
+        assert client.resume(timeout=10).state == "running"
         assert client.run("fill", None, [0, 1], tier="gpu", seed=3, timeout=10).ok
 
 
@@ -95,25 +96,24 @@ def test_2_a_failed_resume_with_a_new_layout_rolls_back_and_no_rank_keeps_it(clu
                 client.resume(layout={"gpu_blocks": 16}, timeout=8)
             assert err.value.code == "rank_dead" and "cleared again" in err.value.reason
             st = client.status()
-            assert st["state"] == "cleared" and st["layout"] == LAYOUT.to_wire()
+            assert st.state == "cleared" and st.layout == LAYOUT
         finally:
             cluster.workers[1].send_signal(signal.SIGCONT)
         client.status(wait_ranks=2, timeout=30)  # rank 1 probes, is told to re-register
         reply = client.resume(timeout=10)
-        assert reply["layout"] == LAYOUT.to_wire()
+        assert reply.layout == LAYOUT
         # both ranks hold exactly the broker's layout (rank 0 had allocated the new one)
         st = wait_for(
             client,
             lambda s: (
-                len(s["ranks"]) == 2
+                len(s.ranks) == 2
                 and all(
-                    r["stats"].get("cache_bytes") == cache_bytes(LAYOUT) and r["stats"].get("op") == "resume"
-                    for r in s["ranks"]
+                    r.stats.get("cache_bytes") == cache_bytes(LAYOUT) and r.stats.get("op") == "resume" for r in s.ranks
                 )
             ),
             "both ranks on the broker's layout",
         )
-        assert st["layout"] == LAYOUT.to_wire() and no_internal_errors(st)
+        assert st.layout == LAYOUT and no_internal_errors(st)
         blocks = [0, 5, 31]  # block 31 exists only in the old (the broker's) layout
         assert client.run("fill", None, blocks, tier="gpu", seed=7, timeout=10).ok
         before = client.run("checksum", blocks, tier="gpu", timeout=10)
@@ -121,8 +121,8 @@ def test_2_a_failed_resume_with_a_new_layout_rolls_back_and_no_rank_keeps_it(clu
         # after a broker restart the layout and the blocks are the same
         restart_broker(cluster)
         st = client.status(wait_ranks=2, timeout=30)
-        assert st["layout"] == LAYOUT.to_wire()
-        wait_for(client, lambda s: s["state"] == "running", "running")
+        assert st.layout == LAYOUT
+        wait_for(client, lambda s: s.state == "running", "running")
         after = client.run("checksum", blocks, tier="gpu", timeout=10)
         assert after.ok and all(after.per_rank[r]["digests"] == before.per_rank[r]["digests"] for r in (0, 1))
 
@@ -148,14 +148,14 @@ def test_3_broker_and_rank_0_killed_while_rank_1_is_frozen_converge_on_one_new_g
         st = wait_for(
             client,
             lambda s: (
-                s["state"] == "running"
-                and len(s["ranks"]) == 2
-                and all(r["alive"] for r in s["ranks"])
-                and all(r["stats"].get("gen") == s["gen"] for r in s["ranks"])
+                s.state == "running"
+                and len(s.ranks) == 2
+                and all(r.alive for r in s.ranks)
+                and all(r.stats.get("gen") == s.gen for r in s.ranks)
             ),
             "one generation on both ranks",
         )
-        assert st["gen"] == 3 and "rank 0" in st["gen_reason"] and "fresh memory" in st["gen_reason"]
+        assert st.gen == 3 and "rank 0" in st.gen_reason and "fresh memory" in st.gen_reason
         assert client.gen == 3, "status told the client"
         out = client.run("checksum", [1, 2], tier="gpu", timeout=10)
         assert out.ok, f"tasks run at one generation on every rank: {out.reason}"
@@ -168,15 +168,15 @@ def test_4_a_broker_restart_keeps_a_paused_bus_paused(cluster):
         client.pause()
         restart_broker(cluster)
         st = client.status(wait_ranks=2, timeout=30)
-        assert st["state"] == "paused"
+        assert st.state == "paused"
         held = client.submit("swap_out", [0], [0], timeout=20)
         assert client.poll(0.5) == [], "nothing runs on a paused bus"
-        st = wait_for(client, lambda s: all(r["stats"].get("op") == "pause" for r in s["ranks"]), "ranks paused")
-        assert all(r["stats"]["copies_after_ack"] == 0 for r in st["ranks"]) and st["queued"] == 1
+        st = wait_for(client, lambda s: all(r.stats.get("op") == "pause" for r in s.ranks), "ranks paused")
+        assert all(r.stats["copies_after_ack"] == 0 for r in st.ranks) and st.queued == 1
         cleared = client.clear()  # used to fail with not_paused: the restart had un-paused the bus
-        assert cleared["cancelled"] == 1
+        assert cleared.cancelled == 1
         assert client.wait(held).outcome == "cancelled"
-        assert client.resume()["state"] == "running"
+        assert client.resume().state == "running"
         assert client.run("swap_out", [0], [0], timeout=10).ok
 
 
@@ -191,10 +191,10 @@ def test_5_a_rank_restarted_with_fresh_memory_moves_the_bus_to_a_generation_ever
         cluster.start_worker(1)
         st = wait_for(
             client,
-            lambda s: s["gen"] == 1 and s["state"] == "running" and all(r["alive"] for r in s["ranks"]),
+            lambda s: s.gen == 1 and s.state == "running" and all(r.alive for r in s.ranks),
             "the new generation",
         )
-        assert "rank 1" in st["gen_reason"] and "fresh memory" in st["gen_reason"]
+        assert "rank 1" in st.gen_reason and "fresh memory" in st.gen_reason
         # a client that did not ask for status learns it from its next result; that task ran
         # at the new generation, so it ends with what it found there (docs/protocol.md §8.2)
         out = other.run("checksum", blocks, tier="gpu", timeout=10)
@@ -210,13 +210,13 @@ def test_6_clear_keep_cpu_keeps_the_cpu_tier_bit_for_bit_and_says_when_it_cannot
         client.pause()
         client.clear(keep_cpu=True)
         reply = client.resume()
-        assert reply["cpu_kept"] is True
+        assert reply.cpu_kept is True
         after = client.run("checksum", blocks, tier="cpu", timeout=10)
         assert after.ok and all(after.per_rank[r]["digests"] == before.per_rank[r]["digests"] for r in (0, 1))
         client.pause()
         client.clear(keep_cpu=True)
         reply = client.resume(layout={"cpu_blocks": 32})
-        assert reply["cpu_kept"] is False and "could not be kept" in reply["note"]
+        assert reply.cpu_kept is False and "could not be kept" in reply.note
         client.pause()
         client.clear()
         client.resume(layout={"cpu_blocks": LAYOUT.cpu_blocks})  # as found
@@ -234,9 +234,9 @@ def test_7_a_failed_allocation_fails_the_resume_naming_the_rank_and_the_rank_sta
         assert err.value.code == "alloc_failed" and "could not allocate" in err.value.reason
         assert "rank " in err.value.reason and "cleared again" in err.value.reason
         st = client.status()
-        assert st["state"] == "cleared" and st["layout"] == LAYOUT.to_wire()
+        assert st.state == "cleared" and st.layout == LAYOUT
         reply = client.resume(timeout=10)  # used to time out for good: the executor thread had died
-        assert reply["state"] == "running" and reply["layout"] == LAYOUT.to_wire()
+        assert reply.state == "running" and reply.layout == LAYOUT
         assert client.run("fill", None, [0, 1], tier="gpu", seed=1, timeout=10).ok
         st = client.status()
-        assert no_internal_errors(st) and st["counters"].get("alloc_failed", 0) >= 1
+        assert no_internal_errors(st) and st.counters.get("alloc_failed", 0) >= 1

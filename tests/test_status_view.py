@@ -46,9 +46,9 @@ def test_table_from_a_real_cluster_alive_paused_and_dead():
             assert client.run("swap_out", [i], [i], timeout=30).ok
         client.pause(timeout=30)  # the acks bring every rank's fresh stats
         paused = client.status(timeout=10)
-        text = render_status(paused)
+        text = render_status(paused.as_dict())
         assert text.splitlines()[0].startswith("bus PAUSED")
-        assert f"epoch {paused['epoch']}" in text and f"generation {paused['gen']}" in text
+        assert f"epoch {paused.epoch}" in text and f"generation {paused.gen}" in text
         for rank in (0, 1):
             row = rank_row(text, rank)
             assert row[1] == "yes"
@@ -63,12 +63,12 @@ def test_table_from_a_real_cluster_alive_paused_and_dead():
         with pytest.raises(ZkvError) as err:
             client.pause(timeout=20)  # fails when the broker declares rank 1 dead
         assert err.value.code == "rank_dead"
-        text = render_status(client.status(timeout=10))
+        text = render_status(client.status(timeout=10).as_dict())
         assert rank_row(text, 1)[1] == "DEAD" and rank_row(text, 0)[1] == "yes"
         assert "bus RUNNING" in text
 
         out = io.StringIO()
-        n = watch_status(lambda: client.status(timeout=5), out, interval=0.05, iterations=2, clear=False)
+        n = watch_status(lambda: client.status(timeout=5).as_dict(), out, interval=0.05, iterations=2, clear=False)
         assert n == 2 and out.getvalue().count("zkv status at") == 2 and out.getvalue().count("DEAD") == 2
 
 
@@ -158,7 +158,7 @@ def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_pat
         with Client(endpoints.frontend) as client:
             assert client.run("swap_out", [1, 2], [0, 1], timeout=30).ok
             client.pause(timeout=30)  # the ack brings the rank's stats
-            text = render_status(client.status(timeout=10))
+            text = render_status(client.status(timeout=10).as_dict())
 
             client.clear(timeout=30)
             agent.attach(flat_cache(12, 8192))
@@ -168,7 +168,7 @@ def test_an_attached_engines_blocks_and_bytes_per_block_are_in_the_table(tmp_pat
             agent.attach(flat_cache(12, 8192))  # the failed resume rolled back: hand it over again
             new = {"gpu_blocks": 12, "layers": 1, "kv_heads": 1, "block_size": 1, "head_dim": 2048, "dtype": "bf16"}
             client.resume(new, timeout=30)
-            resumed = render_status(client.status(timeout=10))
+            resumed = render_status(client.status(timeout=10).as_dict())
     finally:
         agent.stop(timeout=10)
         broker.stop()

@@ -68,7 +68,7 @@ def assert_serving(cluster, client):
 
 
 def counters(client) -> dict:
-    return client.status()["counters"]
+    return client.status().counters
 
 
 # --- 1. result addresses --------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_results_reach_a_pull_on_an_ipv6_address(cluster, client):
     pull.bind("tcp://[::1]:*")
     reply_to = pull.getsockopt_string(zmq.LAST_ENDPOINT)
     sock = raw(cluster.endpoints.frontend)
-    before = sum(r["stats"].get("undeliverable", 0) for r in client.status()["ranks"])
+    before = sum(r.stats.get("undeliverable", 0) for r in client.status().ranks)
     try:
         assert reply_to.startswith("tcp://[::1]:") and P.is_result_address(reply_to)
         sock.send_multipart([P.encode("submit", task=7, reply_to=reply_to), P.encode_body("swap_out", [0], [1])])
@@ -151,7 +151,7 @@ def test_results_reach_a_pull_on_an_ipv6_address(cluster, client):
     finally:
         sock.close()
         pull.close()
-    after = sum(r["stats"].get("undeliverable", 0) for r in client.status()["ranks"])
+    after = sum(r.stats.get("undeliverable", 0) for r in client.status().ranks)
     assert after == before
     assert_serving(cluster, client)
 
@@ -255,11 +255,11 @@ def test_a_stranger_ready_cannot_poison_the_generation(cluster, client):
     finally:
         sock.close()
     after = client.status()
-    assert after["gen"] == before["gen"]
-    assert after["counters"].get("registrations") == before["counters"].get("registrations")
+    assert after.gen == before.gen
+    assert after.counters.get("registrations") == before.counters.get("registrations")
     client.pause()
-    assert client.clear()["gen"] == before["gen"] + 1
-    assert client.resume()["state"] == "running"
+    assert client.clear().gen == before.gen + 1
+    assert client.resume().state == "running"
     assert_serving(cluster, client)
 
 
@@ -329,11 +329,11 @@ def test_a_stranger_cannot_wedge_the_bus_at_the_top_of_the_adoption_range(tmp_pa
                     break
             assert out.ok, out
             assert c.gen == bounds.MAX_ADOPTED_GEN + 1
-            assert c.pause(timeout=10)["state"] == "paused"
+            assert c.pause(timeout=10).state == "paused"
             st = c.status()
-            assert st["inflight"] == 0 and st["ranks"][0]["inflight"] == 0, st
-            assert c.clear(timeout=10)["gen"] == bounds.MAX_ADOPTED_GEN + 2
-            assert c.resume(timeout=10)["state"] == "running"
+            assert st.inflight == 0 and st.ranks[0].inflight == 0, st
+            assert c.clear(timeout=10).gen == bounds.MAX_ADOPTED_GEN + 2
+            assert c.resume(timeout=10).state == "running"
             assert c.run("swap_out", [0], [1], timeout=20).ok
     finally:
         if not sock.closed:
@@ -370,7 +370,7 @@ def test_any_layout_the_broker_accepts_a_rank_holds(cluster, client):
         with pytest.raises(ZkvError) as err:
             client.resume(layout=dict(widest, layers=bounds.MAX_LAYERS + 1))
         assert err.value.code == "bad_field"
-        assert client.resume(layout=widest, timeout=60)["layout"]["layers"] == bounds.MAX_LAYERS
+        assert client.resume(layout=widest, timeout=60).layout.layers == bounds.MAX_LAYERS
         out = client.run("swap_out", [0, 1], [1, 0], timeout=60)
         assert out.ok and out.bytes == 2 * 2 * 2 * bounds.MAX_LAYERS * 2, out  # ranks x blocks x K,V x layers x fp16
     finally:
@@ -436,7 +436,7 @@ def test_stats_that_would_not_encode_are_refused_on_arrival(cluster, client, sta
     finally:
         sock.close()
     st = client.status()  # still encodes, with the real ranks' stats
-    assert [r["alive"] for r in st["ranks"]] == [True, True] and all(r["stats"] for r in st["ranks"])
+    assert [r.alive for r in st.ranks] == [True, True] and all(r.stats for r in st.ranks)
 
 
 def test_a_value_enclosed_by_5_maps_is_refused_and_by_4_is_taken(cluster, client):

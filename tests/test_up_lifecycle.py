@@ -32,7 +32,7 @@ def gone(pid: int, timeout: float) -> bool:
 
 def pids(broker: str) -> dict[int, int]:
     with Client(broker) as c:
-        return {r["rank"]: r["pid"] for r in c.status()["ranks"]}
+        return {r.rank: r.pid for r in c.status().ranks}
 
 
 def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
@@ -50,14 +50,14 @@ def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
             st = wait_for(
                 c,
                 lambda st: (
-                    {r["rank"]: (r["pid"], r["alive"]) for r in st["ranks"]}.get(1, (0, False))[1]
-                    and next(r["pid"] for r in st["ranks"] if r["rank"] == 1) != before[1]
-                    and st["state"] == "running"
+                    {r.rank: (r.pid, r.alive) for r in st.ranks}.get(1, (0, False))[1]
+                    and next(r.pid for r in st.ranks if r.rank == 1) != before[1]
+                    and st.state == "running"
                 ),
                 "rank 1 to come back",
                 timeout=60,
             )
-            assert st["layout"]["gpu_blocks"] == 48
+            assert st.layout.gpu_blocks == 48
             assert c.run("fill", dst=[47], tier="gpu", seed=1, timeout=30).ok, "the restarted rank serves at 48 blocks"
         second = zkv("up", "--runtime-dir", str(tmp_path), "--ranks", "2", timeout=60)
         assert second.returncode == 1 and f"zkv down --runtime-dir {tmp_path}" in second.stderr, second.stderr

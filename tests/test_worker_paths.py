@@ -80,7 +80,7 @@ def test_a_worker_with_another_layout_is_refused_naming_both_or_adopts_the_bus_l
         with cluster.client() as c:
             assert c.run("fill", dst=[63], tier="gpu", seed=1, timeout=30).ok, "block 63: the bus's layout, not 32"
             st = c.status()
-        assert st["layout"]["gpu_blocks"] == 64 and all(r["alive"] for r in st["ranks"])
+        assert st.layout.gpu_blocks == 64 and all(r.alive for r in st.ranks)
 
 
 def test_a_worker_without_a_broker_says_what_it_waits_for_after_a_bound(tmp_path):

@@ -294,16 +294,16 @@ class TierChaos:
         pid = self.cluster.start_worker(rank).pid
         while True:
             st = self.client.status(wait_ranks=RANKS, timeout=TASK_S)
-            at_gen = [r["alive"] and r["stats"].get("gen") == st["gen"] for r in st["ranks"]]
-            if st["state"] == "running" and st["ranks"][rank]["pid"] == pid and at_gen == [True] * RANKS:
+            at_gen = [r.alive and r.stats.get("gen") == st.gen for r in st.ranks]
+            if st.state == "running" and st.ranks[rank].pid == pid and at_gen == [True] * RANKS:
                 break
             if time.monotonic() > started + SERVE_S:
                 raise TimeoutError(f"rank {rank} not serving {SERVE_S:.0f} s after its restart: {st}")
             self._poll(0.05)  # the next heartbeat brings the ranks' stats
         self.fig.restart_to_serving_s.append(round(time.monotonic() - started, 3))
         self.fig.restarts += 1
-        if "CPU blocks kept" not in st["gen_reason"]:
-            self.fig.notes.append(f"restart of rank {rank}: {st['gen_reason']}")
+        if "CPU blocks kept" not in st.gen_reason:
+            self.fig.notes.append(f"restart of rank {rank}: {st.gen_reason}")
 
     def _judge_unfinished(self, tasks: list, old: dict, new: dict) -> None:
         """The CPU and disk rows each task that did not end ok wrote, read back in one checksum

@@ -144,14 +144,14 @@ def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
     want = reference(a)
     a.llm.reset_prefix_cache(reset_connector=True)
     chat().run(a.llm)  # fill the tiers again
-    failed = a.probe.status()["counters"].get("failed", 0)
+    failed = a.probe.status().counters.get("failed", 0)
     tear_disk(a.disk, DISK_BLOCKS, BLOCK)
     a.llm.reset_prefix_cache()  # vLLM's own GPU cache only: zkv keeps its keys
     got = chat().run(a.llm)
     assert got == want
     st = a.probe.status()
-    assert st["counters"].get("failed", 0) > failed, "loads of torn rows failed (and were recomputed)"
-    assert st["state"] == "running"
+    assert st.counters.get("failed", 0) > failed, "loads of torn rows failed (and were recomputed)"
+    assert st.state == "running"
     before = a.probe.blocks_by_op(BLOCK)
     a.llm.reset_prefix_cache(reset_connector=True)
     assert chat().run(a.llm) == want

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -21,6 +21,9 @@ from ..wire.errors import ZkvError
 from . import fleet as fleet_cli
 from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
+
+if TYPE_CHECKING:
+    from ..client.replies import ControlReply
 
 _DEFAULT = Endpoints.default
 
@@ -106,6 +109,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
 
 
 def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
+    """``--json``: the reply's map as the broker sent it (``as_dict()``), less ``v``, ``kind``, ``req``."""
     if as_json:
         click.echo(json.dumps({k: v for k, v in reply.items() if k not in ("v", "kind", "req")}, default=str))
     else:
@@ -142,9 +146,9 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: b
         if as_json:
             raise click.UsageError("--watch draws the table; for JSON, run zkv status --json repeatedly")
         sigterm_as_interrupt()  # SIGTERM ends the watch like Ctrl-C (watch_status returns on KeyboardInterrupt)
-        watch_status(lambda: client.status(timeout=min(timeout, max(interval, 1.0))), sys.stdout, interval)
+        watch_status(lambda: client.status(timeout=min(timeout, max(interval, 1.0))).as_dict(), sys.stdout, interval)
         return
-    st = client.status(timeout=timeout, wait_ranks=wait_ranks)
+    st = client.status(timeout=timeout, wait_ranks=wait_ranks).as_dict()
     _print_reply(st, as_json, render_status(st))
 
 
@@ -173,19 +177,18 @@ def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_
     del leave_paused  # one bus: the broker itself runs a failed pause again (docs/protocol.md §8.3)
     r = client.pause(timeout)
     st = client.status(timeout=timeout)
-    world = st["world"]
+    world = st.world
     # a noop (already paused): every live rank holds the pause (a rank learns it when it registers)
-    held = [x["rank"] for x in st["ranks"] if x.get("alive") and (r.get("noop") or x.get("acked_epoch") == r["epoch"])]
+    held = [x.rank for x in st.ranks if x.alive and (r.noop or x.acked_epoch == r.epoch)]
     missing = sorted(set(range(world)) - set(held))
     acked = world - len(missing)
-    r["world"] = world
     _print_reply(
-        r,
+        {**r.as_dict(), "world": world},
         as_json,
-        f"paused: epoch {r['epoch']}, {acked} of {world} ranks "
-        + ("hold it" if r.get("noop") else "acked")
-        + f", drained in {r['drain_ms']} ms"
-        + (f" ({r['note']})" if r.get("noop") else "")
+        f"paused: epoch {r.epoch}, {acked} of {world} ranks "
+        + ("hold it" if r.noop else "acked")
+        + f", drained in {r.elapsed_ms} ms"
+        + (f" ({r.note})" if r.noop else "")
         + (f" (ranks {missing} did not: dead or not registered)" if missing else ""),
     )
     if missing and not allow_partial:
@@ -214,10 +217,10 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 
     r = client.clear(keep_cpu=keep_cpu, timeout=timeout)
     _print_reply(
-        r,
+        r.as_dict(),
         as_json,
-        f"cleared: epoch {r['epoch']}, generation {r['gen']}, {r['cancelled']} tasks cancelled, "
-        f"{human_bytes(r['freed'])} freed" + (f" ({r['note']})" if r.get("noop") else ""),
+        f"cleared: epoch {r.epoch}, generation {r.gen}, {r.cancelled} tasks cancelled, "
+        f"{human_bytes(r.freed)} freed" + (f" ({r.note})" if r.noop else ""),
     )
 
 
@@ -250,21 +253,21 @@ def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, c
         asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items())
         fail(f"{err.reason} ({asked} was not applied)", f"run: zkv pause, zkv clear, then zkv resume {asked}")
     _print_reply(
-        r,
+        r.as_dict(),
         as_json,
-        f"running: epoch {r['epoch']}, generation {r['gen']}"
-        + (f" ({r['note']})" if r.get("noop") else f", resumed in {r['resume_ms']} ms")
+        f"running: epoch {r.epoch}, generation {r.gen}"
+        + (f" ({r.note})" if r.noop else f", resumed in {r.elapsed_ms} ms")
         + _cpu_tier_said(r),
     )
-    if r.get("cpu_kept") is False and not as_json:
+    if r.cpu_kept is False and not as_json:
         click.echo("zkv: note: the CPU blocks kept by the clear are gone; a swap-in of them fails lost_block", err=True)
 
 
-def _cpu_tier_said(r: dict) -> str:
+def _cpu_tier_said(r: ControlReply) -> str:
     """What a resume after ``clear --keep-cpu`` did with the CPU tier (its ``cpu_kept``)."""
-    if r.get("cpu_kept") is True:
-        return f"; CPU blocks kept (CPU generation {r.get('cpu_gen')})"
-    if r.get("cpu_kept") is False:
-        why = r.get("note") or "the CPU tier could not be kept"
-        return f"; CPU blocks NOT kept: {why} (now CPU generation {r.get('cpu_gen')})"
+    if r.cpu_kept is True:
+        return f"; CPU blocks kept (CPU generation {r.cpu_gen})"
+    if r.cpu_kept is False:
+        why = r.note or "the CPU tier could not be kept"
+        return f"; CPU blocks NOT kept: {why} (now CPU generation {r.cpu_gen})"
     return ""

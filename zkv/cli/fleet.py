@@ -12,9 +12,12 @@ from typing import Any, Callable
 
 import click
 
+from ..client.replies import ControlReply
 from ..fleet import Fleet, FleetError, FleetReport, load_fleet_file
+from ..fleet.decision import Answer
 from ..fleet.spec import CURVE_FIELDS, fleet_of
 from ..obs.fleet_view import render_fleet_report, render_fleet_status
+from ..wire.vocab import ControlOp
 from .options import fail, sigterm_as_interrupt
 from .reach import usage_error
 
@@ -45,7 +48,7 @@ def status_rows(report: FleetReport) -> list[dict[str, Any]]:
     for b in report.buses:
         row: dict[str, Any] = {"bus": b.name, "broker": b.broker, "ok": b.answer.ok, "ms": round(b.answer.at_ms, 3)}
         if b.answer.ok:
-            row.update((k, v) for k, v in b.answer.reply.items() if k not in ("v", "kind", "req", "op"))
+            row.update(b.answer.reply.fields if b.answer.reply is not None else {})
         else:
             row.update(code=b.answer.label, reason=b.answer.reason)
         rows.append(row)
@@ -89,8 +92,8 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
     failed = ", ".join(b.name for b in report.failed())
     stuck = report.not_resumable()
     what = f"fleet {report.op} failed on {failed}"
-    if report.op == "pause":
-        paused = [b.name for b in report.buses if b.answer.answer.value == "ok"]
+    if report.op == ControlOp.PAUSE:
+        paused = [b.name for b in report.buses if b.answer.answer is Answer.OK]
         left = "left paused" if report.on_failure == "stay" else "resumed"
         what += f"; the buses it paused ({', '.join(paused)}) were {left}" if paused else "; no bus was paused by it"
         if stuck:
@@ -98,18 +101,18 @@ def _finish(call: Callable[[], FleetReport], as_json: bool) -> None:
             what += f"; NOT RESUMED: {names} (the resume sent after the failed pause did not succeed: state unknown)"
         fail(what, "fix what the rows above name, then run the same command again")
     codes = {b.answer.code for b in report.failed()}
-    if report.op == "clear" and "not_paused" in codes:
+    if report.op == ControlOp.CLEAR and "not_paused" in codes:
         fail(what, "run zkv pause on the same buses first")
     fail(what, "run the same command again once the buses above answer: buses already there answer noop")
 
 
 def pause(fleet: Fleet, timeout: float, as_json: bool, leave_paused: bool, allow_partial: bool = False) -> None:
-    _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else "resume"), as_json)
+    _finish(lambda: fleet.pause(timeout, on_failure="stay" if leave_paused else ControlOp.RESUME), as_json)
+    replies = [(b.name, b.answer.reply) for b in (fleet.last_report.buses if fleet.last_report else ())]
     partial = [
-        f"{b.name} ({b.answer.reply['ranks_acked']} of {b.answer.reply['world']} ranks)"
-        for b in (fleet.last_report.buses if fleet.last_report else ())
-        if isinstance(b.answer.reply.get("world"), int)
-        and b.answer.reply.get("ranks_acked", 0) < b.answer.reply["world"]
+        f"{name} ({r.ranks_acked} of {r.world} ranks)"
+        for name, r in replies
+        if isinstance(r, ControlReply) and r.world is not None and (r.ranks_acked or 0) < r.world
     ]
     if partial and not allow_partial:  # as for one bus (control.pause): not every rank of the world acked
         if not as_json:

@@ -10,6 +10,7 @@ from typing import Any, Callable, NoReturn
 import click
 
 from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS
+from ..wire.vocab import Dtype
 
 
 def stacked(fn: Callable, opts: list[Callable]) -> Callable:
@@ -170,7 +171,7 @@ def layout_options(fn: Callable) -> Callable:
         ),
         click.option(
             "--dtype",
-            type=click.Choice(["bf16", "fp16", "fp32"]),
+            type=click.Choice([t.value for t in Dtype]),
             default=d.dtype,
             show_default=True,
             envvar="ZKV_DTYPE",

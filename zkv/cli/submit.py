@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..wire.bounds import MAX_SAFE_INT
 from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
+from ..wire.vocab import Outcome, Tier
 from .control import client_options
+
+if TYPE_CHECKING:
+    from ..client.replies import StatusReply
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -28,18 +32,17 @@ def _parse_ids(text: str) -> list[int]:
         raise click.BadParameter(str(err)) from None
 
 
-def _why_not_now(st: dict) -> str:
+def _why_not_now(st: StatusReply) -> str:
     """What keeps a task submitted now from running at once, from a status reply ('' when nothing)."""
-    state = st.get("state")
+    state = st.state
     if state == "paused":
         return "the bus is paused: tasks are held until zkv resume"
     if state == "cleared":
         return "the bus is cleared: the broker rejects tasks until zkv resume reallocates the caches"
-    if state not in (None, "running"):
+    if state not in ("", "running"):
         return f"the bus is {state}: the task waits until that op completes"
-    alive = sum(1 for r in st.get("ranks") or [] if r.get("alive"))
-    world = st.get("world")
-    if isinstance(world, int) and alive < world:
+    alive, world = len(st.alive_ranks), st.world
+    if alive < world:
         return f"{alive} of {world} ranks answer: a task runs on every rank, so it waits for the missing ones"
     return ""
 
@@ -66,7 +69,7 @@ def _why_not_now(st: dict) -> str:
 )
 @click.option(
     "--tier",
-    type=click.Choice(["gpu", "cpu", "disk"]),
+    type=click.Choice([t.value for t in Tier]),
     default=None,
     envvar="ZKV_SUBMIT_TIER",
     show_envvar=True,
@@ -113,11 +116,11 @@ def submit(
         click.echo(json.dumps(data))
     else:
         reason = out.reason
-        if out.outcome == "timeout" and out.ran is False:
+        if out.outcome == Outcome.TIMEOUT and out.ran is False:
             reason = f"still queued after {timeout:g} s, the broker dropped it: it never ran" + (
                 f" ({waits})" if waits else ""
             )
-        elif out.outcome == "timeout" and not out.per_rank:
+        elif out.outcome == Outcome.TIMEOUT and not out.per_rank:
             reason = f"no rank answered within {timeout:g} s: " + (waits or "see zkv status")
         click.echo(
             f"task {out.task}: {out.outcome}"
@@ -140,12 +143,11 @@ def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tie
     except KeyboardInterrupt:
         try:
             answer = client.cancel(task, timeout=min(timeout, 5.0))
+            cancelled, state = answer.cancelled, answer.state
         except ZkvError:
-            answer = {"cancelled": False, "state": "unknown"}
-        if answer.get("cancelled"):
-            click.echo(f"zkv: task {task} cancelled before it was dispatched: it never ran", err=True)
+            cancelled, state = False, "unknown"
+        if cancelled:
+            click.echo(f"zkv: task {task} {Outcome.CANCELLED} before it was dispatched: it never ran", err=True)
         else:
-            click.echo(
-                f"zkv: task {task} was {answer.get('state')} when Ctrl-C came: it runs to its own outcome", err=True
-            )
+            click.echo(f"zkv: task {task} was {state} when Ctrl-C came: it runs to its own outcome", err=True)
         sys.exit(130)

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from ..wire.bounds import MAX_TIMEOUT_MS
+from ..wire.vocab import CLIENT_OPS
 from .options import curve_from, curve_options, layout_from, layout_options
 
 
@@ -274,7 +275,7 @@ def check_cmd(trace_file: str, as_json: bool) -> None:
     t = _load(trace_file)
     recorded = any(s.recorded for s in t.tasks.values())
     problems = check_recording(t) if recorded else []
-    ops = {ev: sum(1 for op in t.ops if op.ev == ev) for ev in ("submit", "pause", "clear", "resume")}
+    ops = {ev: sum(1 for op in t.ops if op.ev == ev) for ev in ("submit", *(op.value for op in CLIENT_OPS))}
     summary = {
         "ok": not problems,
         "source": t.source,

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -32,6 +32,9 @@ from .options import (
     tier_options,
 )
 from .supervise import hold_up_lock, supervise
+
+if TYPE_CHECKING:
+    from ..client.replies import StatusReply
 
 _LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
 
@@ -79,7 +82,7 @@ def _restore(path: Path, fresh: bool, ranks: int, kw: dict[str, Any]) -> tuple[d
     return snap, snap["world"]
 
 
-def _start(cluster: Any, attach: bool, timeout: float) -> dict:
+def _start(cluster: Any, attach: bool, timeout: float) -> StatusReply:
     """Start every process and wait (bounded) for the ranks; a process that
     exits meanwhile (a taken port, a bad option) ends the wait at once."""
     if attach:
@@ -96,7 +99,7 @@ def _start(cluster: Any, attach: bool, timeout: float) -> dict:
                 raise
 
 
-def _start_or_fail(cluster: Any, attach: bool) -> dict:
+def _start_or_fail(cluster: Any, attach: bool) -> StatusReply:
     try:
         return _start(cluster, attach, timeout=120)
     except RuntimeError as err:  # a process exited; its own error line is above
@@ -114,8 +117,8 @@ def _remove_sockets(endpoints: Endpoints) -> None:
             Path(address[len("ipc://") :]).unlink(missing_ok=True)
 
 
-def _say_state(st: dict, restored: bool) -> None:
-    state = st.get("state")
+def _say_state(st: StatusReply, restored: bool) -> None:
+    state = st.state
     how = ", as it was restored" if restored else ""
     if state == "paused":
         click.echo(f"zkv up: the bus is PAUSED{how}: tasks are held until you run: zkv resume")
@@ -124,7 +127,7 @@ def _say_state(st: dict, restored: bool) -> None:
             f"zkv up: the bus is CLEARED{how}: the caches are freed and tasks are rejected "
             "until you run: zkv resume (it reallocates them)"
         )
-    elif state not in (None, "running"):
+    elif state not in ("", "running"):
         click.echo(f"zkv up: the bus is {str(state).upper()}; see zkv status")
 
 

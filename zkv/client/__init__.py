@@ -1,7 +1,9 @@
-"""The Python client (``client``) and its book of open tasks (``results``, sans-IO)."""
+"""The Python client (``client``), its typed replies (``replies``) and its book
+of open tasks (``results``, sans-IO)."""
 
 from ..wire.errors import ZkvError
 from .client import Client
+from .replies import CancelReply, ControlReply, PingReply, RankStatus, StatusReply
 from .results import ResultBook
 
-__all__ = ["Client", "ResultBook", "ZkvError"]
+__all__ = ["CancelReply", "Client", "ControlReply", "PingReply", "RankStatus", "ResultBook", "StatusReply", "ZkvError"]

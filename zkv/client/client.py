@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import zmq
 
@@ -31,6 +31,8 @@ from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..wire.messages import MESSAGES, Error, Message, OutcomeMsg, Reply, Result, Submit
 from ..wire.outcome import TaskOutcome
+from ..wire.vocab import ControlOp
+from .replies import Answer, CancelReply, ControlReply, PingReply, StatusReply, typed
 from .results import ResultBook
 
 _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
@@ -38,6 +40,7 @@ _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; r
 # ``timeout`` (``ran: false``) if it is still queued then.  The client's own
 # deadline is this much later, so that the broker's word (did it run?) comes first.
 BROKER_WORD_S = 0.25
+_A = TypeVar("_A", PingReply, CancelReply, StatusReply)
 
 
 def deadline_ms(timeout: float) -> int:
@@ -185,13 +188,13 @@ class Client:
         """Submit and wait: the one-call form for scripts and the CLI."""
         return self.wait(self.submit(op, src, dst, timeout, **extra))
 
-    def cancel(self, task: int, timeout: float | None = None) -> dict:
+    def cancel(self, task: int, timeout: float | None = None) -> CancelReply:
         """Cancel ``task`` if the broker has not dispatched it yet: the reply's
         ``cancelled`` says whether it was in time and ``state`` what the task
         was (``queued``, ``dispatched``, ``done``, ``unknown``).  A cancelled
         task's outcome (``cancelled``, never ran) is filed before this returns;
         a dispatched one runs to its own outcome (docs/protocol.md §7.6)."""
-        return self.request("cancel", timeout, task=task)
+        return self._ask(CancelReply, timeout, task=task)
 
     def settled(self, timeout: float = 0.0) -> list[int]:
         """Tasks that ended ``timeout`` and have since settled (every rank
@@ -210,10 +213,17 @@ class Client:
 
     # --- requests ------------------------------------------------------------------
 
-    def request(self, kind: str, timeout: float | None = None, **fields: Any) -> dict:
-        """Send a control/status request and wait for its reply (bounded): its
-        fields as a dict (an op's results are its own, docs/protocol.md §4)."""
+    def request(self, kind: str, timeout: float | None = None, **fields: Any) -> Answer:
+        """Send a control/status request and wait for its reply (bounded): the
+        typed answer of its op (replies.py; an op's results are its own,
+        docs/protocol.md §4)."""
         return self.await_reply(self.send_request(kind, **fields), timeout, kind)
+
+    def _ask(self, cls: type[_A], timeout: float | None, **fields: Any) -> _A:
+        """``request`` for the op whose answer is ``cls``."""
+        answer = self.request(cls.OP, timeout, **fields)
+        assert isinstance(answer, cls), answer
+        return answer
 
     def send_request(self, kind: str, **fields: Any) -> int:
         """Send a request without waiting; returns its ``req`` for await_reply."""
@@ -231,7 +241,7 @@ class Client:
                 f"(and are the CurveZMQ keys right)?",
             ) from None
 
-    def await_reply(self, req: int, timeout: float | None = None, what: str = "request") -> dict:
+    def await_reply(self, req: int, timeout: float | None = None, what: str = "request") -> Answer:
         """The reply to ``req``; raises ZkvError on an error reply or none in time.
         Task results that arrive meanwhile are filed for wait/poll."""
         timeout = self.request_timeout if timeout is None else timeout
@@ -246,48 +256,45 @@ class Client:
         reply = self.replies.pop(req)
         if isinstance(reply, Error):
             raise ZkvError(reply.code, reply.reason)
-        return {
-            "req": reply.req,
-            "op": reply.op,
-            **reply.extra,
-            "v": P.VERSION,
-            "kind": reply.kind,
-        }  # as the frame has them
+        return typed(reply)
 
-    def pause(self, timeout: float = 30.0) -> dict:
-        return self.request("pause", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS))
+    def _control(self, op: ControlOp, timeout: float, **fields: Any) -> ControlReply:
+        answer = self.request(op, timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), **fields)
+        assert isinstance(answer, ControlReply), answer
+        return answer
 
-    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> dict:
-        reply = self.request(
-            "clear", timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), keep_cpu=keep_cpu
-        )
+    def pause(self, timeout: float = 30.0) -> ControlReply:
+        return self._control(ControlOp.PAUSE, timeout)
+
+    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> ControlReply:
+        reply = self._control(ControlOp.CLEAR, timeout, keep_cpu=keep_cpu)
         reason = "caches were cleared (zkv clear) before the task's result arrived"
-        for out in self.book.cleared(reply["gen"], reason, time.monotonic(), reply.get("cpu_gen")):
+        for out in self.book.cleared(reply.gen, reason, time.monotonic(), reply.cpu_gen):
             self.finished[out.task] = out
         return reply
 
-    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> dict:
-        fields: dict[str, Any] = {"timeout_ms": min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS)}
+    def resume(self, layout: dict | None = None, timeout: float = 30.0) -> ControlReply:
+        fields: dict[str, Any] = {}
         if layout:
             fields["layout"] = layout
-        reply = self.request("resume", timeout + 1, **fields)
+        reply = self._control(ControlOp.RESUME, timeout, **fields)
         self.book.gen_known = True  # our own resume named it: news even to a client that knew none
-        self._on_new_gen(reply["gen"], "caches were cleared before the task's result arrived", reply.get("cpu_gen"))
+        self._on_new_gen(reply.gen, "caches were cleared before the task's result arrived", reply.cpu_gen)
         return reply
 
-    def status(self, timeout: float | None = None, wait_ranks: int = 0) -> dict:
+    def status(self, timeout: float | None = None, wait_ranks: int = 0) -> StatusReply:
         """Broker status; with ``wait_ranks`` the reply waits until that many ranks are up.
         A generation newer than the client's ends its open tasks that ran at an
         older one (``gen_reason`` says why)."""
         if wait_ranks:
             t = self.request_timeout if timeout is None else timeout
-            reply = self.request(
-                "status", t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), bounds.MAX_TIMEOUT_MS)
+            reply = self._ask(
+                StatusReply, t + 1, wait_ranks=wait_ranks, timeout_ms=min(int(t * 1000), bounds.MAX_TIMEOUT_MS)
             )
         else:
-            reply = self.request("status", timeout)
-        reason = reply.get("gen_reason") or "the bus moved to a new cache generation"
-        self._on_new_gen(reply["gen"], reason, reply.get("cpu_gen"))
+            reply = self._ask(StatusReply, timeout)
+        reason = reply.gen_reason or "the bus moved to a new cache generation"
+        self._on_new_gen(reply.gen, reason, reply.cpu_gen)
         return reply
 
     @property
@@ -303,8 +310,8 @@ class Client:
         until it heard of one, and after a generation move heard without one."""
         return self.book.cpu_gen
 
-    def ping(self, timeout: float | None = None) -> dict:
-        return self.request("ping", timeout)
+    def ping(self, timeout: float | None = None) -> PingReply:
+        return self._ask(PingReply, timeout)
 
     def adopt_gen(self, gen: int, reason: str) -> None:
         """Take a generation another part of the application learned (e.g. its

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ..wire.messages import Result
 from ..wire.outcome import RankFold, TaskOutcome
+from ..wire.vocab import Outcome
 
 
 @dataclass(slots=True)
@@ -82,7 +83,7 @@ class ResultBook:
             # It ran at a generation the bus has left since: what it copied is gone.
             self.counters["old_gen_results"] += 1
             reason = f"cache generation moved from {msg.gen} to {self.gen}: the task ran at generation {msg.gen}"
-            self.moved.append(self._close(entry, "cancelled", reason, now))
+            self.moved.append(self._close(entry, Outcome.CANCELLED, reason, now))
             return None
         if msg.gen > self.gen:  # news of a move: it ends the open tasks that ran before it
             reason = "the bus moved to a new cache generation (see zkv status)"
@@ -159,7 +160,7 @@ class ResultBook:
         self.counters["gen_changes"] += 1
         reason = f"cache generation moved from {old} to {gen}: {reason}"
         older = [entry for entry in self.open.values() if entry.gen is not None and entry.gen < gen]
-        return [self._close(entry, "cancelled", reason, now) for entry in older]
+        return [self._close(entry, Outcome.CANCELLED, reason, now) for entry in older]
 
     def on_outcome(
         self, task: int, outcome: str, reason: str, now: float, gen: int | None = None, ran: bool | None = None
@@ -179,7 +180,7 @@ class ResultBook:
             # Rejected, cancelled or expired in the broker's queue: it never
             # reached a rank, so nothing will copy.  (A rank that "died" may be
             # only stopped and still finish a copy it started: no settling.)
-            unsent = never_ran or outcome in ("rejected", "cancelled")
+            unsent = never_ran or outcome in (Outcome.REJECTED, Outcome.CANCELLED)
             if unsent and self.timed_out.pop(task, None) is not None:
                 self._settle(task)
             return None
@@ -197,7 +198,7 @@ class ResultBook:
                 reason = "no rank answered before the deadline"
             else:
                 reason = f"no result from ranks {sorted(entry.fold.waiting)} before the deadline"
-            done.append(self._close(entry, "timeout", reason, now))
+            done.append(self._close(entry, Outcome.TIMEOUT, reason, now))
             self.timed_out[task] = entry
             if len(self.timed_out) > _MAX_TIMED_OUT:
                 self.timed_out.popitem(last=False)
@@ -219,7 +220,7 @@ class ResultBook:
         """After a clear: whatever those tasks copied is gone with the caches."""
         self.timed_out.clear()  # their blocks are gone with the caches too
         self.settled.clear()
-        return [self._close(entry, "cancelled", reason, now) for entry in list(self.open.values())]
+        return [self._close(entry, Outcome.CANCELLED, reason, now) for entry in list(self.open.values())]
 
     def next_deadline(self) -> float | None:
         while self.deadlines and self.deadlines[0][1] not in self.open:

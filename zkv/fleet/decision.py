@@ -21,10 +21,11 @@ The rules (docs/engines.md, "A fleet of engines"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
+from ..client.replies import ControlReply, StatusReply
 from ..wire.vocab import ControlOp
 
 OPS = (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME, "status")
@@ -47,13 +48,13 @@ class Answer(str, Enum):
 @dataclass(frozen=True)
 class BusAnswer:
     """One bus's answer: ``at_ms`` since the fleet operation began, the
-    broker's error ``code`` and ``reason``, and the reply's fields."""
+    broker's error ``code`` and ``reason``, and its reply (None unless ok or noop)."""
 
     answer: Answer
     at_ms: float
     code: str = ""
     reason: str = ""
-    reply: Mapping[str, Any] = field(default_factory=dict)
+    reply: ControlReply | StatusReply | None = None
 
     @property
     def ok(self) -> bool:
@@ -160,8 +161,7 @@ class FleetOp:
         if self.needs_rollback(name) and self.failed:
             return None  # it had to be resumed and was not (yet)
         if answer.ok:
-            state = answer.reply.get("state")
-            return state if isinstance(state, str) else None
+            return answer.reply.state if answer.reply is not None and answer.reply.state else None
         if answer.answer is Answer.ERROR:
             if self.op == ControlOp.RESUME:
                 return next((s for end, s in _RESUME_ROLLED_BACK if answer.reason.endswith(end)), None)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import zmq
 
 from ..client.client import BROKER_WORD_S, Client
+from ..client.replies import ControlReply, StatusReply
 from ..net.endpoints import certainly_absent
 from ..wire import bounds
 from ..wire.errors import ZkvError
@@ -170,7 +171,9 @@ class BusLink:
             self._drop()
             return BusAnswer(Answer.UNREACHABLE, at(), "unreachable", f"socket error: {err}")
         self._up = True
-        return BusAnswer(Answer.NOOP if reply.get("noop") else Answer.OK, at(), reply=reply)
+        assert isinstance(reply, (ControlReply, StatusReply)), reply
+        noop = isinstance(reply, ControlReply) and reply.noop
+        return BusAnswer(Answer.NOOP if noop else Answer.OK, at(), reply=reply)
 
 
 def run(

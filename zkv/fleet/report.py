@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..client.replies import ControlReply
 from ..wire.errors import ZkvError
 from ..wire.vocab import ControlOp
 from .decision import Answer, BusAnswer, FleetOp
@@ -42,7 +43,8 @@ class BusReport:
         if a.answer is Answer.OK:
             text = f"{op} ok in {a.at_ms:.1f} ms"
         elif a.answer is Answer.NOOP:
-            text = f"{a.reply.get('note') or 'noop'} ({a.at_ms:.1f} ms)"
+            note = a.reply.note if isinstance(a.reply, ControlReply) else ""
+            text = f"{note or 'noop'} ({a.at_ms:.1f} ms)"
         elif a.answer is Answer.ERROR:
             text = f"{a.code}: {a.reason}"
         else:
@@ -77,7 +79,7 @@ class BusReport:
                 out["rollback_ms"] = round(r.at_ms, 3)
                 if not r.ok:
                     out["rollback_reason"] = r.reason
-        reply = {k: v for k, v in a.reply.items() if k not in ("v", "kind", "req", "op")}
+        reply = dict(a.reply.fields) if a.reply is not None else {}  # the op's fields, as the broker sent them
         if reply:
             out["reply"] = reply
         return out

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..client.client import Client, ZkvError
+from ..client.replies import StatusReply
 from ..net.endpoints import Endpoints
 from ..testing import zygote
 from ..wire.layout import CacheLayout
@@ -132,7 +133,7 @@ class LocalCluster:
     def client(self, **kwargs) -> Client:
         return Client(self.endpoints.frontend, **kwargs)
 
-    def wait_ready(self, timeout: float = 60.0, ranks: int | None = None) -> dict:
+    def wait_ready(self, timeout: float = 60.0, ranks: int | None = None) -> StatusReply:
         """Block (bounded) until ``ranks`` ranks are registered: the broker
         answers the status request the moment the last one registers."""
         want = self.ranks if ranks is None else ranks

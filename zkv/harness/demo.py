@@ -137,9 +137,9 @@ def _cycle(
     except Exception as err:  # noqa: BLE001 - reported, the demo goes on
         return [f"pause/clear/resume failed: {err}"]
     echo(
-        f"  pause/clear/resume: drain {cycle['pause'].get('drain_ms', 0):.1f} ms, "
-        f"clear {cycle['clear'].get('clear_ms', 0):.1f} ms ({_mib(cycle['clear'].get('freed', 0))} freed), "
-        f"resume {cycle['resume'].get('resume_ms', 0):.1f} ms: every tier starts empty again"
+        f"  pause/clear/resume: drain {cycle['pause'].elapsed_ms:.1f} ms, "
+        f"clear {cycle['clear'].elapsed_ms:.1f} ms ({_mib(cycle['clear'].freed)} freed), "
+        f"resume {cycle['resume'].elapsed_ms:.1f} ms: every tier starts empty again"
     )
     return []
 

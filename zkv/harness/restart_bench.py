@@ -262,7 +262,7 @@ def bench_restart(
                 exact &= c.run("checksum", [into], tier="gpu").per_rank[0]["digests"] == [digests[row % GPU_BLOCKS]]
             disk = (i * 31) % disk_blocks
             exact &= c.run("checksum", [disk], tier="disk").per_rank[0]["digests"] == [digests[disk % GPU_BLOCKS]]
-        gen_reason = c.status()["gen_reason"]
+        gen_reason = c.status().gen_reason
     finally:
         for bus in buses:
             bus.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..client.client import Client
+from ..client.replies import StatusReply
 from ..net.endpoints import Endpoints
 from ..rank.cache import disk_io
 from ..rank.cache.disk_tier import data_offset
@@ -183,7 +184,7 @@ class BusProbe:
     def __init__(self, bus_dir: str | Path):
         self.frontend = Endpoints.in_dir(bus_dir).frontend
 
-    def status(self, wait_ranks: int = 0, timeout: float = 30.0) -> dict[str, Any]:
+    def status(self, wait_ranks: int = 0, timeout: float = 30.0) -> StatusReply:
         with Client(self.frontend, request_timeout=timeout) as c:
             return c.status(timeout=timeout, wait_ranks=wait_ranks)
 
@@ -195,11 +196,11 @@ class BusProbe:
             c.pause(timeout=30)
             st = c.status(timeout=30)
             c.resume(timeout=30)
-        stats = st["ranks"][0]["stats"]
+        stats = st.ranks[0].stats
         return {op: n // block_bytes for op, n in stats.get("bytes_by_op", {}).items()}
 
     def counters(self) -> dict[str, int]:
-        return dict(self.status()["counters"])
+        return dict(self.status().counters)
 
     def client(self) -> Client:
         return Client(self.frontend, request_timeout=30.0)

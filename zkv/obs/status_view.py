@@ -1,7 +1,7 @@
 """``zkv status`` for people: the broker's status reply as a table, and a
 ``--watch`` loop that redraws it until Ctrl-C.
 
-``render_status`` takes the dict ``Client.status()`` returns (the same one
+``render_status`` takes the map ``Client.status().as_dict()`` returns (the same one
 ``zkv status --json`` prints), so it works on a saved JSON file too.  The
 layout is shown as what each tier holds: blocks, bytes per block and in all,
 because a rank on engine memory announces the engine's block count and

@@ -66,15 +66,15 @@ def resume(
     ``layout`` holds only the fields that change (e.g. ``{"gpu_blocks": 512}``);
     the manager takes the block counts and block size from the broker's status,
     so it matches what the ranks allocated.  Returns ``{"resume": reply,
-    "layout": the layout now in force}``.  If the manager was not cleared (a
+    "layout": the CacheLayout now in force}``.  If the manager was not cleared (a
     plain pause, no layout change) its cache is still valid and is kept.
     """
     reply = client.resume(layout, timeout=timeout)
-    current = client.status(timeout=timeout).get("layout")
+    current = client.status(timeout=timeout).layout
     if manager.cleared or layout:
-        if not current:
+        if current is None:
             raise RuntimeError("the broker reports no cache layout after resume")
-        manager.resume(current["gpu_blocks"], current["cpu_blocks"], block_size=current["block_size"])
+        manager.resume(current.gpu_blocks, current.cpu_blocks, block_size=current.block_size)
     return {"resume": reply, "layout": current}
 
 

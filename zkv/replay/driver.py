@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import zmq
 
-from ..client import Client, ResultBook, ZkvError
+from ..client import Client, ResultBook, StatusReply, ZkvError
 from ..net.curve import Curve
 from ..trace import Op, Trace
 from ..wire.messages import Result
@@ -175,16 +175,17 @@ class Replayer:
                 reply = c.clear(keep_cpu=op.params.get("keep_cpu", False), timeout=timeout)
             else:
                 reply = c.resume(op.params.get("layout"), timeout)
-            result = "noop" if reply.get("noop") else Outcome.OK
-            reason = reply.get("note", "")
+            result = "noop" if reply.noop else Outcome.OK
+            reason = reply.note
+            sent = reply.fields  # the op's fields as the broker sent them
             fields = {
-                k: reply[k]
+                k: sent[k]
                 for k in ("state", "epoch", "gen", "drain_ms", "clear_ms", "resume_ms", "cancelled", "freed")
-                if k in reply
+                if k in sent
             }
             for other in self.clients.values():  # one application: every client learns the generation
-                if other is not c and "gen" in reply:
-                    other.adopt_gen(reply["gen"], f"client {op.client} ran {op.ev}")
+                if other is not c and "gen" in sent:
+                    other.adopt_gen(reply.gen, f"client {op.client} ran {op.ev}")
         except ZkvError as err:
             result, reason = err.code, err.reason
         wall_ms = (time.perf_counter() - start) * 1000
@@ -194,17 +195,17 @@ class Replayer:
         for label in self.clients:
             self._collect(label)
 
-    def _status(self, probe: Client, wait: float) -> tuple[dict | None, bool]:
+    def _status(self, probe: Client, wait: float) -> tuple[StatusReply | None, bool]:
         """The broker status, waiting (bounded) for rank stats that are current."""
         deadline = time.monotonic() + wait
-        st: dict | None = None
+        st: StatusReply | None = None
         while True:
             try:
                 st = probe.status(timeout=min(self.op_timeout, max(1.0, wait)))
             except ZkvError as err:
                 self.obs.notes.append(f"status failed: {err.reason}" if st is not None else err.reason)
                 return st, False
-            if rank_stats_fresh(st):
+            if rank_stats_fresh(dict(st.fields)):
                 return st, True
             left = deadline - time.monotonic()
             if left <= 0:
@@ -219,13 +220,13 @@ class Replayer:
             st, _ = self._status(probe, self.stats_wait)
             if st is None:
                 raise ZkvError("no_reply", obs.notes.pop() if obs.notes else f"no status reply from {self.address}")
-            obs.ranks_before = st["ranks"]
-            if st["world"] != self.trace.world:
-                obs.notes.append(f"the trace was made for world {self.trace.world}; the bus has world {st['world']}")
-            if self.trace.layout is not None and st.get("layout") and st["layout"] != self.trace.layout.to_wire():
-                obs.notes.append(f"the trace's layout differs from the bus's layout {st['layout']}")
-            if st["state"] != "running":
-                obs.notes.append(f"the bus was {st['state']} when the replay started")
+            obs.ranks_before = st.fields["ranks"]  # the checker reads the rank maps as sent
+            if st.world != self.trace.world:
+                obs.notes.append(f"the trace was made for world {self.trace.world}; the bus has world {st.world}")
+            if self.trace.layout is not None and st.layout and st.layout != self.trace.layout:
+                obs.notes.append(f"the trace's layout differs from the bus's layout {st.layout.to_wire()}")
+            if st.state != "running":
+                obs.notes.append(f"the bus was {st.state} when the replay started")
             start = time.monotonic()
             try:
                 ops = self.trace.ops
@@ -257,7 +258,7 @@ class Replayer:
                 for c in self.clients.values():
                     c.close()
             st, obs.stats_fresh = self._status(probe, self.stats_wait)
-            obs.ranks_after = st["ranks"] if st else None
+            obs.ranks_after = st.fields["ranks"] if st else None
         return obs
 
 

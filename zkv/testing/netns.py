@@ -274,9 +274,9 @@ def call(method, a):
     if op == "send_request":
         return client.send_request(a.pop("kind"), **a)
     if op == "await_reply":
-        return client.await_reply(a["req"], a.get("timeout"))
+        return client.await_reply(a["req"], a.get("timeout")).as_dict()
     if op in ("pause", "clear", "resume", "status", "ping"):
-        return getattr(client, op)(**a)
+        return getattr(client, op)(**a).as_dict()  # the reply's map: it travels back as JSON
     raise ValueError(f"unknown agent op {op!r}")
 
 print(json.dumps({"ready": client.reply_to}), flush=True)

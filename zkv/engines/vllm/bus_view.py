@@ -44,8 +44,7 @@ class BusView:
             self.serving = False
             self.next_check = now + max(self.interval, self.backoff)
             return False
-        alive = sum(1 for r in st.get("ranks", []) if r.get("alive"))
-        self.serving = st.get("state") == BusState.RUNNING and alive >= self.world
-        moved = (st.get("gen"), st.get("cpu_gen")) != (self.gen, self.cpu_gen)
-        self.gen, self.cpu_gen = st.get("gen"), st.get("cpu_gen")
+        self.serving = st.state == BusState.RUNNING and len(st.alive_ranks) >= self.world
+        moved = (st.gen, st.cpu_gen) != (self.gen, self.cpu_gen)
+        self.gen, self.cpu_gen = st.gen, st.cpu_gen
         return moved

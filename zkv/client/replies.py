@@ -1,0 +1,218 @@
+"""The client's typed answers to requests: one class per reply kind, built
+once from the decoded ``reply`` message (its op's fields are in ``extra``;
+docs/protocol.md §7.6, §8.3-§8.5 list them).
+
+Every reply keeps the map the frame carried for ``as_dict()``: the CLI's
+``--json`` prints it as the broker sent it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..wire import protocol as P
+from ..wire.layout import CacheLayout
+from ..wire.messages import Reply
+from ..wire.vocab import ControlOp
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What every reply has: the request's ``req``, and the frame's own fields."""
+
+    req: int
+    fields: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    OP = ""  # the ``op`` a reply of this class answers
+
+    @property
+    def op(self) -> str:
+        return self.OP
+
+    def as_dict(self) -> dict[str, Any]:
+        """The reply as the frame has it (``req``, ``op``, the op's fields, ``v``, ``kind``)."""
+        return {"req": self.req, "op": self.op, **self.fields, "v": P.VERSION, "kind": Reply.kind}
+
+
+@dataclass(frozen=True)
+class PingReply(_Answer):
+    """``ping``'s reply: the broker is there (§8.5)."""
+
+    OP = "ping"
+
+    @classmethod
+    def from_reply(cls, reply: Reply) -> "PingReply":
+        return cls(reply.req, reply.extra)
+
+
+@dataclass(frozen=True)
+class CancelReply(_Answer):
+    """``cancel``'s reply (§7.6): ``cancelled`` whether it was in time, ``state``
+    what the task was (``queued``, ``dispatched``, ``done``, ``unknown``)."""
+
+    task: int = 0
+    cancelled: bool = False
+    state: str = ""
+
+    OP = "cancel"
+
+    @classmethod
+    def from_reply(cls, reply: Reply) -> "CancelReply":
+        x = reply.extra
+        return cls(reply.req, x, task=x.get("task", 0), cancelled=bool(x.get("cancelled")), state=x.get("state", ""))
+
+
+_ELAPSED = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}
+
+
+@dataclass(frozen=True)
+class ControlReply(_Answer):
+    """The reply to ``pause``, ``clear`` or ``resume`` (§8.3); a field the op
+    does not return is None (``cpu_gen``, ``ranks_acked`` and ``world`` in a
+    no-op's; ``layout``, ``cpu_kept``, ``gen_reason`` outside a resume's)."""
+
+    control: ControlOp = ControlOp.PAUSE
+    epoch: int = 0
+    gen: int = 0
+    state: str = ""
+    cpu_gen: int | None = None
+    ranks_acked: int | None = None
+    world: int | None = None
+    noop: bool = False
+    note: str = ""
+    elapsed_ms: float = 0.0  # drain_ms, clear_ms or resume_ms
+    cancelled: int = 0  # clear: queued tasks ended cancelled
+    freed: int = 0  # clear: bytes freed, summed over ranks
+    layout: CacheLayout | None = None  # resume: the layout the ranks now hold
+    cpu_kept: bool | None = None  # resume after clear{keep_cpu}: whether the CPU tier survived
+    gen_reason: str | None = None  # resume: why the generation last moved
+
+    @property
+    def op(self) -> str:
+        return self.control.value
+
+    @classmethod
+    def from_reply(cls, reply: Reply) -> "ControlReply":
+        x = reply.extra
+        control = ControlOp(reply.op)
+        layout = x.get("layout")
+        return cls(
+            reply.req,
+            x,
+            control=control,
+            epoch=x.get("epoch", 0),
+            gen=x.get("gen", 0),
+            state=x.get("state", ""),
+            cpu_gen=x.get("cpu_gen"),
+            ranks_acked=x.get("ranks_acked"),
+            world=x.get("world"),
+            noop=bool(x.get("noop")),
+            note=x.get("note", ""),
+            elapsed_ms=float(x.get(_ELAPSED[control], 0.0)),
+            cancelled=x.get("cancelled", 0),
+            freed=x.get("freed", 0),
+            layout=CacheLayout.from_wire(layout) if layout else None,
+            cpu_kept=x.get("cpu_kept"),
+            gen_reason=x.get("gen_reason"),
+        )
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One entry of ``status.ranks`` (§8.4)."""
+
+    rank: int
+    alive: bool = False
+    pid: int = 0
+    host: str = ""
+    inflight: int = 0
+    dispatched: int = 0
+    acked_epoch: int = 0
+    last_seen_ms: float = 0.0
+    stats: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, x: Mapping[str, Any]) -> "RankStatus":
+        return cls(
+            rank=x["rank"],
+            alive=bool(x.get("alive")),
+            pid=x.get("pid", 0),
+            host=x.get("host", ""),
+            inflight=x.get("inflight", 0),
+            dispatched=x.get("dispatched", 0),
+            acked_epoch=x.get("acked_epoch", 0),
+            last_seen_ms=x.get("last_seen_ms", 0.0),
+            stats=x.get("stats") or {},
+        )
+
+
+@dataclass(frozen=True)
+class StatusReply(_Answer):
+    """``status``'s reply (§8.4)."""
+
+    state: str = ""
+    epoch: int = 0
+    gen: int = 0
+    cpu_gen: int | None = None
+    gen_reason: str = ""
+    world: int = 0
+    layout: CacheLayout | None = None  # None until a rank registered
+    ranks: tuple[RankStatus, ...] = ()
+    queued: int = 0
+    inflight: int = 0
+    max_inflight_per_rank: int = 0
+    pending_op: ControlOp | None = None  # the control op in progress
+    restate_failures: int = 0  # the broker's own resume: failures in a row
+    restate_error: str | None = None
+    restate_retry_in_s: float | None = None
+    counters: Mapping[str, int] = field(default_factory=dict)
+
+    OP = "status"
+
+    @property
+    def alive_ranks(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.alive]
+
+    @classmethod
+    def from_reply(cls, reply: Reply) -> "StatusReply":
+        x = reply.extra
+        layout, pending = x.get("layout"), x.get("pending_op")
+        return cls(
+            reply.req,
+            x,
+            state=x.get("state", ""),
+            epoch=x.get("epoch", 0),
+            gen=x.get("gen", 0),
+            cpu_gen=x.get("cpu_gen"),
+            gen_reason=x.get("gen_reason") or "",
+            world=x.get("world", 0),
+            layout=CacheLayout.from_wire(layout) if layout else None,
+            ranks=tuple(RankStatus.from_wire(r) for r in x.get("ranks") or ()),
+            queued=x.get("queued", 0),
+            inflight=x.get("inflight", 0),
+            max_inflight_per_rank=x.get("max_inflight_per_rank", 0),
+            pending_op=ControlOp(pending) if pending else None,
+            restate_failures=x.get("restate_failures", 0),
+            restate_error=x.get("restate_error"),
+            restate_retry_in_s=x.get("restate_retry_in_s"),
+            counters=x.get("counters") or {},
+        )
+
+
+Answer = PingReply | CancelReply | ControlReply | StatusReply
+
+_BY_OP: dict[str, Any] = {
+    PingReply.OP: PingReply,
+    CancelReply.OP: CancelReply,
+    StatusReply.OP: StatusReply,
+    **{op.value: ControlReply for op in (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME)},
+}
+
+
+def typed(reply: Reply) -> Answer:
+    """The typed answer for ``reply``, by its ``op``."""
+    cls = _BY_OP.get(reply.op)
+    if cls is None:
+        raise P.ProtocolError("bad_field", f"a reply of unknown op {P.shown(reply.op)}")
+    return cls.from_reply(reply)
