@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from zkv.client.replies import ControlReply
 from zkv.fleet.decision import OPS, Answer, BusAnswer, FleetOp, Step
 from zkv.fleet.report import FleetError, FleetReport
+from zkv.wire.replies import ControlReply
 from zkv.wire.vocab import ControlOp
 
 ERROR_CODES = ("pause_timeout", "rank_dead", "busy", "not_paused", "clear_timeout", "resume_timeout", "internal")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from zkv.client.client import ZkvError
-from zkv.client.replies import ControlReply, StatusReply
 from zkv.prefix import CacheClearedError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.testing.fakebus import FakeBus
 from zkv.wire.layout import CacheLayout
+from zkv.wire.replies import ControlReply, StatusReply
 from zkv.wire.vocab import ControlOp
 
 BS = 4

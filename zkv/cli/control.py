@@ -23,7 +23,7 @@ from .options import curve_from, curve_options, fail, sigterm_as_interrupt
 from .reach import check_broker, hint
 
 if TYPE_CHECKING:
-    from ..client.replies import ControlReply
+    from ..wire.replies import ControlReply
 
 _DEFAULT = Endpoints.default
 

@@ -12,11 +12,11 @@ from typing import Any, Callable
 
 import click
 
-from ..client.replies import ControlReply
 from ..fleet import Fleet, FleetError, FleetReport, load_fleet_file
 from ..fleet.decision import Answer
 from ..fleet.spec import CURVE_FIELDS, fleet_of
 from ..obs.fleet_view import render_fleet_report, render_fleet_status
+from ..wire.replies import ControlReply
 from ..wire.vocab import ControlOp
 from .options import fail, sigterm_as_interrupt
 from .reach import usage_error

@@ -17,7 +17,7 @@ from ..wire.vocab import Outcome, Tier
 from .control import client_options
 
 if TYPE_CHECKING:
-    from ..client.replies import StatusReply
+    from ..wire.replies import StatusReply
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -34,7 +34,7 @@ from .options import (
 from .supervise import hold_up_lock, supervise
 
 if TYPE_CHECKING:
-    from ..client.replies import StatusReply
+    from ..wire.replies import StatusReply
 
 _LAYOUT_FIELDS = ("layers", "gpu_blocks", "cpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")
 

@@ -31,8 +31,8 @@ from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..wire.messages import MESSAGES, Error, Message, OutcomeMsg, Reply, Result, Submit
 from ..wire.outcome import TaskOutcome
+from ..wire.replies import Answer, CancelReply, ControlReply, PingReply, StatusReply, typed
 from ..wire.vocab import ControlOp
-from .replies import Answer, CancelReply, ControlReply, PingReply, StatusReply, typed
 from .results import ResultBook
 
 _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
@@ -215,7 +215,7 @@ class Client:
 
     def request(self, kind: str, timeout: float | None = None, **fields: Any) -> Answer:
         """Send a control/status request and wait for its reply (bounded): the
-        typed answer of its op (replies.py; an op's results are its own,
+        typed answer of its op (wire/replies.py; an op's results are its own,
         docs/protocol.md §4)."""
         return self.await_reply(self.send_request(kind, **fields), timeout, kind)
 

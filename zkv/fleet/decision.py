@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-from ..client.replies import ControlReply, StatusReply
+from ..wire.replies import ControlReply, StatusReply
 from ..wire.vocab import ControlOp
 
 OPS = (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME, "status")

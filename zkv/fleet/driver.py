@@ -23,10 +23,10 @@ from typing import Any, Callable, Sequence, TypeVar
 import zmq
 
 from ..client.client import BROKER_WORD_S, Client
-from ..client.replies import ControlReply, StatusReply
 from ..net.endpoints import certainly_absent
 from ..wire import bounds
 from ..wire.errors import ZkvError
+from ..wire.replies import ControlReply, StatusReply
 from ..wire.vocab import ControlOp
 from .decision import Answer, BusAnswer, FleetOp, Step
 from .spec import BusSpec

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..client.replies import ControlReply
 from ..wire.errors import ZkvError
+from ..wire.replies import ControlReply
 from ..wire.vocab import ControlOp
 from .decision import Answer, BusAnswer, FleetOp
 

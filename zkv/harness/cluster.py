@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..client.client import Client, ZkvError
-from ..client.replies import StatusReply
 from ..net.endpoints import Endpoints
 from ..testing import zygote
 from ..wire.layout import CacheLayout
+from ..wire.replies import StatusReply
 from .lifeline import die_with_parent
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..client.client import Client
-from ..client.replies import StatusReply
 from ..net.endpoints import Endpoints
 from ..rank.cache import disk_io
 from ..rank.cache.disk_tier import data_offset
+from ..wire.replies import StatusReply
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants block sizes of a multiple of 32

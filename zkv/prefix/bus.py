@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..client.replies import ControlReply, StatusReply
 from ..wire.moves import MOVES
 from ..wire.outcome import TaskOutcome
+from ..wire.replies import ControlReply, StatusReply
 
 #: the ops the prefix manager submits: the tier moves, GPU <-> CPU swaps and CPU <-> disk spills and loads
 #: (``wire/moves.py``, docs/protocol.md §6)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..wire import protocol as P
-from ..wire.layout import CacheLayout
-from ..wire.messages import Reply
-from ..wire.vocab import ControlOp
+from . import protocol as P
+from .layout import CacheLayout
+from .messages import Reply
+from .vocab import ControlOp
 
 
 @dataclass(frozen=True)
