@@ -131,10 +131,12 @@ class SwapRunner:
         return tiers.cpu.alloc(min(count, tiers.cpu.num_free))
 
     def drop_subtree(self, tiers: Tiers, top: RadixNode) -> None:
-        gpu, cpu, on_disk = tiers.drop_subtree(top)
-        self.counters["dropped_gpu_blocks"] += gpu
-        self.counters["dropped_cpu_blocks"] += cpu
-        self.counters["dropped_disk_blocks"] += on_disk
+        self._count_dropped(tiers.drop_subtree(top))
+
+    def _count_dropped(self, freed: tuple[int, int, int]) -> None:
+        """Book (GPU, CPU, disk) blocks dropped for want of room."""
+        for tier, n in zip(TIER_NAMES, freed):
+            self.counters[f"dropped_{tier}_blocks"] += n
 
     def _take_cpu_block(self, tiers: Tiers) -> int | None:
         if not tiers.cpu.num_free:
@@ -161,8 +163,7 @@ class SwapRunner:
         # ``_take_cpu_block`` does node by node), then take the blocks in one allocation.
         cpu = tiers.cpu
         if cpu.num_free < len(victims):
-            for kind, n in zip(TIER_NAMES, tiers.drop_cpu_leaves(len(victims))):
-                self.counters[f"dropped_{kind}_blocks"] += n
+            self._count_dropped(tiers.drop_cpu_leaves(len(victims)))
         blocks = cpu.alloc(min(len(victims), cpu.num_free))
         blocks.reverse()
         moving: list[RadixNode] = []

@@ -76,18 +76,16 @@ class Tiers:
         return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else self.disk
 
     def offer(self, node: RadixNode) -> None:
-        """Queue ``node`` for eviction if it has become a candidate on its tier (``is_gpu_victim``,
-        ``is_cpu_victim``, ``is_disk_victim``: one state each, so the state is read once)."""
-        if not node.attached:
-            return
+        """Queue ``node`` for eviction if it has become a candidate on its tier: its
+        state is read once, and only that tier's rule (``is_*_victim``) is asked."""
         state = node.state
         if state is _ON_GPU:
-            if not node.ref_count and not node.num_gpu_children and node.parent is not None:
+            if is_gpu_victim(node):
                 self.gpu_victims.offer(node)
         elif state is _ON_CPU:
-            if not node.num_cpu_children:
+            if is_cpu_victim(node):
                 self.cpu_victims.offer(node)
-        elif state is _ON_DISK and not node.children:
+        elif state is _ON_DISK and is_disk_victim(node):
             self.disk_victims.offer(node)
 
     def pop_gpu_victim(self) -> RadixNode | None:
@@ -102,13 +100,10 @@ class Tiers:
     def drop_subtree(self, top: RadixNode) -> tuple[int, int, int]:
         """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU, disk) blocks freed."""
         parent = top.parent
-        freed = self._detach(top, check_refs=True)
-        for allocator, ids in zip((self.gpu, self.cpu, self.disk), freed):
-            if ids:
-                allocator.free(ids)
+        freed = self._free(self._detach(top, check_refs=True))
         if parent is not None and parent is not self.tree.root:
             self.offer(parent)
-        return len(freed[0]), len(freed[1]), len(freed[2])
+        return freed
 
     def drop_cpu_leaves(self, want_free: int) -> tuple[int, int, int]:
         """Drop LRU CPU leaves (``pop_cpu_victim``, each with its disk subtree) until ``want_free``
@@ -126,10 +121,14 @@ class Tiers:
             free = self.cpu.num_free + len(dropped[1])
             if parent is not None and parent is not self.tree.root:
                 self.offer(parent)  # may be the next leaf to go
-        for allocator, ids in zip((self.gpu, self.cpu, self.disk), dropped):
+        return self._free(dropped)
+
+    def _free(self, ids_by_tier: tuple[list[int], list[int], list[int]]) -> tuple[int, int, int]:
+        """Free (GPU, CPU, disk) block ids, one call per tier; returns how many of each."""
+        for allocator, ids in zip((self.gpu, self.cpu, self.disk), ids_by_tier):
             if ids:
                 allocator.free(ids)
-        return len(dropped[0]), len(dropped[1]), len(dropped[2])
+        return len(ids_by_tier[0]), len(ids_by_tier[1]), len(ids_by_tier[2])
 
     def adopt(self, node: RadixNode, gpu_block: int) -> None:
         """A node cached off the GPU moves onto ``gpu_block`` (a caller's copy of its data)."""

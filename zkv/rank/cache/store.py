@@ -365,23 +365,24 @@ class BlockStore:
             self.tier.check_rows(src)
         if move.dest == Tier.CPU:
             self.tier.writing(dst)
-        nbytes = self._paths[move.op](src, dst)
+        nbytes = self._transfer(move.op, src, dst)
         if move.dest == Tier.CPU:
             self.tier.written(dst)
         return nbytes
 
-    @property
-    def _paths(self) -> dict[Op, Callable[[Sequence[int], Sequence[int]], int]]:
+    def _transfer(self, op: Op, src: Sequence[int], dst: Sequence[int]) -> int:
         """The transfer path of each move: the copy engine between the device and
-        the CPU tier, the disk tier's I/O between the CPU tier and its file."""
+        the CPU tier, the disk tier's I/O between the CPU tier and its file (chosen
+        by ``if``: a table built here would be built again for every task)."""
         assert self.copier is not None and self.tier is not None
-        copier, cpu = self.copier, self.tier
-        return {
-            Op.SWAP_OUT: copier.copy_out,
-            Op.SWAP_IN: copier.copy_in,
-            Op.SPILL: lambda src, dst: self._disk().write(dst, cpu.addresses(src), cpu.stride),
-            Op.LOAD: lambda src, dst: self._disk().read(src, cpu.addresses(dst), cpu.stride),
-        }
+        if op is Op.SWAP_OUT:
+            return self.copier.copy_out(src, dst)
+        if op is Op.SWAP_IN:
+            return self.copier.copy_in(src, dst)
+        cpu = self.tier
+        if op is Op.SPILL:
+            return self._disk().write(dst, cpu.addresses(src), cpu.stride)
+        return self._disk().read(src, cpu.addresses(dst), cpu.stride)
 
     def _disk(self) -> DiskTier:
         assert self.disk is not None, "a disk move on a rank without a disk tier"
