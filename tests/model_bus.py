@@ -28,6 +28,7 @@ from zkv.wire import bounds
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Result
+from zkv.wire.vocab import RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=1, kv_heads=1, head_dim=1)
 OTHER = LAYOUT.with_changes(gpu_blocks=6, cpu_blocks=4)
@@ -352,7 +353,8 @@ class Bus:
                 digests = [tier.get(b) for b in ids]
         self._finish(rank, ex, outcome, reason, digests)
 
-    def _finish(self, rank: int, ex: Execute, outcome: str, reason: str, digests) -> None:
+    def _finish(self, rank: int, ex: Execute, said: str, reason: str, digests) -> None:
+        outcome = RankOutcome(said)
         result = Result(
             task=ex.task, rank=rank, world=self.world, outcome=outcome, reason=reason, gen=ex.gen, digests=digests
         )

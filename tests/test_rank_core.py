@@ -5,6 +5,7 @@ import itertools
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 from zkv.testing.sim import LAYOUT
 from zkv.wire import protocol as P
+from zkv.wire.vocab import RankOutcome
 
 
 def welcomed(op="run", epoch=0, upto=0, gen=0) -> RankCore:
@@ -33,10 +34,10 @@ def test_ack_waits_for_received_upto_and_zero_inflight():
     assert sent(core.on_control(control("pause", 1, upto=(2, 0)), 1.0), "ack") == []
     (ex1,) = [a for a in core.on_task(*task(1), 1.0) if isinstance(a, Execute)]
     assert ex1.refuse == ""
-    assert sent(core.on_finished(1, 1, "ok", 0, 0), "ack") == []  # task 2 not received yet
+    assert sent(core.on_finished(1, 1, RankOutcome.OK, 0, 0), "ack") == []  # task 2 not received yet
     (ex2,) = [a for a in core.on_task(*task(2), 1.0) if isinstance(a, Execute)]
     assert ex2.refuse == "", "a task dispatched before the pause runs"
-    acts = core.on_finished(2, 2, "ok", 0, 0)
+    acts = core.on_finished(2, 2, RankOutcome.OK, 0, 0)
     (ack,) = sent(acts, "ack")
     assert ack.as_map() == {**ack.as_map(), "epoch": 1, "op": "pause", "upto": 2}
     assert any(isinstance(a, Acked) for a in acts)
@@ -72,7 +73,7 @@ def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
     assert ack.op == "clear" and ack.freed == 1234 and ack.gen == 1
     (ex,) = [a for a in core.on_task(*task(1, gen=1), 1.0) if isinstance(a, Execute)]
     assert "cleared" in ex.refuse
-    core.on_finished(1, 1, "failed", 0, 1)
+    core.on_finished(1, 1, RankOutcome.FAILED, 0, 1)
     acts = core.on_control(control("resume", 3, gen=1, layout=LAYOUT.with_changes(gpu_blocks=8).to_wire()), 1.0)
     (alloc,) = [a for a in acts if isinstance(a, AllocateCache)]
     assert alloc.layout.gpu_blocks == 8 and sent(acts, "ack") == []

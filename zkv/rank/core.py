@@ -370,11 +370,11 @@ class RankCore:
 
     # --- executor events -----------------------------------------------------------
 
-    def on_finished(self, seq: int, n: int, outcome: str, nbytes: int, gen: int) -> list[RankAction]:
+    def on_finished(self, seq: int, n: int, outcome: RankOutcome, nbytes: int, gen: int) -> list[RankAction]:
         self.inflight -= 1
         self.counters["tasks_" + outcome] += 1
         out: list[RankAction] = [
-            ToBroker(Done(seq=seq, n=n, outcome=RankOutcome(outcome), gen=gen, bytes=nbytes).to_wire(), done=True)
+            ToBroker(Done(seq=seq, n=n, outcome=outcome, gen=gen, bytes=nbytes).to_wire(), done=True)
         ]
         return out + self._maybe_ack()
 

@@ -7,8 +7,12 @@ fixed ``ZKV_RESULT_ADDR``) is not trusted again: libzmq drops the pipe, every
 later send on that socket finds no peer, and results to the correctly keyed
 client that comes back on the same address would be lost for good.  Each
 socket is therefore watched through its monitor; a failed handshake closes
-it, and the next send connects a fresh one.  What cannot be handed over is
-counted (``undeliverable``) and logged, rate limited, never silent.
+it, and the next send connects a fresh one.  A look at the monitor is a
+system call, so a link busy with results looks at most every
+``LOOK_EVERY_S`` (a handshake failure costs at most that much of a stream
+of results; a link idle longer looks before its next send).  What cannot be
+handed over is counted (``undeliverable``) and logged, rate limited, never
+silent.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ log = logging.getLogger("zkv.worker")
 
 MAX_RESULT_SOCKETS = 64  # PUSH sockets kept per thread, least recently used closed first
 LOG_EVERY_S = 5.0  # at most one warning per address and kind in this time
+LOOK_EVERY_S = 0.02  # a link's monitor is read at most this often (a getsockopt is a system call)
 _NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send (net/frames.py)
 _POLLIN = int(zmq.POLLIN)
 _FAILED_EVENTS = (
@@ -38,14 +43,19 @@ _FAILED_EVENTS = (
 class _Link:
     """One PUSH and the monitor that tells whether its peer turned it away."""
 
-    __slots__ = ("sock", "monitor")
+    __slots__ = ("sock", "monitor", "next_look")
 
     def __init__(self, sock: zmq.Socket, monitor: zmq.Socket):
         self.sock = sock
         self.monitor = monitor
+        self.next_look = 0.0
 
-    def refused(self) -> bool:
-        """True when a handshake failed since the last look (drains the events)."""
+    def refused(self, now: float) -> bool:
+        """True when a handshake failed since the last look (drains the events);
+        False without a look until ``LOOK_EVERY_S`` after the last one."""
+        if now < self.next_look:
+            return False
+        self.next_look = now + LOOK_EVERY_S
         failed = False
         while int(self.monitor.getsockopt(zmq.EVENTS)) & _POLLIN:
             frames = self.monitor.recv_multipart(_NOBLOCK)
@@ -78,7 +88,7 @@ class ResultSenders:
 
     def send(self, address: str, key: str | None, frame: bytes) -> None:
         link = self.links.get((address, key))
-        if link is not None and link.refused():
+        if link is not None and link.refused(time.monotonic()):
             self.stats["result_reconnects"] += 1
             self._warn(address, "handshake", "a peer there refused the handshake (other Curve settings?); reconnecting")
             del self.links[(address, key)]

@@ -57,6 +57,9 @@ ROW_HEAD_BYTES = ROW_HEAD.size
 MARK = b"ZKVB"
 WRITING = b"ZKVW"  # the mark while a row is being written
 _NO_DIGEST = bytes(16)  # a row sealed without a digest
+_MARK_U8 = np.frombuffer(MARK, dtype=np.uint8)
+_WRITING_U8 = np.frombuffer(WRITING, dtype=np.uint8)
+_FEW_ROWS = 8  # up to this many rows, plain row indexing beats numpy's fancy indexing
 _GEN_AT = 8 + 4 + 4 + 8 + 8 + 16  # offset of the file header's generation
 _PID_AT = _GEN_AT + 8
 
@@ -150,6 +153,7 @@ class TierFile:
         self.data = buf[HEADER_BYTES : HEADER_BYTES + rows * self.stride].reshape(rows, self.stride)[:, :row_bytes]
         self.heads = buf[start : start + rows * ROW_HEAD_BYTES].reshape(rows, ROW_HEAD_BYTES)
         self.valid = self.check_heads() if self.kept else np.zeros(rows, dtype=bool)
+        self._head: tuple[int, np.ndarray, bytes] | None = None  # _head_at's header, made once per generation
 
     def _matches(self, head: bytes) -> bool:
         magic, version, hb, rows, row_bytes, digest = _HEAD.unpack(head)[:6]
@@ -167,7 +171,7 @@ class TierFile:
         return self._checks(self.heads)
 
     def _checks(self, heads: np.ndarray) -> np.ndarray:
-        mark = heads[:, 0:4] == np.frombuffer(MARK, dtype=np.uint8)
+        mark = heads[:, 0:4] == _MARK_U8
         gen = heads[:, 8:16].copy().view("<u8")[:, 0] == self.gen
         layout = heads[:, 16:32] == np.frombuffer(self.digest, dtype=np.uint8)
         return mark.all(axis=1) & gen & layout.all(axis=1)
@@ -181,18 +185,43 @@ class TierFile:
     def unseal(self, rows: list[int]) -> None:
         """Before rows are written: their headers stop checking (the mark says
         "being written" first: a kill now leaves a lost row, never an empty one)."""
-        self.heads[rows, 0:4] = np.frombuffer(WRITING, dtype=np.uint8)
+        heads = self.heads
+        if len(rows) <= _FEW_ROWS:
+            for r in rows:
+                heads[r, 0:4] = _WRITING_U8
+            return
+        heads[rows, 0:4] = _WRITING_U8
 
     def seal(self, rows: list[int], gen: int) -> None:
         """After rows are written: header (and digest), then every mark last.  ``gen``:
         the generation when the write began (a row written across a move does not check)."""
-        idx = np.asarray(rows, dtype=np.intp)
-        self.heads[idx, 4:48] = np.frombuffer(ROW_HEAD.pack(b"\0\0\0\0", 0, gen, self.digest, _NO_DIGEST), np.uint8)[4:]
+        heads, head = self.heads, self._head_at(gen)[0]
+        if len(rows) <= _FEW_ROWS:
+            for r in rows:
+                heads[r, 4:48] = head
+        else:
+            idx = np.asarray(rows, dtype=np.intp)
+            heads[idx, 4:48] = head
         if self.digests:
             for r in rows:
-                self.heads[r, 32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8)
-        self.heads[idx, 0:4] = np.frombuffer(MARK, dtype=np.uint8)
-        self.valid[idx] = gen == self.gen
+                heads[r, 32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8)
+        if len(rows) <= _FEW_ROWS:
+            for r in rows:
+                heads[r, 0:4] = _MARK_U8
+                self.valid[r] = gen == self.gen
+        else:
+            heads[idx, 0:4] = _MARK_U8
+            self.valid[idx] = gen == self.gen
+
+    def _head_at(self, gen: int) -> tuple[np.ndarray, bytes]:
+        """A row sealed at ``gen``: its header after the mark (what ``seal`` writes),
+        and its first 32 bytes (what ``lost`` finds in a row that checks); made
+        once per generation."""
+        cached = self._head
+        if cached is None or cached[0] != gen:
+            packed = ROW_HEAD.pack(MARK, 0, gen, self.digest, _NO_DIGEST)
+            cached = self._head = (gen, np.frombuffer(packed, np.uint8)[4:], packed[:32])
+        return cached[1], cached[2]
 
     def _row_digest(self, row: int) -> bytes:
         return hashlib.blake2b(self.data[row], digest_size=16).digest()
@@ -204,10 +233,14 @@ class TierFile:
         ``torn`` was being written when its writer died, or its header or
         digest does not check.  Headers are checked
         together; with digests, each row's bytes are hashed here."""
+        if not self.digests and len(rows) <= _FEW_ROWS:  # the common case, a few rows that check
+            heads, sealed = self.heads, self._head_at(self.gen)[1]
+            if all(heads[r, :32].tobytes() == sealed for r in rows):
+                return [], []
         idx = np.fromiter(dict.fromkeys(rows), dtype=np.intp)
         heads = self.heads[idx]
         ok = self._checks(heads)
-        sealed = (heads[:, 0:4] == np.frombuffer(MARK, dtype=np.uint8)).all(axis=1)
+        sealed = (heads[:, 0:4] == _MARK_U8).all(axis=1)
         other_gen = sealed & (heads[:, 8:16].copy().view("<u8")[:, 0] != self.gen)
         torn = ~ok & ~other_gen & heads.any(axis=1)
         if self.digests:

@@ -368,6 +368,9 @@ class TaskBody:
     seed: int = 0
 
 
+_GPU = Tier.GPU.value  # read once: an enum member's .value is a descriptor call
+
+
 def decode_body(frame: bytes) -> TaskBody:
     """Decode a task body and check what needs no cache layout."""
     return task_body(decode(frame, ("body",)))
@@ -381,7 +384,7 @@ def task_body(msg: Body) -> TaskBody:
     src = unpack_ids(msg.src or [], "src")
     dst = unpack_ids(msg.dst or [], "dst")
     tier = msg.tier
-    tier = Tier.GPU.value if tier is None else tier  # "" is not gpu: only absent / nil is
+    tier = _GPU if tier is None else tier  # "" is not gpu: only absent / nil is
     if tier not in TIERS:
         raise ProtocolError("bad_field", f"tier must be one of {', '.join(TIERS)}, got {shown(tier)}")
     if op in _PAIRED:
