@@ -191,15 +191,16 @@ class RankWorker:
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.executor.stats)
         s.update(self.core.counters)
+        held = self.cache.tier_nbytes()
         s.update(
             gen=self.core.gen,
             epoch=self.core.epoch,
             op=self.core.op.value,
-            cache_bytes=self.cache.nbytes() if self.cache.allocated else 0,
+            cache_bytes=self.cache.nbytes(held) if self.cache.allocated else 0,
             device=str(self.cache.device),
         )
         s.update(self.executor.book.to_stats())
-        s.update({f"cache_bytes_{tier}": n for tier, n in self.cache.tier_nbytes().items()})
+        s.update({f"cache_bytes_{tier}": n for tier, n in held.items()})
         tier = self.cache.tier
         if tier is not None:  # what the CPU tier holds, whether it outlived a process, what failed
             s["cpu_tier"] = tier.to_stats(self.cache.restored)

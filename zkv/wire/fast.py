@@ -148,13 +148,13 @@ _MAP_FIELDS = {
 
 
 def _entries(value: Any) -> int:
-    """Entries of a map / list field, nested ones counted (``check_nested``'s budget)."""
-    total, stack = len(value), [value]
-    while stack:
-        v = stack.pop()
-        inner = [x for x in (v.values() if type(v) is dict else v) if type(x) is dict or type(x) is list]
-        total += sum(map(len, inner))
-        stack += inner
+    """Entries of a map / list field, nested ones counted (``check_nested``'s budget).
+    Recursive: the typed decoder already bounded the depth (``_nested``)."""
+    total = len(value)
+    for x in value.values() if type(value) is dict else value:
+        t = type(x)
+        if t is dict or t is list:
+            total += _entries(x)
     return total
 
 

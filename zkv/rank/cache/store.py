@@ -306,9 +306,10 @@ class BlockStore:
             **({Tier.DISK: self.disk.nbytes} if self.disk is not None else {}),
         }
 
-    def nbytes(self) -> int:
-        """Memory held (the device and CPU tiers; the disk file is not memory)."""
-        n = self.tier_nbytes()
+    def nbytes(self, held: dict[str, int] | None = None) -> int:
+        """Memory held (the device and CPU tiers; the disk file is not memory);
+        ``held``: ``tier_nbytes()`` when the caller has it already."""
+        n = self.tier_nbytes() if held is None else held
         return n[Tier.GPU] + n[Tier.CPU]
 
     # --- tasks ---------------------------------------------------------------------
