@@ -134,11 +134,10 @@ class Broker:
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self._stop, zmq.POLLIN)
         core = self.core
+        due = core.next_deadline(time.monotonic())
         try:
             while True:
-                now = time.monotonic()
-                timeout_ms = core.next_deadline(now) * 1000
-                events = dict(poller.poll(int(max(1.0, timeout_ms))))
+                events = dict(poller.poll(int(max(1.0, due * 1000))))
                 if self._stop in events:
                     break
                 if self.backend in events:
@@ -147,7 +146,13 @@ class Broker:
                 if self.frontend in events:
                     self.counts["frontend_wakeups"] += 1
                     self._drain(self.frontend, core.on_client)
-                self._act(core.on_tick(time.monotonic()))
+                # The clock's work only once some of it is due: what a message
+                # made due is in the deadline asked for after it was handled.
+                now = time.monotonic()
+                due = core.next_deadline(now)
+                if due <= 0.0:
+                    self._act(core.on_tick(now))
+                    due = core.next_deadline(time.monotonic())
                 self._flush_tasks()
         except KeyboardInterrupt:
             pass
