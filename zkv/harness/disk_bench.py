@@ -27,6 +27,9 @@ from .cluster import LocalCluster
 
 LAYOUT = CacheLayout(layers=4, gpu_blocks=16, cpu_blocks=512, block_size=16, kv_heads=8, head_dim=128)  # 256 KiB
 WINDOW = 8  # tasks in flight: the rank runs them back to back, as a plain loop would
+# zkv / a plain file, each direction: large tasks near the disk's speed; a 1-block
+# task also pays a bus round trip, which a plain pread / pwrite does not.
+TARGETS = {"256_blocks": 0.9, "1_block": 0.5}
 Pairs = Callable[[int], tuple[list[int], list[int]]]  # task i -> (src, dst)
 
 
@@ -155,6 +158,7 @@ def bench_disk(directory: str = "/var/tmp", rounds: int = 5, quick: bool = False
                     }
                 z, p = res["zkv"], res["plain_file"]
                 res["vs_plain"] = {"write": z["write_GBps"] / p["write_GBps"], "read": z["read_GBps"] / p["read_GBps"]}
+                res["target"] = TARGETS[name]
                 res["vs_plain_rounds"] = {
                     op: [round(a / b, 2) for a, b in zip(z[f"{op}_GBps_rounds"], p[f"{op}_GBps_rounds"])]
                     for op in ("write", "read")
@@ -177,12 +181,14 @@ def summary(res: dict) -> str:
         if name in res:
             r = res[name]
             z, p, vs = r["zkv"], r["plain_file"], r["vs_plain"]
-            rounds = r["vs_plain_rounds"]
+            rounds, target = r["vs_plain_rounds"], TARGETS[name]
+            held = "ok" if min(vs["write"], vs["read"]) >= target else "MISSED"
             lines.append(
                 f"  {name} tasks: zkv write {z['write_GBps']:.3f} GB/s read {z['read_GBps']:.3f} GB/s"
                 f"  | plain file write {p['write_GBps']:.3f} GB/s read {p['read_GBps']:.3f} GB/s"
                 f"  (write {vs['write']:.2f}x [{min(rounds['write']):.2f}-{max(rounds['write']):.2f}],"
-                f" read {vs['read']:.2f}x [{min(rounds['read']):.2f}-{max(rounds['read']):.2f}]; target >= 0.9x)"
+                f" read {vs['read']:.2f}x [{min(rounds['read']):.2f}-{max(rounds['read']):.2f}];"
+                f" {held}: target >= {target}x both ways)"
             )
             if "bare_round_trip_us" in r:
                 lines.append(
