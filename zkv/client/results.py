@@ -34,6 +34,7 @@ class _Open:
 
 
 _MAX_TIMED_OUT = 100_000
+_PER_RANK_FIELDS = ("reason", "bytes", "elapsed_us", "digests", "gen")  # a result's fields kept per rank, after its outcome
 
 
 class ResultBook:
@@ -99,18 +100,11 @@ class ResultBook:
         if not entry.fold.add(rank, msg.outcome, msg.reason or "", msg.bytes or 0):
             self.counters["duplicate_results"] += 1
             return None
-        entry.per_rank[rank] = {
-            k: v
-            for k, v in (
-                ("outcome", msg.outcome),
-                ("reason", msg.reason),
-                ("bytes", msg.bytes),
-                ("elapsed_us", msg.elapsed_us),
-                ("digests", msg.digests),
-                ("gen", msg.gen),
-            )
-            if v is not None
-        }
+        said = entry.per_rank[rank] = {"outcome": msg.outcome}  # the fields the result carried, nil left out
+        for key in _PER_RANK_FIELDS:
+            value = getattr(msg, key)
+            if value is not None:
+                said[key] = value
         if not entry.fold.complete:
             return None
         return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
