@@ -34,7 +34,7 @@ class _Open:
 
 
 _MAX_TIMED_OUT = 100_000
-_PER_RANK_FIELDS = ("reason", "bytes", "elapsed_us", "digests", "gen")  # a result's fields kept per rank, after its outcome
+_PER_RANK_FIELDS = ("reason", "bytes", "elapsed_us", "digests", "gen")  # kept per rank, after the outcome
 
 
 class ResultBook:
