@@ -46,7 +46,13 @@ def layout_args(layout: CacheLayout) -> list[str]:
 
 
 class LocalCluster:
-    """Start, wait for, and stop a broker and ``ranks`` workers on ipc:// endpoints."""
+    """Start, wait for, and stop a broker and ``ranks`` workers on ipc:// endpoints.
+
+    Its processes die with the process that started them, kill -9 included
+    (``die_with_parent``, ``lifeline.py``): a benchmark, demo or test that
+    crashes leaves no bus behind to load the machine.  The kernel ties each
+    child to the *thread* that started it, so start a cluster (and its
+    workers) from a thread that outlives it, or pass ``die_with_parent=False``."""
 
     def __init__(
         self,
@@ -59,7 +65,7 @@ class LocalCluster:
         quiet: bool = False,
         endpoints: Endpoints | None = None,
         tier_dir: str | None = None,
-        die_with_parent: bool = False,
+        die_with_parent: bool = True,
     ):
         self.ranks = ranks
         self.die_with_parent = die_with_parent  # every process gets SIGTERM when this one dies (lifeline.py)
