@@ -9,16 +9,14 @@ spell a state as a string.
 Rule 2: this file knows nothing of clients, ranks, epochs or sockets; it knows
 only the control cycle in the abstract (pause -> clear -> resume).
 
-The ops are the wire's own ``ControlOp`` (``zkv/wire/vocab.py``), re-exported
-here for the tables' readers; the states are a string enum too, so a state or
-op packs, prints and compares as its value.
+The ops and the states are the wire's own words, ``ControlOp`` and
+``BusState`` (``zkv/wire/vocab.py``), re-exported here for the tables'
+readers: a state or op packs, prints and compares as its value.
 """
 
 from __future__ import annotations
 
-from enum import Enum
-
-from ..wire.vocab import ControlOp
+from ..wire.vocab import BusState, ControlOp
 
 __all__ = [
     "ALREADY",
@@ -35,28 +33,6 @@ __all__ = [
     "on_failure",
     "stable",
 ]
-
-
-class _StrEnum(str, Enum):
-    """An enum whose members are their string values on the wire, in JSON and
-    in f-strings (``enum.StrEnum`` needs Python 3.11; zkv supports 3.10)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class BusState(_StrEnum):
-    """What the bus is doing; ``status`` reports it as ``state``."""
-
-    RUNNING = "running"
-    PAUSING = "pausing"
-    PAUSED = "paused"
-    CLEARING = "clearing"
-    CLEARED = "cleared"
-    RESUMING = "resuming"
 
 
 # A client's op: the state it puts the bus in while every live rank acks it.

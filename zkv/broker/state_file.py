@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..wire.protocol import MAX_SAFE_INT
+from ..wire.vocab import BusState
 
 log = logging.getLogger("zkv.broker")
 
 FILE_NAME = "broker-state.json"
-_STATES = ("running", "paused", "cleared")
+_STATES = (BusState.RUNNING, BusState.PAUSED, BusState.CLEARED)  # a snapshot holds a stable state
 
 
 def default_state_path(frontend: str) -> Path | None:
@@ -46,7 +47,7 @@ def check_snapshot(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     if data.get("state") not in _STATES:
-        raise ValueError(f"state {data.get('state')!r} is not one of {_STATES}")
+        raise ValueError(f"state {data.get('state')!r} is not one of {', '.join(_STATES)}")
     for name in ("epoch", "gen", "world"):
         value = data.get(name)
         if type(value) is not int or not 0 <= value < MAX_SAFE_INT // 2:

@@ -15,7 +15,7 @@ from ..wire import protocol as P
 from ..wire.messages import Cancel, Done, Submit
 from ..wire.messages import Task as TaskMsg
 from ..wire.outcome import RankFold
-from ..wire.vocab import Outcome
+from ..wire.vocab import Outcome, TaskState
 from .actions import Action, Record, ToRank, error, outcome, reply
 from .generation import Generation
 from .ranks import RankTable
@@ -203,11 +203,11 @@ class TaskTable:
         key = (client, msg.task)
         task = self.open_tasks.get(key)
         if task is None:
-            state = "done" if key in self.ended else "unknown"
+            state = TaskState.DONE if key in self.ended else TaskState.UNKNOWN
         elif task.seq:
-            state = "dispatched"
+            state = TaskState.DISPATCHED
         else:
-            state = "queued"
+            state = TaskState.QUEUED
             self.finish(task, Outcome.CANCELLED, CANCELLED_BY_CLIENT, now, out, notify=True)
             self.counters["client_cancels"] += 1
             self.stale += 1  # it leaves the queue lazily, as an expired one

@@ -13,7 +13,7 @@ import click
 from ..wire.bounds import MAX_SAFE_INT
 from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
-from ..wire.vocab import Outcome, Tier
+from ..wire.vocab import BusState, Outcome, TaskState, Tier
 from .control import client_options
 
 if TYPE_CHECKING:
@@ -35,11 +35,11 @@ def _parse_ids(text: str) -> list[int]:
 def _why_not_now(st: StatusReply) -> str:
     """What keeps a task submitted now from running at once, from a status reply ('' when nothing)."""
     state = st.state
-    if state == "paused":
+    if state is BusState.PAUSED:
         return "the bus is paused: tasks are held until zkv resume"
-    if state == "cleared":
+    if state is BusState.CLEARED:
         return "the bus is cleared: the broker rejects tasks until zkv resume reallocates the caches"
-    if state not in ("", "running"):
+    if state not in (None, BusState.RUNNING):
         return f"the bus is {state}: the task waits until that op completes"
     alive, world = len(st.alive_ranks), st.world
     if alive < world:
@@ -145,7 +145,7 @@ def _run_or_cancel(client: Any, op: str, src: Any, dst: Any, timeout: float, tie
             answer = client.cancel(task, timeout=min(timeout, 5.0))
             cancelled, state = answer.cancelled, answer.state
         except ZkvError:
-            cancelled, state = False, "unknown"
+            cancelled, state = False, TaskState.UNKNOWN
         if cancelled:
             click.echo(f"zkv: task {task} {Outcome.CANCELLED} before it was dispatched: it never ran", err=True)
         else:

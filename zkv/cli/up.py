@@ -21,6 +21,7 @@ import click
 
 from ..net.endpoints import Endpoints
 from ..wire.bounds import MAX_WORLD
+from ..wire.vocab import BusState
 from .options import (
     disk_options,
     fail,
@@ -120,14 +121,14 @@ def _remove_sockets(endpoints: Endpoints) -> None:
 def _say_state(st: StatusReply, restored: bool) -> None:
     state = st.state
     how = ", as it was restored" if restored else ""
-    if state == "paused":
+    if state is BusState.PAUSED:
         click.echo(f"zkv up: the bus is PAUSED{how}: tasks are held until you run: zkv resume")
-    elif state == "cleared":
+    elif state is BusState.CLEARED:
         click.echo(
             f"zkv up: the bus is CLEARED{how}: the caches are freed and tasks are rejected "
             "until you run: zkv resume (it reallocates them)"
         )
-    elif state not in ("", "running"):
+    elif state not in (None, BusState.RUNNING):
         click.echo(f"zkv up: the bus is {str(state).upper()}; see zkv status")
 
 

@@ -26,7 +26,7 @@ from enum import Enum
 from typing import Sequence
 
 from ..wire.replies import ControlReply, StatusReply
-from ..wire.vocab import ControlOp
+from ..wire.vocab import BusState, ControlOp
 
 OPS = (ControlOp.PAUSE, ControlOp.CLEAR, ControlOp.RESUME, "status")
 ON_FAILURE = (ControlOp.RESUME, "stay")
@@ -73,12 +73,12 @@ class Step(str, Enum):
 
 
 #: Errors after which the broker says where the bus is (docs/protocol.md §8.3).
-_STATE_AFTER_ERROR: dict[str, dict[str, str]] = {
-    ControlOp.PAUSE: {"pause_timeout": "running", "rank_dead": "running"},
-    ControlOp.CLEAR: {"clear_timeout": "cleared", "rank_dead": "cleared"},
+_STATE_AFTER_ERROR: dict[str, dict[str, BusState]] = {
+    ControlOp.PAUSE: {"pause_timeout": BusState.RUNNING, "rank_dead": BusState.RUNNING},
+    ControlOp.CLEAR: {"clear_timeout": BusState.CLEARED, "rank_dead": BusState.CLEARED},
 }
 #: How a failed resume's reason ends, by the state it rolled back to (docs/protocol.md §8.3).
-_RESUME_ROLLED_BACK = (("the bus is cleared again", "cleared"), ("the bus is paused again", "paused"))
+_RESUME_ROLLED_BACK = (("the bus is cleared again", BusState.CLEARED), ("the bus is paused again", BusState.PAUSED))
 
 
 class FleetOp:
@@ -157,7 +157,7 @@ class FleetOp:
             return None
         back = self.rollbacks.get(name)
         if back is not None:
-            return "running" if back.ok else None
+            return BusState.RUNNING if back.ok else None
         if self.needs_rollback(name) and self.failed:
             return None  # it had to be resumed and was not (yet)
         if answer.ok:

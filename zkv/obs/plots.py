@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..wire.vocab import ControlOp, Outcome
+from ..wire.vocab import BusState, ControlOp, Outcome
 
 OUTCOME_COLOURS: dict[str, str] = {
     Outcome.OK: "#2b7bba",
@@ -24,8 +24,12 @@ OUTCOME_COLOURS: dict[str, str] = {
 }
 OP_COLOURS: dict[str, str] = {ControlOp.PAUSE: "#f2c744", ControlOp.CLEAR: "#e8645a", ControlOp.RESUME: "#7cc47c"}
 #: the bus state a control op leaves behind
-AFTER: dict[str, str] = {ControlOp.PAUSE: "paused", ControlOp.CLEAR: "cleared", ControlOp.RESUME: "running"}
-STATE_COLOURS = {"paused": "#eeeeee", "cleared": "#f7d9d6"}
+AFTER: dict[str, BusState] = {
+    ControlOp.PAUSE: BusState.PAUSED,
+    ControlOp.CLEAR: BusState.CLEARED,
+    ControlOp.RESUME: BusState.RUNNING,
+}
+STATE_COLOURS = {BusState.PAUSED: "#eeeeee", BusState.CLEARED: "#f7d9d6"}
 
 
 MISSING = "plots need matplotlib: pip install -e '.[plot]' in the zkv checkout (the README's install)"
@@ -136,7 +140,7 @@ def plot_trace(trace_path: str, out_png: str, title: str | None = None) -> str:
     fig, axes = _figure(11, 4.8)
     ax = axes[0][0]
     # The bus state between ops: paused (pause done .. resume done), cleared (clear done .. resume done).
-    state, since = "running", 0.0
+    state, since = BusState.RUNNING, 0.0
     for op, _start, end, ok in sorted(tl.ops, key=lambda o: o[2]):
         if not ok:
             continue

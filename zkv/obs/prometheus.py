@@ -33,7 +33,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from ..wire.vocab import CLIENT_OPS, RANK_OUTCOMES, ControlOp, Outcome, Tier
+from ..wire.vocab import CLIENT_OPS, RANK_OUTCOMES, BusState, ControlOp, Outcome, Tier
 from .book import (
     BYTES_BUCKETS,
     CONTROL_BUCKETS_S,
@@ -48,7 +48,7 @@ from .tier_metrics import TierFamilies
 
 PORT_ENV = "ZKV_METRICS_PORT"
 ADDR_ENV = "ZKV_METRICS_ADDR"
-STATES = ("running", "pausing", "paused", "clearing", "cleared", "resuming")
+STATES = tuple(s.value for s in BusState)  # every bus state, in the order of a control cycle
 
 # rank stats key -> (stale message kind); broker counter key -> kind
 _RANK_STALE = {

@@ -16,7 +16,7 @@ from ..client import Client, ResultBook, StatusReply, ZkvError
 from ..net.curve import Curve
 from ..trace import Op, Trace
 from ..wire.messages import Result
-from ..wire.vocab import ControlOp, Outcome
+from ..wire.vocab import BusState, ControlOp, Outcome
 from .checker import ControlResult, Key, Observation, Observed, Report, check, rank_stats_fresh
 
 
@@ -225,7 +225,7 @@ class Replayer:
                 obs.notes.append(f"the trace was made for world {self.trace.world}; the bus has world {st.world}")
             if self.trace.layout is not None and st.layout and st.layout != self.trace.layout:
                 obs.notes.append(f"the trace's layout differs from the bus's layout {st.layout.to_wire()}")
-            if st.state != "running":
+            if st.state is not BusState.RUNNING:
                 obs.notes.append(f"the bus was {st.state} when the replay started")
             start = time.monotonic()
             try:

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 from ..wire.ids import encode_ids
 from ..wire.layout import CacheLayout
-from ..wire.vocab import ControlOp, Op, Outcome
+from ..wire.vocab import BusState, ControlOp, Op, Outcome
 from .format import DEFAULT_CONTROL_CLIENT, header_record
 
 SHAPES = ("steady", "bursty", "rl-cycle")
@@ -95,33 +95,37 @@ def generate(
     t = 0.0
     i = 0
     running = 0
-    phase = "running"
+    phase = BusState.RUNNING
     phase_start = 0
     phase_left = 0
-    while i < tasks or phase != "running":
-        if phase == "running" and running == every and i < tasks:
+    while i < tasks or phase != BusState.RUNNING:
+        if phase == BusState.RUNNING and running == every and i < tasks:
             yield {"t": round(t, 6), "ev": ControlOp.PAUSE, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
-            phase, phase_left, running = "paused", held, 0
+            phase, phase_left, running = BusState.PAUSED, held, 0
             continue
-        if phase == "paused" and (phase_left == 0 or i >= tasks):
+        if phase == BusState.PAUSED and (phase_left == 0 or i >= tasks):
             yield {"t": round(t, 6), "ev": ControlOp.CLEAR, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
-            phase, phase_left = "cleared", held
+            phase, phase_left = BusState.CLEARED, held
             for rows in written:
                 rows.clear()
             continue
-        if phase == "cleared" and (phase_left == 0 or i >= tasks):
+        if phase == BusState.CLEARED and (phase_left == 0 or i >= tasks):
             yield {"t": round(t, 6), "ev": ControlOp.RESUME, "client": DEFAULT_CONTROL_CLIENT, "expect": Outcome.OK}
-            phase, phase_start = "running", i
+            phase, phase_start = BusState.RUNNING, i
             continue
-        expect: Any = {"running": Outcome.OK, "paused": Outcome.CANCELLED, "cleared": Outcome.REJECTED}[phase]
-        if phase == "running" and phase_start + every < tasks:
+        expect: Any = {
+            BusState.RUNNING: Outcome.OK,
+            BusState.PAUSED: Outcome.CANCELLED,
+            BusState.CLEARED: Outcome.REJECTED,
+        }[phase]
+        if phase is BusState.RUNNING and phase_start + every < tasks:
             # A pause and a clear follow: a task still queued behind the ranks'
             # credits when the pause comes is held, then cancelled by the clear.
             expect = [Outcome.OK, Outcome.CANCELLED]
         yield task(i, t, expect)
         i += 1
         t += dt
-        if phase == "running":
+        if phase is BusState.RUNNING:
             running += 1
         else:
             phase_left -= 1

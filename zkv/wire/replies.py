@@ -9,12 +9,26 @@ Every reply keeps the map the frame carried for ``as_dict()``: the CLI's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 from . import protocol as P
 from .layout import CacheLayout
 from .messages import Reply
-from .vocab import ControlOp
+from .vocab import BusState, ControlOp, TaskState
+
+_W = TypeVar("_W", BusState, ControlOp, TaskState)
+
+
+def _word(kind: type[_W], value: Any, name: str) -> _W | None:
+    """A reply's word as its enum member (None when absent); a word the enum
+    does not hold is a broker speaking another protocol: a ``ProtocolError``."""
+    if value is None or value == "":
+        return None
+    try:
+        return kind(value)
+    except ValueError:
+        words = ", ".join(str(w) for w in kind)
+        raise P.ProtocolError("bad_field", f"{name}: {P.shown(value)} is not one of {words}") from None
 
 
 @dataclass(frozen=True)
@@ -49,18 +63,19 @@ class PingReply(_Answer):
 @dataclass(frozen=True)
 class CancelReply(_Answer):
     """``cancel``'s reply (§7.6): ``cancelled`` whether it was in time, ``state``
-    what the task was (``queued``, ``dispatched``, ``done``, ``unknown``)."""
+    what the task was (a ``TaskState``)."""
 
     task: int = 0
     cancelled: bool = False
-    state: str = ""
+    state: TaskState = TaskState.UNKNOWN
 
     OP = "cancel"
 
     @classmethod
     def from_reply(cls, reply: Reply) -> "CancelReply":
         x = reply.extra
-        return cls(reply.req, x, task=x.get("task", 0), cancelled=bool(x.get("cancelled")), state=x.get("state", ""))
+        state = _word(TaskState, x.get("state"), "state") or TaskState.UNKNOWN
+        return cls(reply.req, x, task=x.get("task", 0), cancelled=bool(x.get("cancelled")), state=state)
 
 
 _ELAPSED = {ControlOp.PAUSE: "drain_ms", ControlOp.CLEAR: "clear_ms", ControlOp.RESUME: "resume_ms"}
@@ -75,7 +90,7 @@ class ControlReply(_Answer):
     control: ControlOp = ControlOp.PAUSE
     epoch: int = 0
     gen: int = 0
-    state: str = ""
+    state: BusState | None = None  # None: the reply did not say
     cpu_gen: int | None = None
     ranks_acked: int | None = None
     world: int | None = None
@@ -103,7 +118,7 @@ class ControlReply(_Answer):
             control=control,
             epoch=x.get("epoch", 0),
             gen=x.get("gen", 0),
-            state=x.get("state", ""),
+            state=_word(BusState, x.get("state"), "state"),
             cpu_gen=x.get("cpu_gen"),
             ranks_acked=x.get("ranks_acked"),
             world=x.get("world"),
@@ -151,7 +166,7 @@ class RankStatus:
 class StatusReply(_Answer):
     """``status``'s reply (§8.4)."""
 
-    state: str = ""
+    state: BusState | None = None  # None: the reply did not say
     epoch: int = 0
     gen: int = 0
     cpu_gen: int | None = None
@@ -181,7 +196,7 @@ class StatusReply(_Answer):
         return cls(
             reply.req,
             x,
-            state=x.get("state", ""),
+            state=_word(BusState, x.get("state"), "state"),
             epoch=x.get("epoch", 0),
             gen=x.get("gen", 0),
             cpu_gen=x.get("cpu_gen"),
@@ -192,7 +207,7 @@ class StatusReply(_Answer):
             queued=x.get("queued", 0),
             inflight=x.get("inflight", 0),
             max_inflight_per_rank=x.get("max_inflight_per_rank", 0),
-            pending_op=ControlOp(pending) if pending else None,
+            pending_op=_word(ControlOp, pending, "pending_op"),
             restate_failures=x.get("restate_failures", 0),
             restate_error=x.get("restate_error"),
             restate_retry_in_s=x.get("restate_retry_in_s"),

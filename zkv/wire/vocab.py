@@ -52,6 +52,27 @@ class RankOutcome(_Word):
     FAILED = "failed"
 
 
+class BusState(_Word):
+    """What the bus is doing: ``status`` and a control reply say it as ``state``
+    (the broker's transitions between them: ``zkv/broker/state.py``)."""
+
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    CLEARING = "clearing"
+    CLEARED = "cleared"
+    RESUMING = "resuming"
+
+
+class TaskState(_Word):
+    """What a task was when its client asked to cancel it (``cancel``'s reply, ``state``)."""
+
+    QUEUED = "queued"  # cancelled: it never ran
+    DISPATCHED = "dispatched"  # it runs to its own outcome
+    DONE = "done"  # it had ended
+    UNKNOWN = "unknown"  # no such task of this client
+
+
 class Op(_Word):
     """What a task body asks of every rank."""
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-from ...broker.state import BusState
 from ...client.client import Client
 from ...wire.errors import ZkvError
+from ...wire.vocab import BusState
 
 log = logging.getLogger("zkv.vllm")
 
