@@ -176,6 +176,21 @@ def test_eviction_is_lru_and_deepest_first():
     engine.manager.check_invariants()
 
 
+def test_an_eviction_across_chains_takes_the_older_chain_whole_then_the_deepest_of_the_next():
+    engine = Engine(gpu=8, cpu=8)
+    chains = []
+    for seed in (1, 2):  # the first prompt's blocks are the least recently used
+        cached, fresh = engine.serve(prompt(seed, 3))
+        chains.append(fresh.block_ids[:3])
+        for lease in (cached, fresh):
+            engine.manager.release(lease)
+    (a0, a1, a2), (b0, b1, b2) = chains
+    assert engine.manager.evict(5) == 5
+    assert engine.bus.ops("swap_out")[-1].src == (a0, a1, b1, a2, b2)  # one task, parents first
+    assert engine.manager.match(prompt(2, 3)).gpu_hit_blocks == 1  # b0 stayed: it was the newest candidate
+    engine.manager.check_invariants()
+
+
 def test_swap_out_then_swap_in_round_trips_data_in_one_task():
     engine = Engine(gpu=8, cpu=8)
     tokens = prompt(1, 4)

@@ -63,7 +63,7 @@ from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from .quarantine import Quarantine
 from .radix import NodeState, RadixNode
-from .tiers import TIER_NAMES, Tiers
+from .tiers import TIER_NAMES, Tiers, is_gpu_victim, next_in_chain
 
 #: the runner's counters, in the order the manager's stats report them
 COUNTERS = (
@@ -150,12 +150,17 @@ class SwapRunner:
         """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop them."""
         victims: list[RadixNode] = []
         while len(victims) < count:
-            node = tiers.pop_gpu_victim()
+            node = next_in_chain(victims[-1], is_gpu_victim) if victims else None
             if node is None:
-                break
+                if victims:
+                    tiers.offer(cast(RadixNode, victims[-1].parent))  # may have just become a leaf
+                node = tiers.pop_gpu_victim()
+                if node is None:
+                    break
             tiers.tree.set_state(node, NodeState.SWAPPING_OUT)
             victims.append(node)
-            tiers.offer(cast(RadixNode, node.parent))  # may have just become a leaf
+        if victims:
+            tiers.offer(cast(RadixNode, victims[-1].parent))
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
         if victims:
             self.make_cpu_room(tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
@@ -197,9 +202,8 @@ class SwapRunner:
             for node in moving:
                 node.set_block(move.source, None)
                 tiers.tree.set_state(node, state)
-            for node in moving:
-                tiers.offer(node)
-                tiers.offer(cast(RadixNode, node.parent))
+            for node in dict.fromkeys([*moving, *(cast(RadixNode, n.parent) for n in moving)]):
+                tiers.offer(node)  # a moved node, or its parent, may be a leaf on its tier now
             self.counters[_DEMOTED[op]] += len(moving)
             return
         for node in moving:

@@ -45,6 +45,19 @@ def is_disk_victim(node: RadixNode) -> bool:
     return node.attached and node.state is NodeState.ON_DISK and not node.children
 
 
+def next_in_chain(node: RadixNode, is_victim: Callable[[RadixNode], bool]) -> RadixNode | None:
+    """``node``'s parent, when it is what the eviction queue would give next now
+    that ``node`` is taken: the nodes touched at one tick of the manager's clock
+    lie on one path (a lease, an insert), so a parent of the same
+    ``last_access`` that has become a candidate comes right after ``node`` in
+    LRU-then-deepest order.  A chain is taken without a round trip through the
+    queue; None: ask the queue."""
+    parent = node.parent
+    if parent is not None and parent.last_access == node.last_access and is_victim(parent):
+        return parent
+    return None
+
+
 def split_path(path: list[RadixNode]) -> tuple[list[RadixNode], list[RadixNode], list[RadixNode]]:
     """A match's path as its GPU run, CPU run and disk run (the shape rule makes it these three)."""
     gpu = 0
@@ -111,17 +124,28 @@ class Tiers:
         (GPU, CPU, disk) blocks freed, as ``drop_subtree`` does for one."""
         free = self.cpu.num_free
         dropped: tuple[list[int], list[int], list[int]] = ([], [], [])
+        last: RadixNode | None = None
         while free < want_free:
-            top = self.pop_cpu_victim()
+            top = next_in_chain(last, is_cpu_victim) if last is not None else None
             if top is None:
-                break
-            parent = top.parent
+                if last is not None:
+                    self._offer_parent(last)  # may be the next leaf to go
+                top = self.pop_cpu_victim()
+                if top is None:
+                    return self._free(dropped)
             for acc, ids in zip(dropped, self._detach(top, check_refs=True)):
                 acc.extend(ids)
             free = self.cpu.num_free + len(dropped[1])
-            if parent is not None and parent is not self.tree.root:
-                self.offer(parent)  # may be the next leaf to go
+            last = top
+        if last is not None:
+            self._offer_parent(last)
         return self._free(dropped)
+
+    def _offer_parent(self, node: RadixNode) -> None:
+        """Queue ``node``'s parent if it has become a candidate (never the root)."""
+        parent = node.parent
+        if parent is not None and parent is not self.tree.root:
+            self.offer(parent)
 
     def _free(self, ids_by_tier: tuple[list[int], list[int], list[int]]) -> tuple[int, int, int]:
         """Free (GPU, CPU, disk) block ids, one call per tier; returns how many of each."""
