@@ -40,7 +40,7 @@ _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; r
 # ``timeout`` (``ran: false``) if it is still queued then.  The client's own
 # deadline is this much later, so that the broker's word (did it run?) comes first.
 BROKER_WORD_S = 0.25
-_A = TypeVar("_A", PingReply, CancelReply, StatusReply)
+_A = TypeVar("_A", PingReply, CancelReply, StatusReply, ControlReply)
 
 
 def deadline_ms(timeout: float) -> int:
@@ -219,9 +219,9 @@ class Client:
         docs/protocol.md §4)."""
         return self.await_reply(self.send_request(kind, **fields), timeout, kind)
 
-    def _ask(self, cls: type[_A], timeout: float | None, **fields: Any) -> _A:
-        """``request`` for the op whose answer is ``cls``."""
-        answer = self.request(cls.OP, timeout, **fields)
+    def _ask(self, cls: type[_A], timeout: float | None, op: str = "", **fields: Any) -> _A:
+        """``request`` for ``op`` (by default the one ``cls`` answers), whose answer is a ``cls``."""
+        answer = self.request(op or cls.OP, timeout, **fields)
         assert isinstance(answer, cls), answer
         return answer
 
@@ -259,9 +259,8 @@ class Client:
         return typed(reply)
 
     def _control(self, op: ControlOp, timeout: float, **fields: Any) -> ControlReply:
-        answer = self.request(op, timeout + 1, timeout_ms=min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS), **fields)
-        assert isinstance(answer, ControlReply), answer
-        return answer
+        timeout_ms = min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS)
+        return self._ask(ControlReply, timeout + 1, op, timeout_ms=timeout_ms, **fields)
 
     def pause(self, timeout: float = 30.0) -> ControlReply:
         return self._control(ControlOp.PAUSE, timeout)

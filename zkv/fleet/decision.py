@@ -161,7 +161,7 @@ class FleetOp:
         if self.needs_rollback(name) and self.failed:
             return None  # it had to be resumed and was not (yet)
         if answer.ok:
-            return answer.reply.state if answer.reply is not None and answer.reply.state else None
+            return answer.reply.state if answer.reply is not None else None
         if answer.answer is Answer.ERROR:
             if self.op == ControlOp.RESUME:
                 return next((s for end, s in _RESUME_ROLLED_BACK if answer.reason.endswith(end)), None)

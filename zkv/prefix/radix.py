@@ -89,11 +89,6 @@ for _state in NodeState:
     _state.pins_cpu = int(_state not in DISK_STATES)  # type: ignore[attr-defined]
 
 
-def pins_parent(state: NodeState) -> bool:
-    """``state in GPU_PINNING_STATES``."""
-    return bool(state.pins_gpu)  # type: ignore[attr-defined]
-
-
 def pins_cpu(state: NodeState) -> bool:
     """``state not in DISK_STATES``: a child off the disk keeps its parent off the disk."""
     return bool(state.pins_cpu)  # type: ignore[attr-defined]

@@ -63,7 +63,7 @@ from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from .quarantine import Quarantine
 from .radix import NodeState, RadixNode
-from .tiers import TIER_NAMES, Tiers, is_gpu_victim, next_in_chain
+from .tiers import TIER_NAMES, Tiers, is_gpu_victim
 
 #: the runner's counters, in the order the manager's stats report them
 COUNTERS = (
@@ -150,17 +150,13 @@ class SwapRunner:
         """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop them."""
         victims: list[RadixNode] = []
         while len(victims) < count:
-            node = next_in_chain(victims[-1], is_gpu_victim) if victims else None
+            node = tiers.next_victim(victims[-1] if victims else None, is_gpu_victim)
             if node is None:
-                if victims:
-                    tiers.offer(cast(RadixNode, victims[-1].parent))  # may have just become a leaf
-                node = tiers.pop_gpu_victim()
-                if node is None:
-                    break
+                break
             tiers.tree.set_state(node, NodeState.SWAPPING_OUT)
             victims.append(node)
         if victims:
-            tiers.offer(cast(RadixNode, victims[-1].parent))
+            tiers.offer_parent(victims[-1])  # may have just become a leaf
         victims.sort(key=lambda node: node.depth)  # parents get CPU room first
         if victims:
             self.make_cpu_room(tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch

@@ -101,6 +101,18 @@ class Tiers:
         elif state is _ON_DISK and is_disk_victim(node):
             self.disk_victims.offer(node)
 
+    def next_victim(self, last: RadixNode | None, is_victim: Callable[[RadixNode], bool]) -> RadixNode | None:
+        """The next candidate of an eviction that has just taken ``last`` (None:
+        the first): its chain's next node (``next_in_chain``), else, once the
+        parent of ``last`` is offered, the queue's pick (``is_victim`` names the
+        tier: ``is_gpu_victim`` or ``is_cpu_victim``)."""
+        if last is not None:
+            node = next_in_chain(last, is_victim)
+            if node is not None:
+                return node
+            self.offer_parent(last)  # may have just become a leaf
+        return self.pop_gpu_victim() if is_victim is is_gpu_victim else self.pop_cpu_victim()
+
     def pop_gpu_victim(self) -> RadixNode | None:
         return self._pop(self.gpu_victims, is_gpu_victim)
 
@@ -112,10 +124,8 @@ class Tiers:
 
     def drop_subtree(self, top: RadixNode) -> tuple[int, int, int]:
         """Forget ``top`` and everything below it, freeing their blocks; returns (GPU, CPU, disk) blocks freed."""
-        parent = top.parent
         freed = self._free(self._detach(top, check_refs=True))
-        if parent is not None and parent is not self.tree.root:
-            self.offer(parent)
+        self.offer_parent(top)
         return freed
 
     def drop_cpu_leaves(self, want_free: int) -> tuple[int, int, int]:
@@ -126,22 +136,18 @@ class Tiers:
         dropped: tuple[list[int], list[int], list[int]] = ([], [], [])
         last: RadixNode | None = None
         while free < want_free:
-            top = next_in_chain(last, is_cpu_victim) if last is not None else None
+            top = self.next_victim(last, is_cpu_victim)
             if top is None:
-                if last is not None:
-                    self._offer_parent(last)  # may be the next leaf to go
-                top = self.pop_cpu_victim()
-                if top is None:
-                    return self._free(dropped)
+                return self._free(dropped)  # no CPU leaf left (the last one's parent was offered)
             for acc, ids in zip(dropped, self._detach(top, check_refs=True)):
                 acc.extend(ids)
             free = self.cpu.num_free + len(dropped[1])
             last = top
         if last is not None:
-            self._offer_parent(last)
+            self.offer_parent(last)  # may be the next leaf to go
         return self._free(dropped)
 
-    def _offer_parent(self, node: RadixNode) -> None:
+    def offer_parent(self, node: RadixNode) -> None:
         """Queue ``node``'s parent if it has become a candidate (never the root)."""
         parent = node.parent
         if parent is not None and parent is not self.tree.root:

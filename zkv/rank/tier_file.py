@@ -41,7 +41,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 import numpy as np
 
@@ -72,6 +72,16 @@ def layout_digest(key: Hashable) -> bytes:
 def bus_name(backend: str) -> str:
     """A bus id for file names: a digest of the rank-facing address every rank of one bus connects to."""
     return hashlib.blake2b(backend.encode(), digest_size=6).hexdigest()
+
+
+def _put(target: np.ndarray, rows: list[int], value: Any) -> None:
+    """``target[rows] = value``; a few rows one by one, where numpy's fancy
+    indexing would cost several microseconds (a 1-block task seals one row)."""
+    if len(rows) <= _FEW_ROWS:
+        for r in rows:
+            target[r] = value
+    else:
+        target[np.asarray(rows, dtype=np.intp)] = value
 
 
 @dataclass(frozen=True)
@@ -185,33 +195,18 @@ class TierFile:
     def unseal(self, rows: list[int]) -> None:
         """Before rows are written: their headers stop checking (the mark says
         "being written" first: a kill now leaves a lost row, never an empty one)."""
-        heads = self.heads
-        if len(rows) <= _FEW_ROWS:
-            for r in rows:
-                heads[r, 0:4] = _WRITING_U8
-            return
-        heads[rows, 0:4] = _WRITING_U8
+        _put(self.heads[:, 0:4], rows, _WRITING_U8)
 
     def seal(self, rows: list[int], gen: int) -> None:
         """After rows are written: header (and digest), then every mark last.  ``gen``:
         the generation when the write began (a row written across a move does not check)."""
-        heads, head = self.heads, self._head_at(gen)[0]
-        if len(rows) <= _FEW_ROWS:
-            for r in rows:
-                heads[r, 4:48] = head
-        else:
-            idx = np.asarray(rows, dtype=np.intp)
-            heads[idx, 4:48] = head
+        heads = self.heads
+        _put(heads[:, 4:48], rows, self._head_at(gen)[0])
         if self.digests:
             for r in rows:
                 heads[r, 32:48] = np.frombuffer(self._row_digest(r), dtype=np.uint8)
-        if len(rows) <= _FEW_ROWS:
-            for r in rows:
-                heads[r, 0:4] = _MARK_U8
-                self.valid[r] = gen == self.gen
-        else:
-            heads[idx, 0:4] = _MARK_U8
-            self.valid[idx] = gen == self.gen
+        _put(heads[:, 0:4], rows, _MARK_U8)
+        _put(self.valid, rows, gen == self.gen)
 
     def _head_at(self, gen: int) -> tuple[np.ndarray, bytes]:
         """A row sealed at ``gen``: its header after the mark (what ``seal`` writes),
