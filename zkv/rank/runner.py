@@ -18,6 +18,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from ..obs.book import RankBook
@@ -35,7 +36,26 @@ from .result_links import ResultSenders
 log = logging.getLogger("zkv.worker")
 
 # module names: an enum member read costs ~0.1 us (3.11)
-_OK, _FAILED, _FILL = RankOutcome.OK, RankOutcome.FAILED, Op.FILL
+_OK, _FAILED, _FILL, _SPILL = RankOutcome.OK, RankOutcome.FAILED, Op.FILL, Op.SPILL
+
+
+@dataclass
+class Ran:
+    """A task run and not yet reported (``TaskRunner.start``): what its result will say.
+    ``held``: a spill whose blocks wait for the store's commit."""
+
+    ex: Execute
+    start: float
+    outcome: RankOutcome
+    reason: str
+    nbytes: int
+    digests: list[bytes] | None
+    op: Op | str
+    held: bool
+
+    def fail(self, reason: str) -> None:
+        """The commit its blocks waited for failed: the task did not happen."""
+        self.outcome, self.reason, self.nbytes, self.held = _FAILED, reason, 0, False
 
 
 class TaskRunner:
@@ -69,6 +89,12 @@ class TaskRunner:
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return
         what the core books.  Never raises: a copy that blows up fails the task."""
+        return self.finish(self.start(ex), senders)
+
+    def start(self, ex: Execute, durable: bool = True) -> Ran:
+        """Check and run ``ex`` without sending its result.  ``durable=False``: a spill's
+        blocks wait for the store's ``commit`` (``Ran.held``), which the caller makes
+        before it ``finish``es the task.  Never raises."""
         start = time.perf_counter()
         outcome, reason, nbytes, digests, op = _OK, "", 0, None, ""
         try:
@@ -87,7 +113,7 @@ class TaskRunner:
             if self.paused_ack.is_set():
                 self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
             if op in MOVES:  # a spill never runs on the I/O thread (batching.InlinePolicy): it waits on the device
-                nbytes = self.cache.move(op, body.src, body.dst)
+                nbytes = self.cache.move(op, body.src, body.dst, durable)
             elif op == _FILL:
                 nbytes = self.cache.fill(body.tier, body.dst, body.seed)
             else:
@@ -97,10 +123,16 @@ class TaskRunner:
         except Exception as err:  # a copy that blew up must still end the task
             log.exception("task %s failed", ex.task)
             outcome, reason = _FAILED, f"{type(err).__name__}: {err}"
-        reason = reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
-        elapsed = time.perf_counter() - start
+        held = not durable and op == _SPILL and outcome is _OK
+        return Ran(ex, start, outcome, reason, nbytes, digests, op, held)
+
+    def finish(self, ran: Ran, senders: ResultSenders) -> Finished:
+        """Send a task's result to the client, book it, and return what the core books."""
+        ex, outcome, nbytes = ran.ex, ran.outcome, ran.nbytes
+        reason = ran.reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
+        elapsed = time.perf_counter() - ran.start  # a held spill's includes its commit
         if outcome is _OK:
-            self.book.task_done(op, elapsed, nbytes)
+            self.book.task_done(ran.op, elapsed, nbytes)
         self.stats["bytes_moved"] += nbytes
         senders.send(
             ex.reply_to,
@@ -114,7 +146,7 @@ class TaskRunner:
                 gen=ex.gen,
                 bytes=nbytes,
                 elapsed_us=int(elapsed * 1e6),
-                digests=digests,
+                digests=ran.digests,
                 cpu_gen=ex.cpu_gen,
             ).to_wire(),
         )

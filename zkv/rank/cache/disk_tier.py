@@ -23,7 +23,10 @@ The file ``zkv-rank{R}.disk`` in the tier's directory holds:
 A spill writes the rows, then their header pages, then ``fdatasync``s once
 before it returns: a kill -9 before that leaves the row's old record (or
 none) beside new bytes, which fails its digest on read (lost, never served);
-after it, the block is on the device.  Opening checks the superblock and
+after it, the block is on the device.  Spills queued back to back may share
+those last two steps (``write(..., durable=False)`` each, then one
+``commit``: a group commit): a 1-block spill's header page and flush cost
+as much as its row, and the rank reports none of them before the commit.  Opening checks the superblock and
 counts valid records in one vectorised pass over the header area (fast
 whatever the size); digests are checked on every read.  An exclusive
 ``flock`` keeps a second process off a live rank's file.
@@ -46,7 +49,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -110,7 +113,8 @@ class DiskTier:
         self._headers = io.aligned(self.header_bytes)
         self._pool = io.IOPool(spec.threads)
         self._bounces: dict[int, object] = {}
-        self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0}
+        self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0, "commits": 0}
+        self._uncommitted: set[int] = set()  # rows written whose records are not yet on the device
         self.cpu_gen = cpu_gen  # a reused file's own, once opened
         self._digest: io.RowDigest
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
@@ -189,6 +193,7 @@ class DiskTier:
         """Every block is gone (a clear without ``keep_cpu``, or blocks of a new layout ``key``).
         The epoch moves in memory first: even if the superblock write fails, no old row is served."""
         self.epoch, self.used, self.kept = self.epoch + 1, 0, False
+        self._uncommitted.clear()  # their records are of the old epoch now: nothing left to commit
         if key is not None:
             self.key = key
         try:
@@ -230,7 +235,7 @@ class DiskTier:
         crc = zlib.crc32(_REC_HEAD.pack(_REC_MAGIC, row, self.epoch) + digest)
         _REC.pack_into(self._headers, row * _REC.size, _REC_MAGIC, row, self.epoch, crc, digest)
 
-    def _write_header_pages(self, rows: Sequence[int]) -> None:
+    def _write_header_pages(self, rows: Iterable[int]) -> None:
         pages = sorted({r * _REC.size // io.ALIGN for r in rows})
         view = memoryview(self._headers)
         for a, b in io.runs(pages, 1 << 16):
@@ -269,10 +274,12 @@ class DiskTier:
         out.append(io.view_at(start, n))
         return out
 
-    def write(self, dst: Sequence[int], addresses: Sequence[int], span: int = 0) -> int:
+    def write(self, dst: Sequence[int], addresses: Sequence[int], span: int = 0, durable: bool = True) -> int:
         """Store the ``row_bytes`` at ``addresses[i]`` as disk block ``dst[i]`` (unique ids, in
-        range) with their digests; return once they are on the device (``fdatasync``).
-        ``span``: bytes each address may be read (the CPU tier's row stride)."""
+        range) with their digests; return once they are on the device (``fdatasync``), or,
+        with ``durable=False``, once the rows are written and their records are in memory
+        (readable here, lost to a crash until ``commit``).  ``span``: bytes each address
+        may be read (the CPU tier's row stride)."""
         rows, addrs, parts = self._plan(dst, addresses)
         zero = self._zero_copy(addrs, span)
         digests: list[bytes] = [b""] * len(rows)
@@ -290,16 +297,36 @@ class DiskTier:
 
         try:
             self._pool.map(part, parts, len(rows))
-            for r, digest in zip(rows, digests):
-                if self.digest_of(r) is None:
-                    self.used += 1
-                self._set_record(r, digest)
-            self._write_header_pages(rows)  # every header page of the batch, then one fdatasync
+        except OSError as err:
+            self.stats["write_errors"] += 1
+            raise CacheError("disk_io", f"disk tier write failed: {err}") from None
+        for r, digest in zip(rows, digests):
+            if self.digest_of(r) is None:
+                self.used += 1
+            self._set_record(r, digest)
+        self._uncommitted.update(rows)
+        if durable:
+            self.commit()
+        return len(rows) * self.row_bytes
+
+    @property
+    def uncommitted(self) -> bool:
+        """Whether rows were written since the last ``commit`` (their records are in memory only)."""
+        return bool(self._uncommitted)
+
+    def commit(self) -> None:
+        """Put the records of every row written since the last commit on the device: their
+        header pages, then one ``fdatasync`` (which flushes the rows too)."""
+        rows, self._uncommitted = self._uncommitted, set()
+        if not rows:
+            return
+        try:
+            self._write_header_pages(rows)
             os.fdatasync(self.fd)
         except OSError as err:
             self.stats["write_errors"] += 1
             raise CacheError("disk_io", f"disk tier write failed: {err}") from None
-        return len(rows) * self.row_bytes
+        self.stats["commits"] += 1
 
     def _bounce(self):
         """This thread's aligned bounce buffer (kept: a fresh one faults its pages in per call)."""

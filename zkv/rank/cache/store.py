@@ -352,26 +352,37 @@ class BlockStore:
             raise CacheError("no_disk", f"rank {self.rank} has no disk tier (start it with --disk-dir)")
         return self.disk.rows
 
-    def move(self, op: Op | str, src: Sequence[int], dst: Sequence[int]) -> int:
+    def move(self, op: Op | str, src: Sequence[int], dst: Sequence[int], durable: bool = True) -> int:
         """Move blocks ``src[i]`` to ``dst[i]`` between the tiers of ``op``
         (``wire/moves.py``; ids validated) and return the bytes moved once they
         are there.  The rules are the same for every move: CPU rows read are
         checked first (a lost block fails the task, never copies other bytes;
         a disk block's digest is checked as it is read), CPU rows written are
         unsealed before and sealed after (a failure or a kill in between leaves
-        them lost, never other bytes)."""
+        them lost, never other bytes).  ``durable=False``: a spill's blocks are
+        on the device only after ``commit`` (one for spills run back to back)."""
         assert self.copier is not None and self.tier is not None, "a move on a cleared store"
         move = MOVES[op]
         if move.source == Tier.CPU:
             self.tier.check_rows(src)
         if move.dest == Tier.CPU:
             self.tier.writing(dst)
-        nbytes = self._transfer(move.op, src, dst)
+        nbytes = self._transfer(move.op, src, dst, durable)
         if move.dest == Tier.CPU:
             self.tier.written(dst)
         return nbytes
 
-    def _transfer(self, op: Op, src: Sequence[int], dst: Sequence[int]) -> int:
+    @property
+    def uncommitted(self) -> bool:
+        """Whether spills ran with ``durable=False`` since the last ``commit``."""
+        return self.disk is not None and self.disk.uncommitted
+
+    def commit(self) -> None:
+        """Put every block spilled with ``durable=False`` on the device (``DiskTier.commit``)."""
+        if self.disk is not None:
+            self.disk.commit()
+
+    def _transfer(self, op: Op, src: Sequence[int], dst: Sequence[int], durable: bool = True) -> int:
         """The transfer path of each move: the copy engine between the device and
         the CPU tier, the disk tier's I/O between the CPU tier and its file (chosen
         by ``if``: a table built here would be built again for every task)."""
@@ -382,7 +393,7 @@ class BlockStore:
             return self.copier.copy_in(src, dst)
         cpu = self.tier
         if op is Op.SPILL:
-            return self._disk().write(dst, cpu.addresses(src), cpu.stride)
+            return self._disk().write(dst, cpu.addresses(src), cpu.stride, durable)
         return self._disk().read(src, cpu.addresses(dst), cpu.stride)
 
     def _disk(self) -> DiskTier:
