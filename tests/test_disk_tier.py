@@ -86,35 +86,6 @@ def test_blocks_round_trip_exactly_survive_a_reopen_and_a_torn_row_is_lost(where
     other.close()
 
 
-def test_writes_left_for_a_commit_are_lost_to_a_crash_before_it_and_kept_after_it(tmp_path):
-    src = torch.randint(0, 256, (4, ROW), dtype=torch.uint8)
-    tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
-    tier.write([0, 1], rows_of(src, [0, 1]), durable=False)
-    tier.write([2], rows_of(src, [2]), durable=False)
-    assert tier.uncommitted and tier.to_stats()["commits"] == 0
-    out = torch.zeros_like(src)
-    tier.read([2, 0, 1], rows_of(out, [2, 0, 1]))  # readable here before the commit
-    assert torch.equal(out[:3], src[:3])
-    tier.close()  # the process dies before the commit: no record of the three reached the file
-    again = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
-    assert again.reopened == 0
-    with pytest.raises(DiskLost, match="hold no block"):
-        again.read([0], rows_of(out, [0]))
-    again.write([3], rows_of(src, [3]), durable=False)
-    again.write([0, 1], rows_of(src, [0, 1]), durable=False)
-    again.commit()  # one header write and one fdatasync for both writes
-    assert not again.uncommitted and again.to_stats()["commits"] == 1
-    again.commit()  # nothing left: no second flush
-    assert again.to_stats()["commits"] == 1
-    again.close()
-    third = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
-    assert third.reopened == 3
-    out.zero_()
-    third.read([0, 1, 3], rows_of(out, [0, 1, 3]))
-    assert torch.equal(out[[0, 1, 3]], src[[0, 1, 3]])
-    third.close()
-
-
 def test_invalidate_drops_every_block_and_a_second_process_cannot_open_a_held_file(tmp_path):
     src = torch.randint(0, 256, (4, ROW), dtype=torch.uint8)
     tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)

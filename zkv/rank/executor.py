@@ -16,9 +16,8 @@ import zmq
 from ..net.curve import Curve
 from ..obs.book import RankBook
 from ..wire.errors import ZkvError
-from ..wire.vocab import RankOutcome
+from ..wire.vocab import Op, RankOutcome
 from .actions import Execute, FreeCache
-from .cache.errors import CacheError
 from .cache.store import BlockStore
 from .reports import CacheDone, Finished, Report
 from .result_links import ResultSenders
@@ -29,9 +28,10 @@ log = logging.getLogger("zkv.worker")
 # memory, a manifest gone or refused, a layout the cache cannot hold): the
 # rank's ack says why; anything else is a bug and keeps its traceback.
 _EXPECTED_CACHE_ERRORS = (ZkvError, MemoryError, RuntimeError, OSError, ValueError)
-# Spills queued back to back share one disk commit up to these bounds: past a few MiB the
-# rows' own writes dwarf the commit (~0.1-0.2 ms), and the first spill's result waits for
-# the whole group.
+_SPILL, _LOAD = Op.SPILL, Op.LOAD
+# Disk tasks queued back to back run as one pass up to these bounds: past a few MiB a
+# task's own I/O dwarfs what the pass saves (a header page and a flush, ~0.1-0.2 ms),
+# and the first task's result waits for the whole group.
 GROUP_BYTES = 4 << 20
 GROUP_TASKS = 32
 
@@ -72,7 +72,7 @@ class Executor(threading.Thread):
                     "dropped_stale_session",
                     "executor_errors",
                     "tasks_inline",
-                    "spill_groups",
+                    "disk_groups",
                 ),
                 0,
             )
@@ -90,7 +90,7 @@ class Executor(threading.Thread):
         try:
             item = self.work.get()
             while item is not None:
-                after = None  # work taken from the queue while spills were gathered, done next
+                after = None  # work taken from the queue while a group was gathered, done next
                 if type(item) is Execute:
                     replies, after = self._tasks(item, senders)
                 else:
@@ -104,35 +104,47 @@ class Executor(threading.Thread):
             senders.close()
 
     def _tasks(self, first: Execute, senders: ResultSenders) -> tuple[list[Report], Any]:
-        """Run ``first`` and, while it and those after it are spills, the tasks queued behind
-        it (up to ``GROUP_BYTES`` spilled or ``GROUP_TASKS`` tasks), with one commit of their
-        disk blocks for all (``DiskTier.commit``: a 1-block spill's header page and flush cost
-        as much as its row); then report each, in order.  Returns the reports and the
-        queued item that ended the group, if one did (not a task: done next)."""
-        runner = self.runner
-        group = [runner.start(first, durable=False)]
-        spilled, after = group[0].nbytes, None
-        while group[-1].held and spilled < GROUP_BYTES and len(group) < GROUP_TASKS:
+        """Run ``first``; if it is a spill or a load, run with it the tasks of the same op
+        queued behind it (up to ``GROUP_BYTES`` or ``GROUP_TASKS``, no destination twice)
+        in one pass: one write and one ``fdatasync`` for spills, one read for loads
+        (``BlockStore.move_group``: a 1-block spill's header page and flush cost as much
+        as its row, and rows back to back become one I/O).  Then report each, in order.
+        Returns the reports and the queued item that ended the group, if it is to be
+        run on its own next (work of another kind, or a task at another CPU generation)."""
+        runner, cache = self.runner, self.cache
+        ran = runner.check(first)
+        op = ran.op if ran.body is not None else None
+        if op != _SPILL and op != _LOAD:
+            return [self._finish(runner.execute(ran), senders)], None
+        order, group, after, tail = [ran], [ran], None, None
+        seen = set(ran.body.dst)  # type: ignore[union-attr]
+        rows, limit = len(seen), max(1, GROUP_BYTES // max(1, cache.layout.block_bytes))
+        while rows < limit and len(order) < GROUP_TASKS:
             try:
                 after = self.work.get_nowait()
             except queue.Empty:
+                after = None
                 break
-            if type(after) is not Execute:
+            if type(after) is not Execute or (after.cpu_gen is not None and after.cpu_gen != cache.cpu_gen):
+                break  # not a task, or one that moves the CPU generation: run after the group
+            nxt, after = runner.check(after), None
+            order.append(nxt)
+            if nxt.body is None:
+                continue  # failed its checks: over, reported in its place
+            if nxt.op != op or not seen.isdisjoint(nxt.body.dst):
+                tail = nxt  # checked, not groupable: run right after the group
                 break
-            group.append(runner.start(after, durable=False))
-            spilled, after = spilled + group[-1].nbytes, None
-        if self.cache.uncommitted:
-            try:
-                self.cache.commit()
-            except Exception as err:  # noqa: BLE001 - every held spill fails with it; the thread serves on
-                if not isinstance(err, CacheError):
-                    log.exception("executor: a disk commit failed")
-                for ran in group:
-                    if ran.held:
-                        ran.fail(str(err) if isinstance(err, CacheError) else f"{type(err).__name__}: {err}")
+            seen.update(nxt.body.dst)
+            rows += len(nxt.body.dst)
+            group.append(nxt)
         if len(group) > 1:
-            self.stats["spill_groups"] += 1
-        return [self._finish(ran, senders) for ran in group], after
+            runner.execute_group(group)
+            self.stats["disk_groups"] += 1
+        else:
+            runner.execute(ran)
+        if tail is not None:
+            runner.execute(tail)
+        return [self._finish(r, senders) for r in order], after
 
     def _finish(self, ran: Ran, senders: ResultSenders) -> Report:
         """``TaskRunner.finish``, and a failed task's report should it raise: every task

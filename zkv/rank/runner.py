@@ -36,26 +36,25 @@ from .result_links import ResultSenders
 log = logging.getLogger("zkv.worker")
 
 # module names: an enum member read costs ~0.1 us (3.11)
-_OK, _FAILED, _FILL, _SPILL = RankOutcome.OK, RankOutcome.FAILED, Op.FILL, Op.SPILL
+_OK, _FAILED, _FILL = RankOutcome.OK, RankOutcome.FAILED, Op.FILL
 
 
-@dataclass
+@dataclass(slots=True)
 class Ran:
-    """A task run and not yet reported (``TaskRunner.start``): what its result will say.
-    ``held``: a spill whose blocks wait for the store's commit."""
+    """A task between its checks and its result: ``body`` while checked and not yet run,
+    then what its result will say."""
 
     ex: Execute
     start: float
-    outcome: RankOutcome
-    reason: str
-    nbytes: int
-    digests: list[bytes] | None
-    op: Op | str
-    held: bool
+    op: Op | str = ""
+    body: P.TaskBody | None = None
+    outcome: RankOutcome = _OK
+    reason: str = ""
+    nbytes: int = 0
+    digests: list[bytes] | None = None
 
     def fail(self, reason: str) -> None:
-        """The commit its blocks waited for failed: the task did not happen."""
-        self.outcome, self.reason, self.nbytes, self.held = _FAILED, reason, 0, False
+        self.outcome, self.reason, self.nbytes, self.body = _FAILED, reason, 0, None
 
 
 class TaskRunner:
@@ -89,14 +88,13 @@ class TaskRunner:
     def run(self, ex: Execute, senders: ResultSenders) -> Finished:
         """Check and run ``ex``, send its result to the client, and return
         what the core books.  Never raises: a copy that blows up fails the task."""
-        return self.finish(self.start(ex), senders)
+        return self.finish(self.execute(self.check(ex)), senders)
 
-    def start(self, ex: Execute, durable: bool = True) -> Ran:
-        """Check and run ``ex`` without sending its result.  ``durable=False``: a spill's
-        blocks wait for the store's ``commit`` (``Ran.held``), which the caller makes
-        before it ``finish``es the task.  Never raises."""
-        start = time.perf_counter()
-        outcome, reason, nbytes, digests, op = _OK, "", 0, None, ""
+    def check(self, ex: Execute) -> Ran:
+        """Everything before the copy: the refusal, the session, the body, the CPU
+        generation, the ids.  A task that fails them is over (``Ran.body`` None);
+        one that passes is ``execute``d (or run in a group).  Never raises."""
+        ran = Ran(ex, time.perf_counter())
         try:
             if ex.refuse:
                 raise TaskInvalid(ex.refuse)
@@ -106,31 +104,60 @@ class TaskRunner:
                 self.stats["dropped_stale_session"] += 1
                 raise TaskInvalid("the rank re-registered after this task was dispatched; dropped")
             body = F.decode_body(ex.body)
-            op = body.op
+            ran.op = body.op
             if ex.cpu_gen is not None and ex.cpu_gen != self.cache.cpu_gen:
                 self.cache.set_cpu_gen(ex.cpu_gen)  # before any row is read or sealed at it
             self.cache.validate(body)
             if self.paused_ack.is_set():
                 self.stats["copies_after_ack"] += 1  # must stay 0: the invariant under test
+            ran.body = body
+        except Exception as err:  # noqa: BLE001 - every task ends in a result
+            self._failed(ran, err)
+        return ran
+
+    def execute(self, ran: Ran) -> Ran:
+        """Run a checked task's copy (nothing for one that failed its checks)."""
+        body, ran.body = ran.body, None
+        if body is None:
+            return ran
+        try:
+            op = body.op
             if op in MOVES:  # a spill never runs on the I/O thread (batching.InlinePolicy): it waits on the device
-                nbytes = self.cache.move(op, body.src, body.dst, durable)
+                ran.nbytes = self.cache.move(op, body.src, body.dst)
             elif op == _FILL:
-                nbytes = self.cache.fill(body.tier, body.dst, body.seed)
+                ran.nbytes = self.cache.fill(body.tier, body.dst, body.seed)
             else:
-                digests = self.cache.checksum(body.tier, body.src)
-        except (P.ProtocolError, TaskInvalid, CacheError) as err:
-            outcome, reason = _FAILED, str(err)  # a ProtocolError reads "code: reason", the §9 code first
-        except Exception as err:  # a copy that blew up must still end the task
-            log.exception("task %s failed", ex.task)
-            outcome, reason = _FAILED, f"{type(err).__name__}: {err}"
-        held = not durable and op == _SPILL and outcome is _OK
-        return Ran(ex, start, outcome, reason, nbytes, digests, op, held)
+                ran.digests = self.cache.checksum(body.tier, body.src)
+        except Exception as err:  # noqa: BLE001 - a copy that blew up must still end the task
+            self._failed(ran, err)
+        return ran
+
+    def execute_group(self, group: list[Ran]) -> None:
+        """Run checked disk moves of one op (all spills or all loads, no destination twice)
+        in one pass (``BlockStore.move_group``); each keeps its own outcome."""
+        ends: list[int | CacheError] | list[Exception]
+        try:
+            ends = self.cache.move_group(group[0].op, [(r.body.src, r.body.dst) for r in group])  # type: ignore[union-attr]
+        except Exception as err:  # noqa: BLE001 - a bug fails the group's tasks, never the thread
+            ends = [err] * len(group)
+        for ran, end in zip(group, ends):
+            ran.body = None
+            if isinstance(end, int):
+                ran.nbytes = end
+            else:
+                self._failed(ran, end)
+
+    def _failed(self, ran: Ran, err: Exception) -> None:
+        if isinstance(err, (P.ProtocolError, TaskInvalid, CacheError)):
+            ran.fail(str(err))  # a ProtocolError reads "code: reason", the §9 code first
+            return
+        log.error("task %s failed", ran.ex.task, exc_info=err)
+        ran.fail(f"{type(err).__name__}: {err}")
 
     def finish(self, ran: Ran, senders: ResultSenders) -> Finished:
         """Send a task's result to the client, book it, and return what the core books."""
         ex, outcome, nbytes = ran.ex, ran.outcome, ran.nbytes
-        reason = ran.reason[:1000]  # a result must stay within the peer's string bound (P.MAX_STR)
-        elapsed = time.perf_counter() - ran.start  # a held spill's includes its commit
+        elapsed = time.perf_counter() - ran.start  # a task run in a group: until its group's end
         if outcome is _OK:
             self.book.task_done(ran.op, elapsed, nbytes)
         self.stats["bytes_moved"] += nbytes
@@ -142,7 +169,7 @@ class TaskRunner:
                 rank=self.rank,
                 world=self.world,
                 outcome=outcome,
-                reason=reason,
+                reason=ran.reason[:1000],  # a result must stay within the peer's string bound (P.MAX_STR)
                 gen=ex.gen,
                 bytes=nbytes,
                 elapsed_us=int(elapsed * 1e6),

@@ -23,10 +23,7 @@ The file ``zkv-rank{R}.disk`` in the tier's directory holds:
 A spill writes the rows, then their header pages, then ``fdatasync``s once
 before it returns: a kill -9 before that leaves the row's old record (or
 none) beside new bytes, which fails its digest on read (lost, never served);
-after it, the block is on the device.  Spills queued back to back may share
-those last two steps (``write(..., durable=False)`` each, then one
-``commit``: a group commit): a 1-block spill's header page and flush cost
-as much as its row, and the rank reports none of them before the commit.  Opening checks the superblock and
+after it, the block is on the device.  Opening checks the superblock and
 counts valid records in one vectorised pass over the header area (fast
 whatever the size); digests are checked on every read.  An exclusive
 ``flock`` keeps a second process off a live rank's file.
@@ -49,7 +46,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -83,6 +80,14 @@ class DiskLost(CacheError):
         super().__init__("disk_lost", reason)
         self.rows = list(rows)
 
+    @classmethod
+    def empty(cls, rows: Sequence[int]) -> "DiskLost":
+        return cls(f"disk blocks {_names(rows)} hold no block (never spilled, or invalidated)", rows)
+
+    @classmethod
+    def torn(cls, rows: Sequence[int]) -> "DiskLost":
+        return cls(f"disk blocks {_names(rows)} failed their digest check: lost", rows)
+
 
 def data_offset(rows: int) -> int:
     """Where row 0's bytes start in a disk tier file of ``rows`` rows: the
@@ -113,8 +118,7 @@ class DiskTier:
         self._headers = io.aligned(self.header_bytes)
         self._pool = io.IOPool(spec.threads)
         self._bounces: dict[int, object] = {}
-        self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0, "commits": 0}
-        self._uncommitted: set[int] = set()  # rows written whose records are not yet on the device
+        self.stats = {"digest_failures": 0, "write_errors": 0, "read_errors": 0}
         self.cpu_gen = cpu_gen  # a reused file's own, once opened
         self._digest: io.RowDigest
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct else 0)
@@ -193,7 +197,6 @@ class DiskTier:
         """Every block is gone (a clear without ``keep_cpu``, or blocks of a new layout ``key``).
         The epoch moves in memory first: even if the superblock write fails, no old row is served."""
         self.epoch, self.used, self.kept = self.epoch + 1, 0, False
-        self._uncommitted.clear()  # their records are of the old epoch now: nothing left to commit
         if key is not None:
             self.key = key
         try:
@@ -235,7 +238,7 @@ class DiskTier:
         crc = zlib.crc32(_REC_HEAD.pack(_REC_MAGIC, row, self.epoch) + digest)
         _REC.pack_into(self._headers, row * _REC.size, _REC_MAGIC, row, self.epoch, crc, digest)
 
-    def _write_header_pages(self, rows: Iterable[int]) -> None:
+    def _write_header_pages(self, rows: Sequence[int]) -> None:
         pages = sorted({r * _REC.size // io.ALIGN for r in rows})
         view = memoryview(self._headers)
         for a, b in io.runs(pages, 1 << 16):
@@ -274,12 +277,10 @@ class DiskTier:
         out.append(io.view_at(start, n))
         return out
 
-    def write(self, dst: Sequence[int], addresses: Sequence[int], span: int = 0, durable: bool = True) -> int:
+    def write(self, dst: Sequence[int], addresses: Sequence[int], span: int = 0) -> int:
         """Store the ``row_bytes`` at ``addresses[i]`` as disk block ``dst[i]`` (unique ids, in
-        range) with their digests; return once they are on the device (``fdatasync``), or,
-        with ``durable=False``, once the rows are written and their records are in memory
-        (readable here, lost to a crash until ``commit``).  ``span``: bytes each address
-        may be read (the CPU tier's row stride)."""
+        range) with their digests; return once they are on the device (``fdatasync``).
+        ``span``: bytes each address may be read (the CPU tier's row stride)."""
         rows, addrs, parts = self._plan(dst, addresses)
         zero = self._zero_copy(addrs, span)
         digests: list[bytes] = [b""] * len(rows)
@@ -297,36 +298,16 @@ class DiskTier:
 
         try:
             self._pool.map(part, parts, len(rows))
-        except OSError as err:
-            self.stats["write_errors"] += 1
-            raise CacheError("disk_io", f"disk tier write failed: {err}") from None
-        for r, digest in zip(rows, digests):
-            if self.digest_of(r) is None:
-                self.used += 1
-            self._set_record(r, digest)
-        self._uncommitted.update(rows)
-        if durable:
-            self.commit()
-        return len(rows) * self.row_bytes
-
-    @property
-    def uncommitted(self) -> bool:
-        """Whether rows were written since the last ``commit`` (their records are in memory only)."""
-        return bool(self._uncommitted)
-
-    def commit(self) -> None:
-        """Put the records of every row written since the last commit on the device: their
-        header pages, then one ``fdatasync`` (which flushes the rows too)."""
-        rows, self._uncommitted = self._uncommitted, set()
-        if not rows:
-            return
-        try:
-            self._write_header_pages(rows)
+            for r, digest in zip(rows, digests):
+                if self.digest_of(r) is None:
+                    self.used += 1
+                self._set_record(r, digest)
+            self._write_header_pages(rows)  # every header page of the batch, then one fdatasync
             os.fdatasync(self.fd)
         except OSError as err:
             self.stats["write_errors"] += 1
             raise CacheError("disk_io", f"disk tier write failed: {err}") from None
-        self.stats["commits"] += 1
+        return len(rows) * self.row_bytes
 
     def _bounce(self):
         """This thread's aligned bounce buffer (kept: a fresh one faults its pages in per call)."""
@@ -341,9 +322,22 @@ class DiskTier:
         its digest; ``DiskLost`` names every block that failed (their destinations hold
         garbage) or held nothing.  ``span``: bytes each address may be written (its row
         stride: a direct read fills a whole slot)."""
-        empty = sorted({r for r in src if self.digest_of(r) is None})
+        empty = self.empty(src)
         if empty:
-            raise DiskLost(f"disk blocks {_names(empty)} hold no block (never spilled, or invalidated)", empty)
+            raise DiskLost.empty(empty)
+        bad = self.read_rows(src, addresses, span)
+        if bad:
+            raise DiskLost.torn(bad)
+        return len(src) * self.row_bytes
+
+    def empty(self, src: Sequence[int]) -> list[int]:
+        """The rows of ``src`` that hold no block of this epoch, sorted."""
+        return sorted({r for r in src if self.digest_of(r) is None})
+
+    def read_rows(self, src: Sequence[int], addresses: Sequence[int], span: int = 0) -> list[int]:
+        """``read`` of rows that hold a block, for reads of several tasks in one pass (rows
+        back to back on both sides are one ``preadv``): the rows that failed their digest
+        check (sorted; their destinations hold garbage), where ``read`` raises."""
         rows, addrs, parts = self._plan(src, addresses)
         zero = self._zero_copy(addrs, span)
 
@@ -366,10 +360,8 @@ class DiskTier:
         except OSError as err:
             self.stats["read_errors"] += 1
             raise CacheError("disk_io", f"disk tier read failed: {err}") from None
-        if bad:
-            self.stats["digest_failures"] += len(bad)
-            raise DiskLost(f"disk blocks {_names(bad)} failed their digest check: lost", bad)
-        return len(rows) * self.row_bytes
+        self.stats["digest_failures"] += len(bad)
+        return bad
 
     def checksum(self, src: Sequence[int]) -> list[bytes]:
         """The checksum digest (docs/protocol.md §6.1, BLAKE2b-16) of each block, read

@@ -49,7 +49,7 @@ from . import geometry
 from .copier import CopyEngine
 from .cpu_tier import CpuTier, HostTier
 from .disk_link import DiskLink, ready_tiers
-from .disk_tier import DiskSpec, DiskTier
+from .disk_tier import DiskLost, DiskSpec, DiskTier
 from .errors import CacheError
 from .geometry import LayoutGiven
 from .handover import Attached
@@ -352,37 +352,76 @@ class BlockStore:
             raise CacheError("no_disk", f"rank {self.rank} has no disk tier (start it with --disk-dir)")
         return self.disk.rows
 
-    def move(self, op: Op | str, src: Sequence[int], dst: Sequence[int], durable: bool = True) -> int:
+    def move(self, op: Op | str, src: Sequence[int], dst: Sequence[int]) -> int:
         """Move blocks ``src[i]`` to ``dst[i]`` between the tiers of ``op``
         (``wire/moves.py``; ids validated) and return the bytes moved once they
         are there.  The rules are the same for every move: CPU rows read are
         checked first (a lost block fails the task, never copies other bytes;
         a disk block's digest is checked as it is read), CPU rows written are
         unsealed before and sealed after (a failure or a kill in between leaves
-        them lost, never other bytes).  ``durable=False``: a spill's blocks are
-        on the device only after ``commit`` (one for spills run back to back)."""
+        them lost, never other bytes)."""
         assert self.copier is not None and self.tier is not None, "a move on a cleared store"
         move = MOVES[op]
         if move.source == Tier.CPU:
             self.tier.check_rows(src)
         if move.dest == Tier.CPU:
             self.tier.writing(dst)
-        nbytes = self._transfer(move.op, src, dst, durable)
+        nbytes = self._transfer(move.op, src, dst)
         if move.dest == Tier.CPU:
             self.tier.written(dst)
         return nbytes
 
-    @property
-    def uncommitted(self) -> bool:
-        """Whether spills ran with ``durable=False`` since the last ``commit``."""
-        return self.disk is not None and self.disk.uncommitted
+    def move_group(self, op: Op | str, tasks: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[int | CacheError]:
+        """The disk moves of several tasks, all ``spill`` or all ``load`` (ids validated, no
+        destination twice among them), in one pass: one write and one ``fdatasync`` for
+        the spills, one read for the loads, so rows back to back on both sides are one I/O
+        whichever task they came from.  Each task keeps its own outcome, the bytes it moved
+        or the error that failed it: alone (a lost CPU row, a disk block lost) or with the
+        others (the device's error).  ``move``'s rules hold for each task."""
+        assert self.tier is not None, "a move on a cleared store"
+        cpu, disk = self.tier, self._disk()
+        out: list[int | CacheError] = [0] * len(tasks)
+        go: list[int] = []
+        if op == Op.SPILL:
+            for i, (src, _) in enumerate(tasks):
+                try:
+                    cpu.check_rows(src)
+                    go.append(i)
+                except CacheError as err:
+                    out[i] = err
+        else:
+            cpu.writing([d for _, dst in tasks for d in dst])
+            empty = set(disk.empty([s for src, _ in tasks for s in src]))
+            for i, (src, _) in enumerate(tasks):
+                lost = sorted(empty.intersection(src))
+                if lost:
+                    out[i] = DiskLost.empty(lost)  # its rows stay unsealed: lost, as after a failed load
+                else:
+                    go.append(i)
+        src = [s for i in go for s in tasks[i][0]]
+        dst = [d for i in go for d in tasks[i][1]]
+        try:
+            if op == Op.SPILL:
+                disk.write(dst, cpu.addresses(src), cpu.stride)
+                bad: set[int] = set()
+            else:
+                bad = set(disk.read_rows(src, cpu.addresses(dst), cpu.stride))
+        except CacheError as err:
+            for i in go:
+                out[i] = err
+            return out
+        for i in go:
+            src_i, dst_i = tasks[i]
+            lost = sorted(bad.intersection(src_i))
+            if lost:
+                out[i] = DiskLost.torn(lost)
+                continue
+            if op == Op.LOAD:
+                cpu.written(dst_i)
+            out[i] = len(src_i) * disk.row_bytes
+        return out
 
-    def commit(self) -> None:
-        """Put every block spilled with ``durable=False`` on the device (``DiskTier.commit``)."""
-        if self.disk is not None:
-            self.disk.commit()
-
-    def _transfer(self, op: Op, src: Sequence[int], dst: Sequence[int], durable: bool = True) -> int:
+    def _transfer(self, op: Op, src: Sequence[int], dst: Sequence[int]) -> int:
         """The transfer path of each move: the copy engine between the device and
         the CPU tier, the disk tier's I/O between the CPU tier and its file (chosen
         by ``if``: a table built here would be built again for every task)."""
@@ -393,7 +432,7 @@ class BlockStore:
             return self.copier.copy_in(src, dst)
         cpu = self.tier
         if op is Op.SPILL:
-            return self._disk().write(dst, cpu.addresses(src), cpu.stride, durable)
+            return self._disk().write(dst, cpu.addresses(src), cpu.stride)
         return self._disk().read(src, cpu.addresses(dst), cpu.stride)
 
     def _disk(self) -> DiskTier:
