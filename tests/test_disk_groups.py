@@ -191,3 +191,19 @@ def test_a_group_stops_at_its_bound_and_a_device_error_fails_every_spill_of_its_
     assert all("disk_io" in results[i].reason for i in (2, 3))
     assert [r.outcome for r in reports] == [r.outcome for r in results]
     assert all(r.nbytes == 0 for r in reports[2:4])
+
+
+def test_the_stop_queued_behind_a_group_still_stops_the_executor(store, tmp_path):
+    rig = Rig(store, tmp_path)
+    work = [rig.task("spill", [0], [40]), rig.task("spill", [1], [41])]
+    for item in work:
+        rig.executor.work.put(item)
+    rig.executor.work.put(None)  # taken while the group is gathered: it must still end the thread
+    rig.executor.start()
+    rig.executor.join(timeout=10)
+    assert not rig.executor.is_alive(), "the stop was lost behind the group"
+    assert [r.outcome for r in rig.executor.reports] == [OK, OK]
+    assert rig.executor.stats["disk_groups"] == 1
+    rig.results.close(linger=0)
+    rig.reports.close(linger=0)
+    rig.ctx.term()

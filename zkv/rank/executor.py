@@ -34,6 +34,7 @@ _SPILL, _LOAD = Op.SPILL, Op.LOAD
 # and the first task's result waits for the whole group.
 GROUP_BYTES = 4 << 20
 GROUP_TASKS = 32
+_NOTHING = object()  # no work taken from the queue beyond a group (None is the stop)
 
 
 class Executor(threading.Thread):
@@ -90,7 +91,7 @@ class Executor(threading.Thread):
         try:
             item = self.work.get()
             while item is not None:
-                after = None  # work taken from the queue while a group was gathered, done next
+                after: Any = _NOTHING  # work taken from the queue while a group was gathered, done next
                 if type(item) is Execute:
                     replies, after = self._tasks(item, senders)
                 else:
@@ -98,7 +99,7 @@ class Executor(threading.Thread):
                 for reply in replies:
                     self.reports.append(reply)
                     report.send(b"")
-                item = self.work.get() if after is None else after
+                item = self.work.get() if after is _NOTHING else after  # None, the stop, included
         finally:
             report.close(linger=0)
             senders.close()
@@ -109,25 +110,26 @@ class Executor(threading.Thread):
         in one pass: one write and one ``fdatasync`` for spills, one read for loads
         (``BlockStore.move_group``: a 1-block spill's header page and flush cost as much
         as its row, and rows back to back become one I/O).  Then report each, in order.
-        Returns the reports and the queued item that ended the group, if it is to be
-        run on its own next (work of another kind, or a task at another CPU generation)."""
+        Returns the reports and the queued item that ended the group, to be run on its
+        own next (work of another kind, the stop, a task at another CPU generation), or
+        ``_NOTHING``."""
         runner, cache = self.runner, self.cache
         ran = runner.check(first)
         op = ran.op if ran.body is not None else None
         if op != _SPILL and op != _LOAD:
-            return [self._finish(runner.execute(ran), senders)], None
-        order, group, after, tail = [ran], [ran], None, None
+            return [self._finish(runner.execute(ran), senders)], _NOTHING
+        order, group, after, tail = [ran], [ran], _NOTHING, None
         seen = set(ran.body.dst)  # type: ignore[union-attr]
         rows, limit = len(seen), max(1, GROUP_BYTES // max(1, cache.layout.block_bytes))
         while rows < limit and len(order) < GROUP_TASKS:
             try:
                 after = self.work.get_nowait()
             except queue.Empty:
-                after = None
+                after = _NOTHING
                 break
             if type(after) is not Execute or (after.cpu_gen is not None and after.cpu_gen != cache.cpu_gen):
                 break  # not a task, or one that moves the CPU generation: run after the group
-            nxt, after = runner.check(after), None
+            nxt, after = runner.check(after), _NOTHING
             order.append(nxt)
             if nxt.body is None:
                 continue  # failed its checks: over, reported in its place
