@@ -7,8 +7,13 @@ work of another kind or a destination named twice; what was reported ok is
 exact, on the file when the store opens again, and a failed load leaves its
 rows lost."""
 
+import os
+import tempfile
+
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from zkv.rank import executor as executor_module
 from zkv.rank.actions import Execute, FreeCache
@@ -149,19 +154,20 @@ def test_loads_queued_back_to_back_are_one_read_and_a_lost_block_fails_only_its_
         rig.task("load", [22], [10]),  # torn: fails alone, CPU row 10 is lost
         rig.task("load", [40], [11]),  # never spilled: fails alone, CPU row 11 is lost
         rig.task("load", [23], [12]),
+        rig.task("load", [21], [13]),  # a disk block the first task reads too
         rig.task("load", [20], [8]),  # CPU row 8 again: runs after the group
     ]
     try:
         reports, results = rig.run(work)
     finally:
         rig.close()
-    assert [r.outcome for r in results] == [OK, FAILED, FAILED, OK, OK], [r.reason for r in results]
+    assert [r.outcome for r in results] == [OK, FAILED, FAILED, OK, OK, OK], [r.reason for r in results]
     assert "disk_lost" in results[1].reason and "22" in results[1].reason and "digest" in results[1].reason
     assert "disk_lost" in results[2].reason and "40" in results[2].reason and "hold no block" in results[2].reason
     assert [r.outcome for r in reports] == [r.outcome for r in results]
     assert rig.executor.stats["disk_groups"] == 1
     assert len(reads) == 2, "the group's rows in one read, then the load after it"
-    assert store.checksum("cpu", [8, 9, 12]) == [want[0], want[1], want[3]]
+    assert store.checksum("cpu", [8, 9, 12, 13]) == [want[0], want[1], want[3], want[1]]
     for row in (10, 11):
         with pytest.raises(CacheError, match="lost_block"):
             store.checksum("cpu", [row])
@@ -207,3 +213,81 @@ def test_the_stop_queued_behind_a_group_still_stops_the_executor(store, tmp_path
     rig.results.close(linger=0)
     rig.reports.close(linger=0)
     rig.ctx.term()
+
+
+# --- a group is its tasks one by one ---------------------------------------------------------
+
+LONG = os.environ.get("ZKV_LONG_MODEL") == "1"  # the long profile, as tests/test_bus_model.py
+ROWS = 12  # CPU and disk rows of the differential stores
+_pairs = st.lists(st.tuples(st.integers(0, ROWS - 1), st.integers(0, ROWS - 1)), min_size=1, max_size=3)
+
+
+@st.composite
+def groups(draw) -> tuple[str, list[tuple[list[int], list[int]]]]:
+    """An op and 1-5 tasks of it, no destination twice among them (the executor's rule)."""
+    op = draw(st.sampled_from(["spill", "load"]))
+    tasks, seen = [], set()
+    for pairs in draw(st.lists(_pairs, min_size=1, max_size=5)):
+        src, dst = [], []
+        for s, d in pairs:
+            if d not in seen:
+                seen.add(d)
+                src.append(s)
+                dst.append(d)
+        if src:
+            tasks.append((src, dst))
+    return op, tasks
+
+
+def _ends(store: BlockStore, ends: list) -> list[tuple]:
+    """What each task ended as: its bytes, or its error's code and rows."""
+    return [(end,) if isinstance(end, int) else (end.code, tuple(getattr(end, "rows", ()))) for end in ends]
+
+
+def _content(store: BlockStore) -> list:
+    """Every CPU row's and disk row's digest, or 'lost'."""
+    out = []
+    for tier in ("cpu", "disk"):
+        for row in range(ROWS):
+            try:
+                out.append(store.checksum(tier, [row])[0])
+            except CacheError as err:
+                out.append(err.code)
+    return out
+
+
+@settings(max_examples=200 if LONG else 25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=st.lists(groups(), max_size=3), torn=st.sets(st.integers(0, ROWS - 1), max_size=2), group=groups())
+def test_a_group_of_disk_tasks_ends_as_its_tasks_run_one_by_one(setup, torn, group):
+    layout = CacheLayout(layers=1, gpu_blocks=4, cpu_blocks=ROWS, block_size=4, kv_heads=2, head_dim=16)
+    with tempfile.TemporaryDirectory(prefix="zkv-groups-", dir="/var/tmp") as root:
+        stores = [BlockStore.owned(layout, disk=DiskSpec(f"{root}/{name}", ROWS)) for name in ("one", "group")]
+        try:
+            for store in stores:
+                store.fill("cpu", list(range(ROWS)), seed=9)
+                for op, tasks in setup:  # the same history on both, a task at a time
+                    for src, dst in tasks:
+                        try:
+                            store.move(op, src, dst)
+                        except CacheError:
+                            pass
+                disk = store.disk
+                assert disk is not None
+                for row in torn:  # the same disk rows torn behind both tiers' backs
+                    with open(disk.path, "r+b") as f:
+                        f.seek(disk.data_off + row * disk.slot + 8)
+                        f.write(b"\xa5" * 16)
+            assert _content(stores[0]) == _content(stores[1])
+            op, tasks = group
+            one: list = []
+            for src, dst in tasks:
+                try:
+                    one.append(stores[0].move(op, src, dst))
+                except CacheError as err:
+                    one.append(err)
+            grouped = stores[1].move_group(op, tasks)
+            assert _ends(stores[0], one) == _ends(stores[1], grouped)
+            assert _content(stores[0]) == _content(stores[1])
+        finally:
+            for store in stores:
+                store.close()

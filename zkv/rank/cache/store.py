@@ -398,6 +398,8 @@ class BlockStore:
                     out[i] = DiskLost.empty(lost)  # its rows stay unsealed: lost, as after a failed load
                 else:
                     go.append(i)
+        if not go:
+            return out
         src = [s for i in go for s in tasks[i][0]]
         dst = [d for i in go for d in tasks[i][1]]
         try:
