@@ -6,7 +6,10 @@ ran at half a plain copy.  Here Python works per *run*, C per page:
 
 - ``plan`` sorts the (tier row, engine block) pairs by tier row and cuts them
   where the rows stop being consecutive.  A run whose engine blocks are
-  consecutive too is one slice copy per group (``copy_runs``).  A run whose
+  consecutive too is one slice copy per group (``copy_runs``), except a
+  swap-in where the regions have a ``Span``: there it is one call, as a
+  scattered run is, which reads the tier rows once in order where a call per
+  group reads a page of every row in turn (0.65x -> 0.8-0.9x of a plain copy).  A run whose
   blocks are scattered is one indexed copy per group: swap-out is
   ``torch.index_select(group, 1, blocks, out=the run's tier columns)`` (a
   ``memcpy`` per page in C++), swap-in numpy's ``group[:, blocks] = the run's
@@ -281,10 +284,15 @@ class CpuCopier:
             copy_runs(groups, runs, out)
             return
         p = plan(tier_ids, engine_ids)
-        if p.slices:
+        span = self._span() if p.indexed or len(p.loose[0]) or (p.slices and not out) else None
+        indexed = p.indexed
+        if p.slices and span is not None and not out:
+            # swap-in through the span: a run's tier rows read once, in order, where a call per
+            # group reads a page of every row in turn (contiguous ids 0.65x -> 0.85x of a plain copy)
+            indexed = indexed + [(t, np.arange(e, e + n, dtype=np.int64)) for t, e, n in p.slices]
+        elif p.slices:
             copy_runs(groups, [(e, t, n) if out else (t, e, n) for t, e, n in p.slices], out)
-        span = self._span() if p.indexed or len(p.loose[0]) else None
-        for t0, blocks in p.indexed:
+        for t0, blocks in indexed:
             if span is None:
                 self._indexed(groups, t0, blocks, out)
             elif out:
