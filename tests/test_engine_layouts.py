@@ -9,6 +9,7 @@ views), so a wrong region offset or stride cannot hide."""
 from __future__ import annotations
 
 import random
+import threading
 from typing import Callable
 
 import numpy as np
@@ -321,10 +322,11 @@ def _patterns(nb: int, rows: int, seed: int) -> dict[str, tuple[list[int], list[
     }
 
 
-# How the CPU copy plan moves a run: every region's pages with one call (cpu_copy.Span), a call per
-# region group (no span: pages of several sizes, padded tier rows), or the span refusing a swap-in
-# whose source lies among the regions' addresses (numpy would copy it to a temporary first).
-SPAN_PATHS = ("span", "no span", "span refuses the source")
+# How the CPU copy plan moves a run: every region's pages with one call (cpu_copy.Span), that call
+# in two halves at once (a large run, here every run), a call per region group (no span: pages of
+# several sizes, padded tier rows), or the span refusing a swap-in whose source lies among the
+# regions' addresses (numpy would copy it to a temporary first).
+SPAN_PATHS = ("span", "span in two halves", "no span", "span refuses the source")
 
 
 @pytest.mark.parametrize("make", ENGINES.values(), ids=ENGINES.keys())
@@ -336,6 +338,9 @@ def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern, pat
     cache = EngineCache.from_tensors(engine.entries)
     tier = CpuTier.for_cache(cache.descriptor, rows=rows)
     copier = CopyEngine(cache, tier)
+    copier.cpu.split = path == "span in two halves"
+    if path == "span in two halves":
+        monkeypatch.setattr(cpu_copy, "SPLIT_BYTES", 1)
     if path == "no span":
         monkeypatch.setattr(copier.cpu, "_span", lambda: None)
     elif path == "span refuses the source":
@@ -359,6 +364,35 @@ def test_random_scattered_swaps_are_bit_exact_in_every_layout(make, pattern, pat
         assert all(torch.equal(w, g) for w, g in zip(want_b, got_b))
     for want_b, got_b in zip(others, engine.snapshot(untouched)):
         assert all(torch.equal(w, g) for w, g in zip(want_b, got_b)), "a swap-in wrote outside its blocks"
+
+
+def test_a_half_that_fails_on_the_helper_thread_fails_the_copy_and_the_next_copy_runs(monkeypatch):
+    engine = ENGINES["vllm_flash"](64)
+    cache = EngineCache.from_tensors(engine.entries)
+    tier = CpuTier.for_cache(cache.descriptor, rows=64)
+    copier = CopyEngine(cache, tier)
+    copier.cpu.split = True
+    monkeypatch.setattr(cpu_copy, "SPLIT_BYTES", 1)
+    real = cpu_copy.Span.gather
+
+    def gather(span, blocks, out):
+        if threading.current_thread().name.startswith("zkv-copy"):
+            raise RuntimeError("the helper's half failed")
+        return real(span, blocks, out)
+
+    monkeypatch.setattr(cpu_copy.Span, "gather", gather)
+    blocks = random.Random(3).sample(range(64), 32)
+    with pytest.raises(RuntimeError, match="helper's half"):
+        copier.swap_out(blocks, list(range(32)))
+    monkeypatch.setattr(cpu_copy.Span, "gather", real)
+    scribble(engine.tensors, seed=6)
+    want = engine.snapshot(blocks)
+    copier.swap_out(blocks, list(range(32)))
+    scribble(engine.tensors, seed=7)
+    copier.swap_in(list(range(32)), blocks)
+    assert all(torch.equal(w, g) for wb, gb in zip(want, engine.snapshot(blocks)) for w, g in zip(wb, gb))
+    copier.close()
+    assert copier.cpu._helper is None, "closing the copier ends its helper thread"
 
 
 def test_one_call_per_run_where_every_page_has_one_size():
