@@ -15,6 +15,8 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
@@ -263,6 +265,33 @@ def test_block_ids_are_checked_against_the_engine_block_count():
 def test_coalesce_merges_consecutive_pairs_only():
     assert coalesce([3, 0, 1, 2, 9], [13, 10, 11, 12, 1]) == [(0, 10, 4), (9, 1, 1)]
     assert coalesce([0, 1], [5, 7]) == [(0, 5, 1), (1, 7, 1)]
+
+
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(1, 9)), max_size=6),
+    cut=st.integers(0, 60),
+)
+def test_halving_runs_keeps_every_pair_in_order_and_puts_the_first_rows_first(runs, cut):
+    def pairs(rs):
+        return [(s + i, d + i) for s, d, n in rs for i in range(n)]
+
+    first, second = cpu_copy.halve(runs, cut)
+    assert pairs(first) + pairs(second) == pairs(runs)
+    assert len(pairs(first)) == min(cut, len(pairs(runs)))
+    assert all(n > 0 for _, _, n in first + second)
+
+
+def test_copy_threads_follow_the_cores_unless_the_operator_says(monkeypatch):
+    monkeypatch.delenv(cpu_copy.COPY_THREADS_ENV, raising=False)
+    monkeypatch.setattr(cpu_copy.os, "sched_getaffinity", lambda pid: set(range(2)))
+    assert cpu_copy.copy_threads() == 1, "2 cores: a bus's other processes need the second"
+    monkeypatch.setattr(cpu_copy.os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert cpu_copy.copy_threads() == 2
+    monkeypatch.setenv(cpu_copy.COPY_THREADS_ENV, "1")
+    assert cpu_copy.copy_threads() == 1
+    monkeypatch.setenv(cpu_copy.COPY_THREADS_ENV, "3")
+    with pytest.raises(ValueError, match="ZKV_COPY_THREADS must be 1 or 2"):
+        cpu_copy.copy_threads()
 
 
 def test_interleaved_halves_of_one_tensor_are_two_regions_and_partial_overlap_is_refused():

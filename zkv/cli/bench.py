@@ -149,8 +149,9 @@ def bench(
         report["copy_256_blocks"] = bench_copy(
             CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20)
         )
-        say("copy: engine-attached caches ...")
-        report["copy_attached"] = bench_attached_copy(256, n(15))
+        say("copy: engine-attached caches, one and two copy threads ...")
+        report["copy_attached"] = bench_attached_copy(256, n(15), copy_threads=1)
+        report["copy_attached_two_threads"] = bench_attached_copy(256, n(15), copy_threads=2)
     if what in ("all", "pause"):
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
@@ -222,6 +223,11 @@ def _summary(report: dict) -> str:
         from ..harness.bench_copy import format_table
 
         lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
+        if "copy_attached_two_threads" in report:
+            lines.append(
+                "engine-attached copy, two copy threads (a rank's default on 4 cores or more, ZKV_COPY_THREADS): "
+                + format_table(report["copy_attached_two_threads"])
+            )
     if "pause" in report:
         p = report["pause"]
         overhead, target = p["busy_overhead_beyond_drain_ms"], BUS_TARGETS["pause_overhead_p99_ms"]

@@ -205,6 +205,15 @@ def main(verbose: int) -> None:
     help="Torch intra-op threads for CPU copies.",
 )
 @click.option(
+    "--copy-threads",
+    type=click.IntRange(1, 2),
+    default=None,
+    envvar="ZKV_COPY_THREADS",
+    show_envvar=True,
+    help="Threads for one large CPU copy (8 MiB or more, in two halves at once) "
+    "[default: 2 where the rank may use 4 cores or more, else 1].",
+)
+@click.option(
     "--attach",
     "manifest",
     default=None,
@@ -255,6 +264,7 @@ def worker(
     device: str | None,
     liveness_ms: int,
     torch_threads: int,
+    copy_threads: int | None,
     manifest: str | None,
     tier_dir: str,
     tier_digests: bool,
@@ -271,6 +281,7 @@ def worker(
         startup.record_to(startup_times)
     tiers = None if tier_dir in ("", "none") else tier_dir
     lock = None if standby else _hold_rank(rank, backend, tiers, standby)  # refused at once, before torch
+    from ..rank.cache.cpu_copy import set_copy_threads
     from ..rank.cache.errors import CacheError
     from ..rank.registration import RankRefused
     from ..rank.worker import RankWorker, set_torch_threads
@@ -279,6 +290,7 @@ def worker(
 
     sigterm_as_interrupt()  # until the loop can take a stop request
     set_torch_threads(torch_threads)
+    set_copy_threads(copy_threads)
     given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
     curve, disk = curve_from(kw), disk_from(kw)

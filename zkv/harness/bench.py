@@ -308,13 +308,14 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 # --- pause / resume ------------------------------------------------------------------
 
 
-def bench_attached_copy(blocks: int, repeats: int) -> dict:
+def bench_attached_copy(blocks: int, repeats: int, copy_threads: int | None = None) -> dict:
     """The engine-attached copy engine (``zkv.harness.bench_copy``): a
     per-layer layout and a block-major one, contiguous and scattered ids,
-    each beside a plain ``copy_`` of the same bytes timed interleaved."""
+    each beside a plain ``copy_`` of the same bytes timed interleaved;
+    ``copy_threads`` for a large copy (None: what a rank here takes)."""
     from .bench_copy import bench_copy as attached
 
-    return attached(blocks=blocks, reps=repeats)
+    return attached(blocks=blocks, reps=repeats, copy_threads=copy_threads)
 
 
 def bench_pause(layout: CacheLayout, cycles: int, inflight: int) -> dict:

@@ -12,8 +12,10 @@ blocks into a shuffled run of tier rows) or scattered both ways (tier rows
 sampled from twice as many too: no runs on either side).  The baseline
 copies one contiguous tensor of exactly the bytes moved.
 
-``python -m zkv.harness.bench_copy`` prints the table; ``bench_copy()``
-returns it as a dict (the integrator's ``zkv bench copy`` can print it)."""
+``python -m zkv.harness.bench_copy [LAYOUT ...] [--cpu-clock]
+[--copy-threads=1|2]`` prints the table (with the copy threads a rank on this
+machine takes, unless told); ``bench_copy()`` returns it as a dict
+(``zkv bench copy`` prints it for one and for two copy threads)."""
 
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ from typing import Any, Callable
 import torch
 
 from ..engines import sglang, vllm
-from ..rank.cache import layouts
+from ..rank.cache import cpu_copy, layouts
 from ..rank.cache.copier import CopyEngine
 from ..rank.cache.cpu_tier import CpuTier
 from ..rank.cache.regions import EngineCache
 
-# What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this thread's CPU
-# time (on CPU: a copy is one thread's work, and a loaded 2-core machine preempts it at random).
+# What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this process's CPU
+# time, every thread's (a loaded 2-core machine preempts a copy at random; a large copy runs on two
+# threads, ``cpu_copy.SPLIT_BYTES``, so this is its CPU cost, not its latency).
 CLOCK: Callable[[], float] = time.perf_counter
 
 
@@ -111,16 +114,19 @@ def bench_copy(
     seed: int = 0,
     threads: int | None = 1,
     layouts_run: tuple[str, ...] = (),
+    copy_threads: int | None = None,
 ) -> dict[str, Any]:
     """GB/s of swap_out / swap_in per layout and id pattern, and of the baseline copy_.
 
     ``threads`` sets torch's intra-op threads for the run (restored after);
-    None keeps the process setting."""
+    None keeps the process setting.  ``copy_threads``: the copy engine's threads
+    for a large copy (1 or 2; None: ``cpu_copy.copy_threads()``, what a rank takes)."""
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    split = (cpu_copy.copy_threads() if copy_threads is None else copy_threads) == 2
     try:
-        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed, layouts_run)
+        return _run(blocks, layers, kv_heads, block_size, head_dim, dtype, reps, device, seed, layouts_run, split)
     finally:
         torch.set_num_threads(saved)
 
@@ -136,6 +142,7 @@ def _run(
     device: str | None,
     seed: int,
     layouts_run: tuple[str, ...],
+    split: bool,
 ) -> dict[str, Any]:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(seed)
@@ -149,13 +156,16 @@ def _run(
         "blocks": blocks,
         "device": str(dev),
         "threads": torch.get_num_threads(),
-        "clock": "thread CPU time" if CLOCK is time.thread_time else "wall time",
+        "copy_threads": 2 if split else 1,
+        "clock": "process CPU time" if CLOCK is time.process_time else "wall time",
         "layouts": {},
     }
     for layout in layouts_run or LAYOUTS:
         cache = _engine(layout, engine_blocks, layers, kv_heads, block_size, head_dim, dtype, dev)
         tier = CpuTier.for_cache(cache.descriptor, rows=2 * blocks)
         copier = CopyEngine(cache, tier)
+        if copier.cpu is not None:
+            copier.cpu.split = split
         nbytes = blocks * cache.descriptor.block_bytes
         src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
         dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
@@ -191,7 +201,8 @@ def _run(
 
 def format_table(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['blocks']} blocks on {result['device']}, {result['threads']} thread(s), {result.get('clock', '')}: "
+        f"{result['blocks']} blocks on {result['device']}, {result['threads']} torch thread(s), "
+        f"{result.get('copy_threads', 1)} copy thread(s), {result.get('clock', '')}: "
         "GB/s, and x of a plain copy_ of the same bytes (interleaved in the same run, median of paired ratios)",
         f"{'layout':14} {'regions':>7} {'MiB':>5}  {'ids':14}"
         f" {'copy_ out':>9} {'swap_out':>14} {'copy_ in':>9} {'swap_in':>14}",
@@ -213,8 +224,6 @@ def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = (), span: bool 
     the copy plan) and with the plan, alternated in one process: each round beside its own baseline.
     With ``span``, "before" is the plan with a call per region or group for each run of tier rows
     (no ``cpu_copy.Span``) and "after" one call per run for every region."""
-    from ..rank.cache import cpu_copy
-
     planned, spanned = cpu_copy.CpuCopier.copy, cpu_copy.CpuCopier._span
 
     def block_at_a_time(self: Any, tier_ids: Any, engine_ids: Any, out: bool) -> None:
@@ -245,12 +254,13 @@ def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = (), span: bool 
 if __name__ == "__main__":
     import sys
 
-    args = tuple(a for a in sys.argv[1:] if not a.startswith("--"))
+    args = tuple(a for a in sys.argv[1:] if not a.startswith("--") and not a.isdigit())
+    copies = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--copy-threads=")), None)
     if "--cpu-clock" in sys.argv[1:]:
-        CLOCK = time.thread_time
+        CLOCK = time.process_time
     if "--span-before-after" in sys.argv[1:]:
         print(before_after(layouts_run=args, span=True))
     elif "--before-after" in sys.argv[1:]:
         print(before_after(layouts_run=args))
     else:
-        print(format_table(bench_copy(layouts_run=args)))
+        print(format_table(bench_copy(layouts_run=args, copy_threads=copies)))

@@ -28,12 +28,15 @@ ran at half a plain copy.  Here Python works per *run*, C per page:
   block-major swap-out 0.73-0.82x of a plain copy through the plan, 0.79-0.87x
   a block at a time).
 
-A large run (``SPLIT_BYTES``) through the span is cut in two halves, one
-copied on a helper thread while the caller copies the other: a page gather
-or scatter is bound by memory latency, not bandwidth (one thread gathers
-scattered 16 KiB pages at about half a plain copy here), and torch and
-numpy release the GIL in these copies.  Not torch's intra-op threads: their
-OpenMP workers spin, and on a loaded machine they copied 10x slower.
+With two copy threads (``copy_threads``) a large run (``SPLIT_BYTES``) is
+cut in two halves, one copied on a helper thread while the caller copies the
+other: a page gather or scatter is bound by memory latency, not bandwidth
+(one thread gathers scattered 16 KiB pages at about half a plain copy
+here), and torch, numpy and ``ctypes.memmove`` release the GIL in these
+copies.  Not torch's intra-op threads: their OpenMP workers spin, and on a
+loaded machine they copied 10x slower.  Only where the process may use 4
+cores or more, by default: on 2 cores shared with the rest of a bus the
+second thread cost 8 % of 256-block task throughput.
 
 A *group* is a run of regions equally spaced in one buffer with the same
 page and row stride (``staging.group_regions``: zkv's own store, vLLM's K and V
@@ -66,9 +69,35 @@ STAGE_BYTES = 4 << 20
 # Fewer loose pairs than this, or pages this large, are a memmove per page (no staging pass).
 STAGE_MIN_PAIRS = 8
 STAGE_PAGE_BYTES = 64 << 10
-# A run through the span moving at least this many bytes is copied in two halves at once (one on
-# a helper thread); below it a thread hand-off costs more than the second thread wins.
+# With two copy threads, a run moving at least this many bytes is copied in two halves at once (one
+# on a helper thread); below it a thread hand-off costs more than the second thread wins.
 SPLIT_BYTES = 8 << 20
+COPY_THREADS_ENV = "ZKV_COPY_THREADS"
+_chosen: int | None = None  # set_copy_threads: what a rank's entry point was told
+
+
+def set_copy_threads(threads: int | None) -> None:
+    """For a rank's own process (``zkv worker --copy-threads``): 1 or 2, None to decide as
+    ``copy_threads`` does."""
+    global _chosen
+    if threads not in (None, 1, 2):
+        raise ValueError(f"copy threads must be 1 or 2, got {threads!r}")
+    _chosen = threads
+
+
+def copy_threads() -> int:
+    """Threads for one large CPU copy: what ``set_copy_threads`` chose, else ``ZKV_COPY_THREADS``
+    (1 or 2; a rank inside an engine's process reads it), else 2 where this process may use
+    4 cores or more and 1 where fewer (the module docstring says why)."""
+    if _chosen is not None:
+        return _chosen
+    given = os.environ.get(COPY_THREADS_ENV)
+    if given is None or given == "":
+        return 2 if len(os.sched_getaffinity(0)) >= 4 else 1
+    if given not in ("1", "2"):
+        raise ValueError(f"{COPY_THREADS_ENV} must be 1 or 2, got {given!r}")
+    return int(given)
+
 
 Runs = list[tuple[int, int, int]]
 
@@ -89,6 +118,20 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> Runs:
     if length:
         runs.append((s0, d0, length))
     return runs
+
+
+def halve(runs: Runs, rows: int) -> tuple[Runs, Runs]:
+    """``runs`` as the runs of their first ``rows`` rows and the runs of the rest (the run
+    where they meet cut in two)."""
+    first: Runs = []
+    for i, (s, d, n) in enumerate(runs):
+        if rows <= 0:
+            return first, runs[i:]
+        if n > rows:
+            return first + [(s, d, rows)], [(s + rows, d + rows, n - rows)] + runs[i + 1 :]
+        first.append((s, d, n))
+        rows -= n
+    return first, []
 
 
 @dataclass(frozen=True)
@@ -284,8 +327,7 @@ class CpuCopier:
         self.row_bytes = tier.store.shape[1]
         self.stage_rows = max(1, stage_bytes // self.row_bytes)
         self._stage: tuple[torch.Tensor, Any, list[torch.Tensor], list[Any]] | None = None
-        # large runs in two halves at once, where this process may run on two cores or more
-        self.split = len(os.sched_getaffinity(0)) > 1 if split is None else split
+        self.split = copy_threads() == 2 if split is None else split  # large runs in two halves at once
         self._helper: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
@@ -297,18 +339,36 @@ class CpuCopier:
     def _halves(self, copy: Callable[[np.ndarray, Any], Any], blocks: np.ndarray, pages: Any, count: int) -> None:
         """``copy(blocks, pages)`` (``pages``: ``[n * count, page]`` rows in tier-row order),
         in two halves at once when the run is large (``SPLIT_BYTES``), else in one call."""
-        n = len(blocks)
-        if not self.split or n < 2 or n * self.row_bytes < SPLIT_BYTES:
+        n, half = len(blocks), len(blocks) // 2
+        if not self._large(n):
             copy(blocks, pages)
             return
+        self._both(
+            lambda: copy(blocks[:half], pages[: half * count]), lambda: copy(blocks[half:], pages[half * count :])
+        )
+
+    def _copy_runs(self, groups: list[CpuGroup], runs: Runs, out: bool, rows: int) -> None:
+        """``copy_runs``, in two halves of ``rows`` at once when they are large (a run cut in two
+        where the halves meet)."""
+        if not self._large(rows):
+            copy_runs(groups, runs, out)
+            return
+        first, second = halve(runs, rows // 2)
+        self._both(lambda: copy_runs(groups, first, out), lambda: copy_runs(groups, second, out))
+
+    def _large(self, rows: int) -> bool:
+        """Whether ``rows`` tier rows are copied in two halves at once (``SPLIT_BYTES``)."""
+        return self.split and rows > 1 and rows * self.row_bytes >= SPLIT_BYTES
+
+    def _both(self, first: Callable[[], Any], second: Callable[[], Any]) -> None:
+        """``first`` on the helper thread while this one runs ``second``."""
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="zkv-copy")
-        half = n // 2
-        first = self._helper.submit(copy, blocks[:half], pages[: half * count])
+        done = self._helper.submit(first)
         try:
-            copy(blocks[half:], pages[half * count :])
+            second()
         finally:
-            first.result()  # its error, if any, is the copy's
+            done.result()  # its error, if any, is the copy's
 
     def small_pages(self, groups: list[CpuGroup]) -> bool:
         """Whether a block at a time (``copy_runs``: a strided copy per group of at least
@@ -322,7 +382,7 @@ class CpuCopier:
         groups: list[CpuGroup] = self.groups()
         if len(tier_ids) < MIN_RUN or not self.small_pages(groups):  # a block at a time, read in address order
             runs = coalesce(engine_ids, tier_ids) if out else coalesce(tier_ids, engine_ids)
-            copy_runs(groups, runs, out)
+            self._copy_runs(groups, runs, out, len(tier_ids))
             return
         p = plan(tier_ids, engine_ids)
         span = self._span() if p.indexed or len(p.loose[0]) or (p.slices and not out) else None
@@ -332,7 +392,8 @@ class CpuCopier:
             # group reads a page of every row in turn (contiguous ids 0.65x -> 0.85x of a plain copy)
             indexed = indexed + [(t, np.arange(e, e + n, dtype=np.int64)) for t, e, n in p.slices]
         elif p.slices:
-            copy_runs(groups, [(e, t, n) if out else (t, e, n) for t, e, n in p.slices], out)
+            runs = [(e, t, n) if out else (t, e, n) for t, e, n in p.slices]
+            self._copy_runs(groups, runs, out, sum(n for _, _, n in runs))
         for t0, blocks in indexed:
             if span is None:
                 self._indexed(groups, t0, blocks, out)
