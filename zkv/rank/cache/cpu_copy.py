@@ -9,8 +9,9 @@ ran at half a plain copy.  Here Python works per *run*, C per page:
   consecutive too is one slice copy per group (``copy_runs``), except a
   swap-in where the regions have a ``Span``: there it is one call, as a
   scattered run is, which reads the tier rows once in order where a call per
-  group reads a page of every row in turn (0.65x -> 0.8-0.9x of a plain copy).  A run whose
-  blocks are scattered is one indexed copy per group: swap-out is
+  group reads a page of every row in turn (0.65x -> 0.8-0.9x of a plain
+  copy).  A run whose blocks are scattered is one indexed copy per group:
+  swap-out is
   ``torch.index_select(group, 1, blocks, out=the run's tier columns)`` (a
   ``memcpy`` per page in C++), swap-in numpy's ``group[:, blocks] = the run's
   tier columns`` (a ``memcpy`` per page in C).  No temporaries, no page faults.
