@@ -254,7 +254,7 @@ def before_after(rounds: int = 3, layouts_run: tuple[str, ...] = (), span: bool 
 if __name__ == "__main__":
     import sys
 
-    args = tuple(a for a in sys.argv[1:] if not a.startswith("--") and not a.isdigit())
+    args = tuple(a for a in sys.argv[1:] if not a.startswith("--"))
     copies = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--copy-threads=")), None)
     if "--cpu-clock" in sys.argv[1:]:
         CLOCK = time.process_time

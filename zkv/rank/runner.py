@@ -54,6 +54,7 @@ class Ran:
     digests: list[bytes] | None = None
 
     def fail(self, reason: str) -> None:
+        """The task failed: it moved nothing and has nothing left to run."""
         self.outcome, self.reason, self.nbytes, self.body = _FAILED, reason, 0, None
 
 
@@ -148,6 +149,7 @@ class TaskRunner:
                 self._failed(ran, end)
 
     def _failed(self, ran: Ran, err: Exception) -> None:
+        """Fail ``ran`` with ``err``: a refusal the peer should read as it is, else a bug, logged."""
         if isinstance(err, (P.ProtocolError, TaskInvalid, CacheError)):
             ran.fail(str(err))  # a ProtocolError reads "code: reason", the §9 code first
             return

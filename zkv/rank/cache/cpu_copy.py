@@ -402,10 +402,12 @@ class CpuCopier:
             rows = self.tier.store[t0 : t0 + len(blocks)].view(-1, span.page)
             if out:
                 self._halves(span.gather, blocks, rows, span.count)
-            elif span.overlaps(rows.numpy()):
+                continue
+            pages = rows.numpy()
+            if span.overlaps(pages):
                 self._indexed(groups, t0, blocks, out)
             else:
-                self._halves(span.scatter, blocks, rows.numpy(), span.count)
+                self._halves(span.scatter, blocks, pages, span.count)
         rows, blocks = p.loose  # sorted by tier row: swap-in reads in address order
         if out:  # reads the engine in address order
             order = np.argsort(blocks, kind="stable")
