@@ -89,7 +89,7 @@ def test_a_prefix_pushed_to_the_cpu_comes_back_bit_identical_on_every_rank(clien
     assert manager.locate(a) == ["cpu"] * 4
     stats = manager.stats()
     assert stats["swaps"]["swap_out"]["ok"] >= 1 and stats["swapped_out_blocks"] >= 4
-    assert stats["nodes"]["ON_CPU"] >= 4
+    assert stats["blocks"]["ON_CPU"] >= 4
     assert digests(client, a_ids) != original, "A's old GPU blocks hold other prompts now"
 
     lease = manager.match(a)

@@ -233,7 +233,7 @@ def test_failed_swap_out_drops_the_victims_without_leaking(outcome):
     lease = engine.manager.allocate(4)  # needs the cached blocks' GPU room
     engine.manager.check_invariants()
     stats = engine.manager.stats()
-    assert stats["gpu"]["used"] == 4 and stats["nodes"]["ON_GPU"] == stats["nodes"]["ON_CPU"] == 0
+    assert stats["gpu"]["used"] == 4 and stats["blocks"]["ON_GPU"] == stats["blocks"]["ON_CPU"] == 0
     counted = "rejected" if outcome == "raise" else outcome
     assert stats["swaps"]["swap_out"][counted] == 1
     assert stats["quarantined_blocks"]["cpu"] == (3 if outcome == "timeout" else 0)
@@ -255,7 +255,7 @@ def test_failed_swap_in_leaves_the_blocks_on_cpu(outcome):
     assert (cached.gpu_hit_blocks, cached.cpu_hit_blocks, cached.num_blocks) == (1, 0, 1)
     engine.manager.check_invariants()
     stats = engine.manager.stats()
-    assert stats["nodes"]["ON_CPU"] == 3 and stats["cpu"]["used"] == 3
+    assert stats["blocks"]["ON_CPU"] == 3 and stats["cpu"]["used"] == 3
     assert stats["gpu"]["used"] == 1 + (3 if outcome == "timeout" else 0)
     engine.manager.release(cached)
     engine.bus.deliver_late()
@@ -351,7 +351,7 @@ def test_cpu_pressure_drops_the_oldest_cpu_leaves():
         engine.serve_and_finish(tokens)
     stats = engine.manager.stats()
     assert stats["cpu"]["used"] == 4 and stats["dropped_cpu_blocks"] == 2
-    assert {k: v for k, v in stats["nodes"].items() if v} == {"ON_GPU": 4, "ON_CPU": 4}
+    assert {k: v for k, v in stats["blocks"].items() if v} == {"ON_GPU": 4, "ON_CPU": 4}
     assert engine.manager.match(prompts[0]).num_blocks == 0
     cached = engine.manager.match(prompts[1])
     assert cached.cpu_hit_blocks == 2

@@ -62,10 +62,13 @@ def _lease_references(live_leases: Collection[BlockLease], epoch: int) -> dict[i
     for lease in live_leases:
         if lease.released or lease.epoch != epoch:
             raise AssertionError("a released or stale lease is still live")
-        for node in lease.nodes:
-            refs[id(node)] = refs.get(id(node), 0) + 1
-            if not node.attached:
-                raise AssertionError(f"lease holds detached {node!r}")
+        for bottom, above in lease.held:
+            node: RadixNode | None = bottom
+            while node is not above:
+                if node is None or not node.attached:
+                    raise AssertionError(f"lease holds a detached node or a stretch that misses its end: {node!r}")
+                refs[id(node)] = refs.get(id(node), 0) + 1
+                node = node.parent
     return refs
 
 
@@ -85,7 +88,9 @@ def _check_tree(tiers: Tiers, refs: Mapping[int, int], owners: Mapping[str, Owne
 def _check_link(node: RadixNode) -> RadixNode:
     """A node in the tree is its parent's child one level down, and marked attached; returns the parent."""
     parent = node.parent
-    if parent is None or parent.children.get(node.key) is not node or node.depth != parent.depth + 1:
+    if not node.keys:
+        raise AssertionError(f"{node!r} holds no block")
+    if parent is None or parent.children.get(node.keys[0]) is not node or node.depth != parent.depth + len(node.keys):
         raise AssertionError(f"{node!r} is not linked to its parent")
     if not node.attached:
         raise AssertionError(f"{node!r} is in the tree but marked detached")
@@ -93,15 +98,20 @@ def _check_link(node: RadixNode) -> RadixNode:
 
 
 def _check_residency(node: RadixNode, parent: RadixNode, root: RadixNode, owners: Mapping[str, Owners]) -> None:
-    """A node owns a block of exactly one tier, no nearer than its parent's; only GPU nodes are referenced."""
+    """A node owns a block of exactly one tier per key, no nearer than its parent's; only GPU
+    nodes are referenced."""
     level = _LEVEL.get(node.state)
     if level is None:
         raise AssertionError(f"{node!r} is still moving outside a call")
     tier = TIER_NAMES[level]
-    blocks = {Tier.GPU: node.gpu_block, Tier.CPU: node.cpu_block, Tier.DISK: node.disk_block}
-    _claim(owners[tier], blocks.pop(tier), node, tier)
-    for other, block in blocks.items():
-        if block is not None:
+    blocks = {Tier.GPU: node.gpu_blocks, Tier.CPU: node.cpu_blocks, Tier.DISK: node.disk_blocks}
+    resident = blocks.pop(tier)
+    if resident is None or len(resident) != len(node.keys):
+        raise AssertionError(f"{node!r} on the {tier} should hold one {tier} block per key")
+    for block in resident:
+        _claim(owners[tier], block, node, tier)
+    for other, held in blocks.items():
+        if held is not None:
             raise AssertionError(f"{node!r} on the {tier} also holds a {other} block")
     if parent is not root and _LEVEL.get(parent.state, 3) > level:
         raise AssertionError(f"{node!r} is on the {tier} but its parent is further away ({parent.state.name})")

@@ -21,7 +21,9 @@ class BlockLease:
     cpu_hit_blocks: int = 0  # match only: blocks swapped in from the CPU
     disk_hit_blocks: int = 0  # match only: blocks loaded from the disk, then swapped in
     released: bool = False
-    nodes: list[RadixNode] = field(default_factory=list, repr=False)
+    # the stretches of the tree it holds: (deepest node, the node above the shallowest); a node
+    # cut later leaves both halves inside the stretch (``PrefixCacheManager.release``)
+    held: list[tuple[RadixNode, RadixNode]] = field(default_factory=list, repr=False)
     keys: list[bytes] = field(default_factory=list, repr=False)  # match only: block keys of the tokens asked for
 
     @property

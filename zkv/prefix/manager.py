@@ -154,21 +154,28 @@ class PrefixCacheManager:
         keys = block_keys(tokens, self._block_size)
         lease.keys = keys
         self._counters["queried_blocks"] += len(keys)
-        gpu_run, cpu_run, disk_run = split_path(tiers.tree.walk(keys))
+        gpu_run, cpu_run, disk_run = split_path(tiers.tree.walk_split(keys))
         now = next(self._clock)
         self._hold(lease, gpu_run, now)  # before any eviction the load or swap-in may cause
+        cpu_blocks = sum(len(node.keys) for node in cpu_run)
         off_gpu = cpu_run + self._swaps.load(tiers, disk_run) if disk_run else cpu_run
-        if off_gpu:
-            self._hold(lease, self._swaps.swap_in(tiers, off_gpu), now)
-        lease.block_ids = [node.gpu_block for node in lease.nodes]  # type: ignore[misc]
+        swapped = self._swaps.swap_in(tiers, off_gpu) if off_gpu else []
+        self._hold(lease, swapped, now)
+        block_ids: list[int] = []
+        for node in gpu_run:
+            block_ids += node.gpu_blocks  # type: ignore[arg-type]
+        gpu_hits = len(block_ids)
+        for node in swapped:
+            block_ids += node.gpu_blocks  # type: ignore[arg-type]
+        lease.block_ids = block_ids
         self._live_leases.add(lease)
         if self._swaps.tree_is_stale():  # a tier went while we waited
             self.release(lease)
             self._follow_generation()
             return BlockLease([], self._epoch, keys=keys)
-        swapped_in = len(lease.nodes) - len(gpu_run)
-        lease.gpu_hit_blocks = len(gpu_run)
-        lease.cpu_hit_blocks = min(swapped_in, len(cpu_run))
+        swapped_in = len(block_ids) - gpu_hits
+        lease.gpu_hit_blocks = gpu_hits
+        lease.cpu_hit_blocks = min(swapped_in, cpu_blocks)
         lease.disk_hit_blocks = swapped_in - lease.cpu_hit_blocks
         counters = self._counters
         counters["gpu_hit_blocks"] += lease.gpu_hit_blocks
@@ -217,42 +224,84 @@ class PrefixCacheManager:
         if len(set(ids)) != len(ids):
             raise InvalidBlockError("the same block id appears twice")
         keys = keys_reusing(tokens, self._block_size, len(ids), known_keys)
-        tiers = self._tiers
-        tree = tiers.tree
-        existing = tree.walk(keys)
-        for position, block in enumerate(ids):
-            node = existing[position] if position < len(existing) else None
-            if node is not None and node.state is NodeState.ON_GPU and node.gpu_block == block:
-                continue
-            if block not in self._private_owner:
-                raise InvalidBlockError(
-                    f"block {block!r} at position {position} is neither a block from allocate() "
-                    "nor the cached block there"
-                )
-
+        tree = self._tiers.tree
+        existing, covered = tree.walk(keys)
+        self._check_insert_ids(ids, existing, covered)
+        if existing and existing[-1].depth > covered:  # the blocks end inside the last run: cut it there
+            last = existing[-1]
+            existing[-1] = tree.split(last, len(last.keys) - (last.depth - covered))
         now = next(self._clock)
-        new = duplicate = adopted = from_disk = 0
-        parent = tree.root
-        for position, block in enumerate(ids):
-            node = existing[position] if position < len(existing) else None
-            if node is None:
-                owner = self._private_owner.pop(block)
-                node = tree.add_child(parent, keys[position], NodeState.ON_GPU, gpu_block=block)
-                self._hold(owner, [node], now)
-                new += 1
-            elif node.state is not NodeState.ON_GPU:  # cached on the CPU or the disk only
-                from_disk += node.state is NodeState.ON_DISK
-                tiers.adopt(node, block)
-                self._hold(self._private_owner.pop(block), [node], now)
-                adopted += 1
-            else:
-                if node.gpu_block != block:
-                    duplicate += 1
+        duplicate, adopted, from_disk = self._touch_or_adopt(existing, ids, now)
+        parent = existing[-1] if existing else tree.root
+        for start, end, owner in self._owner_stretches(ids, covered, len(ids)):
+            stretch = ids[start:end]
+            for block in stretch:
+                del self._private_owner[block]
+            parent = tree.add_child(parent, keys[start:end], NodeState.ON_GPU, gpu_blocks=stretch)
+            self._hold(owner, [parent], now)
+        self._counters["duplicate_inserts"] += duplicate
+        return InsertResult(len(ids) - covered, duplicate, adopted - from_disk, from_disk)
+
+    def _check_insert_ids(self, ids: list[int], existing: list[RadixNode], covered: int) -> None:
+        """Every id is the cached block at its position or a block from ``allocate()``;
+        raises before anything changes.  ``existing``, ``covered``: the tree's walk."""
+        private = self._private_owner
+        start = 0
+        for node in existing:
+            end = min(start + len(node.keys), covered)
+            cached = node.gpu_blocks if node.state is NodeState.ON_GPU else None
+            if cached is not None and cached[: end - start] == ids[start:end]:
+                start = end
+                continue
+            for position in range(start, end):
+                if (cached is None or cached[position - start] != ids[position]) and ids[position] not in private:
+                    raise InvalidBlockError(_not_insertable(ids[position], position))
+            start = end
+        for position in range(covered, len(ids)):
+            if ids[position] not in private:
+                raise InvalidBlockError(_not_insertable(ids[position], position))
+
+    def _touch_or_adopt(self, existing: list[RadixNode], ids: list[int], now: int) -> tuple[int, int, int]:
+        """The runs an insert finds cached: touched where on the GPU (a different id there is a
+        duplicate, left with its lease), else moved onto the caller's blocks, one run per lease
+        that allocated them, each held by its lease.  Returns (duplicates, adopted, of those
+        from the disk)."""
+        tiers = self._tiers
+        duplicate = adopted = from_disk = 0
+        start = 0
+        for node in existing:
+            end = start + len(node.keys)
+            cached = node.gpu_blocks
+            if node.state is NodeState.ON_GPU and cached is not None:
+                if cached != ids[start:end]:
+                    duplicate += sum(1 for mine, theirs in zip(cached, ids[start:end]) if mine != theirs)
                 node.last_access = now
                 tiers.offer(node)
-            parent = node
-        self._counters["duplicate_inserts"] += duplicate
-        return InsertResult(new, duplicate, adopted - from_disk, from_disk)
+            else:
+                for first, last, owner in self._owner_stretches(ids, start, end):
+                    run = tiers.tree.split(node, last - first) if last < end else node
+                    from_disk += (last - first) * (run.state is NodeState.ON_DISK)
+                    tiers.adopt(run, ids[first:last])
+                    for block in ids[first:last]:
+                        del self._private_owner[block]
+                    self._hold(owner, [run], now)
+                    adopted += last - first
+            start = end
+        return duplicate, adopted, from_disk
+
+    def _owner_stretches(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, BlockLease]]:
+        """``ids[start:end]`` (blocks from ``allocate()``) as (start, end, lease) stretches of one lease each."""
+        private = self._private_owner
+        stretches: list[tuple[int, int, BlockLease]] = []
+        position = start
+        while position < end:
+            owner = private[ids[position]]
+            stop = position + 1
+            while stop < end and private[ids[stop]] is owner:
+                stop += 1
+            stretches.append((position, stop, owner))
+            position = stop
+        return stretches
 
     def release(self, lease: BlockLease) -> None:
         """Drop a lease's references and free its blocks that were never inserted."""
@@ -264,11 +313,14 @@ class PrefixCacheManager:
         lease.released = True
         self._live_leases.discard(lease)
         now = next(self._clock)
-        for node in lease.nodes:
-            node.ref_count -= 1
-            node.last_access = now
-            if not node.ref_count and not node.num_gpu_children:
-                self._tiers.gpu_victims.offer(node)  # an unreferenced GPU leaf now
+        offer = self._tiers.gpu_victims.offer
+        for node, above in lease.held:
+            while node is not above:  # the nodes cut since keep the stretch's ends
+                node.ref_count -= 1
+                node.last_access = now
+                if not node.ref_count and not node.num_gpu_children:
+                    offer(node)  # an unreferenced GPU leaf now
+                node = node.parent  # type: ignore[assignment]
         owned = [block for block in lease.block_ids if self._private_owner.get(block) is lease]
         for block in owned:
             del self._private_owner[block]
@@ -280,8 +332,11 @@ class PrefixCacheManager:
         Read-only: no lease, no swap, no LRU update; an empty list while cleared."""
         if self._cleared:
             return []
-        walk = self._tiers.tree.walk(block_keys(tokens, self._block_size))
-        return [WHERE.get(node.state) or node.state.value for node in walk]
+        path, matched = self._tiers.tree.walk(block_keys(tokens, self._block_size))
+        where: list[str] = []
+        for node in path:
+            where += [WHERE.get(node.state) or node.state.value] * len(node.keys)
+        return where[:matched]
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` GPU blocks of unreferenced cache now; returns how many."""
@@ -389,7 +444,14 @@ class PrefixCacheManager:
     # ------------------------------------------------------------- internals
 
     def _hold(self, lease: BlockLease, nodes: list[RadixNode], now: int) -> None:
+        """``lease`` holds ``nodes``, a stretch of one path, shallowest first."""
+        if not nodes:
+            return
         for node in nodes:
             node.ref_count += 1
             node.last_access = now
-            lease.nodes.append(node)
+        lease.held.append((nodes[-1], nodes[0].parent))  # type: ignore[arg-type]
+
+
+def _not_insertable(block: int, position: int) -> str:
+    return f"block {block!r} at position {position} is neither a block from allocate() nor the cached block there"

@@ -1,13 +1,13 @@
 """Radix tree over full token blocks, keyed by hash-chained block keys.
 
-One edge is one full block of ``block_size`` tokens.  A block's key hashes its
+A node is a run of full blocks of ``block_size`` tokens along one path.  A block's key hashes its
 parent's key together with its own token ids, so equal keys mean equal whole
-prefixes and a child lookup is one dict access; blake2b over int32
+prefixes and a child lookup is one dict access (by the child run's first key); blake2b over int32
 little-endian bytes keeps keys identical across processes and machines (unlike
 ``hash()``).  Partial trailing blocks are never keyed: their KV is still being
 written.
 
-The tree only keeps structure and per-node bookkeeping (state, blocks,
+The tree only keeps structure and per-run bookkeeping (state, blocks,
 reference count, last access).  Policy lives in the manager; the LRU order of
 eviction candidates lives in :class:`LeafQueue`.
 """
@@ -95,17 +95,28 @@ def pins_cpu(state: NodeState) -> bool:
 
 
 class RadixNode:
-    """One cached full block; ``ref_count`` counts the leases that use it."""
+    """A run of cached full blocks along one path, resting on one tier together.
+
+    One node per run, not per block: a request's blocks are made, touched,
+    moved and dropped together, so the tree does that work once per run.  A
+    run is cut (``RadixTree.split``) wherever its blocks would part: a match
+    or an insert that ends inside it, an eviction or a move that takes only
+    its deepest blocks.  ``keys`` are the run's block keys, in order;
+    ``gpu_blocks`` / ``cpu_blocks`` / ``disk_blocks`` its block ids on each
+    tier (None: none there; two during a move).  ``depth`` is the depth of its
+    deepest block; ``ref_count`` counts the held stretches of leases that run
+    through it (``BlockLease.held``).
+    """
 
     __slots__ = (
-        "key",
+        "keys",
         "parent",
         "children",
         "depth",
         "state",
-        "gpu_block",
-        "cpu_block",
-        "disk_block",
+        "gpu_blocks",
+        "cpu_blocks",
+        "disk_blocks",
         "ref_count",
         "last_access",
         "num_gpu_children",
@@ -115,43 +126,47 @@ class RadixNode:
 
     def __init__(
         self,
-        key: bytes,
+        keys: list[bytes],
         parent: RadixNode | None,
         state: NodeState,
-        gpu_block: int | None = None,
-        cpu_block: int | None = None,
+        gpu_blocks: list[int] | None = None,
+        cpu_blocks: list[int] | None = None,
     ) -> None:
-        self.key = key
+        self.keys = keys
         self.parent = parent
-        self.children: dict[bytes, RadixNode] = {}
-        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.children: dict[bytes, RadixNode] = {}  # keyed by each child's first key
+        self.depth: int = 0 if parent is None else parent.depth + len(keys)
         self.state = state
-        self.gpu_block = gpu_block
-        self.cpu_block = cpu_block
-        self.disk_block: int | None = None
+        self.gpu_blocks = gpu_blocks
+        self.cpu_blocks = cpu_blocks
+        self.disk_blocks: list[int] | None = None
         self.ref_count = 0
         self.last_access = 0
         self.num_gpu_children = 0  # children in GPU_PINNING_STATES
         self.num_cpu_children = 0  # children not in DISK_STATES
         self.attached = True
 
-    def block_on(self, tier: Tier) -> int | None:
-        """This node's block on ``tier`` (None: it has none there)."""
-        return self.gpu_block if tier == Tier.GPU else self.cpu_block if tier == Tier.CPU else self.disk_block
+    def __len__(self) -> int:
+        return len(self.keys)
 
-    def set_block(self, tier: Tier, block: int | None) -> None:
-        """Give this node block ``block`` on ``tier`` (None: take its block there away)."""
+    def blocks_on(self, tier: Tier) -> list[int] | None:
+        """This run's blocks on ``tier`` (None: it has none there)."""
+        return self.gpu_blocks if tier == Tier.GPU else self.cpu_blocks if tier == Tier.CPU else self.disk_blocks
+
+    def set_blocks(self, tier: Tier, blocks: list[int] | None) -> None:
+        """Give this run ``blocks`` on ``tier``, one per key (None: take its blocks there away)."""
         if tier == Tier.GPU:
-            self.gpu_block = block
+            self.gpu_blocks = blocks
         elif tier == Tier.CPU:
-            self.cpu_block = block
+            self.cpu_blocks = blocks
         else:
-            self.disk_block = block
+            self.disk_blocks = blocks
 
     def __repr__(self) -> str:
         return (
-            f"RadixNode(depth={self.depth}, key={self.key.hex()[:8]}, {self.state.name}, "
-            f"gpu={self.gpu_block}, cpu={self.cpu_block}, disk={self.disk_block}, refs={self.ref_count})"
+            f"RadixNode(depth={self.depth - len(self.keys) + 1}..{self.depth}, "
+            f"key={self.keys[0].hex()[:8] if self.keys else '-'}, {self.state.name}, "
+            f"gpu={self.gpu_blocks}, cpu={self.cpu_blocks}, disk={self.disk_blocks}, refs={self.ref_count})"
         )
 
 
@@ -159,36 +174,107 @@ class RadixTree:
     """The block tree; the root is a keyless sentinel that counts as on-GPU."""
 
     def __init__(self) -> None:
-        self.root = RadixNode(ROOT_KEY, None, NodeState.ON_GPU)
+        self.root = RadixNode([], None, NodeState.ON_GPU)
         self._num_nodes = 0
 
     def __len__(self) -> int:
+        """How many nodes (runs) the tree holds."""
         return self._num_nodes
 
-    def walk(self, keys: Sequence[bytes]) -> list[RadixNode]:
-        """Nodes of the longest cached prefix of ``keys``, root excluded."""
+    def walk(self, keys: Sequence[bytes]) -> tuple[list[RadixNode], int]:
+        """The nodes of the longest cached prefix of ``keys`` (root excluded) and its
+        length in blocks; the last node may hold more blocks than the prefix reaches.
+
+        Keys chain on their whole prefix, so two keys at one position are equal
+        only if every key before them is: a run is matched whole when its last
+        key is, and a partial match is found by bisection."""
         path: list[RadixNode] = []
         node = self.root
-        for key in keys:
-            child = node.children.get(key)
+        matched = 0
+        wanted = len(keys)
+        while matched < wanted:
+            child = node.children.get(keys[matched])
             if child is None:
                 break
+            run = child.keys
+            end = matched + len(run)
             path.append(child)
-            node = child
+            if end <= wanted and run[-1] == keys[end - 1]:
+                matched = end
+                node = child
+                continue
+            low, high = 1, min(len(run), wanted - matched)  # run[low - 1] matches; the answer is in low..high
+            while low < high:
+                middle = (low + high + 1) // 2
+                if run[middle - 1] == keys[matched + middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            matched += low
+            break
+        return path, matched
+
+    def walk_split(self, keys: Sequence[bytes]) -> list[RadixNode]:
+        """``walk``, with a last node that holds more than the prefix cut to it: every node
+        returned lies wholly inside the prefix."""
+        path, matched = self.walk(keys)
+        if path:
+            last = path[-1]
+            beyond = last.depth - matched  # blocks of the last node past the prefix
+            if beyond:
+                path[-1] = self.split(last, len(last.keys) - beyond)
         return path
+
+    def split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut ``node`` after its first ``at`` blocks and return the new node holding those
+        (above it, in its place under the parent); ``node`` keeps the deeper rest, so its
+        depth and its queue entries stay right.  Both halves keep the state, the last
+        access and the references: a held stretch through one runs through the other."""
+        if not 0 < at < len(node.keys):
+            raise ValueError(f"cannot split a run of {len(node.keys)} blocks after {at}")
+        parent = node.parent
+        if parent is None:
+            raise ValueError("the root has no blocks to split")
+        head = RadixNode.__new__(RadixNode)
+        keys = node.keys
+        head.keys = keys[:at]
+        del keys[:at]
+        head.parent = parent
+        head.children = {keys[0]: node}
+        head.depth = node.depth - len(keys)
+        state = head.state = node.state
+        for name in ("gpu_blocks", "cpu_blocks", "disk_blocks"):
+            blocks = getattr(node, name)
+            if blocks is None:
+                setattr(head, name, None)
+            else:
+                setattr(head, name, blocks[:at])
+                del blocks[:at]
+        head.ref_count = node.ref_count
+        head.last_access = node.last_access
+        head.num_gpu_children = state.pins_gpu  # type: ignore[attr-defined]
+        head.num_cpu_children = state.pins_cpu  # type: ignore[attr-defined]
+        head.attached = node.attached
+        parent.children[head.keys[0]] = head
+        node.parent = head
+        self._num_nodes += 1
+        return head
 
     def add_child(
         self,
         parent: RadixNode,
-        key: bytes,
+        keys: list[bytes],
         state: NodeState,
-        gpu_block: int | None = None,
-        cpu_block: int | None = None,
+        gpu_blocks: list[int] | None = None,
+        cpu_blocks: list[int] | None = None,
     ) -> RadixNode:
-        if key in parent.children:
-            raise KeyError(f"key {key.hex()} already cached under this parent")
-        node = RadixNode(key, parent, state, gpu_block, cpu_block)
-        parent.children[key] = node
+        """A new run of ``keys`` under ``parent`` (which must end where the run begins)."""
+        if not keys:
+            raise ValueError("a run holds one block or more")
+        if keys[0] in parent.children:
+            raise KeyError(f"key {keys[0].hex()} already cached under this parent")
+        node = RadixNode(keys, parent, state, gpu_blocks, cpu_blocks)
+        parent.children[keys[0]] = node
         parent.num_gpu_children += state.pins_gpu  # type: ignore[attr-defined]
         parent.num_cpu_children += state.pins_cpu  # type: ignore[attr-defined]
         self._num_nodes += 1
@@ -200,7 +286,7 @@ class RadixTree:
         parent = node.parent
         if parent is None or not node.attached:
             raise ValueError("node is the root or already removed")
-        del parent.children[node.key]
+        del parent.children[node.keys[0]]
         parent.num_gpu_children -= node.state.pins_gpu  # type: ignore[attr-defined]
         parent.num_cpu_children -= node.state.pins_cpu  # type: ignore[attr-defined]
         node.attached = False
@@ -234,6 +320,31 @@ class RadixTree:
             stack.extend(current.children.values())
         order.reverse()
         return order
+
+
+def first_depth(node: RadixNode) -> int:
+    """The depth of the run's shallowest block."""
+    return node.depth - len(node.keys) + 1
+
+
+def depth_order(nodes: Sequence[RadixNode]) -> list[int] | None:
+    """The blocks of ``nodes`` (each run's in order, run after run) sorted shallowest
+    first, ties in the order given: as positions into that flat list, or None when
+    it is already so (one run, or runs that do not interleave)."""
+    if len(nodes) < 2:
+        return None
+    depths: list[int] = []
+    ordered = True
+    last = -1
+    for node in nodes:
+        first = first_depth(node)
+        if first <= last:
+            ordered = False
+        depths.extend(range(first, node.depth + 1))
+        last = node.depth
+    if ordered:
+        return None
+    return sorted(range(len(depths)), key=depths.__getitem__)
 
 
 class LeafQueue:

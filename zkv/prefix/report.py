@@ -57,8 +57,10 @@ def stats_of(
     counters = {name: mine[name] if name in mine else swaps.counters[name] for name in COUNTERS}
     queried = counters["queried_blocks"]
     nodes_by_state = dict.fromkeys((state.name for state in NodeState), 0)
+    blocks_by_state = dict.fromkeys((state.name for state in NodeState), 0)
     for node in tiers.tree.iter_nodes():
         nodes_by_state[node.state.name] += 1
+        blocks_by_state[node.state.name] += len(node.keys)
     return {
         "epoch": epoch,
         "cleared": cleared,
@@ -69,7 +71,8 @@ def stats_of(
         Tier.GPU: {**_usage(tiers.gpu), "reserved": tiers.gpu.num_reserved},
         Tier.CPU: _usage(tiers.cpu),
         Tier.DISK: _usage(tiers.disk),
-        "nodes": nodes_by_state,
+        "nodes": nodes_by_state,  # runs of blocks (radix.py)
+        "blocks": blocks_by_state,
         "quarantined_blocks": swaps.quarantined_blocks(),
         "quarantined_tasks": len(swaps.quarantine),
         "swaps": {op: dict(values) for op, values in swaps.swap_stats.items()},

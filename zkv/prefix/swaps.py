@@ -62,8 +62,8 @@ from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
 from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from .quarantine import Quarantine
-from .radix import NodeState, RadixNode
-from .tiers import TIER_NAMES, Tiers, is_gpu_victim
+from .radix import NodeState, RadixNode, depth_order, first_depth
+from .tiers import TIER_NAMES, Tiers, hand_out, in_order, is_gpu_victim
 
 #: the runner's counters, in the order the manager's stats report them
 COUNTERS = (
@@ -143,69 +143,103 @@ class SwapRunner:
             victim = tiers.pop_cpu_victim()
             if victim is None:
                 return None
-            self.drop_subtree(tiers, victim)
+            self.drop_subtree(tiers, tiers.take_deepest(victim, 1))
         return tiers.cpu.alloc(1)[0]
 
     def evict_gpu(self, tiers: Tiers, count: int) -> int:
-        """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop them."""
+        """Free ``count`` GPU blocks (fewer if the cache runs out): swap LRU leaves out, or drop
+        them.  A leaf's deepest blocks go first: one that holds more than is still asked is cut
+        (``Tiers.take_deepest``)."""
         victims: list[RadixNode] = []
-        while len(victims) < count:
+        taken = 0
+        while taken < count:
             node = tiers.next_victim(victims[-1] if victims else None, is_gpu_victim)
             if node is None:
                 break
+            node = tiers.take_deepest(node, count - taken)
             tiers.tree.set_state(node, NodeState.SWAPPING_OUT)
             victims.append(node)
-        if victims:
-            tiers.offer_parent(victims[-1])  # may have just become a leaf
-        victims.sort(key=lambda node: node.depth)  # parents get CPU room first
-        if victims:
-            self.make_cpu_room(tiers, len(victims) - tiers.cpu.num_free)  # one spill for the batch
+            taken += len(node.keys)
+        if not victims:
+            return 0
+        tiers.offer_parent(victims[-1])  # may have just become a leaf
+        self.make_cpu_room(tiers, taken - tiers.cpu.num_free)  # one spill for the batch
         # CPU room for the batch at once: drop LRU CPU leaves until every victim has a block (what
-        # ``_take_cpu_block`` does node by node), then take the blocks in one allocation.
+        # ``_take_cpu_block`` does block by block), then take the blocks in one allocation.
         cpu = tiers.cpu
-        if cpu.num_free < len(victims):
-            self._count_dropped(tiers.drop_cpu_leaves(len(victims)))
-        blocks = cpu.alloc(min(len(victims), cpu.num_free))
-        blocks.reverse()
-        moving: list[RadixNode] = []
-        for node in victims:
-            if not node.attached:
-                continue  # went with an ancestor's subtree
-            cpu_block = blocks.pop() if blocks else self._take_cpu_block(tiers)
-            if cpu_block is None:
-                self.drop_subtree(tiers, node)
-            else:
-                node.cpu_block = cpu_block
-                moving.append(node)
-        if blocks:
-            cpu.free(blocks)  # taken for victims that went with an ancestor
+        if cpu.num_free < taken:
+            self._count_dropped(tiers.drop_cpu_leaves(taken))
+        blocks = cpu.alloc(min(taken, cpu.num_free))
+        order = depth_order(victims)
+        if len(blocks) == taken:
+            moving, _ = hand_out(tiers, victims, Tier.CPU, blocks, order)  # parents get CPU room first
+        else:
+            moving = self._victims_short_of_cpu(tiers, victims, order, blocks)
         if moving:
             self.demote(tiers, moving, Op.SWAP_OUT, NodeState.ON_CPU)
-        return len(victims)
+        return taken
+
+    def _victims_short_of_cpu(
+        self, tiers: Tiers, victims: list[RadixNode], order: list[int] | None, blocks: list[int]
+    ) -> list[RadixNode]:
+        """CPU blocks for the victims, parents first, where fewer than they need were free:
+        block by block, a victim takes one of ``blocks``, else one freed meanwhile
+        (``_take_cpu_block``); a block that finds none is dropped with everything below it.
+        Returns the runs that got blocks for all they hold (the rest is dropped)."""
+        runs: list[RadixNode] = []
+        positions: list[int] = []
+        for node in victims:
+            runs += [node] * len(node.keys)
+            positions += range(len(node.keys))
+        got: dict[RadixNode, list[int]] = {node: [] for node in victims}
+        heads: dict[RadixNode, RadixNode | None] = {}  # a run cut short: what is left of it above the cut
+        blocks.reverse()
+        for index in range(len(runs)) if order is None else order:
+            node = runs[index]
+            if not node.attached:
+                continue  # went with an ancestor's subtree, or with a shallower block of its own run
+            cpu_block = blocks.pop() if blocks else self._take_cpu_block(tiers)
+            if cpu_block is None:
+                at = positions[index]
+                heads[node] = tiers.tree.split(node, at) if at else None
+                self.drop_subtree(tiers, node)  # may free CPU blocks for the next victims
+            else:
+                got[node].append(cpu_block)
+        if blocks:
+            tiers.cpu.free(blocks)  # taken for victims that went with an ancestor
+        moving: list[RadixNode] = []
+        for node in victims:
+            kept = heads.get(node, node) if node in heads else (node if node.attached else None)
+            if kept is not None and kept.attached:
+                kept.cpu_blocks = got[node]
+                moving.append(kept)
+        return moving
 
     def demote(self, tiers: Tiers, moving: list[RadixNode], op: Op, state: NodeState) -> None:
         """One ``op`` task moving ``moving`` a tier down (``swap_out`` GPU -> CPU, ``spill``
-        CPU -> disk: ``wire/moves.py``; their destination blocks already taken).  On ``ok``
-        the source blocks are freed and the nodes live on in ``state``; otherwise the
-        destination blocks are freed or quarantined and the nodes dropped with their
-        subtrees (freeing the room asked for)."""
+        CPU -> disk: ``wire/moves.py``; their destination blocks already taken), its blocks
+        shallowest first.  On ``ok`` the source blocks are freed and the runs live on in
+        ``state``; otherwise the destination blocks are freed or quarantined and the runs
+        dropped with their subtrees (freeing the room asked for)."""
         move = MOVES[op]
-        src_ids = cast(list[int], [node.block_on(move.source) for node in moving])
-        dst_ids = cast(list[int], [node.block_on(move.dest) for node in moving])
+        order = depth_order(moving)
+        src_ids = in_order(moving, move.source, order)
+        dst_ids = in_order(moving, move.dest, order)
         outcome, task = self.run(op, src_ids, dst_ids)
+        parents_first = sorted(moving, key=first_depth)
         if outcome == Outcome.OK:
             tiers.allocator(move.source).free(src_ids)
             for node in moving:
-                node.set_block(move.source, None)
+                node.set_blocks(move.source, None)
                 tiers.tree.set_state(node, state)
-            for node in dict.fromkeys([*moving, *(cast(RadixNode, n.parent) for n in moving)]):
-                tiers.offer(node)  # a moved node, or its parent, may be a leaf on its tier now
-            self.counters[_DEMOTED[op]] += len(moving)
+            for node in dict.fromkeys([*parents_first, *(cast(RadixNode, n.parent) for n in parents_first)]):
+                tiers.offer(node)  # a moved run, or its parent, may be a leaf on its tier now
+            self.counters[_DEMOTED[op]] += len(src_ids)
             return
         for node in moving:
-            node.set_block(move.dest, None)
+            node.set_blocks(move.dest, None)
         self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
-        for node in moving:
+        for node in parents_first:
             if node.attached:
                 self.drop_subtree(tiers, node)
 
@@ -216,47 +250,46 @@ class SwapRunner:
         op: Op,
         states: tuple[NodeState, NodeState, NodeState],
         take: Callable[[int], list[int]],
-    ) -> tuple[list[RadixNode], str]:
-        """One ``op`` task moving ``run`` a tier up (``swap_in`` CPU -> GPU, ``load`` disk ->
-        CPU: ``wire/moves.py``).  ``states``: the run's state while it moves, where it rests,
-        where it arrives.  ``take(n)`` gives up to ``n`` destination blocks; the nodes beyond
-        them stay.  On ``ok`` the source blocks of those that moved are freed; otherwise the
-        destination blocks are freed or quarantined and the nodes rest where they were.
-        Returns the nodes that were moved and the task's outcome."""
+    ) -> tuple[list[RadixNode], list[RadixNode], str]:
+        """One ``op`` task moving ``run`` (a path's nodes, in order) a tier up (``swap_in`` CPU
+        -> GPU, ``load`` disk -> CPU: ``wire/moves.py``).  ``states``: the run's state while it
+        moves, where it rests, where it arrives.  ``take(n)`` gives up to ``n`` destination
+        blocks; the blocks beyond them stay (a node is cut where they end).  On ``ok`` the
+        source blocks of those that moved are freed; otherwise the destination blocks are
+        freed or quarantined and the nodes rest where they were.  Returns the nodes that
+        were moved, those that stayed, and the task's outcome."""
         move = MOVES[op]
         moving_state, resting, arrived = states
         for node in run:
             tiers.tree.set_state(node, moving_state)  # shields them (and their ancestors) from eviction
-        dst_ids = take(len(run))
-        moving, staying = run[: len(dst_ids)], run[len(dst_ids) :]
+        dst_ids = take(sum(len(node.keys) for node in run))
+        moving, staying = hand_out(tiers, run, move.dest, dst_ids, None)
         for node in staying:
             tiers.tree.set_state(node, resting)
-        for node, block in zip(moving, dst_ids):
-            node.set_block(move.dest, block)
-        src_ids = cast(list[int], [node.block_on(move.source) for node in moving])
+        src_ids = in_order(moving, move.source, None)
         outcome: str = Outcome.OK
         task: int | None = None
         if moving:
             outcome, task = self.run(op, src_ids, dst_ids)
         if outcome == Outcome.OK:
             for node in moving:
-                node.set_block(move.source, None)
+                node.set_blocks(move.source, None)
                 tiers.tree.set_state(node, arrived)
             tiers.allocator(move.source).free(src_ids)
         else:
             for node in moving:
-                node.set_block(move.dest, None)
+                node.set_blocks(move.dest, None)
                 tiers.tree.set_state(node, resting)
             self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
-        return moving, outcome
+        return moving, staying, outcome
 
     def swap_in(self, tiers: Tiers, cpu_run: list[RadixNode]) -> list[RadixNode]:
-        """Bring a run of CPU nodes to the GPU in one task; returns those that arrived."""
+        """Bring a path's CPU nodes to the GPU in one task; returns those that arrived."""
         states = (NodeState.SWAPPING_IN, NodeState.ON_CPU, NodeState.ON_GPU)
-        moving, outcome = self.promote(
+        moving, staying, outcome = self.promote(
             tiers, cpu_run, Op.SWAP_IN, states, lambda n: self.take_gpu_blocks(tiers, n, allow_fewer=True)
         )
-        for node in cpu_run:
+        for node in (*moving, *staying):
             if node.state is NodeState.ON_CPU:
                 tiers.offer(node)
         return moving if outcome == Outcome.OK else []
@@ -265,50 +298,54 @@ class SwapRunner:
 
     def make_cpu_room(self, tiers: Tiers, count: int) -> None:
         """Free ``count`` more CPU blocks (fewer if the CPU runs out of leaves) by spilling
-        LRU CPU leaves; without a disk tier this does nothing (the caller drops)."""
+        LRU CPU leaves, a leaf's deepest blocks first; without a disk tier this does nothing
+        (the caller drops)."""
         if count <= 0 or not tiers.disk.num_blocks:
             return
         victims: list[RadixNode] = []
-        while len(victims) < count:
+        taken = 0
+        while taken < count:
             node = tiers.pop_cpu_victim()
             if node is None:
                 break
+            node = tiers.take_deepest(node, count - taken)
             tiers.tree.set_state(node, NodeState.SPILLING)
             victims.append(node)
+            taken += len(node.keys)
             tiers.offer(cast(RadixNode, node.parent))  # may have just become a CPU leaf
         if not victims:
             return
-        victims.sort(key=lambda node: node.depth)  # parents get disk room first
-        disk_ids = self._take_disk_blocks(tiers, len(victims))
-        moving = victims[: len(disk_ids)]
-        for node, block in zip(moving, disk_ids):
-            node.disk_block = block
-        for node in victims[len(disk_ids) :]:
+        disk_ids = self._take_disk_blocks(tiers, taken)
+        moving, unserved = hand_out(tiers, victims, Tier.DISK, disk_ids, depth_order(victims))  # parents first
+        for node in sorted(unserved, key=first_depth):
             if node.attached:
                 self.drop_subtree(tiers, node)  # no disk room left: dropped
         if moving:
             self.demote(tiers, moving, Op.SPILL, NodeState.ON_DISK)
 
     def _take_disk_blocks(self, tiers: Tiers, count: int) -> list[int]:
-        """Up to ``count`` disk blocks, dropping LRU disk leaves for room."""
+        """Up to ``count`` disk blocks, dropping LRU disk leaves (their deepest blocks first) for room."""
         while tiers.disk.num_free < count:
             victim = tiers.pop_disk_victim()
             if victim is None:
                 break
-            self.drop_subtree(tiers, victim)
+            self.drop_subtree(tiers, tiers.take_deepest(victim, count - tiers.disk.num_free))
         return tiers.disk.alloc(min(count, tiers.disk.num_free))
 
     def load(self, tiers: Tiers, disk_run: list[RadixNode]) -> list[RadixNode]:
-        """Bring a match's disk run to the CPU in one task; returns the nodes that arrived (a prefix of it)."""
+        """Bring a match's disk nodes to the CPU in one task; returns the nodes that arrived (a prefix of them)."""
         states = (NodeState.LOADING, NodeState.ON_DISK, NodeState.ON_CPU)  # LOADING shields the CPU run above too
-        moving, outcome = self.promote(tiers, disk_run, Op.LOAD, states, lambda n: self.take_cpu_blocks(tiers, n))
+        moving, staying, outcome = self.promote(
+            tiers, disk_run, Op.LOAD, states, lambda n: self.take_cpu_blocks(tiers, n)
+        )
+        every = (*moving, *staying)
         if outcome == Outcome.OK:
-            self.counters["loaded_blocks"] += len(moving)
+            self.counters["loaded_blocks"] += sum(len(node.keys) for node in moving)
         else:
             if outcome == Outcome.FAILED:
                 self.drop_subtree(tiers, moving[0])  # a lost block is never served: its run goes
             moving = []
-        for node in disk_run:
+        for node in every:
             if node.attached:
                 tiers.offer(node)
         return moving

@@ -13,6 +13,7 @@ path of a match is a GPU run, then a CPU run, then a disk run
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from ..wire.moves import TIER_ORDER
 from ..wire.vocab import Tier
@@ -59,7 +60,7 @@ def next_in_chain(node: RadixNode, is_victim: Callable[[RadixNode], bool]) -> Ra
 
 
 def split_path(path: list[RadixNode]) -> tuple[list[RadixNode], list[RadixNode], list[RadixNode]]:
-    """A match's path as its GPU run, CPU run and disk run (the shape rule makes it these three)."""
+    """A match's path as its GPU nodes, CPU nodes and disk nodes (the shape rule makes it these three)."""
     gpu = 0
     while gpu < len(path) and path[gpu].state is NodeState.ON_GPU:
         gpu += 1
@@ -130,8 +131,9 @@ class Tiers:
 
     def drop_cpu_leaves(self, want_free: int) -> tuple[int, int, int]:
         """Drop LRU CPU leaves (``pop_cpu_victim``, each with its disk subtree) until ``want_free``
-        CPU blocks are free or no leaf is left; one free per tier for the lot.  Returns the
-        (GPU, CPU, disk) blocks freed, as ``drop_subtree`` does for one."""
+        CPU blocks are free or no leaf is left, a leaf's deepest blocks first (``take_deepest``);
+        one free per tier for the lot.  Returns the (GPU, CPU, disk) blocks freed, as
+        ``drop_subtree`` does for one."""
         free = self.cpu.num_free
         dropped: tuple[list[int], list[int], list[int]] = ([], [], [])
         last: RadixNode | None = None
@@ -139,6 +141,7 @@ class Tiers:
             top = self.next_victim(last, is_cpu_victim)
             if top is None:
                 return self._free(dropped)  # no CPU leaf left (the last one's parent was offered)
+            top = self.take_deepest(top, want_free - free)
             for acc, ids in zip(dropped, self._detach(top, check_refs=True)):
                 acc.extend(ids)
             free = self.cpu.num_free + len(dropped[1])
@@ -146,6 +149,14 @@ class Tiers:
         if last is not None:
             self.offer_parent(last)  # may be the next leaf to go
         return self._free(dropped)
+
+    def take_deepest(self, node: RadixNode, count: int) -> RadixNode:
+        """``node`` when it holds ``count`` blocks or fewer, else its deepest ``count`` cut
+        from it (``RadixTree.split``; the rest stays, with the node's state)."""
+        size = len(node.keys)
+        if size > count:
+            self.tree.split(node, size - count)
+        return node
 
     def offer_parent(self, node: RadixNode) -> None:
         """Queue ``node``'s parent if it has become a candidate (never the root)."""
@@ -160,15 +171,15 @@ class Tiers:
                 allocator.free(ids)
         return len(ids_by_tier[0]), len(ids_by_tier[1]), len(ids_by_tier[2])
 
-    def adopt(self, node: RadixNode, gpu_block: int) -> None:
-        """A node cached off the GPU moves onto ``gpu_block`` (a caller's copy of its data)."""
-        if node.cpu_block is not None:
-            self.cpu.free([node.cpu_block])
-            node.cpu_block = None
-        if node.disk_block is not None:
-            self.disk.free([node.disk_block])
-            node.disk_block = None
-        node.gpu_block = gpu_block
+    def adopt(self, node: RadixNode, gpu_blocks: list[int]) -> None:
+        """A run cached off the GPU moves onto ``gpu_blocks`` (a caller's copy of its data)."""
+        if node.cpu_blocks is not None:
+            self.cpu.free(node.cpu_blocks)
+            node.cpu_blocks = None
+        if node.disk_blocks is not None:
+            self.disk.free(node.disk_blocks)
+            node.disk_blocks = None
+        node.gpu_blocks = gpu_blocks
         self.tree.set_state(node, NodeState.ON_GPU)
 
     def drop_gpu_tier(self, num_gpu_blocks: int, gpu_reserved: Iterable[int]) -> int:
@@ -189,7 +200,8 @@ class Tiers:
         return gone
 
     def _detach(self, top: RadixNode, check_refs: bool) -> tuple[list[int], list[int], list[int]]:
-        """Remove ``top``'s subtree from the tree; returns its blocks per tier (not yet freed)."""
+        """Remove ``top``'s subtree from the tree; returns its blocks per tier (not yet freed),
+        deepest first."""
         gpu_ids: list[int] = []
         cpu_ids: list[int] = []
         disk_ids: list[int] = []
@@ -197,15 +209,15 @@ class Tiers:
             if node.ref_count and check_refs:
                 raise AssertionError(f"dropping referenced {node!r}")
             node.ref_count = 0
-            if node.gpu_block is not None:
-                gpu_ids.append(node.gpu_block)
-                node.gpu_block = None
-            if node.cpu_block is not None:
-                cpu_ids.append(node.cpu_block)
-                node.cpu_block = None
-            if node.disk_block is not None:
-                disk_ids.append(node.disk_block)
-                node.disk_block = None
+            if node.gpu_blocks is not None:
+                gpu_ids += reversed(node.gpu_blocks)
+                node.gpu_blocks = None
+            if node.cpu_blocks is not None:
+                cpu_ids += reversed(node.cpu_blocks)
+                node.cpu_blocks = None
+            if node.disk_blocks is not None:
+                disk_ids += reversed(node.disk_blocks)
+                node.disk_blocks = None
             self.tree.remove_leaf(node)
         return gpu_ids, cpu_ids, disk_ids
 
@@ -213,3 +225,46 @@ class Tiers:
         if len(queue._heap) > 4 * self.tree._num_nodes + 64:  # fields, not __len__: once per pop
             queue.rebuild(self.tree.iter_nodes(), is_victim)
         return queue.pop(is_victim)
+
+
+def in_order(nodes: list[RadixNode], tier: Tier, order: list[int] | None) -> list[int]:
+    """The blocks ``nodes`` hold on ``tier``, run after run, or in ``order`` (``depth_order``'s)."""
+    flat: list[int] = []
+    for node in nodes:
+        flat += cast(list[int], node.blocks_on(tier))
+    return flat if order is None else [flat[index] for index in order]
+
+
+def hand_out(
+    tiers: Tiers, nodes: list[RadixNode], tier: Tier, ids: list[int], order: list[int] | None
+) -> tuple[list[RadixNode], list[RadixNode]]:
+    """Give the blocks of ``nodes`` the ``ids`` on ``tier``, in ``order`` (``depth_order``'s;
+    None: run after run) until they run out.  Returns the runs that got a block for each of
+    theirs, and those that got none; a run the ids end inside is cut there
+    (``RadixTree.split``), its head served, its rest not."""
+    total = sum(len(node.keys) for node in nodes)
+    if order is None:
+        flat: list[int | None] = [*ids, *([None] * (total - len(ids)))]
+    else:
+        flat = [None] * total
+        for rank, index in enumerate(order[: len(ids)]):
+            flat[index] = ids[rank]
+    served: list[RadixNode] = []
+    unserved: list[RadixNode] = []
+    start = 0
+    for node in nodes:
+        size = len(node.keys)
+        share = flat[start : start + size]
+        start += size
+        got = size - share.count(None)  # a prefix of the run: its blocks come shallowest first
+        if got == size:
+            node.set_blocks(tier, cast(list[int], share))
+            served.append(node)
+        elif not got:
+            unserved.append(node)
+        else:
+            head = tiers.tree.split(node, got)
+            head.set_blocks(tier, cast(list[int], share[:got]))
+            served.append(head)
+            unserved.append(node)
+    return served, unserved
