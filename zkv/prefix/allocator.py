@@ -1,7 +1,8 @@
 """Block allocator for one cache tier (GPU, CPU or disk): hands out block ids 0 … N-1.
 
-A free stack plus an in-use byte per block gives O(1) alloc and free per block
-and lets every free be checked: a double free or an id the tier never had is a
+A free stack plus the set of blocks in use gives O(1) alloc and free per block
+(the set's updates and checks run in C, a block list at a time) and lets every
+free be checked: a double free or an id the tier never had is a
 bug in the caller that would otherwise surface much later as two owners of one
 block, so it raises at once, before anything changes.
 
@@ -37,7 +38,7 @@ class OutOfBlocksError(BlockAllocatorError):
     """Fewer free blocks than asked for; nothing was allocated."""
 
 
-_RESERVED = 2
+_INT_ONLY = {int}  # the types of a list of good ids (type(), so a bool is not one)
 
 
 class BlockAllocator:
@@ -47,7 +48,7 @@ class BlockAllocator:
     in tests show up immediately instead of by luck.
     """
 
-    __slots__ = ("tier", "num_blocks", "reserved", "peak_used", "_free_stack", "_in_use")
+    __slots__ = ("tier", "num_blocks", "reserved", "peak_used", "_free_stack", "_used")
 
     def __init__(self, num_blocks: int, tier: str = Tier.GPU, reserved: Iterable[int] = ()) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 0:
@@ -61,9 +62,7 @@ class BlockAllocator:
         self.reserved: frozenset[int] = held
         ids = range(num_blocks - 1, -1, -1)
         self._free_stack: list[int] = [b for b in ids if b not in held] if held else list(ids)  # pops 0, 1, 2, …
-        self._in_use = bytearray(num_blocks)  # 0 free, 1 in use, 2 reserved
-        for block in held:
-            self._in_use[block] = _RESERVED
+        self._used: set[int] = set()  # handed out and not yet freed
         self.peak_used = 0  # the most blocks ever in use at once (how close the tier came to full)
 
     @property
@@ -90,9 +89,7 @@ class BlockAllocator:
         taken = stack[len(stack) - count :]
         del stack[len(stack) - count :]
         taken.reverse()
-        in_use = self._in_use
-        for block in taken:
-            in_use[block] = 1
+        self._used.update(taken)
         used = self.num_blocks - len(self.reserved) - len(stack)
         if used > self.peak_used:
             self.peak_used = used
@@ -102,28 +99,30 @@ class BlockAllocator:
         """Return blocks; validates all of them first so a bad call changes nothing."""
         ids = list(block_ids)
         self._check_freeable(ids)
-        in_use = self._in_use
-        for block in ids:
-            in_use[block] = 0
+        self._used.difference_update(ids)
         self._free_stack.extend(ids)
 
     def is_allocated(self, block: int) -> bool:
-        return self._owns(block) and self._in_use[block] == 1
+        return self._owns(block) and block in self._used
 
     def allocated_ids(self) -> list[int]:
         """Every block in use, ascending (O(N): for invariant checks, not hot paths)."""
-        return [block for block, used in enumerate(self._in_use) if used == 1]
+        return sorted(self._used)
 
     def check(self) -> None:
         """Raise AssertionError if the free stack and the in-use map disagree."""
         free = self._free_stack
         if len(set(free)) != len(free):
             raise AssertionError(f"{self.tier}: a block is on the free stack twice")
-        if any(self._in_use[block] for block in free):
+        if (
+            not self._used.isdisjoint(free)
+            or not self.reserved.isdisjoint(free)
+            or not self.reserved.isdisjoint(self._used)
+        ):
             raise AssertionError(f"{self.tier}: a block is both free and in use (or reserved)")
-        if sorted(b for b, used in enumerate(self._in_use) if used == _RESERVED) != sorted(self.reserved):
-            raise AssertionError(f"{self.tier}: the reserved ids changed")
-        if len(free) + self._in_use.count(1) + len(self.reserved) != self.num_blocks:
+        if any(type(b) is not int or not 0 <= b < self.num_blocks for b in (*free, *self._used)):
+            raise AssertionError(f"{self.tier}: a block id out of range is free or in use")
+        if len(free) + len(self._used) + len(self.reserved) != self.num_blocks:
             raise AssertionError(f"{self.tier}: free + used + reserved != total")
 
     def _owns(self, block: object) -> bool:
@@ -132,23 +131,16 @@ class BlockAllocator:
     def _check_freeable(self, ids: list[int]) -> None:
         if not ids:
             return
-        in_use = self._in_use
-        if (
-            all(type(block) is int for block in ids)
-            and 0 <= min(ids)
-            and max(ids) < self.num_blocks
-            and all(in_use[block] == 1 for block in ids)
-            and len(set(ids)) == len(ids)
-        ):
-            return  # the common case, checked in a few C loops; the loop below names a refusal
+        if set(map(type, ids)) == _INT_ONLY and self._used.issuperset(ids) and len(set(ids)) == len(ids):
+            return  # the common case (ints in use, once each: in range), in C; the loop below names a refusal
         seen: set[int] = set()
         for block in ids:
             if not self._owns(block):
                 raise ForeignBlockError(
                     f"{self.tier}: {block!r} is not a block id of this tier (0..{self.num_blocks - 1})"
                 )
-            if self._in_use[block] == _RESERVED:
+            if block in self.reserved:
                 raise ForeignBlockError(f"{self.tier}: block {block} is reserved by the engine, never handed out")
-            if not self._in_use[block] or block in seen:
+            if block not in self._used or block in seen:
                 raise DoubleFreeError(f"{self.tier}: block {block} freed twice")
             seen.add(block)

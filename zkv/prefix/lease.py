@@ -21,6 +21,7 @@ class BlockLease:
     cpu_hit_blocks: int = 0  # match only: blocks swapped in from the CPU
     disk_hit_blocks: int = 0  # match only: blocks loaded from the disk, then swapped in
     released: bool = False
+    allocated: bool = False  # made by allocate(): its blocks are private until inserted
     # the stretches of the tree it holds: (deepest node, the node above the shallowest); a node
     # cut later leaves both halves inside the stretch (``PrefixCacheManager.release``)
     held: list[tuple[RadixNode, RadixNode]] = field(default_factory=list, repr=False)

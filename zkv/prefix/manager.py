@@ -196,7 +196,7 @@ class PrefixCacheManager:
         self._follow_generation()
         self._swaps.reap(self._tiers)
         block_ids = self._swaps.take_gpu_blocks(self._tiers, num_blocks, allow_fewer=False)
-        lease = BlockLease(block_ids, self._epoch)
+        lease = BlockLease(block_ids, self._epoch, allocated=True)
         for block in block_ids:
             self._private_owner[block] = lease
         self._live_leases.add(lease)
@@ -257,9 +257,9 @@ class PrefixCacheManager:
                 if (cached is None or cached[position - start] != ids[position]) and ids[position] not in private:
                     raise InvalidBlockError(_not_insertable(ids[position], position))
             start = end
-        for position in range(covered, len(ids)):
-            if ids[position] not in private:
-                raise InvalidBlockError(_not_insertable(ids[position], position))
+        if not all(map(private.__contains__, ids[covered:])):
+            position = next(at for at in range(covered, len(ids)) if ids[at] not in private)
+            raise InvalidBlockError(_not_insertable(ids[position], position))
 
     def _touch_or_adopt(self, existing: list[RadixNode], ids: list[int], now: int) -> tuple[int, int, int]:
         """The runs an insert finds cached: touched where on the GPU (a different id there is a
@@ -292,6 +292,9 @@ class PrefixCacheManager:
     def _owner_stretches(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, BlockLease]]:
         """``ids[start:end]`` (blocks from ``allocate()``) as (start, end, lease) stretches of one lease each."""
         private = self._private_owner
+        owners = list(map(private.__getitem__, ids[start:end]))
+        if owners and owners.count(owners[0]) == len(owners):
+            return [(start, end, owners[0])]  # the common case: one allocate() gave them all
         stretches: list[tuple[int, int, BlockLease]] = []
         position = start
         while position < end:
@@ -321,10 +324,11 @@ class PrefixCacheManager:
                 if not node.ref_count and not node.num_gpu_children:
                     offer(node)  # an unreferenced GPU leaf now
                 node = node.parent  # type: ignore[assignment]
-        owned = [block for block in lease.block_ids if self._private_owner.get(block) is lease]
-        for block in owned:
-            del self._private_owner[block]
-        self._tiers.gpu.free(owned)
+        if lease.allocated:  # a match's lease holds tree blocks only
+            owned = [block for block in lease.block_ids if self._private_owner.get(block) is lease]
+            for block in owned:
+                del self._private_owner[block]
+            self._tiers.gpu.free(owned)
 
     def locate(self, tokens: Sequence[int]) -> list[str]:
         """Where the cached prefix of ``tokens`` lives, one entry per full block:

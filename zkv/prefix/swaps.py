@@ -77,6 +77,8 @@ COUNTERS = (
     "reclaimed_blocks",
 )
 
+# the counters of blocks dropped on each tier, in TIER_NAMES order
+_DROPPED = tuple(f"dropped_{tier}_blocks" for tier in TIER_NAMES)
 # the counter of each op that moves a tier down
 _DEMOTED = {Op.SWAP_OUT: "swapped_out_blocks", Op.SPILL: "spilled_blocks"}
 
@@ -135,8 +137,9 @@ class SwapRunner:
 
     def _count_dropped(self, freed: tuple[int, int, int]) -> None:
         """Book (GPU, CPU, disk) blocks dropped for want of room."""
-        for tier, n in zip(TIER_NAMES, freed):
-            self.counters[f"dropped_{tier}_blocks"] += n
+        counters = self.counters
+        for name, n in zip(_DROPPED, freed):
+            counters[name] += n
 
     def _take_cpu_block(self, tiers: Tiers) -> int | None:
         if not tiers.cpu.num_free:

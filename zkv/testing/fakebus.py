@@ -213,11 +213,14 @@ class FakeBus:
             return
         source_tier, target_tier = OPS[record.op]
         source, target = getattr(self, source_tier), getattr(self, target_tier)
-        for src, dst in zip(record.src[:count], record.dst[:count]):
-            target[dst] = GARBAGE if record.op == Op.LOAD and src in self.lost_disk else source.get(src)
+        if record.op != Op.LOAD:
+            target.update(zip(record.dst[:count], map(source.get, record.src[:count])))
             if target is self.disk:
-                self.lost_disk.discard(dst)  # written anew, with a fresh digest
-        if record.op == Op.LOAD and record.outcome == Outcome.FAILED:
+                self.lost_disk.difference_update(record.dst[:count])  # written anew, with a fresh digest
+            return
+        for src, dst in zip(record.src[:count], record.dst[:count]):  # a load: lost blocks land as garbage
+            target[dst] = GARBAGE if src in self.lost_disk else source.get(src)
+        if record.outcome == Outcome.FAILED:
             for dst in record.dst[count:]:
                 target[dst] = GARBAGE  # a failed load's destination holds undefined bytes
 
