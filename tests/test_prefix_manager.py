@@ -416,6 +416,8 @@ def test_reset_forgets_quarantine_without_waiting():
 def test_bench_reports_microseconds_per_request():
     figures = bench_manager(n_requests=24, prompt_tokens=256, block_size=16, gpu_requests=2, cpu_requests=4)
     assert figures["us_per_request"] > 0 and figures["requests"] == 24
+    assert figures["fake_bus_us"] > 0, "the swaps went through the bus, whose time is taken out"
+    assert figures["us_per_request_with_bus"] == pytest.approx(figures["us_per_request"] + figures["fake_bus_us"])
     assert figures["cpu_hit_rate"] > 0 and figures["swaps"]["swap_in"]["ok"] > 0
 
 

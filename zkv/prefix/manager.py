@@ -197,8 +197,7 @@ class PrefixCacheManager:
         self._swaps.reap(self._tiers)
         block_ids = self._swaps.take_gpu_blocks(self._tiers, num_blocks, allow_fewer=False)
         lease = BlockLease(block_ids, self._epoch, allocated=True)
-        for block in block_ids:
-            self._private_owner[block] = lease
+        self._private_owner.update(dict.fromkeys(block_ids, lease))
         self._live_leases.add(lease)
         return lease
 

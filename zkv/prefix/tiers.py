@@ -242,6 +242,9 @@ def hand_out(
     None: run after run) until they run out.  Returns the runs that got a block for each of
     theirs, and those that got none; a run the ids end inside is cut there
     (``RadixTree.split``), its head served, its rest not."""
+    if len(nodes) == 1 and len(nodes[0].keys) == len(ids):  # the common case: one run, all served
+        nodes[0].set_blocks(tier, list(ids))
+        return [nodes[0]], []
     total = sum(len(node.keys) for node in nodes)
     if order is None:
         flat: list[int | None] = [*ids, *([None] * (total - len(ids)))]

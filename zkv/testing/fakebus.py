@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..wire.moves import MOVES
 from ..wire.outcome import TaskOutcome
@@ -55,8 +55,9 @@ class FakeBusError(Exception):
     """The fake bus refused a task at submit."""
 
 
-@dataclass(frozen=True)
-class SubmittedTask:
+class SubmittedTask(NamedTuple):
+    """One task as submitted, with the outcome it was given."""
+
     task: int
     op: str
     src: tuple[int, ...]
@@ -127,8 +128,7 @@ class FakeBus:
         if outcome == Outcome.TIMEOUT:
             self._running_late[task] = record
         else:
-            copies: dict[str, int] = {Outcome.OK: len(src), Outcome.FAILED: len(src) // 2}
-            copied = copies.get(outcome, 0)
+            copied = len(src) if outcome == Outcome.OK else len(src) // 2 if outcome == Outcome.FAILED else 0
             self._copy(record, copied)
             self._finished[task] = TaskOutcome(task, outcome, reason, copied * self.block_bytes)
         if move == "gen":
@@ -214,9 +214,10 @@ class FakeBus:
         source_tier, target_tier = OPS[record.op]
         source, target = getattr(self, source_tier), getattr(self, target_tier)
         if record.op != Op.LOAD:
-            target.update(zip(record.dst[:count], map(source.get, record.src[:count])))
+            src, dst = record.src[:count], record.dst[:count]
+            target.update(zip(dst, map(source.get, src)))
             if target is self.disk:
-                self.lost_disk.difference_update(record.dst[:count])  # written anew, with a fresh digest
+                self.lost_disk.difference_update(dst)  # written anew, with a fresh digest
             return
         for src, dst in zip(record.src[:count], record.dst[:count]):  # a load: lost blocks land as garbage
             target[dst] = GARBAGE if src in self.lost_disk else source.get(src)
