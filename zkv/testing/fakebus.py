@@ -214,10 +214,10 @@ class FakeBus:
         source_tier, target_tier = OPS[record.op]
         source, target = getattr(self, source_tier), getattr(self, target_tier)
         if record.op != Op.LOAD:
-            src, dst = record.src[:count], record.dst[:count]
-            target.update(zip(dst, map(source.get, src)))
+            written = record.dst[:count]
+            target.update(zip(written, map(source.get, record.src[:count])))
             if target is self.disk:
-                self.lost_disk.difference_update(dst)  # written anew, with a fresh digest
+                self.lost_disk.difference_update(written)  # written anew, with a fresh digest
             return
         for src, dst in zip(record.src[:count], record.dst[:count]):  # a load: lost blocks land as garbage
             target[dst] = GARBAGE if src in self.lost_disk else source.get(src)
