@@ -80,8 +80,14 @@ class PrefixCacheManager:
         quarantine_timed_out: bool = True,
         reserved_gpu_blocks: Iterable[int] = (),
         num_disk_blocks: int = 0,
+        *,
+        max_run: int | None = None,
     ) -> None:
+        """``max_run``: the most blocks one tree node takes (None: a request's run, however
+        long; 1: a node per block, which serves the same, only slower: for tests that hold
+        the two to each other)."""
         check_block_size(block_size)
+        self._max_run = max_run
         self._reserved = tuple(sorted(set(reserved_gpu_blocks)))
         self._swaps = SwapRunner(bus, swap_timeout, quarantine_timed_out)
         self._block_size = block_size
@@ -125,7 +131,8 @@ class PrefixCacheManager:
 
     def _start_epoch(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         disk_blocks = 0 if self._cleared else self._num_disk_blocks
-        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, self._reserved if num_gpu_blocks else (), disk_blocks)
+        reserved = self._reserved if num_gpu_blocks else ()
+        self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, reserved, disk_blocks, self._max_run)
         self._forget_leases()
         self._swaps.forget_quarantine()
 
@@ -236,8 +243,9 @@ class PrefixCacheManager:
             stretch = ids[start:end]
             for block in stretch:
                 del self._private_owner[block]
-            parent = tree.add_child(parent, keys[start:end], NodeState.ON_GPU, gpu_blocks=stretch)
-            self._hold(owner, [parent], now)
+            made = tree.add_run(parent, keys[start:end], NodeState.ON_GPU, stretch)
+            self._hold(owner, made, now)
+            parent = made[-1]
         self._counters["duplicate_inserts"] += duplicate
         return InsertResult(len(ids) - covered, duplicate, adopted - from_disk, from_disk)
 

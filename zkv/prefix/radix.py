@@ -173,9 +173,10 @@ class RadixNode:
 class RadixTree:
     """The block tree; the root is a keyless sentinel that counts as on-GPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_run: int | None = None) -> None:
         self.root = RadixNode([], None, NodeState.ON_GPU)
         self._num_nodes = 0
+        self.max_run = max_run  # the most blocks a new node takes (None: any; 1: a node per block)
 
     def __len__(self) -> int:
         """How many nodes (runs) the tree holds."""
@@ -279,6 +280,16 @@ class RadixTree:
         parent.num_cpu_children += state.pins_cpu  # type: ignore[attr-defined]
         self._num_nodes += 1
         return node
+
+    def add_run(self, parent: RadixNode, keys: list[bytes], state: NodeState, gpu_blocks: list[int]) -> list[RadixNode]:
+        """New GPU nodes for ``keys`` under ``parent``: one, or a chain of them of ``max_run``
+        blocks at most; returns them, shallowest first."""
+        step = self.max_run or len(keys)
+        nodes: list[RadixNode] = []
+        for start in range(0, len(keys), step):
+            parent = self.add_child(parent, keys[start : start + step], state, gpu_blocks[start : start + step])
+            nodes.append(parent)
+        return nodes
 
     def remove_leaf(self, node: RadixNode) -> None:
         if node.children:

@@ -76,9 +76,14 @@ class Tiers:
     __slots__ = ("tree", "gpu", "cpu", "disk", "gpu_victims", "cpu_victims", "disk_victims")
 
     def __init__(
-        self, num_gpu_blocks: int, num_cpu_blocks: int, gpu_reserved: Iterable[int] = (), num_disk_blocks: int = 0
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        gpu_reserved: Iterable[int] = (),
+        num_disk_blocks: int = 0,
+        max_run: int | None = None,
     ) -> None:
-        self.tree = RadixTree()
+        self.tree = RadixTree(max_run)
         self.gpu = BlockAllocator(num_gpu_blocks, Tier.GPU, gpu_reserved)  # the engine's own rows: never handed out
         self.cpu = BlockAllocator(num_cpu_blocks, Tier.CPU)
         self.disk = BlockAllocator(num_disk_blocks, Tier.DISK)
