@@ -1,11 +1,12 @@
 """Radix tree over full token blocks, keyed by hash-chained block keys.
 
-A node is a run of full blocks of ``block_size`` tokens along one path.  A block's key hashes its
-parent's key together with its own token ids, so equal keys mean equal whole
-prefixes and a child lookup is one dict access (by the child run's first key); blake2b over int32
-little-endian bytes keeps keys identical across processes and machines (unlike
-``hash()``).  Partial trailing blocks are never keyed: their KV is still being
-written.
+A node is a run of full blocks of ``block_size`` tokens along one path.  A
+block's key hashes its parent block's key together with its own token ids, so
+equal keys mean equal whole prefixes, a child lookup is one dict access (by
+the child run's first key), and a run matches whole when its last key does;
+blake2b over int32 little-endian bytes keeps keys identical across processes
+and machines (unlike ``hash()``).  Partial trailing blocks are never keyed:
+their KV is still being written.
 
 The tree only keeps structure and per-run bookkeeping (state, blocks,
 reference count, last access).  Policy lives in the manager; the LRU order of
