@@ -212,7 +212,7 @@ class SwapRunner:
             tiers.cpu.free(blocks)  # taken for victims that went with an ancestor
         moving: list[RadixNode] = []
         for node in victims:
-            kept = heads.get(node, node) if node in heads else (node if node.attached else None)
+            kept = heads[node] if node in heads else node
             if kept is not None and kept.attached:
                 kept.cpu_blocks = got[node]
                 moving.append(kept)
