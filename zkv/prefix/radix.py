@@ -147,9 +147,6 @@ class RadixNode:
         self.num_cpu_children = 0  # children not in DISK_STATES
         self.attached = True
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def blocks_on(self, tier: Tier) -> list[int] | None:
         """This run's blocks on ``tier`` (None: it has none there)."""
         return self.gpu_blocks if tier == Tier.GPU else self.cpu_blocks if tier == Tier.CPU else self.disk_blocks
