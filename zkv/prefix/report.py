@@ -53,7 +53,8 @@ def stats_of(
     ``<tier>_hit_rate``: the share of queried blocks served from that tier (a
     CPU or disk hit came to the GPU for the lease); ``dropped_<tier>_blocks``:
     blocks forgotten on that tier for want of room below it, or after a
-    failed task."""
+    failed task; ``nodes``: the tree's runs in each state, ``blocks``: the
+    blocks those runs hold."""
     counters = {name: mine[name] if name in mine else swaps.counters[name] for name in COUNTERS}
     queried = counters["queried_blocks"]
     nodes_by_state = dict.fromkeys((state.name for state in NodeState), 0)
@@ -71,7 +72,7 @@ def stats_of(
         Tier.GPU: {**_usage(tiers.gpu), "reserved": tiers.gpu.num_reserved},
         Tier.CPU: _usage(tiers.cpu),
         Tier.DISK: _usage(tiers.disk),
-        "nodes": nodes_by_state,  # runs of blocks (radix.py)
+        "nodes": nodes_by_state,
         "blocks": blocks_by_state,
         "quarantined_blocks": swaps.quarantined_blocks(),
         "quarantined_tasks": len(swaps.quarantine),
