@@ -23,7 +23,7 @@ prompt, as if recomputed; no match, no swap).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..prefix.manager import PrefixCacheManager
 from ..prefix.radix import block_keys
@@ -33,19 +33,20 @@ from ..testing.fakebus import FakeBus
 class _TimedBus(FakeBus):
     """The fake bus, counting the nanoseconds spent inside its calls (not the manager's)."""
 
-    spent_ns = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.spent_ns = 0
 
     def submit(self, *args: Any, **kwargs: Any) -> int:
-        start = time.perf_counter_ns()
-        try:
-            return super().submit(*args, **kwargs)
-        finally:
-            self.spent_ns += time.perf_counter_ns() - start
+        return self._timed(super().submit, *args, **kwargs)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().wait, *args, **kwargs)
+
+    def _timed(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter_ns()
         try:
-            return super().wait(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             self.spent_ns += time.perf_counter_ns() - start
 

@@ -298,20 +298,13 @@ class PrefixCacheManager:
 
     def _owner_stretches(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, BlockLease]]:
         """``ids[start:end]`` (blocks from ``allocate()``) as (start, end, lease) stretches of one lease each."""
-        private = self._private_owner
-        owners = list(map(private.__getitem__, ids[start:end]))
-        if owners and owners.count(owners[0]) == len(owners):
+        owners = list(map(self._private_owner.__getitem__, ids[start:end]))
+        if not owners:
+            return []
+        if owners.count(owners[0]) == len(owners):
             return [(start, end, owners[0])]  # the common case: one allocate() gave them all
-        stretches: list[tuple[int, int, BlockLease]] = []
-        position = start
-        while position < end:
-            owner = private[ids[position]]
-            stop = position + 1
-            while stop < end and private[ids[stop]] is owner:
-                stop += 1
-            stretches.append((position, stop, owner))
-            position = stop
-        return stretches
+        bounds = [0, *(at for at in range(1, len(owners)) if owners[at] is not owners[at - 1]), len(owners)]
+        return [(start + a, start + b, owners[a]) for a, b in zip(bounds, bounds[1:])]
 
     def release(self, lease: BlockLease) -> None:
         """Drop a lease's references and free its blocks that were never inserted."""
