@@ -67,16 +67,27 @@ def registered_core(world: int = 2) -> BrokerCore:
     return core
 
 
-def submit_tasks(core: BrokerCore, n: int) -> dict[bytes, list[Task]]:
-    """Submit ``n`` tasks; the task headers each rank was sent."""
+def submit_tasks(core: BrokerCore, n: int, **fields) -> dict[bytes, list[Task]]:
+    """Submit ``n`` tasks (their submits with ``fields``); the task headers each rank was sent."""
     sent: dict[bytes, list[Task]] = {}
     body = P.encode_body("swap_out", [1], [2])
     for task in range(1, n + 1):
         for a in frames_of(
-            core.on_client(CLIENT, [P.encode("submit", task=task, reply_to="ipc:///x"), body], 1.0), ToRank
+            core.on_client(CLIENT, [P.encode("submit", task=task, reply_to="ipc:///x", **fields), body], 1.0), ToRank
         ):
             sent.setdefault(a.identity, []).append(P.decode(a.frames[0]))
     return sent
+
+
+@pytest.mark.parametrize(
+    "said, copied", [({}, None), ({"batch_results": False}, None), ({"batch_results": True}, True)]
+)
+def test_the_broker_copies_batch_results_into_every_ranks_header(said, copied):
+    """A rank batches results only for a client that asked: the header says so
+    exactly when the submit did (a header without it is the one such a client always got)."""
+    sent = submit_tasks(registered_core(), 2, **said)
+    headers = [h for hs in sent.values() for h in hs]
+    assert len(headers) == 4 and all(h.batch_results is copied for h in headers)
 
 
 def done(header: Task) -> bytes:
@@ -200,7 +211,11 @@ def test_the_broker_sends_the_tasks_of_one_wakeup_as_one_message(endpoints, tmp_
             s.close()
 
 
-def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(endpoints, tmp_path):
+@pytest.mark.parametrize("batch_results", [False, True], ids=["one_result_per_message", "batch_results"])
+def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(endpoints, tmp_path, batch_results):
+    """... and, to a client whose submit said ``batch_results``, the results of
+    that wakeup as one message of result frames, in the order the tasks ran;
+    to any other client, one result per message."""
     router = raw_socket(zmq.ROUTER, endpoints.backend, bind=True)
     pub = raw_socket(zmq.PUB, endpoints.control, bind=True)
     pull = raw_socket(zmq.PULL, f"ipc://{tmp_path}/results.sock", bind=True)
@@ -241,6 +256,7 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
                     reply_to=f"ipc://{tmp_path}/results.sock",
                     gen=0,
                     session=ready.session,
+                    **({"batch_results": True} if batch_results else {}),
                 ),
                 P.encode_body("fill", dst=[n], tier="gpu", seed=n),
             ]
@@ -248,8 +264,13 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
         frames = first_such(router, lambda f: P.decode(f[1]).kind != "hb")[1:]
         dones = [P.decode(f) for f in frames]
         assert [(d.kind, d.seq, d.outcome) for d in dones] == [("done", n, "ok") for n in (1, 2, 3)]
-        results = sorted(P.decode(recv_frames(pull)[0]).task for _ in range(3))
-        assert results == [101, 102, 103]
+        if batch_results:
+            results = [P.decode(f) for f in recv_frames(pull)]
+            assert [(r.kind, r.task, r.outcome) for r in results] == [("result", t, "ok") for t in (101, 102, 103)]
+        else:
+            messages = [recv_frames(pull) for _ in range(3)]
+            assert [len(m) for m in messages] == [1, 1, 1]
+            assert [P.decode(m[0]).task for m in messages] == [101, 102, 103]
         router.send_multipart([ident, *tasks[:3]])  # an odd frame count: not a task message, counted, serving on
         router.send_multipart(
             [
@@ -273,3 +294,33 @@ def test_a_rank_runs_every_task_of_a_message_and_returns_their_dones_together(en
         thread.join(timeout=10)
         for s in (router, pub, pull):
             s.close()
+
+
+def test_a_client_reads_every_result_of_a_message_and_drops_one_over_the_cap(endpoints, tmp_path):
+    """The Python client asks for batches: a message of result frames (two
+    ranks' results of one task, in one message) ends the task; a message of
+    more than ``MAX_BATCH`` frames is no rank's, counted and dropped whole."""
+    from zkv.client.client import Client
+
+    router = raw_socket(zmq.ROUTER, endpoints.frontend, bind=True)  # the broker, by hand
+    client = Client(endpoints.frontend, reply_to=f"ipc://{tmp_path}/client.sock")
+    push = raw_socket(zmq.PUSH, client.reply_to)
+    try:
+        body = P.encode_body("swap_out", [1], [2])
+        tasks = [client.submit_raw(body, timeout=20.0) for _ in range(2)]
+        submits = [P.decode(recv_frames(router)[1]) for _ in tasks]
+        assert [(s.task, s.batch_results) for s in submits] == [(t, True) for t in tasks]
+
+        def result(task: int, rank: int) -> bytes:
+            return P.encode("result", task=task, rank=rank, world=2, outcome="ok", reason="", gen=0, bytes=64)
+
+        push.send_multipart([result(tasks[1], r % 2) for r in range(bounds.MAX_BATCH + 1)])
+        push.send_multipart([result(tasks[0], 0), result(tasks[0], 1)])
+        out = client.wait(tasks[0], timeout=20.0)
+        assert out.ok and sorted(out.per_rank) == [0, 1]
+        assert client.book.counters["bad_messages"] == 1  # the over-cap message came first, on the same connection
+        assert client.wait(tasks[1], timeout=0.2).outcome == "timeout"  # nothing of it was taken
+    finally:
+        push.close()
+        client.close()
+        router.close()

@@ -34,8 +34,18 @@ HOT = ("submit", "task", "done", "result")
 Z85_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 REPLY_TO = "tcp://127.0.0.1:5555"
 BASE = {  # one valid map of each hot kind, every optional field present
-    "submit": {"task": 1, "reply_to": REPLY_TO, "timeout_ms": 5000, "reply_key": Z85_KEY},
-    "task": {"seq": 1, "n": 1, "task": 1, "reply_to": REPLY_TO, "gen": 1, "reply_key": Z85_KEY, "session": 7},
+    "submit": {"task": 1, "reply_to": REPLY_TO, "timeout_ms": 5000, "reply_key": Z85_KEY, "batch_results": True},
+    "task": {
+        "seq": 1,
+        "n": 1,
+        "task": 1,
+        "reply_to": REPLY_TO,
+        "gen": 1,
+        "reply_key": Z85_KEY,
+        "session": 7,
+        "cpu_gen": 3,
+        "batch_results": True,
+    },
     "done": {"seq": 1, "n": 1, "outcome": "ok", "gen": 1, "bytes": 4096},
     "result": {
         "task": 1,

@@ -107,6 +107,15 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "largest task id (2^53-1); timeout_ms: still queued 5 s after the broker took it, it ends timeout "
         "(ran: false) and never runs",
     ),
+    (
+        "submit_batch_results",
+        "frontend",
+        "client->broker",
+        "submit",
+        {"task": 2, "reply_to": REPLY_TO, "batch_results": True},
+        "batch_results: this client reads several result frames in one message; the broker copies it into the "
+        "task header (docs/protocol.md §10.3)",
+    ),
     ("pause", "frontend", "client->broker", "pause", {"req": 1, "timeout_ms": 10000}, ""),
     ("clear", "frontend", "client->broker", "clear", {"req": 2, "timeout_ms": 10000, "keep_cpu": False}, ""),
     ("resume", "frontend", "client->broker", "resume", {"req": 3, "timeout_ms": 10000}, ""),
@@ -522,6 +531,15 @@ MESSAGES: list[tuple[str, str, str, str, dict[str, Any], str]] = [
         "task",
         {"seq": 2, "n": 2, "task": 2, "reply_to": REPLY_TO, "gen": 4, "cpu_gen": 3},
         "cpu_gen: the bus's CPU generation at dispatch; the rank echoes it in the result (docs/protocol.md §8.2)",
+    ),
+    (
+        "task_batch_results",
+        "backend",
+        "broker->rank",
+        "task",
+        {"seq": 3, "n": 3, "task": 2, "reply_to": REPLY_TO, "gen": 0, "batch_results": True},
+        "batch_results: copied from the submit; the rank may send this task's result in one message with other "
+        "results for the same reply_to (docs/protocol.md §10.3)",
     ),
     # broker -> ranks (PUB)
     ("control_pause", "control", "broker->ranks", "control", {"epoch": 1, "op": "pause", "gen": 0, "upto": [3, 3]}, ""),

@@ -78,6 +78,7 @@ class Task:
     gen: int = 0  # the generation it was accepted, then dispatched, at: its outcome names it
     fold: RankFold | None = None
     reported: bool = False  # the broker already sent the client a final outcome
+    batch_results: bool = False  # its client reads several results in one message (docs/protocol.md §10.3)
 
 
 @dataclass

@@ -90,7 +90,17 @@ class TaskTable:
             )
         timeout_ms = msg.timeout_ms
         expires = now + timeout_ms / 1000 if timeout_ms else None
-        task = Task(client, task_id, reply_to, body, now, msg.reply_key, expires, gen=self.gens.gen)
+        task = Task(
+            client,
+            task_id,
+            reply_to,
+            body,
+            now,
+            msg.reply_key,
+            expires,
+            gen=self.gens.gen,
+            batch_results=msg.batch_results is True,
+        )
         if reason:
             self.finish(task, Outcome.REJECTED, reason, now, out, notify=True)
             return False
@@ -189,6 +199,7 @@ class TaskTable:
                     reply_key=task.reply_key or None,
                     session=rs.session,
                     cpu_gen=cpu_gen,
+                    batch_results=task.batch_results or None,  # absent when false: the header a client without it got
                 ).to_wire()
                 out.append(ToRank(rs.identity, [header, task.body]))
             sent += 1

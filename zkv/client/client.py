@@ -146,7 +146,11 @@ class Client:
             raise ValueError(f"task id {task!r}: a positive int up to {bounds.MAX_SAFE_INT}, not one already open")
         self.book.add(task, time.monotonic(), timeout + BROKER_WORD_S)
         header = Submit(
-            task=task, reply_to=self.reply_to, timeout_ms=deadline_ms(timeout), reply_key=self._reply_key
+            task=task,
+            reply_to=self.reply_to,
+            timeout_ms=deadline_ms(timeout),
+            reply_key=self._reply_key,
+            batch_results=True,  # _drain_results reads every frame of a message
         ).to_wire()
         try:
             self._send([header, body])
@@ -333,7 +337,7 @@ class Client:
         events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
         now = time.monotonic()
         if self.pull in events:
-            self._drain(self.pull, _decode_result, self._on_pull)
+            self._drain_results()
         if self.dealer in events:
             self._drain(self.dealer, P.decode, self._on_dealer)
         for out in self.book.expire(now):
@@ -349,6 +353,21 @@ class Client:
                 handle(decode(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
+
+    def _drain_results(self) -> None:
+        """Every result queued on the PULL: a message is one ``result`` frame, or up to
+        ``MAX_BATCH`` of them from one rank (docs/protocol.md §10.3); each frame is
+        decoded on its own, and a message of more frames is counted and dropped whole."""
+        counters = self.book.counters
+        for frames in ready_messages(self.pull, 4096):
+            if len(frames) > bounds.MAX_BATCH:
+                counters["bad_messages"] += 1
+                continue
+            for frame in frames:
+                try:
+                    self._on_pull(_decode_result(frame))
+                except P.ProtocolError:
+                    counters["bad_messages"] += 1
 
     def _on_pull(self, msg: Message) -> None:
         if not isinstance(msg, Result):

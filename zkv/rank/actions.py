@@ -38,6 +38,7 @@ class Execute:
     reply_key: str | None = None
     session: int = 0  # the registration session it arrived in
     cpu_gen: int | None = None  # the bus's CPU generation the broker dispatched it at
+    batch_results: bool = False  # its client reads several results in one message (docs/protocol.md §10.3)
 
 
 @dataclass(frozen=True)

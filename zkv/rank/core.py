@@ -197,7 +197,19 @@ class RankCore:
         elif not self.cache.phase.serves or self.op is ControlOp.CLEAR:
             refuse = "caches are cleared on this rank"
         self.inflight += 1
-        ex = Execute(msg.seq, n, msg.task, msg.reply_to, gen, body, refuse, msg.reply_key, reg.session, msg.cpu_gen)
+        ex = Execute(
+            msg.seq,
+            n,
+            msg.task,
+            msg.reply_to,
+            gen,
+            body,
+            refuse,
+            msg.reply_key,
+            reg.session,
+            msg.cpu_gen,
+            msg.batch_results is True,
+        )
         if not refuse and self.op is ControlOp.PAUSE and n > self.upto:
             # Dispatched after the pause we acked: the broker is running again
             # and its newer control message is still on the PUB connection

@@ -13,6 +13,12 @@ system call, so a link busy with results looks at most every
 of results; a link idle longer looks before its next send).  What cannot be
 handed over is counted (``undeliverable``) and logged, rate limited, never
 silent.
+
+A client that said it reads several results in one message (``batch_results``,
+docs/protocol.md §10.3) gets the results of one wakeup of the I/O thread
+together: one message of result frames costs the rank, the I/O threads and
+the client about what one frame does, and under load a wakeup runs tens of
+tasks.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import zmq
 
 from ..net.curve import Curve
 from ..net.endpoints import make_socket
+from ..net.frames import send_message
 from ..net.reply_address import connect_result
+from ..wire import bounds
 from ..wire import protocol as P
 
 log = logging.getLogger("zkv.worker")
@@ -77,16 +85,43 @@ class ResultSenders:
 
     A client that went away never blocks the rank: sends are NOBLOCK and what
     cannot be queued is counted as undeliverable.  ZMQ sockets are never shared
-    between threads: each thread owns its own ``ResultSenders``."""
+    between threads: each thread owns its own ``ResultSenders``.
 
-    def __init__(self, ctx: zmq.Context, curve: Curve | None, stats: collections.Counter[str]):
+    ``holds``: results for a client that reads them in batches wait in
+    ``held`` until ``flush`` (the owner's loop flushes at the end of every
+    wakeup, before anything else it sends); a link holding ``MAX_BATCH``
+    sends them at once.  Without it every result goes out as it comes."""
+
+    def __init__(self, ctx: zmq.Context, curve: Curve | None, stats: collections.Counter[str], holds: bool = False):
         self.ctx = ctx
         self.curve = curve
         self.stats = stats
+        self.holds = holds
         self.links: collections.OrderedDict[tuple[str, str | None], _Link] = collections.OrderedDict()
+        self.held: dict[tuple[str, str | None], list[bytes]] = {}
         self._logged: dict[tuple[str, str], float] = {}
 
-    def send(self, address: str, key: str | None, frame: bytes) -> None:
+    def post(self, address: str, key: str | None, frame: bytes, batch: bool) -> None:
+        """Send one result frame, or hold it for its link's next message when
+        ``batch`` (its client reads batches) and these senders hold."""
+        if not (batch and self.holds):
+            self.send(address, key, [frame])
+            return
+        held = self.held.get((address, key))
+        if held is None:
+            held = self.held[(address, key)] = []
+        held.append(frame)
+        if len(held) >= bounds.MAX_BATCH:
+            self.send(address, key, self.held.pop((address, key)))
+
+    def flush(self) -> None:
+        """Send every held batch, each as one message."""
+        held, self.held = self.held, {}
+        for (address, key), frames in held.items():
+            self.send(address, key, frames)
+
+    def send(self, address: str, key: str | None, frames: list[bytes]) -> None:
+        """Send ``frames`` (whole result frames, at most ``MAX_BATCH``) as one message."""
         link = self.links.get((address, key))
         if link is not None and link.refused(time.monotonic()):
             self.stats["result_reconnects"] += 1
@@ -97,14 +132,17 @@ class ResultSenders:
         if link is None:
             link = self._connect(address, key)
             if link is None:
-                self._undeliverable(address, "cannot connect")
+                self._undeliverable(address, len(frames), "cannot connect")
                 return
         else:
             self.links.move_to_end((address, key))
         try:
-            link.sock.send(frame, _NOBLOCK)
+            if len(frames) == 1:
+                link.sock.send(frames[0], _NOBLOCK)
+            else:  # refused whole or queued whole: ZeroMQ checks its high-water mark at a message's first frame
+                send_message(link.sock, frames)
         except zmq.Again:
-            self._undeliverable(address, "no peer accepted it (gone, or its queue is full)")
+            self._undeliverable(address, len(frames), "no peer accepted it (gone, or its queue is full)")
 
     def _connect(self, address: str, key: str | None) -> _Link | None:
         if not P.is_result_address(address):  # checked at the broker too: never connect inproc://
@@ -128,9 +166,9 @@ class ResultSenders:
         link = self.links[(address, key)] = _Link(sock, monitor)
         return link
 
-    def _undeliverable(self, address: str, why: str) -> None:
-        self.stats["undeliverable"] += 1
-        self._warn(address, "undeliverable", f"a result was not delivered: {why}")
+    def _undeliverable(self, address: str, count: int, why: str) -> None:
+        self.stats["undeliverable"] += count
+        self._warn(address, "undeliverable", f"{count} result(s) not delivered: {why}")
 
     def _warn(self, address: str, kind: str, text: str) -> None:
         now = time.monotonic()

@@ -157,13 +157,14 @@ class TaskRunner:
         ran.fail(f"{type(err).__name__}: {err}")
 
     def finish(self, ran: Ran, senders: ResultSenders) -> Finished:
-        """Send a task's result to the client, book it, and return what the core books."""
+        """Send a task's result to the client (or hand it to ``senders`` to hold for
+        the client's next batch), book it, and return what the core books."""
         ex, outcome, nbytes = ran.ex, ran.outcome, ran.nbytes
         elapsed = time.perf_counter() - ran.start  # a task run in a group: until its group's end
         if outcome is _OK:
             self.book.task_done(ran.op, elapsed, nbytes)
         self.stats["bytes_moved"] += nbytes
-        senders.send(
+        senders.post(
             ex.reply_to,
             ex.reply_key,
             Result(
@@ -178,6 +179,7 @@ class TaskRunner:
                 digests=ran.digests,
                 cpu_gen=ex.cpu_gen,
             ).to_wire(),
+            ex.batch_results,
         )
         if self.on_done is not None:
             try:

@@ -154,7 +154,9 @@ class RankWorker:
         # on the I/O thread (runner.py), with sockets of its own.
         self._inline = InlinePolicy()
         self._dones = DoneBatcher()  # done frames of this wakeup, sent as one message
-        self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats)
+        # Results the I/O thread's tasks hold for a client that reads batches: they leave
+        # with the dones of the wakeup, before them (``_flush_held``).
+        self._inline_senders = ResultSenders(self.ctx, curve, self.executor.stats, holds=True)
 
     @classmethod
     def on_manifest(
@@ -232,12 +234,13 @@ class RankWorker:
                 if self.sub in events:
                     self._drain(self.sub, lambda frames: core.on_control(frames[0], time.monotonic()))
                 self._act(core.on_tick(time.monotonic()))
-                self._flush_dones()
+                self._flush_held()
                 if core.registered and not self.registered.is_set():
                     startup.mark("welcome")
                     self.registered.set()
                 self._say_waiting(time.monotonic())
         finally:
+            self._inline_senders.flush()
             self.executor.work.put(None)
             self.executor.join(timeout=10)
             if self._handshakes is not None:
@@ -327,7 +330,11 @@ class RankWorker:
 
         self._drain(self.dealer, handle)
 
-    def _flush_dones(self) -> None:
+    def _flush_held(self) -> None:
+        """Send what this wakeup held: results first (a task's result never trails its
+        done), then the dones as one message."""
+        if self._inline_senders.held:
+            self._inline_senders.flush()
         if self._dones.frames:
             self._to_broker(self._dones.take())
 
@@ -362,20 +369,22 @@ class RankWorker:
             if kind is Execute:
                 if inline.inline(action.body, self.cache.layout):
                     if dones.frames and dones.due(time.perf_counter()):
-                        self._flush_dones()  # before a copy: the credits held would wait for it too
+                        self._flush_held()  # before a copy: the credits held would wait for it too
                     ex.stats["tasks_inline"] += 1
                     done = ex.runner.run(action, self._inline_senders)
                     startup.mark("first_task")
                     self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
                 else:
+                    if self._inline_senders.held:  # the executor's result must not overtake them
+                        self._flush_held()
                     inline.queued += 1
                     ex.work.put(action)
             elif kind is ToBroker:
-                if action.done:  # the credits of this wakeup go out together (_flush_dones)
+                if action.done:  # the credits of this wakeup go out together (_flush_held)
                     if dones.add(action.frame, time.perf_counter()):
-                        self._flush_dones()
+                        self._flush_held()
                     continue
-                self._flush_dones()
+                self._flush_held()
                 self._to_broker([action.frame])
             elif kind is Acked:
                 if action.op is ControlOp.PAUSE or action.op is ControlOp.CLEAR:

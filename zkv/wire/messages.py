@@ -101,6 +101,7 @@ class Submit(Message, frozen=True):
     reply_to: str
     timeout_ms: TimeoutMs | None = None
     reply_key: str | None = None
+    batch_results: bool | None = None  # the client reads several results in one message (docs/protocol.md §10.3)
 
 
 class Pause(Message, frozen=True):
@@ -247,6 +248,7 @@ class Task(Message, frozen=True):
     reply_key: str | None = None
     session: Uint | None = None
     cpu_gen: Uint | None = None
+    batch_results: bool | None = None  # copied from the submit
 
 
 class Control(Message, frozen=True):
