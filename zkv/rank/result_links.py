@@ -31,7 +31,7 @@ import zmq
 
 from ..net.curve import Curve
 from ..net.endpoints import make_socket
-from ..net.frames import send_message
+from ..net.frames import raw_send, send_message
 from ..net.reply_address import connect_result
 from ..wire import bounds
 from ..wire import protocol as P
@@ -138,7 +138,7 @@ class ResultSenders:
             self.links.move_to_end((address, key))
         try:
             if len(frames) == 1:
-                link.sock.send(frames[0], _NOBLOCK)
+                raw_send(link.sock, frames[0], _NOBLOCK)
             else:  # refused whole or queued whole: ZeroMQ checks its high-water mark at a message's first frame
                 send_message(link.sock, frames)
         except zmq.Again:
