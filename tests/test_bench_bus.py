@@ -16,6 +16,9 @@ def test_the_bus_benchmark_reports_both_systems_and_the_targets():
         assert set(r["cpu_us_per_task"]) == {"client", "broker", "rank0", "rank1"}
     vs = report["vs_relay"]
     assert vs["throughput"] == report["zkv"]["tasks_per_s"] / report["raw_pyzmq_relay"]["tasks_per_s"]
+    cpu = [sum(report[name]["cpu_us_per_task"].values()) for name in ("zkv", "raw_pyzmq_relay")]
+    assert vs["cpu_per_task"] == cpu[0] / cpu[1] and vs["cpu_per_task"] > 0
     assert vs["window"] == 16 and vs["rounds"] == 2
     text = _summary({"bus_1_blocks": report})
     assert "vs relay: throughput" in text and f"target >= {BUS_TARGETS['throughput']}x" in text
+    assert f"CPU per task (all processes) {vs['cpu_per_task']:.2f}x" in text

@@ -192,6 +192,7 @@ def _summary(report: dict) -> str:
                     ("throughput", vs["throughput"], ">=", BUS_TARGETS["throughput"]),
                     ("rtt p50", vs["rtt_p50"], "<=", BUS_TARGETS["rtt_p50"]),
                     ("rtt p99", vs["rtt_p99"], "<=", BUS_TARGETS["rtt_p99"]),
+                    ("CPU per task (all processes)", vs["cpu_per_task"], "<=", BUS_TARGETS["cpu_per_task"]),
                 ]
                 lines.append(
                     "  vs relay: "

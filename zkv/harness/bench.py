@@ -31,7 +31,7 @@ from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 
 # The targets for 1-block tasks beside the relay, and for a pause's cost beyond its drain.
-BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "pause_overhead_p99_ms": 2.0}
+BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "cpu_per_task": 1.5, "pause_overhead_p99_ms": 2.0}
 
 
 # --- the raw relay baseline -----------------------------------------------------------
@@ -252,6 +252,7 @@ def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window
         "throughput": z["tasks_per_s"] / r["tasks_per_s"],
         "rtt_p50": z["rtt_us"]["p50"] / r["rtt_us"]["p50"],
         "rtt_p99": z["rtt_us"]["p99"] / r["rtt_us"]["p99"],
+        "cpu_per_task": sum(z["cpu_us_per_task"].values()) / max(1e-9, sum(r["cpu_us_per_task"].values())),
         "window": window,
         "rounds": rounds,
     }
