@@ -4,6 +4,7 @@ before it connects."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from typing import Any
 
@@ -11,6 +12,15 @@ from .bounds import MAX_ADDRESS
 
 
 def is_result_address(address: Any) -> bool:
+    """``result_address_ok``, remembered for the last few strings: every task
+    names its client's address, and a tcp:// one costs an ``ipaddress`` parse
+    (~2 us) at the broker and again at each rank."""
+    if not isinstance(address, str):
+        return False  # nothing else to remember (a list would not hash)
+    return _remembered(address)
+
+
+def result_address_ok(address: Any) -> bool:
     """A ``reply_to`` a rank may connect to (docs/protocol.md §2.1): ``ipc://PATH``
     or ``tcp://IP:PORT`` with a numeric address (IPv6 in brackets), bounded.
     An inproc:// name would resolve inside the rank's own Context (its stop
@@ -36,3 +46,6 @@ def is_result_address(address: Any) -> bool:
     except ValueError:  # an IPv4 part with a leading zero too (Python >= 3.9.5)
         return False
     return not (ip.is_unspecified or ip.is_multicast or "%" in host)
+
+
+_remembered = functools.lru_cache(maxsize=256)(result_address_ok)  # a pure check of a str: safe to remember
