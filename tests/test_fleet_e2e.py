@@ -344,5 +344,9 @@ def test_the_fleet_benchmark_reports_the_fleet_beside_the_slowest_single_pause(r
     assert res["cpu_ms_per_fleet_pause"] > 0 and res["cpu_floor_ms"] == pytest.approx(
         res["cpu_ms_per_fleet_pause"] / res["cores"], abs=0.01
     )
+    split = res["cpu_ms_per_fleet_pause_by_thread"]
+    assert {"broker main", "rank main", "client main"} <= set(split) and all(ms >= 0 for ms in split.values())
+    assert sum(split.values()) == pytest.approx(res["cpu_ms_per_fleet_pause"], abs=0.01)
     text = summary(res)
     assert "fleet / slowest single:" in text and "target <= 1.5x" in text
+    assert "CPU per fleet pause by thread: " in text

@@ -8,42 +8,39 @@ loop's sum is reported beside it)."""
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ..client.client import Client
 from ..fleet import Fleet
-from ..obs.stats import percentiles
+from ..obs.stats import percentiles, thread_cpu_ns
 from .fleet_rig import FleetRig
 
 TARGET = 1.5  # fleet pause <= 1.5x the slowest single bus's pause
 
 
-def _timed(call: Callable[[], Any], pids: Sequence[int], cpu: dict[str, float], key: str) -> float:
-    """``call()``'s time in ms; the CPU it cost the bus processes and this one is added to ``cpu[key]``."""
-    buses = cpu_ms(pids)
-    mine = time.process_time()
+def _timed(call: Callable[[], Any], roles: dict[int, str], cpu: collections.defaultdict[str, float], key: str) -> float:
+    """``call()``'s time in ms; the CPU it cost the bus processes (``roles``: pid -> broker
+    or rank) and this one is added to ``cpu[key]``, and by thread to ``cpu["KEY: ROLE KIND"]``
+    (``obs.stats.thread_cpu_ns``; this process: ``client main``, the caller's thread, and
+    ``client other``, the fleet's bus threads and ZMQ's)."""
+    buses = thread_cpu_ns(roles)
+    mine, main = time.process_time_ns(), time.thread_time_ns()
     start = time.perf_counter()
     call()
     ms = (time.perf_counter() - start) * 1000
-    cpu[key] += (time.process_time() - mine) * 1000 + cpu_ms(pids) - buses
+    main = time.thread_time_ns() - main
+    mine = time.process_time_ns() - mine  # before this reads /proc, which costs it
+    spent = thread_cpu_ns(roles)
+    spent.subtract(buses)
+    spent.update({"client main": main, "client other": mine - main})
+    for part, ns in spent.items():
+        cpu[f"{key}: {part}"] += ns / 1e6
+        cpu[key] += ns / 1e6
     return ms
-
-
-def cpu_ms(pids: Sequence[int]) -> float:
-    """CPU time of every thread of ``pids`` in ms, to the nanosecond (``/proc/PID/task/*/schedstat``;
-    ``/proc/PID/stat`` counts 10 ms ticks, coarser than a pause)."""
-    total = 0
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass  # a thread that just ended
-    return total / 1e6
 
 
 def bench_fleet(buses: int = 8, ranks: int = 2, rounds: int = 30, say: Callable[[str], None] = print) -> dict:
@@ -64,26 +61,27 @@ def measure(rig: FleetRig, rounds: int) -> dict:
                 for c in clients:
                     c.pause()
                     c.resume()
-            pids = [p.pid for c in rig.clusters for p in (c.broker, *c.workers.values()) if p is not None]
+            roles = {c.broker.pid: "broker" for c in rig.clusters if c.broker is not None}
+            roles.update({w.pid: "rank" for c in rig.clusters for w in c.workers.values()})
             ranks = sorted({c.ranks for c in rig.clusters})
-            return _rounds(fleet, clients, rounds, len(clients), ranks[0] if len(ranks) == 1 else ranks, pids)
+            return _rounds(fleet, clients, rounds, len(clients), ranks[0] if len(ranks) == 1 else ranks, roles)
     finally:
         for c in clients:
             c.close()
 
 
-def _singles(clients: list[Client], pids: list[int], cpu: dict[str, float]) -> list[float]:
+def _singles(clients: list[Client], roles: dict[int, str], cpu: collections.defaultdict[str, float]) -> list[float]:
     """Each bus's own pause, one after the other (then its resume, untimed)."""
     out = []
     for c in clients:
-        out.append(_timed(c.pause, pids, cpu, "single"))
+        out.append(_timed(c.pause, roles, cpu, "single"))
         c.resume()
     return out
 
 
-def _fleet_pause(fleet: Fleet, pids: list[int], cpu: dict[str, float]) -> tuple[float, float]:
+def _fleet_pause(fleet: Fleet, roles: dict[int, str], cpu: collections.defaultdict[str, float]) -> tuple[float, float]:
     """One fleet pause (then its resume, untimed): its time, and the last bus's ack within it."""
-    ms = _timed(fleet.pause, pids, cpu, "fleet")
+    ms = _timed(fleet.pause, roles, cpu, "fleet")
     report = fleet.last_report
     assert report is not None and report.ok
     slowest = report.slowest()
@@ -91,16 +89,16 @@ def _fleet_pause(fleet: Fleet, pids: list[int], cpu: dict[str, float]) -> tuple[
     return ms, slowest.answer.at_ms if slowest is not None else ms
 
 
-def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks: Any, pids: list[int]) -> dict:
+def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks: Any, roles: dict[int, str]) -> dict:
     fleet_ms, slowest_ms, loop_ms, ratios, slowest_in_fleet = [], [], [], [], []
-    cpu = {"fleet": 0.0, "single": 0.0}  # CPU of every bus process and this one, while pausing
+    cpu: collections.defaultdict[str, float] = collections.defaultdict(float)  # CPU of bus processes and this one
     for i in range(rounds):
         if i % 2:  # alternate which goes first
-            singles = _singles(clients, pids, cpu)
-            f, last_ack = _fleet_pause(fleet, pids, cpu)
+            singles = _singles(clients, roles, cpu)
+            f, last_ack = _fleet_pause(fleet, roles, cpu)
         else:
-            f, last_ack = _fleet_pause(fleet, pids, cpu)
-            singles = _singles(clients, pids, cpu)
+            f, last_ack = _fleet_pause(fleet, roles, cpu)
+            singles = _singles(clients, roles, cpu)
         fleet_ms.append(f)
         slowest_in_fleet.append(last_ack)
         slowest_ms.append(max(singles))
@@ -126,6 +124,12 @@ def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks:
         # spread over every core it is the least a concurrent fleet pause can take on this machine.
         "cpu_ms_per_fleet_pause": round(cpu_fleet, 3),
         "cpu_ms_per_single_pause": round(cpu["single"] / (rounds * buses), 3),
+        # where a fleet pause's CPU goes, by process role and thread, most first
+        "cpu_ms_per_fleet_pause_by_thread": {
+            part.split(": ", 1)[1]: round(ms / rounds, 3)
+            for part, ms in sorted(cpu.items(), key=lambda kv: -kv[1])
+            if part.startswith("fleet: ")
+        },
         "cpu_floor_ms": round(cpu_fleet / cores, 3),
         "fleet_vs_cpu_floor": round(med_fleet / (cpu_fleet / cores), 3),
         "target": TARGET,
@@ -150,5 +154,8 @@ def summary(res: dict) -> str:
             f" {res['cpu_ms_per_single_pause']:.2f} ms per single pause; over {res['cores']} cores a fleet pause"
             f" needs at least {res['cpu_floor_ms']:.2f} ms: fleet / that floor {res['fleet_vs_cpu_floor']:.2f}x"
             f" (load average {res['load_average_1min']})",
+            "  CPU per fleet pause by thread: "
+            + ", ".join(f"{part} {ms:.2f}" for part, ms in res["cpu_ms_per_fleet_pause_by_thread"].items())
+            + " ms",
         ]
     )

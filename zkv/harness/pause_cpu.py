@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from zkv.harness.cluster import LocalCluster
+from zkv.obs.stats import thread_cpu_ns
 from zkv.wire.layout import CacheLayout
 
 SMALL = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=64)
@@ -35,12 +36,9 @@ SMALL = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=64, block_size=16, kv_he
 def _threads_ns(pids: dict[int, str]) -> dict[str, int]:
     """CPU ns per bus process, every thread summed."""
     out: dict[str, int] = {}
-    for pid, who in pids.items():
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                out[who] = out.get(who, 0) + int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass  # a thread that just ended
+    for role_kind, ns in thread_cpu_ns(pids).items():
+        who = role_kind.rsplit(" ", 1)[0]
+        out[who] = out.get(who, 0) + ns
     return out
 
 

@@ -1,10 +1,13 @@
 """Summary statistics of measured samples: the one percentile rule, shared by
-the replay report and the benchmarks."""
+the replay report and the benchmarks, and the CPU processes spent."""
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
+from pathlib import Path
+from typing import Mapping
 
 
 def percentiles(values: list[float], *, mean: bool = False) -> dict[str, float]:
@@ -30,3 +33,26 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_ns(roles: Mapping[int, str]) -> collections.Counter[str]:
+    """CPU ns of every thread of the processes ``roles`` names (pid -> its role), to the
+    nanosecond (``/proc/PID/task/*/schedstat``: ``/proc/PID/stat`` counts 10 ms ticks,
+    coarser than a pause), summed per ``"ROLE KIND"``: KIND ``main`` (the thread the
+    process started with), ``zmq-io`` (libzmq's I/O threads) or ``other`` (a rank's
+    executor, a broker's state-file sync: Python names no OS thread)."""
+    out: collections.Counter[str] = collections.Counter()
+    for pid, role in roles.items():
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue  # a process that just ended
+        for task in tasks:
+            try:
+                ns = int((task / "schedstat").read_text().split()[0])
+                comm = (task / "comm").read_text()
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that just ended
+            kind = "main" if task.name == str(pid) else "zmq-io" if comm.startswith("ZMQbg") else "other"
+            out[f"{role} {kind}"] += ns
+    return out
