@@ -17,7 +17,7 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import zmq
 
@@ -339,7 +339,7 @@ class Client:
         if self.pull in events:
             self._drain_results()
         if self.dealer in events:
-            self._drain(self.dealer, P.decode, self._on_dealer)
+            self._drain_broker()
         for out in self.book.expire(now):
             self.finished[out.task] = out
         if self.book.moved:
@@ -347,10 +347,11 @@ class Client:
                 self.finished[out.task] = out
             self.book.moved.clear()
 
-    def _drain(self, sock: zmq.Socket, decode: Callable[[bytes], Message], handle: Callable[[Any], None]) -> None:
-        for frames in ready_messages(sock, 4096):
+    def _drain_broker(self) -> None:
+        """Every message queued on the DEALER: outcomes, replies and errors, one frame each."""
+        for frames in ready_messages(self.dealer, 4096):
             try:
-                handle(decode(frames[0]))
+                self._on_dealer(P.decode(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
 
