@@ -324,3 +324,40 @@ def test_a_client_reads_every_result_of_a_message_and_drops_one_over_the_cap(end
         push.close()
         client.close()
         router.close()
+
+
+def test_held_results_keep_their_order_and_the_cap_per_message(tmp_path):
+    """A rank's result senders: batched results wait for ``flush`` (a link that
+    reaches ``MAX_BATCH`` sends at once), a result for a client that reads one per
+    message goes alone, after what waited for that link; nothing is reordered,
+    nothing is left held."""
+    import collections
+
+    from zkv.rank.result_links import ResultSenders
+
+    ctx = zmq.Context.instance()
+    addresses = [f"ipc://{tmp_path}/r{i}.sock" for i in range(2)]
+    pulls = [raw_socket(zmq.PULL, a, bind=True) for a in addresses]
+    stats: collections.Counter[str] = collections.Counter()
+    senders = ResultSenders(ctx, None, stats, holds=True)
+    sent: dict[str, list[bytes]] = {a: [] for a in addresses}
+    try:
+        for i in range(bounds.MAX_BATCH + 10):
+            for a in addresses:
+                frame = f"{a}-{i}".encode()
+                senders.post(a, None, frame, batch=i != 70)  # one result for a client that reads one per message
+                sent[a].append(frame)
+        assert sum(len(f) for f in senders.held.values()) == 2 * 3  # posted after the lone one
+        senders.flush()
+        assert not senders.held
+        for a, pull in zip(addresses, pulls):
+            got: list[list[bytes]] = []
+            while sum(len(m) for m in got) < len(sent[a]):
+                got.append(recv_frames(pull))
+            assert [f for m in got for f in m] == sent[a]  # every result, in the order posted
+            assert [len(m) for m in got] == [bounds.MAX_BATCH, 6, 1, 3]
+        assert stats["undeliverable"] == 0
+    finally:
+        senders.close()
+        for p in pulls:
+            p.close()

@@ -105,6 +105,8 @@ class ResultSenders:
         """Send one result frame, or hold it for its link's next message when
         ``batch`` (its client reads batches) and these senders hold."""
         if not (batch and self.holds):
+            if self.held and (address, key) in self.held:  # what waits for this link goes first: order kept
+                self.send(address, key, self.held.pop((address, key)))
             self.send(address, key, [frame])
             return
         held = self.held.get((address, key))
