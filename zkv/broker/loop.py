@@ -17,7 +17,7 @@ import zmq
 
 from ..net.curve import CLIENTS_DOMAIN, RANKS_DOMAIN, Curve
 from ..net.endpoints import Endpoints, StopSignal, check_bind_address, make_socket
-from ..net.frames import Coalescer, ready_messages, send_message
+from ..net.frames import Coalescer, raw_send, ready_messages, send_message
 from ..obs.book import BusBook
 from ..wire import bounds
 from .core import BrokerConfig, BrokerCore, Publish, Record, SaveState, ToClient, ToRank
@@ -25,6 +25,7 @@ from .owner_lock import OwnerLock, ipc_directories
 from .state_file import StateFile, default_state_path
 
 log = logging.getLogger("zkv.broker")
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: zmq.Flag arithmetic costs a microsecond a send
 
 _DRAIN_BATCH = 512  # messages per socket per wakeup, so one side cannot starve the other
 
@@ -204,7 +205,7 @@ class Broker:
             elif isinstance(action, Publish):
                 self._flush_tasks()
                 try:
-                    self.control.send(action.frame, zmq.NOBLOCK)
+                    raw_send(self.control, action.frame, _NOBLOCK)
                 except zmq.Again:
                     self.counts["publish_dropped"] += 1  # the repeat heals it
             elif isinstance(action, SaveState) and self.state_file is not None:
