@@ -1,9 +1,11 @@
 """Messages of one wakeup travel together (docs/protocol.md §3,
 §10.3): the broker sends a rank the tasks it dispatched in one wakeup as one
-message of header/body pairs, and a rank returns the ``done`` frames of one
-wakeup as one message.  Nothing is reordered, held back, or lost to a bad
-neighbour frame."""
+message of header/body pairs, a rank returns the ``done`` frames of one
+wakeup as one message, and the results of one wakeup for a client that asked
+(``batch_results``) as one message of result frames.  Nothing is reordered,
+held back, or lost to a bad neighbour frame."""
 
+import collections
 import threading
 import time
 
@@ -12,8 +14,10 @@ import zmq
 
 from zkv.broker.core import BrokerConfig, BrokerCore, ToRank, frames_of
 from zkv.broker.loop import Broker
+from zkv.client.client import Client
 from zkv.net.endpoints import Endpoints
 from zkv.net.frames import Coalescer, ready_messages, send_message
+from zkv.rank.result_links import ResultSenders
 from zkv.rank.worker import RankWorker
 from zkv.testing.sim import CLIENT, LAYOUT
 from zkv.wire import bounds
@@ -300,8 +304,6 @@ def test_a_client_reads_every_result_of_a_message_and_drops_one_over_the_cap(end
     """The Python client asks for batches: a message of result frames (two
     ranks' results of one task, in one message) ends the task; a message of
     more than ``MAX_BATCH`` frames is no rank's, counted and dropped whole."""
-    from zkv.client.client import Client
-
     router = raw_socket(zmq.ROUTER, endpoints.frontend, bind=True)  # the broker, by hand
     client = Client(endpoints.frontend, reply_to=f"ipc://{tmp_path}/client.sock")
     push = raw_socket(zmq.PUSH, client.reply_to)
@@ -331,10 +333,6 @@ def test_held_results_keep_their_order_and_the_cap_per_message(tmp_path):
     reaches ``MAX_BATCH`` sends at once), a result for a client that reads one per
     message goes alone, after what waited for that link; nothing is reordered,
     nothing is left held."""
-    import collections
-
-    from zkv.rank.result_links import ResultSenders
-
     ctx = zmq.Context.instance()
     addresses = [f"ipc://{tmp_path}/r{i}.sock" for i in range(2)]
     pulls = [raw_socket(zmq.PULL, a, bind=True) for a in addresses]
