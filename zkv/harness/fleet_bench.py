@@ -22,11 +22,11 @@ from .fleet_rig import FleetRig
 TARGET = 1.5  # fleet pause <= 1.5x the slowest single bus's pause
 
 
-def _timed(call: Callable[[], Any], roles: dict[int, str], cpu: collections.defaultdict[str, float], key: str) -> float:
-    """``call()``'s time in ms; the CPU it cost the bus processes (``roles``: pid -> broker
-    or rank) and this one is added to ``cpu[key]``, and by thread to ``cpu["KEY: ROLE KIND"]``
-    (``obs.stats.thread_cpu_ns``; this process: ``client main``, the caller's thread, and
-    ``client other``, the fleet's bus threads and ZMQ's)."""
+def _timed(call: Callable[[], Any], roles: dict[int, str], spent: collections.Counter[str]) -> float:
+    """``call()``'s time in ms; the CPU ns it cost the bus processes (``roles``: pid -> broker
+    or rank) and this one are added to ``spent`` by thread (``obs.stats.thread_cpu_ns``; this
+    process: ``client main``, the caller's thread, and ``client other``, the fleet's bus
+    threads and ZMQ's)."""
     buses = thread_cpu_ns(roles)
     mine, main = time.process_time_ns(), time.thread_time_ns()
     start = time.perf_counter()
@@ -34,12 +34,9 @@ def _timed(call: Callable[[], Any], roles: dict[int, str], cpu: collections.defa
     ms = (time.perf_counter() - start) * 1000
     main = time.thread_time_ns() - main
     mine = time.process_time_ns() - mine  # before this reads /proc, which costs it
-    spent = thread_cpu_ns(roles)
+    spent.update(thread_cpu_ns(roles))
     spent.subtract(buses)
     spent.update({"client main": main, "client other": mine - main})
-    for part, ns in spent.items():
-        cpu[f"{key}: {part}"] += ns / 1e6
-        cpu[key] += ns / 1e6
     return ms
 
 
@@ -70,18 +67,18 @@ def measure(rig: FleetRig, rounds: int) -> dict:
             c.close()
 
 
-def _singles(clients: list[Client], roles: dict[int, str], cpu: collections.defaultdict[str, float]) -> list[float]:
+def _singles(clients: list[Client], roles: dict[int, str], spent: collections.Counter[str]) -> list[float]:
     """Each bus's own pause, one after the other (then its resume, untimed)."""
     out = []
     for c in clients:
-        out.append(_timed(c.pause, roles, cpu, "single"))
+        out.append(_timed(c.pause, roles, spent))
         c.resume()
     return out
 
 
-def _fleet_pause(fleet: Fleet, roles: dict[int, str], cpu: collections.defaultdict[str, float]) -> tuple[float, float]:
+def _fleet_pause(fleet: Fleet, roles: dict[int, str], spent: collections.Counter[str]) -> tuple[float, float]:
     """One fleet pause (then its resume, untimed): its time, and the last bus's ack within it."""
-    ms = _timed(fleet.pause, roles, cpu, "fleet")
+    ms = _timed(fleet.pause, roles, spent)
     report = fleet.last_report
     assert report is not None and report.ok
     slowest = report.slowest()
@@ -91,14 +88,16 @@ def _fleet_pause(fleet: Fleet, roles: dict[int, str], cpu: collections.defaultdi
 
 def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks: Any, roles: dict[int, str]) -> dict:
     fleet_ms, slowest_ms, loop_ms, ratios, slowest_in_fleet = [], [], [], [], []
-    cpu: collections.defaultdict[str, float] = collections.defaultdict(float)  # CPU of bus processes and this one
+    # CPU ns of the bus processes and this one, by thread, while pausing: all fleet pauses, all single ones
+    fleet_ns: collections.Counter[str] = collections.Counter()
+    single_ns: collections.Counter[str] = collections.Counter()
     for i in range(rounds):
         if i % 2:  # alternate which goes first
-            singles = _singles(clients, roles, cpu)
-            f, last_ack = _fleet_pause(fleet, roles, cpu)
+            singles = _singles(clients, roles, single_ns)
+            f, last_ack = _fleet_pause(fleet, roles, fleet_ns)
         else:
-            f, last_ack = _fleet_pause(fleet, roles, cpu)
-            singles = _singles(clients, roles, cpu)
+            f, last_ack = _fleet_pause(fleet, roles, fleet_ns)
+            singles = _singles(clients, roles, single_ns)
         fleet_ms.append(f)
         slowest_in_fleet.append(last_ack)
         slowest_ms.append(max(singles))
@@ -106,7 +105,7 @@ def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks:
         ratios.append(f / max(singles))
     med_fleet, med_slowest = statistics.median(fleet_ms), statistics.median(slowest_ms)
     cores = len(os.sched_getaffinity(0))
-    cpu_fleet = cpu["fleet"] / rounds
+    cpu_fleet = sum(fleet_ns.values()) / 1e6 / rounds
     return {
         "buses": buses,
         "ranks_per_bus": ranks,
@@ -123,13 +122,9 @@ def _rounds(fleet: Fleet, clients: list[Client], rounds: int, buses: int, ranks:
         # The CPU the buses and this client spend on one fleet pause, and on one bus's pause alone;
         # spread over every core it is the least a concurrent fleet pause can take on this machine.
         "cpu_ms_per_fleet_pause": round(cpu_fleet, 3),
-        "cpu_ms_per_single_pause": round(cpu["single"] / (rounds * buses), 3),
+        "cpu_ms_per_single_pause": round(sum(single_ns.values()) / 1e6 / (rounds * buses), 3),
         # where a fleet pause's CPU goes, by process role and thread, most first
-        "cpu_ms_per_fleet_pause_by_thread": {
-            part.split(": ", 1)[1]: round(ms / rounds, 3)
-            for part, ms in sorted(cpu.items(), key=lambda kv: -kv[1])
-            if part.startswith("fleet: ")
-        },
+        "cpu_ms_per_fleet_pause_by_thread": {part: round(ns / 1e6 / rounds, 3) for part, ns in fleet_ns.most_common()},
         "cpu_floor_ms": round(cpu_fleet / cores, 3),
         "fleet_vs_cpu_floor": round(med_fleet / (cpu_fleet / cores), 3),
         "target": TARGET,
