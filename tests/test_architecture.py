@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "rank": {"wire", "net", "obs", "rank"},
     "client": {"wire", "net", "client"},
     "fleet": {"wire", "net", "client", "fleet"},  # many buses driven as one, over one client per bus
+    "rows": {"wire", "rows"},  # the one book of tier rows every engine path keeps (sans-IO)
     "engines": {
         "wire",
         "net",
@@ -39,11 +40,12 @@ ALLOWED: dict[str, set[str]] = {
         "client",
         "fleet",
         "prefix",
+        "rows",
         "trace",
         "engines",
     },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine; broker and trace: the
     # bus a vLLM scheduler process hosts, and its records; fleet: the RL cycle over many vLLM engines
-    "prefix": {"wire", "prefix"},  # it reaches the bus only through prefix.bus.Bus
+    "prefix": {"wire", "rows", "prefix"},  # it reaches the bus only through prefix.bus.Bus
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "obs", "client", "trace", "replay"},
     # the product's tools: benchmarks, demos, checks, and what zkv up and zkv replay start
@@ -57,12 +59,13 @@ ALLOWED: dict[str, set[str]] = {
         "client",
         "fleet",
         "prefix",
+        "rows",
         "trace",
         "replay",
         "testing",
         "harness",
     },
-    "testing": {"wire", "net", "broker", "rank", "client", "prefix", "testing"},
+    "testing": {"wire", "net", "broker", "rank", "client", "prefix", "rows", "testing"},
     "cli": {
         "wire",
         "net",
@@ -73,6 +76,7 @@ ALLOWED: dict[str, set[str]] = {
         "client",
         "fleet",
         "prefix",
+        "rows",
         "trace",
         "replay",
         "harness",

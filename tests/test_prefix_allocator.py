@@ -15,12 +15,12 @@ from zkv.client.client import Client
 from zkv.engines import vllm
 from zkv.net.endpoints import Endpoints
 from zkv.prefix import PrefixCacheManager
-from zkv.prefix.allocator import BlockAllocator, DoubleFreeError, ForeignBlockError, OutOfBlocksError
+from zkv.rows.pool import RowPool, DoubleFreeError, ForeignBlockError, OutOfBlocksError
 from zkv.rank.agent import RankAgent
 
 
 def test_fresh_allocator_hands_out_ascending_ids_and_accounts():
-    allocator = BlockAllocator(5)
+    allocator = RowPool(5)
     assert (allocator.num_free, allocator.num_used, allocator.num_blocks) == (5, 0, 5)
     assert allocator.alloc(3) == [0, 1, 2]
     assert (allocator.num_free, allocator.num_used) == (2, 3)
@@ -29,14 +29,14 @@ def test_fresh_allocator_hands_out_ascending_ids_and_accounts():
 
 
 def test_freed_blocks_are_reused_first():
-    allocator = BlockAllocator(4)
+    allocator = RowPool(4)
     allocator.alloc(3)
     allocator.free([1])
     assert allocator.alloc(1) == [1]
 
 
 def test_double_free_raises_and_changes_nothing():
-    allocator = BlockAllocator(4)
+    allocator = RowPool(4)
     allocator.alloc(2)
     allocator.free([0])
     with pytest.raises(DoubleFreeError, match="block 0 freed twice"):
@@ -50,7 +50,7 @@ def test_double_free_raises_and_changes_nothing():
 
 @pytest.mark.parametrize("foreign", [-1, 4, 99, "1", 1.0, True, None])
 def test_foreign_ids_raise(foreign):
-    allocator = BlockAllocator(4, "cpu")
+    allocator = RowPool(4, "cpu")
     allocator.alloc(4)
     with pytest.raises(ForeignBlockError, match="cpu"):
         allocator.free([foreign])
@@ -58,7 +58,7 @@ def test_foreign_ids_raise(foreign):
 
 
 def test_alloc_is_all_or_nothing():
-    allocator = BlockAllocator(3)
+    allocator = RowPool(3)
     allocator.alloc(2)
     with pytest.raises(OutOfBlocksError, match="only 1 of 3 free"):
         allocator.alloc(2)
@@ -69,18 +69,18 @@ def test_alloc_is_all_or_nothing():
 
 
 def test_empty_tier():
-    allocator = BlockAllocator(0)
+    allocator = RowPool(0)
     assert allocator.alloc(0) == [] and allocator.num_free == 0
     with pytest.raises(OutOfBlocksError):
         allocator.alloc(1)
     with pytest.raises(ValueError):
-        BlockAllocator(-1)
+        RowPool(-1)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 20), st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=40))
 def test_random_alloc_free_keeps_accounting(total, steps):
-    allocator = BlockAllocator(total)
+    allocator = RowPool(total)
     held: list[int] = []
     for do_alloc, count in steps:
         if do_alloc:
@@ -100,7 +100,7 @@ def test_random_alloc_free_keeps_accounting(total, steps):
 
 
 def test_reserved_ids_are_never_handed_out_and_cannot_be_freed():
-    allocator = BlockAllocator(6, "gpu", reserved=(3, 0))
+    allocator = RowPool(6, "gpu", reserved=(3, 0))
     assert (allocator.num_blocks, allocator.num_free, allocator.num_used, allocator.num_reserved) == (6, 4, 0, 2)
     assert allocator.alloc(4) == [1, 2, 4, 5]
     with pytest.raises(OutOfBlocksError, match="only 0 of 6 free"):
@@ -115,14 +115,14 @@ def test_reserved_ids_are_never_handed_out_and_cannot_be_freed():
     allocator.check()
     for bad in ((6,), (-1,), (True,), ("0",)):
         with pytest.raises(ValueError, match="reserved id"):
-            BlockAllocator(6, "gpu", reserved=bad)
+            RowPool(6, "gpu", reserved=bad)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 20).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, n - 1)))))
 def test_a_tier_with_reserved_ids_hands_out_every_other_id_once(case):
     total, reserved = case
-    allocator = BlockAllocator(total, reserved=reserved)
+    allocator = RowPool(total, reserved=reserved)
     got = allocator.alloc(total - len(reserved))
     assert sorted(got) == sorted(set(range(total)) - reserved)
     allocator.check()

@@ -1,5 +1,5 @@
 """The prefix cache manager follows the bus's two generations (docs/protocol.md
-§8.2, zkv/prefix/generations.py): a move of ``gen`` alone drops what was on
+§8.2, zkv/rows/loss.py): a move of ``gen`` alone drops what was on
 the GPU and keeps what lies wholly on the CPU and the disk; a move of
 ``cpu_gen``, or of ``gen`` on a bus that names no ``cpu_gen``, resets it all;
 a task during which a tier it touches was lost is taken as cancelled."""
@@ -10,7 +10,7 @@ import prefix_engine
 import pytest
 from prefix_engine import BS, prompt
 
-from zkv.prefix.generations import LOST_ALL, LOST_GPU, LOST_NONE, lost_between, moved_under
+from zkv.rows.loss import LOST_ALL, LOST_GPU, LOST_NONE, lost_between, moved_under
 from zkv.testing.fakebus import GARBAGE, FakeBus
 
 

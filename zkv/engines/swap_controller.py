@@ -16,8 +16,10 @@ released to the engine's pool.  A swap-in: ``take_blocks`` -> task
 installed.  Anything else leaves the engine as it was: a failed swap-out
 keeps the conversation resident, a failed swap-in gives the blocks back and
 the turn recomputes its prefill.  A task that timed out may still copy
-late, so what it writes (rows, or taken blocks) stays quarantined until the
-client reports it settled, or a clear makes it moot.
+late, so what it writes (rows, or taken blocks) is held in the controller's
+``RowBook`` until the client reports it settled, or a clear makes it moot.
+The book owns the CPU rows (a row given back twice raises); the engines own
+their blocks, which a held task carries beside its rows.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..prefix.bus import Bus
-from ..prefix.quarantine import Quarantine
+from ..rows.book import RowBook, may_write_late
 from ..wire.outcome import TaskOutcome
-from ..wire.vocab import Op, Outcome
+from ..wire.vocab import Op, Tier
 from .idle_policy import IdlePolicy
 from .transformers.engine import CacheFull, NoFreeBlocks, TransformersCBEngine
 
@@ -81,9 +83,8 @@ class SwapController:
         self.timeout = timeout
         self.stats = SwapStats()
         self.tick = 0
-        self._free_rows = list(range(cpu_rows - 1, -1, -1))  # pops 0, 1, 2 ...
+        self.book = RowBook({Tier.CPU: cpu_rows})  # hands out rows 0, 1, 2 ...; holds what late tasks write
         self._swapped: dict[str, list[int]] = {}  # conversation -> its CPU rows, in block order
-        self._quarantine: Quarantine[tuple[list[int], list[int]]] = Quarantine()  # task -> (taken blocks, rows)
 
     # ------------------------------------------------------------- requests
 
@@ -168,13 +169,13 @@ class SwapController:
         self.policy.gone(conversation)
         rows = self._swapped.pop(conversation, None)
         if rows is not None:
-            self._free_rows.extend(rows)
+            self.book.give_back(Tier.CPU, rows)
         for engine in self.replicas:
             engine.forget(conversation)
 
     def drop_cpu_copy(self, conversation: str) -> None:
         """Forget a swapped-out conversation's CPU rows (CPU tier full, or lost): its next turn recomputes."""
-        self._free_rows.extend(self._swapped.pop(conversation))
+        self.book.give_back(Tier.CPU, self._swapped.pop(conversation))
 
     @property
     def swapped(self) -> list[str]:
@@ -188,10 +189,10 @@ class SwapController:
     def swap_out(self, conversation: str) -> bool:
         """Move a parked conversation's KV to CPU rows; on ``ok`` release its blocks. False: it stays resident."""
         table = self._same("block table", [engine.block_table(conversation) for engine in self.replicas])
-        if len(self._free_rows) < len(table):
+        if self.book.pool(Tier.CPU).num_free < len(table):
             self.stats.failure(Op.SWAP_OUT, "cpu_full")
             return False
-        rows = [self._free_rows.pop() for _ in table]
+        rows = self.book.take(Tier.CPU, len(table))
         outcome, elapsed = self._run(Op.SWAP_OUT, table, rows)
         if not outcome.ok:
             self.stats.failure(Op.SWAP_OUT, outcome.outcome, outcome.reason)
@@ -225,7 +226,7 @@ class SwapController:
             for engine in self.replicas:
                 engine.install_block_table(conversation, blocks)
         finally:
-            self._free_rows.extend(rows)  # a late swap-in only reads them: reusable at once
+            self.book.give_back(Tier.CPU, rows)  # a late swap-in only reads them: reusable at once
         self.stats.swap_ins += 1
         self.stats.blocks_in += len(blocks)
         self.stats.swap_in_s.append(elapsed)
@@ -234,25 +235,23 @@ class SwapController:
 
     def reap(self, wait: float = 0.0) -> int:
         """Give back what timed-out tasks held once the client says they settled (waiting up to ``wait`` s)."""
-        settled = self.bus.settled(wait) if len(self._quarantine) else []
-        for blocks, rows in self._quarantine.settle(settled):
-            if blocks:
+        settled = self.bus.settled(wait) if self.book.num_held_tasks else []
+        for entry in self.book.settle(settled):  # frees the rows
+            if entry.payload:
                 for engine in self.replicas:
-                    engine.return_blocks(blocks)
-            self._free_rows.extend(rows)
+                    engine.return_blocks(entry.payload)
         return len(settled)
 
     @property
     def quarantined(self) -> int:
-        return len(self._quarantine)
+        return self.book.num_held_tasks
 
     # ------------------------------------------------------------- RL cycle
 
     def cleared(self) -> None:
         """The bus and the engines were cleared: every swapped conversation recomputes, nothing is quarantined."""
         self._swapped.clear()
-        self._quarantine.release_all()
-        self._free_rows = list(range(self.cpu_rows - 1, -1, -1))
+        self.book = RowBook({Tier.CPU: self.cpu_rows})  # what late tasks held went with the old caches
         self.policy.reset()
 
     # --------------------------------------------------------------- private
@@ -266,16 +265,13 @@ class SwapController:
     def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
         """Rejected/cancelled never copied and a rank-reported failure means every rank answered;
         a timeout may copy late, unless the broker said it was never dispatched (``ran`` False)."""
-        may_copy_late = outcome.outcome == Outcome.TIMEOUT or (
-            outcome.outcome == Outcome.FAILED and not outcome.per_rank
-        )
-        if may_copy_late and outcome.ran is not False:
-            self._quarantine.hold(outcome.task, (blocks, rows))
+        if may_write_late(outcome.outcome, outcome.ran, ranks_reported=bool(outcome.per_rank)):
+            self.book.hold(outcome.task, {Tier.CPU: rows}, payload=blocks)
             return
         if blocks:
             for engine in self.replicas:
                 engine.return_blocks(blocks)
-        self._free_rows.extend(rows)
+        self.book.give_back(Tier.CPU, rows)
 
     def _take(self, count: int) -> list[int] | None:
         """The same fresh ids on every replica, making room once (prefix cache, then LRU swap-outs); None if none.

@@ -13,7 +13,7 @@ Every op passes through (swaps, and the disk tier's ``spill`` / ``load``).
 ``gen`` and ``cpu_gen`` are the client's generations as rank 0 broadcast them
 with the last outcome (or settled list), the same on every rank, so a prefix
 cache manager on each rank follows the same moves at the same call
-(``zkv.prefix.generations``); None until the first broadcast.
+(``zkv.rows.loss``); None until the first broadcast.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ The synthetic chat workload over the real bus (``zkv up --demo``, ``zkv bench
 manager``) is ``zkv.harness.workload``; an in-process fake bus for tests is
 ``zkv.testing.FakeBus``."""
 
-from .allocator import (
-    BlockAllocator,
-    BlockAllocatorError,
+from ..rows.pool import (
     DoubleFreeError,
     ForeignBlockError,
     OutOfBlocksError,
+    RowPool,
+    RowPoolError,
 )
 from .bus import Bus, ControlBus
 from .cycle import drain_and_clear, pause_clear_resume
@@ -29,8 +29,8 @@ from .manager import (
 from .radix import NodeState, RadixNode, RadixTree, block_keys
 
 __all__ = [
-    "BlockAllocator",
-    "BlockAllocatorError",
+    "RowPool",
+    "RowPoolError",
     "DoubleFreeError",
     "ForeignBlockError",
     "OutOfBlocksError",

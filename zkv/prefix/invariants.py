@@ -12,9 +12,7 @@ from collections.abc import Collection, Mapping
 
 from ..wire.vocab import Tier
 from .lease import BlockLease
-from .quarantine import Quarantine
 from .radix import NodeState, RadixNode, pins_cpu
-from .swaps import HeldBlocks
 from .tiers import TIER_NAMES, Tiers
 
 #: tier order of each resting state (a node's may not be below its parent's)
@@ -28,7 +26,6 @@ def check_invariants(
     tiers: Tiers,
     live_leases: Collection[BlockLease],
     private_owner: Mapping[int, BlockLease],
-    quarantine: Quarantine[HeldBlocks],
     epoch: int,
     cleared: bool,
 ) -> None:
@@ -37,12 +34,11 @@ def check_invariants(
     O(tree + blocks); for tests and debugging.  Assumes no swap is being awaited.
     """
     owners: dict[str, Owners] = {tier: {} for tier in TIER_NAMES}
-    for tier in TIER_NAMES:
-        tiers.allocator(tier).check()
+    tiers.book.check()
     refs = _lease_references(live_leases, epoch)
     _check_tree(tiers, refs, owners)
     _check_private_blocks(private_owner, live_leases, owners[Tier.GPU])
-    _check_quarantine(quarantine, owners)
+    _check_quarantine(tiers, owners)
     _check_owned_is_allocated(tiers, owners)
     _check_cleared(tiers, cleared)
 
@@ -141,15 +137,16 @@ def _check_private_blocks(
         _claim(gpu_owner, block, lease, Tier.GPU)
 
 
-def _check_quarantine(quarantine: Quarantine[HeldBlocks], owners: Mapping[str, Owners]) -> None:
-    """The quarantine owns the blocks of its timed-out tasks."""
-    for task, entry in quarantine.items():
-        for block in entry.block_ids:
-            _claim(owners[entry.tier], block, f"quarantine of task {task}", entry.tier)
+def _check_quarantine(tiers: Tiers, owners: Mapping[str, Owners]) -> None:
+    """The quarantine (the book's held rows) owns the blocks of its timed-out tasks."""
+    for entry in tiers.book.held_entries():
+        for tier, blocks in entry.rows.items():
+            for block in blocks:
+                _claim(owners[tier], block, f"quarantine of task {entry.task}", tier)
 
 
 def _check_owned_is_allocated(tiers: Tiers, tier_owners: Mapping[str, Owners]) -> None:
-    """The blocks with an owner are exactly the blocks each allocator handed out."""
+    """The blocks with an owner are exactly the blocks each pool of the book handed out."""
     for tier, owners in tier_owners.items():
         allocator = tiers.allocator(tier)
         if sorted(owners) != allocator.allocated_ids():

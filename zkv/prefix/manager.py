@@ -6,7 +6,7 @@ Ownership model (what makes "no leak, no double owner" checkable)
 Every used GPU block has exactly one owner: a tree node, a lease (a block from
 ``allocate()`` not yet inserted), or the quarantine (see below).  Every used
 CPU and disk block is owned by a tree node or the quarantine.
-``check_invariants()`` verifies this against the allocators.
+``check_invariants()`` verifies this against the book of rows (``RowBook``).
 
 A request holds its blocks through :class:`BlockLease` objects:
 
@@ -48,10 +48,9 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..wire.vocab import Tier
+from ..rows.loss import Loss, lost_between
 from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
-from .generations import LOST_ALL, LOST_GPU, lost_between
 from .invariants import check_invariants
 from .lease import BlockLease, InsertResult
 from .radix import NodeState, RadixNode, block_keys, check_block_size, keys_reusing
@@ -134,7 +133,6 @@ class PrefixCacheManager:
         reserved = self._reserved if num_gpu_blocks else ()
         self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, reserved, disk_blocks, self._max_run)
         self._forget_leases()
-        self._swaps.forget_quarantine()
 
     def _forget_leases(self) -> None:
         self._private_owner: dict[int, BlockLease] = {}
@@ -356,15 +354,14 @@ class PrefixCacheManager:
         went, as the module doc says (``generations.py``)."""
         gens = self._swaps.bus_gens()
         lost = lost_between(self._swaps.gens, gens)
-        if lost == LOST_ALL:
+        if lost is Loss.ALL:
             self._counters["generation_resets"] += 1
             self.reset()
-        elif lost == LOST_GPU:
+        elif lost is Loss.GPU:
             self._counters["gpu_generation_drops"] += 1
             self._epoch += 1  # every lease held GPU blocks: all stale now
             self._tiers.drop_gpu_tier(self._num_gpu_blocks, self._reserved if self._num_gpu_blocks else ())
             self._forget_leases()
-            self._swaps.forget_quarantine(Tier.GPU)
         if gens[0] is not None:
             self._swaps.gens = gens
 
@@ -377,7 +374,7 @@ class PrefixCacheManager:
         broker runs after a plain resume.  So call this after a pause that a clear
         follows (``cycle.drain_and_clear`` does), or when the paused bus's
         ``status()`` shows ``queued == 0``.  Returns how many blocks were freed."""
-        return self._swaps.release_quarantine(self._tiers)
+        return SwapRunner.release_quarantine(self._tiers)
 
     def reclaim_quarantine(self) -> int:
         """Free the quarantined blocks of timed-out tasks that have settled since.
@@ -442,7 +439,7 @@ class PrefixCacheManager:
         """Raise AssertionError unless every block has exactly one owner and the
         tree is consistent (``invariants.py``; for tests and debugging)."""
         check_invariants(
-            self._tiers, self._live_leases, self._private_owner, self._swaps.quarantine, self._epoch, self._cleared
+            self._tiers, self._live_leases, self._private_owner, self._epoch, self._cleared
         )
 
     # ------------------------------------------------------------- internals

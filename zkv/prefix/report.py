@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..rows.pool import RowPool
 from ..wire.vocab import Tier
-from .allocator import BlockAllocator
 from .radix import NodeState
 from .swaps import SwapRunner
 from .tiers import Tiers
@@ -36,12 +36,12 @@ COUNTERS = (
 )
 
 
-def _usage(allocator: BlockAllocator) -> dict[str, int]:
+def _usage(pool: RowPool) -> dict[str, int]:
     return {
-        "total": allocator.num_blocks,
-        "used": allocator.num_used,
-        "free": allocator.num_free,
-        "peak_used": allocator.peak_used,
+        "total": pool.num_blocks,
+        "used": pool.num_used,
+        "free": pool.num_free,
+        "peak_used": pool.peak_used,
     }
 
 
@@ -74,8 +74,8 @@ def stats_of(
         Tier.DISK: _usage(tiers.disk),
         "nodes": nodes_by_state,
         "blocks": blocks_by_state,
-        "quarantined_blocks": swaps.quarantined_blocks(),
-        "quarantined_tasks": len(swaps.quarantine),
+        "quarantined_blocks": tiers.book.held(),
+        "quarantined_tasks": tiers.book.num_held_tasks,
         "swaps": {op: dict(values) for op, values in swaps.swap_stats.items()},
         **counters,
     }

@@ -1,9 +1,9 @@
 """The prefix cache manager's swap runner: the tier moves (eviction under GPU
 pressure, swap_out / swap_in, the disk tier's spill / load), the running of
 every task over the bus, and the quarantine of blocks a timed-out task may
-still write.  The manager holds one and passes it the
-epoch's ``Tiers`` (tree, allocators, eviction queues) on every call; the
-runner owns the bus, the quarantine and the swap counters.
+still write (held in the epoch's ``RowBook``).  The manager holds one and
+passes it the epoch's ``Tiers`` (tree, book of rows, eviction queues) on
+every call; the runner owns the bus and the swap counters.
 
 Policies
 --------
@@ -32,8 +32,8 @@ Policies
   before them.
 * Timeout: a timed-out task may still run (a slow rank), so the blocks it
   writes (CPU blocks for swap_out and load, GPU blocks for swap_in, disk
-  blocks for spill) go to quarantine
-  instead of the free list; they are freed when the bus reports the task
+  blocks for spill) are held in the book (``RowBook.hold``: the quarantine)
+  instead of going back to the free list; they are freed when the bus reports the task
   *settled* (``bus.settled()``: every rank has since reported, so nothing
   writes those blocks any more; checked at the start of match / allocate /
   evict and by ``reclaim_quarantine()``), when the caller reports the bus
@@ -52,16 +52,15 @@ Policies
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, cast
 
+from ..rows.book import may_write_late
+from ..rows.loss import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from ..wire.moves import MOVES
 from ..wire.protocol import OUTCOMES
 from ..wire.vocab import Op, Outcome, Tier
 from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
-from .generations import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
-from .quarantine import Quarantine
 from .radix import NodeState, RadixNode, depth_order, first_depth
 from .tiers import TIER_NAMES, Tiers, hand_out, in_order, is_gpu_victim
 
@@ -83,14 +82,6 @@ _DROPPED = tuple(f"dropped_{tier}_blocks" for tier in TIER_NAMES)
 _DEMOTED = {Op.SWAP_OUT: "swapped_out_blocks", Op.SPILL: "spilled_blocks"}
 
 
-@dataclass
-class HeldBlocks:
-    """Blocks of one tier a timed-out task may still write."""
-
-    tier: str
-    block_ids: list[int]
-
-
 class SwapRunner:
     """Eviction, swap tasks and the quarantine of one manager (see the module docstring)."""
 
@@ -98,7 +89,6 @@ class SwapRunner:
         self.bus = bus
         self.swap_timeout = swap_timeout
         self.quarantine_timed_out = quarantine_timed_out
-        self.quarantine: Quarantine[HeldBlocks] = Quarantine()
         self.swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.gens: Gens = UNKNOWN  # the bus's generations the tree describes (the manager follows them)
@@ -119,7 +109,7 @@ class SwapRunner:
             self.evict_gpu(tiers, shortfall)
         if tiers.gpu.num_free < count:
             if not allow_fewer:
-                quarantined = self.quarantined_blocks()[Tier.GPU]
+                quarantined = tiers.book.held()[Tier.GPU]
                 raise OutOfGpuBlocksError(
                     f"need {count} GPU blocks, {tiers.gpu.num_free} free after evicting every unreferenced block"
                     f" ({quarantined} quarantined behind timed-out swaps)"
@@ -389,8 +379,8 @@ class SwapRunner:
     def settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
         """Free the destination blocks of a task that did not succeed, or quarantine them
         if the task may still write them."""
-        if outcome == Outcome.TIMEOUT and task is not None and self.quarantine_timed_out:
-            self.quarantine.hold(task, HeldBlocks(tier, block_ids))
+        if task is not None and self.quarantine_timed_out and may_write_late(outcome, None):
+            tiers.book.hold(task, {tier: block_ids})
         else:
             tiers.allocator(tier).free(block_ids)
 
@@ -398,7 +388,8 @@ class SwapRunner:
 
     def reap(self, tiers: Tiers) -> None:
         """Free quarantined blocks whose task has settled (asks the bus only while any are held)."""
-        if not len(self.quarantine):
+        book = tiers.book
+        if not book.num_held_tasks:
             return
         settled = getattr(self.bus, "settled", None)
         try:
@@ -408,29 +399,11 @@ class SwapRunner:
                 tasks = [result.task for result in cast(Any, self.bus).poll(0.0)]
         except Exception:  # the bus is gone or closing: keep the quarantine, try again later
             return
-        for entry in self.quarantine.settle(tasks):
+        for entry in book.settle(tasks):
             self.counters["late_outcomes"] += 1
-            self.counters["reclaimed_blocks"] += len(entry.block_ids)
-            tiers.allocator(entry.tier).free(entry.block_ids)
+            self.counters["reclaimed_blocks"] += entry.num_rows
 
-    def release_quarantine(self, tiers: Tiers) -> int:
+    @staticmethod
+    def release_quarantine(tiers: Tiers) -> int:
         """No task runs any more (a drained bus): free every quarantined block; returns how many."""
-        freed = 0
-        for entry in self.quarantine.release_all():
-            tiers.allocator(entry.tier).free(entry.block_ids)
-            freed += len(entry.block_ids)
-        return freed
-
-    def forget_quarantine(self, tier: str | None = None) -> None:
-        """A reset (every tier) or a GPU generation move (``tier="gpu"``): the
-        quarantined blocks went with those allocators."""
-        if tier is None:
-            self.quarantine.release_all()
-        else:
-            self.quarantine.forget_where(lambda entry: entry.tier == tier)
-
-    def quarantined_blocks(self) -> dict[str, int]:
-        held: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
-        for entry in self.quarantine.values():
-            held[entry.tier] += len(entry.block_ids)
-        return held
+        return sum(entry.num_rows for entry in tiers.book.release_held())

@@ -1,8 +1,9 @@
 """One epoch of the prefix cache's blocks: the radix tree, the GPU, CPU and
-disk allocators under it, and the LRU queues of eviction candidates on each
-tier.  A reset replaces the whole object (a GPU generation move only its GPU
-side: ``drop_gpu_tier``); the manager (requests, leases) and the swap runner
-(tasks, quarantine) work on it through these methods.
+disk rows under it (one ``RowBook``: its pools, and the rows timed-out
+tasks hold), and the LRU queues of eviction candidates on each tier.  A reset
+replaces the whole object (a GPU generation move only its GPU side:
+``drop_gpu_tier``); the manager (requests, leases) and the swap runner
+(tasks) work on it through these methods.
 
 Shape rule (what makes a match cheap): residency is prefix-closed in tier
 order.  A node on the GPU has its parent on the GPU, a node on the CPU has
@@ -15,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import cast
 
+from ..rows.book import RowBook
+from ..rows.pool import RowPool
 from ..wire.moves import TIER_ORDER
 from ..wire.vocab import Tier
-from .allocator import BlockAllocator
 from .radix import LeafQueue, NodeState, RadixNode, RadixTree
 
 #: the tiers, nearest first; ``Tiers.allocator`` takes these
@@ -71,9 +73,11 @@ def split_path(path: list[RadixNode]) -> tuple[list[RadixNode], list[RadixNode],
 
 
 class Tiers:
-    """The tree and every tier's allocator and eviction queue, of one epoch."""
+    """The tree, the book of every tier's rows and each tier's eviction queue, of one epoch.
 
-    __slots__ = ("tree", "gpu", "cpu", "disk", "gpu_victims", "cpu_victims", "disk_victims")
+    ``gpu``, ``cpu`` and ``disk`` are the book's pools, named for the hot paths."""
+
+    __slots__ = ("tree", "book", "gpu", "cpu", "disk", "gpu_victims", "cpu_victims", "disk_victims")
 
     def __init__(
         self,
@@ -84,14 +88,14 @@ class Tiers:
         max_run: int | None = None,
     ) -> None:
         self.tree = RadixTree(max_run)
-        self.gpu = BlockAllocator(num_gpu_blocks, Tier.GPU, gpu_reserved)  # the engine's own rows: never handed out
-        self.cpu = BlockAllocator(num_cpu_blocks, Tier.CPU)
-        self.disk = BlockAllocator(num_disk_blocks, Tier.DISK)
+        sizes = {Tier.GPU: num_gpu_blocks, Tier.CPU: num_cpu_blocks, Tier.DISK: num_disk_blocks}
+        self.book = RowBook(sizes, {Tier.GPU: gpu_reserved})  # the engine's own GPU rows: never handed out
+        self.gpu, self.cpu, self.disk = (self.book.pools[tier] for tier in TIER_NAMES)
         self.gpu_victims = LeafQueue()
         self.cpu_victims = LeafQueue()
         self.disk_victims = LeafQueue()
 
-    def allocator(self, tier: Tier | str) -> BlockAllocator:
+    def allocator(self, tier: Tier | str) -> RowPool:
         return self.gpu if tier == Tier.GPU else self.cpu if tier == Tier.CPU else self.disk
 
     def offer(self, node: RadixNode) -> None:
@@ -190,9 +194,9 @@ class Tiers:
     def drop_gpu_tier(self, num_gpu_blocks: int, gpu_reserved: Iterable[int]) -> int:
         """The GPU blocks are gone (a move of the bus's ``gen`` alone): forget every
         node on the GPU with its subtree (a child without its prefix is useless),
-        keep the nodes whose whole path is off the GPU, start a fresh GPU
-        allocator.  References die with the leases (the caller's new epoch).
-        Returns how many nodes went."""
+        keep the nodes whose whole path is off the GPU, renew the book's GPU
+        pool (the GPU rows timed-out tasks held went with it).  References die
+        with the leases (the caller's new epoch).  Returns how many nodes went."""
         root = self.tree.root
         gone = 0
         for top in [child for child in root.children.values() if child.state is NodeState.ON_GPU]:
@@ -200,7 +204,8 @@ class Tiers:
             self.cpu.free(cpu_ids)
             self.disk.free(disk_ids)
             gone += 1
-        self.gpu = BlockAllocator(num_gpu_blocks, Tier.GPU, gpu_reserved)
+        self.book.renew(Tier.GPU, num_gpu_blocks, gpu_reserved)
+        self.gpu = self.book.pools[Tier.GPU]
         self.gpu_victims.clear()
         return gone
 

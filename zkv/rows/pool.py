@@ -1,4 +1,4 @@
-"""Block allocator for one cache tier (GPU, CPU or disk): hands out block ids 0 … N-1.
+"""The rows of one tier (GPU blocks, CPU rows, disk rows): hands out ids 0 … N-1.
 
 A free stack plus the set of blocks in use gives O(1) alloc and free per block
 (the set's updates and checks run in C, a block list at a time) and lets every
@@ -22,27 +22,27 @@ from collections.abc import Iterable
 from ..wire.vocab import Tier
 
 
-class BlockAllocatorError(ValueError):
+class RowPoolError(ValueError):
     """A block id was misused (double free, foreign id) or the tier is exhausted."""
 
 
-class DoubleFreeError(BlockAllocatorError):
+class DoubleFreeError(RowPoolError):
     """The block is already free."""
 
 
-class ForeignBlockError(BlockAllocatorError):
+class ForeignBlockError(RowPoolError):
     """The id is not a block of this tier (out of range or not an int)."""
 
 
-class OutOfBlocksError(BlockAllocatorError):
+class OutOfBlocksError(RowPoolError):
     """Fewer free blocks than asked for; nothing was allocated."""
 
 
 _INT_ONLY = {int}  # the types of a list of good ids (type(), so a bool is not one)
 
 
-class BlockAllocator:
-    """Free-list allocator over ``num_blocks`` ids of one tier.
+class RowPool:
+    """Free-list pool over ``num_blocks`` ids of one tier (``RowBook`` holds one per tier).
 
     Freed blocks are reused first (LIFO): cheap, and it makes any use-after-free
     in tests show up immediately instead of by luck.
@@ -104,6 +104,10 @@ class BlockAllocator:
 
     def is_allocated(self, block: int) -> bool:
         return self._owns(block) and block in self._used
+
+    def free_ids(self) -> list[int]:
+        """The free ids, the next one handed out last (for checks, not hot paths)."""
+        return list(self._free_stack)
 
     def allocated_ids(self) -> list[int]:
         """Every block in use, ascending (O(N): for invariant checks, not hot paths)."""
