@@ -15,8 +15,8 @@ from zkv.client.client import Client
 from zkv.engines import vllm
 from zkv.net.endpoints import Endpoints
 from zkv.prefix import PrefixCacheManager
-from zkv.rows.pool import RowPool, DoubleFreeError, ForeignBlockError, OutOfBlocksError
 from zkv.rank.agent import RankAgent
+from zkv.rows.pool import DoubleFreeError, ForeignBlockError, OutOfBlocksError, RowPool
 
 
 def test_fresh_allocator_hands_out_ascending_ids_and_accounts():

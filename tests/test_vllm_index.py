@@ -153,14 +153,16 @@ class IndexMachine(RuleBasedStateMachine):
         for tier, n in ((Tier.CPU, 3), (Tier.DISK, 4)):
             owned = [e.cpu_row if tier is Tier.CPU else e.disk_row for e in self.index.entries.values()]
             owned = [r for r in owned if r is not None]
-            limbo = [r for rows in self.index.limbo.values() for t, r in rows if t is tier]
-            every = owned + limbo + self.index.free[tier]
-            assert sorted(every) == list(range(n)), (tier, owned, limbo, self.index.free[tier])
+            held = [r for entry in self.index.book.held_entries() for r in entry.rows.get(tier, ())]
+            free = self.index.book.free_rows(tier)
+            every = owned + held + free
+            assert sorted(every) == list(range(n)), (tier, owned, held, free)
+        self.index.book.check()
 
     @invariant()
-    def limbo_holds_only_rows_of_tasks_in_flight(self):
+    def held_rows_belong_only_to_tasks_in_flight(self):
         in_flight = {("spill", k, d) for k, _, d in self.spills} | {("load", k, c) for k, _, c in self.promotes}
-        assert set(self.index.limbo) <= in_flight, "rows no task will ever give back"
+        assert {entry.task for entry in self.index.book.held_entries()} <= in_flight, "rows no task will ever give back"
 
     @invariant()
     def a_hit_is_exactly_its_key(self):
@@ -180,17 +182,18 @@ class IndexMachine(RuleBasedStateMachine):
             for key, row in zip(new, rows):
                 e = self.index.entries.get(key)
                 writers = [k for k, ee in self.index.entries.items() if ee.cpu_row == row]
-                assert row not in self.index.free[Tier.CPU] or e is None
+                assert row not in self.index.book.free_rows(Tier.CPU) or e is None
                 assert writers in ([], [key]), f"CPU row {row} being stored for {key!r} is also {writers}"
         for _key, disk_row, cpu_row in self.promotes:
-            assert cpu_row not in self.index.free[Tier.CPU]
-            assert disk_row not in self.index.free[Tier.DISK]
+            assert cpu_row not in self.index.book.free_rows(Tier.CPU)
+            assert disk_row not in self.index.book.free_rows(Tier.DISK)
         for key, cpu_row, disk_row in self.spills:
-            assert disk_row not in self.index.free[Tier.DISK]
-            assert cpu_row not in self.index.free[Tier.CPU], f"a spill of {key!r} still reads CPU row {cpu_row}"
+            assert disk_row not in self.index.book.free_rows(Tier.DISK)
+            reading = f"a spill of {key!r} still reads CPU row {cpu_row}"
+            assert cpu_row not in self.index.book.free_rows(Tier.CPU), reading
         for _ks, rows in self.loads:
             for row in rows:
-                assert row not in self.index.free[Tier.CPU]
+                assert row not in self.index.book.free_rows(Tier.CPU)
 
     @invariant()
     def pending_entries_are_not_hits(self):
@@ -213,7 +216,7 @@ def test_a_failed_load_is_never_a_hit_again():
     index.prepare_load([b"a"])
     index.complete_load([b"a"], ok=False)
     assert index.lookup(b"a") is Found.MISS
-    assert sorted(index.free[Tier.CPU]) == [0, 1]
+    assert sorted(index.book.free_rows(Tier.CPU)) == [0, 1]
 
 
 def test_a_full_tier_refuses_a_store_without_changing_anything():

@@ -438,9 +438,7 @@ class PrefixCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError unless every block has exactly one owner and the
         tree is consistent (``invariants.py``; for tests and debugging)."""
-        check_invariants(
-            self._tiers, self._live_leases, self._private_owner, self._epoch, self._cleared
-        )
+        check_invariants(self._tiers, self._live_leases, self._private_owner, self._epoch, self._cleared)
 
     # ------------------------------------------------------------- internals
 

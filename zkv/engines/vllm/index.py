@@ -6,8 +6,10 @@ turns vLLM's calls and zkv's task outcomes into calls here, and the answers
 into tasks.  The rules it keeps, checked after every step by a model-based
 test:
 
-- a row belongs to at most one key per tier, or is free, or is in limbo (a
-  task of ours may still touch it after a reset): nothing is handed out twice;
+- a row belongs to at most one key per tier, or is free, or is held for a
+  task of ours that may still touch it after its key was forgotten (the
+  ``RowBook``'s holds, keyed by the task's (op, key, row)): nothing is handed
+  out twice, and a row given back twice raises;
 - a key is a hit only while its CPU row holds exactly its bytes: its store
   (or its load from disk) ended ``ok``, and no load from that row failed since;
 - a row being written (a store, a load from disk, a spill's disk row) or read
@@ -24,6 +26,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ...rows.book import ResidencyEvent, RowBook
 from ...wire.vocab import Op, Tier
 
 Key = bytes
@@ -61,34 +64,21 @@ class Entry:
 
 
 @dataclass
-class Event:
-    """A residency change a KV-aware router can follow (vLLM's ``OffloadingEvent``)."""
-
-    keys: list[Key]
-    tier: Tier
-    removed: bool
-
-
-@dataclass
 class OffloadIndex:
     cpu_rows: int
     disk_rows: int = 0
     spill_below: int = 0  # keep this many CPU rows free or clean (0: no spills)
     entries: OrderedDict[Key, Entry] = field(default_factory=OrderedDict)  # least recently used first
-    events: list[Event] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("cpu_rows", "disk_rows", "spill_below"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self.free: dict[Tier, list[int]] = {
-            Tier.CPU: list(range(self.cpu_rows - 1, -1, -1)),
-            Tier.DISK: list(range(self.disk_rows - 1, -1, -1)),
-        }
-        # Rows a task of ours still touches after its key was forgotten (a
-        # reset, a failed read): (op, key, row) -> the rows to free when it ends.
-        self.limbo: dict[tuple[str, Key, int], list[tuple[Tier, int]]] = {}
+        # The rows of both tiers; those a task of ours still touches after its key
+        # was forgotten (a reset, a failed read) are held under (op, key, row)
+        # until the task ends.
+        self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows})
 
     # --- what vLLM asks --------------------------------------------------------
 
@@ -137,7 +127,7 @@ class OffloadIndex:
         """(keys to store, their CPU rows, keys evicted for them), or None when
         there is no room for all of them (nothing changes then)."""
         new = list(dict.fromkeys(k for k in keys if k not in self.entries))
-        if len(new) > len(self.free[Tier.CPU]) + self._evictable_cpu():
+        if len(new) > self._free(Tier.CPU) + self._evictable_cpu():
             return None
         evicted: list[Key] = []
         rows = [self._take_cpu_row(evicted) for _ in new]
@@ -156,8 +146,7 @@ class OffloadIndex:
                 stored.append(key)
             else:
                 self._drop(e, announce=False)
-        if stored:
-            self.events.append(Event(stored, Tier.CPU, removed=False))
+        self.book.announce(Tier.CPU, stored, removed=False)
 
     # --- what zkv does below ---------------------------------------------------
 
@@ -166,7 +155,7 @@ class OffloadIndex:
         used dirty rows, while fewer than ``spill_below`` CPU rows are free or clean."""
         if not self.disk_rows or not self.spill_below:
             return []
-        spare = len(self.free[Tier.CPU]) + sum(
+        spare = self._free(Tier.CPU) + sum(
             1 for e in self.entries.values() if e.cpu_state is CpuState.READY and (e.clean or e.spilling)
         )
         plan: list[tuple[Key, int, int]] = []
@@ -184,17 +173,17 @@ class OffloadIndex:
         return plan
 
     def spill_done(self, key: Key, disk_row: int, ok: bool) -> None:
-        if self._end_limbo(Op.SPILL, key, disk_row):
+        if self._end_held(Op.SPILL, key, disk_row):
             return
         e = self.entries.get(key)
         if e is None or not e.spilling or e.disk_row != disk_row:
             return
         e.spilling = False
         if ok:
-            self.events.append(Event([key], Tier.DISK, removed=False))
+            self.book.announce(Tier.DISK, [key], removed=False)
         else:
             e.disk_row = None
-            self.free[Tier.DISK].append(disk_row)
+            self.book.give_back(Tier.DISK, [disk_row])
 
     def start_load(self, key: Key) -> tuple[int, int] | None:
         """(disk row, CPU row) of a load that brings an on-disk key back to the
@@ -202,7 +191,7 @@ class OffloadIndex:
         e = self.entries.get(key)
         if e is None or self.lookup(key) is not Found.ON_DISK:
             return None
-        if not self.free[Tier.CPU] and not self._evictable_cpu():
+        if not self._free(Tier.CPU) and not self._evictable_cpu():
             return None
         evicted: list[Key] = []
         row = self._take_cpu_row(evicted)
@@ -213,36 +202,34 @@ class OffloadIndex:
     def load_done(self, key: Key, cpu_row: int, ok: bool) -> None:
         """Our disk -> CPU load ended; a failed one (a digest that did not check,
         a lost row) loses the key on every tier."""
-        if self._end_limbo(Op.LOAD, key, cpu_row):
+        if self._end_held(Op.LOAD, key, cpu_row):
             return
         e = self.entries.get(key)
         if e is None or e.cpu_state is not CpuState.LOADING or e.cpu_row != cpu_row:
             return
         if ok:
             e.cpu_state = CpuState.READY
-            self.events.append(Event([key], Tier.CPU, removed=False))
+            self.book.announce(Tier.CPU, [key], removed=False)
         else:
             e.cpu_state = None  # the task is over: its rows are free with the key
             self._drop(e)
 
     def cancel_load(self, key: Key, cpu_row: int) -> None:
         """A load from disk that never started: the key stays on disk, the row is free."""
-        if self._end_limbo(Op.LOAD, key, cpu_row):
+        if self._end_held(Op.LOAD, key, cpu_row):
             return
         e = self.entries.get(key)
         if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row:
             e.cpu_row, e.cpu_state = None, None
-            self.free[Tier.CPU].append(cpu_row)
+            self.book.give_back(Tier.CPU, [cpu_row])
 
     def reset(self) -> list[Key]:
         """Forget every key (a generation moved): what vLLM's jobs were doing
-        is over once vLLM flushed them; rows our own tasks still touch wait in
-        limbo for those tasks to end.  Returns the keys forgotten."""
+        is over once vLLM flushed them; rows our own tasks still touch are held
+        for those tasks to end.  Returns the keys forgotten."""
         gone = list(self.entries)
         for tier in (Tier.CPU, Tier.DISK):
-            removed = [k for k, e in self.entries.items() if self._announced_on(e, tier)]
-            if removed:
-                self.events.append(Event(removed, tier, removed=True))
+            self.book.announce(tier, [k for k, e in self.entries.items() if self._announced_on(e, tier)], removed=True)
         for e in list(self.entries.values()):
             self._drop(e, announce=False)
         return gone
@@ -250,12 +237,10 @@ class OffloadIndex:
     # --- counts ------------------------------------------------------------------
 
     def used(self, tier: Tier) -> int:
-        rows = self.cpu_rows if tier is Tier.CPU else self.disk_rows
-        return rows - len(self.free[tier])
+        return self.book.pool(tier).num_used
 
-    def take_events(self) -> list[Event]:
-        events, self.events = self.events, []
-        return events
+    def take_events(self) -> list[ResidencyEvent]:
+        return self.book.take_events()
 
     # --- rows --------------------------------------------------------------------
 
@@ -265,38 +250,39 @@ class OffloadIndex:
     def _evictable_cpu(self) -> int:
         return sum(1 for e in self.entries.values() if self._cpu_evictable(e))
 
+    def _free(self, tier: Tier) -> int:
+        return self.book.pool(tier).num_free
+
     def _take_cpu_row(self, evicted: list[Key]) -> int:
-        if self.free[Tier.CPU]:
-            return self.free[Tier.CPU].pop()
+        if self._free(Tier.CPU):
+            return self.book.take(Tier.CPU, 1)[0]
         # A clean copy first (the key stays on disk), then the least recently used.
         victim = next((e for e in self.entries.values() if self._cpu_evictable(e) and e.clean), None)
         if victim is None:
             victim = next(e for e in self.entries.values() if self._cpu_evictable(e))
         row = victim.cpu_row
         assert row is not None
+        self.book.announce(Tier.CPU, [victim.key], removed=True)
         if victim.clean:
             victim.cpu_row, victim.cpu_state = None, None
-            self.events.append(Event([victim.key], Tier.CPU, removed=True))
-        else:
-            self._drop(victim)
+        else:  # its only copy goes: the key with it (it was on no disk row)
+            del self.entries[victim.key]
             evicted.append(victim.key)
-            self.free[Tier.CPU].remove(row)  # _drop freed it: take it back
-        return row
+        return row  # still in use: it passes from the victim to the caller
 
     def _take_disk_row(self, protect: Key) -> int | None:
-        if self.free[Tier.DISK]:
-            return self.free[Tier.DISK].pop()
+        if self._free(Tier.DISK):
+            return self.book.take(Tier.DISK, 1)[0]
         for e in self.entries.values():
             if e.key == protect or e.disk_row is None or e.spilling or e.cpu_state is CpuState.LOADING:
                 continue
             row = e.disk_row
+            self.book.announce(Tier.DISK, [e.key], removed=True)
             if e.cpu_state is None:  # only on disk: the key goes
-                self._drop(e)
-                self.free[Tier.DISK].remove(row)
+                del self.entries[e.key]
             else:  # its CPU copy stays, dirty again
                 e.disk_row = None
-                self.events.append(Event([e.key], Tier.DISK, removed=True))
-            return row
+            return row  # still in use: it passes from the key to the spill
         return None
 
     @staticmethod
@@ -309,26 +295,21 @@ class OffloadIndex:
     def _drop(self, e: Entry, announce: bool = True) -> None:
         """Forget ``e``; its rows are free at once unless a task of ours still
         touches them (a spill reads the CPU row and writes the disk row, a load
-        from disk the other way round): then they wait in limbo for its end."""
+        from disk the other way round): then the book holds them for its end."""
         if announce:
             for tier in (Tier.CPU, Tier.DISK):
                 if self._announced_on(e, tier):
-                    self.events.append(Event([e.key], tier, removed=True))
-        rows = [(Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)]
-        held = [(t, r) for t, r in rows if r is not None]
+                    self.book.announce(tier, [e.key], removed=True)
+        rows = {tier: [row] for tier, row in ((Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)) if row is not None}
         if e.spilling:
-            self.limbo[(Op.SPILL, e.key, e.disk_row)] = held  # type: ignore[index]
+            self.book.hold((Op.SPILL, e.key, e.disk_row), rows)
         elif e.cpu_state is CpuState.LOADING:
-            self.limbo[(Op.LOAD, e.key, e.cpu_row)] = held  # type: ignore[index]
+            self.book.hold((Op.LOAD, e.key, e.cpu_row), rows)
         else:
-            for tier, row in held:
-                self.free[tier].append(row)
+            for tier, ids in rows.items():
+                self.book.give_back(tier, ids)
         del self.entries[e.key]
 
-    def _end_limbo(self, op: str, key: Key, row: int) -> bool:
-        rows = self.limbo.pop((op, key, row), None)
-        if rows is None:
-            return False
-        for tier, r in rows:
-            self.free[tier].append(r)
-        return True
+    def _end_held(self, op: str, key: Key, row: int) -> bool:
+        """The task (op, key, row) ended after its key was forgotten: free what it held."""
+        return bool(self.book.settle([(op, key, row)]))
