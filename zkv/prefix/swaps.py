@@ -376,10 +376,10 @@ class SwapRunner:
             return outcome, None  # the broker never dispatched it: nothing will write its blocks
         return outcome, task
 
-    def settle_unsafe(self, tiers: Tiers, tier: str, block_ids: list[int], outcome: str, task: int | None) -> None:
+    def settle_unsafe(self, tiers: Tiers, tier: Tier, block_ids: list[int], outcome: str, task: int | None) -> None:
         """Free the destination blocks of a task that did not succeed, or quarantine them
         if the task may still write them."""
-        if task is not None and self.quarantine_timed_out and may_write_late(outcome, None):
+        if task is not None and self.quarantine_timed_out and may_write_late(outcome, ran=None):
             tiers.book.hold(task, {tier: block_ids})
         else:
             tiers.allocator(tier).free(block_ids)

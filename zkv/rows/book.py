@@ -82,7 +82,7 @@ class RowBook:
 
     __slots__ = ("pools", "_generations", "_held", "_held_rows", "_events")
 
-    def __init__(self, sizes: Mapping[str, int], reserved: Mapping[str, Iterable[int]] | None = None) -> None:
+    def __init__(self, sizes: Mapping[Tier, int], reserved: Mapping[Tier, Iterable[int]] | None = None) -> None:
         reserved = reserved or {}
         self.pools: dict[str, RowPool] = {tier: RowPool(n, tier, reserved.get(tier, ())) for tier, n in sizes.items()}
         self._generations: dict[str, int] = dict.fromkeys(sizes, 0)
@@ -121,11 +121,11 @@ class RowBook:
 
     # ------------------------------------------------------- late writers
 
-    def hold(self, task: Hashable, rows: Mapping[str, Iterable[int]], payload: Any = None) -> Held:
+    def hold(self, task: Hashable, rows: Mapping[Tier, Iterable[int]], payload: Any = None) -> Held:
         """Keep rows in use out of reach: ``task`` may still write them."""
         if task in self._held:
             raise HeldRowError(f"task {task!r} already holds rows")
-        frozen = {tier: tuple(ids) for tier, ids in rows.items() if ids}
+        frozen: dict[str, tuple[int, ...]] = {tier: tuple(ids) for tier, ids in rows.items() if ids}
         for tier, ids in frozen.items():
             pool, held = self.pools[tier], self._held_rows[tier]
             for row in ids:
