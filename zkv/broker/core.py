@@ -36,7 +36,22 @@ from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Error, Heartbeat, Ready, Refused, Reregister, Status
+from ..wire.messages import (
+    Ack,
+    Cancel,
+    Clear,
+    Done,
+    Error,
+    Heartbeat,
+    Pause,
+    Ping,
+    Ready,
+    Refused,
+    Reregister,
+    Resume,
+    Status,
+    Submit,
+)
 from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
 from .claims import Claim, ClaimTable
 from .control import ControlMachine
@@ -174,30 +189,36 @@ class BrokerCore:
             self._book.bad_request(err.code)
             out.append(error(client, err.code, err.reason, **P.salvage_ids(frames[0] if frames else b"")))
             return
-        kind = msg.kind
-        if kind == "submit":
-            control = self.control
-            if (
-                self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out)
-                and control.state is BusState.RUNNING
-            ):
-                self.tasks.dispatch(now, out)
-        elif kind == "status":
-            self._status(client, msg, now, out)
-        elif kind == "ping":
-            out.append(reply(client, msg.req, "ping"))
-        elif kind == "cancel":
-            self.tasks.cancel(client, msg, now, out)
-        else:
-            if self.recording:
-                named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
-                params = {k: v for k, v in named if v is not None}
-                out.append(Record({"ev": "request", "op": kind, "t": now, "client": client.hex(), **params}))
-            if kind == "pause":
+        match msg:
+            case Submit():
+                control = self.control
+                if (
+                    self.tasks.submit(client, msg, frames, control.state in CACHES_CLEARED, now, out)
+                    and control.state is BusState.RUNNING
+                ):
+                    self.tasks.dispatch(now, out)
+            case Status():
+                self._status(client, msg, now, out)
+            case Ping():
+                out.append(reply(client, msg.req, "ping"))
+            case Cancel():
+                self.tasks.cancel(client, msg, now, out)
+            case Pause() | Clear() | Resume():
+                self._control_request(client, msg, now, out)
+            case _:  # the decoder lets through only the kinds above
+                raise TypeError(f"no handler for a client's {msg.kind}")
+
+    def _control_request(self, client: bytes, msg: Pause | Clear | Resume, now: float, out: list[Action]) -> None:
+        if self.recording:
+            named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
+            params = {k: v for k, v in named if v is not None}
+            out.append(Record({"ev": "request", "op": msg.kind, "t": now, "client": client.hex(), **params}))
+        match msg:
+            case Pause():
                 self.control.pause(client, msg, now, out)
-            elif kind == "clear":
+            case Clear():
                 self.control.clear(client, msg, now, out)
-            else:
+            case Resume():
                 self.control.resume(client, msg, now, out)
 
     def _status(self, client: bytes, msg: Status, now: float, out: list[Action]) -> None:
@@ -265,8 +286,7 @@ class BrokerCore:
             self._events["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))
             return
-        kind = msg.kind
-        if kind == "ready":
+        if isinstance(msg, Ready):
             self._ready(identity, msg, now, out)
             return
         rs = self.rank_table.sender(identity)
@@ -280,16 +300,19 @@ class BrokerCore:
         if not rs.welcomed:
             rs.welcomed = True
             self._dispatch(now, out)
-        if kind == "done":
-            if self.tasks.done(rs, msg, now, out) and self.control.state is BusState.RUNNING:
-                self.tasks.dispatch(now, out)
-        elif kind == "hb":
-            if msg.stats:
-                rs.stats = msg.stats
-            if msg.probe:  # a rank back from a freeze asks if it is still ours
-                out.append(ToRank(identity, [_PROBE_ANSWER]))
-        else:
-            self.control.ack(rs, msg, now, out)
+        match msg:
+            case Done():
+                if self.tasks.done(rs, msg, now, out) and self.control.state is BusState.RUNNING:
+                    self.tasks.dispatch(now, out)
+            case Heartbeat():
+                if msg.stats:
+                    rs.stats = msg.stats
+                if msg.probe:  # a rank back from a freeze asks if it is still ours
+                    out.append(ToRank(identity, [_PROBE_ANSWER]))
+            case Ack():
+                self.control.ack(rs, msg, now, out)
+            case _:  # the decoders let through only ready, done, hb and ack
+                raise TypeError(f"no handler for a rank's {msg.kind}")
 
     def _dispatch(self, now: float, out: list[Action]) -> None:
         if self.control.state is BusState.RUNNING:

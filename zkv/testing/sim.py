@@ -18,7 +18,7 @@ from zkv.client.results import ResultBook
 from zkv.rank.core import Acked, AllocateCache, Execute, FreeCache, RankCore, ToBroker
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
-from zkv.wire.messages import MESSAGES, Control, Error, Message, Reply, Result, Submit
+from zkv.wire.messages import MESSAGES, Control, Error, Message, OutcomeMsg, Reply, Result, Submit
 from zkv.wire.vocab import ControlOp, Op, RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=1, head_dim=4)
@@ -80,9 +80,9 @@ class Sim:
             elif isinstance(a, ToClient):
                 msg = P.decode(a.frames[0])
                 self.client_in.append(msg)
-                if msg.kind == "outcome":
+                if isinstance(msg, OutcomeMsg):
                     self._final(self.book.on_outcome(msg.task, msg.outcome, msg.reason, self.now, msg.gen))
-                elif msg.kind == "reply" and msg.op in (ControlOp.CLEAR, ControlOp.RESUME):  # as zkv.client.Client does
+                elif isinstance(msg, Reply) and msg.op in (ControlOp.CLEAR, ControlOp.RESUME):  # as Client does
                     self.book.gen_known = True
                     for out in self.book.learn_gen(msg.extra["gen"], "cleared", self.now):
                         self._final(out)
