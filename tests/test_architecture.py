@@ -97,13 +97,13 @@ TORCH_LAYERS = {"rank", "engines"}
 #: test models are torch modules, and so is the random Llama a vLLM engine serves; the
 #: vLLM benchmark's floor copies with plain torch.
 TORCH_EXCEPTIONS = {
-    "zkv.harness.vllm_rig",
-    "zkv.harness.vllm_floor",
-    "zkv.harness.bench",
-    "zkv.harness.bench_copy",
-    "zkv.harness.gpu_check",
-    "zkv.harness.copy_rig",
-    "zkv.harness.demo_engine",
+    "zkv.harness.vllm.rig",
+    "zkv.harness.vllm.floor",
+    "zkv.harness.bus.bench",
+    "zkv.harness.copies.bench",
+    "zkv.harness.copies.gpu_check",
+    "zkv.harness.copies.rig",
+    "zkv.harness.bus.demo_engine",
     "zkv.testing.models",
 }
 
@@ -419,7 +419,7 @@ def test_the_checker_catches_a_mixin_core(source):
 def test_the_checker_catches_a_tool_or_a_long_module(module, lines, complaint):
     found = floor_violations(module, lines)
     assert found and complaint in found[0], found
-    assert not floor_violations("zkv.harness.gpu_check", 10)
+    assert not floor_violations("zkv.harness.copies.gpu_check", 10)
     assert not floor_violations("zkv.broker.core", 800)
 
 

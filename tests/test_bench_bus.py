@@ -3,7 +3,7 @@ reports the bus beside the relay; a small run checks every figure is there and
 sane (speed itself is the benchmark's business, never a test's)."""
 
 from zkv.cli.bench import _summary
-from zkv.harness.bench import BUS_TARGETS, bench_bus
+from zkv.harness.bus.bench import BUS_TARGETS, bench_bus
 from zkv.wire.layout import CacheLayout
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from zkv.harness.bench_copy import LAYOUTS, PATTERNS, bench_copy, format_table
+from zkv.harness.copies.bench import LAYOUTS, PATTERNS, bench_copy, format_table
 
 
 def test_bench_copy_reports_every_engine_layout_beside_a_plain_copy():

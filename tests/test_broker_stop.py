@@ -4,7 +4,7 @@ exits (bounded), so a recording has exactly one outcome per task."""
 import random
 import signal
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.trace import check_recording, load_trace
 from zkv.wire.layout import CacheLayout
 

@@ -1,6 +1,6 @@
 """A harness cluster (benchmarks, demos, tests) dies with the process that
 started it: a ``LocalCluster`` owner killed with kill -9 leaves no broker or
-rank behind to load the machine (``zkv/harness/lifeline.py``)."""
+rank behind to load the machine (``zkv/harness/bus/lifeline.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_up_lifecycle import gone
 
 _OWNER = """
 import json, sys, time
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 cluster = LocalCluster(1, CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=4, kv_heads=1, head_dim=8),
                        directory=sys.argv[1], quiet=True).start()

@@ -3,7 +3,7 @@
 torch.cuda's streams, events and stream contexts are recording fakes that
 model stream order (tests/fake_cuda.py, the only mocks here); the copies run
 on real CPU tensors, so the bytes are still checked.  On a GPU machine the
-same code runs for real (``python -m zkv.harness.gpu_check``)."""
+same code runs for real (``python -m zkv.harness.copies.gpu_check``)."""
 
 from __future__ import annotations
 

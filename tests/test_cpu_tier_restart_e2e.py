@@ -13,8 +13,8 @@ import pytest
 from scrapes import free_port, scrape, value
 from waits import wait_for
 
-from zkv.harness.attached_cluster import AttachedCluster
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.attached_cluster import AttachedCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.status_view import render_status
 from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout

@@ -10,7 +10,7 @@ import pytest
 from waits import wait_for
 
 from zkv import Client, ZkvError
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.curve import Curve, generate_keypair
 from zkv.net.endpoints import Endpoints, check_bind_address
 from zkv.wire.layout import CacheLayout

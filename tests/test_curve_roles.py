@@ -13,7 +13,7 @@ import zmq
 from test_worker_paths import Lines
 
 from zkv import Client, ZkvError
-from zkv.harness.cluster import LocalCluster, layout_args
+from zkv.harness.bus.cluster import LocalCluster, layout_args
 from zkv.net.curve import Curve, generate_keypair, load_keypair, load_public
 from zkv.net.endpoints import Endpoints
 from zkv.wire import protocol as P

@@ -18,7 +18,7 @@ import pytest
 import torch
 from waits import wait_for
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.status_view import render_status
 from zkv.rank.cache import disk_io
 from zkv.rank.cache.cpu_tier import CpuTier

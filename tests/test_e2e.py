@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from zkv import Client
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.status_view import human_bytes
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout

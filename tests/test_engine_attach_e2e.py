@@ -13,8 +13,8 @@ import pytest
 from profiles import long_e2e
 
 from zkv.client.client import ZkvError
-from zkv.harness.attached_cluster import AttachedCluster
-from zkv.harness.ipc_check import mapped
+from zkv.harness.bus.attached_cluster import AttachedCluster
+from zkv.harness.bus.ipc_check import mapped
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)
@@ -101,7 +101,7 @@ def test_a_bad_stale_or_missing_manifest_fails_the_resume_naming_the_rank(cluste
 def test_the_demo_runs_on_ranks_attached_to_engine_processes(tmp_path):
     """``zkv up --demo --attach``'s workload: the cycle's clear unmaps, the
     engines reallocate, the resume maps their next generation."""
-    from zkv.harness.demo import run_demo
+    from zkv.harness.prefix.demo import run_demo
 
     layout = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)
     cluster = AttachedCluster(2, layout, directory=tmp_path / "d", quiet=True)

@@ -13,7 +13,7 @@ from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one to
 
 from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
 from zkv.engines.transformers.engine import TransformersCBEngine  # noqa: E402
-from zkv.harness.engine_rig import EngineRig, hold_ids  # noqa: E402
+from zkv.harness.transformers.rig import EngineRig, hold_ids  # noqa: E402
 from zkv.rank.cache.store import block_digests  # noqa: E402
 from zkv.testing.models import load_weights, random_llama, random_tokens  # noqa: E402
 
@@ -192,7 +192,7 @@ def test_a_failed_swap_out_keeps_the_conversation_resident_and_exact():
 
 
 def test_the_engine_demo_swaps_in_instead_of_recomputing_and_survives_the_cycle():
-    from zkv.harness.engine_demo import ChatPlan, run_engine_demo
+    from zkv.harness.transformers.demo import ChatPlan, run_engine_demo
 
     lines: list[str] = []
     assert run_engine_demo(2, ChatPlan(conversations=6, rounds=6), echo=lines.append), "\n".join(lines)

@@ -24,7 +24,7 @@ from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
 from zkv.cli.options import given_layout_fields, layout_options
 from zkv.client.client import Client
-from zkv.harness.ipc_check import mapped
+from zkv.harness.bus.ipc_check import mapped
 from zkv.net.endpoints import Endpoints
 from zkv.rank import attach_rank
 from zkv.rank.agent import RankAgent

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from zkv.harness.ipc_check import EngineProcess, check, mapped
+from zkv.harness.bus.ipc_check import EngineProcess, check, mapped
 from zkv.rank.cache import layouts
 from zkv.rank.cache.errors import CacheError
 from zkv.rank.cache.manifest import ShmArena, _map_cuda, attach, device_uuid, export_manifest, parse_manifest
@@ -21,7 +21,7 @@ from zkv.rank.cache.manifest import ShmArena, _map_cuda, attach, device_uuid, ex
 
 @pytest.mark.parametrize("layout", ["fastdeploy", "vllm_flash"])
 def test_a_worker_swaps_blocks_of_tensors_another_process_owns_and_release_unmaps_them(layout):
-    """The engine is a separate process (zkv.harness.demo_engine); ipc_check drives it."""
+    """The engine is a separate process (zkv.harness.bus.demo_engine); ipc_check drives it."""
     result = check(layout, "cpu")
     assert result["mapped_attached"] > 0, "the worker maps the engine's files while attached"
     assert result["bytes_ok"], "the engine sees the swapped bytes in its own tensors, at the new ids"

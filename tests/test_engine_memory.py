@@ -122,7 +122,7 @@ def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
     instance's manifest, and within one instance needs a newer generation
     than one the bus used (the cache a rank attached at its start and never
     served may be taken once more)."""
-    from zkv.harness.ipc_check import mapped
+    from zkv.harness.bus.ipc_check import mapped
     from zkv.rank.cache import layouts
     from zkv.rank.cache.manifest import ShmArena, export_manifest
 

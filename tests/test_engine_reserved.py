@@ -17,7 +17,7 @@ from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
 from zkv.client.client import Client
 from zkv.engines.transformers import layout as transformers_layout
-from zkv.harness.ipc_check import mapped
+from zkv.harness.bus.ipc_check import mapped
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
 from zkv.rank.cache import layouts

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zkv.harness.cluster import LocalCluster  # noqa: E402
+from zkv.harness.bus.cluster import LocalCluster  # noqa: E402
 
 WORKER = """
 import json, os, sys

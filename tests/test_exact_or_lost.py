@@ -16,7 +16,7 @@ import json
 from test_operator_paths import LAYOUT, Up, cli
 from waits import wait_for
 
-from zkv.harness.attached_cluster import AttachedCluster
+from zkv.harness.bus.attached_cluster import AttachedCluster
 from zkv.wire.layout import CacheLayout
 
 ATTACHED = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=8, block_size=4, kv_heads=2, head_dim=8)

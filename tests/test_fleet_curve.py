@@ -14,7 +14,7 @@ from test_curve import free_port
 
 from zkv import Client, Fleet
 from zkv.fleet import Answer, BusSpec, load_fleet_file
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.curve import generate_keypair
 from zkv.net.endpoints import Endpoints
 

@@ -1,4 +1,4 @@
-"""A fleet of real buses (a broker and rank processes each, zkv/harness/fleet_rig.py)
+"""A fleet of real buses (a broker and rank processes each, zkv/harness/fleet/rig.py)
 driven as one (zkv/fleet): the RL cycle, all or nothing when a rank dies during
 a fleet pause, a broker killed during a fleet clear and a retry that completes
 it, a bus unreachable from the start reported within the deadline, a resume
@@ -22,7 +22,7 @@ from waits import wait_for
 from zkv import Client, Fleet, FleetError
 from zkv.cli.commands import main
 from zkv.fleet import Answer
-from zkv.harness.fleet_rig import FleetRig
+from zkv.harness.fleet.rig import FleetRig
 from zkv.net.curve import generate_keypair
 
 NAMES = ("b0", "b1", "b2")
@@ -334,7 +334,7 @@ def test_status_watch_redraws_the_fleet_table_until_sigterm(rig, tmp_path):
 
 
 def test_the_fleet_benchmark_reports_the_fleet_beside_the_slowest_single_pause(rig):
-    from zkv.harness.fleet_bench import measure, summary
+    from zkv.harness.fleet.bench import measure, summary
 
     res = measure(rig, rounds=2)
     assert res["buses"] == 3 and res["rounds"] == 2 and res["ranks_per_bus"] == [1, 2]

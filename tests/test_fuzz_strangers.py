@@ -19,7 +19,7 @@ import zmq
 from test_protocol import VALID as VECTORS  # the golden vectors, decoded
 from test_protocol import from_json as _from_json
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 

@@ -1,4 +1,4 @@
-"""The one GPU script (``python -m zkv.harness.gpu_check``) rehearses end to end on
+"""The one GPU script (``python -m zkv.harness.copies.gpu_check``) rehearses end to end on
 CPU with small sizes, as CI runs it: every check and every figure is printed,
 exit 0, and nothing is a PASS (no GPU was checked); without a CUDA device torch
 sees, the default run is refused."""
@@ -17,7 +17,7 @@ from profiles import long_e2e
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 IPC = long_e2e(
     "its ipc check starts two engine processes, 8-10 s",
-    "tests/test_engine_manifest.py (the same zkv.harness.ipc_check.check on both layouts)",
+    "tests/test_engine_manifest.py (the same zkv.harness.bus.ipc_check.check on both layouts)",
 )
 
 
@@ -25,7 +25,7 @@ IPC = long_e2e(
 def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path, ipc):
     out = tmp_path / "figures.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "zkv.harness.gpu_check", "--device", "cpu", "--json", str(out)]
+        [sys.executable, "-m", "zkv.harness.copies.gpu_check", "--device", "cpu", "--json", str(out)]
         + ([] if ipc else ["--no-ipc"]),
         capture_output=True,
         text=True,
@@ -63,7 +63,7 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path, i
 def test_the_gpu_check_refuses_cuda_where_there_is_none(args):
     code = (
         "import torch, sys; torch.cuda.is_available = lambda: False; "
-        f"from zkv.harness.gpu_check import main; sys.exit(main({args!r}))"
+        f"from zkv.harness.copies.gpu_check import main; sys.exit(main({args!r}))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code],

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
 HERE = Path(__file__).parent / "interop"

@@ -147,7 +147,7 @@ def test_label_sets_stay_bounded():
 
 
 def test_overhead_bench_runs_every_variant_to_the_end():
-    from zkv.harness.metrics_bench import bench_metrics_overhead
+    from zkv.harness.bus.metrics_bench import bench_metrics_overhead
 
     res = bench_metrics_overhead(tasks=200, rounds=3)  # each run asserts every task ended ok
     assert res["core_us_per_task"]["min"] > 0 and res["null_book_core_us_per_task"]["min"] > 0

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 import zkv as zkv_package
 from zkv.broker.state_file import StateFile
 from zkv.cli import main
-from zkv.harness.demo import Progress
+from zkv.harness.prefix.demo import Progress
 from zkv.net.curve import generate_keypair
 from zkv.net.endpoints import Endpoints
 

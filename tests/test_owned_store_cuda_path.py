@@ -4,7 +4,7 @@ CUDA cannot run here, so torch.cuda's streams, events and cache calls are
 recording fakes that model stream order (tests/fake_cuda.py, the only mocks
 in the suite) while the copies run on real CPU tensors.  The owned cache
 shares the engine-attached copy engine (regions over its store, a
-block-major pinned tier); on a GPU machine ``python -m zkv.harness.gpu_check``
+block-major pinned tier); on a GPU machine ``python -m zkv.harness.copies.gpu_check``
 runs the same code for real.
 """
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from test_operator_paths import cli
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=8)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from inproc_bus import LAYOUT, InProcessBus  # noqa: E402
 
 from zkv.client.client import Client  # noqa: E402
-from zkv.harness.bench import bench_copy  # noqa: E402
+from zkv.harness.bus.bench import bench_copy  # noqa: E402
 from zkv.obs.plots import OP_COLOURS, OUTCOME_COLOURS, plot_bench, plot_trace, read_timeline  # noqa: E402
 from zkv.trace import TraceRecorder, load_trace  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 from profiles import long_e2e
 from waits import wait_for
 
-from zkv.harness.cluster import LocalCluster
-from zkv.harness.workload import ChatSpec, ChatWorkload, serve_workload
+from zkv.harness.bus.cluster import LocalCluster
+from zkv.harness.prefix.workload import ChatSpec, ChatWorkload, serve_workload
 from zkv.prefix import OutOfGpuBlocksError, PrefixCacheManager
 from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.wire.layout import CacheLayout
@@ -333,7 +333,7 @@ def test_the_workload_check_catches_blocks_that_come_back_wrong(client):
 
 
 def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
-    from zkv.harness.demo import run_demo
+    from zkv.harness.prefix.demo import run_demo
 
     lines: list[str] = []
     ok = run_demo(cluster.endpoints.frontend, LAYOUT, 40, echo=lines.append, disk_blocks=DISK_BLOCKS)

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from zkv.harness.prefix_bench import bench_manager
+from zkv.harness.prefix.bench import bench_manager
 from zkv.prefix import (
     BlockLease,
     CacheClearedError,

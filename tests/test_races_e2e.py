@@ -12,7 +12,7 @@ from waits import wait_for
 
 from zkv import ZkvError
 from zkv.cli import main
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Submit

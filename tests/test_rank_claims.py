@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from zkv.broker.core import BrokerConfig, BrokerCore, ToRank, frames_of
-from zkv.harness.cluster import LocalCluster, layout_args
+from zkv.harness.bus.cluster import LocalCluster, layout_args
 from zkv.testing.sim import LAYOUT
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout

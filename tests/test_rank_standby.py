@@ -12,7 +12,7 @@ import threading
 import pytest
 from profiles import long_e2e
 
-from zkv.harness.restart_bench import Bus, _phases, bench_restart, summary
+from zkv.harness.bus.restart_bench import Bus, _phases, bench_restart, summary
 from zkv.rank.rank_lock import RankBusy, RankLock, clean_locks
 from zkv.rank.tier_file import TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout

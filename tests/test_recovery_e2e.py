@@ -17,7 +17,7 @@ from waits import wait_for
 
 from zkv import ZkvError
 from zkv.client import StatusReply
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=16)

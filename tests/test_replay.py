@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from profiles import long_e2e
 
 from zkv.cli.commands import main
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.replay import format_report, replay
 from zkv.trace import check_recording, compare_outcomes, load_trace
 from zkv.wire.layout import CacheLayout

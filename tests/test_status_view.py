@@ -13,7 +13,7 @@ import torch
 from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
 from zkv.client.client import Client, ZkvError
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.endpoints import Endpoints
 from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
 from zkv.rank.agent import RankAgent

@@ -16,7 +16,7 @@ from profiles import long_e2e
 from zkv import Client, ZkvError
 from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
-from zkv.harness.cluster import LocalCluster, layout_args
+from zkv.harness.bus.cluster import LocalCluster, layout_args
 from zkv.net.endpoints import Endpoints
 from zkv.rank.worker import RankWorker
 from zkv.wire import bounds

@@ -11,7 +11,7 @@ import pytest
 
 from zkv.client.client import Client
 from zkv.engines.vllm.bus_view import BusView
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
 pytestmark = pytest.mark.timeout(120)

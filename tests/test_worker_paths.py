@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.curve import generate_keypair
 from zkv.wire.layout import CacheLayout
 

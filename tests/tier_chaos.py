@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from zkv.client.client import Client
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 from zkv.wire.outcome import TaskOutcome
 

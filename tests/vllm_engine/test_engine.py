@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from zkv.fleet.fleet import Fleet
-from zkv.harness.vllm_rig import (
+from zkv.harness.vllm.rig import (
     BusProbe,
     Chat,
     ModelShape,

@@ -1,5 +1,5 @@
 """``zkv bench``: measured speed, each figure next to a baseline from the
-same run (the measurements are in ``zkv.harness.bench``)."""
+same run (the measurements are in ``zkv.harness.bus.bench``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..harness.bench import BUS_TARGETS, bench_attached_copy, bench_bus, bench_copy, bench_pause
+from ..harness.bus.bench import BUS_TARGETS, bench_attached_copy, bench_bus, bench_copy, bench_pause
 from ..wire.layout import CacheLayout
 
 
@@ -91,35 +91,35 @@ def bench(
 
         draw_plot(require_matplotlib)
     if what == "engine":
-        from ..harness.engine_bench import bench_engine, summary
+        from ..harness.transformers.bench import bench_engine, summary
 
         result = bench_engine(say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(result) if as_json else summary(result))
         return
     if what == "vllm":
-        from ..harness.vllm_bench import bench_vllm
-        from ..harness.vllm_bench import summary as vllm_summary
+        from ..harness.vllm.bench import bench_vllm
+        from ..harness.vllm.bench import summary as vllm_summary
 
         res = bench_vllm(quick=quick, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else vllm_summary(res))
         return
     if what == "disk":
-        from ..harness.disk_bench import bench_disk
-        from ..harness.disk_bench import summary as disk_summary
+        from ..harness.bus.disk_bench import bench_disk
+        from ..harness.bus.disk_bench import summary as disk_summary
 
         res = bench_disk(directory, rounds=2 if quick else 5, quick=quick, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else disk_summary(res))
         return
     if what == "fleet":
-        from ..harness.fleet_bench import bench_fleet
-        from ..harness.fleet_bench import summary as fleet_summary
+        from ..harness.fleet.bench import bench_fleet
+        from ..harness.fleet.bench import summary as fleet_summary
 
         res = bench_fleet(buses, rounds=8 if quick else 30, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else fleet_summary(res))
         return
     if what == "restart":
-        from ..harness.restart_bench import bench_restart
-        from ..harness.restart_bench import summary as restart_summary
+        from ..harness.bus.restart_bench import bench_restart
+        from ..harness.bus.restart_bench import summary as restart_summary
 
         tier = int(tier_gib * 2**30 / (16 if quick else 1))
         res = bench_restart(tier, tier // 4, 1 if quick else 3, directory, say=lambda m: click.echo(m, err=True))
@@ -137,7 +137,7 @@ def bench(
                 ids, layout, n(1000 if ids == 1 else 300), n(10000 if ids == 1 else 1000), rounds=1 if quick else 3
             )
     if metrics_cost and what in ("all", "bus"):
-        from ..harness.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
+        from ..harness.bus.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
 
         say("bus with and without metrics ...")
         report["metrics_cost"] = {
@@ -156,7 +156,7 @@ def bench(
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
     if what in ("all", "manager"):
-        from ..harness.prefix_bench import bench_manager, bench_manager_cluster
+        from ..harness.prefix.bench import bench_manager, bench_manager_cluster
 
         say("manager: bookkeeping per request (fake bus) ...")
         bookkeeping = bench_manager(n_requests=n(500))
@@ -221,7 +221,7 @@ def _summary(report: dict) -> str:
             f"index_select+index_copy_ {c['baseline_index_select_copy_GBps']:.2f} GB/s"
         )
     if "copy_attached" in report:
-        from ..harness.bench_copy import format_table
+        from ..harness.copies.bench import format_table
 
         lines.append("engine-attached copy: " + format_table(report["copy_attached"]))
         if "copy_attached_two_threads" in report:

@@ -1,5 +1,5 @@
 """``zkv up`` as a supervisor and ``zkv down``: a rank that exits is started
-again, the processes die with ``zkv up`` (``harness/lifeline.py``), and
+again, the processes die with ``zkv up`` (``harness/bus/lifeline.py``), and
 another terminal finds and stops a running ``zkv up`` by the lock it holds in
 its runtime directory."""
 
@@ -45,7 +45,7 @@ def supervise(cluster: Any) -> None:
 
 def hold_up_lock(directory: Path) -> Any:
     """``up.lock`` in the runtime directory, by which ``zkv down`` finds this process."""
-    from ..harness.lifeline import UpLock
+    from ..harness.bus.lifeline import UpLock
 
     try:
         return UpLock(directory)
@@ -73,7 +73,7 @@ def hold_up_lock(directory: Path) -> Any:
 )
 def down(runtime_dir: str | None, timeout: float) -> None:
     """Stop the zkv up running in a runtime directory (as Ctrl-C does): its broker, ranks and engines."""
-    from ..harness import lifeline
+    from ..harness.bus import lifeline
     from ..net.endpoints import runtime_dir as default_runtime_dir
 
     where = runtime_dir or str(default_runtime_dir())

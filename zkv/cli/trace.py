@@ -102,7 +102,7 @@ def replay(
     latency.  Exits 1 on any violation, naming the trace lines.
     """
     from ..client.client import ZkvError
-    from ..harness.local_replay import replay_embedded
+    from ..harness.bus.local_replay import replay_embedded
     from ..replay import format_report, parse_speed
     from ..replay import replay as replay_running
 

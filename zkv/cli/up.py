@@ -183,7 +183,7 @@ def _claim_runtime_dir(
     """Refuse a runtime directory a live bus serves; read the snapshot its broker will restore."""
     from ..broker.state_file import FILE_NAME
     from ..client.client import Client, ZkvError
-    from ..harness import lifeline
+    from ..harness.bus import lifeline
 
     frontend = Endpoints.in_dir(runtime_dir).frontend
     up_pid = lifeline.running(runtime_dir)
@@ -292,15 +292,15 @@ def up(
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
     if engine == "vllm":
         _check_engine(engine, demo)
-        from ..harness.vllm_demo import run_vllm_demo
+        from ..harness.vllm.demo import run_vllm_demo
 
         sys.exit(0 if run_vllm_demo(echo=click.echo) else 1)
     if engine == "transformers":
         _check_engine(engine, demo)
-        from ..harness.engine_demo import run_engine_demo
+        from ..harness.transformers.demo import run_engine_demo
 
         sys.exit(0 if run_engine_demo(ranks, echo=click.echo) else 1)
-    from ..harness.cluster import LocalCluster
+    from ..harness.bus.cluster import LocalCluster
     from ..net.endpoints import runtime_dir as default_runtime_dir
     from ..obs.prometheus import check_port_free
 
@@ -332,7 +332,7 @@ def up(
         "tier_dir": tier_dir,
     }
     if attach:
-        from ..harness.attached_cluster import AttachedCluster  # torch: only when it is needed
+        from ..harness.bus.attached_cluster import AttachedCluster  # torch: only when it is needed
 
         cluster: Any = AttachedCluster(ranks, layout, die_with_parent=True, **opts)
     else:
@@ -346,7 +346,7 @@ def up(
         click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
         _say_state(st, restored is not None)
         if demo:
-            from ..harness.demo import run_demo
+            from ..harness.prefix.demo import run_demo
 
             update = cluster.reallocate if attach else None
             ok = run_demo(

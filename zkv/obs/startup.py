@@ -8,7 +8,7 @@ interpreter reaching zkv, the command line parsed, its modules imported
 ready (the resume that follows a restart acked), its first task done.  Each
 phase is marked once, the first time; nothing is written unless a file is
 named, so the marks cost a dict lookup on the paths that make them.
-``zkv bench restart`` (``harness/restart_bench.py``) reads the file.
+``zkv bench restart`` (``harness/bus/restart_bench.py``) reads the file.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ manager.py for the policies).
 
 ``cycle`` runs the pause / clear / resume cycle for a manager and its client.
 The synthetic chat workload over the real bus (``zkv up --demo``, ``zkv bench
-manager``) is ``zkv.harness.workload``; an in-process fake bus for tests is
+manager``) is ``zkv.harness.prefix.workload``; an in-process fake bus for tests is
 ``zkv.testing.FakeBus``."""
 
 from ..rows.pool import (

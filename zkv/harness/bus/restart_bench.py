@@ -42,9 +42,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..rank.rank_lock import clean_locks
-from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers
-from ..wire.layout import CacheLayout
+from ...rank.rank_lock import clean_locks
+from ...rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers
+from ...wire.layout import CacheLayout
 from .cluster import LocalCluster, layout_args
 
 ROOT = str(Path(__file__).resolve().parents[2])  # the tree this zkv was imported from

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..client.client import Client
-from ..net.endpoints import Endpoints
-from ..rank.cache import disk_io
-from ..rank.cache.disk_tier import data_offset
-from ..wire.replies import StatusReply
+from ...client.client import Client
+from ...net.endpoints import Endpoints
+from ...rank.cache import disk_io
+from ...rank.cache.disk_tier import data_offset
+from ...wire.replies import StatusReply
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants block sizes of a multiple of 32
@@ -82,7 +82,7 @@ def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TorchCopySpec",
-            "spec_module_path": "zkv.harness.vllm_floor",
+            "spec_module_path": "zkv.harness.vllm.floor",
             "cpu_blocks": cpu_blocks,
         },
     }

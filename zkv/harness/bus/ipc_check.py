@@ -3,7 +3,7 @@
 blocks out to zkv's tier and back into other ids, and the engine confirms
 the bytes; then release must leave nothing mapped here.
 
-``python -m zkv.harness.ipc_check --device cuda`` is the GPU check of
+``python -m zkv.harness.bus.ipc_check --device cuda`` is the GPU check of
 the cross-process attach (CUDA IPC handles, device by UUID); ``--device cpu`` runs the same
 flow over shared-memory files.  Prints one JSON line per layout; exit
 status 0 when every check passed."""
@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..rank.cache.copier import CopyEngine
-from ..rank.cache.cpu_tier import CpuTier
-from ..rank.cache.manifest import attach
+from ...rank.cache.copier import CopyEngine
+from ...rank.cache.cpu_tier import CpuTier
+from ...rank.cache.manifest import attach
 
 REPLY_TIMEOUT_S = 60.0
 
@@ -35,7 +35,7 @@ class EngineProcess:
         root = str(Path(__file__).resolve().parents[3])  # the tree this zkv was imported from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zkv.harness.demo_engine", layout, manifest, str(generation), device, *shape],
+            [sys.executable, "-m", "zkv.harness.bus.demo_engine", layout, manifest, str(generation), device, *shape],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -14,14 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from ..client.client import Client
-from ..engines.idle_policy import IdlePolicy
-from ..engines.swap_controller import SwapController
-from ..engines.transformers import attach
-from ..engines.transformers.build import build_manager
-from ..engines.transformers.engine import NoFreeBlocks, TransformersCBEngine
-from ..testing.models import parameters
-from .cluster import LocalCluster
+from ...client.client import Client
+from ...engines.idle_policy import IdlePolicy
+from ...engines.swap_controller import SwapController
+from ...engines.transformers import attach
+from ...engines.transformers.build import build_manager
+from ...engines.transformers.engine import NoFreeBlocks, TransformersCBEngine
+from ...testing.models import parameters
+from ..bus.cluster import LocalCluster
 
 
 class EngineRig:

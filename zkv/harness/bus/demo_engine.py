@@ -13,7 +13,7 @@ commands on stdin until ``quit``:
 
 Used by the cross-process tests, ``ipc_check`` and ``zkv up --demo --attach``;
 not for production.
-Usage: ``python -m zkv.harness.demo_engine LAYOUT MANIFEST GENERATION [DEVICE]
+Usage: ``python -m zkv.harness.bus.demo_engine LAYOUT MANIFEST GENERATION [DEVICE]
 [--blocks N --layers L --block-size B --kv-heads H --head-dim D --dtype bf16]``
 with LAYOUT ``fastdeploy`` or ``vllm_flash``."""
 
@@ -25,10 +25,10 @@ import sys
 
 import torch
 
-from ..rank.cache import layouts
-from ..rank.cache.dtypes import TORCH_DTYPES
-from ..rank.cache.manifest import ShmArena, export_manifest
-from ..wire.vocab import Dtype
+from ...rank.cache import layouts
+from ...rank.cache.dtypes import TORCH_DTYPES
+from ...rank.cache.manifest import ShmArena, export_manifest
+from ...wire.vocab import Dtype
 
 NB, BS, H, D, L = 16, 4, 2, 8, 2
 

@@ -12,7 +12,7 @@ blocks into a shuffled run of tier rows) or scattered both ways (tier rows
 sampled from twice as many too: no runs on either side).  The baseline
 copies one contiguous tensor of exactly the bytes moved.
 
-``python -m zkv.harness.bench_copy [LAYOUT ...] [--cpu-clock]
+``python -m zkv.harness.copies.bench [LAYOUT ...] [--cpu-clock]
 [--copy-threads=1|2]`` prints the table (with the copy threads a rank on this
 machine takes, unless told); ``bench_copy()`` returns it as a dict
 (``zkv bench copy`` prints it for one and for two copy threads)."""
@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..engines import sglang, vllm
-from ..rank.cache import cpu_copy, layouts
-from ..rank.cache.copier import CopyEngine
-from ..rank.cache.cpu_tier import CpuTier
-from ..rank.cache.regions import EngineCache
+from ...engines import sglang, vllm
+from ...rank.cache import cpu_copy, layouts
+from ...rank.cache.copier import CopyEngine
+from ...rank.cache.cpu_tier import CpuTier
+from ...rank.cache.regions import EngineCache
 
 # What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this process's CPU
 # time, every thread's (a loaded 2-core machine preempts a copy at random; a large copy runs on two

@@ -1,6 +1,6 @@
 """Every GPU check and figure of the copy path in one run.
 
-``python -m zkv.harness.gpu_check`` on a machine with a GPU (about a
+``python -m zkv.harness.copies.gpu_check`` on a machine with a GPU (about a
 minute; ``--quick`` fewer repeats) prints:
 
 1. correctness: zkv's own cache (``BlockStore.owned``) and the engine-attached copy
@@ -41,10 +41,10 @@ from typing import Any, Callable
 
 import torch
 
-from ..rank.cache.staging import STAGING_BYTES
-from ..wire.vocab import Op, Tier
-from .bench_copy import _paired, _timed
-from .copy_rig import Rig, Size, patterns
+from ...rank.cache.staging import STAGING_BYTES
+from ...wire.vocab import Op, Tier
+from .bench import _paired, _timed
+from .rig import Rig, Size, patterns
 
 TARGET_RATIO = 0.9
 TARGET_GBPS = 40.0
@@ -132,7 +132,7 @@ def check_ipc(device: str) -> dict[str, Any]:
     root = str(Path(__file__).resolve().parents[3])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, "-m", "zkv.harness.ipc_check", "--device", device],
+        [sys.executable, "-m", "zkv.harness.bus.ipc_check", "--device", device],
         capture_output=True,
         text=True,
         timeout=300,

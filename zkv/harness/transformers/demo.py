@@ -18,11 +18,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
-from ..engines.idle_policy import IdlePolicy
-from ..rank.cache.store import block_digests
-from ..testing.models import load_weights, random_llama, random_tokens, set_threads
-from ..wire.vocab import Dtype
-from .engine_rig import EngineRig, hold_ids
+from ...engines.idle_policy import IdlePolicy
+from ...rank.cache.store import block_digests
+from ...testing.models import load_weights, random_llama, random_tokens, set_threads
+from ...wire.vocab import Dtype
+from .rig import EngineRig, hold_ids
 
 
 @dataclass(frozen=True)

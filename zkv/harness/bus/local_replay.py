@@ -8,9 +8,9 @@ import json
 import os
 from typing import Any
 
-from ..replay import Replayer, Report, check
-from ..trace import LAYOUT_ENV, Trace
-from ..wire.layout import CacheLayout
+from ...replay import Replayer, Report, check
+from ...trace import LAYOUT_ENV, Trace
+from ...wire.layout import CacheLayout
 from .cluster import LocalCluster
 
 

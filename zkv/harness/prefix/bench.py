@@ -13,7 +13,7 @@ computing the block keys alone (``block_keys``, the hashing any prefix cache
 does), and a flat dict keyed by block key (look every key up, store the
 missing ones): a cache with no tiers, leases or eviction.
 
-``bench_manager_cluster``: the chat workload (``zkv.harness.workload``) served
+``bench_manager_cluster``: the chat workload (``zkv.harness.prefix.workload``) served
 through the manager on a real local cluster (broker + ranks as processes):
 requests/s, hit rates, swaps.  Baseline: the same request stream on the same
 cluster without a prefix cache (one ``fill`` task writes every block of every
@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from ..prefix.manager import PrefixCacheManager
-from ..prefix.radix import block_keys
-from ..testing.fakebus import FakeBus
+from ...prefix.manager import PrefixCacheManager
+from ...prefix.radix import block_keys
+from ...testing.fakebus import FakeBus
 
 
 class _TimedBus(FakeBus):
@@ -125,8 +125,8 @@ def bench_manager(
 
 def bench_manager_cluster(requests: int = 200, layout: Any = None, ranks: int = 2, seed: int = 1) -> dict[str, Any]:
     """The chat workload through the manager on a real LocalCluster, and without a cache."""
-    from ..wire.layout import CacheLayout
-    from .cluster import LocalCluster
+    from ...wire.layout import CacheLayout
+    from ..bus.cluster import LocalCluster
     from .workload import ChatSpec, ChatWorkload, serve_workload
 
     layout = layout or CacheLayout()

@@ -6,10 +6,10 @@ and books the CPU every thread of every bus process spent meanwhile
 (``/proc/PID/task/*/schedstat``, to the nanosecond) and this process's own
 CPU around the call (its reading of ``/proc`` left out).  The bus's idle CPU
 (heartbeats, timers) per second is printed beside it.  Imports only absolute
-``zkv`` names, so ``PYTHONPATH=OTHER_TREE python3 zkv/harness/pause_cpu.py``
+``zkv`` names, so ``PYTHONPATH=OTHER_TREE python3 zkv/harness/bus/pause_cpu.py``
 measures another tree with the same script.
 
-``python -m zkv.harness.pause_cpu [CYCLES]``; ``--against TREE`` runs two
+``python -m zkv.harness.bus.pause_cpu [CYCLES]``; ``--against TREE`` runs two
 buses at once, this tree's and ``TREE``'s (another checkout, e.g. main), each
 driven by its own client process importing its own tree, and alternates
 rounds of cycles between them: each round's figures beside the other tree's
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zkv.harness.cluster import LocalCluster
+from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.stats import thread_cpu_ns
 from zkv.wire.layout import CacheLayout
 

@@ -14,10 +14,10 @@ import statistics
 import time
 from typing import Any, Callable
 
-from ..client.client import Client
-from ..fleet import Fleet
-from ..obs.stats import percentiles, thread_cpu_ns
-from .fleet_rig import FleetRig
+from ...client.client import Client
+from ...fleet import Fleet
+from ...obs.stats import percentiles, thread_cpu_ns
+from .rig import FleetRig
 
 TARGET = 1.5  # fleet pause <= 1.5x the slowest single bus's pause
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .vllm_rig import (
+from .rig import (
     BLOCK_TOKENS,
     BusProbe,
     ModelShape,

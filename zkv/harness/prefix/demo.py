@@ -4,7 +4,7 @@
    back in, and compare per-rank digests; with a disk tier, the same through
    the disk (GPU -> CPU -> disk -> CPU -> GPU).
 2. A chat workload served through the prefix cache manager
-   (``zkv.harness.workload``): evenly popular multi-turn conversations with
+   (``zkv.harness.prefix.workload``): evenly popular multi-turn conversations with
    long turns, more KV than the GPU and the CPU hold together, so cold
    prefixes go down the tiers and come back when their conversation does.
    Every cache hit is checked bit for bit on every rank.  It runs twice on
@@ -21,12 +21,12 @@ import random
 import time
 from typing import Any, Callable
 
-from ..client.client import Client
-from ..prefix import PrefixCacheManager
-from ..prefix.cycle import pause_clear_resume
-from ..wire.layout import CacheLayout
-from ..wire.moves import MOVES, TIER_ORDER
-from ..wire.vocab import Op, Outcome, Tier
+from ...client.client import Client
+from ...prefix import PrefixCacheManager
+from ...prefix.cycle import pause_clear_resume
+from ...wire.layout import CacheLayout
+from ...wire.moves import MOVES, TIER_ORDER
+from ...wire.vocab import Op, Outcome, Tier
 from .workload import ChatSpec, ChatWorkload, WorkloadReport, serve_workload
 
 TIERS = TIER_ORDER

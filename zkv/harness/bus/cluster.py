@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..client.client import Client, ZkvError
-from ..net.endpoints import Endpoints
-from ..testing import zygote
-from ..wire.layout import CacheLayout
-from ..wire.replies import StatusReply
+from ...client.client import Client, ZkvError
+from ...net.endpoints import Endpoints
+from ...testing import zygote
+from ...wire.layout import CacheLayout
+from ...wire.replies import StatusReply
 from .lifeline import die_with_parent
 
 
@@ -179,8 +179,8 @@ class LocalCluster:
                 p.kill()
                 codes[name] = p.wait(timeout=5)
         # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
-        from ..rank.rank_lock import clean_locks
-        from ..rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
+        from ...rank.rank_lock import clean_locks
+        from ...rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
 
         where = self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
         if where != "none":

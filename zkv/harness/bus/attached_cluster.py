@@ -1,6 +1,6 @@
 """A local cluster whose ranks serve KV tensors that separate engine processes own.
 
-One stand-in engine process per rank (``zkv.harness.demo_engine``)
+One stand-in engine process per rank (``zkv.harness.bus.demo_engine``)
 allocates its cache in shared memory and exports a manifest; each rank is a
 ``zkv worker --attach MANIFEST`` process.  ``reallocate()`` is the engine's
 part of a clear/resume cycle: between the clear and the resume every engine
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..wire.layout import CacheLayout
+from ...wire.layout import CacheLayout
 from .cluster import LocalCluster
 from .ipc_check import EngineProcess
 

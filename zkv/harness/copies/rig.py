@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from ..rank.cache import layouts
-from ..rank.cache.copier import CopyEngine
-from ..rank.cache.cpu_tier import CpuTier
-from ..rank.cache.regions import EngineCache
-from ..rank.cache.staging import STAGING_BYTES
-from ..rank.cache.store import BlockStore, block_digests
-from ..wire.layout import CacheLayout
-from ..wire.vocab import Dtype, Tier
+from ...rank.cache import layouts
+from ...rank.cache.copier import CopyEngine
+from ...rank.cache.cpu_tier import CpuTier
+from ...rank.cache.regions import EngineCache
+from ...rank.cache.staging import STAGING_BYTES
+from ...rank.cache.store import BlockStore, block_digests
+from ...wire.layout import CacheLayout
+from ...wire.vocab import Dtype, Tier
 
 
 @dataclass(frozen=True)

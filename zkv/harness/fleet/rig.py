@@ -11,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from ..wire.layout import CacheLayout
-from .cluster import LocalCluster
+from ...wire.layout import CacheLayout
+from ..bus.cluster import LocalCluster
 
 #: Small caches: a fleet's tests and benchmark time the control path, not copies.
 LAYOUT = CacheLayout(layers=2, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=2, head_dim=8)

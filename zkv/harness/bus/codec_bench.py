@@ -12,9 +12,9 @@ from __future__ import annotations
 import timeit
 from typing import Any, Callable
 
-from ..wire import fast as F
-from ..wire import protocol as P
-from ..wire.messages import MESSAGES
+from ...wire import fast as F
+from ...wire import protocol as P
+from ...wire.messages import MESSAGES
 
 _REPLY_TO = "ipc:///run/user/1000/zkv/client-12345-0123abcd.sock"  # as Client makes them
 

@@ -1,5 +1,5 @@
 """What recording metrics costs, beside the same run's baseline without it
-(``python -m zkv.harness.metrics_bench [--bus]``, or ``zkv bench bus --metrics-cost``).
+(``python -m zkv.harness.bus.metrics_bench [--bus]``, or ``zkv bench bus --metrics-cost``).
 
 The hooks sit inside ``BrokerCore`` and the rank executor, so "without
 metrics" is the same code with a no-op book (:class:`NullBusBook`): what
@@ -26,17 +26,17 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..broker.core import BrokerConfig, BrokerCore
-from ..obs.book import BusBook, task_op
-from ..obs.stats import cpu_seconds
-from ..wire import protocol as P
-from ..wire.layout import CacheLayout
-from ..wire.messages import Done, Ready, Submit
-from ..wire.vocab import RankOutcome
+from ...broker.core import BrokerConfig, BrokerCore
+from ...obs.book import BusBook, task_op
+from ...obs.stats import cpu_seconds
+from ...wire import protocol as P
+from ...wire.layout import CacheLayout
+from ...wire.messages import Done, Ready, Submit
+from ...wire.vocab import RankOutcome
 
 if TYPE_CHECKING:  # imported lazily at run time: the core benchmark needs neither sockets nor torch
-    from ..broker import Broker
-    from ..rank.worker import RankWorker
+    from ...broker import Broker
+    from ...rank.worker import RankWorker
     from .cluster import LocalCluster
 
 CLIENT = b"client-1"
@@ -115,7 +115,7 @@ def _run_hooks(tasks: int, world: int, body: bytes) -> float:
 
 
 def bench_metrics_overhead(tasks: int = 2_000, rounds: int = 30, world: int = 2, ids: int = 1) -> dict[str, Any]:
-    from ..obs.prometheus import make_registry
+    from ...obs.prometheus import make_registry
 
     submits, dones = _frames(tasks, world, ids)
     runs: dict[bool, list[float]] = {True: [], False: []}  # null book?
@@ -161,17 +161,17 @@ def _serve_unmetered(argv: list[str]) -> None:
     ``zkv broker`` / ``zkv worker`` with no-op books and no exporter (the baseline)."""
     import signal
 
-    from ..net.endpoints import Endpoints
+    from ...net.endpoints import Endpoints
 
     role, args = argv[0], argv[1:]
     server: Broker | RankWorker
     if role == "broker":
-        from ..broker import Broker
+        from ...broker import Broker
 
         front, back, control, world = args
         server = Broker(Endpoints(front, back, control), BrokerConfig(world=int(world)), book=NullBusBook())
     else:
-        from ..rank.worker import RankWorker, set_torch_threads
+        from ...rank.worker import RankWorker, set_torch_threads
 
         set_torch_threads(1)  # this is the rank process's entry point
         rank, world, back, control, layout = args
@@ -191,7 +191,7 @@ def _unmetered_cluster(ranks: int, layout: CacheLayout) -> LocalCluster:
     class UnmeteredCluster(LocalCluster):
         def _run(self, args: list[str]) -> subprocess.Popen:
             return subprocess.Popen(
-                [sys.executable, "-m", "zkv.harness.metrics_bench", *args],
+                [sys.executable, "-m", "zkv.harness.bus.metrics_bench", *args],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )

@@ -1,4 +1,4 @@
-"""``zkv bench engine`` (or ``python -m zkv.harness.engine_bench``): a
+"""``zkv bench engine`` (or ``python -m zkv.harness.transformers.bench``): a
 transformers model on the real bus, each figure beside a same-run baseline.
 
 1. Swap-in vs recompute: a conversation of N tokens (1k, 4k) on the
@@ -19,9 +19,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..rank.cache.store import block_digests
-from ..testing.models import random_llama, random_tokens, set_threads
-from .engine_rig import EngineRig, hold_ids
+from ...rank.cache.store import block_digests
+from ...testing.models import random_llama, random_tokens, set_threads
+from .rig import EngineRig, hold_ids
 
 
 def _best(values: list[float]) -> float:
@@ -166,7 +166,7 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m zkv.harness.engine_bench [fp32|bf16] [RANKS]``"""
+    """``python -m zkv.harness.transformers.bench [fp32|bf16] [RANKS]``"""
     dtype = argv[0] if argv else "fp32"
     ranks = int(argv[1]) if len(argv) > 1 else 1
     report = bench_engine(dtype, ranks=ranks, say=lambda m: print(m, file=sys.stderr))

@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 import zmq
 
-from ..obs.stats import cpu_seconds, percentiles
-from ..wire import protocol as P
-from ..wire.layout import CacheLayout
+from ...obs.stats import cpu_seconds, percentiles
+from ...wire import protocol as P
+from ...wire.layout import CacheLayout
 
 # The targets for 1-block tasks beside the relay, and for a pause's cost beyond its drain.
 BUS_TARGETS = {"throughput": 0.5, "rtt_p50": 2.0, "rtt_p99": 3.0, "cpu_per_task": 1.5, "pause_overhead_p99_ms": 2.0}
@@ -265,7 +265,7 @@ def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window
 def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     import torch
 
-    from ..rank.cache.store import BlockStore
+    from ...rank.cache.store import BlockStore
 
     torch.set_num_threads(1)  # as a rank worker runs its copies
     cache = BlockStore.owned(layout, "cpu")
@@ -310,11 +310,11 @@ def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
 
 
 def bench_attached_copy(blocks: int, repeats: int, copy_threads: int | None = None) -> dict:
-    """The engine-attached copy engine (``zkv.harness.bench_copy``): a
+    """The engine-attached copy engine (``zkv.harness.copies.bench``): a
     per-layer layout and a block-major one, contiguous and scattered ids,
     each beside a plain ``copy_`` of the same bytes timed interleaved;
     ``copy_threads`` for a large copy (None: what a rank here takes)."""
-    from .bench_copy import bench_copy as attached
+    from ..copies.bench import bench_copy as attached
 
     return attached(blocks=blocks, reps=repeats, copy_threads=copy_threads)
 

@@ -21,8 +21,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from ..rank.cache import disk_io
-from ..wire.layout import CacheLayout
+from ...rank.cache import disk_io
+from ...wire.layout import CacheLayout
 from .cluster import LocalCluster
 
 LAYOUT = CacheLayout(layers=4, gpu_blocks=16, cpu_blocks=512, block_size=16, kv_heads=8, head_dim=128)  # 256 KiB

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from ..wire.vocab import Op
-from .vllm_rig import BusProbe, Chat, ModelShape, start_engine, stop_engine, write_llama, zkv_transfer
+from ...wire.vocab import Op
+from .rig import BusProbe, Chat, ModelShape, start_engine, stop_engine, write_llama, zkv_transfer
 
 SHAPE = ModelShape(layers=4, hidden=256, heads=4, kv_heads=4)
 GPU_BLOCKS, CPU_BLOCKS, DISK_BLOCKS = 64, 64, 512
@@ -31,8 +31,8 @@ def _chat(probe_ttft: bool = True) -> Chat:
 
 def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
     """The demo; True when every check held."""
-    from ..engines.vllm.rl import update_weights
-    from ..fleet.fleet import Fleet
+    from ...engines.vllm.rl import update_weights
+    from ...fleet.fleet import Fleet
 
     block = SHAPE.block_bytes()
     with tempfile.TemporaryDirectory(prefix="zkv-vllm-demo-") as tmp:
