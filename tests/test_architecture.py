@@ -410,8 +410,8 @@ def test_the_checker_catches_a_mixin_core(source):
 @pytest.mark.parametrize(
     "module,lines,complaint",
     [
-        ("zkv.rank.cache.gpu_check", 10, "belongs in zkv/harness"),
-        ("zkv.rank.cache.bench_copy", 10, "belongs in zkv/harness"),
+        ("zkv.rank.copies.gpu_check", 10, "belongs in zkv/harness"),
+        ("zkv.rank.copies.bench_copy", 10, "belongs in zkv/harness"),
         ("zkv.engines.demo_engine", 10, "belongs in zkv/harness"),
         ("zkv.broker.core", 801, "split it by concept"),
     ],

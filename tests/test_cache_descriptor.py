@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
-from zkv.rank.cache import layouts
-from zkv.rank.cache.copier import CopyEngine
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.descriptor import CacheDescriptor
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.regions import EngineCache, TensorEntry, canonicalize
+from zkv.rank.copies.copier import CopyEngine
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import layouts
+from zkv.rank.memory.descriptor import CacheDescriptor
+from zkv.rank.memory.regions import EngineCache, TensorEntry, canonicalize
+from zkv.rank.tiers.cpu_tier import CpuTier
 
 
 def flash_descriptor(num_blocks=8) -> CacheDescriptor:

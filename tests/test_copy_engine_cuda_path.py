@@ -13,11 +13,11 @@ import pytest
 import torch
 from fake_cuda import fake_cuda_fixture  # noqa: F401  (the fake_cuda fixture)
 
-from zkv.rank.cache import layouts
-from zkv.rank.cache.copier import CopyEngine
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.regions import EngineCache
-from zkv.rank.cache.staging import Chunk, plan
+from zkv.rank.copies.copier import CopyEngine
+from zkv.rank.copies.staging import Chunk, plan
+from zkv.rank.memory import layouts
+from zkv.rank.memory.regions import EngineCache
+from zkv.rank.tiers.cpu_tier import CpuTier
 
 
 def one_region(rec, rows=8, **kw):
@@ -194,7 +194,7 @@ def test_the_tier_is_pinned_when_cuda_exists(monkeypatch):
 
 def test_the_rank_backend_waits_for_the_stream_the_engine_passed(fake_cuda):
     """RankAgent(compute_stream=s) -> BlockStore.attached -> EngineMemory -> CopyEngine: copies wait for s."""
-    from zkv.rank.cache.store import BlockStore
+    from zkv.rank.store import BlockStore
 
     k = torch.arange(8 * 64, dtype=torch.float32).view(8, 2, 4, 8)
     store = BlockStore.attached(

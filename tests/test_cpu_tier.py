@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore
-from zkv.rank.tier_file import ROW_HEAD_BYTES, TierPlace, clean_tiers, list_tiers
+from zkv.rank.errors import CacheError
+from zkv.rank.store import BlockStore
+from zkv.rank.tiers.tier_file import ROW_HEAD_BYTES, TierPlace, clean_tiers, list_tiers
 from zkv.testing.sim import LAYOUT, Sim
 from zkv.wire.layout import CacheLayout
 

@@ -16,7 +16,7 @@ from waits import wait_for
 from zkv.harness.bus.attached_cluster import AttachedCluster
 from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.status_view import render_status
-from zkv.rank.tier_file import WRITING, list_tiers, row_head_offset
+from zkv.rank.tiers.tier_file import WRITING, list_tiers, row_head_offset
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=16)

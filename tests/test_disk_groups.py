@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 
 from zkv.rank import executor as executor_module
 from zkv.rank.actions import Execute, FreeCache
-from zkv.rank.cache.disk_tier import DiskSpec
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore
+from zkv.rank.errors import CacheError
 from zkv.rank.executor import Executor
 from zkv.rank.reports import CacheDone, Finished
+from zkv.rank.store import BlockStore
+from zkv.rank.tiers.disk_tier import DiskSpec
 from zkv.wire import fast as F
 from zkv.wire import protocol as P
 from zkv.wire.layout import CacheLayout

@@ -20,12 +20,12 @@ from waits import wait_for
 
 from zkv.harness.bus.cluster import LocalCluster
 from zkv.obs.status_view import render_status
-from zkv.rank.cache import disk_io
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.disk_tier import DiskLost, DiskSpec, DiskTier
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore
-from zkv.rank.tier_file import TierFile, TierPlace, list_tiers
+from zkv.rank.errors import CacheError
+from zkv.rank.store import BlockStore
+from zkv.rank.tiers import disk_io
+from zkv.rank.tiers.cpu_tier import CpuTier
+from zkv.rank.tiers.disk_tier import DiskLost, DiskSpec, DiskTier
+from zkv.rank.tiers.tier_file import TierFile, TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout
 
 LONG = os.environ.get("ZKV_DISK_LONG") == "1"

@@ -23,7 +23,7 @@ from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
-from zkv.rank.cache import layouts
+from zkv.rank.memory import layouts
 from zkv.rank.registration import RankRefused
 
 NB, BS, H, D, L, P = 12, 4, 2, 8, 2, 4

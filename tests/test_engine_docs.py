@@ -35,7 +35,7 @@ EPILOGUE = """
 
 # --- appended by tests/test_engine_docs.py: what the snippet opened is closed
 import sys as _sys, threading as _threading
-_shm = _sys.modules.get("zkv.rank.cache.shm")
+_shm = _sys.modules.get("zkv.rank.memory.shm")
 assert _shm is None or not _shm._open, f"ShmArenas left open: {[a.tag for a in _shm._open.values()]}"
 _running = [t.name for t in _threading.enumerate() if t is not _threading.main_thread() and t.is_alive()]
 assert not _running, f"threads still running: {_running}"
@@ -88,7 +88,7 @@ def test_a_doc_snippet_runs_as_written_and_closes_what_it_opens(tmp_path, doc, i
 def test_the_check_catches_an_arena_left_open(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(
-        "import torch\nfrom zkv.rank.cache.shm import ShmArena\n"
+        "import torch\nfrom zkv.rank.memory.shm import ShmArena\n"
         "arena = ShmArena()\nk = arena.tensor('k', (4, 8), torch.bfloat16)\n" + EPILOGUE,
         encoding="utf-8",
     )

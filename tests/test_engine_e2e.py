@@ -14,7 +14,7 @@ from torch_threads import one_torch_thread  # noqa: E402, F401  (autouse: one to
 from zkv.engines.transformers.build import PINNED_VERSION, build_manager  # noqa: E402
 from zkv.engines.transformers.engine import TransformersCBEngine  # noqa: E402
 from zkv.harness.transformers.rig import EngineRig, hold_ids  # noqa: E402
-from zkv.rank.cache.store import block_digests  # noqa: E402
+from zkv.rank.store import block_digests  # noqa: E402
 from zkv.testing.models import load_weights, random_llama, random_tokens  # noqa: E402
 
 if transformers.__version__ != PINNED_VERSION:

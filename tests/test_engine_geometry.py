@@ -28,11 +28,11 @@ from zkv.harness.bus.ipc_check import mapped
 from zkv.net.endpoints import Endpoints
 from zkv.rank import attach_rank
 from zkv.rank.agent import RankAgent
-from zkv.rank.cache import geometry, layouts
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.manifest import ShmArena, export_manifest
-from zkv.rank.cache.regions import EngineCache, TensorEntry
-from zkv.rank.cache.store import BlockStore
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import geometry, layouts
+from zkv.rank.memory.manifest import ShmArena, export_manifest
+from zkv.rank.memory.regions import EngineCache, TensorEntry
+from zkv.rank.store import BlockStore
 from zkv.wire.layout import CacheLayout
 
 ROWS, PAGE = 8, 32768  # one uint8 tensor of 8 blocks of 32 KiB

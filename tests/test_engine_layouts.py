@@ -20,11 +20,12 @@ from hypothesis import strategies as st
 
 from zkv.engines import fastdeploy, sglang, vllm
 from zkv.engines.transformers import layout as transformers_layout
-from zkv.rank.cache import cpu_copy, layouts
-from zkv.rank.cache.copier import CopyEngine, coalesce
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.regions import EngineCache, TensorEntry
+from zkv.rank.copies import cpu_copy
+from zkv.rank.copies.copier import CopyEngine, coalesce
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import layouts
+from zkv.rank.memory.regions import EngineCache, TensorEntry
+from zkv.rank.tiers.cpu_tier import CpuTier
 
 NB, BS, H, D, L = 12, 4, 2, 8, 3
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from zkv.harness.bus.ipc_check import EngineProcess, check, mapped
-from zkv.rank.cache import layouts
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.manifest import ShmArena, _map_cuda, attach, device_uuid, export_manifest, parse_manifest
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import layouts
+from zkv.rank.memory.manifest import ShmArena, _map_cuda, attach, device_uuid, export_manifest, parse_manifest
 
 
 @pytest.mark.parametrize("layout", ["fastdeploy", "vllm_flash"])

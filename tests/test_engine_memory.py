@@ -9,10 +9,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zkv.engines import vllm
-from zkv.rank.cache import geometry
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.regions import EngineCache
-from zkv.rank.cache.store import BlockStore, Freed, TaskInvalid
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import geometry
+from zkv.rank.memory.regions import EngineCache
+from zkv.rank.store import BlockStore, Freed, TaskInvalid
 from zkv.wire.protocol import TaskBody
 
 
@@ -123,8 +123,8 @@ def test_a_restarted_engine_is_told_apart_from_a_stale_manifest(tmp_path):
     than one the bus used (the cache a rank attached at its start and never
     served may be taken once more)."""
     from zkv.harness.bus.ipc_check import mapped
-    from zkv.rank.cache import layouts
-    from zkv.rank.cache.manifest import ShmArena, export_manifest
+    from zkv.rank.memory import layouts
+    from zkv.rank.memory.manifest import ShmArena, export_manifest
 
     path, arena = str(tmp_path / "m"), ShmArena()
     try:

@@ -20,13 +20,13 @@ from zkv.engines.transformers import layout as transformers_layout
 from zkv.harness.bus.ipc_check import mapped
 from zkv.net.endpoints import Endpoints
 from zkv.rank.agent import RankAgent
-from zkv.rank.cache import layouts
-from zkv.rank.cache.copier import CopyEngine
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.manifest import ShmArena, attach, export_manifest
-from zkv.rank.cache.regions import EngineCache, TensorEntry
-from zkv.rank.cache.store import BlockStore
+from zkv.rank.copies.copier import CopyEngine
+from zkv.rank.errors import CacheError
+from zkv.rank.memory import layouts
+from zkv.rank.memory.manifest import ShmArena, attach, export_manifest
+from zkv.rank.memory.regions import EngineCache, TensorEntry
+from zkv.rank.store import BlockStore
+from zkv.rank.tiers.cpu_tier import CpuTier
 from zkv.wire.protocol import TaskBody
 
 NB = 8

@@ -28,7 +28,7 @@ from zkv.engines.tp_bus import TPBus
 from zkv.engines.transformers import attach
 from zkv.engines.transformers.build import build_manager
 from zkv.engines.transformers.engine import TransformersCBEngine
-from zkv.rank.cache.store import block_digests
+from zkv.rank.store import block_digests
 from zkv.testing.models import random_tokens
 from zkv.net.endpoints import Endpoints
 

@@ -22,8 +22,8 @@ from scrapes import free_port, scrape, value
 
 from zkv import Client
 from zkv.net.endpoints import Endpoints
-from zkv.rank.cache import disk_io
-from zkv.rank.tier_file import HEADER_BYTES, list_tiers
+from zkv.rank.tiers import disk_io
+from zkv.rank.tiers.tier_file import HEADER_BYTES, list_tiers
 
 LAYOUT_ARGS = [
     "--layers",

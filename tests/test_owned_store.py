@@ -4,9 +4,9 @@ coalescing, validation, round trips, clear and reallocation."""
 import pytest
 import torch
 
-from zkv.rank.cache.copier import coalesce
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore, TaskInvalid
+from zkv.rank.copies.copier import coalesce
+from zkv.rank.errors import CacheError
+from zkv.rank.store import BlockStore, TaskInvalid
 from zkv.wire.layout import CacheLayout
 from zkv.wire.protocol import TaskBody
 

@@ -13,8 +13,8 @@ import random
 import pytest
 from fake_cuda import fake_cuda_fixture  # noqa: F401  (the fake_cuda fixture)
 
-from zkv.rank.cache.copier import CopyEngine
-from zkv.rank.cache.store import BlockStore
+from zkv.rank.copies.copier import CopyEngine
+from zkv.rank.store import BlockStore
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=96, block_size=2, kv_heads=1, head_dim=4)

@@ -394,7 +394,7 @@ def test_worked_example_in_the_document_matches_the_vectors():
 def test_every_error_is_a_zkv_error_with_a_code_and_a_reason():
     from zkv import ZkvError
     from zkv.prefix.manager import CacheClearedError, InvalidBlockError
-    from zkv.rank.cache.errors import CacheError
+    from zkv.rank.errors import CacheError
 
     for err in (
         P.ProtocolError("bad_field", "x"),

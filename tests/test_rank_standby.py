@@ -1,5 +1,5 @@
 """One live worker per rank on a host, and a standby that takes over
-(zkv/rank/rank_lock.py, docs/operations.md "A standby worker"): the lock
+(zkv/rank/tiers/rank_lock.py, docs/operations.md "A standby worker"): the lock
 itself in one process, then real worker processes on a real broker (kill -9
 the serving worker; the standby maps its CPU tier and disk tier again and
 serves the exact blocks), and the restart benchmark's phase report."""
@@ -13,8 +13,8 @@ import pytest
 from profiles import long_e2e
 
 from zkv.harness.bus.restart_bench import Bus, _phases, bench_restart, summary
-from zkv.rank.rank_lock import RankBusy, RankLock, clean_locks
-from zkv.rank.tier_file import TierPlace, list_tiers
+from zkv.rank.tiers.rank_lock import RankBusy, RankLock, clean_locks
+from zkv.rank.tiers.tier_file import TierPlace, list_tiers
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=32, block_size=4, kv_heads=2, head_dim=16)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zkv.rank import shm_files
+from zkv.rank.memory import shm_files
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -26,7 +26,7 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.en
 ENGINE = r"""
 import json, signal, sys, threading
 import torch
-from zkv.rank.cache.shm import ShmArena
+from zkv.rank.memory.shm import ShmArena
 
 directory, mode = sys.argv[1], sys.argv[2]
 if mode == "own-handler":

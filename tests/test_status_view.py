@@ -17,7 +17,7 @@ from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.endpoints import Endpoints
 from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
 from zkv.rank.agent import RankAgent
-from zkv.rank.cache.regions import TensorEntry
+from zkv.rank.memory.regions import TensorEntry
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=4, kv_heads=2, head_dim=8)

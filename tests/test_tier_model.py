@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from zkv.rank.cache.disk_tier import DiskSpec
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore, block_digests
-from zkv.rank.tier_file import TierPlace
+from zkv.rank.errors import CacheError
+from zkv.rank.store import BlockStore, block_digests
+from zkv.rank.tiers.disk_tier import DiskSpec
+from zkv.rank.tiers.tier_file import TierPlace
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=6, cpu_blocks=6, block_size=4, kv_heads=2, head_dim=16)

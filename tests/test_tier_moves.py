@@ -4,11 +4,11 @@ store and the prefix cache manager alike, and one set of rules for every move.""
 import pytest
 
 from zkv.prefix.bus import SWAP_OPS
-from zkv.rank.cache.cpu_tier import CpuTier
-from zkv.rank.cache.disk_tier import DiskSpec
-from zkv.rank.cache.errors import CacheError
-from zkv.rank.cache.store import BlockStore
-from zkv.rank.tier_file import TierPlace
+from zkv.rank.errors import CacheError
+from zkv.rank.store import BlockStore
+from zkv.rank.tiers.cpu_tier import CpuTier
+from zkv.rank.tiers.disk_tier import DiskSpec
+from zkv.rank.tiers.tier_file import TierPlace
 from zkv.wire.layout import CacheLayout
 from zkv.wire.moves import MOVES
 from zkv.wire.protocol import TaskBody

@@ -220,7 +220,7 @@ def main(verbose: int) -> None:
     type=click.Path(dir_okay=False),
     envvar="ZKV_ATTACH",
     show_envvar=True,
-    help="Serve the KV tensors an engine exported in this manifest (zkv.rank.cache.manifest) "
+    help="Serve the KV tensors an engine exported in this manifest (zkv.rank.memory.manifest) "
     "instead of allocating a cache; --cpu-blocks sizes zkv's CPU tier. Without other layout options the "
     "rank announces the layout of the engine's memory (its block count and bytes per block); layout "
     "options given must agree with that memory, else the worker exits naming both. On resume the "
@@ -281,8 +281,8 @@ def worker(
         startup.record_to(startup_times)
     tiers = None if tier_dir in ("", "none") else tier_dir
     lock = None if standby else _hold_rank(rank, backend, tiers, standby)  # refused at once, before torch
-    from ..rank.cache.cpu_copy import set_copy_threads
-    from ..rank.cache.errors import CacheError
+    from ..rank.copies.cpu_copy import set_copy_threads
+    from ..rank.errors import CacheError
     from ..rank.registration import RankRefused
     from ..rank.worker import RankWorker, set_torch_threads
 
@@ -332,15 +332,15 @@ def worker(
 
 
 def _hold_rank(rank: int, backend: str, tiers: str | None, standby: bool) -> Any:
-    """The rank's lock beside its tier files (``rank/rank_lock.py``): taken, or for
+    """The rank's lock beside its tier files (``rank/tiers/rank_lock.py``): taken, or for
     a standby waited for (blocking until the serving worker is gone)."""
     if tiers is None:
         if standby:
             fail("--standby needs a --tier-dir: the rank's lock and its CPU tier file live there")
         return None
     from ..obs import startup
-    from ..rank.rank_lock import RankBusy, RankLock
-    from ..rank.tier_file import TierPlace, bus_name
+    from ..rank.tiers.rank_lock import RankBusy, RankLock
+    from ..rank.tiers.tier_file import TierPlace, bus_name
 
     lock = RankLock(TierPlace(bus_name(backend), rank, tiers))
 

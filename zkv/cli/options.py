@@ -236,7 +236,7 @@ def disk_from(kwargs: dict) -> Any:
     directory, blocks = kwargs.pop("disk_dir"), kwargs.pop("disk_blocks")
     if directory is None:
         return None
-    from ..rank.cache.disk_tier import DiskSpec
+    from ..rank.tiers.disk_tier import DiskSpec
 
     return DiskSpec(directory, blocks)
 

@@ -1,6 +1,6 @@
 """``zkv shm list`` / ``zkv shm clean``: the shared-memory files engines'
 ``ShmArena`` made, and removing those whose owner is gone (a kill -9'd
-engine's: ``zkv/rank/shm_files.py`` says how an orphan is told apart)."""
+engine's: ``zkv/rank/memory/shm_files.py`` says how an orphan is told apart)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from ..rank.shm_files import SHM_DIR, ShmFile, clean, list_files
+from ..rank.memory.shm_files import SHM_DIR, ShmFile, clean, list_files
 
 
 def _state(f: ShmFile) -> str:

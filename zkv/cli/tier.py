@@ -1,5 +1,5 @@
 """``zkv tier list`` / ``zkv tier clean``: the persistent CPU tiers
-(``rank/tier_file.py``) a host holds.  A rank's tier outlives the rank (a
+(``rank/tiers/tier_file.py``) a host holds.  A rank's tier outlives the rank (a
 crash keeps it for the restart); one whose rank never comes back is an
 orphan, and ``clean`` removes those (a tier a live worker holds is never
 touched: it holds a lock on it)."""
@@ -30,7 +30,7 @@ def tier() -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per tier.")
 def list_cmd(tier_dir: str, as_json: bool) -> None:
     """Every tier file: its bus, rank, size, CPU generation and whether a live worker holds it."""
-    from ..rank.tier_file import list_tiers
+    from ..rank.tiers.tier_file import list_tiers
 
     found = False
     for info in list_tiers(tier_dir):
@@ -56,8 +56,8 @@ def list_cmd(tier_dir: str, as_json: bool) -> None:
 def clean(tier_dir: str, bus: str | None, every_bus: bool, dry_run: bool) -> None:
     """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier),
     and the rank locks killed workers left: of one bus (--bus), or of every bus on this host (--all)."""
-    from ..rank.rank_lock import clean_locks
-    from ..rank.tier_file import clean_tiers
+    from ..rank.tiers.rank_lock import clean_locks
+    from ..rank.tiers.tier_file import clean_tiers
 
     if (bus is None) == (not every_bus):
         raise click.UsageError(

@@ -6,7 +6,7 @@ for MLA), plus optional block_wise_fp8 scales ``[blocks, kv_heads,
 block_size]``.  ``regions`` names each region after its tensor, so an error
 says which one is wrong.  Serve them in process with
 ``zkv.rank.agent.RankAgent(..., cache=regions(ks, vs), ...)`` or across
-processes with ``zkv.rank.cache.manifest.export_manifest`` (docs/engines.md).
+processes with ``zkv.rank.memory.manifest.export_manifest`` (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-from ..rank.cache.layouts import expect_dims
-from ..rank.cache.regions import TensorEntry
+from ..rank.memory.layouts import expect_dims
+from ..rank.memory.regions import TensorEntry
 
 
 def regions(

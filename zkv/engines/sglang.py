@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from ..rank.cache.layouts import expect_dims
-from ..rank.cache.regions import TensorEntry
+from ..rank.memory.layouts import expect_dims
+from ..rank.memory.regions import TensorEntry
 
 
 def mha(k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor], page_size: int) -> list[TensorEntry]:

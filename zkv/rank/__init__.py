@@ -1,7 +1,17 @@
-"""A tensor-parallel rank: ``core`` is its control state machine (no sockets,
-no torch), ``cache`` the memory it copies (``cache.store.BlockStore``, on
-zkv's own tensors or an engine's), ``worker`` the ZMQ loop and copy executor,
-and ``agent`` the same rank embedded in an engine's process;
+"""A tensor-parallel rank, one room per concept:
+
+- ``core`` (with ``actions``, ``registration``, ``batching``, ``cache_phase``):
+  its control state machine, no sockets, no torch;
+- ``memory/``: the KV memory it copies, as regions of block pages (engine
+  layouts, descriptors, geometry, cross-process manifests and shared memory);
+- ``tiers/``: zkv's own tiers below it (the CPU tier, its file and the rank's
+  lock beside it, the disk tier);
+- ``copies/``: the copies between the two (the copy engine, its CPU and CUDA
+  paths);
+- ``store.BlockStore``: one rank's memory, tiers and copy engine, on a memory
+  source (``sources``: zkv's own tensors or an engine's);
+- ``worker``, ``executor``, ``runner``: the ZMQ loop and the copy executor;
+  ``agent``: the same rank embedded in an engine's process;
 ``attach_rank(manifest, ...)`` is a rank on an engine process's exported
 tensors (``RankWorker.on_manifest``).
 
@@ -15,7 +25,7 @@ from .core import RankCore
 from .registration import RankRefused
 
 if TYPE_CHECKING:
-    from .cache.geometry import LayoutGiven
+    from .memory.geometry import LayoutGiven
     from .worker import RankWorker
 
 __all__ = ["BlockStore", "RankAgent", "RankCore", "RankRefused", "RankWorker", "attach_rank"]
@@ -39,7 +49,7 @@ def __getattr__(name: str) -> Any:
 
         return RankWorker
     if name == "BlockStore":
-        from .cache.store import BlockStore
+        from .store import BlockStore
 
         return BlockStore
     if name == "RankAgent":

@@ -24,13 +24,13 @@ import zmq
 
 from ..net.curve import Curve
 from ..wire.layout import CacheLayout
-from .cache.disk_tier import DiskSpec
-from .cache.geometry import LayoutGiven
-from .cache.memory import EngineMemory
-from .cache.regions import EngineCache, TensorEntry
-from .cache.store import BlockStore
+from .memory.geometry import LayoutGiven
+from .memory.regions import EngineCache, TensorEntry
 from .registration import RankRefused
-from .tier_file import TierPlace, bus_name
+from .sources import EngineMemory
+from .store import BlockStore
+from .tiers.disk_tier import DiskSpec
+from .tiers.tier_file import TierPlace, bus_name
 from .worker import RankWorker
 
 CacheLike = EngineCache | Sequence[TensorEntry]
@@ -52,7 +52,7 @@ class RankAgent:
     block), a ``CacheLayout`` or a map of fields (say ``{"layers": 32,
     "kv_heads": 8, ...}``: the block counts are then the cache's and
     ``cpu_rows``) must agree with the cache, else ``CacheError("bad_layout")``
-    names both values (``rank.cache.geometry``).
+    names both values (``rank.memory.geometry``).
     ``compute_stream``: the engine's CUDA stream that copies wait for.
     ``disk_dir`` / ``disk_blocks``: a disk tier below the CPU tier (as
     ``zkv worker --disk-dir``; ``spill`` / ``load`` tasks).  ``tier_dir``: keep

@@ -1,5 +1,5 @@
 """Where a rank's cache stands in its clear/resume cycle, as the rank's core
-sees it (sans-IO: the memory itself is ``cache.store.BlockStore``'s, on the
+sees it (sans-IO: the memory itself is ``store.BlockStore``'s, on the
 executor thread).
 
 A clear frees the cache and a resume allocates it, each as one piece of

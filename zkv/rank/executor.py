@@ -18,10 +18,10 @@ from ..obs.book import RankBook
 from ..wire.errors import ZkvError
 from ..wire.vocab import Op, RankOutcome
 from .actions import Execute, FreeCache
-from .cache.store import BlockStore
 from .reports import CacheDone, Finished, Report
 from .result_links import ResultSenders
 from .runner import Ran, TaskRunner
+from .store import BlockStore
 
 log = logging.getLogger("zkv.worker")
 # What a cache free or allocation raises when the memory is not there (out of

@@ -28,10 +28,10 @@ from ..wire.messages import Result
 from ..wire.moves import MOVES
 from ..wire.vocab import Op, RankOutcome
 from .actions import Execute
-from .cache.errors import CacheError
-from .cache.store import BlockStore, TaskInvalid
+from .errors import CacheError
 from .reports import Finished
 from .result_links import ResultSenders
+from .store import BlockStore, TaskInvalid
 
 log = logging.getLogger("zkv.worker")
 

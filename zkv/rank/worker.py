@@ -44,15 +44,15 @@ from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, ToBroker
 from .batching import DoneBatcher, InlinePolicy
-from .cache.disk_tier import DiskSpec
-from .cache.geometry import LayoutGiven
-from .cache.store import BlockStore, pick_device
 from .core import RankCore
 from .executor import Executor
+from .memory.geometry import LayoutGiven
 from .registration import RankRefused
 from .reports import Finished
 from .result_links import ResultSenders
-from .tier_file import TierPlace, bus_name
+from .store import BlockStore, pick_device
+from .tiers.disk_tier import DiskSpec
+from .tiers.tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
 WAIT_NOTE_S = 5.0  # a rank not yet welcomed says what it waits for after this

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import transformers
 
-from ..rank.cache.dtypes import TORCH_DTYPES
+from ..rank.memory.dtypes import TORCH_DTYPES
 from ..wire.vocab import Dtype
 
 #: name -> LlamaConfig arguments

@@ -37,7 +37,7 @@ MAX_STATS_BYTES = 16384  # encoded size of one rank's stats (status echoes world
 MAX_LAYERS = 4096
 # A rank's cache is regions of block pages: K and V per layer, and an fp8
 # engine's two scales per layer (FastDeploy): every layout the broker accepts
-# fits a rank (zkv/rank/cache/descriptor.py takes its limit from here).
+# fits a rank (zkv/rank/memory/descriptor.py takes its limit from here).
 REGIONS_PER_LAYER = 4
 MAX_REGIONS = REGIONS_PER_LAYER * MAX_LAYERS
 LAYOUT_MAX: dict[str, int] = {

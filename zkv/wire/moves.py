@@ -2,7 +2,7 @@
 rules every side of the bus applies to them (docs/protocol.md §6).
 
 Rule 1: a move is data.  ``MOVES`` maps each moving ``Op`` to its ``Move``;
-the rank (``rank/cache/store.py``: which ids a task may name, which rows it
+the rank (``rank/store.py``: which ids a task may name, which rows it
 checks and seals) and the prefix cache manager (``prefix/swaps.py``: which
 blocks a task takes and frees) both read this table and spell no move of
 their own.

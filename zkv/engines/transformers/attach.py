@@ -16,7 +16,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...net.endpoints import Endpoints
 from ...rank.agent import RankAgent
-from ...rank.cache.regions import TensorEntry
+from ...rank.memory.regions import TensorEntry
 from .engine import TransformersCBEngine
 from .layout import model_layout, regions
 

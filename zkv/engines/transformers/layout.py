@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rank.cache.dtypes import WIRE_DTYPES
-from ...rank.cache.errors import CacheError
-from ...rank.cache.regions import TensorEntry
+from ...rank.errors import CacheError
+from ...rank.memory.dtypes import WIRE_DTYPES
+from ...rank.memory.regions import TensorEntry
 from ...wire.layout import CacheLayout
 
 

@@ -29,9 +29,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ...rank.cache.errors import CacheError
-from ...rank.cache.layouts import expect_dims
-from ...rank.cache.regions import TensorEntry
+from ...rank.errors import CacheError
+from ...rank.memory.layouts import expect_dims
+from ...rank.memory.regions import TensorEntry
 
 NULL_BLOCK = 0  # vLLM v1 BlockPool's null block
 

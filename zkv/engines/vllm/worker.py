@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadSto
 
 from ...client.client import Client
 from ...rank.agent import RankAgent
-from ...rank.cache.regions import EngineCache
+from ...rank.memory.regions import EngineCache
 from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome

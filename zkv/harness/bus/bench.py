@@ -265,7 +265,7 @@ def bench_bus(ids: int, layout: CacheLayout, n_latency: int, n_tput: int, window
 def bench_copy(layout: CacheLayout, blocks: int, repeats: int) -> dict:
     import torch
 
-    from ...rank.cache.store import BlockStore
+    from ...rank.store import BlockStore
 
     torch.set_num_threads(1)  # as a rank worker runs its copies
     cache = BlockStore.owned(layout, "cpu")

@@ -179,8 +179,8 @@ class LocalCluster:
                 p.kill()
                 codes[name] = p.wait(timeout=5)
         # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
-        from ...rank.rank_lock import clean_locks
-        from ...rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
+        from ...rank.tiers.rank_lock import clean_locks
+        from ...rank.tiers.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
 
         where = self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
         if where != "none":

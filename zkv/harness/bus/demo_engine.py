@@ -25,9 +25,9 @@ import sys
 
 import torch
 
-from ...rank.cache import layouts
-from ...rank.cache.dtypes import TORCH_DTYPES
-from ...rank.cache.manifest import ShmArena, export_manifest
+from ...rank.memory import layouts
+from ...rank.memory.dtypes import TORCH_DTYPES
+from ...rank.memory.manifest import ShmArena, export_manifest
 from ...wire.vocab import Dtype
 
 NB, BS, H, D, L = 16, 4, 2, 8, 2

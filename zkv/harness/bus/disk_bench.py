@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from ...rank.cache import disk_io
+from ...rank.tiers import disk_io
 from ...wire.layout import CacheLayout
 from .cluster import LocalCluster
 

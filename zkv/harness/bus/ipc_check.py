@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...rank.cache.copier import CopyEngine
-from ...rank.cache.cpu_tier import CpuTier
-from ...rank.cache.manifest import attach
+from ...rank.copies.copier import CopyEngine
+from ...rank.memory.manifest import attach
+from ...rank.tiers.cpu_tier import CpuTier
 
 REPLY_TIMEOUT_S = 60.0
 

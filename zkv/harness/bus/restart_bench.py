@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ...rank.rank_lock import clean_locks
-from ...rank.tier_file import DEFAULT_DIR, bus_name, clean_tiers
+from ...rank.tiers.rank_lock import clean_locks
+from ...rank.tiers.tier_file import DEFAULT_DIR, bus_name, clean_tiers
 from ...wire.layout import CacheLayout
 from .cluster import LocalCluster, layout_args
 

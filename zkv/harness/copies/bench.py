@@ -28,10 +28,11 @@ from typing import Any, Callable
 import torch
 
 from ...engines import sglang, vllm
-from ...rank.cache import cpu_copy, layouts
-from ...rank.cache.copier import CopyEngine
-from ...rank.cache.cpu_tier import CpuTier
-from ...rank.cache.regions import EngineCache
+from ...rank.copies import cpu_copy
+from ...rank.copies.copier import CopyEngine
+from ...rank.memory import layouts
+from ...rank.memory.regions import EngineCache
+from ...rank.tiers.cpu_tier import CpuTier
 
 # What a rep is timed with: wall time (what a task waits), or with ``--cpu-clock`` this process's CPU
 # time, every thread's (a loaded 2-core machine preempts a copy at random; a large copy runs on two

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...rank.cache.staging import STAGING_BYTES
+from ...rank.copies.staging import STAGING_BYTES
 from ...wire.vocab import Op, Tier
 from .bench import _paired, _timed
 from .rig import Rig, Size, patterns

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from ...rank.cache import layouts
-from ...rank.cache.copier import CopyEngine
-from ...rank.cache.cpu_tier import CpuTier
-from ...rank.cache.regions import EngineCache
-from ...rank.cache.staging import STAGING_BYTES
-from ...rank.cache.store import BlockStore, block_digests
+from ...rank.copies.copier import CopyEngine
+from ...rank.copies.staging import STAGING_BYTES
+from ...rank.memory import layouts
+from ...rank.memory.regions import EngineCache
+from ...rank.store import BlockStore, block_digests
+from ...rank.tiers.cpu_tier import CpuTier
 from ...wire.layout import CacheLayout
 from ...wire.vocab import Dtype, Tier
 

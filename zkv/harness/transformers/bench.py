@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from ...rank.cache.store import block_digests
+from ...rank.store import block_digests
 from ...testing.models import random_llama, random_tokens, set_threads
 from .rig import EngineRig, hold_ids
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...engines.idle_policy import IdlePolicy
-from ...rank.cache.store import block_digests
+from ...rank.store import block_digests
 from ...testing.models import load_weights, random_llama, random_tokens, set_threads
 from ...wire.vocab import Dtype
 from .rig import EngineRig, hold_ids

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 from ...client.client import Client
 from ...net.endpoints import Endpoints
-from ...rank.cache import disk_io
-from ...rank.cache.disk_tier import data_offset
+from ...rank.tiers import disk_io
+from ...rank.tiers.disk_tier import data_offset
 from ...wire.replies import StatusReply
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -12,7 +12,7 @@ one restored cleared."""
 
 from __future__ import annotations
 
-from .errors import CacheError
+from ..errors import CacheError
 from .regions import EngineCache
 
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from ...wire.ids import encode_ids
+from ..errors import CacheError
 from .descriptor import DEVICE_KINDS, DTYPE_NAMES, BufferSpec, CacheDescriptor, RegionSpec, check_uint
-from .errors import CacheError
 
 
 @dataclass(frozen=True)

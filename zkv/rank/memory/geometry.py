@@ -20,9 +20,9 @@ from ...wire.bounds import LAYOUT_MAX
 from ...wire.layout import CacheLayout
 from ...wire.protocol import ProtocolError
 from ...wire.vocab import Dtype
+from ..errors import CacheError
 from .descriptor import DTYPES, CacheDescriptor
 from .dtypes import WIRE_DTYPES
-from .errors import CacheError
 
 MODEL_FIELDS = ("layers", "block_size", "kv_heads", "head_dim", "dtype")
 _SEARCH = 1 << 16  # divisors tried per field before a block's size is called inexpressible

@@ -13,7 +13,7 @@ or the default action: the process dies of the signal as it would have).
 An ignored signal stays ignored, and a handler set outside Python (which
 cannot be chained to) is left alone.  A process killed with SIGKILL cannot
 clean up: its files hold no lock any more, and ``zkv shm clean`` removes
-them (``rank/shm_files.py``).  A forked child never closes its parent's arenas.
+them (``rank/memory/shm_files.py``).  A forked child never closes its parent's arenas.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Sequence, cast
 
 import torch
 
-from ..shm_files import SHM_DIR, SHM_PREFIX, file_name, hold
+from .shm_files import SHM_DIR, SHM_PREFIX, file_name, hold
 
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _open: dict[int, "ShmArena"] = {}  # id -> arena, every open arena of this process (and of a forking parent)

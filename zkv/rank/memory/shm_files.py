@@ -1,7 +1,7 @@
 """Engines' shared-memory files (``/dev/shm/zkv-<pid>-<tag>-<n>-<name>``): their
 names, the lock their owner holds, and finding the ones whose owner is gone.
 
-An engine's ``ShmArena`` (``rank/cache/shm.py``) creates the files, holds a
+An engine's ``ShmArena`` (``rank/memory/shm.py``) creates the files, holds a
 shared ``flock`` on each while it lives and unlinks them when it closes (on
 exit and on SIGTERM too).  A process killed with SIGKILL leaves them behind,
 holding host memory until someone removes them: ``zkv shm list`` / ``zkv shm

@@ -50,8 +50,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import CacheError
 from . import disk_io as io
-from .errors import CacheError
 
 # magic, version, record size, rows, row bytes, slot bytes, data offset, epoch, digest, layout key, cpu_gen, seed
 _SUPER = struct.Struct("<8sIIQQQQI16s16sQQ")

@@ -16,7 +16,7 @@ persistent CPU tier another live process has mapped); the disk tier's
 
 from __future__ import annotations
 
-from ...wire.errors import ZkvError
+from ..wire.errors import ZkvError
 
 CODES = frozenset(
     {

@@ -26,14 +26,14 @@ from typing import Any, Callable, Hashable, Protocol
 
 import torch
 
-from ...wire.layout import CacheLayout
-from ...wire.vocab import Dtype
-from . import layouts
-from .descriptor import CacheDescriptor
-from .dtypes import TORCH_DTYPES
+from ..wire.layout import CacheLayout
+from ..wire.vocab import Dtype
+from .copies.staging import STAGING_BYTES
 from .errors import CacheError
-from .regions import EngineCache
-from .staging import STAGING_BYTES
+from .memory import layouts
+from .memory.descriptor import CacheDescriptor
+from .memory.dtypes import TORCH_DTYPES
+from .memory.regions import EngineCache
 
 
 class MemorySource(Protocol):

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .regions import EngineCache
+from ..memory.regions import EngineCache
 
 # Device memory for the two staging buffers together (the only device memory
 # zkv allocates; dropped by close()).  A chunk is half of it.

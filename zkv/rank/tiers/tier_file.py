@@ -1,4 +1,4 @@
-"""The file a persistent CPU tier (``cache.cpu_tier.CpuTier``) lives in, so that it outlives the rank
+"""The file a persistent CPU tier (``tiers.cpu_tier.CpuTier``) lives in, so that it outlives the rank
 process (docs/architecture.md, "Memory below and beyond one process").
 
 A tier file (in ``/dev/shm`` by default: host memory that no process owns)
@@ -139,7 +139,7 @@ class TierFile:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                from .cache.errors import CacheError  # torch: only a rank that maps a tier gets here
+                from ..errors import CacheError  # torch: only a rank that maps a tier gets here
 
                 raise CacheError("tier_in_use", f"CPU tier {self.path} is mapped by another live process") from None
             head = os.pread(fd, _HEAD.size, 0)

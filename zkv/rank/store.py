@@ -39,23 +39,23 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from ...wire.errors import ReasonError
-from ...wire.layout import CacheLayout
-from ...wire.moves import MOVES
-from ...wire.protocol import TaskBody
-from ...wire.vocab import Op, Tier
-from ..tier_file import TierPlace
-from . import geometry
-from .copier import CopyEngine
-from .cpu_tier import CpuTier, HostTier
-from .disk_link import DiskLink, ready_tiers
-from .disk_tier import DiskLost, DiskSpec, DiskTier
+from ..wire.errors import ReasonError
+from ..wire.layout import CacheLayout
+from ..wire.moves import MOVES
+from ..wire.protocol import TaskBody
+from ..wire.vocab import Op, Tier
+from .copies.copier import CopyEngine
+from .copies.staging import STAGING_BYTES
 from .errors import CacheError
-from .geometry import LayoutGiven
-from .handover import Attached
-from .memory import EngineMemory, MemorySource, OwnedMemory
-from .regions import EngineCache, check_ids
-from .staging import STAGING_BYTES
+from .memory import geometry
+from .memory.geometry import LayoutGiven
+from .memory.handover import Attached
+from .memory.regions import EngineCache, check_ids
+from .sources import EngineMemory, MemorySource, OwnedMemory
+from .tiers.cpu_tier import CpuTier, HostTier
+from .tiers.disk_link import DiskLink, ready_tiers
+from .tiers.disk_tier import DiskLost, DiskSpec, DiskTier
+from .tiers.tier_file import TierPlace
 
 __all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "pick_device", "tensor_bytes"]
 
@@ -172,7 +172,7 @@ class BlockStore:
         512) sizes the CPU tier; ``tiers``: ``disk`` and ``place`` of ``attached``.
         Raises ``CacheError`` if it cannot be mapped or does not fit ``layout``
         (nothing stays mapped)."""
-        from .manifest import attach
+        from .memory.manifest import attach
 
         if isinstance(layout, CacheLayout):
             cpu_rows = layout.cpu_blocks

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .errors import CacheError
+from ..errors import CacheError
 from .regions import TensorEntry
 
 

@@ -42,9 +42,9 @@ from typing import Hashable, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..tier_file import ROW_ALIGN, TierFile, TierPlace, row_stride
-from .descriptor import CacheDescriptor
-from .errors import CacheError
+from ..errors import CacheError
+from ..memory.descriptor import CacheDescriptor
+from .tier_file import ROW_ALIGN, TierFile, TierPlace, row_stride
 
 
 class HostTier(Protocol):

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ...wire import bounds
-from .errors import CacheError
+from ..errors import CacheError
 
 DESCRIPTOR_VERSION = 1
 MAX_INT = 2**53 - 1

@@ -26,10 +26,10 @@ from typing import Any, Sequence
 import torch
 
 from ...wire.vocab import Tier
+from ..errors import CacheError
+from ..memory.regions import EngineCache, check_ids
+from ..tiers.cpu_tier import CpuTier
 from .cpu_copy import CpuCopier, CpuGroup, Span, coalesce, groups_of
-from .cpu_tier import CpuTier
-from .errors import CacheError
-from .regions import EngineCache, check_ids
 from .staging import STAGING_BYTES, StagedCopier
 
 __all__ = ["CopyEngine", "coalesce"]

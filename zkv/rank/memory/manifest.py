@@ -28,8 +28,8 @@ from typing import Any, Sequence, cast
 import msgpack
 import torch
 
+from ..errors import CacheError
 from .descriptor import MAX_INT, CacheDescriptor
-from .errors import CacheError
 from .regions import EngineCache, TensorEntry, _storage_bytes, canonicalize
 from .shm import SHM_DIR, SHM_PREFIX, ShmArena
 
