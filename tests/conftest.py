@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-from zkv.testing import zygote
+from zkv.testing.runner import zygote
 
 # Rank workers of the test clusters fork from one process that imported torch
-# once (zkv/testing/zygote.py): a worker start costs milliseconds, not seconds of CPU.
+# once (zkv/testing/runner/zygote.py): a worker start costs milliseconds, not seconds of CPU.
 os.environ[zygote.ENV] = str(os.getpid())
 
 # Longest first, as measured by ``--durations`` on a 2-core machine; files not

@@ -23,7 +23,7 @@ if ! command -v ip >/dev/null 2>&1; then
 fi
 
 # The one probe the tests use, so this says exactly what they will see.
-if reason=$(PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -c 'from zkv.testing.netns import unavailable; print(unavailable() or "")'); [[ -z "$reason" ]]; then
+if reason=$(PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -c 'from zkv.testing.runner.netns import unavailable; print(unavailable() or "")'); [[ -z "$reason" ]]; then
     say "network namespaces, veth and bridges work: the multi-host tests will run"
 elif [[ "${CI:-}" == "true" ]]; then
     say "ERROR: CI must run the multi-host tests, but: $reason"

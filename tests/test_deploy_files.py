@@ -4,7 +4,7 @@ correct as written: each environment file read by systemd's rules
 directory layout the doc's install steps make; the units pass
 ``systemd-analyze verify`` and run what the install step installs; and the
 documented topology starts from those very files in network namespaces
-(zkv/testing/netns.py), where a broker that crashes while paused comes back
+(zkv/testing/runner/netns.py), where a broker that crashes while paused comes back
 paused thanks to its state file."""
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def client_shell(lab, host: Host, text: str, timeout: float = 60) -> str:
 
 
 def test_the_documented_topology_runs_from_the_documented_files(tmp_path):
-    from zkv.testing import netns
+    from zkv.testing.runner import netns
 
     reason = netns.unavailable()
     if reason:

@@ -2,8 +2,8 @@
 over tcp:// with CurveZMQ: what loopback hides.
 
 Hosts: broker 10.77.0.10, rank0 .11, rank1 .12, client .13, on a bridge in a
-namespace of its own (zkv/testing/netns.py).  The processes are the real CLI
-(zkv/testing/netns_bus.py).
+namespace of its own (zkv/testing/runner/netns.py).  The processes are the real CLI
+(zkv/testing/runner/netns_bus.py).
 Figures (link-down -> tasks failed, link-up -> serving, broker restart) are
 printed; run with ``-s`` to see them.
 """
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from zkv.testing import netns as H
-from zkv.testing.netns_bus import Bus
+from zkv.testing.runner import netns as H
+from zkv.testing.runner.netns_bus import Bus
 
 FIGURES: dict[str, float] = {}
 LIVENESS_S = 2.0  # the broker's and the ranks' default --liveness-ms

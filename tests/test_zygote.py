@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from zkv.testing import zygote
+from zkv.testing.runner import zygote
 
 
 def test_a_forked_command_is_a_process_of_its_own_with_its_exit_code_and_output(tmp_path):
@@ -39,5 +39,5 @@ def test_kill_9_kills_the_forked_worker_alone_and_wait_is_bounded():
 
 def test_only_the_process_that_set_the_variable_uses_a_zygote():
     assert zygote.wanted()  # tests/conftest.py set it for this process
-    code = "import zkv.testing.zygote as z, sys; sys.exit(0 if not z.wanted() else 1)"
+    code = "import zkv.testing.runner.zygote as z, sys; sys.exit(0 if not z.wanted() else 1)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

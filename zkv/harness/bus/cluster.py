@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from ...client.client import Client, ZkvError
 from ...net.endpoints import Endpoints
-from ...testing import zygote
+from ...testing.runner import zygote
 from ...wire.layout import CacheLayout
 from ...wire.replies import StatusReply
 from .lifeline import die_with_parent

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..wire.vocab import Dtype
+from ...wire.vocab import Dtype
 from .netns import ClientAgent, Host, Lab, Proc
 
 PORTS = {"frontend": 5555, "backend": 5556, "control": 5557}

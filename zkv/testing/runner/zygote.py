@@ -86,7 +86,7 @@ class Zygote:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop(ENV, None)
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", f"from zkv.testing.zygote import serve; serve({theirs.fileno()})"],
+            [sys.executable, "-c", f"from zkv.testing.runner.zygote import serve; serve({theirs.fileno()})"],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
@@ -233,7 +233,7 @@ def serve(fd: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from ..rank import worker  # noqa: F401 - what every worker imports (torch): once, here
+    from ...rank import worker  # noqa: F401 - what every worker imports (torch): once, here
 
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
