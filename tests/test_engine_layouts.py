@@ -463,3 +463,29 @@ def test_repeated_rows_and_blocks_copy_like_a_page_at_a_time():
     copier.swap_in(rows, dst)
     for r, b in zip(rows, dst):
         assert all(torch.equal(v[b], c[r]) for v, c in zip(cache.views, tier.columns))
+
+
+def test_each_copy_strategy_is_chosen_in_its_domain():
+    """``cpu_copy.choose`` picks each strategy of ``STRATEGIES`` where its domain says, and
+    every strategy has one."""
+    S, MIN = cpu_copy.Strategy, cpu_copy.MIN_RUN
+    assert set(cpu_copy.STRATEGIES) == set(S) and all(d.chosen and d.measured for d in cpu_copy.STRATEGIES.values())
+    assert cpu_copy.is_block_at_a_time(MIN - 1, small_pages=True)
+    assert not cpu_copy.is_block_at_a_time(MIN, small_pages=True)
+    assert cpu_copy.is_block_at_a_time(10 * MIN, small_pages=False)
+
+    def chosen(tier, engine, has_span, out):
+        return [s for s, _ in cpu_copy.choose(cpu_copy.plan(tier, engine), has_span, out)]
+
+    rows = list(range(MIN))
+    assert chosen(rows, [b + 40 for b in rows], has_span=True, out=True) == [S.SLICES]
+    assert chosen(rows, [b + 40 for b in rows], has_span=False, out=False) == [S.SLICES]
+    assert chosen(rows, [b + 40 for b in rows], has_span=True, out=False) == [S.SPAN]  # read once, in order
+    scattered = [3 * b for b in rows]
+    assert chosen(rows, scattered, has_span=True, out=True) == [S.SPAN]
+    assert chosen(rows, scattered, has_span=False, out=True) == [S.INDEXED]
+    loose = cpu_copy.STAGE_MIN_PAIRS
+    assert chosen([2 * r for r in range(loose)], [5 * r for r in range(loose)], True, True) == [S.STAGED]
+    assert chosen([2 * r for r in range(loose - 1)], [5 * r for r in range(loose - 1)], True, True) == [S.PAGES]
+    mixed = chosen(rows + [100, 102], [b + 40 for b in rows] + [7, 9], has_span=False, out=True)
+    assert mixed == [S.SLICES, S.PAGES]  # slices first, loose pairs last

@@ -1,5 +1,9 @@
 """The CPU path of ``CopyEngine``: one plan per swap, a few C calls per region group.
 
+Each part of a swap goes by one of six named strategies (``Strategy``), each
+with the domain it was measured best in (``STRATEGIES``); ``choose`` picks
+them for a plan, ``CpuCopier.copy`` runs them.  Why each is where it is:
+
 A page is 4-128 KiB, so a per-page Python loop (a ``memmove`` per page per
 region) costs as much as the copy itself: 256 scattered blocks of 8 regions
 ran at half a plain copy.  Here Python works per *run*, C per page:
@@ -49,10 +53,11 @@ already checked (range, duplicates) when these run.
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -101,6 +106,60 @@ def copy_threads() -> int:
 
 
 Runs = list[tuple[int, int, int]]
+
+
+class Strategy(enum.Enum):
+    """How one part of a swap is copied; ``STRATEGIES`` gives each its domain and what was measured."""
+
+    BLOCKS = "blocks"
+    SLICES = "slices"
+    SPAN = "span"
+    INDEXED = "indexed"
+    STAGED = "staged"
+    PAGES = "pages"
+
+
+@dataclass(frozen=True)
+class Domain:
+    """Where a strategy is chosen, in the thresholds' terms, and the figure that put it there."""
+
+    chosen: str
+    measured: str
+
+
+#: the copy strategies, in the order ``choose`` tries them (the module docstring tells the story)
+STRATEGIES: dict[Strategy, Domain] = {
+    Strategy.BLOCKS: Domain(
+        f"a swap of fewer than MIN_RUN ({MIN_RUN}) pairs, or whose calls move STAGE_PAGE_BYTES "
+        f"({STAGE_PAGE_BYTES >> 10} KiB) or more each: a block at a time, in address order",
+        "the 1-block task in a few us; block-major swap-out 0.79-0.87x of a plain copy (0.73-0.82x through the plan)",
+    ),
+    Strategy.SLICES: Domain(
+        f"a run of MIN_RUN or more tier rows whose engine blocks are consecutive too (swap-out, or swap-in "
+        f"without a span): one strided copy per group of SLICE_COPY_MIN_ROWS ({SLICE_COPY_MIN_ROWS}) pages or "
+        "more, else a memmove per page",
+        "numpy's copyto ~3 us for one block of 8 pages, where torch's copy_ takes ~15 us to set up",
+    ),
+    Strategy.SPAN: Domain(
+        "a run of MIN_RUN or more tier rows whose engine blocks are scattered (and a swap-in's consecutive ones), "
+        "where the regions have a Span the tier rows fit: one call per run",
+        "contiguous swap-in 0.65x -> 0.8-0.9x of a plain copy (the tier rows read once, in order)",
+    ),
+    Strategy.INDEXED: Domain(
+        "the same runs with no span (or a swap-in whose tier rows lie among the regions): an index_select per "
+        "region, a numpy assignment per group",
+        "index_select on 2-D views 0.75x of a plain copy where a 3-D group set up a copy per row (0.62x)",
+    ),
+    Strategy.STAGED: Domain(
+        f"STAGE_MIN_PAIRS ({STAGE_MIN_PAIRS}) or more pairs in no run of MIN_RUN rows: through staging rows, "
+        f"STAGE_BYTES ({STAGE_BYTES >> 20} MiB) at a time",
+        "an indexed copy ~3 us per region beside a memmove ~0.4 us per page; the second pass reads from cache",
+    ),
+    Strategy.PAGES: Domain(
+        "fewer loose pairs than STAGE_MIN_PAIRS: a memmove per page", "~0.4 us a page, no staging pass to pay"
+    ),
+}
+# Beside any of them: with two copy threads, a run moving SPLIT_BYTES or more goes in two halves at once.
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> Runs:
@@ -167,6 +226,36 @@ def plan(tier_ids: Sequence[int], engine_ids: Sequence[int]) -> Plan:
             indexed.append((int(t[a]), blocks))
     loose = np.repeat(~long, lengths)
     return Plan(slices, indexed, (t[loose], e[loose]))
+
+
+def is_block_at_a_time(pairs: int, small_pages: bool) -> bool:
+    """``Strategy.BLOCKS``'s domain: too few pairs for a plan, or pages too large for one to pay."""
+    return pairs < MIN_RUN or not small_pages
+
+
+def choose(p: Plan, has_span: bool, out: bool) -> list[tuple[Strategy, Any]]:
+    """The parts of a planned swap and the strategy of each, in the order they run:
+    ``SLICES`` (its runs, engine-first on a swap-out), then ``SPAN`` or ``INDEXED`` per run
+    ``(tier row, engine blocks)``, then ``STAGED`` or ``PAGES`` for the loose pairs
+    ``(tier rows, engine blocks)`` (a swap-out's sorted by engine block: it reads the engine in
+    address order).  Pure: ``CpuCopier.copy`` runs them."""
+    parts: list[tuple[Strategy, Any]] = []
+    indexed = p.indexed
+    if p.slices and has_span and not out:  # through the span: a run's tier rows read once, in order
+        indexed = indexed + [(t, np.arange(e, e + n, dtype=np.int64)) for t, e, n in p.slices]
+    elif p.slices:
+        parts.append((Strategy.SLICES, [(e, t, n) if out else (t, e, n) for t, e, n in p.slices]))
+    by_run = Strategy.SPAN if has_span else Strategy.INDEXED
+    parts += [(by_run, run) for run in indexed]
+    rows, blocks = p.loose  # sorted by tier row: swap-in reads in address order
+    if out:
+        order = np.argsort(blocks, kind="stable")
+        rows, blocks = rows[order], blocks[order]
+    if len(rows) >= STAGE_MIN_PAIRS:
+        parts.append((Strategy.STAGED, (rows, blocks)))
+    elif len(rows):
+        parts.append((Strategy.PAGES, (rows, blocks)))
+    return parts
 
 
 def copy_rows(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
@@ -379,47 +468,47 @@ class CpuCopier:
         return self.row_bytes < STAGE_PAGE_BYTES * calls
 
     def copy(self, tier_ids: Sequence[int], engine_ids: Sequence[int], out: bool) -> None:
-        """Engine blocks -> tier rows (``out``) or tier rows -> engine blocks, pairwise."""
+        """Engine blocks -> tier rows (``out``) or tier rows -> engine blocks, pairwise, each part
+        by its strategy (``STRATEGIES``)."""
         groups: list[CpuGroup] = self.groups()
-        if len(tier_ids) < MIN_RUN or not self.small_pages(groups):  # a block at a time, read in address order
+        if is_block_at_a_time(len(tier_ids), self.small_pages(groups)):  # Strategy.BLOCKS
             runs = coalesce(engine_ids, tier_ids) if out else coalesce(tier_ids, engine_ids)
             self._copy_runs(groups, runs, out, len(tier_ids))
             return
         p = plan(tier_ids, engine_ids)
         span = self._span() if p.indexed or len(p.loose[0]) or (p.slices and not out) else None
-        indexed = p.indexed
-        if p.slices and span is not None and not out:
-            # swap-in through the span: a run's tier rows read once, in order, where a call per
-            # group reads a page of every row in turn (contiguous ids 0.65x -> 0.85x of a plain copy)
-            indexed = indexed + [(t, np.arange(e, e + n, dtype=np.int64)) for t, e, n in p.slices]
-        elif p.slices:
-            runs = [(e, t, n) if out else (t, e, n) for t, e, n in p.slices]
-            self._copy_runs(groups, runs, out, sum(n for _, _, n in runs))
-        for t0, blocks in indexed:
-            if span is None:
-                self._indexed(groups, t0, blocks, out)
-                continue
-            rows = self.tier.store[t0 : t0 + len(blocks)].view(-1, span.page)
-            if out:
-                self._halves(span.gather, blocks, rows, span.count)
-                continue
-            pages = rows.numpy()
-            if span.overlaps(pages):
-                self._indexed(groups, t0, blocks, out)
-            else:
-                self._halves(span.scatter, blocks, pages, span.count)
-        rows, blocks = p.loose  # sorted by tier row: swap-in reads in address order
-        if out:  # reads the engine in address order
-            order = np.argsort(blocks, kind="stable")
-            rows, blocks = rows[order], blocks[order]
-        if len(rows) >= STAGE_MIN_PAIRS and self.small_pages(groups):
-            for at in range(0, len(rows), self.stage_rows):
-                chunk = rows[at : at + self.stage_rows], blocks[at : at + self.stage_rows]
-                if span is None or not self._staged_span(span, *chunk, out):
-                    self._staged(groups, *chunk, out)
-        elif len(rows):
-            pairs = zip(blocks.tolist(), rows.tolist()) if out else zip(rows.tolist(), blocks.tolist())
-            copy_runs(groups, [(s, d, 1) for s, d in pairs], out)
+        for strategy, part in choose(p, span is not None, out):
+            if strategy is Strategy.SLICES:
+                self._copy_runs(groups, part, out, sum(n for _, _, n in part))
+            elif strategy is Strategy.INDEXED:
+                t0, run = part
+                self._indexed(groups, t0, run, out)
+            elif strategy is Strategy.SPAN:
+                t0, run = part
+                self._by_span(cast(Span, span), groups, t0, run, out)
+            elif strategy is Strategy.STAGED:
+                rows, blocks = part
+                for at in range(0, len(rows), self.stage_rows):
+                    chunk = rows[at : at + self.stage_rows], blocks[at : at + self.stage_rows]
+                    if span is None or not self._staged_span(span, *chunk, out):
+                        self._staged(groups, *chunk, out)
+            else:  # Strategy.PAGES
+                rows, blocks = part
+                pairs = zip(blocks.tolist(), rows.tolist()) if out else zip(rows.tolist(), blocks.tolist())
+                copy_runs(groups, [(s, d, 1) for s, d in pairs], out)
+
+    def _by_span(self, span: Span, groups: list[CpuGroup], t0: int, blocks: np.ndarray, out: bool) -> None:
+        """Tier rows ``[t0, t0 + n)`` <-> scattered engine ``blocks`` in one call through the span (in
+        two halves when large); a swap-in whose tier rows lie among the regions goes ``_indexed``."""
+        rows = self.tier.store[t0 : t0 + len(blocks)].view(-1, span.page)
+        if out:
+            self._halves(span.gather, blocks, rows, span.count)
+            return
+        pages = rows.numpy()
+        if span.overlaps(pages):
+            self._indexed(groups, t0, blocks, out)
+        else:
+            self._halves(span.scatter, blocks, pages, span.count)
 
     @staticmethod
     def _indexed(groups: list[CpuGroup], t0: int, blocks: np.ndarray, out: bool) -> None:
