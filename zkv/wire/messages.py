@@ -10,9 +10,13 @@ frame is to build one and call its ``to_wire()``.  Decoding (the checks of
 every field) is ``protocol.py``'s; encoding, which checks nothing a
 constructor did not, is here.
 
-``kind`` is a class attribute (the ``kind`` the frame carries); ``v`` is not a
-field, every frame is version ``VERSION``.  A ``reply`` carries the results of
-its op beside ``req`` and ``op``: they are in ``extra``.
+Every class ends with ``v`` and ``kind``, filled in by the constructor (every
+frame is version ``VERSION``, and ``kind`` is its class's): msgspec's own
+encoder then writes a message as the frame's map, its set fields in order,
+``v`` and ``kind`` last (``to_wire``, the bytes of docs/protocol.md's golden
+vectors), and a decoder returns the class itself, so a decoded message equals
+the one made by hand.  A ``reply`` carries the results of its op beside
+``req`` and ``op``: they are in ``extra``, written among its fields.
 
     ack = Ack(epoch=3, op="pause", upto=7)
     protocol.decode_as(Ack, ack.to_wire()) == ack
@@ -20,7 +24,7 @@ its op beside ``req`` and ``op``: they are in ``extra``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -45,50 +49,44 @@ ByteCount = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["bytes"])]
 Freed = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["freed"])]
 Pid = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["pid"])]
 
-_KIND_OF_CLASS = {"Heartbeat": "hb", "OutcomeMsg": "outcome"}
+_encode = msgspec.msgpack.Encoder().encode
 
 
-def _kind_of(class_name: str) -> str:
-    return _KIND_OF_CLASS.get(class_name, class_name.lower())
+def _version() -> int:
+    return VERSION
 
 
-class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind", tag=_kind_of):
+#: every class's ``v``: the constructor fills it in, the encoder always writes it
+_V: Any = msgspec.field(default_factory=_version)
+
+
+def _kind(kind: str) -> Any:
+    """A class's ``kind`` field: its word, filled in by the constructor and always written."""
+    return msgspec.field(default_factory=lambda: kind)
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The base of every message: read its fields as attributes (an absent
     optional is ``None``); ``as_map()`` is the map of its frame.  Frozen:
-    nothing mutates a message once decoded."""
-
-    kind: ClassVar[str]
-    v: ClassVar[int] = VERSION
+    nothing mutates a message once decoded.  Equality is msgspec's: same
+    class, same fields."""
 
     def to_dict(self) -> dict[str, Any]:
         """The wire fields in schema order, ``None`` ones left out (and a
         reply's ``extra`` after them): what ``protocol.encode`` takes."""
-        out = {name: getattr(self, name) for name in _WIRE_FIELDS[self.kind]}
+        out = {name: getattr(self, name) for name in wire_fields(type(self))}
         out = {k: v for k, v in out.items() if v is not None}
         out.update(getattr(self, "extra", None) or {})
         return out
 
     def as_map(self) -> dict[str, Any]:
         """The map of the frame: ``to_dict()``, then ``v`` and ``kind``."""
-        return {**self.to_dict(), "v": VERSION, "kind": self.kind}
+        return {**self.to_dict(), "v": VERSION, "kind": kind_of(type(self))}
 
     def to_wire(self) -> bytes:
-        """The frame of this message: the bytes ``protocol.encode(kind,
-        **self.to_dict())`` writes (each class gets its own, ``_wire_encoder``)."""
-        raise NotImplementedError  # replaced on every message class below
-
-    def __eq__(self, other: object) -> bool:
-        """Same kind, same fields (a fast-path decode is a subclass, ``fast.py``)."""
-        if not isinstance(other, Message):
-            return NotImplemented
-        names = MESSAGES[self.kind].__struct_fields__
-        return self.kind == other.kind and all(getattr(self, n) == getattr(other, n) for n in names)
-
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    __hash__ = None  # type: ignore[assignment]  # mutable fields (maps, lists); as a dict was
+        """The frame of this message: the bytes ``protocol.encode(kind, **self.to_dict())``
+        writes, by msgspec's encoder (set fields in order, ``v`` and ``kind`` last)."""
+        return _encode(self)
 
 
 # --- client -> broker (frontend) -------------------------------------------------------
@@ -102,33 +100,45 @@ class Submit(Message, frozen=True):
     timeout_ms: TimeoutMs | None = None
     reply_key: str | None = None
     batch_results: bool | None = None  # the client reads several results in one message (docs/protocol.md §10.3)
+    v: int = _V
+    kind: Literal["submit"] = _kind("submit")
 
 
 class Pause(Message, frozen=True):
     req: Uint
     timeout_ms: TimeoutMs | None = None
+    v: int = _V
+    kind: Literal["pause"] = _kind("pause")
 
 
 class Clear(Message, frozen=True):
     req: Uint
     timeout_ms: TimeoutMs | None = None
     keep_cpu: bool | None = None
+    v: int = _V
+    kind: Literal["clear"] = _kind("clear")
 
 
 class Resume(Message, frozen=True):
     req: Uint
     timeout_ms: TimeoutMs | None = None
     layout: Map | None = None
+    v: int = _V
+    kind: Literal["resume"] = _kind("resume")
 
 
 class Status(Message, frozen=True):
     req: Uint
     wait_ranks: WaitRanks | None = None
     timeout_ms: TimeoutMs | None = None
+    v: int = _V
+    kind: Literal["status"] = _kind("status")
 
 
 class Ping(Message, frozen=True):
     req: Uint
+    v: int = _V
+    kind: Literal["ping"] = _kind("ping")
 
 
 class Cancel(Message, frozen=True):
@@ -136,6 +146,8 @@ class Cancel(Message, frozen=True):
 
     req: Uint
     task: Uint
+    v: int = _V
+    kind: Literal["cancel"] = _kind("cancel")
 
 
 # --- broker -> client (frontend) -------------------------------------------------------
@@ -147,6 +159,12 @@ class Reply(Message, frozen=True):
     req: Uint
     op: str
     extra: Map = msgspec.field(default_factory=dict)
+    v: int = _V
+    kind: Literal["reply"] = _kind("reply")
+
+    def to_wire(self) -> bytes:
+        """``req`` and ``op``, the results of its op beside them (``extra``), then ``v`` and ``kind``."""
+        return _encode({"req": self.req, "op": self.op, **self.extra, "v": VERSION, "kind": "reply"})
 
 
 class Error(Message, frozen=True):
@@ -154,6 +172,8 @@ class Error(Message, frozen=True):
     reason: str
     req: Uint | None = None
     task: Uint | None = None
+    v: int = _V
+    kind: Literal["error"] = _kind("error")
 
 
 class OutcomeMsg(Message, frozen=True):
@@ -165,6 +185,8 @@ class OutcomeMsg(Message, frozen=True):
     gen: Uint | None = None
     cpu_gen: Uint | None = None
     ran: bool | None = None  # false: never dispatched, no rank touched its blocks (§7.3)
+    v: int = _V
+    kind: Literal["outcome"] = _kind("outcome")
 
 
 # --- rank -> broker (backend) ----------------------------------------------------------
@@ -183,12 +205,16 @@ class Ready(Message, frozen=True):
     kept_tiers: list[str] | None = None
     cpu_gen: Uint | None = None
     adopt_layout: bool | None = None
+    v: int = _V
+    kind: Literal["ready"] = _kind("ready")
 
 
 class Heartbeat(Message, frozen=True):
     inflight: Uint | None = None
     stats: Map | None = None
     probe: bool | None = None
+    v: int = _V
+    kind: Literal["hb"] = _kind("hb")
 
 
 class Done(Message, frozen=True):
@@ -199,6 +225,8 @@ class Done(Message, frozen=True):
     outcome: RankOutcome
     gen: Uint
     bytes: ByteCount | None = None
+    v: int = _V
+    kind: Literal["done"] = _kind("done")
 
 
 class Ack(Message, frozen=True):
@@ -213,6 +241,8 @@ class Ack(Message, frozen=True):
     cpu_kept: bool | None = None
     stats: Map | None = None
     error: str | None = None
+    v: int = _V
+    kind: Literal["ack"] = _kind("ack")
 
 
 # --- broker -> rank (backend, and PUB) -------------------------------------------------
@@ -227,14 +257,19 @@ class Welcome(Message, frozen=True):
     heartbeat_ms: HeartbeatMs
     keep_cpu: bool | None = None
     session: Uint | None = None
+    v: int = _V
+    kind: Literal["welcome"] = _kind("welcome")
 
 
 class Refused(Message, frozen=True):
     reason: str
+    v: int = _V
+    kind: Literal["refused"] = _kind("refused")
 
 
 class Reregister(Message, frozen=True):
-    pass
+    v: int = _V
+    kind: Literal["reregister"] = _kind("reregister")
 
 
 class Task(Message, frozen=True):
@@ -249,6 +284,8 @@ class Task(Message, frozen=True):
     session: Uint | None = None
     cpu_gen: Uint | None = None
     batch_results: bool | None = None  # copied from the submit
+    v: int = _V
+    kind: Literal["task"] = _kind("task")
 
 
 class Control(Message, frozen=True):
@@ -260,6 +297,8 @@ class Control(Message, frozen=True):
     upto: list[Uint]
     keep_cpu: bool | None = None
     layout: Map | None = None
+    v: int = _V
+    kind: Literal["control"] = _kind("control")
 
 
 # --- rank -> client (PUSH), and the task body ------------------------------------------
@@ -276,6 +315,8 @@ class Result(Message, frozen=True):
     elapsed_us: Uint | None = None
     digests: list[Digest] | None = None
     cpu_gen: Uint | None = None
+    v: int = _V
+    kind: Literal["result"] = _kind("result")
 
 
 class Body(Message, frozen=True):
@@ -286,6 +327,8 @@ class Body(Message, frozen=True):
     dst: Ids | None = None
     tier: str | None = None
     seed: Uint | None = None
+    v: int = _V
+    kind: Literal["body"] = _kind("body")
 
 
 #: kind -> its class, in the order of docs/protocol.md §4.
@@ -312,48 +355,26 @@ _CLASSES: tuple[type[Message], ...] = (
     Result,
     Body,
 )
+
+
+def kind_of(cls: type[Message]) -> str:
+    """The ``kind`` a class's frames carry (its ``kind`` field's word)."""
+    return str(msgspec.structs.fields(cls)[-1].default_factory())
+
+
+#: the fields every class ends with, in this order
+_TRAILER = ("v", "kind")
 for _cls in _CLASSES:
-    _cls.kind = str(_cls.__struct_config__.tag)  # the tag msgspec checks, readable as ``msg.kind``
-MESSAGES: dict[str, type[Message]] = {cls.kind: cls for cls in _CLASSES}
+    assert _cls.__struct_fields__[-2:] == _TRAILER, f"{_cls.__name__} must end with v and kind"
+MESSAGES: dict[str, type[Message]] = {kind_of(cls): cls for cls in _CLASSES}
 _WIRE_FIELDS: dict[str, tuple[str, ...]] = {
-    kind: tuple(n for n in cls.__struct_fields__ if n != "extra") for kind, cls in MESSAGES.items()
+    kind: tuple(n for n in cls.__struct_fields__ if n not in ("extra", *_TRAILER)) for kind, cls in MESSAGES.items()
 }
-_encode = msgspec.msgpack.Encoder().encode  # a map of these values: msgpack.packb's bytes, in a third of the time
-
-
-def _wire_encoder(cls: type[Message]) -> Any:
-    """``cls.to_wire``, written out for its fields: the required ones in one
-    map literal, each optional one only when set, a reply's ``extra`` as it
-    came, then ``v`` and ``kind`` (the bytes ``protocol.encode`` writes for the
-    same fields, in schema order).  Generated, as ``dataclasses`` writes
-    ``__init__``: a loop over the field names costs three times as much, and
-    ``done`` and ``outcome`` are encoded once per task."""
-    info = {f.name: f for f in msgspec.structs.fields(cls)}
-    names = _WIRE_FIELDS[cls.kind]
-    assert all(n.isidentifier() for n in names)
-    required = ", ".join(f"{n!r}: self.{n}" for n in names if info[n].required)
-    lines = ["def to_wire(self):", f"    out = {{{required}}}"]
-    for n in names:
-        if not info[n].required:
-            lines += [f"    value = self.{n}", "    if value is not None:", f"        out[{n!r}] = value"]
-    if "extra" in info:
-        lines += ["    if self.extra:", "        out.update(self.extra)"]
-    lines += [f"    out['v'] = {VERSION!r}", f"    out['kind'] = {cls.kind!r}", "    return _encode(out)"]
-    namespace: dict[str, Any] = {"_encode": _encode}
-    exec("\n".join(lines), namespace)  # noqa: S102 - source made above from the class's own field names
-    to_wire = namespace["to_wire"]
-    to_wire.__doc__ = Message.to_wire.__doc__
-    to_wire.__qualname__ = f"{cls.__name__}.to_wire"
-    return to_wire
-
-
-for _cls in _CLASSES:
-    _cls.to_wire = _wire_encoder(_cls)  # type: ignore[method-assign]
 
 
 def wire_fields(cls: type[Message]) -> tuple[str, ...]:
-    """The fields of ``cls`` a frame carries, in order (a reply's ``extra`` is not one)."""
-    return _WIRE_FIELDS[cls.kind]
+    """The fields of ``cls`` a frame carries, in order (a reply's ``extra``, ``v`` and ``kind`` are not)."""
+    return _WIRE_FIELDS[kind_of(cls)]
 
 
 __all__ = [
@@ -361,6 +382,7 @@ __all__ = [
     "Message",
     "Ids",
     "Map",
+    "kind_of",
     "wire_fields",
     *(cls.__name__ for cls in MESSAGES.values()),
 ]

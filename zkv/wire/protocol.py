@@ -36,7 +36,7 @@ from .bounds import (
     uint_bounds,
 )
 from .errors import ZkvError
-from .messages import MESSAGES, Body, Message, wire_fields
+from .messages import MESSAGES, Body, Message, kind_of, wire_fields
 from .moves import MOVES
 from .nested import nested_ok
 from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
@@ -300,7 +300,7 @@ M = TypeVar("M", bound=Message)
 
 def decode_as(cls: type[M], frame: bytes) -> M:
     """Decode and validate ``frame`` as a message of ``cls``'s kind; raise ProtocolError otherwise."""
-    msg: M = decode(frame, (cls.kind,))
+    msg: M = decode(frame, (kind_of(cls),))
     return msg
 
 

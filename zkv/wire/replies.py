@@ -46,7 +46,7 @@ class _Answer:
 
     def as_dict(self) -> dict[str, Any]:
         """The reply as the frame has it (``req``, ``op``, the op's fields, ``v``, ``kind``)."""
-        return {"req": self.req, "op": self.op, **self.fields, "v": P.VERSION, "kind": Reply.kind}
+        return {"req": self.req, "op": self.op, **self.fields, "v": P.VERSION, "kind": "reply"}
 
 
 @dataclass(frozen=True)
