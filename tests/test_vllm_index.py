@@ -226,3 +226,54 @@ def test_a_full_tier_refuses_a_store_without_changing_anything():
     index.complete_store(new, ok=True)
     new, _, evicted = index.prepare_store([b"b"])
     assert (new, evicted) == ([b"b"], [b"a"])
+
+
+def _chain(name: str, n: int) -> list[bytes]:
+    return [f"{name}{i:03d}".encode() for i in range(n)]
+
+
+def _store(index: OffloadIndex, chain: list[bytes]) -> None:
+    """One request's store, ended ok, then the spills it triggers, ended ok."""
+    planned = index.prepare_store(chain)
+    assert planned is not None
+    index.complete_store(planned[0], ok=True)
+    for key, _, disk_row in index.plan_spills(64):
+        index.spill_done(key, disk_row, ok=True)
+
+
+def test_a_chain_that_left_the_cpu_comes_back_from_disk_head_first():
+    """Five 21-block requests through 40 CPU rows: the first one's whole chain is on
+    disk when it returns (every row spilled before a store needs it), and a lookup
+    walks it head first."""
+    index = OffloadIndex(cpu_rows=40, disk_rows=512, spill_below=40)
+    chains = [_chain(name, 21) for name in "ABCDE"]
+    for chain in chains:
+        _store(index, chain)
+    assert [index.lookup(key) for key in chains[0]] == [Found.ON_DISK] * 21
+    assert index.lookup(chains[-1][0]) is Found.HIT
+
+
+def test_spilling_fewer_rows_than_a_store_needs_loses_the_chains_head():
+    """Why the default spills every row: with 5 kept clean, a 21-block store drops
+    rows whose only copy was on the CPU, and the first request is gone."""
+    index = OffloadIndex(cpu_rows=40, disk_rows=512, spill_below=5)
+    chains = [_chain(name, 21) for name in "ABCDE"]
+    for chain in chains:
+        _store(index, chain)
+    found = [index.lookup(key) for key in chains[0]]
+    assert Found.MISS in found
+
+
+def test_eviction_takes_a_chains_deepest_blocks_first():
+    """No disk: of a chain pushed out of the CPU tier, what stays is its head (a
+    prefix still serves), and a touch keeps the head the most recent."""
+    index = OffloadIndex(cpu_rows=30)
+    first, second = _chain("A", 20), _chain("B", 20)
+    _store(index, first)
+    _store(index, second)
+    kept = [index.lookup(key) is Found.HIT for key in first]
+    assert kept == [True] * 10 + [False] * 10, kept
+    index.touch(first[:10])
+    _store(index, _chain("C", 10))  # evicts from B's tail, not A's head
+    assert all(index.lookup(key) is Found.HIT for key in first[:10])
+    assert [index.lookup(key) is Found.HIT for key in second] == [True] * 10 + [False] * 10

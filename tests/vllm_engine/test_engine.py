@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from zkv.harness.vllm.rig import (
     BusProbe,
     Chat,
     ModelShape,
+    greedy,
     read_events,
     start_engine,
     stop_engine,
@@ -62,7 +64,6 @@ def _engine(root: Path, name: str, weights: str, kv_events: str | None = None, *
         "tier_dir": str(root),
         "disk_dir": str(disk),
         "disk_blocks": DISK_BLOCKS,
-        "spill_below": CPU_BLOCKS,  # write through to disk: every block there before its CPU row goes
         "status_interval_s": 0.0,  # see a pause at once (a test pauses and reads right after)
         "events_path": str(events),
         "trace_path": str(root / f"{name}-trace.jsonl"),
@@ -159,6 +160,27 @@ def test_tokens_are_identical_with_loads_from_the_cpu_and_the_disk_tier(engines)
     assert shown.returncode == 0, shown.stderr
     assert f"rank 0 cpu: {CPU_BLOCKS}/{CPU_BLOCKS} blocks" in shown.stdout, shown.stdout
     assert "rank 0 disk:" in shown.stdout, shown.stdout
+
+
+def test_a_conversation_back_after_its_blocks_went_to_disk_is_served_from_disk(engines):
+    """The documented configuration (no spill_below), one request at a time right
+    after the chat: prompt P, four others that push P out of vLLM's cache and of
+    zkv's CPU tier, then P again.  Counted, not only compared: P's 21 full blocks
+    come back through a load from disk and a swap-in, and P is not stored again."""
+    a = engines[0]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, SHAPE.vocab) for _ in range(700)] for _ in range(5)]
+    full_blocks = 700 // 32
+    first, _ = greedy(a.llm, prompts[0])
+    for prompt in prompts[1:]:
+        greedy(a.llm, prompt)
+    before = a.probe.blocks_by_op(BLOCK)
+    again, _ = greedy(a.llm, prompts[0])
+    moved = {op: n - before.get(op, 0) for op, n in a.probe.blocks_by_op(BLOCK).items()}
+    assert again == first
+    assert moved.get("load", 0) >= full_blocks, moved  # from the disk tier
+    assert moved.get("swap_in", 0) >= full_blocks, moved  # into vLLM
+    assert moved.get("swap_out", 0) == 0, moved  # served, not recomputed and stored again
 
 
 def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):

@@ -18,6 +18,12 @@ test:
 A CPU row that was spilled is *clean*: its key has a copy on disk too, so
 evicting the CPU copy loses nothing.  Spills run ahead of need (``plan_spills``
 keeps ``spill_below`` CPU rows free or clean), so a store never waits for one.
+
+Recency is kept per request, deepest block first: the keys vLLM hands over in
+one call (a store, a load, a touch) are a chain, block 0 first, and a chain
+without its first block serves nothing.  So they are made recent in reverse:
+eviction takes a chain's deepest blocks first, and what stays of it (on the
+CPU or on disk) is always a prefix that serves.
 """
 
 from __future__ import annotations
@@ -95,7 +101,9 @@ class OffloadIndex:
         return Found.MISS
 
     def touch(self, keys: list[Key]) -> None:
-        for key in keys:
+        """The keys of one request were used: the first block becomes the most recent
+        (a chain's deepest blocks are evicted first)."""
+        for key in reversed(keys):
             if key in self.entries:
                 self.entries.move_to_end(key)
 
@@ -131,7 +139,7 @@ class OffloadIndex:
             return None
         evicted: list[Key] = []
         rows = [self._take_cpu_row(evicted) for _ in new]
-        for key, row in zip(new, rows):
+        for key, row in reversed(list(zip(new, rows))):  # the chain's first block the most recent
             self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.STORING)
         return new, rows, evicted
 

@@ -77,7 +77,7 @@ class ZkvSettings:
         cpu_blocks = _int(extra, "cpu_blocks", 1024, 1)
         disk_dir = _path(extra, "disk_dir")
         disk_blocks = _int(extra, "disk_blocks", 4096, 1)
-        default_spill = max(1, cpu_blocks // 8) if disk_dir else 0
+        default_spill = cpu_blocks if disk_dir else 0  # every row clean: no store drops a row's only copy
         tier_dir = extra.get("tier_dir", "/dev/shm")
         if tier_dir is not None:
             tier_dir = _path(extra, "tier_dir")
