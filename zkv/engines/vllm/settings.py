@@ -97,6 +97,19 @@ class ZkvSettings:
             trace_path=_path(extra, "trace_path"),
         )
 
+    def reserved(self, rank: int, block_bytes: int) -> str:
+        """What a worker's tiers take, said once at its start: both are sized in vLLM blocks,
+        whose bytes only the model's layout fixes (the disk tier's file is preallocated)."""
+        gib = block_bytes / 2**30
+        cpu_where = f"a file in {self.tier_dir}" if self.tier_dir else "process memory"
+        said = (
+            f"rank {rank} reserves {self.cpu_blocks * gib:.2f} GiB for its CPU tier in {cpu_where} "
+            f"({self.cpu_blocks} blocks of {block_bytes} bytes)"
+        )
+        if self.disk_dir:
+            said += f" and {self.disk_blocks * gib:.2f} GiB of disk in {self.disk_dir} ({self.disk_blocks} blocks)"
+        return said
+
     @property
     def endpoints(self) -> Endpoints:
         Path(self.bus_dir).mkdir(mode=0o700, parents=True, exist_ok=True)

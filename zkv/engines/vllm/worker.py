@@ -71,6 +71,7 @@ class ZkvOffloadWorker(OffloadingWorker):
             on_task_done=self.book.on_local,
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
+        log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute
         self._failed_jobs: dict[int, bool] = {}  # job id -> is_store, of failed jobs not yet taken

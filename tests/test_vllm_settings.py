@@ -1,0 +1,23 @@
+"""The vLLM backend's settings (zkv/engines/vllm/settings.py), read from
+``kv_connector_extra_config``: the defaults that decide what the disk tier
+serves, and what a worker says it reserves."""
+
+from zkv.engines.vllm.settings import ZkvSettings
+
+
+def test_with_a_disk_tier_every_cpu_row_is_spilled_by_default():
+    on_disk = ZkvSettings.from_extra({"cpu_blocks": 40, "disk_dir": "/var/tmp/zkv"}, "engine0")
+    assert on_disk.spill_below == 40
+    assert ZkvSettings.from_extra({"cpu_blocks": 40}, "engine0").spill_below == 0
+    assert ZkvSettings.from_extra({"cpu_blocks": 40, "disk_dir": "/d", "spill_below": 8}, "e").spill_below == 8
+
+
+def test_a_worker_says_the_bytes_its_tiers_reserve():
+    block = 2 * 32 * 16 * 8 * 128 * 2  # a Llama 3 8B block of 16 tokens in bf16: 2 MiB
+    said = ZkvSettings.from_extra(
+        {"cpu_blocks": 4096, "tier_dir": "/dev/shm", "disk_dir": "/var/cache/zkv", "disk_blocks": 16384}, "engine0"
+    ).reserved(0, block)
+    assert "8.00 GiB for its CPU tier in a file in /dev/shm" in said
+    assert "32.00 GiB of disk in /var/cache/zkv (16384 blocks)" in said
+    in_memory = ZkvSettings.from_extra({"cpu_blocks": 512, "tier_dir": None}, "engine0").reserved(1, block)
+    assert "rank 1 reserves 1.00 GiB for its CPU tier in process memory" in in_memory and "disk" not in in_memory
