@@ -95,10 +95,12 @@ TORCH_LAYERS = {"rank", "engines"}
 #: as the baseline for the rank's copy engine; the GPU check and its rig drive
 #: it on real tensors; the stand-in engine process owns tensors of its own; the random
 #: test models are torch modules, and so is the random Llama a vLLM engine serves; the
-#: vLLM benchmark's floor copies with plain torch.
+#: vLLM benchmark's floor copies with plain torch, and the checksum benchmark times vLLM's
+#: checksum of torch weights beside a plain copy.
 TORCH_EXCEPTIONS = {
     "zkv.harness.vllm.rig",
     "zkv.harness.vllm.floor",
+    "zkv.harness.vllm.checksum",
     "zkv.harness.bus.bench",
     "zkv.harness.copies.bench",
     "zkv.harness.copies.gpu_check",

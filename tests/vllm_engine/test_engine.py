@@ -250,7 +250,7 @@ def test_failed_stores_and_loads_are_recomputed_and_serving_goes_on(engines):
     assert after["swap_out"] > before["swap_out"] and after["swap_in"] > before["swap_in"], "offload goes on"
 
 
-def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_when_told(engines, weights):
+def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_only_when_measured_unchanged(engines, weights):
     a = engines[0]
     fleet = Fleet([str(a.probe.frontend)], timeout=30)
 
@@ -267,13 +267,23 @@ def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_when_told(engi
     removed = [e for e in read_events(a.events) if e["removed"]]
     assert removed, "the forgotten keys were announced as removed"
 
-    # The caller says the weights did not change while they did: the tiers are
-    # kept and served, and the tokens differ from the new weights' own.
+    # The caller says the weights did not change while they did: the keep is
+    # checked against the weights, so the tiers are dropped and every token is
+    # what the new weights compute.
     chat().run(a.llm)
-    update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
-    stale = chat().run(a.llm)
-    fresh = reference(a)
-    assert stale != fresh, "kept tiers were served (so the test above could fail)"
+    said = update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
+    assert not said.kept and said.weights_changed == (True,), said
+    assert chat().run(a.llm) == reference(a), "a lying caller is never served KV of the old weights"
+
+    # The same weights loaded again, said unchanged: measured unchanged, the tiers
+    # are kept, and the chat is served from them with the same tokens.
+    want = chat().run(a.llm)
+    kept = update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
+    assert kept.kept and kept.weights_changed == (False,) and kept.checksum_s > 0, kept
+    before = a.probe.blocks_by_op(BLOCK)
+    assert chat().run(a.llm) == want
+    moved = {op: n - before.get(op, 0) for op, n in a.probe.blocks_by_op(BLOCK).items()}
+    assert moved.get("swap_in", 0) > 0, moved  # served from the kept tiers
     fleet.close()
 
 
