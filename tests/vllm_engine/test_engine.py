@@ -183,6 +183,35 @@ def test_a_conversation_back_after_its_blocks_went_to_disk_is_served_from_disk(e
     assert moved.get("swap_out", 0) == 0, moved  # served, not recomputed and stored again
 
 
+def test_requests_with_another_cache_salt_never_share_rows(engines):
+    """vLLM folds a request's ``cache_salt`` into its first block's hash, so two
+    tenants' identical prompts are two chains: tenant B is served nothing of the rows
+    tenant A stored, and A's own return is served from them (counted per op)."""
+    from vllm import SamplingParams
+
+    a = engines[0]
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, SHAPE.vocab) for _ in range(700)]
+    full_blocks = 700 // 32
+
+    def run(salt: str) -> tuple[list[int], dict[str, int]]:
+        a.llm.reset_prefix_cache()  # vLLM's own cache only: what comes back comes from zkv
+        before = a.probe.blocks_by_op(BLOCK)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = a.llm.generate([{"prompt_token_ids": prompt, "cache_salt": salt}], params, use_tqdm=False)
+        moved = {op: n - before.get(op, 0) for op, n in a.probe.blocks_by_op(BLOCK).items()}
+        return list(out[0].outputs[0].token_ids), moved
+
+    first, stored = run("tenant-a")
+    assert stored.get("swap_out", 0) >= full_blocks, stored
+    other, moved = run("tenant-b")
+    assert moved.get("swap_in", 0) == 0, f"tenant B was served tenant A's rows: {moved}"
+    assert moved.get("swap_out", 0) >= full_blocks, moved  # stored as a chain of its own
+    again, served = run("tenant-a")
+    assert served.get("swap_in", 0) >= full_blocks, served
+    assert first == other == again
+
+
 def test_a_torn_disk_tier_is_recomputed_and_serving_goes_on(engines):
     a = engines[0]
     want = reference(a)
