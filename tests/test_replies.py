@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
 from zkv.wire.messages import Reply
-from zkv.wire.replies import CancelReply, ControlReply, StatusReply
+from zkv.wire.replies import CancelReply, ControlReply, PingReply, RankStatus, StatusReply, typed
 from zkv.wire.vocab import BusState, ControlOp, TaskState
 
 
@@ -44,3 +45,33 @@ def test_a_cancel_reply_says_what_the_task_was(word):
     answer = CancelReply.from_reply(Reply(req=4, op="cancel", extra=said))
     assert answer.state is word and answer.task == 9
     assert CancelReply.from_reply(Reply(req=5, op="cancel", extra={"task": 9})).state is TaskState.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        PingReply(1),
+        CancelReply(2, task=9, cancelled=True, state=TaskState.QUEUED),
+        ControlReply(3, control=ControlOp.PAUSE, noop=True, state=BusState.PAUSED, epoch=4, gen=2, note="paused"),
+        ControlReply(4, control=ControlOp.CLEAR, noop=True, state=BusState.CLEARED, epoch=5, gen=3, note="cleared"),
+        ControlReply(
+            5, control=ControlOp.CLEAR, epoch=6, gen=4, cpu_gen=2, state=BusState.CLEARED, elapsed_ms=1.5,
+            cancelled=3, freed=4096, ranks_acked=2, world=2,
+        ),
+        ControlReply(
+            6, control=ControlOp.RESUME, epoch=7, gen=5, cpu_gen=2, state=BusState.RUNNING, elapsed_ms=2.25,
+            layout=CacheLayout(gpu_blocks=64), cpu_kept=False, note="the CPU tier could not be kept",
+            gen_reason="clear", ranks_acked=1, world=2,
+        ),
+        StatusReply(
+            7, state=BusState.RUNNING, epoch=8, gen=6, cpu_gen=3, gen_reason="resume", world=2,
+            layout=CacheLayout(), ranks=(RankStatus(0, alive=True, pid=12, host="h", stats={"ops": 1}),),
+            queued=1, inflight=2, max_inflight_per_rank=64, pending_op=ControlOp.PAUSE, counters={"tasks": 5},
+        ),
+    ],
+    ids=lambda a: f"{a.op}{'-noop' if getattr(a, 'noop', False) else ''}",
+)  # fmt: skip
+def test_an_answer_the_broker_builds_reads_back_as_the_same_answer(answer):
+    back = typed(P.decode_as(Reply, answer.to_wire()))
+    assert back == answer  # every typed field (the frame's own map is not compared)
+    assert back.as_dict() == answer.as_dict()

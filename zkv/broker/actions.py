@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Union
 
 from ..wire import protocol as P
-from ..wire.messages import Error, OutcomeMsg, Reply
+from ..wire.messages import Error, OutcomeMsg
+from ..wire.replies import Answer
 from ..wire.vocab import Outcome
 
 
@@ -52,9 +53,9 @@ def frames_of(actions: Iterable[Action], kind: type) -> list[Any]:
     return [a for a in actions if isinstance(a, kind)]
 
 
-def reply(client: bytes, req: int, op: str, **fields: Any) -> ToClient:
-    """A client request's answer."""
-    return ToClient(client, [Reply(req=req, op=op, extra=fields).to_wire()])
+def answer_to(client: bytes, answer: Answer) -> ToClient:
+    """A client request's answer, typed (``wire/replies.py``: the client reads it back as one)."""
+    return ToClient(client, [answer.to_wire()])
 
 
 def error(client: bytes, code: str, reason: str, **fields: Any) -> ToClient:

@@ -11,7 +11,8 @@ from ..wire import bounds
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Map
-from .actions import Action, reply
+from ..wire.replies import ControlReply
+from .actions import Action, answer_to
 from .state import ALREADY, BusState, ControlOp
 
 #: The op's own fields in a noop reply, in the order a real reply has them.
@@ -37,7 +38,7 @@ def noop_reply(op: ControlOp, client: bytes, req: int, state: BusState, epoch: i
     if state not in ALREADY[op]:
         return None
     note = _NOOP_NOTE.get(op, f"already {state}")
-    return reply(client, req, op, noop=True, state=state, epoch=epoch, gen=gen, **_NOOP_FIELDS[op], note=note)
+    return answer_to(client, ControlReply(req, control=op, noop=True, state=state, epoch=epoch, gen=gen, note=note))
 
 
 def check_clear(state: BusState, gen: int = 0) -> None:

@@ -6,13 +6,14 @@ The states it moves the bus between are looked up in ``state.py``."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from ..obs.book import BusBook
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ack, Clear, Pause, Resume
+from ..wire.replies import ControlReply
 from ..wire.vocab import Outcome
-from .actions import Action, Publish, Record, error, reply
+from .actions import Action, Publish, Record, answer_to, error
 from .admission import Refusal, check_clear, noop_reply, resume_layout
 from .announce import control_frame, welcome_frame
 from .generation import Generation
@@ -248,27 +249,37 @@ class ControlMachine:
             self._answer_failure(op, out)
             return
         self.book.control_finished(op.op, Outcome.OK, now - op.started)
-        elapsed_ms = round((now - op.started) * 1000, 3)
-        fields: dict[str, Any] = {"epoch": op.epoch, "gen": self.gens.gen, "cpu_gen": self.gens.cpu_gen}
         self.state = ON_SUCCESS[op.op]
-        if op.op == ControlOp.PAUSE:
-            fields["drain_ms"] = elapsed_ms
-        elif op.op == ControlOp.CLEAR:
-            fields.update(clear_ms=elapsed_ms, cancelled=op.cancelled, freed=op.freed)
-        else:
-            fields["resume_ms"] = elapsed_ms
+        resume = op.op == ControlOp.RESUME
+        cpu_kept, note = None, ""
+        if resume:
             self.own_resume.succeeded()
             if self.gens.keep_cpu:
                 self.op_keep_cpu = False
-            self.gens.resumed(op.layout, fields)
-        fields["state"] = self.state
-        fields["ranks_acked"] = len(self.ranks.live())
-        fields["world"] = self.cfg.world  # fewer acked than the world: the op completed without some ranks
+            cpu_kept, note = self.gens.resumed(op.layout)
+        gens = self.gens
+        answer = ControlReply(
+            0,
+            control=op.op,
+            epoch=op.epoch,
+            gen=gens.gen,
+            cpu_gen=gens.cpu_gen,
+            state=self.state,
+            elapsed_ms=round((now - op.started) * 1000, 3),
+            cancelled=op.cancelled,
+            freed=op.freed,
+            layout=gens.layout if resume else None,
+            cpu_kept=cpu_kept,
+            note=note,
+            gen_reason=(gens.reason or None) if resume else None,
+            ranks_acked=len(self.ranks.live()),
+            world=self.cfg.world,  # fewer acked than the world: the op completed without some ranks
+        )
         self.counters[f"{op.op}_ok"] += 1
         if self.recording:
-            out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **fields}))
+            out.append(Record({"ev": "control", "op": op.op, "t": now, "ok": True, **answer.wire_fields()}))
         for client, req in op.waiters:
-            out.append(reply(client, req, op.op, **fields))
+            out.append(answer_to(client, replace(answer, req=req)))
         self._run_tasks(now, out)
 
     def _fail_pending(self, code: str, reason: str, now: float, out: list[Action]) -> None:

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from ..obs.book import BusBook
 from ..wire import bounds
@@ -52,7 +53,8 @@ from ..wire.messages import (
     Status,
     Submit,
 )
-from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, error, frames_of, reply
+from ..wire.replies import PingReply, StatusReply
+from .actions import Action, Publish, Record, SaveState, ToClient, ToRank, answer_to, error, frames_of
 from .claims import Claim, ClaimTable
 from .control import ControlMachine
 from .generation import Generation
@@ -200,7 +202,7 @@ class BrokerCore:
             case Status():
                 self._status(client, msg, now, out)
             case Ping():
-                out.append(reply(client, msg.req, "ping"))
+                out.append(answer_to(client, PingReply(msg.req)))
             case Cancel():
                 self.tasks.cancel(client, msg, now, out)
             case Pause() | Clear() | Resume():
@@ -224,7 +226,7 @@ class BrokerCore:
     def _status(self, client: bytes, msg: Status, now: float, out: list[Action]) -> None:
         want = msg.wait_ranks or 0
         if self.rank_table.ready_count() >= want:
-            out.append(reply(client, msg.req, "status", **self.status(now)))
+            out.append(answer_to(client, self.status_answer(msg.req, now)))
         elif want > self.cfg.world:  # could never be met: say so now instead of holding it
             out.append(
                 error(
@@ -242,9 +244,9 @@ class BrokerCore:
         """Reply to ``status --wait-ranks`` requests that are satisfied or expired."""
         ready = self.rank_table.ready_count()
         met, expired = self.ready_waiters.settle(now, ready)
-        status = self.status(now) if met else {}
+        status = self.status_answer(0, now) if met else None
         for w in met:
-            out.append(reply(w.client, w.req, "status", **status))
+            out.append(answer_to(w.client, replace(cast(StatusReply, status), req=w.req)))
         for w in expired:
             out.append(
                 error(w.client, "timeout", f"only {ready} of {w.want} ranks registered before the deadline", req=w.req)
@@ -407,21 +409,27 @@ class BrokerCore:
         due += (self.ready_waiters.due, self.tasks.deadline())
         return max(0.0, min(due) - now)
 
-    def status(self, now: float) -> dict[str, Any]:
+    def status_answer(self, req: int, now: float) -> StatusReply:
+        """The reply to ``status`` (docs/protocol.md §8.4), typed."""
         control, gens, tasks, ranks = self.control, self.gens, self.tasks, self.rank_table.ranks
-        return {
-            "state": control.state.value,
-            "epoch": control.epoch,
-            "gen": gens.gen,
-            "cpu_gen": gens.cpu_gen,
-            "gen_reason": gens.reason,
-            "world": self.cfg.world,
-            "layout": gens.layout.to_wire() if gens.layout else None,
-            "ranks": [ranks[r].to_json(now) for r in sorted(ranks)],
-            "queued": tasks.queued(),
-            "inflight": len(tasks.inflight),
-            "max_inflight_per_rank": self.cfg.max_inflight_per_rank,
-            "pending_op": control.pending.op.value if control.pending else None,
+        return StatusReply(
+            req,
+            state=control.state,
+            epoch=control.epoch,
+            gen=gens.gen,
+            cpu_gen=gens.cpu_gen,
+            gen_reason=gens.reason,
+            world=self.cfg.world,
+            layout=gens.layout,
+            ranks=tuple(ranks[r].to_status(now) for r in sorted(ranks)),
+            queued=tasks.queued(),
+            inflight=len(tasks.inflight),
+            max_inflight_per_rank=self.cfg.max_inflight_per_rank,
+            pending_op=control.pending.op if control.pending else None,
             **control.own_resume.status(now),  # the broker's own resume, when it keeps failing (restate.py)
-            "counters": dict(self._book.counters()),
-        }
+            counters=dict(self._book.counters()),
+        )
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The status reply's fields as a map (the recovery file and tests read them)."""
+        return self.status_answer(0, now).wire_fields()

@@ -94,25 +94,23 @@ class Generation:
         if self.keep_cpu:
             self.cpu_lost.append(rank)
 
-    def resumed(self, layout: CacheLayout | None, fields: dict[str, Any]) -> None:
-        """A resume completed on every rank: take its layout, and add to its
-        reply what the bus's memory now is."""
+    def resumed(self, layout: CacheLayout | None) -> tuple[bool | None, str]:
+        """A resume completed on every rank: take its layout; returns whether the
+        CPU tier a clear kept survived (None: the clear kept none) and the note
+        its reply carries when it did not."""
         if layout is not None:
             self.layout = layout
-        if self.layout is not None:
-            fields["layout"] = self.layout.to_wire()
+        cpu_kept, note = None, ""
         if self.keep_cpu:  # the clear before kept the CPU tier: say whether it survived
-            fields["cpu_kept"] = not self.cpu_lost
+            cpu_kept = not self.cpu_lost
             if self.cpu_lost:
                 self.move_cpu()
-                fields["note"] = (
+                note = (
                     f"the CPU tier could not be kept on ranks {sorted(set(self.cpu_lost))} (a new block shape, "
                     "or a rank that came back without it): the blocks the clear kept are gone"
                 )
             self.keep_cpu = False
-        fields["cpu_gen"] = self.cpu_gen
-        if self.reason:
-            fields["gen_reason"] = self.reason
+        return cpu_kept, note
 
     def restore(self, snap: dict[str, Any], cleared: bool) -> None:
         """Take a restarted broker's generation from its snapshot (``recovery.py``)."""

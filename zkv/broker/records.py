@@ -8,6 +8,7 @@ from typing import Any
 
 from ..wire.layout import CacheLayout
 from ..wire.outcome import RankFold
+from ..wire.replies import RankStatus
 from .state import BusState, ControlOp
 
 
@@ -51,18 +52,22 @@ class RankState:
     acked_epoch: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
 
+    def to_status(self, now: float) -> RankStatus:
+        """This rank's entry of a status reply (docs/protocol.md §8.4)."""
+        return RankStatus(
+            rank=self.rank,
+            alive=self.alive,
+            pid=self.pid,
+            host=self.host,
+            inflight=self.inflight,
+            dispatched=self.dispatched,
+            acked_epoch=self.acked_epoch,
+            last_seen_ms=round((now - self.last_seen) * 1000, 1),
+            stats=self.stats,
+        )
+
     def to_json(self, now: float) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "alive": self.alive,
-            "pid": self.pid,
-            "host": self.host,
-            "inflight": self.inflight,
-            "dispatched": self.dispatched,
-            "acked_epoch": self.acked_epoch,
-            "last_seen_ms": round((now - self.last_seen) * 1000, 1),
-            "stats": self.stats,
-        }
+        return self.to_status(now).to_wire()
 
 
 @dataclass(slots=True)

@@ -15,8 +15,9 @@ from ..wire import protocol as P
 from ..wire.messages import Cancel, Done, Submit
 from ..wire.messages import Task as TaskMsg
 from ..wire.outcome import RankFold
+from ..wire.replies import CancelReply
 from ..wire.vocab import Outcome, TaskState
-from .actions import Action, Record, ToRank, error, outcome, reply
+from .actions import Action, Record, ToRank, answer_to, error, outcome
 from .generation import Generation
 from .ranks import RankTable
 from .records import BrokerConfig, RankState, Task
@@ -224,7 +225,7 @@ class TaskTable:
             self.stale += 1  # it leaves the queue lazily, as an expired one
             if self.stale > len(self.queue) // 2:
                 self.compact()
-        out.append(reply(client, msg.req, "cancel", task=msg.task, cancelled=state == "queued", state=state))
+        out.append(answer_to(client, CancelReply(msg.req, task=msg.task, cancelled=state == "queued", state=state)))
 
     def cancel_queued(self, reason: str, now: float, out: list[Action]) -> int:
         """End every queued task ``cancelled`` (caches cleared, generation moved)."""

@@ -1,9 +1,12 @@
-"""The client's typed answers to requests: one class per reply kind, built
-once from the decoded ``reply`` message (its op's fields are in ``extra``;
-docs/protocol.md §7.6, §8.3-§8.5 list them).
+"""The typed answers to requests, one class per reply kind, for both ends:
+the broker builds one and sends its ``to_wire()`` (the op's fields beside
+``req`` and ``op``: ``wire_fields()``), the client builds one from the decoded
+``reply`` message (``from_reply``; docs/protocol.md §7.6, §8.3-§8.5 list the
+fields).
 
-Every reply keeps the map the frame carried for ``as_dict()``: the CLI's
-``--json`` prints it as the broker sent it.
+A decoded reply keeps the map the frame carried for ``as_dict()``: the CLI's
+``--json`` prints it as the broker sent it, fields a newer broker added
+included.
 """
 
 from __future__ import annotations
@@ -44,9 +47,19 @@ class _Answer:
     def op(self) -> str:
         return self.OP
 
+    def wire_fields(self) -> dict[str, Any]:
+        """The op's fields as the frame carries them, from the typed values."""
+        return {}
+
+    def to_wire(self) -> bytes:
+        """The ``reply`` frame of this answer."""
+        return Reply(req=self.req, op=self.op, extra=self.wire_fields()).to_wire()
+
     def as_dict(self) -> dict[str, Any]:
-        """The reply as the frame has it (``req``, ``op``, the op's fields, ``v``, ``kind``)."""
-        return {"req": self.req, "op": self.op, **self.fields, "v": P.VERSION, "kind": "reply"}
+        """The reply as the frame has it (``req``, ``op``, the op's fields, ``v``, ``kind``):
+        a decoded one's own map, a built one's ``wire_fields()``."""
+        fields = self.fields or self.wire_fields()
+        return {"req": self.req, "op": self.op, **fields, "v": P.VERSION, "kind": "reply"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class CancelReply(_Answer):
     state: TaskState = TaskState.UNKNOWN
 
     OP = "cancel"
+
+    def wire_fields(self) -> dict[str, Any]:
+        return {"task": self.task, "cancelled": self.cancelled, "state": self.state.value}
 
     @classmethod
     def from_reply(cls, reply: Reply) -> "CancelReply":
@@ -106,6 +122,32 @@ class ControlReply(_Answer):
     @property
     def op(self) -> str:
         return self.control.value
+
+    def wire_fields(self) -> dict[str, Any]:
+        """Which fields a reply carries depends on its op and on whether it was a
+        no-op (§8.3): a pause says ``drain_ms`` even as a no-op, a clear its
+        ``cancelled`` and ``freed``; a no-op's ``clear_ms`` / ``resume_ms``,
+        ``cpu_gen``, ``ranks_acked`` and ``world`` are absent."""
+        out: dict[str, Any] = {"epoch": self.epoch, "gen": self.gen}
+        if self.cpu_gen is not None:
+            out["cpu_gen"] = self.cpu_gen
+        if self.control is ControlOp.PAUSE or not self.noop:
+            out[_ELAPSED[self.control]] = self.elapsed_ms
+        if self.control is ControlOp.CLEAR:
+            out.update(cancelled=self.cancelled, freed=self.freed)
+        named = {"layout": self.layout.to_wire() if self.layout else None, "cpu_kept": self.cpu_kept}
+        out.update((k, v) for k, v in named.items() if v is not None)
+        if self.note:
+            out["note"] = self.note
+        if self.gen_reason:
+            out["gen_reason"] = self.gen_reason
+        if self.state is not None:
+            out["state"] = self.state.value
+        counted = {"ranks_acked": self.ranks_acked, "world": self.world}
+        out.update((k, v) for k, v in counted.items() if v is not None)
+        if self.noop:
+            out["noop"] = True
+        return out
 
     @classmethod
     def from_reply(cls, reply: Reply) -> "ControlReply":
@@ -146,6 +188,19 @@ class RankStatus:
     acked_epoch: int = 0
     last_seen_ms: float = 0.0
     stats: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "alive": self.alive,
+            "pid": self.pid,
+            "host": self.host,
+            "inflight": self.inflight,
+            "dispatched": self.dispatched,
+            "acked_epoch": self.acked_epoch,
+            "last_seen_ms": self.last_seen_ms,
+            "stats": self.stats,
+        }
 
     @classmethod
     def from_wire(cls, x: Mapping[str, Any]) -> "RankStatus":
@@ -188,6 +243,27 @@ class StatusReply(_Answer):
     @property
     def alive_ranks(self) -> list[int]:
         return [r.rank for r in self.ranks if r.alive]
+
+    def wire_fields(self) -> dict[str, Any]:
+        """Every field, absent ones as nil (§8.4: a status names them all)."""
+        return {
+            "state": self.state.value if self.state is not None else None,
+            "epoch": self.epoch,
+            "gen": self.gen,
+            "cpu_gen": self.cpu_gen,
+            "gen_reason": self.gen_reason,
+            "world": self.world,
+            "layout": self.layout.to_wire() if self.layout else None,
+            "ranks": [r.to_wire() for r in self.ranks],
+            "queued": self.queued,
+            "inflight": self.inflight,
+            "max_inflight_per_rank": self.max_inflight_per_rank,
+            "pending_op": self.pending_op.value if self.pending_op is not None else None,
+            "restate_failures": self.restate_failures,
+            "restate_error": self.restate_error,
+            "restate_retry_in_s": self.restate_retry_in_s,
+            "counters": dict(self.counters),
+        }
 
     @classmethod
     def from_reply(cls, reply: Reply) -> "StatusReply":
