@@ -23,7 +23,7 @@ def test_ready_gets_welcome_with_layout_and_state():
     (welcome,) = decoded(acts, ToRank)
     assert welcome.kind == "welcome"
     assert welcome.op == "run" and welcome.epoch == 0 and welcome.upto == 0
-    assert welcome.layout == LAYOUT.to_wire()
+    assert welcome.layout == LAYOUT
     assert core.status(1.0)["ranks"][0]["alive"] is True
 
 

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from zkv.wire import bounds
 from zkv.wire import messages as M
 from zkv.wire import protocol as P
+from zkv.wire.layout import CacheLayout
 
 VECTORS = Path(__file__).parent / "vectors"
 
@@ -292,6 +293,11 @@ def _field(kind, name, typ):
         return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
     if name == "kept_tiers":
         return st.lists(st.sampled_from(["cpu", "disk"]), max_size=2)
+    if name == "layout":  # typed where it enters: a whole valid layout, or a resume's changes to one
+        sizes = st.fixed_dictionaries({"gpu_blocks": st.integers(1, 2**31 - 1), "layers": st.integers(1, 4096)})
+        if kind == "resume":
+            return sizes.flatmap(lambda d: st.sampled_from([{}, {"gpu_blocks": d["gpu_blocks"]}, d]))
+        return sizes.map(lambda d: CacheLayout(**d).to_wire())
     return _STRATEGIES[typ]
 
 

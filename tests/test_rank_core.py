@@ -78,7 +78,7 @@ def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
     (alloc,) = [a for a in acts if isinstance(a, AllocateCache)]
     assert alloc.layout.gpu_blocks == 8 and sent(acts, "ack") == []
     (ack,) = sent(core.on_cache_done(), "ack")
-    assert ack.op == "resume" and ack.layout["gpu_blocks"] == 8
+    assert ack.op == "resume" and ack.layout.gpu_blocks == 8
 
 
 def test_task_from_another_generation_is_refused():

@@ -165,7 +165,7 @@ def test_a_new_process_with_another_layout_is_refused_naming_both_unless_it_adop
         b"r1", [P.encode("ready", rank=1, session=3, layout=other.to_wire(), adopt_layout=True, **ready)], 1.0
     )
     (welcome,) = [m for m in rank_msgs(out) if m.kind == "welcome"]
-    assert welcome.layout == LAYOUT.to_wire(), "it adopts the bus's layout"
+    assert welcome.layout == LAYOUT, "it adopts the bus's layout"
     not_fresh = {**ready, "fresh": False}  # a process whose memory was the bus's: the bus moved while it was away
     out = core.on_rank(b"r1", [P.encode("ready", rank=1, session=4, layout=other.to_wire(), **not_fresh)], 1.0)
     assert all(m.kind != "refused" for m in rank_msgs(out))

@@ -501,13 +501,17 @@ def test_a_done_batch_from_a_stranger_gets_one_reregister_per_frame(cluster, cli
         sock.close()
 
 
-def test_an_ack_whose_layout_breaks_the_layout_rules_gets_reregister_from_a_stranger(cluster, client):
+def test_an_ack_whose_layout_breaks_the_layout_rules_is_a_bad_field_from_anyone(cluster, client):
+    """A layout is typed where it enters: one that breaks a bound is a malformed frame,
+    answered ``bad_field`` before the sender is looked at, as any other bound is."""
     sock = raw(cluster.endpoints.backend)
     try:
         sock.send(P.encode("ack", epoch=1, op="resume", gen=0, layout=dict(LAYOUT.to_wire(), layers=0)))
-        assert recv(sock)["kind"] == "reregister"
+        msg = recv(sock)
+        assert (msg["kind"], msg["code"]) == ("error", "bad_field") and "layers" in msg["reason"], msg
     finally:
         sock.close()
+    assert_serving(cluster, client)
 
 
 def test_an_ack_whose_layout_breaks_the_layout_rules_is_not_counted_from_a_rank():
@@ -797,4 +801,4 @@ def test_a_rank_ignores_a_welcome_or_control_with_a_bad_layout():
         1.0,
     )
     assert core.on_control(P.encode("control", epoch=1, op="resume", gen=0, upto=[0], layout=bad), 1.1) == []
-    assert core.layout == LAYOUT and core.counters["bad_broker_msgs"] == 2
+    assert core.layout == LAYOUT and core.counters["bad_broker_msgs"] == 1 and core.counters["bad_control_msgs"] == 1

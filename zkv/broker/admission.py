@@ -9,8 +9,7 @@ from typing import Any
 
 from ..wire import bounds
 from ..wire import protocol as P
-from ..wire.layout import CacheLayout
-from ..wire.messages import Map
+from ..wire.layout import CacheLayout, LayoutChange
 from ..wire.replies import ControlReply
 from .actions import Action, answer_to
 from .state import ALREADY, BusState, ControlOp
@@ -51,7 +50,7 @@ def check_clear(state: BusState, gen: int = 0) -> None:
         raise Refusal("gen_exhausted", f"cache generation {gen} is at its maximum {bounds.MAX_GEN}: no clear follows")
 
 
-def resume_layout(named: Map | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:
+def resume_layout(named: LayoutChange | None, state: BusState, current: CacheLayout | None) -> CacheLayout | None:
     """The layout a resume names, decoded once (always named, so that no rank
     resumes on another layout): the current one, or the request's changes
     over it.  Changes need cleared caches, also on a running bus (a noop
@@ -68,10 +67,9 @@ def resume_layout(named: Map | None, state: BusState, current: CacheLayout | Non
     return wanted
 
 
-def merged_layout(named: Map, current: CacheLayout | None) -> CacheLayout:
+def merged_layout(named: LayoutChange, current: CacheLayout | None) -> CacheLayout:
     """A resume's layout changes over the bus's ``current`` layout; ``bad_field`` if invalid."""
-    base = current or CacheLayout()
     try:
-        return CacheLayout.from_wire({**base.to_wire(), **named})
-    except (P.ProtocolError, TypeError) as err:
+        return named.over(current or CacheLayout())
+    except P.ProtocolError as err:
         raise Refusal("bad_field", f"resume layout: {err}") from None

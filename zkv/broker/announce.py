@@ -15,7 +15,7 @@ from .state import ControlOp
 def _named(layout: CacheLayout | None, keep_cpu: bool) -> dict[str, Any]:
     named: dict[str, Any] = {}
     if layout is not None:
-        named["layout"] = layout.to_wire()
+        named["layout"] = layout
     if keep_cpu:
         named["keep_cpu"] = True
     return named
@@ -37,7 +37,7 @@ def welcome_frame(
         op=op,
         gen=gen,
         upto=upto,
-        layout=layout.to_wire(),
+        layout=layout,
         heartbeat_ms=heartbeat_ms,
         keep_cpu=True if keep_cpu else None,
         session=session,

@@ -212,8 +212,8 @@ class BrokerCore:
 
     def _control_request(self, client: bytes, msg: Pause | Clear | Resume, now: float, out: list[Action]) -> None:
         if self.recording:
-            named = ((k, getattr(msg, k, None)) for k in ("keep_cpu", "layout", "timeout_ms"))
-            params = {k: v for k, v in named if v is not None}
+            named = msg.to_dict()  # a layout as its map
+            params: dict[str, Any] = {k: named[k] for k in ("keep_cpu", "layout", "timeout_ms") if k in named}
             out.append(Record({"ev": "request", "op": msg.kind, "t": now, "client": client.hex(), **params}))
         match msg:
             case Pause():
@@ -284,6 +284,14 @@ class BrokerCore:
     ) -> None:
         try:
             msg = decode(frame)
+        except P.LayoutError as err:
+            if err.kind == "ready":  # an invalid layout: refused, and the rank exits (docs/protocol.md §10.1)
+                self.rank_table.counters["refused"] += 1
+                out.append(ToRank(identity, [Refused(reason=P.clamp(f"bad layout: {err.reason}")).to_wire()]))
+                return
+            self._events["bad_rank_msgs"] += 1
+            out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))
+            return
         except P.ProtocolError as err:
             self._events["bad_rank_msgs"] += 1
             out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))

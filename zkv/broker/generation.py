@@ -16,12 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..wire import bounds
-from ..wire import protocol as P
 from ..wire.errors import ZkvError
 from ..wire.layout import CacheLayout
-from ..wire.messages import Map
-
-_LAYOUT_FIELDS = len(CacheLayout.__dataclass_fields__)
 
 
 def _within(gen: int) -> int:
@@ -122,15 +118,10 @@ class Generation:
         self.keep_cpu = bool(snap.get("keep_cpu")) and cleared
         self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
 
-    def is_acked_layout(self, acked: Map | None, named: CacheLayout) -> bool:
-        """A resume's ack is for the ``named`` layout: it names that one
-        (parsed once, here; a partial map is none, a rank acks every field),
-        or names none while ``named`` is the bus's own."""
+    def is_acked_layout(self, acked: CacheLayout | None, named: CacheLayout) -> bool:
+        """A resume's ack is for the ``named`` layout: it names that one (typed by
+        the decoder: a rank acks every field), or names none while ``named`` is
+        the bus's own."""
         if acked is None:
             return self.layout is not None and named == self.layout
-        if len(acked) != _LAYOUT_FIELDS:
-            return False
-        try:
-            return CacheLayout.from_wire(acked) == named
-        except (P.ProtocolError, TypeError):
-            return False
+        return acked == named

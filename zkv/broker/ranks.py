@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 
-from ..wire import protocol as P
 from ..wire.layout import CacheLayout
 from ..wire.messages import Heartbeat, Ready
 from .actions import Action, Record, ToRank
@@ -47,18 +46,15 @@ class RankTable:
         return rs
 
     def admit(self, msg: Ready, bus: CacheLayout | None) -> tuple[CacheLayout | None, str]:
-        """A ``ready``'s layout, or why the rank is refused: another world size, a
-        bad layout, or a new process started with another layout than the bus's
+        """A ``ready``'s layout, or why the rank is refused: another world size, or a
+        new process started with another layout than the bus's
         (``bus``) that did not ask to adopt it (docs/protocol.md §10.1): never
         resized behind its operator's back."""
         rank, world = msg.rank, msg.world
         if world != self.cfg.world or rank >= world:
             self.counters["refused"] += 1
             return None, f"rank {rank} of world {world} does not fit this broker's world size {self.cfg.world}"
-        try:
-            layout = CacheLayout.from_wire(msg.layout)
-        except (P.ProtocolError, TypeError) as err:
-            return None, f"bad layout: {err}"
+        layout = msg.layout  # typed and checked by the decoder
         if msg.fresh and bus is not None and layout != bus and not msg.adopt_layout:
             self.counters["refused"] += 1
             return None, (

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.layout import CacheLayout
-from ..wire.messages import Ack, Done, Error, Heartbeat, Map, Ready, Refused, Reregister, Task, Welcome
+from ..wire.messages import Ack, Done, Error, Heartbeat, Ready, Refused, Reregister, Task, Welcome
 from ..wire.vocab import ControlOp, RankOutcome
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction, ToBroker
 from .cache_phase import CachePhase, CacheState
@@ -82,7 +82,7 @@ class RankCore:
         reg.last_ready_sent = now
         self.counters["ready_sent"] += 1
         fields: dict[str, Any] = {"rank": self.rank, "world": self.world, "session": reg.session, "gen": self.gen}
-        fields.update(layout=self.layout.to_wire(), pid=reg.pid, host=reg.host or None, fresh=self.fresh)
+        fields.update(layout=self.layout, pid=reg.pid, host=reg.host or None, fresh=self.fresh)
         fields.update(has_cache=self.cache.phase.serves)
         if self.adopt_layout:
             fields["adopt_layout"] = True
@@ -149,14 +149,11 @@ class RankCore:
         self.registration.last_broker_msg = now
         if isinstance(msg, Heartbeat):
             return self._end_probe(now) if msg.probe and self.registration.probing else []
-        if isinstance(msg, Welcome):
-            layout = self._entered_layout(msg.layout)
-            if layout is None:
-                return []
+        if isinstance(msg, Welcome):  # its layout typed and checked by the decoder
             if msg.session is not None and msg.session != self.registration.session:
                 self.counters["stale_welcomes"] += 1  # answers a READY we since replaced
                 return []
-            return self._welcome(msg, layout, now)
+            return self._welcome(msg, msg.layout, now)
         if isinstance(msg, Reregister):
             if not self.registered:
                 self.counters["stale_reregisters"] += 1  # our READY is already on its way
@@ -246,22 +243,8 @@ class RankCore:
         if not self.registered:
             self.counters["control_before_welcome"] += 1
             return []  # the welcome will carry the state
-        layout = None
-        if ctl.layout is not None:
-            layout = self._entered_layout(ctl.layout)
-            if layout is None:
-                return []
         upto = ctl.upto[self.rank] if self.rank < len(ctl.upto) else 0
-        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, layout, bool(ctl.keep_cpu), now)
-
-    def _entered_layout(self, wire: Map) -> CacheLayout | None:
-        """A layout from the broker, parsed where it enters, like every value
-        (and carried as a ``CacheLayout`` from here); ``None`` if bad."""
-        try:
-            return CacheLayout.from_wire(wire)
-        except P.ProtocolError:
-            self.counters["bad_broker_msgs"] += 1
-            return None
+        return self._apply(ctl.epoch, ctl.op, ctl.gen, upto, ctl.layout, bool(ctl.keep_cpu), now)
 
     def _welcome(self, msg: Welcome, layout: CacheLayout, now: float) -> list[RankAction]:
         if msg.upto > self.received:
@@ -354,7 +337,7 @@ class RankCore:
                         epoch=self.epoch,
                         op=op,
                         gen=self.gen,
-                        layout=self.layout.to_wire(),
+                        layout=self.layout,
                         error=cache.error,
                     ).to_wire()
                 )
@@ -372,7 +355,7 @@ class RankCore:
         if op is ControlOp.CLEAR:
             fields["freed"] = cache.freed
         if op is ControlOp.RESUME:
-            fields["layout"] = self.layout.to_wire()
+            fields["layout"] = self.layout
             if cache.cpu_kept is not None:
                 fields["cpu_kept"] = cache.cpu_kept
         if self.stats is not None:

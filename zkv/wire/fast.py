@@ -106,7 +106,7 @@ def _field_type(kind: str, name: str, typ: str) -> Any:
     if typ == "ids":  # int32 range, MAX_IDS and whole int32s are task_body's to check, as for the slow path
         return bytes | list[int]
     if typ == "map":
-        return _MAP_FIELD
+        return P.LAYOUT_TYPES[kind] if name == "layout" else _MAP_FIELD  # a layout: its own checks
     if (typ, name) == ("list", "upto"):
         uint = _Annotated[int, msgspec.Meta(ge=0, le=P.MAX_SAFE_INT)]
         return _Annotated[list[uint], msgspec.Meta(max_length=P.LIST_MAX["upto"])]  # type: ignore[valid-type]
@@ -149,8 +149,9 @@ class _NoKind(msgspec.Struct, frozen=True, tag_field="kind", tag="\x00"):
 TYPES: dict[str, type[msgspec.Struct]] = {kind: wire_type(kind) for kind in HOT_KINDS}
 for _kind in HOT_KINDS:  # a checked frame's fields, in order, are its message's (``decoder``)
     assert TYPES[_kind].__struct_fields__ == MESSAGES[_kind].__struct_fields__[:-1], _kind
-_MAP_FIELDS = {
-    kind: tuple(n for n, t in {**P.SCHEMAS[kind][0], **P.SCHEMAS[kind][1]}.items() if t == "map") for kind in HOT_KINDS
+_MAP_FIELDS = {  # the untyped map fields (a layout is typed: its struct checks it)
+    kind: tuple(n for n, t in {**P.SCHEMAS[kind][0], **P.SCHEMAS[kind][1]}.items() if t == "map" and n != "layout")
+    for kind in HOT_KINDS
 }
 
 

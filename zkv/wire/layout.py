@@ -1,18 +1,35 @@
 """The cache layout: the one description of a rank's KV shard that the broker,
-the ranks and clients agree on (it travels in READY, WELCOME and RESUME)."""
+the ranks and clients agree on (it travels in READY, WELCOME, CONTROL, ACK
+and RESUME).  A frozen ``msgspec.Struct``: the decoders hand it over typed
+(a layout that breaks a bound never gets past them), and the encoder writes
+it as the map of docs/protocol.md §4.8, its fields in order.  A resume names
+only what changes: ``LayoutChange``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import msgspec
+
 from .bounds import LAYOUT_MAX
-from .protocol import DTYPES, ProtocolError, shown
+from .errors import ProtocolError, shown
 from .vocab import Dtype
 
+DTYPES = tuple(d.value for d in Dtype)
 
-@dataclass(frozen=True)
-class CacheLayout:
+
+def _unknown(cls: type[msgspec.Struct], data: Any) -> None:
+    """``bad_field`` unless ``data`` is a map of ``cls``'s fields only."""
+    if not isinstance(data, dict):
+        raise ProtocolError("bad_field", "layout must be a map")
+    unknown = set(data) - set(cls.__struct_fields__)
+    if unknown:
+        names = sorted(map(str, unknown))
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        raise ProtocolError("bad_field", f"unknown layout fields: {', '.join(map(shown, names[:4]))}{more}")
+
+
+class CacheLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per rank: ``layers`` K and V tensors ``[blocks, kv_heads, block_size, head_dim]``."""
 
     layers: int = 4
@@ -46,23 +63,43 @@ class CacheLayout:
         return 2 * self.layers * self.block_bytes_per_layer
 
     def to_wire(self) -> dict[str, Any]:
-        """A fresh map of the fields (every value a plain int or str: ``asdict``'s deep copy
-        costs ~6 us, three times per pause in the broker)."""
+        """A fresh map of the fields (every value a plain int or str), for JSON and logs."""
         return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_wire(cls, data: Any) -> "CacheLayout":
-        if not isinstance(data, dict):
-            raise ProtocolError("bad_field", "layout must be a map")
-        unknown = set(data) - set(cls.__dataclass_fields__)
-        if unknown:
-            names = sorted(map(str, unknown))
-            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-            raise ProtocolError("bad_field", f"unknown layout fields: {', '.join(map(shown, names[:4]))}{more}")
+        """A layout from a map (a trace, a state file, a status reply): its checks, by name."""
+        _unknown(cls, data)
         return cls(**data)
 
     def with_changes(self, **changes: Any) -> "CacheLayout":
-        return replace(self, **changes)
+        return type(self)(**{**self.to_wire(), **changes})  # checked as any new layout is
 
 
-_FIELDS = tuple(f.name for f in fields(CacheLayout))
+class LayoutChange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What a resume names of the bus's layout (the rest stays): each field None or
+    its new value, checked when merged (``over``)."""
+
+    layers: int | None = None
+    gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
+    block_size: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+
+    def named(self) -> dict[str, Any]:
+        """The fields it names, as a map."""
+        return {name: value for name in _FIELDS if (value := getattr(self, name)) is not None}
+
+    def over(self, base: CacheLayout) -> CacheLayout:
+        """``base`` with these changes (``bad_field`` where one breaks a bound)."""
+        return base.with_changes(**self.named())
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "LayoutChange":
+        _unknown(cls, data)
+        return cls(**data)
+
+
+_FIELDS = CacheLayout.__struct_fields__

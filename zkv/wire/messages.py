@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 
 from .bounds import MAX_SAFE_INT, UINT_MAX, UINT_MIN
+from .layout import CacheLayout, LayoutChange
 from .vocab import VERSION, ControlOp, Outcome, RankOutcome
 
 Digest = bytes  # one checksum digest (a name: a field called ``bytes`` hides the type in a class body)
@@ -65,6 +66,15 @@ def _kind(kind: str) -> Any:
     return msgspec.field(default_factory=lambda: kind)
 
 
+def _plain(value: Any) -> Any:
+    """A field's value as the frame's map has it: a layout as its map."""
+    if isinstance(value, CacheLayout):
+        return value.to_wire()
+    if isinstance(value, LayoutChange):
+        return value.named()
+    return value
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """The base of every message: read its fields as attributes (an absent
     optional is ``None``); ``as_map()`` is the map of its frame.  Frozen:
@@ -75,7 +85,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         """The wire fields in schema order, ``None`` ones left out (and a
         reply's ``extra`` after them): what ``protocol.encode`` takes."""
         out = {name: getattr(self, name) for name in wire_fields(type(self))}
-        out = {k: v for k, v in out.items() if v is not None}
+        out = {k: _plain(v) for k, v in out.items() if v is not None}
         out.update(getattr(self, "extra", None) or {})
         return out
 
@@ -122,7 +132,7 @@ class Clear(Message, frozen=True):
 class Resume(Message, frozen=True):
     req: Uint
     timeout_ms: TimeoutMs | None = None
-    layout: Map | None = None
+    layout: LayoutChange | None = None  # what changes of the bus's layout
     v: int = _V
     kind: Literal["resume"] = _kind("resume")
 
@@ -196,7 +206,7 @@ class Ready(Message, frozen=True):
     rank: RankNo
     world: World
     session: Uint
-    layout: Map
+    layout: CacheLayout
     gen: Uint
     pid: Pid | None = None
     fresh: bool | None = None
@@ -237,7 +247,7 @@ class Ack(Message, frozen=True):
     gen: Uint | None = None
     upto: Uint | None = None
     freed: Freed | None = None
-    layout: Map | None = None
+    layout: CacheLayout | None = None
     cpu_kept: bool | None = None
     stats: Map | None = None
     error: str | None = None
@@ -253,7 +263,7 @@ class Welcome(Message, frozen=True):
     op: ControlOp
     gen: Uint
     upto: Uint
-    layout: Map
+    layout: CacheLayout
     heartbeat_ms: HeartbeatMs
     keep_cpu: bool | None = None
     session: Uint | None = None
@@ -296,7 +306,7 @@ class Control(Message, frozen=True):
     gen: Uint
     upto: list[Uint]
     keep_cpu: bool | None = None
-    layout: Map | None = None
+    layout: CacheLayout | None = None
     v: int = _V
     kind: Literal["control"] = _kind("control")
 

@@ -23,7 +23,6 @@ from .bounds import (
     DIGEST_BYTES,
     LIST_MAX,
     MAX_CHECKSUM_IDS,
-    MAX_ECHO,
     MAX_FRAME_BYTES,
     MAX_IDS,
     MAX_NEST_DEPTH,
@@ -35,12 +34,16 @@ from .bounds import (
     Z85_KEY_LEN,
     uint_bounds,
 )
-from .errors import ZkvError
+from .errors import LayoutError, ProtocolError, ZkvError, shown  # noqa: F401 - the codec's errors, named here too
+from .layout import CacheLayout, LayoutChange
 from .messages import MESSAGES, Body, Message, kind_of, wire_fields
 from .moves import MOVES
 from .nested import nested_ok
 from .reply_to import MAX_ADDRESS, is_result_address  # noqa: F401 - the codec names them too
 from .vocab import CLIENT_OPS, RANK_OUTCOMES, VERSION, ControlOp, Dtype, Op, Outcome, Tier
+
+#: structs that travel as maps
+TYPED_MAPS = (CacheLayout, LayoutChange)
 
 # str fields with a fixed set of values, per (kind, field)
 OUTCOMES = tuple(o.value for o in Outcome)
@@ -59,10 +62,6 @@ ENUMS: dict[tuple[str, str], tuple[str, ...]] = {
     ("control", "op"): _CLIENT_OPS,
     ("welcome", "op"): CONTROL_OPS,
 }
-
-
-class ProtocolError(ZkvError):
-    """A message that breaks the protocol; ``code`` is the wire error code."""
 
 
 # Field types: "uint" is an integer in [0, 2^53), "ids" is a block-id list
@@ -89,6 +88,8 @@ def _schema_type(annotation: Any) -> str:
         return _IDS
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return _S  # a vocabulary word travels as its str (vocab.py)
+    if annotation in TYPED_MAPS:
+        return _M  # a layout travels as a map (layout.py types it)
     origin = get_origin(annotation) or annotation
     found = {int: _U, str: _S, bool: _B, dict: _M, list: _L, bytes: _BIN}.get(origin)
     if found is None:
@@ -105,6 +106,10 @@ def _schema(cls: type[Message]) -> tuple[dict[str, str], dict[str, str]]:
     )
 
 
+#: kind -> the type of its ``layout`` field (``CacheLayout``, or a resume's ``LayoutChange``)
+LAYOUT_TYPES: dict[str, Any] = {
+    kind: _plain(f.type) for kind, cls in MESSAGES.items() for f in msgspec.structs.fields(cls) if f.name == "layout"
+}
 # kind -> (required fields, optional fields), read off the message classes (messages.py)
 SCHEMAS: dict[str, tuple[dict[str, str], dict[str, str]]] = {kind: _schema(cls) for kind, cls in MESSAGES.items()}
 # kind -> {field: its vocabulary enum}: a decoded word is the enum's member
@@ -116,19 +121,6 @@ WORDS: dict[str, dict[str, type[enum.Enum]]] = {
     }
     for kind, cls in MESSAGES.items()
 }
-
-
-def shown(value: Any) -> str:
-    """A peer's value as an error reason quotes it: its repr, cut to
-    MAX_ECHO characters with an ellipsis, so that no reply grows with what a
-    peer sent (docs/protocol.md §9); a map or list only by its size (a repr
-    of a deep one would recurse)."""
-    if isinstance(value, dict):
-        return f"a map of {len(value)} entries"
-    if isinstance(value, (list, tuple)):
-        return f"a list of {len(value)} entries"
-    text = repr(value[: MAX_ECHO + 1] if isinstance(value, (str, bytes, bytearray)) else value)
-    return text if len(text) <= MAX_ECHO else text[: MAX_ECHO - 1] + "\u2026"
 
 
 def clamp(reason: str) -> str:
@@ -305,10 +297,16 @@ def decode_as(cls: type[M], frame: bytes) -> M:
 
 
 def message(msg: dict) -> Any:
-    """The typed message of a map ``validate`` accepted."""
+    """The typed message of a map ``validate`` accepted; a layout's map is typed here,
+    its checks by name (``bad_field``)."""
     kind = msg["kind"]
     cls = MESSAGES[kind]
     fields = {name: msg[name] for name in wire_fields(cls) if name in msg}
+    if fields.get("layout") is not None:
+        try:
+            fields["layout"] = LAYOUT_TYPES[kind].from_wire(fields["layout"])
+        except ProtocolError as err:
+            raise LayoutError(err.reason, kind) from None
     for name, word in WORDS[kind].items():  # validate() let only the enum's words through
         if fields.get(name) is not None:
             fields[name] = word(fields[name])

@@ -87,7 +87,7 @@ def _core(null_book: bool, world: int) -> Any:
     for r in range(world):
         core.on_rank(
             f"rank-{r}".encode(),
-            [Ready(rank=r, world=world, session=1, layout=LAYOUT.to_wire(), gen=0).to_wire()],
+            [Ready(rank=r, world=world, session=1, layout=LAYOUT, gen=0).to_wire()],
             0.0,
         )
     return core

@@ -82,7 +82,7 @@ def derive(descriptor: CacheDescriptor, cpu_rows: int) -> CacheLayout:
 
 
 def _layout(fields: Mapping[str, Any]) -> CacheLayout:
-    unknown = sorted(set(fields) - set(CacheLayout.__dataclass_fields__))
+    unknown = sorted(set(fields) - set(CacheLayout.__struct_fields__))
     if unknown:
         raise CacheError("bad_layout", f"unknown layout fields {unknown}")
     try:
