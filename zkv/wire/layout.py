@@ -103,3 +103,4 @@ class LayoutChange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
 
 
 _FIELDS = CacheLayout.__struct_fields__
+assert LayoutChange.__struct_fields__ == _FIELDS, "a resume names the layout's own fields"
