@@ -66,9 +66,6 @@ class RankState:
             stats=self.stats,
         )
 
-    def to_json(self, now: float) -> dict[str, Any]:
-        return self.to_status(now).to_wire()
-
 
 @dataclass(slots=True)
 class Task:
