@@ -1,9 +1,12 @@
 """The vLLM offload index (zkv/engines/vllm/index.py), driven by a model of
 what the bus really does to the rows: a store, a load from disk or a spill
 writes its rows only when its task ends, a digest check fails a load from a
-disk row that was torn.  After every step: no row is handed out twice, every
-hit's CPU row holds exactly that key's bytes, and rows a task is still
-reading or writing belong to nobody else.  ZKV_LONG_MODEL=1 runs the long
+disk row that was torn.  The tiers' journals take the index's row changes
+after every call (as the manager writes them before it answers), and an
+engine killed at any step restarts on what they say, on the same tiers or
+under another identity.  After every step: no row is handed out twice,
+every hit's CPU row holds exactly that key's bytes (after a restart too),
+and rows a task is still reading or writing belong to nobody else.  ZKV_LONG_MODEL=1 runs the long
 profile (1000 examples of 100 steps, about a minute)."""
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from zkv.engines.vllm.index import CpuState, Found, OffloadIndex
+from zkv.engines.vllm.identity import EngineIdentity
+from zkv.engines.vllm.index import CpuState, Found, OffloadIndex, RowChange
+from zkv.engines.vllm.journal import Header, encode, encode_header, replay
 from zkv.wire.vocab import Tier
 
 LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
@@ -24,6 +29,20 @@ GARBAGE = b"garbage"
 
 keys = st.sampled_from(KEYS)
 mostly_ok = st.sampled_from([True, True, True, False])  # tasks mostly succeed: deeper states
+IDENTITY = EngineIdentity("llama", "", "cfg", {"block_size": 32, "layers": 2}, "files:w0")
+SIZES = {Tier.CPU: 3, Tier.DISK: 4}
+
+
+def journaled(method):
+    """The rule, then the journals written: the manager appends the index's row
+    changes at the end of every call it answers."""
+
+    def step(self, *args, **kwargs):
+        method(self, *args, **kwargs)
+        self._write_journals()
+
+    step.__name__, step.__doc__ = method.__name__, method.__doc__
+    return step
 
 
 class IndexMachine(RuleBasedStateMachine):
@@ -35,10 +54,24 @@ class IndexMachine(RuleBasedStateMachine):
         self.loads: list[tuple[list[bytes], list[int]]] = []  # vLLM load jobs in flight
         self.spills: list[tuple[bytes, int, int]] = []
         self.promotes: list[tuple[bytes, int, int]] = []  # disk -> CPU loads in flight
+        self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}
+        self.adopted = 0
+
+    @staticmethod
+    def _journal(identity, tier, rows=()):
+        changes = [RowChange(tier, k, r) for k, r in rows]
+        return bytearray(encode_header(Header(identity, 0, tier, SIZES[tier])) + encode(changes))
+
+    def _write_journals(self):
+        """What the manager does before it answers vLLM or submits a task."""
+        changes = self.index.take_changes()
+        for tier, journal in self.journals.items():
+            journal += encode([c for c in changes if c.tier is tier])
 
     # --- vLLM ---------------------------------------------------------------------
 
     @rule(ks=st.lists(keys, min_size=1, max_size=3))
+    @journaled
     def store(self, ks):
         planned = self.index.prepare_store(ks)
         if planned is not None and planned[0]:
@@ -46,6 +79,7 @@ class IndexMachine(RuleBasedStateMachine):
             self.stores.append((new, rows))
 
     @rule(ks=st.lists(keys, min_size=1, max_size=3))
+    @journaled
     def store_and_spill_at_once(self, ks):
         """A busy engine: stores that succeed and the spills they trigger (reaches disk-only keys)."""
         self.store(ks)
@@ -57,6 +91,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.stores)
     @rule(i=st.integers(0, 10), ok=mostly_ok)
+    @journaled
     def finish_store(self, i, ok):
         new, rows = self.stores.pop(i % len(self.stores))
         for key, row in zip(new, rows):
@@ -64,6 +99,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.complete_store(new, ok)
 
     @rule(key=keys)
+    @journaled
     def lookup_and_load(self, key):
         self.load(key)
 
@@ -80,6 +116,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.loads)
     @rule(i=st.integers(0, 10), ok=mostly_ok)
+    @journaled
     def finish_load(self, i, ok):
         ks, rows = self.loads.pop(i % len(self.loads))
         for key, row in zip(ks, rows):
@@ -91,26 +128,31 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self._found(Found.HIT))
     @rule(data=st.data())
+    @journaled
     def load_a_hit(self, data):
         self.load(data.draw(st.sampled_from(self._found(Found.HIT))))
 
     @precondition(lambda self: self._found(Found.ON_DISK))
     @rule(data=st.data())
+    @journaled
     def load_from_disk(self, data):
         self.load(data.draw(st.sampled_from(self._found(Found.ON_DISK))))
 
     @rule(ks=st.lists(keys, max_size=3))
+    @journaled
     def touch(self, ks):
         self.index.touch(ks)
 
     # --- zkv below ------------------------------------------------------------------
 
     @rule()
+    @journaled
     def spill(self):
         self.spills += self.index.plan_spills(limit=3)
 
     @precondition(lambda self: self.spills)
     @rule(i=st.integers(0, 10), ok=mostly_ok)
+    @journaled
     def finish_spill(self, i, ok):
         key, cpu_row, disk_row = self.spills.pop(i % len(self.spills))
         self.rows[Tier.DISK][disk_row] = self.rows[Tier.CPU][cpu_row] if ok else GARBAGE
@@ -118,6 +160,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.promotes)
     @rule(i=st.integers(0, 10), fail=st.booleans())
+    @journaled
     def finish_promote(self, i, fail):
         key, disk_row, cpu_row = self.promotes.pop(i % len(self.promotes))
         ok = self.rows[Tier.DISK][disk_row] == key and not fail  # the digest check, or any other failure
@@ -126,15 +169,18 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.promotes)
     @rule(i=st.integers(0, 10))
+    @journaled
     def cancel_promote(self, i):
         key, _disk_row, cpu_row = self.promotes.pop(i % len(self.promotes))
         self.index.cancel_load(key, cpu_row)  # never sent: nothing was written
 
     @rule(row=st.integers(0, 3))
+    @journaled
     def tear_disk_row(self, row):
         self.rows[Tier.DISK][row] = GARBAGE
 
     @rule(ok=st.booleans())
+    @journaled
     def reset(self, ok):
         # vLLM's reset_cache flushes its jobs in flight (every worker waits for
         # them before the next step) and ignores their completions: their
@@ -145,6 +191,37 @@ class IndexMachine(RuleBasedStateMachine):
         self.stores.clear()
         self.loads.clear()
         self.index.reset()
+        self.index.take_changes()
+        self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}  # removed, started anew
+
+    @rule(
+        ends=st.lists(st.booleans(), min_size=12, max_size=12),
+        cpu_survives=st.booleans(),
+        same_identity=st.sampled_from([True, True, True, False]),
+    )
+    def kill_and_restart(self, ends, cpu_survives, same_identity):
+        """kill -9 at this step: every write in flight ends whole or torn, nobody hears of
+        it; the host may lose its memory (the CPU tier and its journal with it).  The new
+        engine adopts what the journals say under its identity."""
+        writes = [(Tier.CPU, r, k) for ks, rows in self.stores for k, r in zip(ks, rows)]
+        writes += [(Tier.CPU, c, k) for k, _, c in self.promotes]
+        writes += [(Tier.DISK, d, self.rows[Tier.CPU][c]) for _, c, d in self.spills]
+        for (tier, row, value), whole in zip(writes, ends + [False] * len(writes)):
+            self.rows[tier][row] = value if whole else GARBAGE
+        if not cpu_survives:
+            self.rows[Tier.CPU] = [GARBAGE] * SIZES[Tier.CPU]
+            self.journals[Tier.CPU] = self._journal(IDENTITY, Tier.CPU)
+        self.stores, self.loads, self.spills, self.promotes = [], [], [], []
+        identity = IDENTITY if same_identity else IDENTITY.moved()
+        found = {tier: replay(bytes(j)) for tier, j in self.journals.items()}
+        self.index = OffloadIndex(cpu_rows=3, disk_rows=4, spill_below=2)
+        if all(f.header.identity == identity for f in found.values()):
+            cpu, disk = (list(found[t].rows.items()) for t in (Tier.CPU, Tier.DISK))
+            self.adopted += self.index.adopt(cpu, disk)
+        else:
+            assert not self.index.entries
+        self.index.take_changes()
+        self.journals = {t: self._journal(identity, t, self.index.rows_of(t)) for t in SIZES}
 
     # --- what must hold -----------------------------------------------------------
 
@@ -158,6 +235,11 @@ class IndexMachine(RuleBasedStateMachine):
             every = owned + held + free
             assert sorted(every) == list(range(n)), (tier, owned, held, free)
         self.index.book.check()
+
+    @invariant()
+    def the_journals_name_exactly_what_the_index_serves(self):
+        for tier, journal in self.journals.items():
+            assert dict(replay(bytes(journal)).rows) == dict(self.index.rows_of(tier)), tier
 
     @invariant()
     def held_rows_belong_only_to_tasks_in_flight(self):

@@ -103,6 +103,10 @@ class RowBook:
         """``count`` free rows of ``tier``, all or nothing (``OutOfBlocksError``)."""
         return self.pools[tier].alloc(count)
 
+    def claim(self, tier: str, rows: Iterable[int]) -> None:
+        """Take these free rows of ``tier``, all or nothing (``RowPool.claim``)."""
+        self.pools[tier].claim(rows)
+
     def give_back(self, tier: str, rows: Iterable[int], generation: int | None = None) -> bool:
         """Free rows in use (a double free or a foreign id raises, changing nothing).  Rows
         taken under an older ``generation`` went with it: nothing changes, False."""

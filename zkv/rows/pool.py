@@ -95,6 +95,22 @@ class RowPool:
             self.peak_used = used
         return taken
 
+    def claim(self, block_ids: Iterable[int]) -> None:
+        """Take these free blocks, all or nothing: rows a restarted owner finds
+        its own in a record it kept (raises before anything changes)."""
+        ids = list(block_ids)
+        if len(set(ids)) != len(ids):
+            raise DoubleFreeError(f"{self.tier}: a block is claimed twice in {ids}")
+        for block in ids:
+            if not self._owns(block) or block in self.reserved:
+                raise ForeignBlockError(f"{self.tier}: {block!r} is not a block id this tier hands out")
+            if block in self._used:
+                raise DoubleFreeError(f"{self.tier}: block {block} is in use, not free to claim")
+        taken = set(ids)
+        self._free_stack = [b for b in self._free_stack if b not in taken]
+        self._used.update(taken)
+        self.peak_used = max(self.peak_used, self.num_used)
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Return blocks; validates all of them first so a bad call changes nothing."""
         ids = list(block_ids)

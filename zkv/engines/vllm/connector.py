@@ -43,6 +43,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from ...broker.core import BrokerConfig
 from ...broker.loop import Broker
+from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
 from .settings import ZkvSettings
 from .worker import ZkvOffloadWorker
@@ -99,6 +100,7 @@ class ZkvSpec(OffloadingSpec):
         self.settings = ZkvSettings.from_extra(self.extra_config, config.engine_id)
         self.world = par.world_size
         self.rank = par.rank
+        self.identity: EngineIdentity | None = None  # set by ZkvConnector: whose KV the tiers hold
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None
         self._broker: EmbeddedBroker | None = None
@@ -108,7 +110,10 @@ class ZkvSpec(OffloadingSpec):
             if self.settings.broker == "embedded":
                 self._broker = EmbeddedBroker(self.settings, self.world, self.config.engine_id)
             self.manager = ZkvOffloadManager(
-                self.settings, self.world, emit_events=self.kv_events_config.enable_kv_cache_events
+                self.settings,
+                self.world,
+                identity=self.identity,
+                emit_events=self.kv_events_config.enable_kv_cache_events,
             )
             self.manager.broker = self._broker  # stopped with the manager
         return self.manager
@@ -183,6 +188,8 @@ class ZkvConnector(OffloadingConnector):
         offloading_config = build_offloading_config(vllm_config, kv_cache_config)
         self._canonical_layout = offloading_config.canonical_layout
         self.spec = ZkvSpec(offloading_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.spec.identity = identity_of(vllm_config)
         self.connector_scheduler: OffloadingConnectorScheduler | None = None
         self.connector_worker: OffloadingConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -24,6 +24,11 @@ one call (a store, a load, a touch) are a chain, block 0 first, and a chain
 without its first block serves nothing.  So they are made recent in reverse:
 eviction takes a chain's deepest blocks first, and what stays of it (on the
 CPU or on disk) is always a prefix that serves.
+
+Every row that starts or stops serving a key is also a ``RowChange``
+(``take_changes``), in the order it happened: the manager writes them to
+the tiers' journals (``journal.py``) before anything it answers can reuse
+the row, and a restarted engine ``adopt``s what they say.
 """
 
 from __future__ import annotations
@@ -45,6 +50,15 @@ class Found(enum.Enum):
     HIT = "hit"  # readable from its CPU row now
     PENDING = "pending"  # being written (a store, a load from disk): ask again
     ON_DISK = "on_disk"  # only on disk: load it into a CPU row first (``start_load``)
+
+
+@dataclass(frozen=True)
+class RowChange:
+    """Row ``row`` of ``tier`` serves ``key`` from now on; ``row`` None: ``key`` left the tier."""
+
+    tier: Tier
+    key: Key
+    row: int | None
 
 
 class CpuState(enum.Enum):
@@ -85,6 +99,41 @@ class OffloadIndex:
         # was forgotten (a reset, a failed read) are held under (op, key, row)
         # until the task ends.
         self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows})
+        self.changes: list[RowChange] = []
+
+    def adopt(self, cpu: list[tuple[Key, int]], disk: list[tuple[Key, int]]) -> int:
+        """Serve again what an earlier engine's journals say its rows hold
+        (least recently used first): each key ready in its CPU row and/or
+        clean on its disk row.  A row or key named twice, or out of range,
+        is skipped (its first claim stands).  Returns the keys adopted."""
+        for tier, pairs in ((Tier.CPU, cpu), (Tier.DISK, disk)):
+            size = self.cpu_rows if tier is Tier.CPU else self.disk_rows
+            for key, row in pairs:
+                e = self.entries.get(key)
+                if type(row) is not int or not 0 <= row < size or not self.book.pool(tier).num_free:
+                    continue
+                if self.book.pool(tier).is_allocated(row) or (e is not None and self._row_on(e, tier) is not None):
+                    continue
+                self.book.claim(tier, [row])
+                if e is None:
+                    e = self.entries[key] = Entry(key)
+                if tier is Tier.CPU:
+                    e.cpu_row, e.cpu_state = row, CpuState.READY
+                else:
+                    e.disk_row = row
+                self.entries.move_to_end(key)
+        for tier in (Tier.CPU, Tier.DISK):
+            self.book.announce(tier, [k for k, e in self.entries.items() if self._announced_on(e, tier)], removed=False)
+        return len(self.entries)
+
+    def rows_of(self, tier: Tier) -> list[tuple[Key, int]]:
+        """(key, row) of every key ``tier`` serves now, least recently used first (what a journal names)."""
+        pairs = ((k, self._row_on(e, tier)) for k, e in self.entries.items() if self._announced_on(e, tier))
+        return [(k, row) for k, row in pairs if row is not None]
+
+    def take_changes(self) -> list[RowChange]:
+        changes, self.changes = self.changes, []
+        return changes
 
     # --- what vLLM asks --------------------------------------------------------
 
@@ -151,10 +200,10 @@ class OffloadIndex:
                 continue
             if ok:
                 e.cpu_state = CpuState.READY
-                stored.append(key)
+                stored.append(e)
             else:
                 self._drop(e, announce=False)
-        self.book.announce(Tier.CPU, stored, removed=False)
+        self._said(Tier.CPU, stored, removed=False)
 
     # --- what zkv does below ---------------------------------------------------
 
@@ -188,7 +237,7 @@ class OffloadIndex:
             return
         e.spilling = False
         if ok:
-            self.book.announce(Tier.DISK, [key], removed=False)
+            self._said(Tier.DISK, [e], removed=False)
         else:
             e.disk_row = None
             self.book.give_back(Tier.DISK, [disk_row])
@@ -217,7 +266,7 @@ class OffloadIndex:
             return
         if ok:
             e.cpu_state = CpuState.READY
-            self.book.announce(Tier.CPU, [key], removed=False)
+            self._said(Tier.CPU, [e], removed=False)
         else:
             e.cpu_state = None  # the task is over: its rows are free with the key
             self._drop(e)
@@ -237,7 +286,7 @@ class OffloadIndex:
         for those tasks to end.  Returns the keys forgotten."""
         gone = list(self.entries)
         for tier in (Tier.CPU, Tier.DISK):
-            self.book.announce(tier, [k for k, e in self.entries.items() if self._announced_on(e, tier)], removed=True)
+            self._said(tier, [e for e in self.entries.values() if self._announced_on(e, tier)], removed=True)
         for e in list(self.entries.values()):
             self._drop(e, announce=False)
         return gone
@@ -270,7 +319,7 @@ class OffloadIndex:
             victim = next(e for e in self.entries.values() if self._cpu_evictable(e))
         row = victim.cpu_row
         assert row is not None
-        self.book.announce(Tier.CPU, [victim.key], removed=True)
+        self._said(Tier.CPU, [victim], removed=True)
         if victim.clean:
             victim.cpu_row, victim.cpu_state = None, None
         else:  # its only copy goes: the key with it (it was on no disk row)
@@ -285,13 +334,26 @@ class OffloadIndex:
             if e.key == protect or e.disk_row is None or e.spilling or e.cpu_state is CpuState.LOADING:
                 continue
             row = e.disk_row
-            self.book.announce(Tier.DISK, [e.key], removed=True)
+            self._said(Tier.DISK, [e], removed=True)
             if e.cpu_state is None:  # only on disk: the key goes
                 del self.entries[e.key]
             else:  # its CPU copy stays, dirty again
                 e.disk_row = None
             return row  # still in use: it passes from the key to the spill
         return None
+
+    def _said(self, tier: Tier, entries: list[Entry], removed: bool) -> None:
+        """Keys start or stop serving from their rows of ``tier``: a residency
+        event for routers, a row change for the journals."""
+        if not entries:
+            return
+        self.book.announce(tier, [e.key for e in entries], removed=removed)
+        for e in entries:
+            self.changes.append(RowChange(tier, e.key, None if removed else self._row_on(e, tier)))
+
+    @staticmethod
+    def _row_on(e: Entry, tier: Tier) -> int | None:
+        return e.cpu_row if tier is Tier.CPU else e.disk_row
 
     @staticmethod
     def _announced_on(e: Entry, tier: Tier) -> bool:
@@ -307,7 +369,7 @@ class OffloadIndex:
         if announce:
             for tier in (Tier.CPU, Tier.DISK):
                 if self._announced_on(e, tier):
-                    self.book.announce(tier, [e.key], removed=True)
+                    self._said(tier, [e], removed=True)
         rows = {tier: [row] for tier, row in ((Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)) if row is not None}
         if e.spilling:
             self.book.hold((Op.SPILL, e.key, e.disk_row), rows)

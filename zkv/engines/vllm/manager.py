@@ -14,7 +14,11 @@ generations from ``status`` (at most every ``status_interval_s``), and so:
   that kept the CPU tier since the keys were stored (the caller said the
   weights did not change): nothing computed under old weights is served;
 - a store or load that failed (``ZkvConnector`` hands the job's outcome over
-  before vLLM completes it) is not indexed, or forgotten.
+  before vLLM completes it) is not indexed, or forgotten;
+- every row that starts or stops serving a key is written to its tier's
+  journal (``journal.py``) before the manager answers vLLM or submits a
+  task that could rewrite it, under the engine's identity (``identity.py``):
+  a restarted engine of the same identity on the same tiers serves them again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import logging
 import time
 from collections.abc import Collection, Iterable
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -37,10 +42,13 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client.client import Client
+from ...rank.tiers.tier_file import bus_name
 from ...wire.errors import ZkvError
 from ...wire.vocab import Op, Tier
 from .bus_view import BusView
+from .identity import EngineIdentity
 from .index import Found, OffloadIndex
+from .journal import Journal, JournalError
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
@@ -65,14 +73,31 @@ _COUNTS = (
     "disk_load_failed",
     "resets",
     "resets_kept",
+    "adopted",
 )
+_COMPACT_AT = 4096  # a journal is rewritten once it holds this many records more than twice its keys
+
+
+def journals(settings: ZkvSettings) -> dict[Tier, Journal]:
+    """The journals beside the engine's persistent tiers: the CPU tier file's (named
+    by the bus, as the file is) and the disk tier's (synced: it outlives a power loss)."""
+    made = {}
+    if settings.tier_dir:
+        name = f"zkv-index-{bus_name(settings.endpoints.backend)}.journal"
+        made[Tier.CPU] = Journal(Path(settings.tier_dir) / name, Tier.CPU, settings.cpu_blocks)
+    if settings.disk_dir:
+        made[Tier.DISK] = Journal(Path(settings.disk_dir) / "zkv-index.journal", Tier.DISK, settings.disk_blocks, True)
+    return made
 
 
 class ZkvOffloadManager(OffloadingManager):
     """The scheduler-side book of zkv's CPU and disk tiers for one engine."""
 
-    def __init__(self, settings: ZkvSettings, world: int, emit_events: bool = True):
+    def __init__(
+        self, settings: ZkvSettings, world: int, identity: EngineIdentity | None = None, emit_events: bool = True
+    ):
         self.settings = settings
+        self.identity = identity
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
         self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below)
         self.client = Client(settings.endpoints.frontend, request_timeout=0.25)  # a send to no broker: 0.25 s
@@ -88,13 +113,79 @@ class ZkvOffloadManager(OffloadingManager):
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
         self.counts = dict.fromkeys(_COUNTS, 0)  # vLLM calls us from its scheduler thread only
+        self.journals = journals(settings) if identity is not None else {}
+        self._unconfirmed = False  # adopted rows not yet seen at the bus's CPU generation
+        if self.journals:
+            self._adopt()
+
+    # --- the journals ------------------------------------------------------------
+
+    def _adopt(self) -> None:
+        """Serve again what the journals of an earlier engine on these tiers name, if it
+        had this identity and both journals agree on the CPU generation; whatever
+        else they hold is thrown away (its rows are free, so the space is reclaimed)."""
+        replays, why = {}, ""
+        for tier, journal in self.journals.items():
+            try:
+                found = journal.read()
+            except JournalError as err:
+                found, why = None, f"the {tier} journal does not check ({err})"
+            if found is not None:
+                replays[tier] = found
+        assert self.identity is not None
+        for tier, found in replays.items():
+            h = found.header
+            if h.identity != self.identity:
+                why = f"another identity (its {', '.join(h.identity.differs(self.identity))} differ)"
+            elif h.rows != self.journals[tier].rows:
+                why = f"the {tier} tier had {h.rows} rows, it has {self.journals[tier].rows} now"
+        if len({f.header.cpu_gen for f in replays.values()}) > 1:
+            why = "the journals name different CPU generations"
+        if why or not replays:
+            if why:
+                log.warning("zkv: none of the blocks the tiers hold is served: %s", why)
+            for journal in self.journals.values():
+                journal.remove()
+            return
+        cpu_gen = next(iter(replays.values())).header.cpu_gen
+        cpu, disk = replays.get(Tier.CPU), replays.get(Tier.DISK)
+        n = self.index.adopt(list(cpu.rows.items()) if cpu else [], list(disk.rows.items()) if disk else [])
+        self.index.take_changes()
+        self._stored_at = (None, cpu_gen)
+        self._unconfirmed = True
+        self.counts["adopted"] = n
+        self._compact(force=True)
+        log.warning("zkv: %d blocks of an earlier engine of this identity are in the tiers (CPU gen %d)", n, cpu_gen)
+
+    def _record(self) -> None:
+        """Write the index's row changes to the journals (before anything can reuse a row)."""
+        changes = self.index.take_changes()
+        if not changes or self._stored_at[1] is None:
+            return
+        for tier, journal in self.journals.items():
+            journal.append([c for c in changes if c.tier is tier])
+        self._compact()
+
+    def _compact(self, force: bool = False) -> None:
+        cpu_gen = self._stored_at[1]
+        if cpu_gen is None or self.identity is None:
+            return
+        for tier, journal in self.journals.items():
+            live = self.index.rows_of(tier)
+            if force or journal.records > 2 * len(live) + _COMPACT_AT:
+                journal.start(self.identity, cpu_gen, live)
 
     # --- the bus ---------------------------------------------------------------
 
     def _serving(self) -> bool:
-        if self.bus.refresh(time.monotonic()) and self._stored_at[1] is not None:
-            if self.bus.cpu_gen != self._stored_at[1]:
+        self.bus.refresh(time.monotonic())
+        if self.bus.serving and self._stored_at[1] is not None and self.bus.cpu_gen != self._stored_at[1]:
+            if self._unconfirmed:  # the ranks did not find the tiers the journals name: nothing changed the weights
+                self._forget("the tiers came back at another CPU generation than their journals", moved=False)
+            else:
                 self._forget("the bus's CPU generation moved (a clear without keep_cpu)")
+        if self.bus.serving:
+            self._unconfirmed = False
         return self.bus.serving
 
     def _pump(self) -> None:
@@ -115,12 +206,17 @@ class ZkvOffloadManager(OffloadingManager):
             for key, _, cpu_row in self._loads:
                 self.index.cancel_load(key, cpu_row)
             self._loads = []
+        self._record()  # the CPU rows this step's loads take were given up in lookups
         if self._loads:
             loads, self._loads = self._loads, []
             self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads], [(k, c) for k, _, c in loads])
         if self.bus.serving:
             spills = self.index.plan_spills(_SPILLS_PER_STEP)
+            self._record()
             if spills:
+                disk = self.journals.get(Tier.DISK)
+                if disk is not None:
+                    disk.flush_drops()  # a reused disk row's old key is gone for good before it is rewritten
                 self._submit(
                     Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills], [(k, d) for k, _, d in spills]
                 )
@@ -135,12 +231,19 @@ class ZkvOffloadManager(OffloadingManager):
             return
         self._tasks[task] = (op, rows)
 
-    def _forget(self, why: str) -> None:
+    def _forget(self, why: str, moved: bool = True) -> None:
         for key, _, cpu_row in self._loads:  # not sent yet: never will be
             self.index.cancel_load(key, cpu_row)
         self._loads = []
         gone = self.index.reset()
+        self.index.take_changes()
         self._stored_at = (None, None)
+        for journal in self.journals.values():
+            journal.remove()
+        if self.identity is not None and moved:
+            # zkv learns the weights may have changed only this way: what is stored from now on
+            # is under weights no checkpoint holds, so it never outlives this engine.
+            self.identity = self.identity.moved()
         if gone:
             log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
 
@@ -174,6 +277,7 @@ class ZkvOffloadManager(OffloadingManager):
         if failed:
             self.counts["load_failed"] += 1
         self.index.complete_load(keys, ok=not failed)
+        self._record()
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         if not self._serving():
@@ -185,6 +289,8 @@ class ZkvOffloadManager(OffloadingManager):
             return None
         if self._stored_at[1] is None:
             self._stored_at = (self.bus.gen, self.bus.cpu_gen)
+            self._compact(force=True)
+        self._record()
         new, rows, evicted = planned
         return PrepareStoreOutput(keys_to_store=new, store_spec=ZkvRows(rows), evicted_keys=evicted)
 
@@ -195,6 +301,7 @@ class ZkvOffloadManager(OffloadingManager):
         if failed:
             self.counts["store_failed"] += 1
         self.index.complete_store(keys, ok=not failed)
+        self._record()
 
     def job_failed(self, keys: Iterable[OffloadKey], is_store: bool) -> None:
         """A worker reported this job's zkv task failed (``ZkvConnector``): called
@@ -247,6 +354,8 @@ class ZkvOffloadManager(OffloadingManager):
         }
 
     def shutdown(self) -> None:
+        for journal in self.journals.values():
+            journal.close()
         self.client.close()
         if self._events_file is not None:
             self._events_file.close()

@@ -1,0 +1,128 @@
+"""The journals of an engine's tiers (zkv/engines/vllm/journal.py) and the
+identity they are written under (identity.py): what a restarted engine reads
+back, what it refuses, and what names the weights."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+
+from zkv.engines.vllm.identity import EngineIdentity, checkpoint_version, identity_of
+from zkv.engines.vllm.index import RowChange
+from zkv.engines.vllm.journal import Header, Journal, JournalError, encode, encode_header, replay
+from zkv.wire.vocab import Tier
+
+IDENTITY = EngineIdentity("llama", "", "cfg", {"block_size": 32, "layers": 2}, "files:w0")
+
+
+def test_a_journal_reads_back_each_keys_last_row_in_the_order_written(tmp_path):
+    j = Journal(tmp_path / "j", Tier.DISK, rows=8, sync=True)
+    j.start(IDENTITY, cpu_gen=3, rows=[(b"a", 0), (b"b", 1)])
+    j.append([RowChange(Tier.DISK, b"a", None), RowChange(Tier.DISK, b"c", 0), RowChange(Tier.DISK, b"b", 5)])
+    j.flush_drops()
+    found = Journal(tmp_path / "j", Tier.DISK, rows=8).read()
+    assert found is not None
+    assert found.header == Header(IDENTITY, 3, Tier.DISK, 8)
+    assert list(found.rows.items()) == [(b"c", 0), (b"b", 5)]
+    j.remove()
+    assert Journal(tmp_path / "j", Tier.DISK, rows=8).read() is None
+
+
+def test_a_torn_last_record_is_left_out_and_the_rest_is_served():
+    data = encode_header(Header(IDENTITY, 1, Tier.CPU, 4)) + encode(
+        [RowChange(Tier.CPU, b"a", 0), RowChange(Tier.CPU, b"b", 1)]
+    )
+    for cut in range(1, len(msgpack.packb([b"b", 1]))):
+        assert list(replay(data[:-cut]).rows.items()) == [(b"a", 0)]
+
+
+@pytest.mark.parametrize(
+    "tail, why",
+    [
+        (msgpack.packb([b"a", 9]), "row 9 of a tier of 4"),
+        (msgpack.packb([b"a", -2]), "row -2"),
+        (msgpack.packb({"a": 1}), "does not decode"),
+        (msgpack.packb([b"a", "0"]), "not \\[key, row\\]"),
+        (msgpack.packb([b"a", 0]) + msgpack.packb([b"b", 0]), "row 0 under a second key"),
+        (b"\xc1", "does not decode"),
+    ],
+)
+def test_a_record_that_does_not_check_throws_the_whole_journal_away(tail, why):
+    with pytest.raises(JournalError, match=why):
+        replay(encode_header(Header(IDENTITY, 1, Tier.CPU, 4)) + tail)
+
+
+def test_a_header_that_does_not_check_is_refused():
+    good = encode_header(Header(IDENTITY, 1, Tier.CPU, 4))
+    with pytest.raises(JournalError, match="no header"):
+        replay(b"ZKVJRNL0" + good[8:])
+    with pytest.raises(JournalError, match="torn"):
+        replay(good[:-3])
+    body = msgpack.unpackb(good[12:])
+    body["identity"]["weights"] = "files:w1"  # the identity edited without its digest
+    forged = msgpack.packb(body, use_bin_type=True)
+    with pytest.raises(JournalError, match="digest"):
+        replay(good[:8] + len(forged).to_bytes(4, "little") + forged)
+
+
+def test_identities_differ_by_every_field_and_moved_weights_are_never_a_checkpoints():
+    assert IDENTITY.digest() == EngineIdentity("llama", "", "cfg", {"layers": 2, "block_size": 32}, "files:w0").digest()
+    other = EngineIdentity("llama", "", "cfg", {"block_size": 16, "layers": 2}, "files:w0")
+    assert other.digest() != IDENTITY.digest() and IDENTITY.differs(other) == ["layout"]
+    moved = IDENTITY.moved()
+    assert moved.weights.startswith("files:w0+moved-") and moved != IDENTITY.moved()
+    assert moved.moved().weights.count("+moved-") == 1
+    assert IDENTITY.differs(moved) == ["weights"]
+
+
+def test_the_checkpoint_version_follows_the_files_not_the_path(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"w" * 64)
+    (tmp_path / "config.json").write_text("{}")
+    first = checkpoint_version(str(tmp_path), None)
+    assert first.startswith("files:") and checkpoint_version(str(tmp_path), None) == first
+    st = os.stat(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").write_bytes(b"v" * 64)  # rewritten in place, same size
+    os.utime(tmp_path / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert checkpoint_version(str(tmp_path), None) != first
+    assert checkpoint_version("meta-llama/Llama-3-8B", "abc123") == "hub:abc123"
+    assert checkpoint_version("meta-llama/Llama-3-8B", None, commit="c0ffee") == "hub:c0ffee"
+
+
+def _config(model: str, rope: dict | None = None, dtype: str = "torch.bfloat16", block: int = 32, cache: str = "auto"):
+    hf = SimpleNamespace(to_dict=lambda: {"architectures": ["LlamaForCausalLM"], "rope_scaling": rope})
+    mc = SimpleNamespace(
+        model=model,
+        revision=None,
+        hf_config=hf,
+        dtype=dtype,
+        quantization=None,
+        get_num_layers=lambda pc: 2,
+        get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 32,
+    )
+    return SimpleNamespace(
+        model_config=mc,
+        cache_config=SimpleNamespace(block_size=block, cache_dtype=cache),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+def test_an_engines_identity_names_its_config_dtype_and_layout(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    base = identity_of(_config(str(tmp_path)))
+    assert base == identity_of(_config(str(tmp_path)))
+    assert base.layout == {
+        "block_size": 32,
+        "layers": 2,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "kv_dtype": "torch.bfloat16",
+        "tp": 1,
+    }
+    assert base.differs(identity_of(_config(str(tmp_path), rope={"type": "linear", "factor": 2.0}))) == ["config"]
+    assert base.differs(identity_of(_config(str(tmp_path), dtype="torch.float16"))) == ["config", "layout"]
+    assert base.differs(identity_of(_config(str(tmp_path), block=16))) == ["layout"]
+    assert base.differs(identity_of(_config(str(tmp_path), cache="fp8"))) == ["layout"]
