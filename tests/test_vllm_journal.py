@@ -4,6 +4,7 @@ back, what it refuses, and what names the weights."""
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -126,3 +127,27 @@ def test_an_engines_identity_names_its_config_dtype_and_layout(tmp_path):
     assert base.differs(identity_of(_config(str(tmp_path), dtype="torch.float16"))) == ["config", "layout"]
     assert base.differs(identity_of(_config(str(tmp_path), block=16))) == ["layout"]
     assert base.differs(identity_of(_config(str(tmp_path), cache="fp8"))) == ["layout"]
+
+
+def test_tier_list_says_whose_kv_each_tier_holds_and_clean_takes_the_journal_with_the_file(tmp_path):
+    from click.testing import CliRunner
+
+    from zkv.cli.commands import main
+    from zkv.engines.vllm.journal import DISK_JOURNAL
+    from zkv.rank.tiers.tier_file import TierFile, TierPlace, journal_path
+
+    TierFile(TierPlace("b0b0b0b0b0b0", 0, str(tmp_path)), ("shape",), rows=4, row_bytes=64).close()  # an orphan
+    Journal(journal_path(tmp_path, "b0b0b0b0b0b0"), Tier.CPU, 4).start(IDENTITY, 2, [(b"k", 1), (b"l", 3)])
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "zkv-rank0.disk").write_bytes(bytes(4096))
+    (tmp_path / "disk" / DISK_JOURNAL).write_bytes(b"ZKVJRNL1\xff\xff\xff\xff")  # torn at its header
+    out = CliRunner().invoke(main, ["tier", "list", "--tier-dir", str(tmp_path), "--disk-dir", str(tmp_path / "disk")])
+    assert out.exit_code == 0, out.output
+    cpu, disk = out.output.splitlines()
+    assert "engine llama (config cfg, weights files:w0, block 32" in cpu and "2 blocks journaled" in cpu
+    assert "journal does not check" in disk and "a restart serves none of it" in disk
+    out = CliRunner().invoke(main, ["tier", "list", "--tier-dir", str(tmp_path), "--json"])
+    assert json.loads(out.output)["engine"]["journaled"] == 2
+    out = CliRunner().invoke(main, ["tier", "clean", "--tier-dir", str(tmp_path), "--all"])
+    assert out.exit_code == 0, out.output
+    assert not journal_path(tmp_path, "b0b0b0b0b0b0").exists() and "zkv-index-b0b0b0b0b0b0.journal" in out.output

@@ -21,3 +21,9 @@ def test_a_worker_says_the_bytes_its_tiers_reserve():
     assert "32.00 GiB of disk in /var/cache/zkv (16384 blocks)" in said
     in_memory = ZkvSettings.from_extra({"cpu_blocks": 512, "tier_dir": None}, "engine0").reserved(1, block)
     assert "rank 1 reserves 1.00 GiB for its CPU tier in process memory" in in_memory and "disk" not in in_memory
+
+
+def test_only_a_named_bus_keeps_its_cpu_tier_for_the_next_engine():
+    assert ZkvSettings.from_extra({"bus_dir": "/run/zkv/engine-0"}, "engine0").bus_named
+    unnamed = ZkvSettings.from_extra({}, "0123456789abcdef")
+    assert not unnamed.bus_named and unnamed.bus_dir.endswith("vllm-0123456789ab")

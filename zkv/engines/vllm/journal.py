@@ -41,6 +41,7 @@ from .identity import EngineIdentity
 from .index import RowChange
 
 MAGIC = b"ZKVJRNL1"
+DISK_JOURNAL = "zkv-index.journal"  # in the disk tier's directory (the CPU tier's: tier_file.journal_path)
 _LEN = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
 MAX_KEY_BYTES = 1024  # vLLM's keys are block hashes (tens of bytes)

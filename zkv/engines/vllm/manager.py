@@ -42,13 +42,13 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client.client import Client
-from ...rank.tiers.tier_file import bus_name
+from ...rank.tiers.tier_file import bus_name, journal_path
 from ...wire.errors import ZkvError
 from ...wire.vocab import Op, Tier
 from .bus_view import BusView
 from .identity import EngineIdentity
 from .index import Found, OffloadIndex
-from .journal import Journal, JournalError
+from .journal import DISK_JOURNAL, Journal, JournalError
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
@@ -83,10 +83,10 @@ def journals(settings: ZkvSettings) -> dict[Tier, Journal]:
     by the bus, as the file is) and the disk tier's (synced: it outlives a power loss)."""
     made = {}
     if settings.tier_dir:
-        name = f"zkv-index-{bus_name(settings.endpoints.backend)}.journal"
-        made[Tier.CPU] = Journal(Path(settings.tier_dir) / name, Tier.CPU, settings.cpu_blocks)
+        path = journal_path(settings.tier_dir, bus_name(settings.endpoints.backend))
+        made[Tier.CPU] = Journal(path, Tier.CPU, settings.cpu_blocks)
     if settings.disk_dir:
-        made[Tier.DISK] = Journal(Path(settings.disk_dir) / "zkv-index.journal", Tier.DISK, settings.disk_blocks, True)
+        made[Tier.DISK] = Journal(Path(settings.disk_dir) / DISK_JOURNAL, Tier.DISK, settings.disk_blocks, True)
     return made
 
 

@@ -49,7 +49,9 @@ class ZkvSettings:
     the embedded broker's Prometheus ``/metrics`` on loopback (0: a free
     port, named in the engine's log).  ``events_path``: a JSON line per
     residency change (keys stored or removed per tier, with the bus's
-    generations), for a KV-aware router.  ``trace_path``: the embedded
+    generations), for a KV-aware router.  Without a ``bus_dir`` every start
+    is a new bus, so its CPU tier file can never be served again: the
+    workers remove it when the engine stops (``bus_named`` False).  ``trace_path``: the embedded
     broker records every task and control operation there (docs/traces.md),
     as ``zkv broker --record``."""
 
@@ -66,6 +68,7 @@ class ZkvSettings:
     events_path: str | None = None
     metrics_port: int | None = None
     trace_path: str | None = None
+    bus_named: bool = True  # bus_dir was given: the CPU tier file and its journal outlive the engine
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], engine_id: str) -> "ZkvSettings":
@@ -95,6 +98,7 @@ class ZkvSettings:
             events_path=_path(extra, "events_path"),
             metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
             trace_path=_path(extra, "trace_path"),
+            bus_named=_path(extra, "bus_dir") is not None,
         )
 
     def reserved(self, rank: int, block_bytes: int) -> str:

@@ -25,6 +25,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadSto
 from ...client.client import Client
 from ...rank.agent import RankAgent
 from ...rank.memory.regions import EngineCache
+from ...rank.tiers.tier_file import bus_name, clean_tiers
 from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome
@@ -177,3 +178,6 @@ class ZkvOffloadWorker(OffloadingWorker):
         if self.client is not None:
             self.client.close()
         self.agent.stop(timeout=10.0)
+        if not self.settings.bus_named and self.settings.tier_dir:
+            # A bus named by this start only: no engine will ever serve its CPU tier file again.
+            clean_tiers(self.settings.tier_dir, bus_name(self.settings.endpoints.backend))

@@ -89,7 +89,13 @@ def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
 
 
 def start_engine(
-    model: str, transfer: dict[str, Any] | None, gpu_blocks: int, max_model_len: int, kv_events: str | None = None
+    model: str,
+    transfer: dict[str, Any] | None,
+    gpu_blocks: int,
+    max_model_len: int,
+    kv_events: str | None = None,
+    block_size: int = BLOCK_TOKENS,
+    dtype: str = "auto",
 ) -> Any:
     """A vLLM ``LLM`` with ``gpu_blocks`` KV blocks (small, so that it evicts);
     ``kv_events``: a ZMQ endpoint where vLLM publishes its KV cache events."""
@@ -105,7 +111,8 @@ def start_engine(
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
-        block_size=BLOCK_TOKENS,
+        block_size=block_size,
+        dtype=dtype,
         num_gpu_blocks_override=gpu_blocks,
         max_model_len=max_model_len,
         max_num_seqs=4,

@@ -98,6 +98,12 @@ class TierPlace:
         return Path(self.directory) / f"{PREFIX}{self.bus}-r{self.rank}-{digest.hex()[:16]}"
 
 
+def journal_path(directory: str | Path, bus: str) -> Path:
+    """Where an engine that keeps an index of a bus's tier files writes it (a vLLM
+    engine's journal, ``engines/vllm/journal.py``): beside them, gone with them."""
+    return Path(directory) / f"zkv-index-{bus}.journal"
+
+
 def row_stride(row_bytes: int, pad: bool = True) -> int:
     """Bytes from one row to the next: ``row_bytes`` rounded up to ``ROW_ALIGN`` when
     ``pad`` and that costs at most 1/16 more memory, else ``row_bytes``."""
@@ -337,6 +343,12 @@ def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None, dry_run: b
     for info in list_tiers(directory):
         if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path, dry_run):
             removed.append(info.path)
+            # A vLLM engine's journal of this bus names rows of the file: it goes with it.
+            journal = journal_path(directory, info.bus)
+            if journal.exists():
+                if not dry_run:
+                    journal.unlink(missing_ok=True)
+                removed.append(journal)
     return removed
 
 
