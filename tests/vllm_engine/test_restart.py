@@ -97,15 +97,15 @@ def test_restarts_serve_the_tiers_only_to_an_engine_of_the_same_identity(tmp_pat
 
     # The same engine again: the most recent prompt from the CPU tier file, the
     # oldest from disk (brought up to the CPU tier, then read), same tokens.
-    # Then its weights change in place (w1 loaded, vLLM's cache reset), and it
-    # stores KV of w1 before it stops.
+    # Then its weights change in place (w1 loaded, vLLM's cache and connector
+    # reset), and it stores KV of w1 before it stops.
     llm = start_engine(weights["w0"], t, GPU_BLOCKS, max_model_len=1024)
     try:
         probe.status(wait_ranks=1)
         again = [greedy(llm, p)[0] for p in (PROMPTS[-1], PROMPTS[0])]
         ops = probe.blocks_by_op(BLOCK)
         llm.collective_rpc("reload_weights", kwargs={"weights_path": weights["w1"]})
-        llm.reset_prefix_cache()
+        llm.reset_prefix_cache(reset_connector=True)  # zkv forgets, and knows the weights moved
         [greedy(llm, p) for p in PROMPTS]
     finally:
         stop_engine(llm)

@@ -103,7 +103,8 @@ def list_cmd(tier_dir: str, disk_dir: str | None, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 def clean(tier_dir: str, bus: str | None, every_bus: bool, dry_run: bool) -> None:
     """Remove the tiers no live worker holds (a restart of their rank then starts with an empty CPU tier;
-    a vLLM engine's journal of them goes too), and the rank locks killed workers left: of one bus (--bus), or of every bus on this host (--all)."""
+    a vLLM engine's journal of them goes too), and the rank locks killed workers left: of one bus (--bus),
+    or of every bus on this host (--all)."""
     from ..rank.tiers.rank_lock import clean_locks
     from ..rank.tiers.tier_file import clean_tiers
 
