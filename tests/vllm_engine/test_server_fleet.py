@@ -94,7 +94,8 @@ def test_a_cycle_moves_every_server_to_new_weights_and_keeps_tiers_only_when_mea
     with fleet_of(servers) as fleet:
         report = fleet.cycle("to-w1", ReloadWeights(w1), rollback=ReloadWeights(w0), new_label="w1")
         assert report.outcome == "committed", report.describe()
-        assert {e.serves for e in report.engines.values()} == {"new"} and not any(e.paused for e in report.engines.values())
+        engines = report.engines.values()
+        assert {e.serves for e in engines} == {"new"} and not any(e.paused for e in engines)
         assert {"claim", "pause", "pause_buses", "clear_buses", "update", "drop_tiers", "resume"} <= set(
             report.step_seconds()
         )
