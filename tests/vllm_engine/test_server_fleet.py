@@ -281,3 +281,22 @@ def test_a_reset_that_keeps_answering_false_is_retried_then_fails_within_its_bou
         fleet.close()
     finally:
         httpd.shutdown()
+
+
+def test_zkv_cycle_runs_a_cycle_from_the_command_line_and_says_each_engines_state(servers, weights):
+    from click.testing import CliRunner
+
+    from zkv.cli.commands import main
+
+    args = [a for s in servers for a in ("--server", s.name, s.url, s.bus)]
+    cmd = ["cycle", "cli-1", *args, "--reload", weights[0], "--label", "w0", "--sleep", "--json"]
+    out = CliRunner().invoke(main, cmd)
+    assert out.exit_code == 0, out.output
+    said = json.loads(out.output)
+    assert said["outcome"] == "committed" and set(said["engines"]) == {"a", "b"}
+    assert {"sleep", "wake_up"} <= {s["step"] for s in said["steps"]}
+    assert not any(VllmServer(s.url).is_sleeping() for s in servers)
+    shown = CliRunner().invoke(main, ["cycle", "cli-1", *args, "--show", "--json"])
+    assert json.loads(shown.output) == {"a": {"label": "w0", "paused": False}, "b": {"label": "w0", "paused": False}}
+    busy = CliRunner().invoke(main, ["cycle", "cli-2", *args[:4], "--server", "a", servers[1].url, servers[1].bus])
+    assert busy.exit_code == 2 and "distinct names" in busy.output

