@@ -231,25 +231,36 @@ def test_a_dead_trainers_cycle_refuses_a_second_one_and_finishes_when_run_again(
     back_to(servers, w0, "after-dead-trainer")
 
 
-def test_a_server_killed_during_the_cycle_is_reported_down_and_the_rest_roll_back(servers, weights):
+@pytest.mark.parametrize("when", ["before its update", "after its update"])
+def test_a_server_killed_in_the_cycle_is_reported_down_and_the_cycle_rolls_back_or_finishes(servers, weights, when):
     w0, w1 = weights
     old = tokens(servers)[:1]
 
     def update(server: VllmServer, timeout: float) -> None:
-        if server.url == servers[1].url:
+        if server.url == servers[1].url and when == "before its update":
             servers[1].kill()
         server.reload_weights(w1, timeout=timeout)
+        if server.url == servers[1].url and when == "after its update":
+            servers[1].kill()
 
     try:
         with fleet_of(servers, call_timeout=5.0) as fleet:
             report = fleet.cycle("killed", update, rollback=ReloadWeights(w0), deadline_s=40)
-        b = report.engines["b"]
-        assert b.state == "down" and b.failed_step == "update", report.describe()
-        assert report.engines["a"].serves == "old" and not report.engines["a"].paused, report.describe()
+        b, a = report.engines["b"], report.engines["a"]
+        assert b.state == "down" and b.failed_step == "update" and report.finish, report.describe()
+        assert a.serves == "old" and not a.paused, report.describe()
+        assert report.outcome == "incomplete" and b.serves == "unknown", report.describe()
         assert tokens(servers[:1]) == old
     finally:
         servers[1].start()
         servers[1].wait_ready()
+    # The engine came back on its checkpoint (w0), without the cycle's label: the same cycle
+    # run again takes the whole fleet to w1.
+    with fleet_of(servers) as fleet:
+        again = fleet.cycle("killed", ReloadWeights(w1), rollback=ReloadWeights(w0))
+    assert again.outcome == "committed", again.describe()
+    assert tokens(servers) == fresh(servers)
+    back_to(servers, w0, f"after-killed-{when.split()[0]}")
 
 
 class _Stuck(BaseHTTPRequestHandler):

@@ -152,9 +152,12 @@ def bench_cycle(
                     "cycle_ms": round(c * 1000, 1),
                     "loop_ms": round(lo * 1000, 1),
                     "cycle_vs_loop": c / lo,
+                    "cycle_runs_ms": [round(x * 1000, 1) for x in cycle_s],
+                    "loop_runs_ms": [round(x * 1000, 1) for x in loop_s],
                     "steps_ms": {k: round(v * 1000, 1) for k, v in report.step_seconds().items()},
                 }
-                say(f"  {n} servers: cycle {c * 1000:.0f} ms, loop {lo * 1000:.0f} ms")
+                runs = ", ".join(f"{a * 1000:.0f}/{b * 1000:.0f}" for a, b in zip(cycle_s, loop_s))
+                say(f"  {n} servers: cycle {c * 1000:.0f} ms, loop {lo * 1000:.0f} ms (per round: {runs} ms)")
         finally:
             for s in servers:
                 s.stop()
