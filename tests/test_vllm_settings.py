@@ -27,3 +27,9 @@ def test_only_a_named_bus_keeps_its_cpu_tier_for_the_next_engine():
     assert ZkvSettings.from_extra({"bus_dir": "/run/zkv/engine-0"}, "engine0").bus_named
     unnamed = ZkvSettings.from_extra({}, "0123456789abcdef")
     assert not unnamed.bus_named and unnamed.bus_dir.endswith("vllm-0123456789ab")
+
+
+def test_the_cpu_tier_is_a_file_in_dev_shm_unless_told_otherwise():
+    assert ZkvSettings.from_extra({}, "engine0").tier_dir == "/dev/shm"
+    assert ZkvSettings.from_extra({"tier_dir": "/mnt/tiers"}, "engine0").tier_dir == "/mnt/tiers"
+    assert ZkvSettings.from_extra({"tier_dir": None}, "engine0").tier_dir is None  # process memory

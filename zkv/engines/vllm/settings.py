@@ -81,9 +81,8 @@ class ZkvSettings:
         disk_dir = _path(extra, "disk_dir")
         disk_blocks = _int(extra, "disk_blocks", 4096, 1)
         default_spill = cpu_blocks if disk_dir else 0  # every row clean: no store drops a row's only copy
-        tier_dir = extra.get("tier_dir", "/dev/shm")
-        if tier_dir is not None:
-            tier_dir = _path(extra, "tier_dir")
+        # Absent: the documented default, a file in /dev/shm; None: process memory.
+        tier_dir = _path(extra, "tier_dir") if "tier_dir" in extra else "/dev/shm"
         return cls(
             bus_dir=bus_dir,
             broker=broker,
