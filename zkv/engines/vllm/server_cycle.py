@@ -161,8 +161,11 @@ class CycleReport:
                 state = f"{e.state.upper()} ({state} once it answers)"
             tail = f"; failed at {e.failed_step}: {e.why}" if e.failed_step else ""
             lines.append(f"  {e.name}: {state}{', LEFT PAUSED' if e.paused else ''}{tail}")
-        for name, secs in self.step_seconds().items():
-            lines.append(f"  step {name}: {secs * 1000:.0f} ms")
+        for name in self.step_seconds():
+            each = ", ".join(
+                f"{s.engine} {s.seconds * 1000:.0f} ms{'' if s.ok else ' FAILED'}" for s in self.steps if s.step == name
+            )
+            lines.append(f"  step {name}: {each}")
         if self.finish:
             lines.append(f"  to finish it: {self.finish}")
         return "\n".join(lines)
