@@ -21,6 +21,7 @@ from zkv.client.client import Client
 from zkv.engines.vllm.server import ServerError, VllmServer
 from zkv.engines.vllm.server_cycle import CycleBusy, ReloadWeights, ServerFleet, ServerSpec, parse_label
 from zkv.harness.vllm.rig import ModelShape, write_llama
+from zkv.harness.vllm.server_fleet import recompute
 from zkv.harness.vllm.servers import ServerProc, complete
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,16 +62,7 @@ def tokens(servers) -> list[list[list[int]]]:
 
 def fresh(servers) -> list[list[list[int]]]:
     """Each server's own recompute: its bus paused (every lookup misses), its caches reset."""
-    out = []
-    for s in servers:
-        with Client(s.bus, request_timeout=30) as c:
-            c.pause(timeout=30)
-            try:
-                assert VllmServer(s.url).reset_prefix_cache()
-                out.append([complete(s.url, s.model, p) for p in PROMPTS])
-            finally:
-                c.resume(timeout=30)
-    return out
+    return [recompute(s, PROMPTS) for s in servers]
 
 
 def swapped_in(server: ServerProc) -> int:

@@ -37,12 +37,13 @@ def _fleet(servers: list[ServerProc]) -> ServerFleet:
     return ServerFleet([ServerSpec(s.name, s.url, s.bus) for s in servers])
 
 
-def _fresh(server: ServerProc, prompts: list[list[int]]) -> list[list[int]]:
+def recompute(server: ServerProc, prompts: list[list[int]]) -> list[list[int]]:
     """The server's own recompute: its bus paused, its caches reset."""
     with Client(server.bus, request_timeout=30) as c:
         c.pause(timeout=30)
         try:
-            VllmServer(server.url).reset_prefix_cache()
+            if not VllmServer(server.url).reset_prefix_cache():
+                raise RuntimeError(f"{server.name} refused to reset its prefix cache (blocks held)")
             return [complete(server.url, server.model, p) for p in prompts]
         finally:
             c.resume(timeout=30)
@@ -69,7 +70,7 @@ def demo(say: Callable[[str], None] = print) -> bool:
                 report = fleet.cycle("demo-1", ReloadWeights(w1), rollback=ReloadWeights(w0), new_label="w1")
                 say(report.describe())
                 new = [[complete(s.url, w0, p) for p in prompts] for s in servers]
-                fresh = [_fresh(s, prompts) for s in servers]
+                fresh = [recompute(s, prompts) for s in servers]
                 same = report.outcome == "committed" and new == fresh and new != old
                 say(f"  every server serves w1, tokens equal its recompute on w1: {same}")
                 ok &= same
