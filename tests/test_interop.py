@@ -151,10 +151,15 @@ def test_client_speaks_zkv(cluster: LocalCluster, lang: str, pull: str) -> None:
     assert lines["bad_version"].startswith("error code=bad_version reason=protocol version 2"), where
     assert _fields(lines["done"]) == {"tasks": "15", "ignored": "0"}, where
 
-    # The bus is healthy after a foreign client: running, both ranks alive, no deaths.
+    # The bus is healthy after a foreign client: running, both ranks alive, no deaths,
+    # nothing left queued or in flight.  The client has its results from the ranks
+    # before the broker hears their dones: a pause (acked only at zero in flight) waits for them.
     with cluster.client() as py:
+        drained = py.pause(timeout=30)
         after = py.status()
-    assert after.state == "running" and after.gen == gen + 2, after
+        py.resume(timeout=30)
+        assert py.status().state == "running"
+    assert drained.state == "paused" and after.gen == gen + 2, after
     assert [r.alive for r in after.ranks] == [True] * WORLD, after
     assert after.counters.get("rank_deaths", 0) == 0, after.counters
     assert after.queued == 0 and after.inflight == 0, after

@@ -88,7 +88,7 @@ def test_a_failed_load_is_reported_by_every_worker_with_its_gpu_blocks(tp):
         w.submit_load(2, ZkvRows([1, 2]), gpu([0, 4]))
     assert all(finished(w, 2) for w in workers)
     for w in workers:
-        assert w.take_failures() == ({2: False}, {0, 4})
+        assert w.take_failures() == ({2: (False, [1, 2])}, {0, 4})
 
 
 def test_a_task_that_never_runs_ends_on_every_worker_within_its_deadline(tp):
@@ -103,7 +103,7 @@ def test_a_task_that_never_runs_ends_on_every_worker_within_its_deadline(tp):
         c.resume(timeout=10)
     assert took < 2 * settings.task_timeout_s + 1.5, took  # the deadline plus the non-submitters' grace (as long again)
     for w in workers:
-        assert w.take_failures() == ({3: True}, set())
+        assert w.take_failures() == ({3: (True, [1])}, set())
 
 
 def test_the_submitter_cancels_what_waits_on_a_paused_bus_at_once(tp):
@@ -116,4 +116,4 @@ def test_the_submitter_cancels_what_waits_on_a_paused_bus_at_once(tp):
         took = time.monotonic() - start
         c.resume(timeout=10)
     assert took < settings.task_timeout_s / 2, f"cancelled, not waited for its deadline: {took:.2f} s"
-    assert workers[0].take_failures() == ({4: False}, {5})
+    assert workers[0].take_failures() == ({4: (False, [1])}, {5})

@@ -8,13 +8,20 @@
                                    "disk_dir": "/var/cache/zkv", "disk_blocks": 65536}}
 
 ``ZkvConnector`` is vLLM's ``OffloadingConnector`` (its scheduler decides
-what to store and load) with ``ZkvSpec`` as the offloading spec and one thing
-the stock connector cannot do: a job that failed is not an assert that takes
-the engine down.  Its worker side reports a failed load's GPU blocks through
-``get_block_ids_with_load_errors`` (vLLM recomputes exactly those, under
-``kv_load_failure_policy="recompute"``, which the connector sets), and hands
-every failed job over to the scheduler side in the worker metadata, so that
-the manager never indexes a failed store nor offers a failed load again.
+what to store and load), built by vLLM's own constructor on ``ZkvSpec`` (the
+spec factory finds it by name), with one thing the stock connector needs
+help with: a job that failed is a recompute, never an assert that takes the
+engine down (``kv_load_failure_policy="recompute"``, which the connector
+sets).  vLLM 0.34 carries failures itself; on 0.32 the worker side reports
+a failed load's GPU blocks through ``get_block_ids_with_load_errors``
+(``api.py`` says which).  Either way every failed job's CPU rows go to the
+scheduler side in the worker metadata, so that the manager never indexes a
+failed store nor offers a failed load again.
+
+Sleep (vLLM 0.34 tells connectors): before vLLM unmaps the KV memory, the
+worker of rank 0 pauses the engine's bus (acked once no copy is in flight,
+and nothing is dispatched while paused), and resumes it once the memory is
+back: no copy ever touches KV memory that is not there.
 
 The engine's bus: with ``broker: embedded`` (the default) the scheduler
 process runs a zkv broker on a thread, on ipc sockets in ``bus_dir``; every
@@ -25,15 +32,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
+import msgspec
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -43,6 +50,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from ...broker.core import BrokerConfig
 from ...broker.loop import Broker
+from . import api
 from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
 from .settings import ZkvSettings
@@ -52,6 +60,7 @@ log = logging.getLogger("zkv.vllm")
 
 SPEC_NAME = "ZkvSpec"
 SPEC_MODULE = __name__
+IDENTITY_KEY = "zkv_identity"  # the scheduler's EngineIdentity, handed to ZkvSpec in the extra config
 
 
 class EmbeddedBroker:
@@ -100,7 +109,8 @@ class ZkvSpec(OffloadingSpec):
         self.settings = ZkvSettings.from_extra(self.extra_config, config.engine_id)
         self.world = par.world_size
         self.rank = par.rank
-        self.identity: EngineIdentity | None = None  # set by ZkvConnector: whose KV the tiers hold
+        said = self.extra_config.get(IDENTITY_KEY)  # ZkvConnector's scheduler side: whose KV the tiers hold
+        self.identity = msgspec.convert(said, EngineIdentity) if said is not None else None
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None
         self._broker: EmbeddedBroker | None = None
@@ -129,16 +139,17 @@ class ZkvSpec(OffloadingSpec):
 @dataclass
 class ZkvWorkerMetadata(OffloadingWorkerMetadata):
     """vLLM's completed-jobs metadata plus the jobs whose zkv task failed:
-    job id -> is_store (any worker's failure fails the job)."""
+    job id -> (is_store, its CPU rows) (any worker's failure fails the job)."""
 
-    failed_jobs: dict[int, bool] = field(default_factory=dict)
+    zkv_failed: dict[int, tuple[bool, list[int]]] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
-        failed = dict(self.failed_jobs)
-        failed.update(getattr(other, "failed_jobs", {}))
-        return ZkvWorkerMetadata(merged.completed_jobs, merged.transfer_stats, failed)
+        failed = dict(self.zkv_failed)
+        failed.update(getattr(other, "zkv_failed", {}))
+        theirs = {f.name: getattr(merged, f.name) for f in fields(OffloadingWorkerMetadata)}
+        return ZkvWorkerMetadata(**theirs, zkv_failed=failed)
 
 
 class ZkvConnectorWorker(OffloadingConnectorWorker):
@@ -156,13 +167,13 @@ class ZkvConnectorWorker(OffloadingConnectorWorker):
         failed, blocks = worker.take_failures()
         meta = self._connector_worker_meta
         assert isinstance(meta, ZkvWorkerMetadata)
-        meta.failed_jobs.update(failed)
+        meta.zkv_failed.update(failed)
         self.load_errors |= blocks
         return done
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = self._connector_worker_meta
-        if not meta.completed_jobs:
+        if not meta.completed_jobs:  # a failed job is a completed one too
             return None
         self._connector_worker_meta = ZkvWorkerMetadata()
         return meta
@@ -180,22 +191,24 @@ class ZkvConnector(OffloadingConnector):
         assert transfer is not None
         extra = dict(transfer.kv_connector_extra_config or {})
         extra.update(spec_name=SPEC_NAME, spec_module_path=SPEC_MODULE)
+        # vLLM 0.34's sync (expedited) loads cannot fail without failing the step: zkv serves
+        # none, so a hit it cannot serve in time is never promised.
+        extra["sync_load_budget_bytes"] = 0
+        if role == KVConnectorRole.SCHEDULER:
+            extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config))
         transfer.kv_connector_extra_config = extra
         # A failed load is a recompute, never a failed request: read by vLLM's
         # scheduler right after it built its connector.
         transfer.kv_load_failure_policy = "recompute"
-        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        offloading_config = build_offloading_config(vllm_config, kv_cache_config)
-        self._canonical_layout = offloading_config.canonical_layout
-        self.spec = ZkvSpec(offloading_config)
-        if role == KVConnectorRole.SCHEDULER:
-            self.spec.identity = identity_of(vllm_config)
-        self.connector_scheduler: OffloadingConnectorScheduler | None = None
-        self.connector_worker: OffloadingConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = OffloadingConnectorScheduler(self.spec, vllm_config, kv_cache_config)
-        elif role == KVConnectorRole.WORKER:
-            self.connector_worker = ZkvConnectorWorker(self.spec, vllm_config, kv_cache_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        stock: Any = getattr(self, "connector_worker", None)
+        if stock is not None:  # ours, on the spec vLLM's factory made
+            self.connector_worker = ZkvConnectorWorker(stock.spec, vllm_config, kv_cache_config)
+
+    @property
+    def manager(self) -> ZkvOffloadManager | None:
+        part = self.connector_scheduler
+        return part.manager if part is not None and isinstance(part.manager, ZkvOffloadManager) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.connector_worker
@@ -203,13 +216,26 @@ class ZkvConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, ZkvWorkerMetadata) and meta.failed_jobs:
-            manager = self.spec.manager
-            # vLLM 0.32 keeps a job's keys in its scheduler's job table until the
-            # job completes, which the call below does: hand the failure over first.
-            jobs = self.scheduler._jobs
-            for job_id, is_store in meta.failed_jobs.items():
-                status = jobs.get(job_id)
-                if status is not None and manager is not None:
-                    manager.job_failed(status.keys, is_store)
+        manager = self.manager
+        if isinstance(meta, ZkvWorkerMetadata) and meta.zkv_failed and manager is not None:
+            # vLLM completes the jobs in the call below: hand the failures over first.
+            for is_store, rows in meta.zkv_failed.values():
+                manager.rows_failed(rows, is_store)
         super().update_connector_output(connector_output)
+
+    # --- sleep and wake (vLLM 0.34 calls these; 0.32 never does) ---------------------------
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: object) -> Any:
+        """zkv's rank copies on the worker's own tensors, in the worker's process."""
+        return api.KVCacheAccess.IN_PROCESS
+
+    def unregister_kv_caches(self) -> None:
+        worker = self.connector_worker
+        if isinstance(worker, ZkvConnectorWorker) and isinstance(worker.worker, ZkvOffloadWorker):
+            worker.worker.kv_memory_gone()
+
+    def restore_kv_caches(self) -> None:
+        worker = self.connector_worker
+        if isinstance(worker, ZkvConnectorWorker) and isinstance(worker.worker, ZkvOffloadWorker):
+            worker.worker.kv_memory_back()

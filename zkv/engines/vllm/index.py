@@ -126,6 +126,12 @@ class OffloadIndex:
             self.book.announce(tier, [k for k, e in self.entries.items() if self._announced_on(e, tier)], removed=False)
         return len(self.entries)
 
+    def keys_in(self, cpu_rows: list[int], writing: bool) -> list[Key]:
+        """The keys whose CPU rows a vLLM job wrote (``writing``: a store) or read (a load)."""
+        wanted = set(cpu_rows)
+        state = CpuState.STORING if writing else CpuState.READY
+        return [k for k, e in self.entries.items() if e.cpu_row in wanted and e.cpu_state is state]
+
     def rows_of(self, tier: Tier) -> list[tuple[Key, int]]:
         """(key, row) of every key ``tier`` serves now, least recently used first (what a journal names)."""
         pairs = ((k, self._row_on(e, tier)) for k, e in self.entries.items() if self._announced_on(e, tier))

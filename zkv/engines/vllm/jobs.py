@@ -38,6 +38,7 @@ class Job:
     deadline: float
     outcome: TaskOutcome | None = None
     local: str | None = None  # this rank's own outcome of the task
+    cpu_rows: list[int] = field(default_factory=list)  # zkv's CPU tier rows it writes (a store) or reads (a load)
 
 
 @dataclass

@@ -303,9 +303,11 @@ class ZkvOffloadManager(OffloadingManager):
         self.index.complete_store(keys, ok=not failed)
         self._record()
 
-    def job_failed(self, keys: Iterable[OffloadKey], is_store: bool) -> None:
-        """A worker reported this job's zkv task failed (``ZkvConnector``): called
-        before vLLM completes the job, so the completion sees it."""
+    def rows_failed(self, rows: Iterable[int], is_store: bool) -> None:
+        """A worker reported that a job on these CPU rows failed (``ZkvConnector``): called
+        before vLLM completes the job, so the completion sees it (no store indexed, no key
+        read again)."""
+        keys = self.index.keys_in(list(rows), writing=is_store)
         (self._failed_stores if is_store else self._failed_loads).update(keys)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

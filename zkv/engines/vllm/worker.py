@@ -8,9 +8,11 @@ comes up.  The worker of TP rank 0 submits each job as one task to every
 rank (``swap_out`` GPU blocks -> CPU rows for a store, ``swap_in`` for a
 load), under a task id every worker derives from vLLM's job id; each worker
 reports a job finished when its own rank's copy is over (``jobs.py``).  A job
-whose task did not end ``ok`` is reported failed: ``ZkvConnector`` turns a
-failed load into blocks vLLM recomputes and a failed store into a key never
-indexed, instead of vLLM's stock assert.
+whose task did not end ``ok`` is reported failed, through vLLM's own
+failure channel where it has one (``api.NATIVE_FAILURES``): a failed load is
+recomputed, a failed store never indexed, instead of vLLM's stock assert.
+Its CPU rows travel to the scheduler too (``take_failures``), so that the
+manager forgets the keys they hold.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
-from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec, OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.base import CanonicalKVCaches, LoadStoreSpec, OffloadingWorker, TransferResult
 
 from ...client.client import Client
 from ...rank.agent import RankAgent
@@ -29,6 +32,7 @@ from ...rank.tiers.tier_file import bus_name, clean_tiers
 from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome
+from .api import NATIVE_FAILURES, gpu_block_ids
 from .jobs import Finished, Job, JobBook
 from .layouts import canonical_pages
 from .rows import ZkvRows
@@ -37,18 +41,13 @@ from .settings import ZkvSettings
 log = logging.getLogger("zkv.vllm")
 
 
-def _gpu_ids(spec: GPULoadStoreSpec) -> list[int]:
-    if spec.group_sizes is not None and len(spec.group_sizes) > 1:
-        raise ValueError("zkv offloads one KV cache group; this model has several (docs/engine-vllm.md, Limits)")
-    return [int(b) for b in spec.block_ids]
-
-
 class ZkvOffloadWorker(OffloadingWorker):
     """One vLLM worker's zkv rank, and (rank 0) the client that runs the jobs."""
 
     def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
         self.settings = settings
         self.rank, self.world = rank, world
+        self.kv_caches = kv_caches
         entries = canonical_pages(kv_caches.tensors)  # vLLM's null block reserved
         self.block_bytes = sum(t.page_size_bytes for t in kv_caches.tensors)
         generations = itertools.count(2)
@@ -74,9 +73,10 @@ class ZkvOffloadWorker(OffloadingWorker):
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
-        self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute
-        self._failed_jobs: dict[int, bool] = {}  # job id -> is_store, of failed jobs not yet taken
+        self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute (0.32)
+        self._failed_jobs: dict[int, tuple[bool, list[int]]] = {}  # job id -> (is_store, CPU rows), not yet taken
         self._cancel_asked: set[int] = set()  # tasks whose cancel was sent while the bus was paused
+        self._paused_for_sleep = False  # this worker paused the bus while vLLM's KV memory is away
 
     # --- jobs --------------------------------------------------------------------------
 
@@ -84,7 +84,9 @@ class ZkvOffloadWorker(OffloadingWorker):
         now = time.monotonic()
         timeout = self.settings.task_timeout_s
         task = JobBook.task_of(job_id)
-        job = Job(job_id, task, op is Op.SWAP_OUT, gpu_ids, len(gpu_ids) * self.block_bytes, now, now + timeout)
+        store = op is Op.SWAP_OUT
+        job = Job(job_id, task, store, gpu_ids, len(gpu_ids) * self.block_bytes, now, now + timeout)
+        job.cpu_rows = dst if store else src
         self.book.add(job)
         if self.client is not None:
             try:
@@ -93,14 +95,16 @@ class ZkvOffloadWorker(OffloadingWorker):
                 self.book.on_outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
         return True
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+    # The GPU side is a GPULoadStoreSpec (vLLM 0.32) or DevicePointers (0.34): api.gpu_block_ids.
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, ZkvRows)
-        gpu = _gpu_ids(src_spec)
+        gpu = gpu_block_ids(src_spec, self.kv_caches)
         return self._submit(job_id, Op.SWAP_OUT, gpu, dst_spec.rows, gpu)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: Any, expedited: bool = False) -> bool:
+        """``expedited`` (0.34) loads never come: the connector turns vLLM's sync loads off."""
         assert isinstance(src_spec, ZkvRows)
-        gpu = _gpu_ids(dst_spec)
+        gpu = gpu_block_ids(dst_spec, self.kv_caches)
         return self._submit(job_id, Op.SWAP_IN, src_spec.rows, gpu, gpu)
 
     def _pump(self, timeout: float = 0.0) -> None:
@@ -128,12 +132,14 @@ class ZkvOffloadWorker(OffloadingWorker):
     def _result(self, done: Finished) -> TransferResult:
         job = done.job
         if not done.success:
-            self._failed_jobs[job.job_id] = job.is_store
-            if not job.is_store:
+            self._failed_jobs[job.job_id] = (job.is_store, job.cpu_rows)
+            if not job.is_store and not NATIVE_FAILURES:
                 self._failed_loads.update(job.gpu_ids)
             log.info("zkv: %s job %d failed (%s)", "store" if job.is_store else "load", job.job_id, done.reason)
-        # success=True even for a failure: ZkvConnector reports it itself (take_failures)
-        return TransferResult(job.job_id, True, job.nbytes, time.monotonic() - job.started)
+        # Without vLLM's own failure channel (0.32) a failure is reported done, and ZkvConnector
+        # hands its GPU blocks to vLLM itself (get_block_ids_with_load_errors).
+        success = done.success or not NATIVE_FAILURES
+        return TransferResult(job.job_id, success, job.nbytes, time.monotonic() - job.started)
 
     def get_finished(self) -> list[TransferResult]:
         self._pump()
@@ -165,8 +171,34 @@ class ZkvOffloadWorker(OffloadingWorker):
                 else:
                     self.book.wait_local(task, until, time.monotonic)
 
-    def take_failures(self) -> tuple[dict[int, bool], set[int]]:
-        """(failed job id -> is_store, GPU block ids of failed loads) since the last call."""
+    # --- KV memory that goes away (vLLM 0.34: sleep, a weight update's loan) -----------------
+
+    def kv_memory_gone(self) -> None:
+        """vLLM is about to unmap the KV memory: no copy may touch it until it is back.
+        The worker of rank 0 pauses the bus (acked once no copy is in flight on any rank,
+        and nothing is dispatched while paused); a bus someone else paused stays theirs."""
+        if self.client is None or self._paused_for_sleep:
+            return
+        try:
+            reply = self.client.pause(timeout=max(1.0, self.settings.task_timeout_s))
+        except ZkvError as err:  # no broker answers: nothing is dispatched either
+            log.warning("zkv: bus not paused before vLLM releases its KV memory: %s", err)
+            return
+        self._paused_for_sleep = not reply.noop
+
+    def kv_memory_back(self) -> None:
+        """The KV memory is mapped again: resume the bus this worker paused for it."""
+        if self.client is None or not self._paused_for_sleep:
+            return
+        try:
+            self.client.resume(timeout=max(1.0, self.settings.task_timeout_s))
+            self._paused_for_sleep = False
+        except ZkvError as err:
+            log.warning("zkv: bus not resumed after vLLM restored its KV memory: %s (zkv resume)", err)
+
+    def take_failures(self) -> tuple[dict[int, tuple[bool, list[int]]], set[int]]:
+        """(failed job id -> (is_store, its CPU rows), GPU block ids of failed loads for
+        vLLM to recompute: 0.32 only) since the last call."""
         jobs, blocks = self._failed_jobs, self._failed_loads
         self._failed_jobs, self._failed_loads = {}, set()
         return jobs, blocks

