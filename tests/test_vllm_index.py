@@ -54,6 +54,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.loads: list[tuple[list[bytes], list[int]]] = []  # vLLM load jobs in flight
         self.spills: list[tuple[bytes, int, int]] = []
         self.promotes: list[tuple[bytes, int, int]] = []  # disk -> CPU loads in flight
+        self.fenced: list[tuple[list[bytes], list[int], bool]] = []  # vLLM jobs a fenced reset left in flight
         self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}
         self.adopted = 0
 
@@ -194,6 +195,27 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.take_changes()
         self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}  # removed, started anew
 
+    @rule()
+    def reset_fenced(self):
+        """vLLM 0.34: its jobs in flight at a reset end after it (a store still writes
+        its rows), and vLLM says when (``flushed``)."""
+        self.fenced += [(new, rows, True) for new, rows in self.stores]
+        self.fenced += [(ks, rows, False) for ks, rows in self.loads]
+        self.stores, self.loads = [], []
+        self.index.reset(fenced=True)
+        self.index.take_changes()
+        self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}
+
+    @precondition(lambda self: self.fenced)
+    @rule(ok=st.booleans())
+    def flushed(self, ok):
+        for ks, rows, store in self.fenced:
+            if store:  # the late write lands, whole or not
+                for key, row in zip(ks, rows):
+                    self.rows[Tier.CPU][row] = key if ok else GARBAGE
+        self.fenced = []
+        self.index.flushed()
+
     @rule(
         ends=st.lists(st.booleans(), min_size=12, max_size=12),
         cpu_survives=st.booleans(),
@@ -211,7 +233,7 @@ class IndexMachine(RuleBasedStateMachine):
         if not cpu_survives:
             self.rows[Tier.CPU] = [GARBAGE] * SIZES[Tier.CPU]
             self.journals[Tier.CPU] = self._journal(IDENTITY, Tier.CPU)
-        self.stores, self.loads, self.spills, self.promotes = [], [], [], []
+        self.stores, self.loads, self.spills, self.promotes, self.fenced = [], [], [], [], []
         identity = IDENTITY if same_identity else IDENTITY.moved()
         found = {tier: replay(bytes(j)) for tier, j in self.journals.items()}
         self.index = OffloadIndex(cpu_rows=3, disk_rows=4, spill_below=2)
@@ -244,7 +266,17 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def held_rows_belong_only_to_tasks_in_flight(self):
         in_flight = {("spill", k, d) for k, _, d in self.spills} | {("load", k, c) for k, _, c in self.promotes}
-        assert {entry.task for entry in self.index.book.held_entries()} <= in_flight, "rows no task will ever give back"
+        tasks = {entry.task for entry in self.index.book.held_entries()}
+        fences = {t for t in tasks if t[0] == "fence"}
+        assert tasks - fences <= in_flight, "rows no task will ever give back"
+        assert not fences or self.fenced, "rows a fence holds after vLLM said its jobs are over"
+
+    @invariant()
+    def rows_vllm_still_writes_after_a_reset_belong_to_nobody(self):
+        for _ks, rows, store in self.fenced:
+            for row in rows:
+                owners = [k for k, e in self.index.entries.items() if e.cpu_row == row]
+                assert not owners and row not in self.index.book.free_rows(Tier.CPU), (row, owners, store)
 
     @invariant()
     def a_hit_is_exactly_its_key(self):

@@ -45,7 +45,7 @@ from zkv.engines.vllm.manager import ZkvOffloadManager  # noqa: E402
 from zkv.engines.vllm.rows import ZkvRows  # noqa: E402
 from zkv.engines.vllm.worker import ZkvOffloadWorker  # noqa: E402
 from zkv.net.endpoints import Endpoints  # noqa: E402
-from zkv.wire.vocab import BusState  # noqa: E402
+from zkv.wire.vocab import BusState, Tier  # noqa: E402
 
 BLOCK, BLOCKS = 16, 12
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -206,3 +206,21 @@ def test_the_scheduler_side_is_zkvs_manager_with_vllms_sync_loads_off(rig):
     manager.bus.refresh(time.monotonic(), force=True)  # the rank registered before the fixture returned
     assert manager._serving(), "the manager sees its bus serving"
     assert Path(manager.settings.bus_dir).is_dir()
+
+
+def test_a_reset_holds_the_rows_vllms_jobs_still_touch_until_vllm_says_they_are_flushed(rig):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    scheduler, _, _, _ = rig
+    manager = scheduler.manager
+    manager.bus.refresh(time.monotonic(), force=True)
+    planned = manager.prepare_store([b"k0", b"k1"], ReqContext("r"))  # a store vLLM has in flight
+    assert planned is not None and len(planned.keys_to_store) == 2
+    manager.reset_cache()
+    assert manager.index.book.held()[Tier.CPU] == 2, "the rows the store still writes are out of reach"
+    manager.on_reset_flushed()
+    assert manager.index.book.held()[Tier.CPU] == 0 and manager.index.used(Tier.CPU) == 0
+    # Through vLLM's own connector: with no job of vLLM's in flight, it says flushed at once.
+    manager.prepare_store([b"k2"], ReqContext("r"))
+    assert scheduler.reset_cache()
+    assert manager.index.book.held()[Tier.CPU] == 0 and manager.counts["resets"] == 2

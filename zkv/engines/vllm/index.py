@@ -41,6 +41,7 @@ from ...rows.book import ResidencyEvent, RowBook
 from ...wire.vocab import Op, Tier
 
 Key = bytes
+FENCE = "fence"  # the book's holds for vLLM's jobs in flight at a fenced reset
 
 
 class Found(enum.Enum):
@@ -100,6 +101,7 @@ class OffloadIndex:
         # until the task ends.
         self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows})
         self.changes: list[RowChange] = []
+        self._fences = 0  # holds made by fenced resets, numbered
 
     def adopt(self, cpu: list[tuple[Key, int]], disk: list[tuple[Key, int]]) -> int:
         """Serve again what an earlier engine's journals say its rows hold
@@ -286,16 +288,26 @@ class OffloadIndex:
             e.cpu_row, e.cpu_state = None, None
             self.book.give_back(Tier.CPU, [cpu_row])
 
-    def reset(self) -> list[Key]:
-        """Forget every key (a generation moved): what vLLM's jobs were doing
-        is over once vLLM flushed them; rows our own tasks still touch are held
-        for those tasks to end.  Returns the keys forgotten."""
+    def reset(self, fenced: bool = False) -> list[Key]:
+        """Forget every key (a generation moved).  Rows our own tasks still touch
+        are held for those tasks to end.  Rows vLLM's own jobs still write (a
+        store) or read (a load) are free at once unless ``fenced`` (vLLM 0.34:
+        its jobs in flight at a reset end later, and it says when, ``flushed``):
+        then they are held until then.  Returns the keys forgotten."""
         gone = list(self.entries)
         for tier in (Tier.CPU, Tier.DISK):
             self._said(tier, [e for e in self.entries.values() if self._announced_on(e, tier)], removed=True)
         for e in list(self.entries.values()):
+            if fenced and e.cpu_row is not None and (e.cpu_state is CpuState.STORING or e.readers):
+                self._fences += 1
+                self.book.hold((FENCE, self._fences), {Tier.CPU: [e.cpu_row]})
+                e.cpu_row, e.cpu_state, e.readers = None, None, 0
             self._drop(e, announce=False)
         return gone
+
+    def flushed(self) -> None:
+        """vLLM's jobs in flight at the last fenced reset are over: their rows are free."""
+        self.book.settle([task for task in (h.task for h in self.book.held_entries()) if task[0] == FENCE])
 
     # --- counts ------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from ...client.client import Client
 from ...rank.tiers.tier_file import bus_name, journal_path
 from ...wire.errors import ZkvError
 from ...wire.vocab import Op, Tier
+from . import api
 from .bus_view import BusView
 from .identity import EngineIdentity
 from .index import Found, OffloadIndex
@@ -231,11 +232,11 @@ class ZkvOffloadManager(OffloadingManager):
             return
         self._tasks[task] = (op, rows)
 
-    def _forget(self, why: str, moved: bool = True) -> None:
+    def _forget(self, why: str, moved: bool = True, fenced: bool = False) -> None:
         for key, _, cpu_row in self._loads:  # not sent yet: never will be
             self.index.cancel_load(key, cpu_row)
         self._loads = []
-        gone = self.index.reset()
+        gone = self.index.reset(fenced=fenced)
         self.index.take_changes()
         self._stored_at = (None, None)
         for journal in self.journals.values():
@@ -345,7 +346,13 @@ class ZkvOffloadManager(OffloadingManager):
             self._stored_at = (self.bus.gen, cpu_gen)
             log.info("zkv: reset kept %d offloaded blocks: the bus's clear kept its CPU tier", len(self.index.entries))
             return
-        self._forget("vLLM reset the cache and the bus did not keep its CPU tier")
+        # vLLM 0.34 ends its jobs in flight after this call and says when (on_reset_flushed):
+        # their rows stay out of reach until then.  0.32 flushed them before.
+        self._forget("vLLM reset the cache and the bus did not keep its CPU tier", fenced=api.NATIVE_FAILURES)
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.34: every job in flight at the last ``reset_cache`` is over."""
+        self.index.flushed()
 
     def stats(self) -> dict[str, Any]:
         return {
