@@ -1,7 +1,8 @@
 """What the vLLM scheduler knows of its zkv bus (zkv/engines/vllm/bus_view.py),
-against a real broker and ranks: serving only while running with every rank
-alive, generations moved by a clear, and a bus that does not answer costs the
-scheduler's thread a short, rare wait."""
+against a real broker and ranks: pauses, clears and resumes heard from the
+bus's broadcasts, the background status that heals what a broadcast missed,
+serving only while running with every rank alive, and a bus that does not
+answer never makes the scheduler wait."""
 
 from __future__ import annotations
 
@@ -15,37 +16,78 @@ from zkv.harness.bus.cluster import LocalCluster
 from zkv.wire.layout import CacheLayout
 
 pytestmark = pytest.mark.timeout(120)
+LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=4, kv_heads=1, head_dim=8)
 
 
-def test_serving_follows_the_bus_and_a_clear_moves_the_generations(tmp_path):
-    layout = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=8, block_size=4, kv_heads=1, head_dim=8)
-    with LocalCluster(2, layout, directory=tmp_path) as cluster, Client(cluster.endpoints.frontend) as ctl:
+def hear(view: BusView, broadcasts: int, timeout: float = 10.0) -> bool:
+    """Refresh until ``broadcasts`` more control broadcasts were heard (bounded); the last refresh's result."""
+    want, deadline, moved = view.heard + broadcasts, time.monotonic() + timeout, False
+    while view.heard < want:
+        assert time.monotonic() < deadline, f"heard {view.heard} broadcasts, waited for {want}"
+        view.sub.poll(100)
+        moved = view.refresh(time.monotonic()) or moved
+    return moved
+
+
+def test_pauses_clears_and_resumes_are_heard_from_the_broadcasts(tmp_path):
+    with LocalCluster(2, LAYOUT, directory=tmp_path) as cluster, Client(cluster.endpoints.frontend) as ctl:
         ctl.status(timeout=30, wait_ranks=2)
-        view = BusView(Client(cluster.endpoints.frontend, request_timeout=0.25), world=2, interval=0.0)
+        client = Client(cluster.endpoints.frontend, request_timeout=0.25)
+        # A background status every minute: all the view learns below comes from the broadcasts.
+        view = BusView(client, world=2, interval=60.0, control=cluster.endpoints.control)
         try:
-            view.refresh(time.monotonic())
+            view.refresh(time.monotonic(), force=True)
             assert view.serving
             ctl.pause()
-            assert view.refresh(time.monotonic()) is False and not view.serving
+            assert hear(view, 1) is False and not view.serving, "a pause stops serving with no round trip"
             ctl.clear()
-            assert view.refresh(time.monotonic()) is True, "a clear moves the generations"
+            assert hear(view, 1) is False and not view.serving
+            before = (view.gen, view.cpu_gen)
             ctl.resume()
-            view.refresh(time.monotonic())
-            assert view.serving
+            assert hear(view, 1) is True and view.serving, "a resume is checked: the clear moved the generations"
+            assert (view.gen, view.cpu_gen) != before
         finally:
-            view.client.close()
+            view.close()
+            client.close()
 
 
-def test_a_bus_that_does_not_answer_costs_a_short_wait_then_none_for_the_backoff(tmp_path):
-    view = BusView(Client(f"ipc://{tmp_path}/none.sock", request_timeout=0.25), world=1, interval=0.0, backoff=5.0)
+def test_the_background_status_heals_a_lost_broadcast_and_is_never_waited_for(tmp_path):
+    with LocalCluster(2, LAYOUT, directory=tmp_path) as cluster, Client(cluster.endpoints.frontend) as ctl:
+        ctl.status(timeout=30, wait_ranks=2)
+        client = Client(cluster.endpoints.frontend, request_timeout=0.25)
+        view = BusView(client, world=2, interval=0.0)  # hears no broadcast at all
+        try:
+            view.refresh(time.monotonic(), force=True)
+            assert view.serving
+            ctl.pause()
+            deadline = time.monotonic() + 10
+            while view.serving:  # each refresh sends a status or reads one that came
+                assert time.monotonic() < deadline, "the background status never saw the pause"
+                client.poll(0.02)  # a bounded wait for traffic
+                view.refresh(time.monotonic())
+            ctl.resume()
+        finally:
+            view.close()
+            client.close()
+
+
+def test_a_bus_that_does_not_answer_stops_serving_after_the_timeout_then_is_asked_after_the_backoff(tmp_path):
+    client = Client(f"ipc://{tmp_path}/none.sock", request_timeout=0.25)
+    view = BusView(client, world=1, interval=0.0, timeout=0.25, backoff=5.0)
+    view.serving = True
     try:
-        start = time.monotonic()
-        assert view.refresh(start) is False and not view.serving
-        first = time.monotonic() - start
-        assert first < 1.0, first
-        start = time.monotonic()
-        for _ in range(100):
-            view.refresh(time.monotonic())
-        assert time.monotonic() - start < 0.1, "no new question within the backoff"
+        t = 1000.0  # the view's own clock: what it does at each moment, without waiting for any of them
+        assert view.refresh(t) is False and view.serving, "a status asked, not waited for"
+        assert view._pending is not None
+        view.refresh(t + 0.1)
+        assert view.serving and view._pending is not None, "still within the timeout"
+        view.refresh(t + 0.3)
+        assert not view.serving and view._pending is None, "no answer within the timeout: offload off"
+        for dt in (0.4, 2.0, 5.2):
+            view.refresh(t + dt)
+            assert view._pending is None, "nothing asked within the backoff"
+        view.refresh(t + 5.4)
+        assert view._pending is not None, "asked again after the backoff"
     finally:
-        view.client.close()
+        view.close()
+        client.close()

@@ -262,6 +262,14 @@ class Client:
             raise ZkvError(reply.code, reply.reason)
         return typed(reply)
 
+    def take_reply(self, req: int) -> Answer | None:
+        """The reply to ``req`` (sent with ``send_request``) if it has come, without
+        waiting: None when not yet; raises ZkvError on an error reply."""
+        self._pump(0.0)
+        if req not in self.replies:
+            return None
+        return self.await_reply(req, 0.0)
+
     def _control(self, op: ControlOp, timeout: float, **fields: Any) -> ControlReply:
         timeout_ms = min(int(timeout * 1000), bounds.MAX_TIMEOUT_MS)
         return self._ask(ControlReply, timeout + 1, op, timeout_ms=timeout_ms, **fields)

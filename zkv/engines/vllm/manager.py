@@ -4,7 +4,8 @@ backend (docs/engine-vllm.md).
 vLLM's scheduler keeps deciding what to store and load; this manager answers
 from its ``OffloadIndex`` and is a zkv client of the engine's bus: it runs the
 disk tier's spills and loads as zkv tasks, learns the bus's state and
-generations from ``status`` (at most every ``status_interval_s``), and so:
+generations from its broadcasts and a background ``status`` (``bus_view.py``:
+the scheduler never waits on the bus), and so:
 
 - while the bus is not running (paused, cleared, ranks missing), lookups
   miss and stores are skipped: vLLM serves by recompute, and no job of vLLM's
@@ -102,7 +103,7 @@ class ZkvOffloadManager(OffloadingManager):
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
         self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below)
         self.client = Client(settings.endpoints.frontend, request_timeout=0.25)  # a send to no broker: 0.25 s
-        self.bus = BusView(self.client, world, settings.status_interval_s)
+        self.bus = BusView(self.client, world, settings.status_interval_s, control=settings.endpoints.control)
         self.emit_events = emit_events
         self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
         self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at
@@ -315,7 +316,7 @@ class ZkvOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: Any) -> None:
-        self._serving()  # refreshed at most every status_interval_s
+        self._serving()  # the broadcasts heard, the background status sent or read
         self._pump()
 
     def has_pending_work(self) -> bool:
@@ -365,6 +366,7 @@ class ZkvOffloadManager(OffloadingManager):
     def shutdown(self) -> None:
         for journal in self.journals.values():
             journal.close()
+        self.bus.close()
         self.client.close()
         if self._events_file is not None:
             self._events_file.close()

@@ -63,7 +63,7 @@ class ZkvSettings:
     disk_blocks: int = 4096
     spill_below: int = 0
     task_timeout_s: float = 5.0
-    status_interval_s: float = 0.05
+    status_interval_s: float = 1.0
     load_wait_s: float = 0.0
     events_path: str | None = None
     metrics_port: int | None = None
@@ -92,7 +92,7 @@ class ZkvSettings:
             disk_blocks=disk_blocks,
             spill_below=_int(extra, "spill_below", default_spill, 0, cpu_blocks) if disk_dir else 0,
             task_timeout_s=_seconds(extra, "task_timeout_s", 5.0, 0.01, 3600.0),
-            status_interval_s=_seconds(extra, "status_interval_s", 0.05, 0.0, 60.0),
+            status_interval_s=_seconds(extra, "status_interval_s", 1.0, 0.0, 60.0),
             load_wait_s=_seconds(extra, "load_wait_s", 0.0, 0.0, 10.0),
             events_path=_path(extra, "events_path"),
             metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
