@@ -2,6 +2,8 @@
 ``kv_connector_extra_config``: the defaults that decide what the disk tier
 serves, and what a worker says it reserves."""
 
+import pytest
+
 from zkv.engines.vllm.settings import ZkvSettings
 
 
@@ -33,3 +35,10 @@ def test_the_cpu_tier_is_a_file_in_dev_shm_unless_told_otherwise():
     assert ZkvSettings.from_extra({}, "engine0").tier_dir == "/dev/shm"
     assert ZkvSettings.from_extra({"tier_dir": "/mnt/tiers"}, "engine0").tier_dir == "/mnt/tiers"
     assert ZkvSettings.from_extra({"tier_dir": None}, "engine0").tier_dir is None  # process memory
+
+
+def test_the_manager_hears_broadcasts_unless_told_not_to():
+    assert ZkvSettings.from_extra({}, "e").hear_broadcasts and ZkvSettings.from_extra({}, "e").status_interval_s == 1.0
+    assert not ZkvSettings.from_extra({"hear_broadcasts": False}, "e").hear_broadcasts
+    with pytest.raises(ValueError, match="must be true or false"):
+        ZkvSettings.from_extra({"hear_broadcasts": "no"}, "e")

@@ -307,7 +307,8 @@ class OffloadIndex:
 
     def flushed(self) -> None:
         """vLLM's jobs in flight at the last fenced reset are over: their rows are free."""
-        self.book.settle([task for task in (h.task for h in self.book.held_entries()) if task[0] == FENCE])
+        tasks = (h.task for h in self.book.held_entries())
+        self.book.settle([t for t in tasks if isinstance(t, tuple) and t[0] == FENCE])
 
     # --- counts ------------------------------------------------------------------
 

@@ -103,7 +103,8 @@ class ZkvOffloadManager(OffloadingManager):
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
         self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below)
         self.client = Client(settings.endpoints.frontend, request_timeout=0.25)  # a send to no broker: 0.25 s
-        self.bus = BusView(self.client, world, settings.status_interval_s, control=settings.endpoints.control)
+        control = settings.endpoints.control if settings.hear_broadcasts else None
+        self.bus = BusView(self.client, world, settings.status_interval_s, control=control)
         self.emit_events = emit_events
         self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
         self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at

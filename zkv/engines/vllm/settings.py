@@ -30,6 +30,13 @@ def _seconds(extra: Mapping[str, Any], name: str, default: float, low: float, hi
     return float(value)
 
 
+def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = extra.get(name, default)
+    if type(value) is not bool:
+        raise ValueError(f"zkv: kv_connector_extra_config[{name!r}] must be true or false, got {value!r}")
+    return value
+
+
 def _path(extra: Mapping[str, Any], name: str) -> str | None:
     value = extra.get(name)
     if value is not None and (not isinstance(value, str) or not value):
@@ -44,7 +51,9 @@ class ZkvSettings:
     engine's scheduler process runs it) or ``external`` (a ``zkv broker`` the
     operator runs there).  ``cpu_blocks`` rows of zkv's CPU tier per worker,
     in a file under ``tier_dir`` (None: process memory); ``disk_dir`` /
-    ``disk_blocks``: the disk tier below it.  ``task_timeout_s``: how long a
+    ``disk_blocks``: the disk tier below it.  ``hear_broadcasts``: the
+    manager hears the bus's control broadcasts (false: it learns only from
+    the status poll, every ``status_interval_s``).  ``task_timeout_s``: how long a
     store or load may take before vLLM recomputes instead.  ``metrics_port``:
     the embedded broker's Prometheus ``/metrics`` on loopback (0: a free
     port, named in the engine's log).  ``events_path``: a JSON line per
@@ -64,6 +73,7 @@ class ZkvSettings:
     spill_below: int = 0
     task_timeout_s: float = 5.0
     status_interval_s: float = 1.0
+    hear_broadcasts: bool = True
     load_wait_s: float = 0.0
     events_path: str | None = None
     metrics_port: int | None = None
@@ -93,6 +103,7 @@ class ZkvSettings:
             spill_below=_int(extra, "spill_below", default_spill, 0, cpu_blocks) if disk_dir else 0,
             task_timeout_s=_seconds(extra, "task_timeout_s", 5.0, 0.01, 3600.0),
             status_interval_s=_seconds(extra, "status_interval_s", 1.0, 0.0, 60.0),
+            hear_broadcasts=_flag(extra, "hear_broadcasts", True),
             load_wait_s=_seconds(extra, "load_wait_s", 0.0, 0.0, 10.0),
             events_path=_path(extra, "events_path"),
             metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
