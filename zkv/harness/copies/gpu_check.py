@@ -15,7 +15,11 @@ minute; ``--quick`` fewer repeats) prints:
    ``copy_`` of the same bytes (host pinned <-> device, non_blocking +
    synchronize), interleaved, median of the repeats; GB/s, the ratio and
    PASS/FAIL against the targets (>= 0.9x of the pinned copy, >= 40 GB/s
-   one way).  Each configuration is also checked byte for byte at full size.
+   one way).  Each configuration is also checked byte for byte at full size;
+3. vLLM, where one is installed (``zkv/harness/vllm/gpu_vllm.py``): zkv's
+   connector in a real engine (identical tokens, a sleep level 1 cycle, time
+   to first token beside vLLM's own CPU offloading); each says ``n/a`` and
+   why where it cannot run.
 
 ``--device cpu`` rehearses the same flow with small sizes (seconds; what CI
 runs): it checks no GPU, so nothing there is a PASS (a check that ran is
@@ -233,7 +237,36 @@ def environment(dev: torch.device) -> dict[str, Any]:
     return env
 
 
-def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
+def failures(report: dict[str, Any]) -> list[str]:
+    """Every check that failed, every configuration whose bytes differed or that missed its target."""
+    failed = [c["check"] for c in report["checks"] if c["ok"] is False]
+    for r in report["bandwidth"]:
+        if "error" in r:
+            failed.append(f"bandwidth {r['engine']} {r['size']}")
+            continue
+        for name in ("contiguous", "scattered"):
+            failed += [f"{r['engine']} {r['size']} {name} bytes"] if not r[name]["bytes_ok"] else []
+            failed += [
+                f"{r['engine']} {r['size']} {name} {op}"
+                for op in (Op.SWAP_OUT, Op.SWAP_IN)
+                if r[name][op]["pass"] is False
+            ]
+    return failed
+
+
+def vllm_checks(device: str, quick: bool) -> list[dict[str, Any]]:
+    """(c): zkv in a vLLM engine on this device, where a vLLM is installed (``gpu_vllm.py``)."""
+    from ..vllm.gpu_vllm import check_vllm
+
+    say("(c) vLLM with zkv as its offload backend")
+    found = check_vllm(device, quick, say)
+    for r in found:
+        if r["ok"] is None:
+            say(f"  n/a  {r['check']}: {r['skipped']}")
+    return found
+
+
+def run(device: str, quick: bool, ipc: bool = True, vllm: bool = True) -> dict[str, Any]:
     dev = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
     sizes = GPU_SIZES if dev.type == "cuda" else CPU_SIZES
     reps = (4 if quick else 10) if dev.type == "cuda" else 3
@@ -283,22 +316,12 @@ def run(device: str, quick: bool, ipc: bool = True) -> dict[str, Any]:
                         f" {c['gbps']:>7.2f} {c['pinned_copy_gbps']:>7.2f} {c['ratio']:>5.2f}x  {verdict(c['pass'])}"
                         f"{'' if r[name]['bytes_ok'] else '  BYTES DIFFER'}"
                     )
+    if vllm:
+        report["checks"] += vllm_checks(dev.type, quick)
     report["seconds"] = time.perf_counter() - t0
-    failed = [c["check"] for c in report["checks"] if c["ok"] is False]
-    for r in report["bandwidth"]:
-        if "error" in r:
-            failed.append(f"bandwidth {r['engine']} {r['size']}")
-            continue
-        for name in ("contiguous", "scattered"):
-            failed += [f"{r['engine']} {r['size']} {name} bytes"] if not r[name]["bytes_ok"] else []
-            failed += [
-                f"{r['engine']} {r['size']} {name} {op}"
-                for op in (Op.SWAP_OUT, Op.SWAP_IN)
-                if r[name][op]["pass"] is False
-            ]
-    report["failed"] = failed
-    if failed:
-        last = "FAILED: " + "; ".join(failed)
+    report["failed"] = failures(report)
+    if report["failed"]:
+        last = "FAILED: " + "; ".join(report["failed"])
     elif cuda:
         last = "ALL PASS"
     else:  # a rehearsal of the flow: nothing about a GPU was checked
@@ -316,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--no-ipc", action="store_true", help="skip the cross-process attach check")
+    parser.add_argument("--no-vllm", action="store_true", help="skip (c), the vLLM engine checks")
     parser.add_argument("--json", dest="json_path", default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -326,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    report = run(args.device, args.quick, ipc=not args.no_ipc)
+    report = run(args.device, args.quick, ipc=not args.no_ipc, vllm=not args.no_vllm)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=1))
     return 0 if not report["failed"] else 1

@@ -76,9 +76,14 @@ def _after_restart(llm: Any, history: list[list[int]], turn: int, vocab: int) ->
 
 
 def bench_vllm(
-    quick: bool = False, say: Callable[[str], None] = print, zkv_extra: dict[str, Any] | None = None
+    quick: bool = False,
+    say: Callable[[str], None] = print,
+    zkv_extra: dict[str, Any] | None = None,
+    floor: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """``zkv_extra``: more of zkv's settings (docs/engine-vllm.md) for its engine."""
+    """``zkv_extra``: more of zkv's settings (docs/engine-vllm.md) for its engine; ``floor``:
+    the floor engine's ``--kv-transfer-config`` for (CPU blocks, block bytes), instead of the
+    in-process torch copy (the GPU check puts vLLM's own CPU offloading there)."""
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     conversations, rounds, turn = 3, 2 if quick else 4, 64
@@ -99,7 +104,7 @@ def bench_vllm(
         variants = {
             "recompute": None,
             "zkv": zkv_transfer(Path(tmp) / "bus", cpu_blocks=cpu_blocks, tier_dir=tmp, **(zkv_extra or {})),
-            "torch_copy_floor": floor_transfer(cpu_blocks),
+            "torch_copy_floor": floor(cpu_blocks, shape.block_bytes()) if floor else floor_transfer(cpu_blocks),
         }
         tokens, histories = {}, {}
         for name, transfer in variants.items():
