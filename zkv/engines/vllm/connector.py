@@ -161,7 +161,7 @@ class ZkvConnectorWorker(OffloadingConnectorWorker):
         self.load_errors: set[int] = set()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        done = super().get_finished(finished_req_ids)  # our worker reports success=True for every job
+        done = super().get_finished(finished_req_ids)  # vLLM 0.34 hears a failure here; 0.32 a job done
         worker = self.worker
         assert isinstance(worker, ZkvOffloadWorker)
         failed, blocks = worker.take_failures()
