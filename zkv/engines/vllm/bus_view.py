@@ -7,7 +7,9 @@ rank hears, docs/protocol.md §8): a pause or clear stops serving at once,
 with no round trip.  A broadcast resume of a new epoch is the one moment
 it asks ``status`` and waits for the answer (bounded by ``timeout``: the
 bus just spoke, and the new generations must be known before a lookup
-hits).  Otherwise ``status`` is only the fallback that heals a lost
+hits), and so is the first look at a bus it never heard from (an engine's
+first request; a bus that does not answer then costs ``timeout`` every
+``backoff``).  Otherwise ``status`` is only the fallback that heals a lost
 broadcast and notices ranks that died: sent every ``interval`` seconds and
 read at a later step, never waited for; one not answered within
 ``timeout`` stops serving, and the next is asked only after ``backoff``."""
@@ -82,6 +84,8 @@ class BusView:
             assert isinstance(reply, StatusReply), reply
             return self._take(reply) or moved
         if now >= self.next_check:
+            if self.gen is None:  # never heard from the bus: know it before a lookup answers (bounded)
+                return self._ask_and_wait(now) or moved
             self.next_check = now + self.interval
             try:
                 self._pending = (self.client.send_request("status"), now)
