@@ -58,8 +58,9 @@ def check_vllm(device: str, quick: bool = True, say: Callable[[str], None] = pri
         def chat() -> Chat:
             return Chat(conversations=4, turns=2, first_tokens=300, turn_tokens=32, reply_tokens=8, vocab=shape.vocab)
 
-        llm = start_engine(model, transfer, 24, max_model_len=1024)
+        llm = None
         try:
+            llm = start_engine(model, transfer, 40, max_model_len=1024)  # a chat of 4 conversations outgrows it
             probe = BusProbe(root / "bus")
             probe.status(wait_ranks=1)
             served = chat().run(llm)
@@ -87,7 +88,8 @@ def check_vllm(device: str, quick: bool = True, say: Callable[[str], None] = pri
         except Exception as exc:  # a diagnostic: report and go on
             out.append({"check": "vllm tokens", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
         finally:
-            stop_engine(llm)
+            if llm is not None:
+                stop_engine(llm)
             del llm
             gc.collect()
     try:
