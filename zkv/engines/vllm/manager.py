@@ -173,10 +173,10 @@ class ZkvOffloadManager(OffloadingManager):
         cpu_gen = self._stored_at[1]
         if cpu_gen is None or self.identity is None:
             return
+        keys = len(self.index.entries)  # at least the rows of either tier: no scan unless one is due
         for tier, journal in self.journals.items():
-            live = self.index.rows_of(tier)
-            if force or journal.records > 2 * len(live) + _COMPACT_AT:
-                journal.start(self.identity, cpu_gen, live)
+            if force or journal.records > 2 * keys + _COMPACT_AT:
+                journal.start(self.identity, cpu_gen, self.index.rows_of(tier))
 
     # --- the bus ---------------------------------------------------------------
 

@@ -191,6 +191,22 @@ class CycleReport:
         }
 
 
+def reset_prefix_cache(server: VllmServer, tries_s: float, call_timeout: float = 30.0, running: bool = False) -> None:
+    """vLLM refuses a reset while blocks are held (running requests, transfers in flight):
+    try again, every 50 ms up to 0.5 s apart, for at most ``tries_s``; then ``ServerError``.
+    A poll: vLLM says nothing when the blocks are let go."""
+    end = time.monotonic() + tries_s
+    wait = 0.05
+    while True:
+        left = end - time.monotonic()
+        if server.reset_prefix_cache(running, timeout=max(0.1, min(call_timeout, left))):
+            return
+        if time.monotonic() + wait > end:
+            raise ServerError(server.url, "/reset_prefix_cache", f"still success: false after {tries_s:.1f} s")
+        time.sleep(wait)
+        wait = min(0.5, wait * 2)
+
+
 class _Failed(Exception):
     """A step failed on at least one engine (the steps recorded say where and why)."""
 
@@ -353,20 +369,7 @@ class ServerFleet:
         run.each("label", lambda n, s, t: s.set_weight_version(olds[n], t), only=set(ok_weights))
 
     def _reset(self, server: VllmServer, timeout: float, running: bool = False) -> None:
-        """vLLM refuses a reset while blocks are held (running requests, transfers in
-        flight): try again, every 50 ms up to 0.5 s apart, for at most ``reset_tries_s``."""
-        end = time.monotonic() + min(timeout, self.reset_tries_s)
-        wait = 0.05
-        while True:
-            left = end - time.monotonic()
-            if server.reset_prefix_cache(running, timeout=max(0.1, min(self.call_timeout, left))):
-                return
-            if time.monotonic() + wait > end:
-                raise ServerError(
-                    server.url, "/reset_prefix_cache", f"still success: false after {self.reset_tries_s:.1f} s"
-                )
-            time.sleep(wait)
-            wait = min(0.5, wait * 2)
+        reset_prefix_cache(server, min(timeout, self.reset_tries_s), self.call_timeout, running)
 
     def finish_command(self, cycle_id: str) -> str:
         return self.finish_hint.format(cycle=cycle_id) if self.finish_hint else f"run cycle {cycle_id!r} again"

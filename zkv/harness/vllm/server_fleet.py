@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ...client.client import Client
 from ...engines.vllm.server import VllmServer
-from ...engines.vllm.server_cycle import ReloadWeights, ServerFleet, ServerSpec
+from ...engines.vllm.server_cycle import ReloadWeights, ServerFleet, ServerSpec, reset_prefix_cache
 from .rig import ModelShape, write_llama
 from .servers import ServerProc, complete
 
@@ -115,8 +115,7 @@ def _loop(servers: list[ServerProc], path: str, timeout: float = 60.0) -> None:
         for c in clients:
             c.resume(timeout=timeout)
         for api in apis:
-            while not api.reset_prefix_cache():
-                time.sleep(0.05)
+            reset_prefix_cache(api, tries_s=10.0)
         for api in apis:
             api.resume()
     finally:
