@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
     OffloadingManager,
+    LookupResult,
     OffloadingWorker,
 )
 
@@ -224,3 +225,51 @@ def test_a_reset_holds_the_rows_vllms_jobs_still_touch_until_vllm_says_they_are_
     manager.prepare_store([b"k2"], ReqContext("r"))
     assert scheduler.reset_cache()
     assert manager.index.book.held()[Tier.CPU] == 0 and manager.counts["resets"] == 2
+
+
+def _stored(manager, keys: list[bytes]) -> None:
+    """Keys vLLM stored through zkv's manager (the store job's bytes are not the point here)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    manager.bus.refresh(time.monotonic(), force=True)
+    assert manager.prepare_store(keys, ReqContext("r")) is not None
+    manager.complete_store(keys, ReqContext("r"))
+
+
+def _found(manager, key: bytes) -> bool:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    manager.bus.refresh(time.monotonic(), force=True)
+    return manager.lookup(key, ReqContext("r")) is not LookupResult.MISS
+
+
+def test_a_sleep_that_keeps_the_connector_serves_no_row_of_weights_nobody_measured(rig):
+    # vLLM's sleep(reset_connector=False) never calls reset_cache: zkv's tiers survive it, and
+    # while the KV memory was away the weights may have been updated.
+    scheduler, worker, _, frontend = rig
+    manager = scheduler.manager
+    _stored(manager, [b"a0", b"a1"])
+    assert _found(manager, b"a0")
+    before = manager.identity
+    worker.unregister_kv_caches()
+    worker.restore_kv_caches()
+    with Client(frontend, request_timeout=30) as c:
+        assert c.status(timeout=30).state == BusState.RUNNING
+    assert not _found(manager, b"a0") and not _found(manager, b"a1"), "rows of unmeasured weights"
+    assert manager.identity is not None and manager.identity.differs(before) == ["weights"], "stored from now on: new weights"
+
+
+def test_a_sleep_inside_a_cycle_that_measured_the_weights_keeps_the_rows(rig):
+    # A cycle (zkv.engines.vllm.rl / zkv cycle) pauses the bus first, measures the weights
+    # before and after, and clears keeping the CPU tier only when they did not move.
+    scheduler, worker, _, frontend = rig
+    manager = scheduler.manager
+    _stored(manager, [b"b0"])
+    with Client(frontend, request_timeout=30) as c:
+        c.pause(timeout=30)
+        worker.unregister_kv_caches()
+        c.clear(keep_cpu=True, timeout=30)
+        worker.restore_kv_caches()
+        assert c.status(timeout=30).state == BusState.CLEARED, "the cycle's pause stays the cycle's"
+        c.resume(timeout=30)
+    assert _found(manager, b"b0"), "a keep the weights' measure allowed is served"

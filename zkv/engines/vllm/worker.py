@@ -187,11 +187,22 @@ class ZkvOffloadWorker(OffloadingWorker):
         self._paused_for_sleep = not reply.noop
 
     def kv_memory_back(self) -> None:
-        """The KV memory is mapped again: resume the bus this worker paused for it."""
+        """The KV memory is mapped again: clear the bus this worker paused for it, without
+        keeping its CPU tier, then resume it.  While the memory was away the weights may
+        have changed (a weight update is what a sleep is for) and nobody measured them, so
+        the engine's manager forgets every row (vLLM's ``sleep(reset_connector=False)``
+        keeps zkv's tiers only when a cycle that measures the weights kept them: such a
+        cycle paused the bus itself, and a bus someone else paused stays theirs)."""
         if self.client is None or not self._paused_for_sleep:
             return
+        timeout = max(1.0, self.settings.task_timeout_s)
         try:
-            self.client.resume(timeout=max(1.0, self.settings.task_timeout_s))
+            self.client.clear(keep_cpu=False, timeout=timeout)
+        except ZkvError as err:
+            log.warning("zkv: bus not cleared after vLLM restored its KV memory: %s (left paused)", err)
+            return
+        try:
+            self.client.resume(timeout=timeout)
             self._paused_for_sleep = False
         except ZkvError as err:
             log.warning("zkv: bus not resumed after vLLM restored its KV memory: %s (zkv resume)", err)
