@@ -95,3 +95,14 @@ def test_a_bus_that_does_not_answer_is_waited_for_once_then_asked_in_the_backgro
     finally:
         view.close()
         client.close()
+
+
+def test_one_unanswered_status_turns_offload_off_for_the_backoff_not_the_poll_interval(tmp_path):
+    client = Client(f"ipc://{tmp_path}/none.sock", request_timeout=0.25)
+    view = BusView(client, world=1, interval=60.0, timeout=0.25, backoff=2.0)
+    try:
+        assert view.refresh(100.0) is False and not view.serving, "the first look is not answered"
+        assert view.next_check == 102.0, "asked again after the backoff (2 s), not the interval (60 s)"
+    finally:
+        view.close()
+        client.close()

@@ -87,15 +87,17 @@ def engines(tmp_path_factory, weights):
     made: list[Engine] = []
     try:
         made.append(_engine(root, "a", weights[0]))
-        # B looks at its bus only when vLLM resets it (it hears no broadcast), so a pause it
-        # does not see leaves its jobs on a paused bus (cancelled or timed out): failed stores and loads.
+        # B looks at its bus only at its first request and when vLLM resets it (it hears no
+        # broadcast and its background poll is an hour away, however slow a loaded machine makes
+        # the test), so a pause it does not see leaves its jobs on a paused bus (cancelled or
+        # timed out): failed stores and loads.
         made.append(
             _engine(
                 root,
                 "b",
                 weights[0],
                 kv_events=f"ipc://{root}/b-kv-events",
-                status_interval_s=60.0,
+                status_interval_s=3600.0,
                 hear_broadcasts=False,
                 task_timeout_s=1.0,
             )

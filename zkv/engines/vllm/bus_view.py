@@ -132,7 +132,7 @@ class BusView:
             log.warning("zkv bus not answering (%s): offload off until it does", why)
         self.serving = False
         self._pending = None
-        self.next_check = now + max(self.interval, self.backoff)
+        self.next_check = now + self.backoff  # not ``interval``: one slow answer must not turn offload off for a minute
         return False
 
     def close(self) -> None:

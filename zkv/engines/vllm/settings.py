@@ -102,7 +102,7 @@ class ZkvSettings:
             disk_blocks=disk_blocks,
             spill_below=_int(extra, "spill_below", default_spill, 0, cpu_blocks) if disk_dir else 0,
             task_timeout_s=_seconds(extra, "task_timeout_s", 5.0, 0.01, 3600.0),
-            status_interval_s=_seconds(extra, "status_interval_s", 1.0, 0.0, 60.0),
+            status_interval_s=_seconds(extra, "status_interval_s", 1.0, 0.0, 3600.0),
             hear_broadcasts=_flag(extra, "hear_broadcasts", True),
             load_wait_s=_seconds(extra, "load_wait_s", 0.0, 0.0, 10.0),
             events_path=_path(extra, "events_path"),
