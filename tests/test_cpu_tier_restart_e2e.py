@@ -96,6 +96,47 @@ def test_kill_9_after_swap_out_keeps_the_cpu_blocks_moves_only_the_gpu_generatio
     assert list(list_tiers(str(tier_dir))) == [], "a clean stop leaves no CPU tier behind"
 
 
+def test_a_tier_a_clear_emptied_after_a_restart_is_shown_fresh_not_kept(tmp_path, tier_dir):
+    port = free_port()
+    disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "64"]
+    c = LocalCluster(
+        2, LAYOUT, quiet=True, broker_args=[*FAST, "--metrics-port", str(port)], worker_args=["--liveness-ms", "1000", *disk]
+    )
+    try:
+        c.start(timeout=60)
+        with c.client(request_timeout=15) as client:
+            assert client.run("fill", None, [1, 2], tier="gpu", seed=5, timeout=10).ok
+            assert client.run("swap_out", [1, 2], [10, 11], timeout=10).ok
+            assert client.run("spill", [10, 11], [20, 21], timeout=10).ok
+            c.kill_worker(1)
+            c.start_worker(1)
+            wait_for(
+                client, lambda s: s.gen == 1 and s.state == "running" and all(r.alive for r in s.ranks), "the restart"
+            )
+
+            def rank1() -> tuple[list[str], dict]:
+                client.pause()  # the acks carry the ranks' fresh stats
+                st = client.status()
+                lines = [x for x in render_status(st.as_dict()).splitlines() if x.startswith("rank 1 ")]
+                return lines, scrape(f"http://127.0.0.1:{port}/metrics")
+
+            lines, metrics = rank1()
+            assert any("cpu: 2/64" in x and "kept from an earlier process" in x for x in lines), lines
+            assert any("disk: 2/64" in x and "reopened" in x for x in lines), lines
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="cpu") == 1
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="disk") == 1
+            client.clear()  # without keep_cpu: every CPU and disk block is gone
+            client.resume()
+            lines, metrics = rank1()
+            assert any("cpu: 0/64" in x and ", fresh, " in x for x in lines), lines
+            assert any("disk: 0/64" in x and ", fresh, " in x for x in lines), lines
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="cpu") == 0
+            assert value(metrics, "zkv_tier_kept", rank="1", tier="disk") == 0
+            client.resume()
+    finally:
+        c.stop()
+
+
 def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
     c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
     try:

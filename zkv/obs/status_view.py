@@ -95,7 +95,7 @@ def _tier_line(rank: Any, tier: str, got: dict[str, Any]) -> str:
         where = f"file {_printable(got.get('file'))}" if got.get("file") else "in process memory"
         where += ", digests" if got.get("digests") else ""
     else:
-        start = "reopened" if got.get("reopened") else "fresh"
+        start = "reopened" if got.get("kept") else "fresh"
         where = "O_DIRECT" if got.get("direct") else "buffered"
     failures, size = _count(got.get("digest_failures")), human_bytes(got.get("bytes"))
     return f"rank {rank} {tier}: {held} blocks ({size}, {start}, {where}, {failures} digest failures)"

@@ -34,8 +34,9 @@ class TierFamilies:
         )
         self.kept = GaugeMetricFamily(
             "zkv_tier_kept",
-            "1 when the rank's tier came back from an earlier process of the rank (a CPU tier file mapped "
-            "again, a disk file reopened holding blocks), else 0.",
+            "1 while the rank's tier serves blocks an earlier process of the rank left (a CPU tier file "
+            "mapped again, a disk file reopened holding blocks) and no clear without keep_cpu or new tier "
+            "has dropped them since, else 0.",
             labels=labels,
         )
         self.failures = CounterMetricFamily(
@@ -58,7 +59,7 @@ class TierFamilies:
             for family, key in ((self.blocks, "blocks"), (self.used, "used"), (self.failures, "digest_failures")):
                 if (v := _uint(got.get(key))) is not None:
                     family.add_metric([rank, tier], v)
-            kept = got.get("kept") if tier == Tier.CPU else got.get("reopened")
+            kept = got.get("kept")
             if type(kept) is bool or _uint(kept) is not None:
                 self.kept.add_metric([rank, tier], 1.0 if kept else 0.0)
             if tier == Tier.DISK:

@@ -117,6 +117,7 @@ class BlockStore:
         self.memory = memory
         self.place = place  # where a persistent CPU tier lives (None: process memory)
         self.restored = False  # the first allocation mapped a CPU tier a previous process left
+        self._found: tuple[CpuTier, int] | None = None  # that tier, and the CPU generation its rows were of
         self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
         self.disk_link = DiskLink(disk, rank) if disk is not None else None  # with --disk-dir
         self.rank = rank
@@ -214,6 +215,7 @@ class BlockStore:
                 self._tier_key = key
                 if self.generation is None and self.tier.kept:
                     self.restored, self.cpu_gen = True, self.tier.gen or 0
+                    self._found = (self.tier, self.cpu_gen)
             assert self.tier is not None
             if self.disk_link is not None:  # the disk's blocks: this layout's, at cpu_gen
                 adopt = self.generation is None and not self.restored
@@ -293,6 +295,13 @@ class BlockStore:
         if self.disk_link is not None:
             self.disk_link.close()
         self.memory.close()
+
+    @property
+    def cpu_tier_found(self) -> bool:
+        """The CPU tier in use is the one this process found again, its rows still of the
+        generation they were of (a clear without ``keep_cpu`` or a new tier ends that)."""
+        found = self._found
+        return found is not None and found[0] is self.tier and self.tier.gen == found[1]
 
     def kept_tiers(self, fresh: bool) -> dict[str, Any]:
         """A READY's kept tiers: content this process held in the bus or found again, at ``cpu_gen``."""

@@ -205,7 +205,7 @@ class RankWorker:
         s.update({f"cache_bytes_{tier}": n for tier, n in held.items()})
         tier = self.cache.tier
         if tier is not None:  # what the CPU tier holds, whether it outlived a process, what failed
-            s["cpu_tier"] = tier.to_stats(self.cache.restored)
+            s["cpu_tier"] = tier.to_stats(self.cache.cpu_tier_found)
         if self.cache.disk is not None:
             s["disk"] = self.cache.disk.to_stats()
         return s

@@ -389,7 +389,8 @@ class DiskTier:
             "used": self.used,
             "bytes": self.nbytes,
             "direct": self.direct,
-            "reopened": self.reopened,
+            "reopened": self.reopened,  # blocks found at open
+            "kept": self.kept,  # some of them still served (no clear without keep_cpu since)
             "cpu_gen": self.cpu_gen,
             **self.stats,
         }
