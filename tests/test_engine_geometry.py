@@ -220,3 +220,49 @@ def test_zkv_worker_attach_with_mismatched_options_exits_naming_both(tmp_path, m
     assert out.returncode != 0
     assert "rank 0 cannot attach" in out.stderr and "bad_layout" in out.stderr, out.stderr
     assert "has 512 bytes per block, the layout says 256 bytes per block" in out.stderr, out.stderr
+
+
+def _zkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_an_attached_worker_refused_for_another_layout_names_the_resume_that_brings_the_bus_to_it(
+    tmp_path, manifest
+):
+    path, _ = manifest
+    with BrokerThread(tmp_path) as b, Client(b.endpoints.frontend) as c:
+        # The bus served another engine before: its layout is that engine's (PAGE-byte blocks).
+        agent = RankAgent(0, 1, b.endpoints.backend, b.endpoints.control, flat_entries(), 4)
+        agent.start(timeout=30)
+        agent.stop(timeout=10)
+        ep = b.endpoints
+        worker = ["worker", "--rank", "0", "--world-size", "1", "--backend", ep.backend, "--control", ep.control]
+        worker += ["--attach", path, "--cpu-blocks", "8", "--tier-dir", "none"]
+        refused = _zkv(*worker)
+        assert refused.returncode == 1, refused.stderr
+        assert f"blocks of {ENGINE.block_bytes} bytes; the bus's: {PAGE}" in refused.stderr, refused.stderr
+        assert "the fields below are zkv's way to write it, not the model's" in refused.stderr
+        command = next(x for x in refused.stderr.splitlines() if x.strip().startswith("zkv pause; zkv clear; "))
+        flags = command.split("zkv resume ", 1)[1].split()
+        adopting = _zkv(*worker, "--adopt-layout")
+        assert adopting.returncode == 2 and "cannot apply with --attach" in adopting.stderr, adopting.stderr
+
+        front = ["--broker", ep.frontend, "--timeout", "10"]
+        _zkv("pause", *front)  # the rank is not registered: a partial pause, still a pause
+        assert _zkv("clear", *front).returncode == 0
+        resumed = _zkv("resume", *flags, *front)
+        assert resumed.returncode == 0, resumed.stderr
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zkv", *worker],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+        )
+        try:
+            shown = c.status(timeout=60, wait_ranks=1).layout
+            assert (shown.gpu_blocks, shown.block_bytes) == (ENGINE.gpu_blocks, ENGINE.block_bytes)
+            assert c.run("swap_out", [15], [7], timeout=30).bytes == ENGINE.block_bytes, "the engine's rank serves"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)

@@ -58,9 +58,10 @@ class RankTable:
         if msg.fresh and bus is not None and layout != bus and not msg.adopt_layout:
             self.counters["refused"] += 1
             return None, (
-                f"rank {rank} was started with another layout than the bus's: {layout_difference(layout, bus)}; "
-                "start it with the bus's layout options (zkv status shows them), or with --adopt-layout to take "
-                "the bus's"
+                f"rank {rank} was started with another layout than the bus's: {layout_difference(layout, bus)} "
+                f"(blocks of {layout.block_bytes} bytes; the bus's: {bus.block_bytes}): start it with the bus's "
+                "layout (zkv status shows it), let it take the bus's (--adopt-layout), or, for a rank on an "
+                "engine's memory, bring the bus to its layout (zkv pause, zkv clear, zkv resume with it)"
             )
         return layout, ""
 

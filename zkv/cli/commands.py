@@ -28,6 +28,7 @@ from .options import (
     given_layout_fields,
     layout_from,
     layout_options,
+    resume_flags,
     sigterm_as_interrupt,
     tier_options,
 )
@@ -292,6 +293,11 @@ def worker(
     sigterm_as_interrupt()  # until the loop can take a stop request
     set_torch_threads(torch_threads)
     set_copy_threads(copy_threads)
+    if manifest is not None and adopt_layout:
+        raise click.UsageError(
+            "--adopt-layout cannot apply with --attach: the engine's memory fixes this rank's layout. Bring the "
+            "bus to it instead (zkv pause, zkv clear, zkv resume with its layout options: the refusal names them)"
+        )
     given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
     curve, disk = curve_from(kw), disk_from(kw)
@@ -324,7 +330,15 @@ def worker(
     try:
         w.serve()
     except RankRefused as err:
-        fail(f"the broker refused rank {rank}: {err}", "check --world-size and the layout options (or --adopt-layout)")
+        if manifest is not None and "layout" in str(err):
+            click.echo(
+                f"zkv worker: this rank's layout is its engine's memory ({lay.gpu_blocks} blocks of "
+                f"{lay.block_bytes} bytes; the fields below are zkv's way to write it, not the model's). "
+                "To serve it, bring the bus to it:\n"
+                f"  zkv pause; zkv clear; zkv resume {resume_flags(lay.to_wire())}",
+                err=True,
+            )
+        fail(f"the broker refused rank {rank}: {err}")
     except KeyboardInterrupt:
         pass
     finally:

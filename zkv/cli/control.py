@@ -16,10 +16,18 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
-from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS, MAX_WORLD
+from ..wire.bounds import MAX_TIMEOUT_MS, MAX_WORLD
 from ..wire.errors import ZkvError
 from . import fleet as fleet_cli
-from .options import curve_from, curve_options, fail, sigterm_as_interrupt
+from .options import (
+    curve_from,
+    curve_options,
+    fail,
+    layout_change,
+    layout_change_options,
+    resume_flags,
+    sigterm_as_interrupt,
+)
 from .reach import check_broker, hint
 
 if TYPE_CHECKING:
@@ -226,31 +234,17 @@ def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:
 
 @click.command()
 @fleet_options(fleet_cli.resume)
-@click.option(
-    "--gpu-blocks",
-    type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
-    default=None,
-    envvar="ZKV_RESUME_GPU_BLOCKS",
-    show_envvar=True,
-    help="New device blocks per rank (needs cleared caches).",
-)
-@click.option(
-    "--cpu-blocks",
-    type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
-    default=None,
-    envvar="ZKV_RESUME_CPU_BLOCKS",
-    show_envvar=True,
-    help="New CPU blocks per rank (needs cleared caches).",
-)
-def resume(client: Any, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
-    """Reallocate caches if cleared and restart dispatch."""
-    layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
+@layout_change_options
+def resume(client: Any, timeout: float, as_json: bool, **kw: Any) -> None:
+    """Reallocate caches if cleared and restart dispatch.  After a clear, the layout
+    options change the bus's layout (unset ones stay): bring a bus to a new engine's."""
+    layout = layout_change(kw)
     try:
         r = client.resume(layout or None, timeout)
     except ZkvError as err:
         if err.code != "not_cleared" or as_json:
             raise
-        asked = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items())
+        asked = resume_flags(layout)
         fail(f"{err.reason} ({asked} was not applied)", f"run: zkv pause, zkv clear, then zkv resume {asked}")
     _print_reply(
         r.as_dict(),

@@ -18,7 +18,7 @@ from ..fleet.spec import CURVE_FIELDS, fleet_of
 from ..obs.fleet_view import render_fleet_report, render_fleet_status
 from ..wire.replies import ControlReply
 from ..wire.vocab import ControlOp
-from .options import fail, sigterm_as_interrupt
+from .options import fail, layout_change, sigterm_as_interrupt
 from .reach import usage_error
 
 
@@ -128,6 +128,6 @@ def clear(fleet: Fleet, timeout: float, as_json: bool, keep_cpu: bool) -> None:
     _finish(lambda: fleet.clear(keep_cpu=keep_cpu, timeout=timeout), as_json)
 
 
-def resume(fleet: Fleet, timeout: float, as_json: bool, gpu_blocks: int | None, cpu_blocks: int | None) -> None:
-    layout = {k: v for k, v in (("gpu_blocks", gpu_blocks), ("cpu_blocks", cpu_blocks)) if v is not None}
+def resume(fleet: Fleet, timeout: float, as_json: bool, **kw: Any) -> None:
+    layout = layout_change(kw)
     _finish(lambda: fleet.resume(layout or None, timeout), as_json)

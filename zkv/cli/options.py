@@ -182,6 +182,53 @@ def layout_options(fn: Callable) -> Callable:
     return stacked(fn, opts)
 
 
+def layout_change_options(fn: Callable) -> Callable:
+    """The layout a resume may give the bus after a clear (resume): each option unset
+    keeps the bus's value.  All of them, so that the bus can be brought to the layout of
+    a rank whose memory an engine fixes."""
+    helps = {
+        "gpu_blocks": "New device blocks per rank.",
+        "cpu_blocks": "New CPU blocks per rank.",
+        "layers": "New number of layers.",
+        "block_size": "New tokens per block.",
+        "kv_heads": "New KV heads per rank.",
+        "head_dim": "New head dimension.",
+    }
+    opts = [
+        click.option(
+            f"--{name.replace('_', '-')}",
+            type=click.IntRange(1, LAYOUT_MAX[name]),
+            default=None,
+            envvar=f"ZKV_RESUME_{name.upper()}",
+            show_envvar=True,
+            help=f"{text} Needs cleared caches.",
+        )
+        for name, text in helps.items()
+    ]
+    opts.append(
+        click.option(
+            "--dtype",
+            type=click.Choice([t.value for t in Dtype]),
+            default=None,
+            envvar="ZKV_RESUME_DTYPE",
+            show_envvar=True,
+            help="New cache element type. Needs cleared caches.",
+        )
+    )
+    return stacked(fn, opts)
+
+
+def layout_change(kwargs: dict) -> dict[str, Any]:
+    """The layout fields a resume's options named (``layout_change_options``), taken out of ``kwargs``."""
+    names = ("gpu_blocks", "cpu_blocks", "layers", "block_size", "kv_heads", "head_dim", "dtype")
+    return {k: v for k in names if (v := kwargs.pop(k, None)) is not None}
+
+
+def resume_flags(layout: dict[str, Any]) -> str:
+    """The ``zkv resume`` options that bring a bus to ``layout`` (a layout's map)."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in layout.items() if k != "v")
+
+
 LAYOUT_OPTIONS = ("layers", "gpu_blocks", "block_size", "kv_heads", "head_dim", "dtype")  # what --attach checks
 
 
