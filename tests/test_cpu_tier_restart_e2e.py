@@ -100,7 +100,11 @@ def test_a_tier_a_clear_emptied_after_a_restart_is_shown_fresh_not_kept(tmp_path
     port = free_port()
     disk = ["--disk-dir", str(tmp_path / "disk"), "--disk-blocks", "64"]
     c = LocalCluster(
-        2, LAYOUT, quiet=True, broker_args=[*FAST, "--metrics-port", str(port)], worker_args=["--liveness-ms", "1000", *disk]
+        2,
+        LAYOUT,
+        quiet=True,
+        broker_args=[*FAST, "--metrics-port", str(port)],
+        worker_args=["--liveness-ms", "1000", *disk],
     )
     try:
         c.start(timeout=60)

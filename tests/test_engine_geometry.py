@@ -224,12 +224,12 @@ def test_zkv_worker_attach_with_mismatched_options_exits_naming_both(tmp_path, m
 
 def _zkv(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    return subprocess.run([sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "zkv", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
-def test_an_attached_worker_refused_for_another_layout_names_the_resume_that_brings_the_bus_to_it(
-    tmp_path, manifest
-):
+def test_an_attached_worker_refused_for_another_layout_names_the_resume_that_brings_the_bus_to_it(tmp_path, manifest):
     path, _ = manifest
     with BrokerThread(tmp_path) as b, Client(b.endpoints.frontend) as c:
         # The bus served another engine before: its layout is that engine's (PAGE-byte blocks).

@@ -34,8 +34,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
-    OffloadingManager,
     LookupResult,
+    OffloadingManager,
     OffloadingWorker,
 )
 
@@ -256,7 +256,9 @@ def test_a_sleep_that_keeps_the_connector_serves_no_row_of_weights_nobody_measur
     with Client(frontend, request_timeout=30) as c:
         assert c.status(timeout=30).state == BusState.RUNNING
     assert not _found(manager, b"a0") and not _found(manager, b"a1"), "rows of unmeasured weights"
-    assert manager.identity is not None and manager.identity.differs(before) == ["weights"], "stored from now on: new weights"
+    assert manager.identity is not None and manager.identity.differs(before) == ["weights"], (
+        "stored from now on: new weights"
+    )
 
 
 def test_a_sleep_inside_a_cycle_that_measured_the_weights_keeps_the_rows(rig):
