@@ -11,6 +11,7 @@ import select
 import signal
 
 from test_operator_paths import LAYOUT, Up, cli, zkv
+from test_worker_paths import Lines
 from waits import wait_for
 
 from zkv.client.client import Client
@@ -91,3 +92,50 @@ def test_a_zkv_up_killed_with_kill_9_leaves_no_process_and_the_next_one_starts(t
         assert cli("submit", "fill", "--dst", "1", "--broker", again.broker).returncode == 0
     finally:
         again.stop()
+
+
+def test_a_standby_beside_a_zkv_up_rank_takes_it_over_and_zkv_up_keeps_the_bus_and_stands_by_in_turn(tmp_path):
+    import subprocess
+    import sys
+
+    from zkv.net.endpoints import Endpoints
+
+    tiers = str(tmp_path / "tiers")
+    bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT, "--tier-dir", tiers)
+    standby = None
+    try:
+        bus.wait_for("Ctrl-C to stop.")
+        ep = Endpoints.in_dir(tmp_path)
+        standby = subprocess.Popen(
+            [sys.executable, "-m", "zkv", "worker", "--rank", "1", "--world-size", "2", "--backend", ep.backend]
+            + ["--control", ep.control, "--tier-dir", tiers, "--standby", "--gpu-blocks", "32", *LAYOUT],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        Lines(standby).wait_for("taking over when it exits")  # waiting on the rank's lock
+        before = pids(bus.broker)
+        with Client(bus.broker) as c:
+            os.kill(before[1], signal.SIGKILL)
+            bus.wait_for(f"pid {standby.pid} serves it now (a standby took over): starting it again as that")
+
+            def rank1_is(want) -> bool:
+                return lambda st: (
+                    st.state == "running" and any(r.rank == 1 and r.alive and want(r.pid) for r in st.ranks)
+                )
+
+            wait_for(c, rank1_is(lambda pid: pid == standby.pid), "the standby to serve rank 1", timeout=60)
+            assert c.run("fill", dst=[3], tier="gpu", seed=1, timeout=30).ok, "the bus serves"
+            os.kill(standby.pid, signal.SIGKILL)  # the standby zkv up started in turn takes over
+            standby.wait(timeout=30)
+            mine = (before[1], standby.pid)
+            wait_for(c, rank1_is(lambda pid: pid not in mine), "zkv up's standby to serve rank 1", timeout=60)
+            assert c.run("fill", dst=[4], tier="gpu", seed=1, timeout=30).ok
+        assert bus.proc.poll() is None, "zkv up kept the bus"
+        assert "exited 6 times" not in bus.output() and "refused" not in bus.output()
+    finally:
+        if standby is not None and standby.poll() is None:
+            standby.kill()
+            standby.wait(timeout=30)
+        if bus.proc.poll() is None:
+            bus.stop()

@@ -20,7 +20,8 @@ RESTARTS_PER_MINUTE = 5  # a rank that exits more often than this is not restart
 def supervise(cluster: Any) -> None:
     """Until Ctrl-C or SIGTERM (``zkv down``): a rank that exits is started again
     (on the bus's layout, which a resume may have changed; its CPU tier file makes
-    that cheap), unless it exits too often; the broker or an engine exiting stops all."""
+    that cheap), unless it exits too often; a rank a standby took over is started
+    again as that worker's standby; the broker or an engine exiting stops all."""
     restarts: dict[int, list[float]] = {}
     while True:
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
@@ -34,6 +35,16 @@ def supervise(cluster: Any) -> None:
                 fail(f"engine {engines[pid]} exited with code {code}", "see its log above")
             continue  # a child that is no longer ours (a rank already restarted)
         cluster.workers[rank].returncode = code  # reaped here: Popen must not wait for it again
+        serving = cluster.served_elsewhere(rank)
+        if serving is not None:
+            # A standby (zkv worker --standby) took the rank over: the bus is served. The
+            # worker started again waits as the new standby, instead of being refused.
+            click.echo(
+                f"zkv up: rank {rank} exited with code {code}; pid {serving} serves it now (a standby took "
+                "over): starting it again as that worker's standby"
+            )
+            cluster.start_worker(rank, ["--adopt-layout", "--standby"])
+            continue
         now = time.monotonic()
         recent = [t for t in restarts.get(rank, []) if now - t < 60] + [now]
         restarts[rank] = recent

@@ -112,6 +112,25 @@ class LocalCluster:
             ]
         )
 
+    def _tier_dir(self) -> str:
+        """Where the workers keep their CPU tiers and rank locks ("none": nowhere)."""
+        from ...rank.tiers.tier_file import DEFAULT_DIR
+
+        return self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
+
+    def served_elsewhere(self, rank: int) -> int | None:
+        """The pid of a process not started here that serves ``rank`` on this host (a
+        standby that took over), by the rank's lock in the tier directory; else None."""
+        from ...rank.tiers.rank_lock import serving_pid
+        from ...rank.tiers.tier_file import TierPlace, bus_name
+
+        where = self._tier_dir()
+        if where == "none":
+            return None
+        pid = serving_pid(TierPlace(bus_name(self.endpoints.backend), rank, where))
+        mine = self.workers.get(rank)
+        return None if pid is None or (mine is not None and mine.pid == pid and mine.poll() is None) else pid
+
     def start_worker(self, rank: int, extra: Sequence[str] = ()) -> subprocess.Popen:
         proc = self._spawn(
             [
@@ -180,9 +199,9 @@ class LocalCluster:
                 codes[name] = p.wait(timeout=5)
         # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
         from ...rank.tiers.rank_lock import clean_locks
-        from ...rank.tiers.tier_file import DEFAULT_DIR, bus_name, clean_tiers  # numpy: not on zkv's import path
+        from ...rank.tiers.tier_file import bus_name, clean_tiers  # numpy: not on zkv's import path
 
-        where = self.tier_dir or os.environ.get("ZKV_TIER_DIR") or DEFAULT_DIR
+        where = self._tier_dir()
         if where != "none":
             clean_tiers(where, bus_name(self.endpoints.backend))
             clean_locks(where, bus_name(self.endpoints.backend))  # those of workers killed and not restarted

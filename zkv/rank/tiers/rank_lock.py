@@ -86,6 +86,24 @@ class RankLock:
         self._fd = -1
 
 
+def serving_pid(place: TierPlace) -> int | None:
+    """The pid of the live process that holds ``place``'s rank lock (0: one whose pid
+    the file does not say), or None when nobody does.  Only looks: a lock taken to
+    find out is let go at once, its file left where it was."""
+    path = Path(place.directory) / f"{PREFIX}{place.bus}-r{place.rank}.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    finally:
+        os.close(fd)  # drops the shared lock, if it was taken
+    return None
+
+
 def clean_locks(directory: str, bus: str | None = None, dry_run: bool = False) -> list[Path]:
     """Remove the rank locks (of ``bus``, when given) no live worker holds: those a
     killed worker left; return their paths (``dry_run``: those it would remove)."""
@@ -117,4 +135,4 @@ def _holder(fd: int) -> int:
         return 0
 
 
-__all__ = ["RankBusy", "RankLock", "clean_locks"]
+__all__ = ["RankBusy", "RankLock", "clean_locks", "serving_pid"]
