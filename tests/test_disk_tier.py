@@ -86,6 +86,28 @@ def test_blocks_round_trip_exactly_survive_a_reopen_and_a_torn_row_is_lost(where
     other.close()
 
 
+def test_a_record_changed_on_the_device_is_caught_at_the_next_open_a_live_tier_reads_its_own(tmp_path):
+    """A live tier holds its records in memory (read at open, written through at each
+    spill): every read checks that copy, then the bytes read from the device against
+    its digest. So a changed record on the device does not change what a live rank
+    serves (its blocks' bytes still check), and the next open refuses the block."""
+    src = torch.randint(0, 256, (3, ROW), dtype=torch.uint8)
+    tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    tier.write([1, 2, 3], rows_of(src, range(3)))
+    with open(tier.path, "r+b") as f:  # the magic of block 2's record, behind the tier's back
+        f.seek(disk_io.ALIGN + 2 * 32)
+        f.write(b"\xff")
+    out = torch.zeros_like(src)
+    tier.read([1, 2, 3], rows_of(out, range(3)))
+    assert torch.equal(out, src), "the live tier serves the blocks its own records vouch for"
+    tier.close()
+    again = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
+    assert again.reopened == 2
+    with pytest.raises(DiskLost, match="disk blocks 2 hold no block"):
+        again.read([2], rows_of(out, [0]))
+    again.close()
+
+
 def test_invalidate_drops_every_block_and_a_second_process_cannot_open_a_held_file(tmp_path):
     src = torch.randint(0, 256, (4, ROW), dtype=torch.uint8)
     tier = DiskTier(DiskSpec(str(tmp_path), 8), ROW, KEY)
