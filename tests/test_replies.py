@@ -75,3 +75,26 @@ def test_an_answer_the_broker_builds_reads_back_as_the_same_answer(answer):
     back = typed(P.decode_as(Reply, answer.to_wire()))
     assert back == answer  # every typed field (the frame's own map is not compared)
     assert back.as_dict() == answer.as_dict()
+
+
+def test_code_that_read_replies_as_maps_keeps_working_for_a_release_and_is_told_what_to_read(tmp_path):
+    """A program written against zkv 0.1 (``reply["state"]``, ``reply.get``, ``in``,
+    ``dict(reply)``) against a real broker: the frame's values, each read warned."""
+    import warnings
+    from collections.abc import Mapping
+
+    from test_engine_geometry import BrokerThread
+
+    from zkv.client.client import Client
+
+    with BrokerThread(tmp_path) as b, Client(b.endpoints.frontend) as c:
+        st = c.status(timeout=10)
+        assert st.state is not None
+        with pytest.warns(DeprecationWarning, match=r"reply\.state.*as_dict\(\)") as seen:
+            assert st["state"] == st.state.value and st.get("world") == 1 and "epoch" in st
+            assert dict(st)["op"] == "status" and isinstance(st, Mapping)
+        assert len(seen) >= 5 and all(w.filename == __file__ for w in seen), "each read warned, at the caller"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert st.as_dict()["state"] == st.state.value and st.world == 1, "the typed way is quiet"
+            assert bool(c.ping(timeout=10)), "a reply is true"

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .wire.errors import ZkvError
 
 __all__ = ["Client", "Fleet", "FleetError", "ZkvError", "CacheLayout", "TaskOutcome"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -11,8 +11,10 @@ included.
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from . import protocol as P
 from .layout import CacheLayout
@@ -60,6 +62,50 @@ class _Answer:
         a decoded one's own map, a built one's ``wire_fields()``."""
         fields = self.fields or self.wire_fields()
         return {"req": self.req, "op": self.op, **fields, "v": P.VERSION, "kind": "reply"}
+
+    # --- read as the map zkv 0.1 returned (deprecated: docs/versions.md) ---------------
+
+    def _map(self) -> dict[str, Any]:
+        warnings.warn(
+            f"reading a zkv reply as a map is deprecated and stops working in zkv {MAP_REMOVED_IN}: read its "
+            f"attributes (reply.state, reply.gen, ...) or reply.as_dict()",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self.as_dict()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._map()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._map())
+
+    def __bool__(self) -> bool:
+        return True  # a reply is there, whatever its length as a map
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._map().get(key, default)
+
+    def keys(self) -> KeysView[str]:
+        return self._map().keys()
+
+    def items(self) -> ItemsView[str, Any]:
+        return self._map().items()
+
+    def values(self) -> ValuesView[Any]:
+        return self._map().values()
+
+
+# Code written against zkv 0.1 read replies as maps: a reply still is one (read-only,
+# the frame's map), with a DeprecationWarning, for one release.
+MAP_REMOVED_IN = "0.3"
+Mapping.register(_Answer)
 
 
 @dataclass(frozen=True)
