@@ -196,7 +196,7 @@ def test_failure_series_exist_at_zero_before_the_first_failure():
         assert value(start, "zkv_control_ops_total", op=op, result=result) == 0
     assert value(start, "zkv_control_ops_total", op="resume", result="alloc_failed") == 0
     for op in ("swap_out", "swap_in", "fill", "checksum"):
-        for outcome in ("ok", "failed", "cancelled", "rejected"):
+        for outcome in ("ok", "failed", "cancelled", "rejected", "timeout"):
             assert value(start, "zkv_tasks_total", op=op, outcome=outcome) == 0
     for code in ("malformed", "bad_version", "unknown_kind", "bad_field", "too_large", "duplicate_task", "bad_submit"):
         assert value(start, "zkv_bad_requests_total", code=code) == 0
@@ -205,10 +205,12 @@ def test_failure_series_exist_at_zero_before_the_first_failure():
     core.book.control_finished("pause", "rank_dead", 0.1)
     core.book.bad_request("malformed")
     core.book.task_finished("swap_in", "failed", 0.01, 0)
+    core.book.task_finished("swap_out", "timeout", 30.0, 0)
     core.book.events["rank_deaths"] += 1
     after = samples(core)  # the same series, now at 1: increase() sees the first one
     assert value(after, "zkv_control_ops_total", op="pause", result="rank_dead") == 1
     assert value(after, "zkv_bad_requests_total", code="malformed") == 1
     assert value(after, "zkv_tasks_total", op="swap_in", outcome="failed") == 1
+    assert value(after, "zkv_tasks_total", op="swap_out", outcome="timeout") == 1
     assert value(after, "zkv_broker_events_total", event="rank_deaths") == 1
     assert value(after, "zkv_control_ops_total", op="pause", result="ok") == 0

@@ -62,7 +62,7 @@ _BROKER_STALE = {"stale_acks": "ack", "stray_done": "done"}
 # Every label set an alert may watch exists from the first scrape, at 0: a
 # series born at 1 makes ``increase()`` miss the first failure of its kind
 # after a broker start (docs/operations.md, "What to alert on").
-TASK_OUTCOMES = (Outcome.OK, Outcome.FAILED, Outcome.CANCELLED, Outcome.REJECTED)
+TASK_OUTCOMES = (Outcome.OK, Outcome.FAILED, Outcome.CANCELLED, Outcome.REJECTED, Outcome.TIMEOUT)
 CONTROL_RESULTS = {
     ControlOp.PAUSE: (Outcome.OK, "noop", "busy", "rank_dead", "pause_timeout"),
     ControlOp.CLEAR: (Outcome.OK, "noop", "busy", "rank_dead", "clear_timeout", "not_paused"),
