@@ -110,3 +110,14 @@ def test_a_worker_without_a_broker_says_what_it_waits_for_after_a_bound(tmp_path
 
 LAYOUT_ARGS = ["--gpu-blocks", "64", "--layers", "1", "--cpu-blocks", "32", "--block-size", "4"]
 LAYOUT_ARGS += ["--kv-heads", "2", "--head-dim", "8"]
+
+
+def test_a_worker_of_a_rank_outside_its_world_is_refused_before_it_takes_any_memory():
+    out = subprocess.run(
+        [sys.executable, "-m", "zkv", "worker", "--rank", "5", "--world-size", "3", "--gpu-blocks", "4096"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "rank 5 does not exist in a world of 3 (ranks 0 to 2)" in out.stderr, out.stderr

@@ -278,6 +278,10 @@ def worker(
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
     from ..obs import startup
 
+    if rank >= world_size:  # before any memory is taken: no broker would ever admit it
+        raise click.BadParameter(
+            f"rank {rank} does not exist in a world of {world_size} (ranks 0 to {world_size - 1})", param_hint="--rank"
+        )
     startup.mark("cli")
     if startup_times:
         startup.record_to(startup_times)
