@@ -5,6 +5,8 @@ silent success: exit 1 naming the missing ranks, unless ``--allow-partial``
 
 from __future__ import annotations
 
+import json
+
 from test_operator_paths import cli
 
 from zkv.harness.bus.cluster import LocalCluster
@@ -25,6 +27,10 @@ def test_a_pause_without_every_rank_exits_1_naming_them_and_one_with_all_of_them
         assert "only 0 of 2 ranks acknowledged the pause" in res.stderr and "--allow-partial" in res.stderr
         again = cli("pause", *b)  # already paused: still not every rank holds it
         assert again.returncode == 1 and "0 of 2 ranks hold it" in again.stdout, again.stdout
+        said = cli("pause", "--json", *b)
+        assert said.returncode == 1 and "only 0 of 2 ranks hold the pause" in said.stderr, said.stderr
+        reply = json.loads(said.stdout)
+        assert (reply["ranks_acked"], reply["world"], reply["ranks_missing"], reply["noop"]) == (0, 2, [0, 1], True)
         assert cli("pause", "--allow-partial", *b).returncode == 0
 
         cluster.start_worker(0)

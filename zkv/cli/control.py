@@ -190,8 +190,10 @@ def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_
     held = [x.rank for x in st.ranks if x.alive and (r.noop or x.acked_epoch == r.epoch)]
     missing = sorted(set(range(world)) - set(held))
     acked = world - len(missing)
+    # Counted here for a no-op too (its reply carries neither): what --json readers check.
+    counted = {"world": world, "ranks_acked": acked, "ranks_missing": missing}
     _print_reply(
-        {**r.as_dict(), "world": world},
+        {**r.as_dict(), **counted},
         as_json,
         f"paused: epoch {r.epoch}, {acked} of {world} ranks "
         + ("hold it" if r.noop else "acked")
@@ -200,13 +202,13 @@ def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_
         + (f" (ranks {missing} did not: dead or not registered)" if missing else ""),
     )
     if missing and not allow_partial:
-        if not as_json:
-            click.echo(
-                f"zkv: error: only {acked} of {world} ranks acknowledged the pause: the bus is paused without "
-                f"ranks {missing} (they learn it when they register); check zkv status, or add --allow-partial "
-                "to accept a pause of the live ranks",
-                err=True,
-            )
+        click.echo(  # stderr: --json's stdout stays one object
+            f"zkv: error: only {acked} of {world} ranks "
+            + ("hold the pause" if r.noop else "acknowledged the pause")
+            + f": the bus is paused without ranks {missing} (they learn it when they register); check zkv "
+            "status, or add --allow-partial to accept a pause of the live ranks",
+            err=True,
+        )
         sys.exit(1)
 
 
