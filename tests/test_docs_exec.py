@@ -33,6 +33,14 @@ def test_every_doc_block_and_marker_is_understood():
         words = b.body[0].split()[:2] if b.body else []
         if b.lang == "" and words[:1] in (["zkv"], ["python"], ["PYTHONPATH=."]) and not words[-1].endswith(":"):
             pytest.fail(f"{b.id}: a command in a block without a language (label it sh)")
+    # A block runs in a scratch directory: a path into the checkout needs its {root} substitution.
+    for b in SHELL:
+        if (
+            b.reason("skip") is None
+            and any(".venv-vllm/" in line for line in b.body)
+            and not any(m.args[0] == ".venv-vllm" for m in b.named("sub"))
+        ):
+            pytest.fail(f'{b.id}: names .venv-vllm/ without <!-- zkv-doc: sub ".venv-vllm" "{{root}}/.venv-vllm" -->')
 
 
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
