@@ -197,3 +197,44 @@ def test_a_client_whose_result_bind_fails_keeps_no_hold_on_the_context_s_key_che
     other = Curve(str(keys / "client.key_secret"), str(keys / "broker.key"), str(elsewhere))
     with Client(cluster.endpoints.frontend, curve=other) as c:
         assert c.status(timeout=10).state == "running"
+
+
+def test_a_client_without_keys_is_told_the_broker_speaks_curve_not_to_start_one(secured):
+    import subprocess
+    import sys
+
+    cluster, keys, *_ = secured
+    out = subprocess.run(
+        [sys.executable, "-m", "zkv", "status", "--broker", cluster.endpoints.frontend, "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("ZKV_CURVE")},
+    )
+    assert out.returncode == 1, out.stderr
+    assert "the broker speaks CurveZMQ and this client has no keys" in out.stderr, out.stderr
+    assert "--curve-secret" in out.stderr and "start one" not in out.stderr, out.stderr
+
+
+def test_a_client_with_keys_against_a_plain_broker_is_told_to_drop_them(secured, tmp_path):
+    from zkv.broker.core import BrokerConfig
+    from zkv.cli.reach import hint
+    from zkv.net.curve import security_mismatch
+
+    _, _, _, me, _ = secured
+    plain = f"tcp://127.0.0.1:{free_port()}"
+    import threading
+
+    from zkv.broker.loop import Broker
+
+    ep = Endpoints(plain, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    broker = Broker(ep, BrokerConfig(world=1))
+    thread = threading.Thread(target=broker.serve, daemon=True)
+    thread.start()
+    try:
+        assert security_mismatch(plain, me) == "the broker does not speak CurveZMQ and this client does"
+        assert "drop the --curve-* options" in hint("no_reply", plain, me)
+        assert security_mismatch(plain, None) is None, "a plain client of a plain broker: no mismatch"
+    finally:
+        broker.stop()
+        thread.join(timeout=10)

@@ -76,8 +76,21 @@ def check_broker(address: str, curve: Any = None, probe: bool = True, as_json: b
 
 
 def hint(code: str, address: str, curve: Any) -> str:
-    """The hint for an error a client command got (``ZkvError.code``)."""
+    """The hint for an error a client command got (``ZkvError.code``).  A broker that
+    did not reply because the two ends' security differs is told apart first (libzmq
+    says so in the handshake): starting a broker that is running would not help."""
     if code in ("no_reply", "unreachable"):
+        if address.startswith("tcp://"):
+            from ..net.curve import security_mismatch
+
+            why = security_mismatch(address, curve)
+            if why is not None and curve is None:
+                return (
+                    f"{why}: pass --curve-secret (this client's key), --curve-server (the broker's broker.key) and "
+                    "--curve-ranks, and put this client's public key in the broker's --curve-clients directory"
+                )
+            if why is not None:
+                return f"{why}: drop the --curve-* options (and ZKV_CURVE_*) for this broker"
         return "; ".join(h for h in (curve_hint(address, curve), start_hint(address)) if h)
     return {
         "not_paused": "run: zkv pause",

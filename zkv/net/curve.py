@@ -155,3 +155,35 @@ class SharedAuthenticator:
         """Release this user's hold (the handler itself stays with the Context)."""
         with self._lock:
             self.users -= 1
+
+
+def security_mismatch(address: str, curve: Curve | None, timeout: float = 1.0) -> str | None:
+    """Why a ZMTP handshake with the peer at ``address`` fails for lack of matching
+    security, as a client with ``curve`` would connect: the peer speaks CurveZMQ and
+    this client has no keys, or the reverse (libzmq says so: a mechanism mismatch).
+    None when the handshake succeeds, fails another way (a wrong key is silence) or
+    nothing answers within ``timeout``.  A probe socket of its own, closed at once."""
+    import zmq.utils.monitor
+
+    ctx = zmq.Context.instance()
+    probe = ctx.socket(zmq.DEALER)
+    probe.linger = 0
+    monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        if curve is not None:
+            curve.make_client(probe)
+        probe.connect(address)
+        if not monitor.poll(int(timeout * 1000)):
+            return None
+        event = zmq.utils.monitor.recv_monitor_message(monitor)
+        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            return None
+        if event["value"] != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return None
+        if curve is None:
+            return "the broker speaks CurveZMQ and this client has no keys"
+        return "the broker does not speak CurveZMQ and this client does"
+    finally:
+        probe.disable_monitor()
+        monitor.close(linger=0)
+        probe.close(linger=0)
