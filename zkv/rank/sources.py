@@ -56,6 +56,11 @@ class MemorySource(Protocol):
         """Drop ``cache``: every view zkv holds on it, and the memory if zkv owns it."""
         ...
 
+    def refused(self, cache: EngineCache) -> None:
+        """``cache`` came from ``acquire`` but the allocation failed (a layout it does not
+        fit): keep it for the next ``acquire`` if that is the engine's way, else release it."""
+        ...
+
     def tier_key(self, layout: CacheLayout, descriptor: CacheDescriptor) -> Hashable:
         """What a CPU tier kept across a clear must match to keep its rows."""
         ...
@@ -99,6 +104,9 @@ class OwnedMemory:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()  # really return the memory to the driver
+
+    def refused(self, cache: EngineCache) -> None:
+        self.release(cache)  # zkv allocates anew for the next layout
 
     def tier_key(self, layout: CacheLayout, descriptor: CacheDescriptor) -> Hashable:
         return (2 * layout.layers, layout.cpu_blocks, layout.kv_heads, layout.block_size, layout.head_dim, layout.dtype)
@@ -158,6 +166,16 @@ class EngineMemory:
 
     def release(self, cache: EngineCache) -> None:
         cache.release()
+
+    def refused(self, cache: EngineCache) -> None:
+        """A cache the engine handed over stays the next resume's (the engine handed over
+        one cache, not one per try) unless a newer one came; one read from a manifest is
+        read again then (the engine may have exported another)."""
+        with self._lock:
+            if self.source is None and self._pending is None:
+                self._pending, cache = cache, None
+        if cache is not None:
+            cache.release()
 
     def tier_key(self, layout: CacheLayout, descriptor: CacheDescriptor) -> Hashable:
         return (descriptor.page_shape, layout.cpu_blocks)

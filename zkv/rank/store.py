@@ -224,7 +224,7 @@ class BlockStore:
                     self.set_cpu_gen(adopted)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
         except BaseException:
-            self.memory.release(cache)
+            self.memory.refused(cache)
             raise
         first = self.generation is None
         self.cache, self.layout, self.cpu_kept = cache, layout, kept
