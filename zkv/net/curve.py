@@ -165,7 +165,7 @@ def security_mismatch(address: str, curve: Curve | None, timeout: float = 1.0) -
     nothing answers within ``timeout``.  A probe socket of its own, closed at once."""
     import zmq.utils.monitor
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     probe = ctx.socket(zmq.DEALER)
     probe.linger = 0
     monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -172,9 +172,10 @@ class EngineMemory:
         one cache, not one per try) unless a newer one came; one read from a manifest is
         read again then (the engine may have exported another)."""
         with self._lock:
-            if self.source is None and self._pending is None:
-                self._pending, cache = cache, None
-        if cache is not None:
+            keep = self.source is None and self._pending is None
+            if keep:
+                self._pending = cache
+        if not keep:
             cache.release()
 
     def tier_key(self, layout: CacheLayout, descriptor: CacheDescriptor) -> Hashable:
