@@ -136,11 +136,15 @@ def test_up_pause_clear_resume_restart_restores_what_was_set_and_never_overrides
     try:
         said = bus.wait_for("Ctrl-C to stop.")
         assert "--fresh: moved" in said and (tmp_path / "broker-state.json.old").exists()
+        assert "zkv up: broker + 1 rank ready" in said
         b = ["--broker", bus.broker]
         ignored = cli("resume", "--gpu-blocks", "64", *b)
         assert ignored.returncode == 1
         assert "the bus is running" in ignored.stderr and "(--gpu-blocks 64 was not applied)" in ignored.stderr
-        assert "zkv pause, zkv clear, then zkv resume --gpu-blocks 64" in ignored.stderr
+        assert "run zkv pause and zkv clear first, then zkv resume --gpu-blocks 64" in ignored.stderr
+        assert ignored.stderr.count("zkv pause") == 1, "the way out is said once"
+        refused = cli("clear", *b)
+        assert refused.returncode == 1 and refused.stderr.count("zkv pause") == 1, refused.stderr
 
         filled = cli("submit", "fill", "--dst", "0-1", "--tier", "gpu", "--seed", "5", *b)
         assert filled.returncode == 0 and "KiB moved" in filled.stdout, filled.stdout + filled.stderr
@@ -157,7 +161,7 @@ def test_up_pause_clear_resume_restart_restores_what_was_set_and_never_overrides
     assert sockets_in(tmp_path) == []
     recorded = [json.loads(line).get("ev") for line in rec.read_text().splitlines()]  # the header has none
     ops = [ev for ev in recorded if ev in ("pause", "clear", "resume")]
-    assert ops == ["resume", "pause", "clear", "resume", "pause"]
+    assert ops == ["resume", "clear", "pause", "clear", "resume", "pause"]  # the refused clear included
 
     state_file = tmp_path / "broker-state.json"
     shown = cli("state", "--state-file", str(state_file))

@@ -15,7 +15,8 @@ from zkv.broker.loop import Broker
 from zkv.client.client import Client, ZkvError
 from zkv.harness.bus.cluster import LocalCluster
 from zkv.net.endpoints import Endpoints
-from zkv.obs.status_view import human_age, human_bytes, render_status, watch_status
+from zkv.obs.fleet_view import render_fleet_status
+from zkv.obs.status_view import counted, human_age, human_bytes, render_status, watch_status
 from zkv.rank.agent import RankAgent
 from zkv.rank.memory.regions import TensorEntry
 from zkv.wire.layout import CacheLayout
@@ -187,3 +188,11 @@ def test_a_saved_layout_zkv_cannot_read_shows_dashes():
     assert tier_row(text, "gpu") == ["gpu", "8", "-", "-"]
     assert tier_row(text, "cpu") == ["cpu", "-", "-", "-"]
     assert "model fields: x layers, - kv heads" in text
+
+
+def test_counts_agree_with_their_nouns():
+    assert [counted(n, "bus") for n in (0, 1, 2)] == ["0 buses", "1 bus", "2 buses"]
+    assert [counted(n, "rank") for n in (1, 3)] == ["1 rank", "3 ranks"]
+    assert counted(2, "engine process") == "2 engine processes"
+    one = [{"bus": "a", "broker": "ipc:///x", "ok": True, "state": "running", "ms": 1.0}]
+    assert render_fleet_status(one).startswith("fleet of 1 bus: 1 answered")

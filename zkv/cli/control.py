@@ -101,7 +101,8 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
             if as_json:
                 click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
                 sys.exit(1)
-            fail(err.reason, hint(err.code, broker, curve))
+            said = hint(err.code, broker, curve)
+            fail(err.reason, "" if said.startswith("run: ") and "run zkv" in err.reason else said)  # said once
 
     if fleet_handler is None:
         return wrapper
@@ -246,8 +247,8 @@ def resume(client: Any, timeout: float, as_json: bool, **kw: Any) -> None:
     except ZkvError as err:
         if err.code != "not_cleared" or as_json:
             raise
-        asked = resume_flags(layout)
-        fail(f"{err.reason} ({asked} was not applied)", f"run: zkv pause, zkv clear, then zkv resume {asked}")
+        asked = resume_flags(layout)  # the broker's reason names what to run first: said once
+        fail(f"{err.reason}, then zkv resume {asked} ({asked} was not applied)")
     _print_reply(
         r.as_dict(),
         as_json,

@@ -16,6 +16,7 @@ from ..fleet import Fleet, FleetError, FleetReport, load_fleet_file
 from ..fleet.decision import Answer
 from ..fleet.spec import CURVE_FIELDS, fleet_of
 from ..obs.fleet_view import render_fleet_report, render_fleet_status
+from ..obs.status_view import counted
 from ..wire.replies import ControlReply
 from ..wire.vocab import ControlOp
 from .options import fail, layout_change, sigterm_as_interrupt
@@ -74,7 +75,10 @@ def status(fleet: Fleet, timeout: float, as_json: bool, wait_ranks: int, watch: 
     silent = [r["bus"] for r in rows if not r["ok"]]
     if silent:
         if not as_json:
-            click.echo(f"zkv: error: {len(silent)} of {len(rows)} buses did not answer: {', '.join(silent)}", err=True)
+            click.echo(
+                f"zkv: error: {len(silent)} of {counted(len(rows), 'bus')} did not answer: {', '.join(silent)}",
+                err=True,
+            )
         sys.exit(1)
 
 

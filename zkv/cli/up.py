@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ..net.endpoints import Endpoints
+from ..obs.status_view import counted
 from ..wire.bounds import MAX_WORLD
 from ..wire.vocab import BusState
 from .options import (
@@ -348,8 +349,8 @@ def up(
     held = None if demo else hold_up_lock(cluster.directory)
     try:
         st = _start_or_fail(cluster, attach)
-        owner = f", attached to the tensors of {ranks} engine processes" if attach else ""
-        click.echo(f"zkv up: broker + {ranks} ranks ready at {cluster.endpoints.frontend}{owner}")
+        owner = f", attached to the tensors of {counted(ranks, 'engine process')}" if attach else ""
+        click.echo(f"zkv up: broker + {counted(ranks, 'rank')} ready at {cluster.endpoints.frontend}{owner}")
         _say_state(st, restored is not None)
         if demo:
             from ..harness.prefix.demo import run_demo

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from ..wire.vocab import Outcome
-from .status_view import table
+from .status_view import counted, table
 
 
 def _ms(value: Any) -> str:
@@ -45,7 +45,7 @@ def render_fleet_status(rows: Iterable[dict[str, Any]]) -> str:
         body.append([name, *cells, _ms(r.get("ms")), str(r.get("broker", "-"))])
     header = ["bus", "state", "epoch", "generation", "ranks alive", "inflight", "queued", "ms", "broker"]
     answered = sum(1 for r in rows if r.get("ok"))
-    lines = [f"fleet of {len(rows)} buses: {answered} answered", "", *table(header, body)]
+    lines = [f"fleet of {counted(len(rows), 'bus')}: {answered} answered", "", *table(header, body)]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -53,7 +53,7 @@ def render_fleet_report(record: dict[str, Any]) -> str:
     """A fleet operation's record as a headline and one row per bus."""
     buses = record.get("buses") or []
     op, ms = record.get("op", "?"), _ms(record.get("ms"))
-    head = f"fleet {op} {'ok' if record.get('ok') else 'FAILED'}: {len(buses)} buses in {ms} ms"
+    head = f"fleet {op} {'ok' if record.get('ok') else 'FAILED'}: {counted(len(buses), 'bus')} in {ms} ms"
     if record.get("slowest"):
         slowest: dict[str, Any] = next((b for b in buses if b.get("bus") == record["slowest"]), {})
         head += f" (slowest {record['slowest']} at {_ms(slowest.get('ms'))} ms)"

@@ -32,6 +32,13 @@ def human_bytes(n: Any) -> str:
     return "-"  # pragma: no cover
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 bus``, ``2 buses``, ``1 rank``, ``3 ranks``: a count and its noun, agreeing."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n} {noun}s"
+
+
 def human_age(ms: Any) -> str:
     if not isinstance(ms, (int, float)) or isinstance(ms, bool) or ms < 0:
         return "-"
