@@ -139,3 +139,12 @@ def test_a_standby_beside_a_zkv_up_rank_takes_it_over_and_zkv_up_keeps_the_bus_a
             standby.wait(timeout=30)
         if bus.proc.poll() is None:
             bus.stop()
+
+
+def test_zkv_up_restarts_a_worker_of_its_own_memory_adopting_the_bus_layout_and_an_attached_one_as_it_is(tmp_path):
+    from zkv.cli.supervise import _adopt
+    from zkv.harness.bus.attached_cluster import AttachedCluster
+    from zkv.harness.bus.cluster import LocalCluster
+
+    assert _adopt(LocalCluster(1, directory=tmp_path / "own")) == ["--adopt-layout"]
+    assert _adopt(AttachedCluster(1, directory=tmp_path / "attached")) == [], "--attach refuses --adopt-layout"

@@ -43,7 +43,7 @@ def supervise(cluster: Any) -> None:
                 f"zkv up: rank {rank} exited with code {code}; pid {serving} serves it now (a standby took "
                 "over): starting it again as that worker's standby"
             )
-            cluster.start_worker(rank, ["--adopt-layout", "--standby"])
+            cluster.start_worker(rank, [*_adopt(cluster), "--standby"])
             continue
         now = time.monotonic()
         recent = [t for t in restarts.get(rank, []) if now - t < 60] + [now]
@@ -51,7 +51,13 @@ def supervise(cluster: Any) -> None:
         if len(recent) > RESTARTS_PER_MINUTE:
             fail(f"rank {rank} exited {len(recent)} times within a minute (last with code {code})", "see its log above")
         click.echo(f"zkv up: rank {rank} exited with code {code}; starting it again")
-        cluster.start_worker(rank, ["--adopt-layout"])
+        cluster.start_worker(rank, _adopt(cluster))
+
+
+def _adopt(cluster: Any) -> list[str]:
+    """A worker of zkv's own memory takes the bus's layout (a resume may have changed it);
+    one attached to an engine has its engine's, and --adopt-layout is refused there."""
+    return [] if getattr(cluster, "engines", None) is not None else ["--adopt-layout"]
 
 
 def hold_up_lock(directory: Path) -> Any:

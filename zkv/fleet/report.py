@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..obs.status_view import counted
 from ..wire.errors import ZkvError
 from ..wire.replies import ControlReply
 from ..wire.vocab import ControlOp
@@ -141,9 +140,9 @@ class FleetReport:
 
     def message(self) -> str:
         """Every bus and what happened to it, failures first."""
-        head = f"fleet {self.op} " + (
-            "ok" if self.ok else f"failed on {len(self.failed())} of {counted(len(self.buses), 'bus')}"
-        )
+        n = len(self.buses)
+        failed = f"failed on {len(self.failed())} of {n} bus" + ("" if n == 1 else "es")
+        head = f"fleet {self.op} " + ("ok" if self.ok else failed)
         stuck = self.not_resumable()
         if stuck:
             head += f", {len(stuck)} left not running: {', '.join(b.name for b in stuck)}"

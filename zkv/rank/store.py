@@ -223,8 +223,13 @@ class BlockStore:
                 if adopted is not None:
                     self.set_cpu_gen(adopted)
             self.copier = CopyEngine(cache, self.tier, self.memory.compute_stream, self.memory.staging_bytes)
+        except CacheError as err:
+            # A cache of another layout is the engine's for a resume with its layout; anything
+            # else wrong with it (stale, unreadable) is never taken: let it go.
+            (self.memory.refused if err.code == "bad_layout" else self.memory.release)(cache)
+            raise
         except BaseException:
-            self.memory.refused(cache)
+            self.memory.release(cache)
             raise
         first = self.generation is None
         self.cache, self.layout, self.cpu_kept = cache, layout, kept
