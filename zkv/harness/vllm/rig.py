@@ -14,9 +14,10 @@ import json
 import os
 import random
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ...client.client import Client
 from ...net.endpoints import Endpoints
@@ -25,6 +26,30 @@ from ...rank.tiers.disk_tier import data_offset
 from ...wire.replies import StatusReply
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+VLLM_QUIET_LEVEL = "ERROR"
+
+
+def quiet_vllm_logging(
+    say: Callable[[str], None] | None = None, environ: MutableMapping[str, str] | None = None
+) -> bool:
+    """Quiet vLLM's own logging for a zkv command: hundreds of INFO and WARNING lines
+    around a few lines of results.  Sets ``VLLM_LOGGING_LEVEL=ERROR`` unless the user
+    set ``VLLM_LOGGING_LEVEL`` or ``VLLM_CONFIGURE_LOGGING`` (theirs stands), and tells
+    ``say`` how to see it all.  vLLM reads it when it is imported and its engine
+    processes inherit it, so call this before anything imports vllm.  True: it set it."""
+    env = os.environ if environ is None else environ
+    if "VLLM_LOGGING_LEVEL" in env or "VLLM_CONFIGURE_LOGGING" in env:
+        return False
+    env["VLLM_LOGGING_LEVEL"] = VLLM_QUIET_LEVEL
+    if say is not None:
+        say(
+            f"vLLM logs errors only here (VLLM_LOGGING_LEVEL={VLLM_QUIET_LEVEL});"
+            " set VLLM_LOGGING_LEVEL=INFO to see all of its logging"
+        )
+    return True
+
+
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants block sizes of a multiple of 32
 
 

@@ -1,0 +1,55 @@
+"""``zkv up --demo --engine vllm`` as a user runs it (docs/engine-vllm.md, "See it
+work"): one real vLLM engine, about a minute on 2 cores.  With no
+VLLM_LOGGING_LEVEL set, none of vLLM's INFO or WARNING lines reach the output
+(its engine processes included); the results come last, as a table; and on the
+demo's workload zkv's time to first token is below recompute's."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+
+VLLM_LOG_LINE = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\]")  # vllm/logger.py's format
+
+
+def test_the_demo_prints_its_results_last_without_vllm_s_log_and_zkv_beats_recompute():
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING")}
+    run = subprocess.run(
+        [sys.executable, "-m", "zkv", "up", "--demo", "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    out, err = run.stdout.splitlines(), run.stderr.splitlines()
+    assert run.returncode == 0, run.stdout + run.stderr
+    logged = [line for line in out + err if VLLM_LOG_LINE.search(line)]
+    assert not logged, logged[:5]
+    assert "VLLM_LOGGING_LEVEL=INFO" in out[0], out[:2]  # how to see vLLM's logging again
+
+    # The end of stdout: a title, the table (header, rule, a row per figure), the verdict.
+    assert out[-1] == "vLLM demo: all checks hold", out[-10:]
+    rule = max(i for i, line in enumerate(out) if line.strip() and set(line.strip()) <= {"-", " "})
+    rows = out[rule + 1 : -1]
+    assert [r.split("  ")[1] for r in rows] == [
+        "tokens checked against recompute",
+        "zkv tiers",
+        "served into vLLM",
+        "time to first token, p50 of 8",
+        "after an RL weight update",
+    ], rows
+    column = [m.start() for m in re.finditer(r"-+", out[rule])][1]  # where the second column starts
+    assert all(r[column - 2 : column] == "  " and r[column] != " " for r in rows), rows  # aligned
+    assert "12/12 turns identical" in rows[0], rows
+    assert "no KV of the old weights served" in rows[4], rows
+    figures = re.search(r"zkv (\d+) ms \| recompute (\d+) ms", rows[3])
+    assert figures, rows[3]
+    zkv_ms, recompute_ms = map(int, figures.groups())
+    assert zkv_ms < recompute_ms, rows[3]
+    assert not any(line.startswith("why zkv is not faster") for line in out), out[-3:]
