@@ -135,3 +135,32 @@ def test_the_demo_says_why_zkv_is_not_faster_only_when_it_is_not():
     line = vllm_demo.why_not_faster(28.0, 20.0, 900, 30, 131072)
     assert line is not None and line.startswith("why zkv is not faster here:"), line
     assert "20 ms" in line and "30 blocks" in line and "zkv bench vllm" in line, line
+
+
+def _fleet_result(ratio: float) -> dict:
+    ms = {"p50": 2.0, "p99": 3.0, "mean": 2.1}
+    return {
+        "buses": 2, "ranks_per_bus": 2, "rounds": 8, "fleet_pause_ms": ms, "slowest_single_pause_ms": ms,
+        "loop_of_single_pauses_ms": ms, "fleet_vs_slowest_single": ratio, "target": 1.5,
+        "fleet_vs_slowest_single_per_round_p50": ratio, "fleet_vs_loop": 0.5, "cpu_ms_per_fleet_pause": 1.0,
+        "cpu_ms_per_single_pause": 0.5, "cores": 2, "cpu_floor_ms": 0.5, "fleet_vs_cpu_floor": 4.0,
+        "load_average_1min": 0.1, "cpu_ms_per_fleet_pause_by_thread": {"client": 0.5},
+    }  # fmt: skip
+
+
+def test_several_benchmarks_run_in_one_call_and_a_missed_target_is_said_with_advice(fake_bench, monkeypatch):
+    from zkv.harness.fleet import bench as fleet_bench
+
+    ratio = {"value": 3.0}  # the fleet pause misses its 1.5x target
+    monkeypatch.setattr(fleet_bench, "bench_fleet", lambda buses, rounds, say: _fleet_result(ratio["value"]))
+    res = CliRunner().invoke(main, ["bench", "fleet", "vllm", "--quick"], env=UNSET, prog_name="zkv")
+    assert res.exit_code == 0, res.output  # a miss alone does not fail the command
+    assert res.stdout.index("fleet pause of 2 buses") < res.stdout.index("time to first token p50"), "in turn"
+    assert "1 target(s) MISSED" in res.stderr and "rerun on an idle machine" in res.stderr, res.stderr
+    checked = CliRunner().invoke(main, ["bench", "fleet", "--check", "--json"], env=UNSET, prog_name="zkv")
+    assert checked.exit_code == 1 and json.loads(checked.stdout)["fleet_vs_slowest_single"] == 3.0
+    both = CliRunner().invoke(main, ["bench", "fleet", "vllm", "--json"], env=UNSET, prog_name="zkv")
+    assert set(json.loads(both.stdout)) == {"fleet", "vllm"}, "one JSON document, by name"
+    ratio["value"] = 1.0
+    held = CliRunner().invoke(main, ["bench", "fleet", "--check"], env=UNSET, prog_name="zkv")
+    assert held.exit_code == 0 and "MISSED" not in held.stderr, held.output

