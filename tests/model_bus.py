@@ -429,6 +429,17 @@ class Bus:
             self.poisoned.update((self.tasks[task]["tier"], b) for b in self.tasks[task]["blocks"])
         self.broker = BrokerCore(BrokerConfig(world=self.world, **CFG), restore=self.disk)
 
+    def thaw(self, rank: int) -> None:
+        """A frozen rank runs again (SIGCONT): its loop wakes first, before it reads what
+        queued meanwhile (``on_wake``, as ``RankWorker.serve`` calls it at every wake), so a
+        freeze past half the liveness window holds the queued tasks until the broker says
+        whether they are still this rank's."""
+        sr = self.ranks[rank]
+        if sr.frozen:
+            sr.frozen = False
+            if sr.alive:
+                self._rank_actions(rank, sr.core.on_wake(self.now))
+
     def advance(self, dt: float) -> None:
         self.now += dt
         self._call(self.broker.on_tick, self.now)
@@ -457,7 +468,7 @@ class Bus:
         unless the example ends here).  No in-bound sequence may wedge the bus."""
         bus = copy.deepcopy(self) if on_copy else self
         for r, sr in bus.ranks.items():
-            sr.frozen = False
+            bus.thaw(r)
             if not sr.alive:
                 bus.start_rank(r)
         for _ in range(40):  # 4 s of bus time: liveness (1 s), the op timeout (2 s) and a retry

@@ -127,7 +127,7 @@ class BusModel(RuleBasedStateMachine):
         bus.settle()
         bus.advance(1.2)
         bus.settle()
-        bus.ranks[r].frozen = False
+        bus.thaw(r)
 
     @rule()
     def status(self):
@@ -253,7 +253,7 @@ class BusModel(RuleBasedStateMachine):
 
     @rule(r=WORLD)
     def thaw(self, r):
-        self.bus.ranks[self._rank(r)].frozen = False
+        self.bus.thaw(self._rank(r))
 
     @rule()
     def restart_broker(self):

@@ -142,6 +142,40 @@ def test_a_frozen_rank_still_registered_runs_its_held_tasks():
     assert ex.refuse == "" and ex.task == 1 and not core.registration.probing
 
 
+def test_a_rank_frozen_before_its_welcome_probes_at_the_welcome_and_runs_nothing_of_a_registration_given_up():
+    """Its welcome and the tasks sent with it waited out the freeze: the broker may have
+    declared it dead meanwhile and failed them (then moved on to another generation)."""
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
+    core.start(1.0)
+    old = core.registration.session
+    assert core.on_wake(1.0 + core.registration.liveness_ms / 1000) == [], "joining: nothing to probe yet"
+    welcome = {
+        "epoch": 0,
+        "op": "run",
+        "gen": 0,
+        "upto": 0,
+        "layout": LAYOUT.to_wire(),
+        "heartbeat_ms": 100,
+        "session": old,
+    }
+    (hello,) = sent(core.on_broker(P.encode("welcome", **welcome), 5.0), "hb")
+    assert hello.probe is True and core.registration.probing, "is this registration still the broker's?"
+    header = P.encode("task", seq=1, n=1, task=1, reply_to="ipc:///sim/c", gen=0, session=old)
+    assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 5.0) == [], "held until the answer"
+    acts = core.on_broker(P.encode("reregister"), 5.0)  # it was given up on
+    (ex,) = [a for a in acts if isinstance(a, Execute)]
+    assert "earlier registration" in ex.refuse and sent(acts, "ready")
+
+
+def test_a_rank_that_joined_without_a_freeze_is_not_probed():
+    core = RankCore(0, 2, LAYOUT, sessions=itertools.count(1).__next__)
+    core.start(1.0)
+    core.on_wake(1.0 + core.registration.liveness_ms / 4000)
+    welcome = {"epoch": 0, "op": "run", "gen": 0, "upto": 0, "layout": LAYOUT.to_wire(), "heartbeat_ms": 100}
+    (hello,) = sent(core.on_broker(P.encode("welcome", **welcome), 1.5), "hb")
+    assert not hello.probe and not core.registration.probing
+
+
 def test_released_tasks_come_after_the_resume_ack():
     core = welcomed()
     core.on_control(control("pause", 1), 1.0)

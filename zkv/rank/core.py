@@ -261,8 +261,11 @@ class RankCore:
         # dispatched since the first welcome, which came before it.
         self.received = msg.upto
         reg.last_heartbeat_sent = now  # and one now: it tells the broker the welcome arrived (tasks wait for that)
+        if reg.probing:  # frozen while joining: is this registration still the broker's?  (RankPhase)
+            self.counters["frozen"] += 1
+        stats = self.stats() if self.stats else {}
         hello: list[RankAction] = [
-            ToBroker(Heartbeat(inflight=self.inflight, stats=self.stats() if self.stats else {}).to_wire())
+            ToBroker(Heartbeat(inflight=self.inflight, stats=stats, probe=reg.probing or None).to_wire())
         ]
         self.acked_epoch = None  # a new broker may reuse epoch numbers we acked
         # Never allocate here: a rank allocates only within a resume (the

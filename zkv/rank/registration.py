@@ -18,7 +18,9 @@ class RankPhase(Enum):
     welcome for it yet: controls are ignored (the welcome carries the state)
     and no heartbeat goes out.  REGISTERED: welcomed in the current session.
     PROBING: registered, but back from a freeze: it asked the broker whether it
-    is still its rank, and holds every task until the answer."""
+    is still its rank, and holds every task until the answer.  A rank frozen
+    while JOINING probes at the welcome: a welcome that waited out the freeze
+    may answer a registration the broker has since given up on."""
 
     JOINING = "joining"
     REGISTERED = "registered"
@@ -41,6 +43,7 @@ class Registration:
         self.last_heartbeat_sent = 0.0
         self.last_ready_sent = 0.0
         self.last_wake = 0.0
+        self.frozen_joining = False  # frozen while JOINING: the welcome, when it comes, starts a probe
 
     def begin(self, now: float) -> None:
         """A fresh session, not yet welcomed: the broker restarts its counts."""
@@ -48,10 +51,14 @@ class Registration:
         self.phase = RankPhase.JOINING
         self.last_wake = now
         self.last_broker_msg = now
+        self.frozen_joining = False
 
     def welcomed(self) -> None:
+        """The welcome of this session came: registered, or probing if the loop was
+        frozen while it waited (see ``RankPhase``)."""
         if self.phase is RankPhase.JOINING:
-            self.phase = RankPhase.REGISTERED
+            self.phase = RankPhase.PROBING if self.frozen_joining else RankPhase.REGISTERED
+            self.frozen_joining = False
 
     def probe_answered(self) -> None:
         if self.phase is RankPhase.PROBING:
@@ -71,7 +78,11 @@ class Registration:
         for half the liveness window), which starts a probe."""
         gap = now - self.last_wake
         self.last_wake = now
-        if self.phase is RankPhase.REGISTERED and gap * 1000 > self.liveness_ms / 2:
+        if gap * 1000 <= self.liveness_ms / 2:
+            return False
+        if self.phase is RankPhase.JOINING:
+            self.frozen_joining = True
+        if self.phase is RankPhase.REGISTERED:
             self.phase = RankPhase.PROBING
             return True
         return False
