@@ -391,3 +391,18 @@ def test_eviction_takes_a_chains_deepest_blocks_first():
     _store(index, _chain("C", 10))  # evicts from B's tail, not A's head
     assert all(index.lookup(key) is Found.HIT for key in first[:10])
     assert [index.lookup(key) is Found.HIT for key in second] == [True] * 10 + [False] * 10
+
+
+def test_a_fenced_row_our_spill_still_reads_stays_held_until_the_spill_ends_too():
+    """vLLM 0.34: a reset while vLLM loads a row and our spill reads it; vLLM says its jobs
+    are flushed before the spill ends: the row is still the spill's until it ends."""
+    index = OffloadIndex(cpu_rows=3, disk_rows=4, spill_below=3)
+    index.prepare_store([b"k"])
+    index.complete_store([b"k"], ok=True)
+    ((key, cpu_row, disk_row),) = index.plan_spills(4)
+    assert index.lookup(b"k") is Found.HIT and index.prepare_load([b"k"]) == [cpu_row]  # vLLM reads it
+    index.reset(fenced=True)
+    index.flushed()  # vLLM's load is over; our spill is not
+    assert cpu_row not in index.book.free_rows(Tier.CPU) and disk_row not in index.book.free_rows(Tier.DISK)
+    index.spill_done(key, disk_row, ok=True)
+    assert cpu_row in index.book.free_rows(Tier.CPU) and disk_row in index.book.free_rows(Tier.DISK)

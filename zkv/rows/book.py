@@ -154,6 +154,14 @@ class RowBook:
                 out.append(entry)
         return out
 
+    def pass_on(self, task: Hashable, to: Hashable) -> None:
+        """What ``task`` holds is held for ``to`` from now on (``task``'s part is over, ``to``
+        may still write the rows)."""
+        if to in self._held:
+            raise HeldRowError(f"task {to!r} already holds rows")
+        entry = self._held.pop(task)
+        self._held[to] = Held(to, entry.rows, entry.payload)
+
     def release_held(self) -> list[Held]:
         """No task runs any more (a drained bus): free every held row; return the entries."""
         return self.settle(list(self._held))

@@ -102,6 +102,9 @@ class OffloadIndex:
         self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows})
         self.changes: list[RowChange] = []
         self._fences = 0  # holds made by fenced resets, numbered
+        # A fenced row our own spill also reads: the fence's hold -> that spill, still out (at
+        # vLLM's flush the hold passes to the spill; a spill that ends first leaves it to the flush).
+        self._spill_of: dict[tuple, tuple] = {}
 
     def adopt(self, cpu: list[tuple[Key, int]], disk: list[tuple[Key, int]]) -> int:
         """Serve again what an earlier engine's journals say its rows hold
@@ -300,15 +303,27 @@ class OffloadIndex:
         for e in list(self.entries.values()):
             if fenced and e.cpu_row is not None and (e.cpu_state is CpuState.STORING or e.readers):
                 self._fences += 1
-                self.book.hold((FENCE, self._fences), {Tier.CPU: [e.cpu_row]})
+                fence = (FENCE, self._fences)
+                if e.spilling and e.disk_row is not None:  # our spill reads the row too, and writes its disk row
+                    self.book.hold(fence, {Tier.CPU: [e.cpu_row], Tier.DISK: [e.disk_row]})
+                    self._spill_of[fence] = (Op.SPILL, e.key, e.disk_row)
+                    e.disk_row, e.spilling = None, False
+                else:
+                    self.book.hold(fence, {Tier.CPU: [e.cpu_row]})
                 e.cpu_row, e.cpu_state, e.readers = None, None, 0
             self._drop(e, announce=False)
         return gone
 
     def flushed(self) -> None:
-        """vLLM's jobs in flight at the last fenced reset are over: their rows are free."""
+        """vLLM's jobs in flight at the last fenced reset are over: their rows are free (those
+        our own spills still read, once those spills end too)."""
         tasks = (h.task for h in self.book.held_entries())
-        self.book.settle([t for t in tasks if isinstance(t, tuple) and t[0] == FENCE])
+        for fence in [t for t in tasks if isinstance(t, tuple) and t[0] == FENCE]:
+            spill = self._spill_of.pop(fence, None)
+            if spill is None:
+                self.book.settle([fence])
+            else:
+                self.book.pass_on(fence, spill)
 
     # --- counts ------------------------------------------------------------------
 
@@ -401,4 +416,9 @@ class OffloadIndex:
 
     def _end_held(self, op: str, key: Key, row: int) -> bool:
         """The task (op, key, row) ended after its key was forgotten: free what it held."""
-        return bool(self.book.settle([(op, key, row)]))
+        task = (op, key, row)
+        fence = next((f for f, spill in self._spill_of.items() if spill == task), None)
+        if fence is not None:  # the fence still holds its rows: vLLM's flush frees them
+            del self._spill_of[fence]
+            return True
+        return bool(self.book.settle([task]))
