@@ -26,6 +26,10 @@ from ...rank.tiers.disk_tier import data_offset
 from ...wire.replies import StatusReply
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM on CPU reserves one more core for an engine with a KV connector than for one without
+# (its OMP threads get the rest): the same reservation for every engine, so that zkv and
+# recompute are compared on the same threads.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 VLLM_QUIET_LEVEL = "ERROR"
 
