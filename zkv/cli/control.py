@@ -101,8 +101,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
             if as_json:
                 click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
                 sys.exit(1)
-            said = hint(err.code, broker, curve)
-            fail(err.reason, "" if said.startswith("run: ") and "run zkv" in err.reason else said)  # said once
+            fail(err.reason, hint(err.code, broker, curve))
 
     if fleet_handler is None:
         return wrapper

@@ -92,8 +92,5 @@ def hint(code: str, address: str, curve: Any) -> str:
             if why is not None:
                 return f"{why}: drop the --curve-* options (and ZKV_CURVE_*) for this broker"
         return "; ".join(h for h in (curve_hint(address, curve), start_hint(address)) if h)
-    return {
-        "not_paused": "run: zkv pause",
-        "not_cleared": "run: zkv clear",
-        "busy": "wait for the running operation, then retry",
-    }.get(code, "")
+    # not_paused and not_cleared: the broker's reason names what to run (broker/admission.py)
+    return {"busy": "wait for the running operation, then retry"}.get(code, "")

@@ -116,8 +116,9 @@ class BlockStore:
     ):
         self.memory = memory
         self.place = place  # where a persistent CPU tier lives (None: process memory)
-        self.restored = False  # the first allocation mapped a CPU tier a previous process left
-        self._found: tuple[CpuTier, int] | None = None  # that tier, and the CPU generation its rows were of
+        # The CPU tier the first allocation mapped again from a previous process, and the CPU
+        # generation its rows were of (``restored``, ``cpu_tier_found``).
+        self._found: tuple[CpuTier, int] | None = None
         self.cpu_gen = 0  # the CPU generation new rows belong to (the bus's, once the rank hears it)
         self.disk_link = DiskLink(disk, rank) if disk is not None else None  # with --disk-dir
         self.rank = rank
@@ -214,7 +215,7 @@ class BlockStore:
                 )
                 self._tier_key = key
                 if self.generation is None and self.tier.kept:
-                    self.restored, self.cpu_gen = True, self.tier.gen or 0
+                    self.cpu_gen = self.tier.gen or 0
                     self._found = (self.tier, self.cpu_gen)
             assert self.tier is not None
             if self.disk_link is not None:  # the disk's blocks: this layout's, at cpu_gen
@@ -300,6 +301,11 @@ class BlockStore:
         if self.disk_link is not None:
             self.disk_link.close()
         self.memory.close()
+
+    @property
+    def restored(self) -> bool:
+        """The first allocation mapped a CPU tier a previous process left."""
+        return self._found is not None
 
     @property
     def cpu_tier_found(self) -> bool:

@@ -83,16 +83,22 @@ class ServerProc:
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Until ``/health`` answers (the engine is up, its bus with it), or raise with the log's tail."""
+        """Until ``/health`` answers (the engine is up, its bus with it), or raise with the log's tail.
+        vLLM says it is ready only there, so it is asked every 0.2 s; between two asks the wait is
+        on the process, so a server that dies is seen at once."""
+        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                break
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1.0):
                     return
             except OSError:
-                time.sleep(0.2)
+                pass
+            try:
+                self.proc.wait(timeout=0.2)
+                break  # it exited
+            except subprocess.TimeoutExpired:
+                pass
         tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
         raise RuntimeError(f"server {self.name} did not come up within {timeout:.0f} s:\n{tail}")
 

@@ -28,6 +28,11 @@ from .tier_file import TierPlace
 PREFIX = "zkv-rank-"
 
 
+def lock_path(place: TierPlace) -> Path:
+    """The lock file of ``place``'s rank of its bus, beside its tier files."""
+    return Path(place.directory) / f"{PREFIX}{place.bus}-r{place.rank}.lock"
+
+
 class RankBusy(Exception):
     """Another live process serves this rank of this bus on this host."""
 
@@ -40,7 +45,7 @@ class RankLock:
     """The lock of ``place``'s rank (see the module docstring); ``acquire``, then ``release`` when done."""
 
     def __init__(self, place: TierPlace):
-        self.path = Path(place.directory) / f"{PREFIX}{place.bus}-r{place.rank}.lock"
+        self.path = lock_path(place)
         self._fd = -1
 
     def acquire(self, wait: bool = False, on_wait: Callable[[int], None] | None = None) -> None:
@@ -90,9 +95,8 @@ def serving_pid(place: TierPlace) -> int | None:
     """The pid of the live process that holds ``place``'s rank lock (0: one whose pid
     the file does not say), or None when nobody does.  Only looks: a lock taken to
     find out is let go at once, its file left where it was."""
-    path = Path(place.directory) / f"{PREFIX}{place.bus}-r{place.rank}.lock"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(lock_path(place), os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
