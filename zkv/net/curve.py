@@ -157,12 +157,13 @@ class SharedAuthenticator:
             self.users -= 1
 
 
-def security_mismatch(address: str, curve: Curve | None, timeout: float = 1.0) -> str | None:
+def security_mismatch(address: str, curve: Curve | None, timeout: float = 3.0) -> str | None:
     """Why a ZMTP handshake with the peer at ``address`` fails for lack of matching
     security, as a client with ``curve`` would connect: the peer speaks CurveZMQ and
     this client has no keys, or the reverse (libzmq says so: a mechanism mismatch).
     None when the handshake succeeds, fails another way (a wrong key is silence) or
-    nothing answers within ``timeout``.  A probe socket of its own, closed at once."""
+    nothing answers within ``timeout`` (a loaded broker may take a while; a peer that
+    answers at all answers the handshake first).  A probe socket of its own, closed at once."""
     import zmq.utils.monitor
 
     ctx: zmq.Context = zmq.Context.instance()
