@@ -1,13 +1,15 @@
-"""The pause / clear / resume helper over a scripted control client: the order of
-docs/architecture.md ("The clear / update cycle"), and a consistent manager whichever step of the bus fails."""
+"""The pause / clear / resume steps over a scripted control client: the order of
+docs/architecture.md ("The clear / update cycle"), and a consistent manager whichever step of the bus fails;
+then the one RL cycle (zkv/cycle/) over a prefix manager, with its rollback and report."""
 
 from __future__ import annotations
 
 import pytest
 
 from zkv.client.client import ZkvError
+from zkv.cycle import EngineFleet, Outcome, PrefixEngine, Serves, State, Tiers
+from zkv.cycle.prefix import drain_and_clear, pause_clear_resume, resume
 from zkv.prefix import CacheClearedError, PrefixCacheManager
-from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.testing.fakebus import FakeBus
 from zkv.wire.layout import CacheLayout
 from zkv.wire.replies import ControlReply, StatusReply
@@ -165,3 +167,47 @@ def test_resuming_a_merely_paused_bus_keeps_the_cache():
     assert lease.gpu_hit_blocks == 3
     manager.release(lease)
     assert_consistent(manager)
+
+
+def test_the_one_cycle_over_a_prefix_manager_clears_updates_and_serves_the_new_layout():
+    bus, manager, tokens = setup(quarantine=True)
+    updated = []
+    engine = PrefixEngine("engine-0", bus, manager, {"gpu_blocks": 16})
+    with EngineFleet([engine]) as fleet:
+        report = fleet.cycle("step-1", lambda e, timeout: updated.append(manager.cleared), stage=False)
+    assert report.outcome is Outcome.COMMITTED, report.describe()
+    assert bus.calls == ["pause", "clear", "resume", "status"]
+    assert updated == [True], "weights are updated while the manager is cleared"
+    assert engine.freed == 3 and manager.stats()["gpu"]["total"] == 16 and not manager.cleared
+    assert manager.match(tokens).num_blocks == 0, "nothing survives a clear"
+    e = report.engines["engine-0"]
+    assert e.serves is Serves.NEW and e.tiers is Tiers.DROPPED and e.state is State.SERVING
+    assert engine.label == "step-1"
+    assert_consistent(manager)
+
+
+def test_a_failing_update_in_the_one_cycle_rolls_the_manager_back_to_serving():
+    bus, manager, _ = setup()
+    old = []
+
+    def update(e: object, timeout: float) -> None:
+        raise RuntimeError("trainer crashed")
+
+    with EngineFleet([PrefixEngine("engine-0", bus, manager)]) as fleet:
+        report = fleet.cycle("step-2", update, rollback=lambda e, timeout: old.append(True), deadline_s=10, stage=False)
+    assert report.outcome is Outcome.ROLLED_BACK, report.describe()
+    assert "RuntimeError: trainer crashed" in report.engines["engine-0"].why
+    assert old == [True] and bus.state == "running" and not manager.cleared
+    assert manager.allocate(8).num_blocks == 8
+    assert_consistent(manager)
+
+
+def test_a_bus_that_fails_its_pause_refuses_nothing_and_rolls_back_untouched():
+    bus, manager, tokens = setup()
+    bus.fail["pause"] = 1
+    with EngineFleet([PrefixEngine("engine-0", bus, manager)]) as fleet:
+        report = fleet.cycle("step-3", lambda e, timeout: None, deadline_s=10, stage=False)
+    assert report.outcome is Outcome.ROLLED_BACK, report.describe()
+    e = report.engines["engine-0"]
+    assert e.failed_step == "pause_buses" and "no reply to pause" in e.why
+    assert not manager.cleared and manager.locate(tokens) == ["gpu"] * 3

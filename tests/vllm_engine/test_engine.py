@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from zkv.cycle import Outcome, Tiers, update_weights
 from zkv.fleet.fleet import Fleet
 from zkv.harness.vllm.rig import (
     BusProbe,
@@ -289,15 +290,14 @@ def test_failed_stores_and_loads_are_recomputed_and_serving_goes_on(engines):
 
 def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_only_when_measured_unchanged(engines, weights):
     a = engines[0]
-    fleet = Fleet([str(a.probe.frontend)], timeout=30)
+    bus = [str(a.probe.frontend)]
 
     def load(path):
         return lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
-    from zkv.engines.vllm.rl import update_weights
-
     chat().run(a.llm)  # the tiers hold KV of weights[0]
-    update_weights([a.llm], fleet, load(weights[1]), weights_changed=True)
+    report = update_weights([a.llm], bus, load(weights[1]), weights_changed=True)
+    assert report.engines["engine-0"].tiers is Tiers.DROPPED, report.describe()
     got = chat().run(a.llm)
     want = reference(a)
     assert got == want, "after a weight change every token is what the new weights compute"
@@ -308,37 +308,36 @@ def test_the_rl_cycle_never_serves_kv_of_old_weights_and_keeps_it_only_when_meas
     # checked against the weights, so the tiers are dropped and every token is
     # what the new weights compute.
     chat().run(a.llm)
-    said = update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
-    assert not said.kept and said.weights_changed == (True,), said
+    said = update_weights([a.llm], bus, load(weights[2]), weights_changed=False)
+    assert not said.kept and said.weights_changed is True, said.describe()
+    assert said.engines["engine-0"].weights_changed is True
     assert chat().run(a.llm) == reference(a), "a lying caller is never served KV of the old weights"
 
     # The same weights loaded again, said unchanged: measured unchanged, the tiers
     # are kept, and the chat is served from them with the same tokens.
     want = chat().run(a.llm)
-    kept = update_weights([a.llm], fleet, load(weights[2]), weights_changed=False)
-    assert kept.kept and kept.weights_changed == (False,) and kept.checksum_s > 0, kept
+    kept = update_weights([a.llm], bus, load(weights[2]), weights_changed=False)
+    assert kept.kept and kept.weights_changed is False and kept.checksum_s > 0, kept.describe()
     before = a.probe.blocks_by_op(BLOCK)
     assert chat().run(a.llm) == want
     moved = {op: n - before.get(op, 0) for op, n in a.probe.blocks_by_op(BLOCK).items()}
     assert moved.get("swap_in", 0) > 0, moved  # served from the kept tiers
-    fleet.close()
 
 
 def test_one_update_over_a_fleet_of_two_engines(engines, weights):
     a, b = engines
     with Fleet([str(a.probe.frontend), str(b.probe.frontend)], timeout=30) as fleet:
-        from zkv.engines.vllm.rl import update_weights
-
         for e in engines:
             chat().run(e.llm)
-        update_weights(
+        report = update_weights(
             [a.llm, b.llm],
             fleet,
             lambda llm: llm.collective_rpc("reload_weights", kwargs={"weights_path": weights[1]}),
             weights_changed=True,
         )
+        assert report.outcome is Outcome.COMMITTED and report.pause_window_s > 0, report.describe()
         outs = [chat().run(e.llm) for e in engines]
         assert outs[0] == outs[1], "both engines serve the new weights alike"
         assert outs[0] == reference(a)
-        report = fleet.status()
-        assert report.ok and [r.state for r in report.buses] == ["running", "running"], report
+        status = fleet.status()
+        assert status.ok and [r.state for r in status.buses] == ["running", "running"], status

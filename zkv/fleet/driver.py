@@ -96,11 +96,14 @@ class BusLink:
         self._drop()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread once its queued work is done; it closes the client."""
+        """Stop the thread once its queued work is done; it closes the client (a link
+        whose ``ask`` was called from one thread of the caller's: closed here)."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout)
             self._thread = None
+        else:
+            self._drop()
 
     def _drop(self) -> None:
         self._up = False

@@ -1,149 +1,20 @@
-"""One vLLM OpenAI-compatible server's RL routes, as calls with a bound
-(docs/engine-vllm.md, "A fleet of vLLM servers"): ``/pause``, ``/resume``,
-``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``,
-``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``,
-``/weight_info`` and ``/weight_checker``.  Every call ends within its
-``timeout`` (connect and read), and answers or raises ``ServerError``
-saying which route failed and why: a refused connection (the server is
-down), a timeout (it hangs), an HTTP error with the server's own words, or
-an answer that is not the JSON the route promises.  No vLLM import: the
-trainer's process need not have vLLM."""
+"""Moved to ``zkv.cycle.http`` (the control plane lives in ``zkv/cycle/``,
+docs/architecture.md): each name read here warns, and this module goes in
+zkv 0.3 (docs/versions.md)."""
 
 from __future__ import annotations
 
-import json
-import socket
-import urllib.error
-import urllib.parse
-import urllib.request
+import warnings
 from typing import Any
 
 
-class ServerError(Exception):
-    """A route of one server did not answer as it should; ``down``: nothing
-    listens (refused), ``hung``: it did not answer in time."""
+def __getattr__(name: str) -> Any:
+    from ...cycle import http
 
-    def __init__(self, url: str, route: str, why: str, down: bool = False, hung: bool = False):
-        super().__init__(f"{url}{route}: {why}")
-        self.url, self.route, self.why, self.down, self.hung = url, route, why, down, hung
-
-
-PAUSE_MODES = ("abort", "wait", "keep")
-
-
-class VllmServer:
-    """The RL routes of the server at ``url`` (``http://host:port``)."""
-
-    def __init__(self, url: str, timeout: float = 10.0):
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"a vLLM server is an http(s)://host:port URL, got {url!r}")
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-
-    def call(
-        self,
-        method: str,
-        route: str,
-        query: dict[str, Any] | None = None,
-        body: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
-        """The route's JSON answer (None for an empty body)."""
-        bound = self.timeout if timeout is None else timeout
-        if bound <= 0:
-            raise ServerError(self.url, route, "no time left before the deadline", hung=True)
-        q = "?" + urllib.parse.urlencode({k: _q(v) for k, v in query.items()}, doseq=True) if query else ""
-        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        req = urllib.request.Request(self.url + route + q, data=data, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=bound) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            said = err.read()[:500].decode(errors="replace")
-            raise ServerError(self.url, route, f"HTTP {err.code}: {said}") from None
-        except urllib.error.URLError as err:
-            reason = err.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise ServerError(self.url, route, f"no answer within {bound:.1f} s", hung=True) from None
-            refused = isinstance(reason, ConnectionRefusedError)
-            raise ServerError(self.url, route, f"unreachable: {reason}", down=refused) from None
-        except (TimeoutError, socket.timeout):
-            raise ServerError(self.url, route, f"no answer within {bound:.1f} s", hung=True) from None
-        except (ConnectionError, OSError) as err:
-            raise ServerError(self.url, route, f"connection lost: {err}", down=True) from None
-        if not raw:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise ServerError(self.url, route, f"not JSON: {raw[:200]!r}") from None
-
-    # --- the routes -------------------------------------------------------------------
-
-    def health(self, timeout: float | None = None) -> None:
-        self.call("GET", "/health", timeout=timeout)
-
-    def pause(self, mode: str = "wait", timeout: float | None = None) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self.call("POST", "/pause", {"mode": mode, "clear_cache": False}, timeout=timeout)
-
-    def resume(self, timeout: float | None = None) -> None:
-        self.call("POST", "/resume", timeout=timeout)
-
-    def is_paused(self, timeout: float | None = None) -> bool:
-        return bool(_field(self, "/is_paused", self.call("GET", "/is_paused", timeout=timeout), "is_paused"))
-
-    def sleep(self, level: int = 0, mode: str = "wait", timeout: float | None = None) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"sleep mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self.call("POST", "/sleep", {"level": level, "mode": mode}, timeout=timeout)
-
-    def wake_up(self, tags: list[str] | None = None, timeout: float | None = None) -> None:
-        self.call("POST", "/wake_up", {"tags": tags} if tags else None, timeout=timeout)  # tags=a&tags=b
-
-    def is_sleeping(self, timeout: float | None = None) -> bool:
-        return bool(_field(self, "/is_sleeping", self.call("GET", "/is_sleeping", timeout=timeout), "is_sleeping"))
-
-    def reset_prefix_cache(self, running: bool = False, timeout: float | None = None) -> bool:
-        """vLLM's and the connector's caches; False while blocks are held (the caller may retry).
-        ``running``: also the running requests' blocks (they are recomputed)."""
-        query = {"reset_external": True, "reset_running_requests": running}
-        said = self.call("POST", "/reset_prefix_cache", query, timeout=timeout)
-        return bool(_field(self, "/reset_prefix_cache", said, "success"))
-
-    def collective_rpc(self, method: str, kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
-        return self.call("POST", "/collective_rpc", body={"method": method, "kwargs": kwargs or {}}, timeout=timeout)
-
-    def reload_weights(self, path: str, timeout: float | None = None) -> None:
-        self.collective_rpc("reload_weights", {"weights_path": path}, timeout=timeout)
-
-    def weight_version(self, timeout: float | None = None) -> str | None:
-        said = _field(self, "/weight_info", self.call("GET", "/weight_info", timeout=timeout), "weight_version")
-        return None if said is None else str(said)
-
-    def set_weight_version(self, version: str, timeout: float | None = None) -> None:
-        self.call("POST", "/update_weight_version", body={"new_version": version}, timeout=timeout)
-
-    def weight_checksums(self, timeout: float | None = None) -> dict[str, str]:
-        """vLLM's own checksum of every weight on every worker (``/weight_checker``)."""
-        said = self.call("POST", "/weight_checker", body={"action": "checksum"}, timeout=timeout)
-        sums = _field(self, "/weight_checker", said, "checksums")
-        if not isinstance(sums, dict):
-            raise ServerError(self.url, "/weight_checker", f"checksums is not a map: {sums!r}")
-        return {str(k): str(v) for k, v in sums.items()}
-
-
-def _q(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_q(v) for v in value]
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
-
-
-def _field(server: VllmServer, route: str, said: Any, name: str) -> Any:
-    if not isinstance(said, dict) or name not in said:
-        raise ServerError(server.url, route, f"the answer has no {name!r}: {said!r}")
-    return said[name]
+    value = getattr(http, name)
+    warnings.warn(
+        f"zkv.engines.vllm.server.{name} moved to zkv.cycle.http.{name}; the old name goes in zkv 0.3",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return value

@@ -9,7 +9,7 @@
    prefixes go down the tiers and come back when their conversation does.
    Every cache hit is checked bit for bit on every rank.  It runs twice on
    the same bus, the same requests each time: with the ranks' disk tier,
-   then (after an RL-style pause / clear / resume cycle, ``zkv.prefix.cycle``,
+   then (after an RL-style pause / clear / resume cycle, ``zkv.cycle.prefix``,
    which empties every tier) with ``num_disk_blocks=0``, so the two
    requests/s figures and hit rates are measured side by side.  Without a
    disk tier both runs go without one.
@@ -22,8 +22,8 @@ import time
 from typing import Any, Callable
 
 from ...client.client import Client
+from ...cycle.prefix import pause_clear_resume
 from ...prefix import PrefixCacheManager
-from ...prefix.cycle import pause_clear_resume
 from ...wire.layout import CacheLayout
 from ...wire.moves import MOVES, TIER_ORDER
 from ...wire.vocab import Op, Outcome, Tier

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...prefix.cycle import pause_clear_resume
+from ...cycle.prefix import pause_clear_resume
 from ...prefix.manager import OutOfGpuBlocksError, PrefixCacheManager
 from ...prefix.radix import block_keys
 from ...wire.moves import TIER_ORDER

@@ -1,4 +1,4 @@
-"""What measuring an engine's weights costs (``rl.weights_digest``: vLLM's own
+"""What measuring an engine's weights costs (``zkv.cycle.weights_digest``: vLLM's own
 ``compute_tensor_digests``, SHA-256 of every weight's bytes), per GiB of weights,
 beside a plain copy of the same bytes in the same run.
 

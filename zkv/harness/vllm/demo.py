@@ -69,8 +69,7 @@ def why_not_faster(zkv_ms: float, recompute_ms: float, context: int, blocks: int
 def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
     """The demo; True when every check held.  Progress first, the results table last
     (after the engine stopped, so that nothing it logs on its way out comes after)."""
-    from ...engines.vllm.rl import update_weights
-    from ...fleet.fleet import Fleet
+    from ...cycle.vllm_inproc import update_weights
 
     block = SHAPE.block_bytes(DTYPE_BYTES)
     with tempfile.TemporaryDirectory(prefix="zkv-vllm-demo-") as tmp:
@@ -104,10 +103,11 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
             got = served.run(llm)
             moved = {op: n - before.get(op, 0) for op, n in probe.blocks_by_op(block).items()}
             echo("RL weight update (pause, clear, new weights, resume), then the chat again ...")
-            with Fleet([probe.frontend], timeout=30) as fleet:
-                update_weights(
-                    [llm], fleet, lambda e: e.collective_rpc("reload_weights", kwargs={"weights_path": weights[1]})
-                )
+            update_weights(
+                [llm],
+                [probe.frontend],
+                lambda e: e.collective_rpc("reload_weights", kwargs={"weights_path": weights[1]}),
+            )
             after = _chat(probe_ttft=False, turns=2).run(llm)  # every conversation returns once: enough to see
             with probe.client() as c:
                 c.pause(timeout=30)

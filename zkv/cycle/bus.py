@@ -1,0 +1,57 @@
+"""An engine's zkv bus as a cycle drives it: pause (acked once no copy is in
+flight), clear (keeping the CPU tier or not), resume, each one bounded
+request through the fleet's ``BusLink`` (``fleet/driver.py``: a broker that
+is not there is known at once, a client that got no answer is dropped with
+whatever it still had queued).  A failure raises ``StepFailed``: the bus
+refused (its error), did not answer, or was never reached (nothing sent)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..fleet.decision import Answer, BusAnswer
+from ..fleet.driver import BusLink
+from ..fleet.spec import BusSpec, fleet_of
+from ..wire.replies import StatusReply
+from ..wire.vocab import ControlOp
+from .engine import StepFailed
+from .terms import Reach, Tiers
+
+
+class LinkedBus:
+    """The bus at ``spec`` (an address, a ``BusSpec`` or its map), used from one thread at a time."""
+
+    def __init__(self, name: str, spec: BusSpec | str | dict[str, Any]):
+        if isinstance(spec, BusSpec):
+            self.spec = spec
+        else:
+            self.spec = fleet_of([spec if not isinstance(spec, str) else {"name": name, "broker": spec}])[0]
+        self._link = BusLink(self.spec)
+
+    def _ask(self, op: str, fields: dict[str, Any], timeout: float) -> BusAnswer:
+        t0 = time.monotonic()
+        answer = self._link.ask(op, fields, t0 + max(0.0, timeout), t0)
+        if answer.ok:
+            return answer
+        sent = answer.answer is not Answer.UNREACHABLE
+        why = f"bus {self.spec.broker}: {answer.label}: {answer.reason}"
+        raise StepFailed(why, Reach.BUS, sent=sent)
+
+    def pause(self, timeout: float) -> None:
+        self._ask(ControlOp.PAUSE, {}, timeout)
+
+    def clear(self, keep_cpu: bool, timeout: float) -> Tiers:
+        self._ask(ControlOp.CLEAR, {"keep_cpu": bool(keep_cpu)}, timeout)
+        return Tiers.KEPT if keep_cpu else Tiers.DROPPED
+
+    def resume(self, timeout: float) -> None:
+        self._ask(ControlOp.RESUME, {}, timeout)
+
+    def status(self, timeout: float) -> StatusReply:
+        reply = self._ask("status", {}, timeout).reply
+        assert isinstance(reply, StatusReply), reply
+        return reply
+
+    def close(self) -> None:
+        self._link.close()
