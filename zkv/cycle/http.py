@@ -3,7 +3,8 @@
 ``/is_paused``, ``/sleep``, ``/wake_up``, ``/is_sleeping``,
 ``/reset_prefix_cache``, ``/collective_rpc``, ``/update_weight_version``,
 ``/weight_info``, ``/weight_checker`` and ``/v1/models``.  Every call ends within its
-``timeout`` (connect and read), and answers or raises ``ServerError``
+``timeout`` (connect and read) on a connection kept between calls, and
+answers or raises ``ServerError``
 saying which route failed and why: a refused connection (the server is
 down), a timeout (it hangs), an HTTP error with the server's own words, or
 an answer that is not the JSON the route promises.  No vLLM import: the
@@ -11,11 +12,11 @@ trainer's process need not have vLLM."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
-import urllib.error
+import threading
 import urllib.parse
-import urllib.request
 from typing import Any
 
 
@@ -40,6 +41,24 @@ class VllmServer:
             raise ValueError(f"a vLLM server is an http(s)://host:port URL, got {url!r}")
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._parsed = parsed
+        self._local = threading.local()  # one kept-alive connection per thread that calls
+
+    def _connection(self, bound: float) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the server (made anew: ``True``)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn, False
+        make = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
+        conn = make(self._parsed.netloc, timeout=bound)
+        self._local.conn = conn
+        return conn, True
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
 
     def call(
         self,
@@ -49,31 +68,43 @@ class VllmServer:
         body: Any = None,
         timeout: float | None = None,
     ) -> Any:
-        """The route's JSON answer (None for an empty body)."""
+        """The route's JSON answer (None for an empty body).  The connection is kept between calls
+        (a server that closed an idle one is asked again on a new one, once); a call that fails drops it."""
         bound = self.timeout if timeout is None else timeout
         if bound <= 0:
             raise ServerError(self.url, route, "no time left before the deadline", hung=True)
         q = "?" + urllib.parse.urlencode({k: _q(v) for k, v in query.items()}, doseq=True) if query else ""
         data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        req = urllib.request.Request(self.url + route + q, data=data, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(req, timeout=bound) as resp:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        while True:
+            conn, fresh = self._connection(bound)
+            try:
+                if conn.sock is not None:
+                    conn.sock.settimeout(bound)
+                else:
+                    conn.timeout = bound
+                conn.request(method, self._parsed.path.rstrip("/") + route + q, body=data, headers=headers)
+                resp = conn.getresponse()
                 raw = resp.read()
-        except urllib.error.HTTPError as err:
-            said = err.read()[:500].decode(errors="replace")
-            raise ServerError(self.url, route, f"HTTP {err.code}: {said}") from None
-        except urllib.error.URLError as err:
-            reason = err.reason
-            if isinstance(reason, (TimeoutError, socket.timeout)):
+                status = resp.status
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as err:
+                self._drop()
+                if fresh:  # a new connection the server dropped: it went away
+                    raise ServerError(self.url, route, f"connection lost: {err}", down=True) from None
+                # an idle connection the server had closed: once more on a new one
+            except (TimeoutError, socket.timeout):
+                self._drop()
                 raise ServerError(self.url, route, f"no answer within {bound:.1f} s", hung=True) from None
-            refused = isinstance(reason, ConnectionRefusedError)
-            raise ServerError(self.url, route, f"unreachable: {reason}", down=refused) from None
-        except (TimeoutError, socket.timeout):
-            raise ServerError(self.url, route, f"no answer within {bound:.1f} s", hung=True) from None
-        except (ConnectionError, OSError) as err:
-            raise ServerError(self.url, route, f"connection lost: {err}", down=True) from None
+            except ConnectionRefusedError as err:
+                self._drop()
+                raise ServerError(self.url, route, f"unreachable: {err}", down=True) from None
+            except (OSError, http.client.HTTPException) as err:
+                self._drop()
+                raise ServerError(self.url, route, f"connection lost: {err}", down=True) from None
+        if status >= 400:
+            said = raw[:500].decode(errors="replace")
+            raise ServerError(self.url, route, f"HTTP {status}: {said}")
         if not raw:
             return None
         try:

@@ -182,16 +182,24 @@ def _run(
         engine = engines[name]
         while True:
             with cond:
-                while (call := core.next(name, clock())) == WAIT:
-                    cond.wait()
-                cond.notify_all()  # this lane may have moved the others past a barrier
+                while True:
+                    seen = core.epoch
+                    call = core.next(name, clock())
+                    if core.epoch != seen:
+                        cond.notify_all()  # this lane moved the others past a barrier, or decided
+                    if call != WAIT:
+                        break
+                    cond.wait_for(lambda seen=seen: core.epoch != seen)  # type: ignore[misc]
                 if call == DONE:
+                    cond.notify_all()  # the runner waits for the last lane
                     return
             assert isinstance(call, Call)
             value, failure, sent = invoke(engine, call, plan)
             with cond:
+                seen = core.epoch
                 core.done(name, clock(), value, failure, sent)
-                cond.notify_all()
+                if core.epoch != seen:
+                    cond.notify_all()
 
     for name in engines:
         workers.submit(name, lambda name=name: lane(name))  # type: ignore[misc]
