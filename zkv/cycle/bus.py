@@ -55,3 +55,27 @@ class LinkedBus:
 
     def close(self) -> None:
         self._link.close()
+
+
+class WithBus:
+    """The bus steps of an engine driver whose bus is a ``LinkedBus`` (None: an engine without
+    zkv, its bus steps nothing): what the vLLM drivers share."""
+
+    bus: LinkedBus | None
+
+    def pause_bus(self, timeout: float) -> None:
+        if self.bus is not None:
+            self.bus.pause(timeout)
+
+    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
+        if self.bus is None:
+            return Tiers.UNTOUCHED
+        return self.bus.clear(keep_cpu, timeout)
+
+    def resume_bus(self, timeout: float) -> None:
+        if self.bus is not None:
+            self.bus.resume(timeout)
+
+    def close(self) -> None:
+        if self.bus is not None:
+            self.bus.close()

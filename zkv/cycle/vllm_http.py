@@ -10,10 +10,10 @@ import time
 from typing import Any
 
 from ..fleet.spec import BusSpec
-from .bus import LinkedBus
+from .bus import LinkedBus, WithBus
 from .engine import Look, StepFailed
 from .http import ServerError, VllmServer
-from .terms import PauseMode, Reach, Tiers
+from .terms import PauseMode, Reach
 
 
 def checksum_digest(checksums: dict[str, str]) -> str:
@@ -29,7 +29,7 @@ def _failed(err: ServerError) -> StepFailed:
     return StepFailed(err.why, reach, sent=not err.down)
 
 
-class ServerEngine:
+class ServerEngine(WithBus):
     """A vLLM server at ``url`` (``http://host:port``) with its bus at ``bus``
     (None: a server without zkv, its bus steps skipped)."""
 
@@ -84,20 +84,3 @@ class ServerEngine:
 
     def reset(self, running: bool, external: bool, timeout: float) -> bool:
         return bool(self._do(self.server.reset_prefix_cache, running, timeout, external))
-
-    def pause_bus(self, timeout: float) -> None:
-        if self.bus is not None:
-            self.bus.pause(timeout)
-
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
-        if self.bus is None:
-            return Tiers.UNTOUCHED
-        return self.bus.clear(keep_cpu, timeout)
-
-    def resume_bus(self, timeout: float) -> None:
-        if self.bus is not None:
-            self.bus.resume(timeout)
-
-    def close(self) -> None:
-        if self.bus is not None:
-            self.bus.close()

@@ -16,11 +16,11 @@ from typing import Any, Callable, Sequence
 
 from ..fleet.spec import BusSpec
 from ..wire.errors import ZkvError
-from .bus import LinkedBus
+from .bus import LinkedBus, WithBus
 from .engine import Look
 from .engines import EngineFleet
 from .report import CycleReport
-from .terms import Outcome, PauseMode, Tiers
+from .terms import Outcome, PauseMode
 
 
 def weights_digest(llm: Any) -> str:
@@ -33,7 +33,7 @@ def weights_digest(llm: Any) -> str:
     return digest.hexdigest()
 
 
-class LlmEngine:
+class LlmEngine(WithBus):
     """A vLLM ``LLM`` of this process (``llm``) with its bus at ``bus``.  Its calls cannot
     be interrupted: the cycle's runner gives up one past its bound, and the report calls
     the engine hung."""
@@ -84,23 +84,6 @@ class LlmEngine:
 
     def reset(self, running: bool, external: bool, timeout: float) -> bool:
         return bool(self.llm.reset_prefix_cache(reset_running_requests=running, reset_connector=external))
-
-    def pause_bus(self, timeout: float) -> None:
-        if self.bus is not None:
-            self.bus.pause(timeout)
-
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
-        if self.bus is None:
-            return Tiers.UNTOUCHED
-        return self.bus.clear(keep_cpu, timeout)
-
-    def resume_bus(self, timeout: float) -> None:
-        if self.bus is not None:
-            self.bus.resume(timeout)
-
-    def close(self) -> None:
-        if self.bus is not None:
-            self.bus.close()
 
 
 def update_weights(

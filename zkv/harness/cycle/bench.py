@@ -139,6 +139,23 @@ def _rounds(specs: list[ServerSpec], paths: list[str], rounds: int, tag: str) ->
     }
 
 
+def sizes(
+    specs: list[ServerSpec], paths: list[str], counts: tuple[int, ...], rounds: int, loaded: int, say: Callable
+) -> dict[int, Any]:
+    """Per fleet size (the first ``n`` of ``specs``): the rounds quiet, then with ``loaded`` burners."""
+    fleets: dict[int, Any] = {}
+    for n in counts:
+        quiet = _rounds(specs[:n], paths, rounds, f"quiet-{n}")
+        with load(loaded):
+            busy = _rounds(specs[:n], paths, rounds, f"loaded-{n}")
+        fleets[n] = {"quiet": quiet, "loaded": busy}
+        say(
+            f"  {n} servers: cycle {quiet['cycle_ms']:.0f} ms, loop {quiet['loop_ms']:.0f} ms quiet;"
+            f" {busy['cycle_ms']:.0f} / {busy['loop_ms']:.0f} ms loaded"
+        )
+    return fleets
+
+
 def _hung(specs: list[ServerSpec], control: Callable[..., None], paths: list[str], budget: float) -> dict[str, Any]:
     """One of the servers hangs in its update (SIGSTOP-like): the others, each on its own, roll back and
     serve again; how long until the last of them serves, beside its budget."""
@@ -213,15 +230,7 @@ def bench_standins(
         root = Path(tmp)
         paths = [write_weights(root / f"w{i}", seed=i) for i in range(2)]
         with standins(max(counts), root / "servers", apply_ms=300, jitter=50) as (specs, control):
-            for n in counts:
-                quiet = _rounds(specs[:n], paths, rounds, f"quiet-{n}")
-                with load(loaded):
-                    busy = _rounds(specs[:n], paths, rounds, f"loaded-{n}")
-                result["fleets"][n] = {"quiet": quiet, "loaded": busy}
-                say(
-                    f"  {n} stand-ins: cycle {quiet['cycle_ms']:.0f} ms, loop {quiet['loop_ms']:.0f} ms quiet;"
-                    f" {busy['cycle_ms']:.0f} / {busy['loop_ms']:.0f} ms loaded"
-                )
+            result["fleets"] = sizes(specs, paths, counts, rounds, loaded, say)
             result["hung"] = _hung(specs, control, paths, budget=2.0)
             say(f"  one of {len(specs)} hung: the others back within {result['hung']['others_back_within_ms']:.0f} ms")
             result["killed"] = _killed(specs, control, paths, root)

@@ -110,7 +110,7 @@ def bench_cycle(
 ) -> dict[str, Any]:
     """Per fleet size, quiet and with ``loaded`` CPU burners: the cycle beside the hand loop
     (``harness/cycle/bench.py``), median of ``rounds`` alternated rounds, on the same servers."""
-    from ..cycle.bench import _rounds, load
+    from ..cycle.bench import sizes
 
     shape = ModelShape()
     result: dict[str, Any] = {"rounds": rounds, "fleets": {}, "loaded_by": loaded}
@@ -120,15 +120,7 @@ def bench_cycle(
         servers = _start(root, paths[0], max(counts), say)
         try:
             specs = [ServerSpec(s.name, s.url, s.bus) for s in servers]
-            for n in counts:
-                quiet = _rounds(specs[:n], paths, rounds, f"quiet-{n}")
-                with load(loaded):
-                    busy = _rounds(specs[:n], paths, rounds, f"loaded-{n}")
-                result["fleets"][n] = {"quiet": quiet, "loaded": busy}
-                say(
-                    f"  {n} servers: cycle {quiet['cycle_ms']:.0f} ms, loop {quiet['loop_ms']:.0f} ms quiet;"
-                    f" {busy['cycle_ms']:.0f} / {busy['loop_ms']:.0f} ms loaded"
-                )
+            result["fleets"] = sizes(specs, paths, counts, rounds, loaded, say)
         finally:
             for s in servers:
                 s.stop()
