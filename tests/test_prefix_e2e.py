@@ -11,10 +11,10 @@ import pytest
 from profiles import long_e2e
 from waits import wait_for
 
+from zkv.cycle.prefix import drain_and_clear, pause_clear_resume, resume
 from zkv.harness.bus.cluster import LocalCluster
 from zkv.harness.prefix.workload import ChatSpec, ChatWorkload, serve_workload
 from zkv.prefix import OutOfGpuBlocksError, PrefixCacheManager
-from zkv.prefix.cycle import drain_and_clear, pause_clear_resume, resume
 from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=2, gpu_blocks=32, cpu_blocks=64, block_size=16, kv_heads=2, head_dim=32)

@@ -262,7 +262,7 @@ def test_a_sleep_that_keeps_the_connector_serves_no_row_of_weights_nobody_measur
 
 
 def test_a_sleep_inside_a_cycle_that_measured_the_weights_keeps_the_rows(rig):
-    # A cycle (zkv.engines.vllm.rl / zkv cycle) pauses the bus first, measures the weights
+    # A cycle (zkv.cycle / zkv cycle) pauses the bus first, measures the weights
     # before and after, and clears keeping the CPU tier only when they did not move.
     scheduler, worker, _, frontend = rig
     manager = scheduler.manager

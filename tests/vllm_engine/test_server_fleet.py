@@ -13,12 +13,13 @@ import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from zkv.client.client import Client
-from zkv.cycle import CycleBusy, Phase, ReloadWeights, ServerFleet, ServerSpec
+from zkv.cycle import CycleBusy, InFlight, PauseMode, Phase, ReloadWeights, ServerFleet, ServerSpec
 from zkv.cycle.http import ServerError, VllmServer
 from zkv.cycle.label import decode
 from zkv.harness.vllm.rig import ModelShape, write_llama
@@ -144,13 +145,26 @@ def test_a_bus_whose_broker_is_down_fails_the_cycle_and_every_server_serves_the_
     assert tokens(servers) == old
 
 
-def test_requests_in_flight_get_an_answer_or_a_clean_error_in_every_pause_mode(servers, weights):
+def _choice(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """The first choice of a completion (its ``token_ids`` and ``finish_reason``)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    body["return_token_ids"] = True
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=150) as resp:
+        return json.loads(resp.read())["choices"][0]
+
+
+def test_requests_in_flight_end_as_each_pause_mode_declares(servers, weights):
+    """The report declares what each pause mode does to the requests in flight, and they got it:
+    abort ends them, wait answers them whole (before the update), keep continues them whole."""
     w0, w1 = weights
     results: list[object] = []
 
     def ask() -> None:
         try:
-            results.append(complete(servers[0].url, servers[0].model, PROMPTS[0], max_tokens=200, timeout=120))
+            results.append(_choice(servers[0].url, servers[0].model, PROMPTS[0], max_tokens=200))
         except (urllib.error.HTTPError, OSError) as err:
             results.append(err)
 
@@ -166,7 +180,12 @@ def test_requests_in_flight_get_an_answer_or_a_clean_error_in_every_pause_mode(s
             asker.join(timeout=150)
             assert not asker.is_alive(), f"a request in flight hangs across a {mode} cycle"
             assert report.outcome == "committed", report.describe()
-        assert len(results) == 3
+            assert report.engines["a"].in_flight is InFlight.of(PauseMode(mode)), report.describe()
+            got = results[-1]
+            if mode == "abort":  # ended at the pause (or refused, if it came after it)
+                assert isinstance(got, Exception) or got["finish_reason"] == "abort" or len(got["token_ids"]) < 200
+            else:  # answered whole: wait before the update, keep after its recompute
+                assert isinstance(got, dict) and len(got["token_ids"]) == 200, got
     back_to(servers, w0, "after-in-flight")
 
 

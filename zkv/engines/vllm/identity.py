@@ -7,7 +7,7 @@ The weights are named by what the engine loaded them from: a local
 checkpoint's files (name, size, modification time of each: a rewrite in
 place changes it without reading gigabytes), or a hub model's revision.
 Once zkv learns the weights may have changed in place (a clear that did not
-keep the CPU tier: ``rl.update_weights`` measures vLLM's own checksums and
+keep the CPU tier: ``zkv.cycle`` measures vLLM's own checksums and
 keeps the tiers only when they did not move), ``moved`` names weights that
 no checkpoint holds, so that what is written after never outlives the
 engine that computed it.  No vLLM import: ``identity_of`` reads its config
