@@ -35,7 +35,7 @@ from zkv.cycle.sources import Update
 from zkv.cycle.terms import Outcome, Reach, Serves, State, Tiers
 
 LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
-pytestmark = pytest.mark.timeout(3600 if LONG else 120)
+pytestmark = pytest.mark.timeout(3600 if LONG else 900)
 OLD, NEW = "w0", "w1"
 FAULTS = ["ok", "error", "down_before", "down_after", "hung_before", "hung_after", "bus_error", "bus_gone"]
 

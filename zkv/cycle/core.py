@@ -140,6 +140,8 @@ class Lane:
     fate: Tiers | None = None  # what a clear did to the tiers
     looked: Look | None = None
     look_reach: Reach | None = None
+    wrote: str | None = None  # the label this driver last wrote (a look that says otherwise: it restarted)
+    skipped: set[Step] = field(default_factory=set)  # steps left undone because the engine was gone
 
 
 def alive_here(record: L.CycleRecord) -> bool:
@@ -216,6 +218,9 @@ class CycleCore:
         lane = self.lanes[name]
         if lane.call is not None:
             return WAIT
+        if now >= self.end and lane.pos is not Pos.DONE:
+            self._to(lane, Pos.DONE, [])  # the deadline bounds everything: what is left stays in the report
+            self.epoch += 1
         while True:
             if lane.pos is Pos.DONE:
                 return DONE
@@ -420,7 +425,7 @@ class CycleCore:
         elif step is Step.COMMIT:
             kw["label"] = self._record(lane, Phase.COMMITTED)
         elif step is Step.LABEL:
-            kw["label"] = lane.old_label if back else p.target_label
+            kw["label"] = (lane.old_label or "") if back else p.target_label
         elif step is Step.CLEAR_BUS:
             kw["keep_cpu"] = p.keep_cpu_first
         elif step is Step.KEEP_TIERS:
@@ -439,15 +444,16 @@ class CycleCore:
         if step in (Step.LOOK, Step.SURVEY, Step.STAGE):
             return False
         if lane.gone is not None and step in T.ENGINE_STEPS:
+            lane.skipped.add(step)
             return True  # nothing listens, or it stopped answering: its look at the end says which
         if lane.reset_failed and step in T.AFTER_RESET:
             return True  # it would serve KV of other weights: it stays paused
+        if step is Step.LABEL and lane.started & T.SERVE_AGAIN and not lane.ok & T.SERVE_AGAIN:
+            return True  # not serving again: the cycle's record stays, so that running it again resumes it
         if step is Step.ROLLBACK_WEIGHTS and self.plan.rollbacks.get(lane.name) is None:
             return True  # nothing loads the old weights back: its weights stay unknown
         if back and step in T.AFTER_RESET and self._serves(lane) is not Serves.OLD:
             return True  # weights nobody knows are not served
-        if back and step is Step.LABEL and lane.old_label is None:
-            return True
         return False
 
     def _timeout(self, lane: Lane, step: Step, now: float) -> float:
@@ -501,6 +507,8 @@ class CycleCore:
             lane.ok.add(call.step)
             self._took(lane, call, now, value)
             return
+        if call.label is not None:
+            lane.wrote = None  # the label may or may not have been written: no check against it
         if call.step is Step.LOOK:
             lane.look_reach = failure[1]
         else:
@@ -508,6 +516,8 @@ class CycleCore:
 
     def _took(self, lane: Lane, call: Call, now: float, value: Any) -> None:
         step = call.step
+        if call.label is not None:
+            lane.wrote = call.label
         if step is Step.SURVEY:
             self._surveyed(lane, value)
         elif step is Step.STAGE:
@@ -565,6 +575,8 @@ class CycleCore:
             call = lane.call
             if call is not None and not lane.overdue and now >= lane.bound:
                 lane.overdue = True
+                if call.label is not None:
+                    lane.wrote = None  # it may yet write the label
                 why = f"no answer within {call.timeout + GRACE_S:.1f} s"
                 self.records.append(StepRecord(call.step, lane.name, False, now - lane.since, why, call.back))
                 if call.step is Step.LOOK:
@@ -593,6 +605,14 @@ class CycleCore:
     def _serves(self, lane: Lane) -> Serves:
         if lane.surveyed is None:
             return Serves.UNKNOWN  # it never told this driver anything
+        if lane.wrote is not None and lane.looked is not None and lane.looked.label != lane.wrote:
+            return Serves.UNKNOWN  # it lost what this driver wrote: started again, on weights it chose
+        serves = self._serves_by_steps(lane)
+        if serves is Serves.NEW and Reach.DOWN in (lane.gone, lane.look_reach):
+            return Serves.UNKNOWN  # its process went away: started again, it loads its own checkpoint
+        return serves
+
+    def _serves_by_steps(self, lane: Lane) -> Serves:
         r = lane.record
         if r is not None and r.cycle == self.plan.cycle_id and r.phase is Phase.COMMITTED and not lane.started:
             return Serves.NEW  # an earlier driver's commit, and nothing since
@@ -674,10 +694,11 @@ class CycleCore:
             return Outcome.REFUSED
         engines = report.engines.values()
         serving = all(e.state is State.SERVING for e in engines)
-        clean = all(lane.failure is None for lane in self.lanes.values())
+        clean = all(lane.failure is None and not lane.skipped for lane in self.lanes.values())
         if self.decision is Decision.COMMIT:
             done = serving and clean and all(e.serves is Serves.NEW for e in engines)
             return Outcome.COMMITTED if done else Outcome.INCOMPLETE
         back = [s for s in self.records if s.back and not s.ok]
-        done = serving and not back and all(e.serves is Serves.OLD for e in engines)
+        skipped = any(lane.skipped for lane in self.lanes.values())
+        done = serving and not back and not skipped and all(e.serves is Serves.OLD for e in engines)
         return Outcome.ROLLED_BACK if done else Outcome.INCOMPLETE
