@@ -39,13 +39,13 @@ ALLOWED: dict[str, set[str]] = {
         "rank",
         "client",
         "fleet",
-        "prefix",
         "rows",
         "trace",
         "engines",
-    },  # adapters for real engines' KV caches; prefix: its Bus and Quarantine; broker and trace: the
-    # bus a vLLM scheduler process hosts, and its records; fleet: the RL cycle over many vLLM engines
-    "prefix": {"wire", "rows", "prefix"},  # it reaches the bus only through prefix.bus.Bus
+    },  # adapters for real engines' KV caches; rows: the book of their rows and the Bus it drives tasks
+    # through; broker and trace: the bus a vLLM scheduler process hosts, and its records; fleet: the RL
+    # cycle over many vLLM engines
+    "prefix": {"wire", "rows", "prefix"},  # it reaches the bus only through rows.bus.Bus
     "trace": {"wire", "trace"},
     "replay": {"wire", "net", "obs", "client", "trace", "replay"},
     # the product's tools: benchmarks, demos, checks, and what zkv up and zkv replay start

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 
 from zkv.engines.vllm.identity import EngineIdentity, checkpoint_version, identity_of
-from zkv.engines.vllm.index import RowChange
-from zkv.engines.vllm.journal import Header, Journal, JournalError, encode, encode_header, replay
+from zkv.rows import RowChange
+from zkv.rows.journal import Header, Journal, JournalError, encode, encode_header, replay
 from zkv.wire.vocab import Tier
 
 IDENTITY = EngineIdentity("llama", "", "cfg", {"block_size": 32, "layers": 2}, "files:w0")

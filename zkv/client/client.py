@@ -201,9 +201,10 @@ class Client:
         return self._ask(CancelReply, timeout, task=task)
 
     def settled(self, timeout: float = 0.0) -> list[int]:
-        """Tasks that ended ``timeout`` and have since settled (every rank
-        reported late, or the broker cancelled / rejected them), so nothing
-        will write their destination blocks any more.  Waits up to ``timeout``
+        """Tasks that ended before every rank reported (a timeout, a rank that
+        died, a generation move) and have since settled (every missing rank
+        reported late, or the broker said they never ran), so nothing will
+        write their destination blocks any more.  Waits up to ``timeout``
         for the first one; outcomes that arrive meanwhile are kept for wait/poll."""
         deadline = time.monotonic() + timeout
         self._pump(0.0)

@@ -17,7 +17,7 @@ the scheduler never waits on the bus), and so:
 - a store or load that failed (``ZkvConnector`` hands the job's outcome over
   before vLLM completes it) is not indexed, or forgotten;
 - every row that starts or stops serving a key is written to its tier's
-  journal (``journal.py``) before the manager answers vLLM or submits a
+  journal (``zkv.rows.records``) before the manager answers vLLM or submits a
   task that could rewrite it, under the engine's identity (``identity.py``):
   a restarted engine of the same identity on the same tiers serves them again.
 """
@@ -44,13 +44,15 @@ from vllm.v1.kv_offload.base import (
 
 from ...client.client import Client
 from ...rank.tiers.tier_file import bus_name, journal_path
+from ...rows.identity import EngineIdentity
+from ...rows.journal import DISK_JOURNAL, Journal
+from ...rows.loss import UNKNOWN, Gens, Loss, lost_between
+from ...rows.records import TierRecords
 from ...wire.errors import ZkvError
 from ...wire.vocab import Op, Tier
 from . import api
 from .bus_view import BusView
-from .identity import EngineIdentity
 from .index import Found, OffloadIndex
-from .journal import DISK_JOURNAL, Journal, JournalError
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
@@ -77,7 +79,6 @@ _COUNTS = (
     "resets_kept",
     "adopted",
 )
-_COMPACT_AT = 4096  # a journal is rewritten once it holds this many records more than twice its keys
 
 
 def journals(settings: ZkvSettings) -> dict[Tier, Journal]:
@@ -99,90 +100,56 @@ class ZkvOffloadManager(OffloadingManager):
         self, settings: ZkvSettings, world: int, identity: EngineIdentity | None = None, emit_events: bool = True
     ):
         self.settings = settings
-        self.identity = identity
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
-        self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below)
+        records = TierRecords(identity, journals(settings)) if identity is not None else None
+        self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below, records)
         self.client = Client(settings.endpoints.frontend, request_timeout=0.25)  # a send to no broker: 0.25 s
         control = settings.endpoints.control if settings.hear_broadcasts else None
         self.bus = BusView(self.client, world, settings.status_interval_s, control=control)
         self.emit_events = emit_events
         self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
-        self._stored_at: tuple[int | None, int | None] = (None, None)  # (gen, cpu_gen) the keys were stored at
-        self._tasks: dict[
-            int, tuple[Op, list[tuple[bytes, int]]]
-        ] = {}  # our spills / loads: task -> (op, [(key, row)])
+        self._stored_at: Gens = UNKNOWN  # the bus's generations when the keys were stored
         self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
         self.counts = dict.fromkeys(_COUNTS, 0)  # vLLM calls us from its scheduler thread only
-        self.journals = journals(settings) if identity is not None else {}
         self._unconfirmed = False  # adopted rows not yet seen at the bus's CPU generation
-        if self.journals:
-            self._adopt()
+        if records is not None and records.journals:
+            self._adopt(records)
+
+    @property
+    def identity(self) -> EngineIdentity | None:
+        """Whose KV the tiers hold (it moves when the weights may have changed in place)."""
+        records = self.index.records
+        return records.identity if records is not None else None
 
     # --- the journals ------------------------------------------------------------
 
-    def _adopt(self) -> None:
+    def _adopt(self, records: TierRecords) -> None:
         """Serve again what the journals of an earlier engine on these tiers name, if it
         had this identity and both journals agree on the CPU generation; whatever
         else they hold is thrown away (its rows are free, so the space is reclaimed)."""
-        replays, why = {}, ""
-        for tier, journal in self.journals.items():
-            try:
-                found = journal.read()
-            except JournalError as err:
-                found, why = None, f"the {tier} journal does not check ({err})"
-            if found is not None:
-                replays[tier] = found
-        assert self.identity is not None
-        for tier, found in replays.items():
-            h = found.header
-            if h.identity != self.identity:
-                why = f"another identity (its {', '.join(h.identity.differs(self.identity))} differ)"
-            elif h.rows != self.journals[tier].rows:
-                why = f"the {tier} tier had {h.rows} rows, it has {self.journals[tier].rows} now"
-        if len({f.header.cpu_gen for f in replays.values()}) > 1:
-            why = "the journals name different CPU generations"
-        if why or not replays:
-            if why:
-                log.warning("zkv: none of the blocks the tiers hold is served: %s", why)
-            for journal in self.journals.values():
-                journal.remove()
+        found = records.adoption()
+        if found.cpu_gen is None:
+            if found.why:
+                log.warning("zkv: none of the blocks the tiers hold is served: %s", found.why)
             return
-        cpu_gen = next(iter(replays.values())).header.cpu_gen
-        cpu, disk = replays.get(Tier.CPU), replays.get(Tier.DISK)
-        n = self.index.adopt(list(cpu.rows.items()) if cpu else [], list(disk.rows.items()) if disk else [])
+        n = self.index.adopt(found.rows.get(Tier.CPU, []), found.rows.get(Tier.DISK, []))
         self.index.take_changes()
-        self._stored_at = (None, cpu_gen)
+        self._stored_at = (None, found.cpu_gen)
         self._unconfirmed = True
         self.counts["adopted"] = n
-        self._compact(force=True)
-        log.warning("zkv: %d blocks of an earlier engine of this identity are in the tiers (CPU gen %d)", n, cpu_gen)
-
-    def _record(self) -> None:
-        """Write the index's row changes to the journals (before anything can reuse a row)."""
-        changes = self.index.take_changes()
-        if not changes or self._stored_at[1] is None:
-            return
-        for tier, journal in self.journals.items():
-            journal.append([c for c in changes if c.tier is tier])
-        self._compact()
-
-    def _compact(self, force: bool = False) -> None:
-        cpu_gen = self._stored_at[1]
-        if cpu_gen is None or self.identity is None:
-            return
-        keys = len(self.index.entries)  # at least the rows of either tier: no scan unless one is due
-        for tier, journal in self.journals.items():
-            if force or journal.records > 2 * keys + _COMPACT_AT:
-                journal.start(self.identity, cpu_gen, self.index.rows_of(tier))
+        records.start(found.cpu_gen, self.index.rows_of)
+        log.warning(
+            "zkv: %d blocks of an earlier engine of this identity are in the tiers (CPU gen %d)", n, found.cpu_gen
+        )
 
     # --- the bus ---------------------------------------------------------------
 
     def _serving(self) -> bool:
         self.bus.refresh(time.monotonic())
-        if self.bus.serving and self._stored_at[1] is not None and self.bus.cpu_gen != self._stored_at[1]:
+        if self.bus.serving and lost_between(self._stored_at, self._bus_gens()) is Loss.ALL:
             if self._unconfirmed:  # the ranks did not find the tiers the journals name: nothing changed the weights
                 self._forget("the tiers came back at another CPU generation than their journals", moved=False)
             else:
@@ -191,48 +158,57 @@ class ZkvOffloadManager(OffloadingManager):
             self._unconfirmed = False
         return self.bus.serving
 
+    def _bus_gens(self) -> Gens:
+        return (self.bus.gen, self.bus.cpu_gen)
+
     def _pump(self) -> None:
-        """Take the outcomes of our spills and loads; send this step's loads and the spills due."""
+        """Take the outcomes of our spills and loads (the index's book settles their rows);
+        send this step's loads and the spills due."""
+        index = self.index
         for out in self.client.poll(0.0):
-            op, done = self._tasks.pop(out.task, (None, []))
+            ended = index.task_ended(out.task, out)
+            if ended is None:
+                continue
+            op, n = ended
             if op is Op.SPILL:
-                self.counts["spills" if out.ok else "spill_failed"] += len(done)
-                for key, row in done:
-                    self.index.spill_done(key, row, out.ok)
-            elif op is Op.LOAD:
-                self.counts["disk_loads" if out.ok else "disk_load_failed"] += len(done)
+                self.counts["spills" if out.ok else "spill_failed"] += n
+            else:
+                self.counts["disk_loads" if out.ok else "disk_load_failed"] += n
                 if not out.ok:
-                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", len(done), out.reason)
-                for key, row in done:
-                    self.index.load_done(key, row, out.ok)
+                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", n, out.reason)
+        if index.book.num_held_tasks:
+            index.settle(self.client.settled())
         if self._loads and not self.bus.serving:
             for key, _, cpu_row in self._loads:
-                self.index.cancel_load(key, cpu_row)
+                index.cancel_load(key, cpu_row)
             self._loads = []
-        self._record()  # the CPU rows this step's loads take were given up in lookups
+        index.record()  # the CPU rows this step's loads take were given up in lookups
         if self._loads:
             loads, self._loads = self._loads, []
-            self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads], [(k, c) for k, _, c in loads])
+            task = self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads])
+            if task is None:
+                for key, _, cpu_row in loads:
+                    index.cancel_load(key, cpu_row)
+            else:
+                index.loads_sent(task, loads)
         if self.bus.serving:
-            spills = self.index.plan_spills(_SPILLS_PER_STEP)
-            self._record()
+            spills = index.plan_spills(_SPILLS_PER_STEP)
+            index.record()
             if spills:
-                disk = self.journals.get(Tier.DISK)
-                if disk is not None:
-                    disk.flush_drops()  # a reused disk row's old key is gone for good before it is rewritten
-                self._submit(
-                    Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills], [(k, d) for k, _, d in spills]
-                )
+                if index.records is not None:
+                    index.records.flush_drops(Tier.DISK)  # a reused disk row's old key is gone for good first
+                task = self._submit(Op.SPILL, [c for _, c, _ in spills], [d for _, _, d in spills])
+                if task is None:
+                    index.spills_not_sent(spills)
+                else:
+                    index.spills_sent(task, spills)
 
-    def _submit(self, op: Op, src: list[int], dst: list[int], rows: list[tuple[bytes, int]]) -> None:
+    def _submit(self, op: Op, src: list[int], dst: list[int]) -> int | None:
         try:
-            task = self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
+            return self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
         except ZkvError as err:
             log.warning("zkv: %s not submitted: %s", op, err)
-            for key, row in rows:
-                (self.index.spill_done if op is Op.SPILL else self.index.load_done)(key, row, False)
-            return
-        self._tasks[task] = (op, rows)
+            return None
 
     def _forget(self, why: str, moved: bool = True, fenced: bool = False) -> None:
         for key, _, cpu_row in self._loads:  # not sent yet: never will be
@@ -240,13 +216,11 @@ class ZkvOffloadManager(OffloadingManager):
         self._loads = []
         gone = self.index.reset(fenced=fenced)
         self.index.take_changes()
-        self._stored_at = (None, None)
-        for journal in self.journals.values():
-            journal.remove()
-        if self.identity is not None and moved:
-            # zkv learns the weights may have changed only this way: what is stored from now on
-            # is under weights no checkpoint holds, so it never outlives this engine.
-            self.identity = self.identity.moved()
+        self._stored_at = UNKNOWN
+        if self.index.records is not None:
+            # zkv learns the weights may have changed only this way (``moved``): what is stored
+            # from now on is under weights no checkpoint holds, so it never outlives this engine.
+            self.index.records.forget(moved)
         if gone:
             log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
 
@@ -280,7 +254,7 @@ class ZkvOffloadManager(OffloadingManager):
         if failed:
             self.counts["load_failed"] += 1
         self.index.complete_load(keys, ok=not failed)
-        self._record()
+        self.index.record()
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         if not self._serving():
@@ -291,9 +265,10 @@ class ZkvOffloadManager(OffloadingManager):
             self.counts["stores_skipped"] += 1
             return None
         if self._stored_at[1] is None:
-            self._stored_at = (self.bus.gen, self.bus.cpu_gen)
-            self._compact(force=True)
-        self._record()
+            self._stored_at = self._bus_gens()
+            if self.index.records is not None and self.bus.cpu_gen is not None:
+                self.index.records.start(self.bus.cpu_gen, self.index.rows_of)
+        self.index.record()
         new, rows, evicted = planned
         return PrepareStoreOutput(keys_to_store=new, store_spec=ZkvRows(rows), evicted_keys=evicted)
 
@@ -304,7 +279,7 @@ class ZkvOffloadManager(OffloadingManager):
         if failed:
             self.counts["store_failed"] += 1
         self.index.complete_store(keys, ok=not failed)
-        self._record()
+        self.index.record()
 
     def rows_failed(self, rows: Iterable[int], is_store: bool) -> None:
         """A worker reported that a job on these CPU rows failed (``ZkvConnector``): called
@@ -321,7 +296,7 @@ class ZkvOffloadManager(OffloadingManager):
         self._pump()
 
     def has_pending_work(self) -> bool:
-        return bool(self._tasks or self._loads)
+        return bool(self._loads or self.index.book.flights())
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
@@ -341,11 +316,9 @@ class ZkvOffloadManager(OffloadingManager):
         stored (the caller's word that the weights did not change)."""
         self.counts["resets"] += 1
         self.bus.refresh(time.monotonic(), force=True)
-        gen, cpu_gen = self._stored_at
-        kept = gen is not None and self.bus.gen != gen and self.bus.cpu_gen == cpu_gen
-        if kept:
+        if lost_between(self._stored_at, self._bus_gens()) is Loss.GPU:  # a clear that kept the CPU tier
             self.counts["resets_kept"] += 1
-            self._stored_at = (self.bus.gen, cpu_gen)
+            self._stored_at = self._bus_gens()
             log.info("zkv: reset kept %d offloaded blocks: the bus's clear kept its CPU tier", len(self.index.entries))
             return
         # vLLM 0.34 ends its jobs in flight after this call and says when (on_reset_flushed):
@@ -365,8 +338,8 @@ class ZkvOffloadManager(OffloadingManager):
         }
 
     def shutdown(self) -> None:
-        for journal in self.journals.values():
-            journal.close()
+        if self.index.records is not None:
+            self.index.records.close()
         self.bus.close()
         self.client.close()
         if self._events_file is not None:
