@@ -10,9 +10,10 @@ What differs, as zkv meets it:
   serves (address − tensor start, over the tensor's block stride);
 - a failed job: 0.34 has a channel of its own (``TransferResult(success=
   False)``: a failed store is not indexed, a failed load's request is
-  recomputed), 0.32 has none (its worker asserts success), so there zkv
-  reports the job done and hands the failed GPU blocks to
-  ``get_block_ids_with_load_errors``;
+  recomputed, though its keys are not forgotten: zkv's metadata says which),
+  0.32 has none (its worker asserts success), so there zkv reports the job
+  done, hands the failed GPU blocks to ``get_block_ids_with_load_errors`` and
+  every failed job's CPU rows to the scheduler in its metadata;
 - sleep and wake: 0.34 tells connectors (``unregister_kv_caches`` /
   ``restore_kv_caches``), 0.32 does not.
 
@@ -22,6 +23,7 @@ that the next vLLM that moves one fails there, naming it."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -31,6 +33,9 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 DEVICE_POINTERS = "device_ptrs" in inspect.signature(OffloadingWorker.submit_store).parameters
 INTERFACE = "0.34" if DEVICE_POINTERS else "0.32"
 NATIVE_FAILURES = DEVICE_POINTERS  # 0.34: a TransferResult may say success=False
+# 0.34's scheduler completes a failed store with success=False (never indexed); a failed load it
+# completes like any other, so its keys still travel in zkv's metadata on both.
+FAILED_STORES_NATIVE = NATIVE_FAILURES
 # How a connector reaches the KV memory, which 0.34 asks (None: 0.32 asks nothing).
 KVCacheAccess: Any = getattr(vllm.config.kv_transfer, "KVCacheAccess", None)
 
@@ -54,3 +59,20 @@ def gpu_block_ids(gpu_side: Any, kv_caches: CanonicalKVCaches) -> list[int]:
     if any(not 0 <= b < tensor.shape[0] for b in ids):
         raise ValueError(f"device pointers outside the KV tensor of {tensor.shape[0]} blocks: {ids}")
     return ids
+
+
+def with_extra(vllm_config: Any, extra: dict[str, Any]) -> Any:
+    """``vllm_config`` as vLLM's connector constructor should see it: a shallow copy whose
+    ``kv_transfer_config`` (a copy too) carries ``extra``; the user's objects stay as they were."""
+    transfer = copy.copy(vllm_config.kv_transfer_config)
+    transfer.kv_connector_extra_config = extra
+    seen = copy.copy(vllm_config)
+    seen.kv_transfer_config = transfer
+    return seen
+
+
+def offloading_worker(connector_worker: Any) -> Any:
+    """The ``OffloadingWorker`` vLLM's ``OffloadingConnectorWorker`` runs its jobs on (its
+    ``worker`` member: the one member of vLLM's own objects zkv reads on the worker side,
+    checked by the contract tests)."""
+    return getattr(connector_worker, "worker", None)

@@ -11,12 +11,16 @@
 what to store and load), built by vLLM's own constructor on ``ZkvSpec`` (the
 spec factory finds it by name), with one thing the stock connector needs
 help with: a job that failed is a recompute, never an assert that takes the
-engine down (``kv_load_failure_policy="recompute"``, which the connector
-sets).  vLLM 0.34 carries failures itself; on 0.32 the worker side reports
-a failed load's GPU blocks through ``get_block_ids_with_load_errors``
-(``api.py`` says which).  Either way every failed job's CPU rows go to the
-scheduler side in the worker metadata, so that the manager never indexes a
-failed store nor offers a failed load again.
+engine down.  vLLM 0.34 carries a failed job itself (a failed store is never
+indexed); a failed load's keys, and on 0.32 every failure, travel to the
+scheduler side in the worker metadata (``api.FAILED_STORES_NATIVE`` says
+which), so that the manager never offers a failed load again; on 0.32 a
+failed load's GPU blocks go back to vLLM through
+``get_block_ids_with_load_errors``.  The connector leaves the user's
+``kv_transfer_config`` alone: its own keys go to vLLM's constructor in a copy;
+the one field vLLM's scheduler reads itself after building the connector,
+``kv_load_failure_policy``, must be ``"recompute"`` (the documented config
+says so; a config that does not is set so, and the engine's log says it).
 
 Sleep (vLLM 0.34 tells connectors): before vLLM unmaps the KV memory, the
 worker of rank 0 pauses the engine's bus (acked once no copy is in flight,
@@ -33,7 +37,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -41,7 +44,6 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingManager, OffloadingSpec, OffloadingWorker
@@ -67,7 +69,7 @@ class EmbeddedBroker:
     """The engine's bus broker on a thread of the scheduler process."""
 
     def __init__(self, settings: ZkvSettings, world: int, engine_id: str):
-        state = Path(settings.bus_dir) / f"state-{engine_id[:12]}.json"  # a new engine starts running
+        state = settings.make_bus_dir() / f"state-{engine_id[:12]}.json"  # a new engine starts running
         self.recorder = None
         if settings.trace_path is not None:
             from ...trace import TraceRecorder
@@ -113,19 +115,19 @@ class ZkvSpec(OffloadingSpec):
         self.identity = msgspec.convert(said, EngineIdentity) if said is not None else None
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None
-        self._broker: EmbeddedBroker | None = None
 
     def get_manager(self) -> OffloadingManager:
         if self.manager is None:
+            broker = None
             if self.settings.broker == "embedded":
-                self._broker = EmbeddedBroker(self.settings, self.world, self.config.engine_id)
+                broker = EmbeddedBroker(self.settings, self.world, self.config.engine_id)
             self.manager = ZkvOffloadManager(
                 self.settings,
                 self.world,
                 identity=self.identity,
                 emit_events=self.kv_events_config.enable_kv_cache_events,
+                broker=broker,
             )
-            self.manager.broker = self._broker  # stopped with the manager
         return self.manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -138,49 +140,23 @@ class ZkvSpec(OffloadingSpec):
 
 @dataclass
 class ZkvWorkerMetadata(OffloadingWorkerMetadata):
-    """vLLM's completed-jobs metadata plus the jobs whose zkv task failed:
-    job id -> (is_store, its CPU rows) (any worker's failure fails the job)."""
+    """vLLM's completed-jobs metadata plus the jobs whose zkv task failed that vLLM does not
+    carry itself: job id -> (is_store, its CPU rows) (any worker's failure fails the job)."""
 
     zkv_failed: dict[int, tuple[bool, list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, meta: OffloadingWorkerMetadata | None, failed: dict[int, tuple[bool, list[int]]]) -> ZkvWorkerMetadata:
+        base = meta if meta is not None else OffloadingWorkerMetadata()
+        theirs = {f.name: getattr(base, f.name) for f in fields(OffloadingWorkerMetadata)}
+        return cls(**theirs, zkv_failed=dict(failed))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         merged = super().aggregate(other)
         assert isinstance(merged, OffloadingWorkerMetadata)
         failed = dict(self.zkv_failed)
         failed.update(getattr(other, "zkv_failed", {}))
-        theirs = {f.name: getattr(merged, f.name) for f in fields(OffloadingWorkerMetadata)}
-        return ZkvWorkerMetadata(**theirs, zkv_failed=failed)
-
-
-class ZkvConnectorWorker(OffloadingConnectorWorker):
-    """vLLM's worker side, with failed jobs reported instead of asserted."""
-
-    def __init__(self, spec: OffloadingSpec, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        super().__init__(spec, vllm_config, kv_cache_config)
-        self._connector_worker_meta = ZkvWorkerMetadata()
-        self.load_errors: set[int] = set()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        done = super().get_finished(finished_req_ids)  # vLLM 0.34 hears a failure here; 0.32 a job done
-        worker = self.worker
-        assert isinstance(worker, ZkvOffloadWorker)
-        failed, blocks = worker.take_failures()
-        meta = self._connector_worker_meta
-        assert isinstance(meta, ZkvWorkerMetadata)
-        meta.zkv_failed.update(failed)
-        self.load_errors |= blocks
-        return done
-
-    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
-        meta = self._connector_worker_meta
-        if not meta.completed_jobs:  # a failed job is a completed one too
-            return None
-        self._connector_worker_meta = ZkvWorkerMetadata()
-        return meta
-
-    def take_load_errors(self) -> set[int]:
-        errors, self.load_errors = self.load_errors, set()
-        return errors
+        return ZkvWorkerMetadata.of(merged, failed)
 
 
 class ZkvConnector(OffloadingConnector):
@@ -196,23 +172,50 @@ class ZkvConnector(OffloadingConnector):
         extra["sync_load_budget_bytes"] = 0
         if role == KVConnectorRole.SCHEDULER:
             extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config))
-        transfer.kv_connector_extra_config = extra
-        # A failed load is a recompute, never a failed request: read by vLLM's
-        # scheduler right after it built its connector.
-        transfer.kv_load_failure_policy = "recompute"
-        super().__init__(vllm_config, role, kv_cache_config)
-        stock: Any = getattr(self, "connector_worker", None)
-        if stock is not None:  # ours, on the spec vLLM's factory made
-            self.connector_worker = ZkvConnectorWorker(stock.spec, vllm_config, kv_cache_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            # vLLM's scheduler reads this right after building its connector: a failed load is a
+            # recompute, never a failed request.
+            transfer.kv_load_failure_policy = "recompute"
+            log.warning('zkv: kv_load_failure_policy set to "recompute" (put it in --kv-transfer-config)')
+        super().__init__(api.with_extra(vllm_config, extra), role, kv_cache_config)
+        self._failed: dict[int, tuple[bool, list[int]]] = {}  # this worker's failed jobs, not yet sent
+        self._load_errors: set[int] = set()  # GPU blocks of failed loads, for vLLM to recompute (0.32)
 
     @property
     def manager(self) -> ZkvOffloadManager | None:
         part = self.connector_scheduler
         return part.manager if part is not None and isinstance(part.manager, ZkvOffloadManager) else None
 
+    def _offload_worker(self) -> ZkvOffloadWorker | None:
+        part = self.connector_worker
+        worker = api.offloading_worker(part) if part is not None else None
+        return worker if isinstance(worker, ZkvOffloadWorker) else None
+
+    # --- failures: worker side ---------------------------------------------------------------
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        done = super().get_finished(finished_req_ids)  # vLLM 0.34 hears a failure here; 0.32 a job done
+        worker = self._offload_worker()
+        if worker is not None:
+            failed, blocks = worker.take_failures()
+            self._failed.update(
+                {job: said for job, said in failed.items() if not (said[0] and api.FAILED_STORES_NATIVE)}
+            )
+            self._load_errors |= blocks
+        return done
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        if not self._failed:
+            return meta
+        failed, self._failed = self._failed, {}
+        return ZkvWorkerMetadata.of(meta, failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self.connector_worker
-        return worker.take_load_errors() if isinstance(worker, ZkvConnectorWorker) else set()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # --- failures: scheduler side ------------------------------------------------------------
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -231,11 +234,11 @@ class ZkvConnector(OffloadingConnector):
         return api.KVCacheAccess.IN_PROCESS
 
     def unregister_kv_caches(self) -> None:
-        worker = self.connector_worker
-        if isinstance(worker, ZkvConnectorWorker) and isinstance(worker.worker, ZkvOffloadWorker):
-            worker.worker.kv_memory_gone()
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.kv_memory_gone()
 
     def restore_kv_caches(self) -> None:
-        worker = self.connector_worker
-        if isinstance(worker, ZkvConnectorWorker) and isinstance(worker.worker, ZkvOffloadWorker):
-            worker.worker.kv_memory_back()
+        worker = self._offload_worker()
+        if worker is not None:
+            worker.kv_memory_back()

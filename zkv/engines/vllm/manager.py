@@ -97,17 +97,23 @@ class ZkvOffloadManager(OffloadingManager):
     """The scheduler-side book of zkv's CPU and disk tiers for one engine."""
 
     def __init__(
-        self, settings: ZkvSettings, world: int, identity: EngineIdentity | None = None, emit_events: bool = True
+        self,
+        settings: ZkvSettings,
+        world: int,
+        identity: EngineIdentity | None = None,
+        emit_events: bool = True,
+        broker: Any = None,
     ):
+        """``broker``: the engine's embedded broker (``connector.EmbeddedBroker``), stopped with the manager."""
         self.settings = settings
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
         records = TierRecords(identity, journals(settings)) if identity is not None else None
-        self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below, records)
+        self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below or 0, records)
         self.client = Client(settings.endpoints.frontend, request_timeout=0.25)  # a send to no broker: 0.25 s
         control = settings.endpoints.control if settings.hear_broadcasts else None
         self.bus = BusView(self.client, world, settings.status_interval_s, control=control)
         self.emit_events = emit_events
-        self.broker: Any = None  # the embedded broker (connector.py), stopped with the manager
+        self.broker = broker
         self._stored_at: Gens = UNKNOWN  # the bus's generations when the keys were stored
         self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
         self._failed_stores: set[OffloadKey] = set()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -55,6 +56,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         # A task still queued on this rank past its deadline may yet run: a job is given up on
         # only after as long again, so that vLLM never recomputes into blocks a late copy writes.
         self.book = JobBook(submitter=rank == 0, grace=max(1.0, settings.task_timeout_s))
+        self._jobs = threading.Condition()  # the book is touched by vLLM's thread and the rank's
         self.agent = RankAgent(
             rank,
             world,
@@ -68,7 +70,7 @@ class ZkvOffloadWorker(OffloadingWorker):
             # vLLM keeps its KV tensors where they are across a zkv clear: each
             # resume serves the same tensors again, as a new generation.
             source=lambda: EngineCache.from_tensors(entries, generation=next(generations)),
-            on_task_done=self.book.on_local,
+            on_task_done=self._ran,
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
@@ -80,19 +82,39 @@ class ZkvOffloadWorker(OffloadingWorker):
 
     # --- jobs --------------------------------------------------------------------------
 
+    def _ran(self, task: int, outcome: str) -> None:
+        """This rank's copy of ``task`` is over (called on the rank's thread)."""
+        with self._jobs:
+            self.book.on_local(task, outcome)
+            self._jobs.notify_all()
+
+    def _outcome(self, out: TaskOutcome) -> None:
+        with self._jobs:
+            self.book.on_outcome(out)
+            self._jobs.notify_all()
+
     def _submit(self, job_id: int, op: Op, src: list[int], dst: list[int], gpu_ids: list[int]) -> bool:
         now = time.monotonic()
         timeout = self.settings.task_timeout_s
         task = JobBook.task_of(job_id)
         store = op is Op.SWAP_OUT
-        job = Job(job_id, task, store, gpu_ids, len(gpu_ids) * self.block_bytes, now, now + timeout)
-        job.cpu_rows = dst if store else src
-        self.book.add(job)
+        job = Job(
+            job_id=job_id,
+            task=task,
+            is_store=store,
+            gpu_ids=gpu_ids,
+            cpu_rows=dst if store else src,
+            nbytes=len(gpu_ids) * self.block_bytes,
+            started=now,
+            deadline=now + timeout,
+        )
+        with self._jobs:
+            self.book.add(job)
         if self.client is not None:
             try:
                 self.client.submit(op, src, dst, timeout=timeout, task=task)
             except ZkvError as err:  # the bus is unreachable: the job fails, vLLM recomputes
-                self.book.on_outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
+                self._outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
         return True
 
     # The GPU side is a GPULoadStoreSpec (vLLM 0.32) or DevicePointers (0.34): api.gpu_block_ids.
@@ -111,7 +133,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         if self.client is not None:
             self._cancel_while_paused()
             for out in self.client.poll(timeout):
-                self.book.on_outcome(out)
+                self._outcome(out)
 
     def _cancel_while_paused(self) -> None:
         """No job waits on a paused bus: the submitter cancels its tasks still
@@ -121,8 +143,10 @@ class ZkvOffloadWorker(OffloadingWorker):
         if not self.agent.paused:
             self._cancel_asked.clear()
             return
-        for job in list(self.book.jobs.values()):
-            if job.outcome is None and job.local is None and job.task not in self._cancel_asked:
+        with self._jobs:
+            waiting = [j for j in self.book.jobs.values() if j.outcome is None and j.local is None]
+        for job in waiting:
+            if job.task not in self._cancel_asked:
                 self._cancel_asked.add(job.task)
                 try:
                     self.client.cancel(job.task, timeout=0.25)
@@ -148,10 +172,13 @@ class ZkvOffloadWorker(OffloadingWorker):
             # A request waiting on a load cannot run before the next engine step
             # sees the load finished: waiting here a little (the copy is usually
             # milliseconds) saves the steps in between.
-            loads = [j.job_id for j in list(self.book.jobs.values()) if not j.is_store]
+            with self._jobs:
+                loads = [j.job_id for j in self.book.jobs.values() if not j.is_store]
             if loads:
                 self._wait(loads, time.monotonic() + wait)
-        return [self._result(done) for done in self.book.take_finished(time.monotonic())]
+        with self._jobs:
+            finished = self.book.take_finished(time.monotonic())
+        return [self._result(done) for done in finished]
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until every job in ``job_ids`` is finished for this worker
@@ -159,17 +186,25 @@ class ZkvOffloadWorker(OffloadingWorker):
         self._wait(job_ids, float("inf"))
 
     def _wait(self, job_ids: Iterable[int], bound: float) -> None:
+        """Until each job is finished for this worker, or ``bound``: the submitter pumps its
+        client for the outcome; a worker waits for its rank's thread to say its copy is over."""
         for job_id in job_ids:
             task = JobBook.task_of(job_id)
-            job = self.book.jobs.get(task)
-            if job is None:
-                continue
-            until = min(bound, job.deadline + self.book.grace)
-            while not self.book.is_finished(task, time.monotonic()) and time.monotonic() < until:
-                if self.client is not None and job.outcome is None and self.client.open_tasks:
-                    self._pump(max(0.0, until - time.monotonic()))
-                else:
-                    self.book.wait_local(task, until, time.monotonic)
+            with self._jobs:
+                job = self.book.jobs.get(task)
+                if job is None:
+                    continue
+                until = min(bound, self.book.wakes_at(task))
+            while True:
+                with self._jobs:
+                    now = time.monotonic()
+                    if self.book.is_finished(task, now) or now >= until:
+                        break
+                    pump = self.client is not None and job.outcome is None and self.client.open_tasks
+                    if not pump:
+                        self._jobs.wait(until - now)
+                        continue
+                self._pump(max(0.0, until - time.monotonic()))
 
     # --- KV memory that goes away (vLLM 0.34: sleep, a weight update's loan) -----------------
 
