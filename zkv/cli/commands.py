@@ -30,6 +30,7 @@ from .options import (
     layout_options,
     resume_flags,
     sigterm_as_interrupt,
+    store_option,
     tier_options,
 )
 
@@ -230,6 +231,7 @@ def main(verbose: int) -> None:
     "to any worker: a restart attached to the same engine maps its CPU tier again.",
 )
 @disk_options
+@store_option
 @tier_options
 @click.option(
     "--startup-times",
@@ -273,6 +275,7 @@ def worker(
     startup_times: str | None,
     standby: bool,
     adopt_layout: bool,
+    store: str | None,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
@@ -311,12 +314,17 @@ def worker(
         lock = _hold_rank(rank, backend, tiers, standby)
     opts = {"liveness_ms": liveness_ms, "curve": curve, "disk": disk, "tier_dir": tiers, "tier_digests": tier_digests}
     opts.update(adopt_layout=adopt_layout, note=lambda text: click.echo(f"zkv worker: {text}", err=True))
+    opts["store"] = store
     try:
         if manifest is None:
             w = RankWorker(rank, world_size, backend, control, layout, device=device, **opts)
         else:
             claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
             w = attach_rank(manifest, rank, world_size, backend, control, claim, **opts)
+    except ValueError as err:  # a --store URL it cannot use
+        if isinstance(err, CacheError):
+            raise
+        fail(f"rank {rank} cannot use its store: {err}", "see zkv worker --help for the --store forms")
     except CacheError as err:
         if manifest is None or err.code in ("tier_in_use", "disk_busy"):
             fail(

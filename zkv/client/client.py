@@ -123,14 +123,21 @@ class Client:
         tier: str | None = None,
         seed: int | None = None,
         task: int | None = None,
+        keys: Sequence[bytes] | None = None,
+        ns: str | None = None,
     ) -> int:
         """Send one task to every rank; return its id.  The outcome comes from wait/poll.
-        ``task``: an id of the caller's (see ``submit_raw``)."""
+        ``task``: an id of the caller's (see ``submit_raw``).  ``keys`` and ``ns``: a
+        ``put`` or ``get``'s names in the keyed store, one per CPU row (docs/protocol.md §6.4)."""
         extra: dict[str, Any] = {}
         if tier is not None:
             extra["tier"] = tier
         if seed is not None:
             extra["seed"] = seed
+        if keys is not None:
+            extra["keys"] = P.pack_keys(keys)
+        if ns is not None:
+            extra["ns"] = ns
         return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout, task=task)
 
     def submit_raw(self, body: bytes, timeout: float = 30.0, *, task: int | None = None) -> int:

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..wire.moves import MOVES
+from ..wire.moves import ROW_MOVES
 from ..wire.outcome import TaskOutcome
 from ..wire.replies import ControlReply, StatusReply
 
 #: the ops the prefix manager submits: the tier moves, GPU <-> CPU swaps and CPU <-> disk spills and loads
 #: (``wire/moves.py``, docs/protocol.md §6)
-SWAP_OPS = tuple(MOVES)
+SWAP_OPS = ROW_MOVES
 
 
 class Bus(Protocol):

@@ -337,6 +337,8 @@ class Body(Message, frozen=True):
     dst: Ids | None = None
     tier: str | None = None
     seed: Uint | None = None
+    keys: bytes | None = None  # a keyed move's names: each key a length byte, then its bytes (protocol.pack_keys)
+    ns: str | None = None  # a keyed move's namespace
     v: int = _V
     kind: Literal["body"] = _kind("body")
 
