@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from zkv.engines.vllm.journal import DISK_JOURNAL, Journal
+from zkv.rows.journal import DISK_JOURNAL, Journal
 from zkv.harness.vllm.rig import (
     BusProbe,
     Chat,

@@ -31,7 +31,7 @@ def tier() -> None:
 
 def _engine_of(journal: Path, tier: str) -> dict | None:
     """Whose KV a vLLM engine's tier holds, from the journal beside it (None: no journal)."""
-    from ..engines.vllm.journal import Journal, JournalError
+    from ..rows.journal import Journal, JournalError
 
     try:
         found = Journal(journal, Tier(tier), 0).read()
@@ -65,7 +65,7 @@ def _said(engine: dict | None) -> str:
 def list_cmd(tier_dir: str, disk_dir: str | None, as_json: bool) -> None:
     """Every tier file: its bus, rank, size, CPU generation, whether a live worker holds it,
     and for a vLLM engine's tier whose KV it holds (model, config, weights, layout)."""
-    from ..engines.vllm.journal import DISK_JOURNAL
+    from ..rows.journal import DISK_JOURNAL
     from ..rank.tiers.tier_file import journal_path, list_tiers
 
     found = False

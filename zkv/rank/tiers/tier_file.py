@@ -100,7 +100,7 @@ class TierPlace:
 
 def journal_path(directory: str | Path, bus: str) -> Path:
     """Where an engine that keeps an index of a bus's tier files writes it (a vLLM
-    engine's journal, ``engines/vllm/journal.py``): beside them, gone with them."""
+    engine's journal, ``rows/journal.py``): beside them, gone with them."""
     return Path(directory) / f"zkv-index-{bus}.journal"
 
 
