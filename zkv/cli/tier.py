@@ -65,8 +65,8 @@ def _said(engine: dict | None) -> str:
 def list_cmd(tier_dir: str, disk_dir: str | None, as_json: bool) -> None:
     """Every tier file: its bus, rank, size, CPU generation, whether a live worker holds it,
     and for a vLLM engine's tier whose KV it holds (model, config, weights, layout)."""
-    from ..rows.journal import DISK_JOURNAL
     from ..rank.tiers.tier_file import journal_path, list_tiers
+    from ..rows.journal import DISK_JOURNAL
 
     found = False
     for info in list_tiers(tier_dir):

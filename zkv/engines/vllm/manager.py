@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client.client import Client
+from ...rank.tiers.store_tier import open_store
 from ...rank.tiers.tier_file import bus_name, journal_path
 from ...rows.identity import EngineIdentity
 from ...rows.journal import DISK_JOURNAL, Journal
@@ -55,6 +56,7 @@ from .bus_view import BusView
 from .index import Found, OffloadIndex
 from .rows import ZkvRows
 from .settings import ZkvSettings
+from .shared import Known, SharedTier
 
 log = logging.getLogger("zkv.vllm")
 
@@ -67,6 +69,10 @@ _MEDIUM = {Tier.CPU: Medium.CPU, Tier.DISK: Medium.STORAGE}
 _SPILLS_PER_STEP = 64
 _COUNTS = (
     "hits",
+    "store_gets",
+    "store_get_failed",
+    "store_puts",
+    "store_put_failed",
     "misses_not_serving",
     "stores_skipped",
     "store_failed",
@@ -116,6 +122,15 @@ class ZkvOffloadManager(OffloadingManager):
         self.broker = broker
         self._stored_at: Gens = UNKNOWN  # the bus's generations when the keys were stored
         self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
+        # The shared store below (settings.store): what it holds, asked off this thread, and this
+        # step's fetches from it and puts into it, each sent as one task.
+        self.shared = (
+            SharedTier(open_store(settings.store), records.identity.namespace())
+            if settings.store is not None and records is not None
+            else None
+        )
+        self._fetches: list[tuple[bytes, int]] = []
+        self._puts: list[tuple[bytes, int]] = []
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
@@ -168,27 +183,15 @@ class ZkvOffloadManager(OffloadingManager):
         return (self.bus.gen, self.bus.cpu_gen)
 
     def _pump(self) -> None:
-        """Take the outcomes of our spills and loads (the index's book settles their rows);
-        send this step's loads and the spills due."""
+        """Take the outcomes of our tasks (the index's book settles their rows); send this
+        step's loads, fetches and puts, and the spills due."""
+        self._take_outcomes()
         index = self.index
-        for out in self.client.poll(0.0):
-            ended = index.task_ended(out.task, out)
-            if ended is None:
-                continue
-            op, n = ended
-            if op is Op.SPILL:
-                self.counts["spills" if out.ok else "spill_failed"] += n
-            else:
-                self.counts["disk_loads" if out.ok else "disk_load_failed"] += n
-                if not out.ok:
-                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", n, out.reason)
-        if index.book.num_held_tasks:
-            index.settle(self.client.settled())
         if self._loads and not self.bus.serving:
             for key, _, cpu_row in self._loads:
                 index.cancel_load(key, cpu_row)
             self._loads = []
-        index.record()  # the CPU rows this step's loads take were given up in lookups
+        index.record()  # the CPU rows this step's loads and fetches take were given up in lookups
         if self._loads:
             loads, self._loads = self._loads, []
             task = self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads])
@@ -197,6 +200,8 @@ class ZkvOffloadManager(OffloadingManager):
                     index.cancel_load(key, cpu_row)
             else:
                 index.loads_sent(task, loads)
+        if self.shared is not None:
+            self._pump_shared()
         if self.bus.serving:
             spills = index.plan_spills(_SPILLS_PER_STEP)
             index.record()
@@ -209,9 +214,63 @@ class ZkvOffloadManager(OffloadingManager):
                 else:
                     index.spills_sent(task, spills)
 
-    def _submit(self, op: Op, src: list[int], dst: list[int]) -> int | None:
+    def _take_outcomes(self) -> None:
+        """The outcomes of our spills, loads, fetches and puts, and the late copies settled since."""
+        index = self.index
+        for out in self.client.poll(0.0):
+            ended = index.task_ended(out.task, out)
+            if ended is None:
+                continue
+            op, n = ended
+            if op is Op.SPILL:
+                self.counts["spills" if out.ok else "spill_failed"] += n
+            elif op is Op.PUT or op is Op.GET:
+                self._shared_ended(op, n, out)
+            else:
+                self.counts["disk_loads" if out.ok else "disk_load_failed"] += n
+                if not out.ok:
+                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", n, out.reason)
+        if index.book.num_held_tasks:
+            index.settle(self.client.settled())
+
+    def _shared_ended(self, op: Op, n: int, out: Any) -> None:
+        """A put into or a get from the shared store ended: counted, and what it showed learned."""
+        assert self.shared is not None
+        if op is Op.PUT:
+            self.counts["store_puts" if out.ok else "store_put_failed"] += n
+            return
+        self.counts["store_gets" if out.ok else "store_get_failed"] += n
+        if not out.ok:
+            log.info("zkv: a get of %d blocks from the shared store failed (%s): recomputed", n, out.reason)
+
+    def _pump_shared(self) -> None:
+        """This step's fetches from the shared store and puts into it, one task each; while the
+        bus is not serving none is sent (fetches are cancelled, puts dropped: a later store puts again)."""
+        assert self.shared is not None
+        index, ns = self.index, self.shared.ns
+        fetches, self._fetches = self._fetches, []
+        puts, self._puts = self._puts, []
+        if not self.bus.serving:
+            for key, row in fetches:
+                index.cancel_fetch(key, row)
+            return
+        if fetches:
+            keys, rows = [k for k, _ in fetches], [r for _, r in fetches]
+            task = self._submit(Op.GET, None, rows, keys=keys, ns=ns)
+            if task is None:
+                for key, row in fetches:
+                    index.cancel_fetch(key, row)
+            else:
+                index.fetches_sent(task, fetches)
+        ready = [(k, r) for k, r in puts if index.lookup(k) is Found.HIT and index.entries[k].cpu_row == r]
+        if ready:
+            task = self._submit(Op.PUT, [r for _, r in ready], None, keys=[k for k, _ in ready], ns=ns)
+            if task is not None:
+                index.puts_sent(task, ready)
+
+    def _submit(self, op: Op, src: list[int] | None, dst: list[int] | None, **keyed: Any) -> int | None:
         try:
-            return self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
+            return self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s, **keyed)
         except ZkvError as err:
             log.warning("zkv: %s not submitted: %s", op, err)
             return None
@@ -219,7 +278,9 @@ class ZkvOffloadManager(OffloadingManager):
     def _forget(self, why: str, moved: bool = True, fenced: bool = False) -> None:
         for key, _, cpu_row in self._loads:  # not sent yet: never will be
             self.index.cancel_load(key, cpu_row)
-        self._loads = []
+        for key, row in self._fetches:
+            self.index.cancel_fetch(key, row)
+        self._loads, self._fetches, self._puts = [], [], []
         gone = self.index.reset(fenced=fenced)
         self.index.take_changes()
         self._stored_at = UNKNOWN
@@ -227,6 +288,8 @@ class ZkvOffloadManager(OffloadingManager):
             # zkv learns the weights may have changed only this way (``moved``): what is stored
             # from now on is under weights no checkpoint holds, so it never outlives this engine.
             self.index.records.forget(moved)
+            if self.shared is not None:  # nor is it shared with engines of the old weights
+                self.shared.use(self.index.records.identity.namespace())
         if gone:
             log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
 
@@ -245,7 +308,25 @@ class ZkvOffloadManager(OffloadingManager):
             return LookupResult.RETRY
         if found is Found.HIT:
             self.counts["hits"] += 1
+        if found is Found.MISS and self.shared is not None:
+            return self._from_shared(key)
         return _FOUND[found]
+
+    def _from_shared(self, key: OffloadKey) -> LookupResult:
+        """A key this engine does not hold: the shared store may (another engine put it).
+        Not known yet: ask again next step; there: fetch it into a CPU row (a ``get`` sent
+        with this step's others) and ask again; not there: a miss."""
+        assert self.shared is not None
+        known = self.shared.known(key)
+        if known is Known.ABSENT:
+            return LookupResult.MISS
+        if known is Known.UNKNOWN:
+            return LookupResult.RETRY
+        row = self.index.start_fetch(key)
+        if row is None:
+            return LookupResult.MISS
+        self._fetches.append((key, row))
+        return LookupResult.RETRY
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ZkvRows:
         return ZkvRows(self.index.prepare_load(list(keys)))
@@ -286,6 +367,12 @@ class ZkvOffloadManager(OffloadingManager):
             self.counts["store_failed"] += 1
         self.index.complete_store(keys, ok=not failed)
         self.index.record()
+        if self.shared is not None and not failed:  # into the shared store too (sent with this step's others)
+            entries = self.index.entries
+            for key in keys:
+                row = entries[key].cpu_row if key in entries else None
+                if row is not None:
+                    self._puts.append((key, row))
 
     def rows_failed(self, rows: Iterable[int], is_store: bool) -> None:
         """A worker reported that a job on these CPU rows failed (``ZkvConnector``): called
@@ -346,6 +433,8 @@ class ZkvOffloadManager(OffloadingManager):
     def shutdown(self) -> None:
         if self.index.records is not None:
             self.index.records.close()
+        if self.shared is not None:
+            self.shared.close()
         self.bus.close()
         self.client.close()
         if self._events_file is not None:
