@@ -8,6 +8,7 @@ never serves other bytes, and never holds up the rank's copies."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -232,3 +233,21 @@ def test_a_rank_without_a_store_refuses_keyed_tasks_and_keeps_serving(tmp_path):
         assert bus.run("fill", None, [1], tier="cpu", seed=1).ok
     finally:
         bus.close()
+
+
+def test_zkv_store_lists_namespaces_and_retires_one(tmp_path):
+    from click.testing import CliRunner
+
+    from zkv.cli.commands import main
+
+    url = f"file://{tmp_path}?budget=1MiB"
+    store = open_store(url)
+    store.put([name_of("old", 0, b"a"), name_of("old", 0, b"b"), name_of("new", 0, b"a")], [b"x" * 10] * 3)
+    listed = CliRunner().invoke(main, ["store", "ls", "--store", url, "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert json.loads(listed.output) == {"new": {"values": 1, "bytes": 10}, "old": {"values": 2, "bytes": 20}}
+    retired = CliRunner().invoke(main, ["store", "retire", "--store", url, "old"])
+    assert retired.exit_code == 0 and "old: 2 values retired" in retired.output
+    assert store.namespaces() == {"new": (1, 10)}
+    bad = CliRunner().invoke(main, ["store", "ls", "--store", "file:///tmp/x"])
+    assert bad.exit_code == 2 and "budget" in bad.output

@@ -23,7 +23,7 @@ from zkv.engines.vllm.index import CpuState, Found, OffloadIndex
 from zkv.rows import EngineIdentity, RowChange, TaskKind
 from zkv.rows.journal import Header, encode, encode_header, replay
 from zkv.wire.outcome import TaskOutcome
-from zkv.wire.vocab import Op, Outcome, Tier
+from zkv.wire.vocab import Outcome, Tier
 
 LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
 KEYS = [bytes([k]) * 4 for k in range(6)]

@@ -133,8 +133,8 @@ def test_tier_list_says_whose_kv_each_tier_holds_and_clean_takes_the_journal_wit
     from click.testing import CliRunner
 
     from zkv.cli.commands import main
-    from zkv.rows.journal import DISK_JOURNAL
     from zkv.rank.tiers.tier_file import TierFile, TierPlace, journal_path
+    from zkv.rows.journal import DISK_JOURNAL
 
     TierFile(TierPlace("b0b0b0b0b0b0", 0, str(tmp_path)), ("shape",), rows=4, row_bytes=64).close()  # an orphan
     Journal(journal_path(tmp_path, "b0b0b0b0b0b0"), Tier.CPU, 4).start(IDENTITY, 2, [(b"k", 1), (b"l", 3)])

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from zkv.rows.journal import DISK_JOURNAL, Journal
 from zkv.harness.vllm.rig import (
     BusProbe,
     Chat,
@@ -32,6 +31,7 @@ from zkv.harness.vllm.rig import (
     write_llama,
     zkv_transfer,
 )
+from zkv.rows.journal import DISK_JOURNAL, Journal
 from zkv.wire.vocab import Tier
 
 pytestmark = pytest.mark.timeout(900)

@@ -143,6 +143,7 @@ _LAZY = {
     "submit": ".submit:submit",
     "state": ".state:state",
     "tier": ".tier:tier",
+    "store": ".store:store",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
     "up": ".up:up",

@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.base import (
 from ...client.client import Client
 from ...rank.tiers.store_tier import open_store
 from ...rank.tiers.tier_file import bus_name, journal_path
+from ...rows.book import TaskKind
 from ...rows.identity import EngineIdentity
 from ...rows.journal import DISK_JOURNAL, Journal
 from ...rows.loss import UNKNOWN, Gens, Loss, lost_between
@@ -288,8 +289,8 @@ class ZkvOffloadManager(OffloadingManager):
             # zkv learns the weights may have changed only this way (``moved``): what is stored
             # from now on is under weights no checkpoint holds, so it never outlives this engine.
             self.index.records.forget(moved)
-            if self.shared is not None:  # nor is it shared with engines of the old weights
-                self.shared.use(self.index.records.identity.namespace())
+            if self.shared is not None:  # nor is it shared with engines of the old weights, whose blocks go
+                self.shared.use(self.index.records.identity.namespace(), retire_old=moved)
         if gone:
             log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
 
@@ -389,7 +390,10 @@ class ZkvOffloadManager(OffloadingManager):
         self._pump()
 
     def has_pending_work(self) -> bool:
-        return bool(self._loads or self.index.book.flights())
+        """Tasks of ours to send or in flight (vLLM keeps stepping until their outcomes are in;
+        one held for a late copy is not pending work: it settles whenever it does)."""
+        in_flight = any(not f.ended for f in self.index.book.flights(TaskKind.BUS))
+        return bool(self._loads or self._fetches or self._puts or in_flight)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from ...rank.errors import CacheError
 from ...rank.tiers.store_tier import KeyedStore, name_of
@@ -33,6 +34,13 @@ log = logging.getLogger("zkv.vllm")
 
 MAX_KNOWN = 65536  # keys remembered (least recently learned go first)
 BATCH = 256  # keys asked in one round trip
+
+
+@dataclass(frozen=True)
+class _Retire:
+    """Work for the prober: drop namespace ``ns`` from the store."""
+
+    ns: str
 
 
 class Known(enum.Enum):
@@ -51,7 +59,7 @@ class SharedTier:
         self._known: OrderedDict[bytes, tuple[bool, float]] = OrderedDict()
         self._asked: set[bytes] = set()
         self._lock = threading.Lock()
-        self._work: queue.Queue[bytes | None] = queue.Queue()
+        self._work: queue.Queue[bytes | _Retire | None] = queue.Queue()
         self._down_until = 0.0
         self._said_down = False
         self.counts = {"probes": 0, "probe_rounds": 0, "store_down": 0}
@@ -73,12 +81,15 @@ class SharedTier:
         self._work.put(key)
         return Known.UNKNOWN
 
-    def use(self, ns: str) -> None:
+    def use(self, ns: str, retire_old: bool = False) -> None:
         """From now on the engine's blocks are in namespace ``ns`` (its weights moved): nothing
-        learned of the old one holds."""
+        learned of the old one holds.  ``retire_old``: the old namespace is dropped from the
+        store (in the background): no engine of these weights will read it again."""
         with self._lock:
-            self.ns = ns
+            old, self.ns = self.ns, ns
             self._known.clear()
+        if retire_old and old != ns:
+            self._work.put(_Retire(old))
 
     def learned(self, keys: list[bytes], present: bool, now: float | None = None) -> None:
         """What a put or a get just showed: ``keys`` are in the store (or are not)."""
@@ -103,17 +114,29 @@ class SharedTier:
             key = self._work.get()
             if key is None:
                 return
+            if isinstance(key, _Retire):
+                self._retire(key.ns)
+                continue
             batch = [key]
             while len(batch) < BATCH:
                 try:
                     more = self._work.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    self._work.put(None)
+                if more is None or isinstance(more, _Retire):
+                    self._work.put(more)
                     break
                 batch.append(more)
             self._ask(batch)
+
+    def _retire(self, ns: str) -> None:
+        try:
+            gone = self.store.retire(ns)
+        except CacheError as err:
+            log.warning("zkv: namespace %s not retired from the shared store (%s): zkv store retire does it", ns, err)
+            return
+        self.counts["retired"] = self.counts.get("retired", 0) + gone
+        log.info("zkv: %d blocks of the old weights' namespace %s retired from the shared store", gone, ns)
 
     def _ask(self, keys: list[bytes]) -> None:
         self.counts["probe_rounds"] += 1

@@ -135,6 +135,10 @@ class KeyedStore(ABC):
     def retire(self, ns: str) -> int:
         """Drop every value of namespace ``ns``; returns how many went."""
 
+    @abstractmethod
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        """Each namespace the store holds: (values, bytes) (an operator's look: scans it all)."""
+
     def close(self) -> None:
         return None
 
@@ -203,6 +207,18 @@ class FileStore(KeyedStore):
         except OSError:
             pass
         return gone
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            sizes = []
+            for path in directory.iterdir():
+                try:
+                    sizes.append(path.stat().st_size)
+                except FileNotFoundError:
+                    pass
+            out[directory.name] = (len(sizes), sum(sizes))
+        return out
 
     def _make_room(self, size: int) -> None:
         """Evict least recently used values until ``size`` more bytes fit the budget: under
@@ -296,6 +312,24 @@ class RedisStore(KeyedStore):
         except self._errors as err:
             raise self._down(err) from None
         return gone
+
+    def namespaces(self) -> dict[str, tuple[int, int]]:
+        counts: dict[str, list[int]] = {}
+        try:
+            names = list(self.redis.scan_iter(match="zkv:*", count=1000))
+            for at in range(0, len(names), 1000):
+                chunk = names[at : at + 1000]
+                pipe = self.redis.pipeline(transaction=False)
+                for name in chunk:
+                    pipe.strlen(name)
+                for name, size in zip(chunk, pipe.execute()):
+                    ns = name.decode().split(":", 2)[1]
+                    got = counts.setdefault(ns, [0, 0])
+                    got[0] += 1
+                    got[1] += int(size)
+        except self._errors as err:
+            raise self._down(err) from None
+        return {ns: (n, size) for ns, (n, size) in sorted(counts.items())}
 
     def close(self) -> None:
         self.redis.close()
