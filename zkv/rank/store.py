@@ -60,7 +60,7 @@ from .tiers.cpu_tier import CpuTier, HostTier
 from .tiers.disk_io import RowDigest, view_at
 from .tiers.disk_link import DiskLink, ready_tiers
 from .tiers.disk_tier import DiskLost, DiskSpec, DiskTier
-from .tiers.store_tier import Frame, KeyedStore, check_value, digest_for, encode_value, layout_tag, name_of
+from .tiers.store_tier import Frame, KeyedStore, digest_for, encode_value, layout_tag, name_of, read_head
 from .tiers.tier_file import TierPlace
 
 __all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "pick_device", "tensor_bytes"]
@@ -489,15 +489,18 @@ class BlockStore:
             keyed.put(names, [encode_value(f, view_at(a, n)) for f, a in zip(frames, addresses)])
             return n * len(names)
         cpu.writing(body.dst)
-        values = keyed.get(names)
-        missing = [key.hex()[:16] for key, value in zip(body.keys, values) if value is None]
+        addresses = cpu.addresses(body.dst)
+        heads = keyed.get_into(names, [view_at(a, n) for a in addresses])
+        missing = [key.hex()[:16] for key, head in zip(body.keys, heads) if head is None]
         if missing:
+            shown = ", ".join(missing[:4])
+            raise CacheError("store_miss", f"{len(missing)} of {len(names)} keys hold no value ({shown})")
+        stored = [read_head(h, Frame(body.ns, self.rank, k, tag, n, b"")) for k, h in zip(body.keys, heads)]  # type: ignore[arg-type]
+        bad = [k.hex()[:16] for k, s, d in zip(body.keys, stored, digest.of(addresses)) if s != d]
+        if bad:
             raise CacheError(
-                "store_miss", f"{len(missing)} of {len(names)} keys hold no value ({', '.join(missing[:4])})"
+                "lost_block", f"store values of keys {', '.join(bad[:4])}: their rows do not check (digest)"
             )
-        for key, value, address in zip(body.keys, values, cpu.addresses(body.dst)):
-            row = check_value(value, Frame(body.ns, self.rank, key, tag, n, b""), digest)  # type: ignore[arg-type]
-            view_at(address, n)[:] = row
         cpu.written(body.dst)
         return n * len(names)
 

@@ -78,28 +78,45 @@ def encode_value(frame: Frame, row: memoryview) -> bytes:
     return _HEAD.pack(MAGIC, VERSION, len(head)) + head + bytes(row)
 
 
-def check_value(value: bytes | memoryview, want: Frame, digest: RowDigest) -> memoryview:
-    """The row of ``value`` once its header names ``want``'s namespace, rank, key, layout
-    and size, and the row checks against the digest the header holds (``want.digest`` is
-    not read: a reader cannot know it); ``CacheError("lost_block")`` naming what did not."""
-    view = memoryview(value)
+def read_head(head: bytes | memoryview, want: Frame) -> bytes:
+    """The stored digest of a value whose header (``head``: the value's bytes before its row)
+    names ``want``'s namespace, rank, key, layout and size; ``CacheError("lost_block")``
+    naming what did not (``want.digest`` is not read: a reader cannot know it)."""
+    view = memoryview(head)
     shown = f"store value of key {want.key.hex()[:16]}"
     if len(view) < _HEAD.size:
         raise CacheError("lost_block", f"{shown}: truncated")
     magic, version, size = _HEAD.unpack_from(view)
-    if magic != MAGIC or version != VERSION or size > _MAX_HEADER or _HEAD.size + size > len(view):
+    if magic != MAGIC or version != VERSION or size > _MAX_HEADER or _HEAD.size + size != len(view):
         raise CacheError("lost_block", f"{shown}: not a zkv value")
     try:
-        ns, rank, key, layout, nbytes, stored = msgpack.unpackb(view[_HEAD.size : _HEAD.size + size], raw=False)
+        ns, rank, key, layout, nbytes, stored = msgpack.unpackb(view[_HEAD.size :], raw=False)
     except (ValueError, TypeError, msgpack.UnpackException):
         raise CacheError("lost_block", f"{shown}: its header does not decode") from None
     if (ns, rank, key, layout, nbytes) != (want.ns, want.rank, want.key, want.layout, want.nbytes):
         raise CacheError("lost_block", f"{shown}: the value names another block ({ns}, rank {rank})")
-    row = view[_HEAD.size + size :]
+    return stored
+
+
+def head_size(value: bytes | memoryview) -> int:
+    """Where a value's row starts (0: not a zkv value's start)."""
+    if len(value) < _HEAD.size:
+        return 0
+    magic, _, size = _HEAD.unpack_from(value)
+    return _HEAD.size + size if magic == MAGIC and size <= _MAX_HEADER else 0
+
+
+def check_value(value: bytes | memoryview, want: Frame, digest: RowDigest) -> memoryview:
+    """The row of a whole ``value`` once its header names ``want`` (``read_head``) and the row
+    checks against the digest it holds; ``CacheError("lost_block")`` naming what did not."""
+    view = memoryview(value)
+    at = head_size(view)
+    stored = read_head(view[:at] if at else view[: min(len(view), _HEAD.size)], want)
+    row = view[at:]
     if len(row) != want.nbytes:
-        raise CacheError("lost_block", f"{shown}: {len(row)} bytes, not {want.nbytes}")
+        raise CacheError("lost_block", f"store value of key {want.key.hex()[:16]}: {len(row)} bytes, not {want.nbytes}")
     if digest.of([address_of_view(row)])[0] != stored:
-        raise CacheError("lost_block", f"{shown}: its row does not check (digest)")
+        raise CacheError("lost_block", f"store value of key {want.key.hex()[:16]}: its row does not check (digest)")
     return row
 
 
@@ -127,6 +144,25 @@ class KeyedStore(ABC):
     @abstractmethod
     def get(self, names: Sequence[str]) -> list[bytes | None]:
         """The values, None where a name has none (evicted, never stored, retired)."""
+
+    def get_into(self, names: Sequence[str], rows: Sequence[memoryview]) -> list[bytes | None]:
+        """Read each value's row into ``rows[i]`` and return its header (the value's bytes
+        before the row; ``read_head`` checks it), None where a name holds no value.  A value
+        whose row is not exactly ``len(rows[i])`` bytes returns ``b""`` (not a whole value).
+        The default goes through ``get`` (one copy more); a store that can read into
+        memory overrides it."""
+        out: list[bytes | None] = []
+        for value, row in zip(self.get(names), rows):
+            if value is None:
+                out.append(None)
+                continue
+            at = head_size(value)
+            if not at or len(value) - at != len(row):
+                out.append(b"")
+                continue
+            row[:] = memoryview(value)[at:]
+            out.append(bytes(value[:at]))
+        return out
 
     @abstractmethod
     def exists(self, names: Sequence[str]) -> list[bool]: ...
@@ -184,6 +220,26 @@ class FileStore(KeyedStore):
                 with open(path, "rb") as f:  # open: an eviction meanwhile cannot take what is read
                     out.append(f.read())
                 os.utime(path)  # recently used: the last to be evicted
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as err:
+                raise StoreDown(f"file store {self.root}: {err}") from None
+        return out
+
+    def get_into(self, names: Sequence[str], rows: Sequence[memoryview]) -> list[bytes | None]:
+        """Each file's header, then its row read straight into ``rows[i]`` (one copy, from the
+        page cache); the file stays open while it is read, whatever an eviction does."""
+        out: list[bytes | None] = []
+        for name, row in zip(names, rows):
+            path = self._path(name)
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    first = f.read(_HEAD.size)
+                    at = head_size(first)
+                    head = first + f.read(at - len(first)) if at else b""
+                    whole = bool(at) and len(head) == at and f.readinto(row) == len(row) and not f.read(1)
+                out.append(head if whole else b"")
+                os.utime(path)
             except FileNotFoundError:
                 out.append(None)
             except OSError as err:
