@@ -113,7 +113,7 @@ def test_an_engine_of_other_weights_is_served_nothing(pair, weights):
         greedy(a.llm, prompt, 4)
         got, _ = greedy(other.llm, prompt + _prompt(4, 40), 4)
         assert other.blocks().get("get", 0) == 0, "another identity fetched from the store"
-        assert got == other.recompute(prompt + _prompt(4, 40))
+        assert got == other.recompute(prompt + _prompt(4, 40), 4)
     finally:
         stop_engine(other.llm)
 

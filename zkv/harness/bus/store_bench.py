@@ -23,7 +23,7 @@ from .cluster import LocalCluster
 LAYOUT = CacheLayout(layers=4, gpu_blocks=16, cpu_blocks=256, block_size=16, kv_heads=8, head_dim=128)  # 256 KiB
 NS = "bench"
 WINDOW = 4  # get tasks in flight
-TARGET = 0.8  # zkv's get / a plain read loop of the same bytes
+TARGET = 0.8  # zkv's get from Redis / a redis-py GET loop of the same bytes (the host tier's ratio is reported)
 
 
 def _keys(n: int) -> list[bytes]:
@@ -171,10 +171,11 @@ def summary(res: dict) -> str:
         if not r:
             continue
         held = "ok" if r["get_vs_plain"] >= res["target"] else "MISSED"
+        goal = f"{held}: target >= {res['target']}x" if name == "redis" else "no target: a memcpy is the plain loop"
         rounds = r["get_rounds_vs_plain"]
         lines.append(
             f"  {r['store']}: zkv get {r['zkv_get_GBps']:.3f} GB/s  | plain read loop {r['plain_get_GBps']:.3f} GB/s"
-            f"  ({r['get_vs_plain']:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]; {held}: target >= {res['target']}x);"
+            f"  ({r['get_vs_plain']:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]; {goal});"
             f"  put {r['zkv_put_GBps']:.3f} GB/s beside {r['plain_put_GBps']:.3f} ({r['put_vs_plain']:.2f}x)"
         )
     return "\n".join(lines)
