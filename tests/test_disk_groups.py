@@ -62,7 +62,7 @@ class Rig:
         for _ in work:
             assert self.reports.poll(10_000), "every item taken is reported"
             self.reports.recv()
-            reports.append(self.executor.reports.popleft())
+            reports.append(self.executor.reports.popleft()[1])  # (lane, report)
         tasks = sum(type(item) is Execute for item in work)
         results: dict[int, object] = {}
         while len(results) < tasks:
@@ -208,7 +208,7 @@ def test_the_stop_queued_behind_a_group_still_stops_the_executor(store, tmp_path
     rig.executor.start()
     rig.executor.join(timeout=10)
     assert not rig.executor.is_alive(), "the stop was lost behind the group"
-    assert [r.outcome for r in rig.executor.reports] == [OK, OK]
+    assert [r.outcome for _, r in rig.executor.reports] == [OK, OK]
     assert rig.executor.stats["disk_groups"] == 1
     rig.results.close(linger=0)
     rig.reports.close(linger=0)

@@ -322,10 +322,6 @@ def worker(
         else:
             claim = {name: getattr(layout, name) for name in given} | {"cpu_blocks": layout.cpu_blocks}
             w = attach_rank(manifest, rank, world_size, backend, control, claim, **opts)
-    except ValueError as err:  # a --store URL it cannot use
-        if isinstance(err, CacheError):
-            raise
-        fail(f"rank {rank} cannot use its store: {err}", "see zkv worker --help for the --store forms")
     except CacheError as err:
         if manifest is None or err.code in ("tier_in_use", "disk_busy"):
             fail(
@@ -333,6 +329,8 @@ def worker(
                 "is another worker of this rank running (--tier-dir, --disk-dir)?",
             )
         fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
+    except ValueError as err:  # a --store URL it cannot use
+        fail(f"rank {rank} cannot use its store: {err}", "see zkv worker --help for the --store forms")
     startup.mark("tiers")
     lay = w.cache.layout
     what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from .vocab import Op, Tier
 
-#: the tiers, nearest to the engine first (the keyed store last: it outlives the engine)
-TIER_ORDER = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.STORE)
+#: the tiers of rows, nearest to the engine first
+TIER_ORDER = (Tier.GPU, Tier.CPU, Tier.DISK)
+_DEPTH = (*TIER_ORDER, Tier.STORE)  # the keyed store below them all: it outlives the engine
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Move:
     @property
     def down(self) -> bool:
         """Whether it moves blocks away from the engine (a demotion: swap_out, spill)."""
-        return TIER_ORDER.index(self.dest) > TIER_ORDER.index(self.source)
+        return _DEPTH.index(self.dest) > _DEPTH.index(self.source)
 
     def tier_of(self, field: str) -> Tier:
         """The tier a task's ``src`` or ``dst`` ids name."""

@@ -25,7 +25,7 @@ from ...client.client import Client
 from ...prefix import PrefixCacheManager
 from ...prefix.cycle import pause_clear_resume
 from ...wire.layout import CacheLayout
-from ...wire.moves import MOVES, TIER_ORDER
+from ...wire.moves import ROW_MOVES, TIER_ORDER
 from ...wire.vocab import Op, Outcome, Tier
 from .workload import ChatSpec, ChatWorkload, WorkloadReport, serve_workload
 
@@ -99,7 +99,7 @@ def _say_run(report: WorkloadReport, title: str, echo: Callable[[str], None]) ->
         f"{report.checksum_tasks} checksum tasks besides the swaps)"
     )
     echo(f"    hit rate over {st['queried_blocks']} prompt blocks: {_hit_rates(s)}; {s['computed_blocks']} computed")
-    for op in MOVES:
+    for op in ROW_MOVES:
         sw = s["swaps"][op]
         if op.startswith("swap") or st["disk"]["total"]:
             outcomes = {k.value: sw[k] for k in Outcome if sw[k]}
