@@ -24,12 +24,13 @@ from zkv.rank.store import BlockStore
 from zkv.rank.tiers.disk_tier import DiskSpec
 from zkv.wire import fast as F
 from zkv.wire import protocol as P
+from zkv.wire import sockets as S
 from zkv.wire.layout import CacheLayout
 from zkv.wire.vocab import RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=16)
 OK, FAILED = RankOutcome.OK, RankOutcome.FAILED
-_result = F.decoder("result")
+_result = F.decoder(S.CLIENT_PULL)
 
 
 class Rig:

@@ -28,14 +28,17 @@ from ..net.reply_address import advertised, default_bind
 from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire import sockets as S
 from ..wire.errors import ZkvError
-from ..wire.messages import MESSAGES, Error, Message, OutcomeMsg, Reply, Result, Submit
+from ..wire.messages import MESSAGES, Error, OutcomeMsg, Reply, Result, Submit
 from ..wire.outcome import TaskOutcome
 from ..wire.replies import Answer, CancelReply, ControlReply, PingReply, StatusReply, typed
 from ..wire.vocab import ControlOp
 from .results import ResultBook
 
-_decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
+# one decoder per socket, of the kinds it receives (wire/sockets.py)
+_decode_broker = F.decoder(S.CLIENT_DEALER)
+_decode_result = F.decoder(S.CLIENT_PULL)
 # A task's timeout travels as its submit ``timeout_ms``: the broker ends it
 # ``timeout`` (``ran: false``) if it is still queued then.  The client's own
 # deadline is this much later, so that the broker's word (did it run?) comes first.
@@ -367,7 +370,7 @@ class Client:
         """Every message queued on the DEALER: outcomes, replies and errors, one frame each."""
         for frames in ready_messages(self.dealer, 4096):
             try:
-                self._on_dealer(P.decode(frames[0]))
+                self._on_dealer(_decode_broker(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
 
@@ -386,15 +389,12 @@ class Client:
                 except P.ProtocolError:
                     counters["bad_messages"] += 1
 
-    def _on_pull(self, msg: Message) -> None:
-        if not isinstance(msg, Result):
-            self.book.counters["bad_messages"] += 1
-            return
+    def _on_pull(self, msg: Result) -> None:  # the PULL's decoder lets through results only
         out = self.book.on_result(msg, time.monotonic())
         if out is not None:
             self.finished[out.task] = out
 
-    def _on_dealer(self, msg: Message) -> None:
+    def _on_dealer(self, msg: Reply | Error | OutcomeMsg) -> None:
         if isinstance(msg, OutcomeMsg):
             out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen, msg.ran)
             if out is not None:

@@ -79,4 +79,5 @@ def gen_room(gen: int, moves: int = 1) -> bool:
 
 
 # list fields: most entries
-LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
+LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS, "kept_tiers": MAX_NEST_ITEMS}
+MAX_TIER_NAME = 16  # characters of one name in a ready's kept_tiers (at least 1)

@@ -32,6 +32,7 @@ from .bounds import (
     MAX_SAFE_INT,
     MAX_STATS_BYTES,
     MAX_STR,
+    MAX_TIER_NAME,
     STR_MAX,
     Z85_KEY_LEN,
     uint_bounds,
@@ -203,7 +204,7 @@ def _check_list(kind: str, name: str, value: Any) -> bool:
     if len(value) > most:
         code = "too_large" if name == "digests" else "bad_field"
         raise ProtocolError(code, f"{kind}.{name} has more than {most} entries")
-    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= 16 for x in value):
+    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= MAX_TIER_NAME for x in value):
         raise ProtocolError("bad_field", f"{kind}.kept_tiers must be a list of tier names")
     if name == "upto" and not all(is_uint(x) for x in value):
         raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")

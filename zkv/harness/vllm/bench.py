@@ -1,7 +1,7 @@
 """``zkv bench vllm``: the time to first token of a returning conversation
 on a real vLLM engine, with zkv as its offload backend, beside recompute (no
 connector) and beside the floor of any offload backend here (vLLM's own
-offloading connector on an in-process torch copy, ``vllm_floor.py``), each on
+offloading connector on an in-process torch copy, ``floor.py``), each on
 an engine of its own, in the same run (docs/benchmarks.md).
 
 The workload: ``conversations`` contexts of ``context`` tokens on a model

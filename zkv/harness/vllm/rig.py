@@ -105,7 +105,7 @@ def zkv_transfer(bus_dir: str | Path, **extra: Any) -> dict[str, Any]:
 
 def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
     """vLLM's own OffloadingConnector on the in-process torch-copy spec
-    (``vllm_floor.py``): the floor of any offload backend here."""
+    (``floor.py``): the floor of any offload backend here."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
