@@ -117,7 +117,15 @@ BASE = {  # one valid map of each kind, every optional field present
         "digests": [b"\x01" * 16],
         "cpu_gen": 3,
     },
-    "body": {"op": "swap_out", "src": P.pack_ids([1, 2]), "dst": P.pack_ids([3, 4]), "tier": "gpu", "seed": 0},
+    "body": {
+        "op": "swap_out",
+        "src": P.pack_ids([1, 2]),
+        "dst": P.pack_ids([3, 4]),
+        "tier": "gpu",
+        "seed": 0,
+        "keys": P.pack_keys([b"k1", b"k2"]),
+        "ns": "n0",
+    },
 }
 
 
