@@ -62,8 +62,8 @@ class AttachedCluster(LocalCluster):
                     self.engine_layout, self.manifest(rank), self.generation, "cpu", self._shape()
                 )
 
-    def start_worker(self, rank: int, extra: Sequence[str] = ()):
-        return super().start_worker(rank, ["--attach", self.manifest(rank), *extra])
+    def start_worker(self, rank: int, extra: Sequence[str] = (), layout: CacheLayout | None = None):
+        return super().start_worker(rank, ["--attach", self.manifest(rank), *extra], layout)
 
     def start(self, timeout: float = 60.0) -> "AttachedCluster":
         try:

@@ -131,7 +131,8 @@ class LocalCluster:
         mine = self.workers.get(rank)
         return None if pid is None or (mine is not None and mine.pid == pid and mine.poll() is None) else pid
 
-    def start_worker(self, rank: int, extra: Sequence[str] = ()) -> subprocess.Popen:
+    def start_worker(self, rank: int, extra: Sequence[str] = (), layout: CacheLayout | None = None) -> subprocess.Popen:
+        """Start ``rank``'s worker on ``layout`` (default: the cluster's start layout)."""
         proc = self._spawn(
             [
                 "worker",
@@ -140,7 +141,7 @@ class LocalCluster:
                 "--world-size",
                 str(self.ranks),
                 *self._ep_args(),
-                *layout_args(self.layout),
+                *layout_args(layout or self.layout),
                 *self.worker_args,
                 *extra,
             ]
