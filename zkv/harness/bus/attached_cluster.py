@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...wire.layout import CacheLayout
-from .cluster import LocalCluster
+from .cluster import LocalCluster, Teardown
 from .ipc_check import EngineProcess
 
 
@@ -82,11 +82,11 @@ class AttachedCluster(LocalCluster):
             engine.realloc(self.generation, blocks)
         return self.generation
 
-    def stop(self, timeout: float = 10.0) -> dict[str, int]:
+    def stop(self, timeout: float = 10.0) -> Teardown:
         """Stop the workers and the broker first (they unmap), then the engines (they free)."""
-        codes = super().stop(timeout)
+        end = super().stop(timeout)
         for rank, engine in self.engines.items():
             engine.close()
-            codes[f"engine{rank}"] = engine.proc.returncode
+            end.codes[f"engine{rank}"] = engine.proc.returncode
         self.engines.clear()
-        return codes
+        return end
