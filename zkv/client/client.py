@@ -24,6 +24,7 @@ import zmq
 from ..net.curve import RESULTS_DOMAIN, Curve
 from ..net.endpoints import Endpoints, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
+from ..net.handshakes import HandshakeWatch, mismatch_reason
 from ..net.reply_address import advertised, default_bind
 from ..wire import bounds
 from ..wire import fast as F
@@ -80,6 +81,8 @@ class Client:
         self.auth = None
         self._reply_key: str | None = None
         self._ipc_path: Path | None = None
+        self._handshakes: HandshakeWatch | None = None
+        self._has_keys = curve is not None
         self.closed = False
         try:
             if curve is not None:
@@ -88,6 +91,9 @@ class Client:
                 self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
                 curve.make_server(self.pull, RESULTS_DOMAIN)
                 self._reply_key = curve.public_key()
+            # Watched from before the connect until the broker's handshake succeeds: one that fails
+            # for security the two ends do not share is said at the next request, not after its timeout.
+            self._handshakes = HandshakeWatch(self.dealer)
             self.dealer.connect(self.broker)
             if reply_to is None:
                 reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
@@ -99,6 +105,7 @@ class Client:
             self.poller = zmq.Poller()
             self.poller.register(self.dealer, zmq.POLLIN)
             self.poller.register(self.pull, zmq.POLLIN)
+            self.poller.register(self._handshakes.socket, zmq.POLLIN)
             self.book = ResultBook()
             self.finished: dict[int, TaskOutcome] = {}
             self.replies: dict[int, Reply | Error] = {}
@@ -251,6 +258,7 @@ class Client:
         timeout = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while req not in self.replies:
+            self._check_handshake()
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ZkvError(
@@ -336,6 +344,26 @@ class Client:
 
     # --- the one wait ------------------------------------------------------------
 
+    def _check_handshake(self) -> None:
+        """Raise at once when the broker refused our handshake for security we do not
+        share (CurveZMQ on one end only): no reply would ever come."""
+        watch = self._handshakes
+        if watch is not None and watch.mismatch and not watch.succeeded:
+            raise ZkvError(
+                "unreachable",
+                f"{self.broker} refused this client's handshake: {mismatch_reason(self._has_keys)}",
+            )
+
+    def _watch_handshakes(self) -> None:
+        watch = self._handshakes
+        if watch is None:
+            return
+        watch.read()
+        if watch.succeeded:  # nothing more to learn: stop watching
+            self.poller.unregister(watch.socket)
+            watch.close()
+            self._handshakes = None
+
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for traffic, file all of it, expire deadlines."""
         due = self.book.next_deadline()
@@ -343,6 +371,8 @@ class Client:
             timeout = min(timeout, due - time.monotonic())
         timeout = max(0.0, timeout)  # zmq reads a negative timeout as "forever"
         events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
+        if self._handshakes is not None and self._handshakes.socket in events:
+            self._watch_handshakes()  # a mismatch is said by the request waiting (``_check_handshake``)
         now = time.monotonic()
         if self.pull in events:
             self._drain_results()
@@ -402,6 +432,9 @@ class Client:
         if self.closed:
             return
         self.closed = True
+        if self._handshakes is not None:
+            self._handshakes.close()
+            self._handshakes = None
         self.dealer.close(linger=0)
         self.pull.close(linger=0)
         if self.auth is not None:

@@ -1,0 +1,64 @@
+"""A connecting socket's ZMTP handshakes, watched until one succeeds.
+
+A peer whose security differs (CurveZMQ on one end only) fails every
+handshake with a mechanism mismatch, and nothing else on the socket says so:
+sends queue, receives stay silent, and a client would learn it only when its
+timeout ends.  libzmq reports each failed handshake on the socket's monitor;
+``HandshakeWatch`` reads those reports, so that a client can say why at once
+and a rank can say why it waits."""
+
+from __future__ import annotations
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "HANDSHAKE_FAILED_NO_DETAIL",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "HANDSHAKE_FAILED_PROTOCOL",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "HANDSHAKE_FAILED_AUTH",
+}
+
+
+def mismatch_reason(has_keys: bool) -> str:
+    """What a mechanism mismatch means for a client that has CurveZMQ keys or none."""
+    if has_keys:
+        return "the broker does not speak CurveZMQ and this client does"
+    return "the broker speaks CurveZMQ and this client has no keys"
+
+
+class HandshakeWatch:
+    """The handshakes of ``sock`` (a socket that connects) as libzmq reports them:
+    ``failures`` (the event names seen), ``mismatch`` (one failed for a security
+    mechanism the peer does not share), ``succeeded``.  Poll ``socket`` for news,
+    then ``read()``; ``close()`` when nothing more is to be learnt."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._watched = sock
+        self.socket: zmq.Socket = sock.get_monitor_socket(int(sum(_FAILED)) | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.failures = ""
+        self.mismatch = False
+        self.succeeded = False
+
+    def read(self) -> None:
+        """Take every report waiting on the monitor."""
+        while self.socket.poll(0):
+            event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.succeeded = True
+                continue
+            name = _FAILED.get(zmq.Event(kind), str(kind))
+            if name not in self.failures:
+                self.failures = ", ".join(filter(None, [self.failures, name]))
+            if (
+                kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            ):
+                self.mismatch = True
+
+    def close(self) -> None:
+        self._watched.disable_monitor()
+        self.socket.close(linger=0)
+
+
+__all__ = ["HandshakeWatch", "mismatch_reason"]
