@@ -22,7 +22,7 @@ from typing import Any, Sequence, TypeVar
 import zmq
 
 from ..net.curve import RESULTS_DOMAIN, Curve
-from ..net.endpoints import Endpoints, make_socket, runtime_dir
+from ..net.endpoints import Endpoints, certainly_absent, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
 from ..net.handshakes import HandshakeWatch, mismatch_reason
 from ..net.reply_address import advertised, default_bind
@@ -50,6 +50,39 @@ def deadline_ms(timeout: float) -> int:
     if not math.isfinite(timeout) or timeout * 1000 >= bounds.MAX_TIMEOUT_MS:
         return bounds.MAX_TIMEOUT_MS
     return max(1, int(timeout * 1000))
+
+
+CLIENT_PREFIX = "client-"  # a client's result socket in the runtime directory: client-<pid>-<random>.sock
+
+
+def remove_dead_clients(directory: Path) -> list[Path]:
+    """Remove the result sockets of clients whose process is gone (killed, or ended
+    without ``close()``): their pid names no live process and nothing listens on
+    them.  Returns what was removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(CLIENT_PREFIX) :].partition("-")[0]
+        if not name.startswith(CLIENT_PREFIX) or not name.endswith(".sock") or not pid.isdigit():
+            continue
+        path = directory / name
+        if not _alive(int(pid)) and certainly_absent(f"ipc://{path}") is not None:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 class Client:
@@ -98,7 +131,8 @@ class Client:
             if reply_to is None:
                 reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
             if reply_to is None:
-                self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+                remove_dead_clients(runtime_dir())
+                self._ipc_path = runtime_dir() / f"{CLIENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
                 reply_to = f"ipc://{self._ipc_path}"
             self.pull.bind(reply_to)
             self.reply_to = advertised(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.broker, advertise)
