@@ -24,7 +24,7 @@ import zmq
 from ..net.curve import RESULTS_DOMAIN, Curve
 from ..net.endpoints import Endpoints, certainly_absent, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
-from ..net.handshakes import HandshakeWatch, mismatch_reason
+from ..net.handshakes import HandshakeProbe, mismatch_reason
 from ..net.reply_address import advertised, default_bind
 from ..wire import bounds
 from ..wire import fast as F
@@ -41,6 +41,10 @@ _decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; r
 # ``timeout`` (``ran: false``) if it is still queued then.  The client's own
 # deadline is this much later, so that the broker's word (did it run?) comes first.
 BROKER_WORD_S = 0.25
+# A request not answered this soon, by a client never answered yet, starts a probe of the
+# broker's handshake beside its wait (``HandshakeProbe``): one refused for security the two ends
+# do not share (no reply would ever come) fails the request at once.
+PROBE_AFTER_S = 0.2
 _A = TypeVar("_A", PingReply, CancelReply, StatusReply, ControlReply)
 
 
@@ -114,8 +118,10 @@ class Client:
         self.auth = None
         self._reply_key: str | None = None
         self._ipc_path: Path | None = None
-        self._handshakes: HandshakeWatch | None = None
-        self._has_keys = curve is not None
+        self._curve = curve
+        self._answered = False  # a reply came, or a probe's handshake went through: the ends' security matches
+        self._probe: HandshakeProbe | None = None
+        self._refused = ""  # why the broker refused a probe's handshake (a security mismatch)
         self.closed = False
         try:
             if curve is not None:
@@ -124,9 +130,6 @@ class Client:
                 self.auth = curve.start_authenticator(self.ctx, curve.results_domains())
                 curve.make_server(self.pull, RESULTS_DOMAIN)
                 self._reply_key = curve.public_key()
-            # Watched from before the connect until the broker's handshake succeeds: one that fails
-            # for security the two ends do not share is said at the next request, not after its timeout.
-            self._handshakes = HandshakeWatch(self.dealer)
             self.dealer.connect(self.broker)
             if reply_to is None:
                 reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
@@ -139,7 +142,6 @@ class Client:
             self.poller = zmq.Poller()
             self.poller.register(self.dealer, zmq.POLLIN)
             self.poller.register(self.pull, zmq.POLLIN)
-            self.poller.register(self._handshakes.socket, zmq.POLLIN)
             self.book = ResultBook()
             self.finished: dict[int, TaskOutcome] = {}
             self.replies: dict[int, Reply | Error] = {}
@@ -291,14 +293,21 @@ class Client:
         Task results that arrive meanwhile are filed for wait/poll."""
         timeout = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        probe_at = time.monotonic() + PROBE_AFTER_S
         while req not in self.replies:
-            self._check_handshake()
+            if self._refused:
+                raise ZkvError("unreachable", f"{self.broker} refused this client's handshake: {self._refused}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ZkvError(
                     "no_reply", f"no reply to {what} from {self.broker} within {timeout:.3g} s; is the broker running?"
                 )
-            self._pump(left)
+            if self._probe is None and not self._answered and time.monotonic() >= probe_at:
+                self._start_probe()
+            wait = left if self._probe is not None or self._answered else min(left, probe_at - time.monotonic())
+            self._pump(max(0.0, wait))
+        self._answered = True
+        self._end_probe()
         reply = self.replies.pop(req)
         if isinstance(reply, Error):
             raise ZkvError(reply.code, reply.reason)
@@ -378,25 +387,27 @@ class Client:
 
     # --- the one wait ------------------------------------------------------------
 
-    def _check_handshake(self) -> None:
-        """Raise at once when the broker refused our handshake for security we do not
-        share (CurveZMQ on one end only): no reply would ever come."""
-        watch = self._handshakes
-        if watch is not None and watch.mismatch and not watch.succeeded:
-            raise ZkvError(
-                "unreachable",
-                f"{self.broker} refused this client's handshake: {mismatch_reason(self._has_keys)}",
-            )
+    def _start_probe(self) -> None:
+        """Probe the broker's handshake beside the wait (the DEALER's monitor is its owners')."""
+        self._probe = HandshakeProbe(self.ctx, self.broker, self._curve)
+        self.poller.register(self._probe.socket, zmq.POLLIN)
 
-    def _watch_handshakes(self) -> None:
-        watch = self._handshakes
-        if watch is None:
+    def _on_probe(self) -> None:
+        assert self._probe is not None
+        verdict = self._probe.read()
+        if verdict is None:
             return
-        watch.read()
-        if watch.succeeded:  # nothing more to learn: stop watching
-            self.poller.unregister(watch.socket)
-            watch.close()
-            self._handshakes = None
+        if verdict.mismatch:
+            self._refused = mismatch_reason(self._curve is not None)
+        else:
+            self._answered = verdict.succeeded
+        self._end_probe()
+
+    def _end_probe(self) -> None:
+        if self._probe is not None:
+            self.poller.unregister(self._probe.socket)
+            self._probe.close()
+            self._probe = None
 
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for traffic, file all of it, expire deadlines."""
@@ -405,8 +416,8 @@ class Client:
             timeout = min(timeout, due - time.monotonic())
         timeout = max(0.0, timeout)  # zmq reads a negative timeout as "forever"
         events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
-        if self._handshakes is not None and self._handshakes.socket in events:
-            self._watch_handshakes()  # a mismatch is said by the request waiting (``_check_handshake``)
+        if self._probe is not None and self._probe.socket in events:
+            self._on_probe()
         now = time.monotonic()
         if self.pull in events:
             self._drain_results()
@@ -466,9 +477,7 @@ class Client:
         if self.closed:
             return
         self.closed = True
-        if self._handshakes is not None:
-            self._handshakes.close()
-            self._handshakes = None
+        self._end_probe()
         self.dealer.close(linger=0)
         self.pull.close(linger=0)
         if self.auth is not None:

@@ -9,6 +9,8 @@ and a rank can say why it waits."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -36,6 +38,7 @@ class HandshakeWatch:
         self._watched = sock
         self.socket: zmq.Socket = sock.get_monitor_socket(int(sum(_FAILED)) | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.failures = ""
+        self.failed = 0  # handshakes that failed
         self.mismatch = False
         self.succeeded = False
 
@@ -47,6 +50,7 @@ class HandshakeWatch:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.succeeded = True
                 continue
+            self.failed += 1
             name = _FAILED.get(zmq.Event(kind), str(kind))
             if name not in self.failures:
                 self.failures = ", ".join(filter(None, [self.failures, name]))
@@ -61,4 +65,39 @@ class HandshakeWatch:
         self.socket.close(linger=0)
 
 
-__all__ = ["HandshakeWatch", "mismatch_reason"]
+class HandshakeProbe:
+    """A socket of its own that connects to ``address`` as a client with ``curve`` would,
+    only to learn whether its handshake goes through (it sends nothing).  Poll
+    ``socket``, then ``read()``: None while no handshake ended (nothing listens yet),
+    else its ``HandshakeWatch``.  A socket's monitor is its owner's to take: a client
+    that wants to know about its own DEALER without taking that asks a probe."""
+
+    def __init__(self, ctx: zmq.Context, address: str, curve: Any = None):
+        self._probe = ctx.socket(zmq.DEALER)
+        self._probe.linger = 0
+        self.watch = HandshakeWatch(self._probe)
+        self.socket = self.watch.socket
+        try:
+            if curve is not None:
+                curve.make_client(self._probe)
+            self._probe.connect(address)
+        except BaseException:
+            self.close()
+            raise
+
+    #: failed handshakes, none a mismatch, after which the verdict is "failed otherwise" (a refused
+    #: key): libzmq may report a connection's failure more than once, not always the mismatch first
+    FAILURES = 3
+
+    def read(self) -> HandshakeWatch | None:
+        """The verdict once there is one: matched, mismatched, or failed otherwise."""
+        self.watch.read()
+        watch = self.watch
+        return watch if watch.succeeded or watch.mismatch or watch.failed >= self.FAILURES else None
+
+    def close(self) -> None:
+        self.watch.close()
+        self._probe.close(linger=0)
+
+
+__all__ = ["HandshakeProbe", "HandshakeWatch", "mismatch_reason"]
