@@ -52,6 +52,19 @@ def servers(tmp_path_factory, weights):
             s.stop()
 
 
+@pytest.fixture(autouse=True)
+def serving(request):
+    """Each test finds the module's servers up: one a previous test left dead or hung is
+    started again here, so that a test fails for what it does, not for the one before."""
+    if "servers" in request.fixturenames:
+        for s in request.getfixturevalue("servers"):
+            if not s.alive:
+                s.stop()  # what is left of it, and what it left in /dev/shm
+                s.start()
+                s.wait_ready()
+    yield
+
+
 def fleet_of(servers, **kw) -> ServerFleet:
     return ServerFleet([ServerSpec(s.name, s.url, s.bus) for s in servers], **kw)
 

@@ -144,6 +144,7 @@ _LAZY = {
     "tier": ".tier:tier",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
+    "serve-vllm": ".serve_vllm:serve_vllm",
     "up": ".up:up",
     "down": ".supervise:down",
 }
