@@ -197,3 +197,13 @@ def test_vllm_s_output_goes_to_its_log_and_the_tool_s_own_lines_stay_on_the_term
     with vllm_output_to(None):  # the user asked to see vLLM: nothing moves
         os.write(1, b"shown\n")
     assert capfd.readouterr().out == "shown\n"
+
+
+def test_serve_vllm_needs_a_model_and_says_what_to_install_where_vllm_is_missing(monkeypatch):
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0"], prog_name="zkv")
+    assert res.exit_code == 2 and "--random-model" in res.output, res.output
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0", "--model", "m", "--write-only"], prog_name="zkv")
+    assert res.exit_code == 2 and "--write-only writes a --random-model" in res.output, res.output
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0", "--model", "m"], prog_name="zkv")
+    assert res.exit_code == 1 and "needs vLLM" in res.stderr and "vllm_setup.sh" in res.stderr, res.output
