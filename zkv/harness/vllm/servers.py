@@ -109,12 +109,15 @@ class ServerProc:
         transfer = zkv_transfer(
             self.bus_dir, cpu_blocks=self.cpu_blocks, tier_dir=str(self.root), status_interval_s=0.0, **self.extra
         )
+        # vLLM takes a path it cannot find (a reload to a missing checkpoint) for a hub id and leaves a
+        # lock file for its download in the download directory, else in /tmp: for a model of files, ROOT's.
+        local = ["--download-dir", str(self.root / "downloads")] if Path(self.model).is_dir() else []
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--port", str(self.port), "--host", "127.0.0.1",
             "--skip-tokenizer-init", "--enforce-eager", "--block-size", str(BLOCK_TOKENS),
             "--num-gpu-blocks-override", str(self.gpu_blocks), "--max-model-len", str(self.max_model_len),
-            "--max-num-seqs", "4", "--seed", "0", "--kv-transfer-config", json.dumps(transfer),
+            "--max-num-seqs", "4", "--seed", "0", "--kv-transfer-config", json.dumps(transfer), *local,
         ]  # fmt: skip
 
     def start(self) -> "ServerProc":
