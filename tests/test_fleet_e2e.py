@@ -283,8 +283,9 @@ def test_a_bus_that_refuses_the_curve_handshake_is_named_with_a_curve_hint(rig, 
     brokers = [w for a in rig.frontends[:2] for w in ("--broker", a)]  # plain buses: a Curve client gets no answer
     out = CliRunner().invoke(main, ["status", *brokers, *curve, "--timeout", "1"])
     assert out.exit_code == 1, out.output
-    assert "with Curve, a broker that refuses the handshake never answers" in out.output, out.output
-    assert "within 1 s" in out.output or "within 0." in out.output, out.output
+    # each bus is named with why: the client's probe of the handshake saw the mechanism mismatch
+    said = "refused this client's handshake: the broker does not speak CurveZMQ and this client does"
+    assert out.output.count(said) == 2, out.output
 
 
 def test_a_fleet_pause_without_every_rank_of_a_bus_exits_1_unless_allowed(rig):

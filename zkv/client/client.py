@@ -119,7 +119,7 @@ class Client:
         self._reply_key: str | None = None
         self._ipc_path: Path | None = None
         self._curve = curve
-        self._answered = False  # a reply came, or a probe's handshake went through: the ends' security matches
+        self._answered = False  # a reply came, or a probe's handshake ended: no probe is needed any more
         self._probe: HandshakeProbe | None = None
         self._refused = ""  # why the broker refused a probe's handshake (a security mismatch)
         self.closed = False
@@ -279,6 +279,20 @@ class Client:
         return req
 
     def _send(self, frames: list[bytes]) -> None:
+        """Send one message; a DEALER with no connection the broker accepted would block
+        (bounded by SNDTIMEO): a broker that refused our handshake for security we do not
+        share is told at once (a probe of its own), before that wait."""
+        try:
+            send_message(self.dealer, frames)
+            return
+        except zmq.Again:
+            pass
+        if not self._answered:
+            from ..net.curve import security_mismatch
+
+            why = security_mismatch(self.broker, self._curve, timeout=1.0)
+            if why is not None:
+                raise ZkvError("unreachable", f"{self.broker} refused this client's handshake: {why}")
         try:
             send_message(self.dealer, frames, block=True)  # bounded by SNDTIMEO
         except zmq.Again:
@@ -399,8 +413,7 @@ class Client:
             return
         if verdict.mismatch:
             self._refused = mismatch_reason(self._curve is not None)
-        else:
-            self._answered = verdict.succeeded
+        self._answered = True  # matched, or failed another way (a refused key is silence): one probe told it
         self._end_probe()
 
     def _end_probe(self) -> None:

@@ -31,15 +31,16 @@ def mismatch_reason(has_keys: bool) -> str:
 class HandshakeWatch:
     """The handshakes of ``sock`` (a socket that connects) as libzmq reports them:
     ``failures`` (the event names seen), ``mismatch`` (one failed for a security
-    mechanism the peer does not share), ``succeeded``.  Poll ``socket`` for news,
+    mechanism the peer does not share), ``refused`` (the peer refused this end's key),
+    ``succeeded``.  Poll ``socket`` for news,
     then ``read()``; ``close()`` when nothing more is to be learnt."""
 
     def __init__(self, sock: zmq.Socket):
         self._watched = sock
         self.socket: zmq.Socket = sock.get_monitor_socket(int(sum(_FAILED)) | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.failures = ""
-        self.failed = 0  # handshakes that failed
         self.mismatch = False
+        self.refused = False  # the peer's ZAP handler refused this end's key
         self.succeeded = False
 
     def read(self) -> None:
@@ -50,7 +51,6 @@ class HandshakeWatch:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.succeeded = True
                 continue
-            self.failed += 1
             name = _FAILED.get(zmq.Event(kind), str(kind))
             if name not in self.failures:
                 self.failures = ", ".join(filter(None, [self.failures, name]))
@@ -59,6 +59,8 @@ class HandshakeWatch:
                 and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
             ):
                 self.mismatch = True
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused = True
 
     def close(self) -> None:
         self._watched.disable_monitor()
@@ -85,15 +87,14 @@ class HandshakeProbe:
             self.close()
             raise
 
-    #: failed handshakes, none a mismatch, after which the verdict is "failed otherwise" (a refused
-    #: key): libzmq may report a connection's failure more than once, not always the mismatch first
-    FAILURES = 3
-
     def read(self) -> HandshakeWatch | None:
-        """The verdict once there is one: matched, mismatched, or failed otherwise."""
+        """The verdict once there is one: matched, mismatched, or this end's key refused.  A
+        handshake that failed with no detail is no verdict: the peer may close the connection
+        before this end reads its greeting (a mismatch then shows as a broken pipe), and
+        libzmq tries again."""
         self.watch.read()
         watch = self.watch
-        return watch if watch.succeeded or watch.mismatch or watch.failed >= self.FAILURES else None
+        return watch if watch.succeeded or watch.mismatch or watch.refused else None
 
     def close(self) -> None:
         self.watch.close()
