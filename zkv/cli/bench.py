@@ -161,10 +161,12 @@ def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, 
     if name == "vllm":
         from ..harness.vllm.bench import bench_vllm
         from ..harness.vllm.bench import summary as vllm_summary
+        from ..harness.vllm.output import log_path
         from ..harness.vllm.rig import quiet_vllm_logging
 
-        quiet_vllm_logging(say=say)  # before anything imports vllm: the engines' processes inherit it
-        res = bench_vllm(quick=quick, say=say)
+        log = log_path("bench-vllm")  # vLLM's own output, unless the user asked to see it
+        quiet = quiet_vllm_logging(say=say, log=log)  # before anything imports vllm: its processes inherit it
+        res = bench_vllm(quick=quick, say=say, log=log if quiet else None)
         return res, vllm_summary(res)
     if name == "shared":
         from ..harness.vllm.rig import quiet_vllm_logging

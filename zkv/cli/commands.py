@@ -146,6 +146,7 @@ _LAZY = {
     "store": ".store:store",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
+    "serve-vllm": ".serve_vllm:serve_vllm",
     "up": ".up:up",
     "down": ".supervise:down",
 }

@@ -33,11 +33,11 @@ from typing import Any, Callable
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
+from ..net.handshakes import HandshakeWatch
 from ..obs import startup
 from ..wire import bounds
 from ..wire.layout import CacheLayout
@@ -58,12 +58,6 @@ from .tiers.tier_file import TierPlace, bus_name
 log = logging.getLogger("zkv.worker")
 WAIT_NOTE_S = 5.0  # a rank not yet welcomed says what it waits for after this
 WAIT_NOTE_EVERY_S = 30.0  # and again at this rate while it still waits
-_EVENT_NAMES = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "HANDSHAKE_FAILED_NO_DETAIL",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "HANDSHAKE_FAILED_PROTOCOL",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "HANDSHAKE_FAILED_AUTH",
-}
-_HANDSHAKE_FAILED = int(sum(_EVENT_NAMES))
 
 _ids = itertools.count()
 
@@ -143,8 +137,7 @@ class RankWorker:
             curve.make_client(self.dealer)
             curve.make_client(self.sub)
         # With Curve, a handshake the broker refuses is never answered: watch for it to say so
-        self._handshakes = self.dealer.get_monitor_socket(_HANDSHAKE_FAILED) if curve is not None else None
-        self._handshake_failed = ""
+        self._handshakes = HandshakeWatch(self.dealer) if curve is not None else None
         self.dealer.connect(backend)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(control)
@@ -273,8 +266,7 @@ class RankWorker:
                     lane.work.put(None)
                     lane.join(timeout=10)
             if self._handshakes is not None:
-                self.dealer.disable_monitor()
-                self._handshakes.close(linger=0)
+                self._handshakes.close()
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
             self._inline_senders.close()
@@ -291,8 +283,7 @@ class RankWorker:
                 self.note(f"rank {core.rank}: registered with the broker after {now - self._joining_since:.0f} s")
             self._joining_since, self._said_waiting = None, False
             if self._handshakes is not None:  # the handshake went through: nothing more to watch
-                self.dealer.disable_monitor()
-                self._handshakes.close(linger=0)
+                self._handshakes.close()
                 self._handshakes = None
             return
         if self._joining_since is None:
@@ -322,13 +313,10 @@ class RankWorker:
 
     def _handshake_failures(self) -> str:
         """The handshake failures the DEALER's monitor saw so far (their event names), '' for none."""
-        monitor = self._handshakes
-        while monitor is not None and monitor.poll(0):
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            name = _EVENT_NAMES.get(zmq.Event(event["event"]), str(event["event"]))
-            if name not in self._handshake_failed:
-                self._handshake_failed = ", ".join(filter(None, [self._handshake_failed, name]))
-        return self._handshake_failed
+        if self._handshakes is None:
+            return ""
+        self._handshakes.read()
+        return self._handshakes.failures
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for frames in ready_messages(sock, 512):

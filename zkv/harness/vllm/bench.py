@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...obs.status_view import table
+from .output import progress, ticking, vllm_output_to
 from .rig import (
     BLOCK_TOKENS,
     BusProbe,
@@ -48,22 +49,33 @@ def _workload(shape: ModelShape, conversations: int, context: int, seed: int = 3
 
 
 def _run(
-    llm: Any, contexts: list[list[int]], turn: int, rounds: int
+    llm: Any, contexts: list[list[int]], turn: int, rounds: int, name: str = ""
 ) -> tuple[list[float], list[list[int]], list[list[int]]]:
-    """TTFT of every returning turn, each conversation's last greedy reply, and its history."""
+    """TTFT of every returning turn, each conversation's last greedy reply, and its history
+    (a bar over the visits on a terminal)."""
     import random
 
     rng = random.Random(7)
     history = [list(c) for c in contexts]
-    for h in history:  # first visit: prefill, and the offload backend stores it
-        greedy(llm, h, 2)
-    times = []
-    for _ in range(rounds):
+    bar = progress(f"  {name}", len(history) * (rounds + 2), "visit")
+    try:
+        for h in history:  # first visit: prefill, and the offload backend stores it
+            greedy(llm, h, 2)
+            bar.update(1)
+        times = []
+        for _ in range(rounds):
+            for h in history:
+                h += [rng.randrange(1, 500) for _ in range(turn)]
+                times.append(ttft(llm, h))
+                h += greedy(llm, h, 2)[0]
+                bar.update(1)
+        last = []
         for h in history:
-            h += [rng.randrange(1, 500) for _ in range(turn)]
-            times.append(ttft(llm, h))
-            h += greedy(llm, h, 2)[0]
-    return times, [greedy(llm, h, 8)[0] for h in history], history
+            last.append(greedy(llm, h, 8)[0])
+            bar.update(1)
+        return times, last, history
+    finally:
+        bar.close()
 
 
 def _after_restart(llm: Any, history: list[list[int]], turn: int, vocab: int) -> list[float]:
@@ -81,10 +93,12 @@ def bench_vllm(
     say: Callable[[str], None] = print,
     zkv_extra: dict[str, Any] | None = None,
     floor: Callable[[int, int], dict[str, Any]] | None = None,
+    log: Path | None = None,
 ) -> dict[str, Any]:
     """``zkv_extra``: more of zkv's settings (docs/engine-vllm.md) for its engine; ``floor``:
     the floor engine's ``--kv-transfer-config`` for (CPU blocks, block bytes), instead of the
-    in-process torch copy (the GPU check puts vLLM's own CPU offloading there)."""
+    in-process torch copy (the GPU check puts vLLM's own CPU offloading there); ``log``: where
+    vLLM's own output goes (``output.vllm_output_to``; None: this terminal)."""
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     conversations, rounds, turn = 3, 2 if quick else 4, 64
@@ -100,7 +114,7 @@ def bench_vllm(
         "gpu_blocks": gpu_blocks,
         "block_bytes": shape.block_bytes(),
     }
-    with tempfile.TemporaryDirectory(prefix="zkv-bench-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="zkv-bench-vllm-") as tmp, vllm_output_to(log):
         model = write_llama(Path(tmp) / "model", shape, seed=0)
         variants = {
             "recompute": None,
@@ -110,11 +124,12 @@ def bench_vllm(
         tokens, histories = {}, {}
         for name, transfer in variants.items():
             say(f"vllm bench: {name} ...")
-            llm = start_engine(model, transfer, gpu_blocks, max_len)
+            with ticking("  starting vLLM"):
+                llm = start_engine(model, transfer, gpu_blocks, max_len)
             try:
                 if name == "zkv":
                     BusProbe(Path(tmp) / "bus").status(wait_ranks=1)
-                times, tokens[name], histories[name] = _run(llm, contexts, turn, rounds)
+                times, tokens[name], histories[name] = _run(llm, contexts, turn, rounds, name)
             finally:
                 stop_engine(llm)
                 del llm
@@ -124,7 +139,8 @@ def bench_vllm(
                 "ttft_ms": [round(t * 1000, 1) for t in times],
             }
         say("vllm bench: zkv after a restart on the same tiers ...")
-        llm = start_engine(model, variants["zkv"], gpu_blocks, max_len)
+        with ticking("  starting vLLM"):
+            llm = start_engine(model, variants["zkv"], gpu_blocks, max_len)
         try:
             probe = BusProbe(Path(tmp) / "bus")
             probe.status(wait_ranks=1)
