@@ -97,7 +97,7 @@ def test_cli_bad_trace_exits_2_naming_the_line(tmp_path):
         assert res.exit_code == 2
         assert (
             res.stderr.strip() == f"zkv: error: bad trace: {bad}, line 3: unknown op 'swap'; "
-            "expected one of swap_out, swap_in, fill, checksum, spill, load"
+            "expected one of swap_out, swap_in, fill, checksum, spill, load, put, get"
         )
     res = runner.invoke(main, ["replay", "-"], input='{"zkv_trace": 7, "world": 2}\n')
     assert res.exit_code == 2 and "<stdin>, line 1: unsupported trace format version 7" in res.stderr
