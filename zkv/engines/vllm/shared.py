@@ -67,8 +67,14 @@ class SharedTier:
         self._thread.start()
 
     def known(self, key: bytes, now: float | None = None) -> Known:
-        """Whether the store holds ``key``, as far as learned; an unknown key is asked."""
+        """Whether the store holds ``key``, as far as learned; an unknown key is asked (at
+        once where that is a system call: a host tier; else in the background)."""
         now = time.monotonic() if now is None else now
+        if self.store.local:
+            try:
+                return Known.PRESENT if self.store.exists([name_of(self.ns, 0, key)])[0] else Known.ABSENT
+            except CacheError:
+                return Known.ABSENT
         with self._lock:
             if now < self._down_until:
                 return Known.ABSENT

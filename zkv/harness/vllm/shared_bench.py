@@ -3,7 +3,7 @@ engine B of the same identity, on one shared store below both (the host tier, an
 a Redis server when ``redis-server`` is installed): B's time to first token with
 the prefix fetched from the store, beside B's recompute (its bus paused: every
 lookup misses) and beside B serving the same turn from its own CPU tier (its GPU
-prefix cache reset), all on the same two engines in the same run; B's greedy
+KV cache holding others meanwhile), all on the same two engines in the same run; B's greedy
 tokens from A's blocks are compared with its recompute (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def _one(
             turn = context + reply + [rng.randrange(1, shape.vocab) for _ in range(64)]
             shared.append(ttft(b, turn))  # the prefix from A, through the store
             got = greedy(b, turn, 8)[0]
-            b.reset_prefix_cache()  # B's GPU prefix cache: the turn comes back from B's own CPU tier
-            own.append(ttft(b, turn))
+            greedy(b, [rng.randrange(1, shape.vocab) for _ in range(len(context))], 1)  # evicts it from B's KV cache
+            own.append(ttft(b, turn))  # from B's own CPU tier (its fetch and its turn stored it there)
             with pb.client() as c:  # zkv out of the way: every lookup misses
                 c.pause(timeout=30)
                 b.reset_prefix_cache()

@@ -134,9 +134,11 @@ class StoreDown(CacheError):
 
 class KeyedStore(ABC):
     """Values by name (see the module docstring).  Every call is bounded; one the store
-    cannot answer raises ``StoreDown``.  Safe to call from one thread at a time."""
+    cannot answer raises ``StoreDown``.  Safe to call from one thread at a time.
+    ``local``: asking whether a name is there costs a system call, not a round trip."""
 
     url: str
+    local = False
 
     @abstractmethod
     def put(self, names: Sequence[str], values: Sequence[bytes]) -> None: ...
@@ -181,6 +183,8 @@ class KeyedStore(ABC):
 
 class FileStore(KeyedStore):
     """A directory of values, one file each, under one byte budget (see the module docstring)."""
+
+    local = True
 
     def __init__(self, directory: str | Path, budget: int, url: str = ""):
         if budget < 1:
