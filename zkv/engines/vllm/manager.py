@@ -215,10 +215,17 @@ class ZkvOffloadManager(OffloadingManager):
                 else:
                     index.spills_sent(task, spills)
 
-    def _take_outcomes(self) -> None:
-        """The outcomes of our spills, loads, fetches and puts, and the late copies settled since."""
+    def _take_outcomes(self, wait_for: int | None = None, bound_s: float = 0.0) -> None:
+        """The outcomes of our spills, loads, fetches and puts, and the late copies settled since;
+        ``wait_for``: a task whose outcome is worth up to ``bound_s`` of this step (a fetch its
+        request waits on: ending it now lets the next step load the blocks instead of asking
+        again)."""
         index = self.index
-        for out in self.client.poll(0.0):
+        end = time.monotonic() + bound_s
+        outs = self.client.poll(0.0)
+        while wait_for is not None and all(o.task != wait_for for o in outs) and time.monotonic() < end:
+            outs += self.client.poll(max(0.0, end - time.monotonic()))
+        for out in outs:
             ended = index.task_ended(out.task, out)
             if ended is None:
                 continue
@@ -263,6 +270,8 @@ class ZkvOffloadManager(OffloadingManager):
                     index.cancel_fetch(key, row)
             else:
                 index.fetches_sent(task, fetches)
+                if self.settings.fetch_wait_s > 0:
+                    self._take_outcomes(wait_for=task, bound_s=self.settings.fetch_wait_s)
         ready = [(k, r) for k, r in puts if index.lookup(k) is Found.HIT and index.entries[k].cpu_row == r]
         if ready:
             task = self._submit(Op.PUT, [r for _, r in ready], None, keys=[k for k, _ in ready], ns=ns)

@@ -51,7 +51,10 @@ class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     fetched from there when another engine of its identity put it.
     ``weights_version``: the weights named by a version the trainer sets (one
     name fleet-wide) instead of the checkpoint's file listing, which differs
-    between hosts whose copies differ in modification time."""
+    between hosts whose copies differ in modification time.  ``fetch_wait_s``:
+    how long the scheduler may wait, in the step that sent a fetch from the
+    store, for it to land (the request it serves then loads at the next step
+    instead of asking again)."""
 
     bus_dir: Path_ | None = None
     broker: Literal["embedded", "external"] = "embedded"
@@ -64,6 +67,7 @@ class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     status_interval_s: seconds(0.0, 3600.0) = 1.0  # type: ignore[valid-type]
     hear_broadcasts: bool = True
     load_wait_s: seconds(0.0, 10.0) = 0.0  # type: ignore[valid-type]
+    fetch_wait_s: seconds(0.0, 1.0) = 0.05  # type: ignore[valid-type]
     events_path: Path_ | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     trace_path: Path_ | None = None

@@ -120,6 +120,7 @@ def zkv_transfer(bus_dir: str | Path, **extra: Any) -> dict[str, Any]:
         "kv_connector": "ZkvConnector",
         "kv_connector_module_path": "zkv.engines.vllm.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"bus_dir": str(bus_dir), **extra},
     }
 
