@@ -14,24 +14,33 @@ import shutil
 import statistics
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Callable
 
 from ...obs.status_view import table
+from ...rank.tiers.store_tier import open_store
 from ...testing.redis_server import REDIS, RedisServer
 from .rig import BLOCK_TOKENS, BusProbe, ModelShape, greedy, start_engine, stop_engine, ttft, write_llama, zkv_transfer
 
 TARGETS = {"vs_recompute": 0.5, "vs_own_tier": 1.5}
 
 
-def _wait_puts(probe: BusProbe, block: int, want: int, within: float = 60.0) -> int:
-    """Until A's rank put ``want`` blocks into the store (its puts trail the request's end)."""
+def _wait_stored(store: str, want: int, within: float = 60.0) -> int:
+    """Until the store holds at least ``want`` values and no more arrive for a moment (A's
+    puts trail its request's end, B's trail its own): read from the store itself, so that
+    the wait disturbs neither engine's bus.  Returns how many it holds."""
     end = time.monotonic() + within
-    while True:
-        put = probe.blocks_by_op(block).get("put", 0)
-        if put >= want or time.monotonic() > end:
-            return put
-        time.sleep(0.2)  # nothing to wait on: the engine's puts are in its scheduler's steps
+    last, since = -1, time.monotonic()
+    with closing(open_store(store)) as held:
+        while time.monotonic() < end:
+            values = sum(n for n, _ in held.namespaces().values())
+            if values != last:
+                last, since = values, time.monotonic()
+            elif values >= want and time.monotonic() - since >= 0.3:
+                break
+            time.sleep(0.05)  # nothing to wait on: the puts are in the engines' scheduler steps
+    return last
 
 
 def _pair(model: str, root: Path, store: str, gpu: int, cpu: int, max_len: int) -> tuple[Any, Any, BusProbe, BusProbe]:
@@ -55,24 +64,30 @@ def _one(
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     per_conv = -(-(max(len(c) for c in contexts) + 128) // BLOCK_TOKENS)
-    gpu, cpu = per_conv + 8, len(contexts) * per_conv + 16
+    gpu, cpu = per_conv + 8, 4 * len(contexts) * per_conv + 16
     a, b, pa, pb = _pair(model, root, store, gpu, cpu, per_conv * BLOCK_TOKENS)
     rng = random.Random(5)
-    shared, recompute, own, same = [], [], [], []
+    words = lambda n: [rng.randrange(1, shape.vocab) for _ in range(n)]  # noqa: E731
+    shared, recompute, own, same, fetched, stored = [], [], [], [], [], 0
     try:
         # B's first request of this shape (a cached prefix and a turn) pays for its kernels once: not timed
-        warm = [rng.randrange(1, shape.vocab) for _ in range(len(contexts[0]))]
+        warm = words(len(contexts[0]))
         greedy(b, warm, 1)
-        greedy(b, warm + [rng.randrange(1, shape.vocab) for _ in range(66)], 1)
+        greedy(b, warm + words(66), 1)
+        stored = _wait_stored(store, 1)
         for context in contexts:
             say(f"shared bench ({kind}): a turn on A, the next on B ...")
             reply = greedy(a, context, 2)[0]
-            _wait_puts(pa, shape.block_bytes(), len(context) // BLOCK_TOKENS - 1)
-            turn = context + reply + [rng.randrange(1, shape.vocab) for _ in range(64)]
+            stored = _wait_stored(store, stored + len(context) // BLOCK_TOKENS)
+            turn = context + reply + words(64)
             shared.append(ttft(b, turn))  # the prefix from A, through the store
             got = greedy(b, turn, 8)[0]
-            greedy(b, [rng.randrange(1, shape.vocab) for _ in range(len(context))], 1)  # evicts it from B's KV cache
-            own.append(ttft(b, turn))  # from B's own CPU tier (its fetch and its turn stored it there)
+            # the baseline: a conversation B served itself, its next turn as long, from B's own CPU tier
+            mine = words(len(context))
+            mine += greedy(b, mine, 2)[0]
+            stored = _wait_stored(store, stored + len(context) // BLOCK_TOKENS)
+            greedy(b, words(len(context)), 1)  # evicts it from B's KV cache
+            own.append(ttft(b, mine + words(64)))
             with pb.client() as c:  # zkv out of the way: every lookup misses
                 c.pause(timeout=30)
                 b.reset_prefix_cache()
@@ -82,7 +97,7 @@ def _one(
                 finally:
                     c.resume(timeout=30)
                     b.reset_prefix_cache()
-        served = pb.blocks_by_op(shape.block_bytes())
+            fetched.append(pb.blocks_by_op(shape.block_bytes()).get("get", 0) - sum(fetched))
     finally:
         for llm in (a, b):
             stop_engine(llm)
@@ -93,7 +108,8 @@ def _one(
         "ttft_ms_p50": {"from_store": p50(shared), "recompute": p50(recompute), "own_tier": p50(own)},
         "vs_recompute": p50(shared) / p50(recompute),
         "vs_own_tier": p50(shared) / p50(own),
-        "blocks_fetched": served.get("get", 0),
+        "blocks_fetched": fetched,
+        "values_in_store": stored,
         "tokens_identical": all(same),
     }
 
@@ -137,7 +153,7 @@ def summary(res: dict[str, Any]) -> str:
                 f"{t['from_store']:.0f} ms (recompute {t['recompute']:.0f}, own tier {t['own_tier']:.0f})",
                 f"{r['vs_recompute']:.2f}x recompute ({'ok' if r['vs_recompute'] <= 0.5 else 'MISSED'}: <= 0.5x)",
                 f"{r['vs_own_tier']:.2f}x own tier ({'ok' if r['vs_own_tier'] <= 1.5 else 'MISSED'}: <= 1.5x)",
-                f"{r['blocks_fetched']} blocks fetched, tokens identical: {r['tokens_identical']}",
+                f"blocks fetched per turn {r['blocks_fetched']}, tokens identical: {r['tokens_identical']}",
             ]
         )
     head = f"vLLM, a turn moving from engine A to engine B ({res['context_tokens']}-token contexts):"
