@@ -53,6 +53,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from ...broker.core import BrokerConfig
 from ...broker.loop import Broker
 from . import api
+from .groups import check_rows, describe
 from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
 from .settings import ZkvSettings
@@ -63,6 +64,7 @@ log = logging.getLogger("zkv.vllm")
 SPEC_NAME = "ZkvSpec"
 SPEC_MODULE = __name__
 IDENTITY_KEY = "zkv_identity"  # the scheduler's EngineIdentity, handed to ZkvSpec in the extra config
+GROUPS_KEY = "zkv_groups"  # the KV cache groups vLLM offloads (groups.describe), handed to ZkvSpec
 
 
 class EmbeddedBroker:
@@ -77,10 +79,12 @@ class EmbeddedBroker:
             self.recorder = TraceRecorder(settings.trace_path, world=world)
         self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state, recorder=self.recorder)
         self.metrics = None
+        self.registry: Any = None  # the /metrics registry, where the manager adds its own counts
         if settings.metrics_port is not None:
             from ...obs.prometheus import make_registry, start_metrics_server
 
-            self.metrics = start_metrics_server(settings.metrics_port, make_registry(self.broker.core), "127.0.0.1")
+            self.registry = make_registry(self.broker.core)
+            self.metrics = start_metrics_server(settings.metrics_port, self.registry, "127.0.0.1")
             log.warning("zkv: bus %s metrics at %s", settings.bus_dir, self.metrics.url)
         self.thread = threading.Thread(target=self.broker.serve, name="zkv-vllm-broker", daemon=True)
         self.thread.start()
@@ -113,6 +117,7 @@ class ZkvSpec(OffloadingSpec):
         self.rank = par.rank
         said = self.extra_config.get(IDENTITY_KEY)  # ZkvConnector's scheduler side: whose KV the tiers hold
         self.identity = msgspec.convert(said, EngineIdentity) if said is not None else None
+        self.groups: list[dict[str, Any]] | None = self.extra_config.get(GROUPS_KEY)
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None
 
@@ -125,6 +130,7 @@ class ZkvSpec(OffloadingSpec):
                 self.settings,
                 self.world,
                 identity=self.identity,
+                groups=self.groups,
                 emit_events=self.kv_events_config.enable_kv_cache_events,
                 broker=broker,
             )
@@ -132,9 +138,11 @@ class ZkvSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self.worker is None:
-            if len(kv_caches.group_data_refs) > 1:
-                raise ValueError("zkv offloads one KV cache group (docs/engine-vllm.md, Limits)")
-            self.worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches)
+            # A row is a block's page of every canonical tensor: refused at start where
+            # copying it would touch another block (docs/engine-vllm.md, "Models with several
+            # KV cache groups").
+            check_rows(kv_caches.tensors, kv_caches.group_data_refs)
+            self.worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches, self.groups)
         return self.worker
 
 
@@ -170,8 +178,10 @@ class ZkvConnector(OffloadingConnector):
         # vLLM 0.34's sync (expedited) loads cannot fail without failing the step: zkv serves
         # none, so a hit it cannot serve in time is never promised.
         extra["sync_load_budget_bytes"] = 0
+        group_ids = api.offloaded_group_ids(kv_cache_config)
+        extra[GROUPS_KEY] = describe(kv_cache_config, group_ids)
         if role == KVConnectorRole.SCHEDULER:
-            extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config))
+            extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config, kv_cache_config, group_ids))
         if transfer.kv_load_failure_policy != "recompute":
             # vLLM's scheduler reads this right after building its connector: a failed load is a
             # recompute, never a failed request.

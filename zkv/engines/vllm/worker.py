@@ -2,6 +2,11 @@
 rank on that worker's own KV tensors, and vLLM's store and load jobs run as
 zkv tasks (docs/engine-vllm.md).
 
+A job may move blocks of several KV cache groups (``groups.py``): its GPU
+block ids come group by group, in the order of its keys and so of its CPU
+rows, and each block moves as one row (the block's page of every canonical
+tensor, whichever group holds it).
+
 The rank (a ``RankAgent`` on vLLM's canonical block tensors, one region each,
 vLLM's null block reserved) registers with the engine's bus whenever it
 comes up.  The worker of TP rank 0 submits each job as one task to every
@@ -34,6 +39,7 @@ from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome
 from .api import NATIVE_FAILURES, gpu_block_ids
+from .groups import name
 from .jobs import Finished, Job, JobBook
 from .layouts import canonical_pages
 from .rows import ZkvRows
@@ -45,7 +51,15 @@ log = logging.getLogger("zkv.vllm")
 class ZkvOffloadWorker(OffloadingWorker):
     """One vLLM worker's zkv rank, and (rank 0) the client that runs the jobs."""
 
-    def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
+    def __init__(
+        self,
+        settings: ZkvSettings,
+        rank: int,
+        world: int,
+        kv_caches: CanonicalKVCaches,
+        groups: list[dict[str, Any]] | None = None,
+    ):
+        """``groups``: the KV cache groups vLLM offloads (``groups.describe``), for the log."""
         self.settings = settings
         self.rank, self.world = rank, world
         self.kv_caches = kv_caches
@@ -74,6 +88,14 @@ class ZkvOffloadWorker(OffloadingWorker):
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
+        if rank == 0 and groups is not None and len(groups) > 1:
+            used = [sum(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs]
+            log.warning(
+                "zkv: %d KV cache groups, one row of %d bytes per block: %s",
+                len(groups),
+                self.block_bytes,
+                "; ".join(f"{name(g)} {n} bytes of it" for g, n in zip(groups, used)),
+            )
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute (0.32)
         self._failed_jobs: dict[int, tuple[bool, list[int]]] = {}  # job id -> (is_store, CPU rows), not yet taken
