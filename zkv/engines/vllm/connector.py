@@ -53,7 +53,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from ...broker.core import BrokerConfig
 from ...broker.loop import Broker
 from . import api
-from .groups import check_rows, describe
+from .groups import block_recompute_exact, check_rows, describe
 from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
 from .settings import ZkvSettings
@@ -190,6 +190,10 @@ class ZkvConnector(OffloadingConnector):
         super().__init__(api.with_extra(vllm_config, extra), role, kv_cache_config)
         self._failed: dict[int, tuple[bool, list[int]]] = {}  # this worker's failed jobs, not yet sent
         self._load_errors: set[int] = set()  # GPU blocks of failed loads, for vLLM to recompute (0.32)
+        self._failed_requests: set[str] = set()  # requests of failed loads, recomputed whole (0.32)
+        # 0.32: block ids of a failed load make vLLM recompute from the first of them, exact
+        # for one full-attention group only; otherwise the whole request is recomputed.
+        self._block_recompute = block_recompute_exact(extra[GROUPS_KEY])
 
     @property
     def manager(self) -> ZkvOffloadManager | None:
@@ -203,6 +207,13 @@ class ZkvConnector(OffloadingConnector):
 
     # --- failures: worker side ---------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self._offload_worker()
+        loads = getattr(connector_metadata, "load_jobs", None)
+        if worker is not None and loads and not api.NATIVE_FAILURES:
+            worker.requests_of_loads({job_id: job.req_id for job_id, job in loads.items()})
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         done = super().get_finished(finished_req_ids)  # vLLM 0.34 hears a failure here; 0.32 a job done
         worker = self._offload_worker()
@@ -211,8 +222,23 @@ class ZkvConnector(OffloadingConnector):
             self._failed.update(
                 {job: said for job, said in failed.items() if not (said[0] and api.FAILED_STORES_NATIVE)}
             )
-            self._load_errors |= blocks
+            requests = worker.take_failed_requests()
+            if self._block_recompute:
+                self._load_errors |= blocks
+            else:
+                self._failed_requests |= requests
         return done
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's results, with (0.32, a model whose failed load cannot be recomputed from its
+        first failed block) the requests of failed loads as failed receives: vLLM recomputes
+        them from their first token.  0.34 says so itself."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._failed_requests:
+            failed, self._failed_requests = self._failed_requests, set()
+            results.failed_recving |= failed & results.finished_recving
+            self._failed_requests = failed - results.finished_recving  # reported with their finish
+        return results
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()

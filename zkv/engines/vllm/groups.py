@@ -45,6 +45,8 @@ EXACT_SPECS = frozenset(
     }
 )
 MAMBA_MODES = ("align", "all")  # vLLM keeps a whole state at block boundaries
+# Specs whose every earlier block stays in vLLM's cache while a request runs.
+FULL_SPECS = frozenset({"FullAttentionSpec", "SinkFullAttentionSpec", "MLAAttentionSpec"})
 
 
 def _plain(value: Any) -> Any:
@@ -116,6 +118,18 @@ def refusals(groups: Sequence[dict[str, Any]]) -> dict[int, str]:
     """Group index -> why it is refused, for every group zkv cannot serve exactly."""
     found = {g["group"]: refusal(g) for g in groups}
     return {gid: why for gid, why in found.items() if why is not None}
+
+
+def block_recompute_exact(groups: Sequence[dict[str, Any]] | None) -> bool:
+    """Whether recomputing a failed load from its first failed block (vLLM 0.32's
+    ``get_block_ids_with_load_errors``) gives the engine's own tokens: only with one group of
+    full attention, where every block before it is still in vLLM's cache.  A sliding window
+    or a state before the failed block is gone (the window before a load's first block was
+    never loaded), so there the whole request is recomputed from its first token, and 0.32
+    refuses block ids for several groups anyway.  None (groups not known): one full group."""
+    if groups is None:
+        return True
+    return len(groups) == 1 and not groups[0].get("members") and groups[0]["spec"] in FULL_SPECS
 
 
 def name(group: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ from .rows import ZkvRows
 from .settings import ZkvSettings
 
 log = logging.getLogger("zkv.vllm")
+_REQUESTS_KEPT = 4096
 
 
 class ZkvOffloadWorker(OffloadingWorker):
@@ -99,6 +100,8 @@ class ZkvOffloadWorker(OffloadingWorker):
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute (0.32)
         self._failed_jobs: dict[int, tuple[bool, list[int]]] = {}  # job id -> (is_store, CPU rows), not yet taken
+        self._requests: dict[int, str] = {}  # load job id -> vLLM request id (0.32: whole-request recomputes)
+        self._failed_requests: set[str] = set()  # requests of failed loads, not yet taken (0.32)
         self._cancel_asked: set[int] = set()  # tasks whose cancel was sent while the bus was paused
         self._paused_for_sleep = False  # this worker paused the bus while vLLM's KV memory is away
 
@@ -175,12 +178,22 @@ class ZkvOffloadWorker(OffloadingWorker):
                 except ZkvError as err:
                     log.info("zkv: cancel of job %d not answered: %s", job.job_id, err)
 
+    def requests_of_loads(self, loads: dict[int, str]) -> None:
+        """vLLM's load jobs of this step and their requests (from the connector's metadata), so
+        that a failed load names its request (0.32: ``take_failed_requests``)."""
+        self._requests.update(loads)
+        while len(self._requests) > _REQUESTS_KEPT:  # jobs never submitted: the oldest go
+            del self._requests[next(iter(self._requests))]
+
     def _result(self, done: Finished) -> TransferResult:
         job = done.job
+        request = self._requests.pop(job.job_id, None)
         if not done.success:
             self._failed_jobs[job.job_id] = (job.is_store, job.cpu_rows)
             if not job.is_store and not NATIVE_FAILURES:
                 self._failed_loads.update(job.gpu_ids)
+                if request is not None:
+                    self._failed_requests.add(request)
             log.info("zkv: %s job %d failed (%s)", "store" if job.is_store else "load", job.job_id, done.reason)
         # Without vLLM's own failure channel (0.32) a failure is reported done, and ZkvConnector
         # hands its GPU blocks to vLLM itself (get_block_ids_with_load_errors).
@@ -270,6 +283,11 @@ class ZkvOffloadWorker(OffloadingWorker):
         jobs, blocks = self._failed_jobs, self._failed_loads
         self._failed_jobs, self._failed_loads = {}, set()
         return jobs, blocks
+
+    def take_failed_requests(self) -> set[str]:
+        """The vLLM requests whose load failed since the last call (0.32)."""
+        taken, self._failed_requests = self._failed_requests, set()
+        return taken
 
     def stats(self) -> dict:
         return self.agent.stats()
