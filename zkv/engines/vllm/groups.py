@@ -143,6 +143,18 @@ def group_of(key: bytes) -> int:
     return int.from_bytes(key[-4:], "big") if len(key) >= 4 else 0
 
 
+def chain_order(keys: list[bytes], req_context: Any) -> list[bytes] | None:
+    """``keys`` head to tail by the token position vLLM gave each (every group's first
+    blocks first), or None when vLLM did not say every position (one group: its order)."""
+    position = getattr(req_context, "get_offload_key_position", None)
+    if position is None:
+        return None
+    found = [position(k) for k in keys]
+    if any(p is None for p in found):
+        return None
+    return [k for _, _, k in sorted(zip(found, range(len(keys)), keys))]
+
+
 def check_rows(tensors: Sequence[Any], group_refs: Sequence[Sequence[Any]]) -> None:
     """Raise ``ValueError`` naming the group unless a copy of block ``b``'s row of every
     canonical tensor (``tensors``: vLLM's ``CanonicalKVCacheTensor``s or tensors, rows

@@ -61,7 +61,7 @@ from ...wire.vocab import Op, Tier
 from . import api
 from .bus_view import BusView
 from .group_counts import GroupCollector, GroupCounts
-from .groups import name, refusals
+from .groups import chain_order, name, refusals
 from .index import Found, OffloadIndex
 from .rows import ZkvRows
 from .settings import ZkvSettings
@@ -91,18 +91,6 @@ _COUNTS = (
     "misses_refused",
     "stores_refused",
 )
-
-
-def chain_order(keys: list[OffloadKey], req_context: Any) -> list[OffloadKey] | None:
-    """``keys`` head to tail by the token position vLLM gave each (every group's first
-    blocks first), or None when vLLM did not say every position (one group: its order)."""
-    position = getattr(req_context, "get_offload_key_position", None)
-    if position is None:
-        return None
-    found = [position(k) for k in keys]
-    if any(p is None for p in found):
-        return None
-    return [k for _, _, k in sorted(zip(found, range(len(keys)), keys))]
 
 
 def journals(settings: ZkvSettings) -> dict[Tier, Journal]:
