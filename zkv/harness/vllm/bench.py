@@ -15,6 +15,12 @@ Then the zkv engine is stopped and started again on the same tiers (a warm
 restart, docs/engine-vllm.md): each conversation returns once more, its
 blocks served from the CPU tier file the first engine left, and its first
 token is timed beside the warm engine's.
+
+Then a model with two KV cache groups (``bench_groups``): Gemma 3, sliding
+window (64 tokens) and full attention layers alternating, with zkv beside
+its own recompute, and the bytes zkv moves per returning conversation beside
+the same model with every layer full attention (one group), the same
+workload, in the same run: a sliding-window group moves only its window.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...obs.status_view import table
+from .group_rig import GroupEngine
+from .models import gemma3
 from .rig import (
     BLOCK_TOKENS,
     BusProbe,
@@ -144,11 +152,109 @@ def bench_vllm(
     result["zkv_vs_recompute"] = z / r
     result["zkv_vs_floor"] = z / f
     result["tokens_identical"] = tokens["zkv"] == tokens["recompute"] == tokens["torch_copy_floor"]
+    result["groups"] = bench_groups(quick, say)
+    return result
+
+
+def bench_groups(quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """A returning conversation on Gemma 3 (two KV cache groups: sliding window and full
+    attention): TTFT with zkv beside recompute, and the bytes zkv moves per returning turn
+    beside the same model with every layer full attention, each engine in turn, one run."""
+    layers, hidden, head_dim, kv_heads = (4, 256, 64, 4) if quick else (8, 512, 64, 8)
+    context = 1024 if quick else 3072
+    conversations, rounds, turn = 3, 2 if quick else 4, 64
+    per_conv = -(-(context + rounds * (turn + 2) + 16) // BLOCK_TOKENS)
+    # vLLM sizes a hybrid cache per group: twice a conversation's blocks hold about two of the
+    # three conversations, so each returns to find its blocks gone from vLLM's cache.
+    gpu_blocks = 2 * per_conv + 8
+    cpu_blocks = 2 * conversations * per_conv + 16
+    shape = {"layers": layers, "hidden": hidden, "kv_heads": kv_heads, "head_dim": head_dim}
+    result: dict[str, Any] = {"model": {"family": "gemma3", **shape}, "context_tokens": context}
+    contexts = _workload(ModelShape(vocab=512), conversations, context, seed=5)
+    returns = conversations * rounds
+    tokens: dict[str, list[list[int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="zkv-bench-groups-") as tmp:
+        root = Path(tmp)
+        models = {
+            sliding: gemma3(root / f"m{int(sliding)}", seed=0, sliding=sliding, **shape) for sliding in (True, False)
+        }
+        variants = (("zkv", True, True), ("recompute", True, False), ("zkv_full_attention", False, True))
+        for name, sliding, with_zkv in variants:
+            say(f"vllm bench, two KV cache groups: {name} ...")
+            (root / name).mkdir()
+            max_len = per_conv * BLOCK_TOKENS
+            engine = GroupEngine(
+                models[sliding], root / name, gpu_blocks, {"cpu_blocks": cpu_blocks}, max_model_len=max_len
+            )
+            try:
+                if with_zkv:
+                    engine.start()
+                    llm = engine.llm
+                    before = engine.probe.blocks_by_op(1).get("swap_in", 0)  # in bytes
+                    counted_before = engine.blocks()
+                else:
+                    llm = start_engine(models[sliding], None, gpu_blocks, max_len)
+                times, tokens[name], _ = _run(llm, contexts, turn, rounds)
+                entry: dict[str, Any] = {"ttft_ms_p50": statistics.median(times) * 1000}
+                if with_zkv:
+                    moved = engine.probe.blocks_by_op(1).get("swap_in", 0) - before
+                    entry["bytes_per_return"] = moved / returns
+                    after = engine.blocks()
+                    entry["served_per_group"] = {
+                        g: after[g]["served"] - counted_before.get(g, {}).get("served", 0) for g in after
+                    }
+                result[name] = entry
+            finally:
+                if with_zkv:
+                    engine.stop()
+                else:
+                    stop_engine(llm)
+                gc.collect()
+    result["zkv_vs_recompute"] = result["zkv"]["ttft_ms_p50"] / result["recompute"]["ttft_ms_p50"]
+    result["bytes_vs_full_attention"] = (
+        result["zkv"]["bytes_per_return"] / result["zkv_full_attention"]["bytes_per_return"]
+        if result["zkv_full_attention"]["bytes_per_return"]
+        else float("nan")
+    )
+    result["tokens_identical"] = tokens["zkv"] == tokens["recompute"]
     return result
 
 
 def _target(value: float, bound: float) -> str:
     return f"<= {bound}x: {'ok' if value <= bound else 'MISSED'}"
+
+
+def groups_summary(res: dict[str, Any]) -> list[str]:
+    """``bench_groups``' figures as a table."""
+    m, z, full = res["model"], res["zkv"], res["zkv_full_attention"]
+    per_group = ", ".join(f"group {g}: {n}" for g, n in sorted(z["served_per_group"].items()))
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    rows = [
+        ["zkv, two groups", f"{z['ttft_ms_p50']:.0f} ms", mib(z["bytes_per_return"]), "", ""],
+        [
+            "recompute, two groups",
+            f"{res['recompute']['ttft_ms_p50']:.0f} ms",
+            "",
+            f"zkv / recompute {res['zkv_vs_recompute']:.2f}x",
+            _target(res["zkv_vs_recompute"], 0.5),
+        ],
+        [
+            "zkv, every layer full attention",
+            f"{full['ttft_ms_p50']:.0f} ms",
+            mib(full["bytes_per_return"]),
+            f"bytes two groups / full {res['bytes_vs_full_attention']:.2f}x",
+            f"< 1x: {'ok' if res['bytes_vs_full_attention'] < 1 else 'MISSED'}",
+        ],
+    ]
+    return [
+        f"vLLM, two KV cache groups: Gemma 3 ({m['layers']} layers, hidden {m['hidden']}; sliding window 64 and full"
+        f" attention alternating), a returning conversation of {res['context_tokens']} tokens",
+        f"greedy tokens identical to recompute: {res['tokens_identical']}; blocks served per group: {per_group}",
+        *(
+            "  " + line
+            for line in table(["engine", "time to first token p50", "moved per return", "ratio", "target"], rows)
+        ),
+    ]
 
 
 def summary(res: dict[str, Any]) -> str:
@@ -182,5 +288,6 @@ def summary(res: dict[str, Any]) -> str:
             f"greedy tokens identical across the three engines: {res['tokens_identical']};"
             f" after the restart, {restarted['blocks_served']} blocks served from the tier file",
             *("  " + line for line in table(["engine", "time to first token p50", "ratio", "target"], rows)),
+            *(groups_summary(res["groups"]) if "groups" in res else []),
         ]
     )

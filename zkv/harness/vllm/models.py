@@ -28,7 +28,16 @@ def _save(model: Any, directory: str | Path, std: float) -> str:
     return str(directory)
 
 
-def gemma3(directory: str | Path, seed: int, layers: int = 4, sliding: bool = True, std: float = 0.3) -> str:
+def gemma3(
+    directory: str | Path,
+    seed: int,
+    layers: int = 4,
+    sliding: bool = True,
+    std: float = 0.3,
+    hidden: int = 128,
+    kv_heads: int = 2,
+    head_dim: int = 32,
+) -> str:
     """Gemma 3 text: sliding (window 64) and full attention layers alternating; ``sliding``
     False makes every layer full (the same model, one group: the baseline of a two-group one)."""
     import torch
@@ -38,12 +47,12 @@ def gemma3(directory: str | Path, seed: int, layers: int = 4, sliding: bool = Tr
     kinds = ["sliding_attention", "full_attention"] if sliding else ["full_attention"]
     cfg = Gemma3TextConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         sliding_window=SLIDING_WINDOW,
         layer_types=[kinds[i % len(kinds)] for i in range(layers)],
         tie_word_embeddings=False,
