@@ -164,7 +164,7 @@ def check_family(family: str, cuda: bool) -> dict[str, Any]:
         try:
             model = FAMILIES[family].write(root / "w0", seed=0)
             dtype = "float32" if family == "gpt-oss" else "auto"  # its random weights vary in float32
-            engine = GroupEngine(model, root, gpu_blocks=128, dtype=dtype).start()
+            engine = GroupEngine(model, root, gpu_blocks=128, settings={"cpu_blocks": 256}, dtype=dtype).start()
             want = engine.reference(chat().run)
             chat().run(engine.llm)  # stored
             engine.llm.reset_prefix_cache()  # vLLM's own cache: every return is zkv's
