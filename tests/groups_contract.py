@@ -12,7 +12,6 @@ interface's own path (``zkv.engines.vllm.api``)."""
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import time
 
@@ -39,25 +38,7 @@ class Rig:
     """Both sides of a ``ZkvConnector`` on one captured config, and the bus between them."""
 
     def __init__(self, tmp_path, data: dict):
-        model = tmp_path / "tiny"
-        model.mkdir(parents=True, exist_ok=True)
-        (model / "config.json").write_text(
-            json.dumps(
-                {
-                    "architectures": ["LlamaForCausalLM"],
-                    "model_type": "llama",
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "num_hidden_layers": 2,
-                    "vocab_size": 256,
-                    "max_position_embeddings": 4096,
-                    "rms_norm_eps": 1e-5,
-                    "torch_dtype": "bfloat16",
-                }
-            )
-        )
+        model = gf.tiny_llama(tmp_path / "tiny")
         self.data = data
         self.block = gf.block_size(data)
         extra = {"bus_dir": str(tmp_path / "bus"), "cpu_blocks": CPU_ROWS, "tier_dir": None, "status_interval_s": 0.0}

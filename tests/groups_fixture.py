@@ -19,6 +19,27 @@ FIXTURES = Path(__file__).resolve().parent / "vllm034" / "groups"
 FAMILIES = ("gemma3", "gpt-oss", "mistral-swa", "qwen3-next", "deepseek-mla")
 
 
+def tiny_llama(directory: Path, dtype: str = "bfloat16", max_positions: int = 4096) -> Path:
+    """A model directory holding only a tiny Llama's ``config.json``: enough for vLLM's
+    ``ModelConfig`` (no weights: no engine runs on it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": dtype,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 def load(family: str) -> dict[str, Any]:
     return json.loads((FIXTURES / f"{family}.json").read_text())
 
