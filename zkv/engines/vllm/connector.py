@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -56,7 +57,7 @@ from . import api
 from .groups import block_recompute_exact, check_rows, describe
 from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
-from .settings import ZkvSettings
+from .settings import METRICS_URL_FILE, ZkvSettings
 from .worker import ZkvOffloadWorker
 
 log = logging.getLogger("zkv.vllm")
@@ -80,11 +81,15 @@ class EmbeddedBroker:
         self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state, recorder=self.recorder)
         self.metrics = None
         self.registry: Any = None  # the /metrics registry, where the manager adds its own counts
+        self.url_file: Path | None = None
         if settings.metrics_port is not None:
             from ...obs.prometheus import make_registry, start_metrics_server
 
             self.registry = make_registry(self.broker.core)
             self.metrics = start_metrics_server(settings.metrics_port, self.registry, "127.0.0.1")
+            # Where a port of 0 landed, for whoever has the bus's directory (its log says so too).
+            self.url_file = settings.make_bus_dir() / METRICS_URL_FILE
+            self.url_file.write_text(self.metrics.url + "\n")
             log.warning("zkv: bus %s metrics at %s", settings.bus_dir, self.metrics.url)
         self.thread = threading.Thread(target=self.broker.serve, name="zkv-vllm-broker", daemon=True)
         self.thread.start()
@@ -93,6 +98,8 @@ class EmbeddedBroker:
     def stop(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            if self.url_file is not None:
+                self.url_file.unlink(missing_ok=True)
         self.broker.stop()
         self.thread.join(timeout=10)
         if self.recorder is not None:

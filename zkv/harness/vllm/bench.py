@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -56,17 +57,25 @@ def _workload(shape: ModelShape, conversations: int, context: int, seed: int = 3
 
 
 def _run(
-    llm: Any, contexts: list[list[int]], turn: int, rounds: int, forget: bool = False
+    llm: Any,
+    contexts: list[list[int]],
+    turn: int,
+    rounds: int,
+    forget: bool = False,
+    around: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[list[int]], list[list[int]]]:
     """TTFT of every returning turn, each conversation's last greedy reply, and its history;
     ``forget``: vLLM's own prefix cache is reset before each return (all of it comes back
-    from the offload tier, or is recomputed)."""
+    from the offload tier, or is recomputed); ``around``: called before the first return
+    and after the last (what the returns moved is read there)."""
     import random
 
     rng = random.Random(7)
     history = [list(c) for c in contexts]
     for h in history:  # first visit: prefill, and the offload backend stores it
         greedy(llm, h, 2)
+    if around is not None:
+        around()
     times = []
     for _ in range(rounds):
         for h in history:
@@ -75,6 +84,8 @@ def _run(
                 llm.reset_prefix_cache()
             times.append(ttft(llm, h))
             h += greedy(llm, h, 2)[0]
+    if around is not None:
+        around()
     return times, [greedy(llm, h, 8)[0] for h in history], history
 
 
@@ -160,6 +171,11 @@ def bench_vllm(
     return result
 
 
+def _mark(engine: GroupEngine, marks: list[tuple[int, dict[int, dict[str, int]]]]) -> None:
+    """What zkv moved so far: the bytes vLLM loaded (``swap_in``) and the blocks per group."""
+    marks.append((engine.probe.blocks_by_op(1).get("swap_in", 0), engine.blocks()))
+
+
 def bench_groups(quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
     """A returning conversation on Gemma 3 (two KV cache groups: sliding window and full
     attention): TTFT with zkv beside recompute and beside vLLM's own offloading connector on
@@ -191,12 +207,10 @@ def bench_groups(quick: bool = False, say: Callable[[str], None] = print) -> dic
             engine = GroupEngine(
                 models[sliding], root / name, gpu_blocks, {"cpu_blocks": cpu_blocks}, max_model_len=max_len
             )
+            marks: list[tuple[int, dict[int, dict[str, int]]]] = []
             try:
                 if with_zkv:
-                    engine.start()
-                    llm = engine.llm
-                    before = engine.probe.blocks_by_op(1).get("swap_in", 0)  # in bytes
-                    counted_before = engine.blocks()
+                    llm = engine.start().llm
                 else:
                     llm = start_engine(
                         models[sliding], floor if name == "torch_copy_floor" else None, gpu_blocks, max_len
@@ -204,15 +218,14 @@ def bench_groups(quick: bool = False, say: Callable[[str], None] = print) -> dic
                 # Each return finds vLLM's cache empty: its whole context moves (or is recomputed),
                 # so the bytes per return of the two models compare their groups, not what
                 # vLLM's cache happened to keep of each.
-                times, tokens[name], _ = _run(llm, contexts, turn, rounds, forget=True)
+                times, tokens[name], _ = _run(
+                    llm, contexts, turn, rounds, forget=True, around=partial(_mark, engine, marks) if with_zkv else None
+                )
                 entry: dict[str, Any] = {"ttft_ms_p50": statistics.median(times) * 1000}
                 if with_zkv:
-                    moved = engine.probe.blocks_by_op(1).get("swap_in", 0) - before
-                    entry["bytes_per_return"] = moved / returns
-                    after = engine.blocks()
-                    entry["served_per_group"] = {
-                        g: after[g]["served"] - counted_before.get(g, {}).get("served", 0) for g in after
-                    }
+                    (b0, g0), (b1, g1) = marks
+                    entry["bytes_per_return"] = (b1 - b0) / returns
+                    entry["served_per_group"] = {g: g1[g]["served"] - g0.get(g, {}).get("served", 0) for g in g1}
                 result[name] = entry
             finally:
                 if with_zkv:

@@ -13,22 +13,16 @@ around it.
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...engines.vllm.settings import METRICS_URL_FILE
 from .rig import BusProbe, start_engine, stop_engine, zkv_transfer
 
 METRIC = "zkv_vllm_group_blocks_total"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def group_blocks(url: str) -> dict[int, dict[str, int]]:
@@ -63,14 +57,13 @@ class GroupEngine:
     llm: Any = None
 
     def __post_init__(self) -> None:
-        self.port = free_port()
         self.transfer = zkv_transfer(
             self.root / "bus",
             **{
                 "cpu_blocks": 40,
                 "tier_dir": str(self.root),
                 "status_interval_s": 0.0,  # see a pause at once (a test pauses and reads right after)
-                "metrics_port": self.port,
+                "metrics_port": 0,  # a free port, said in bus_dir/metrics.url
                 **self.settings,
             },
         )
@@ -78,7 +71,8 @@ class GroupEngine:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/metrics"
+        """The manager's ``/metrics``, where the engine's broker says it serves them."""
+        return (self.root / "bus" / METRICS_URL_FILE).read_text().strip()
 
     def start(self) -> GroupEngine:
         self.llm = start_engine(self.model, self.transfer, self.gpu_blocks, self.max_model_len, dtype=self.dtype)
