@@ -455,3 +455,17 @@ def test_foreign_ids_are_refused(row):
     with pytest.raises(ForeignBlockError):
         book.give_back(Tier.GPU, [row])
     assert book.pool(Tier.GPU).num_used == 2
+
+
+def test_a_row_sent_beyond_the_book_stays_the_owners_and_touched_until_the_task_settles():
+    book = RowBook({Tier.CPU: 2})
+    row = book.take(Tier.CPU, 1)
+    book.begin(3, sends={Tier.CPU: row})  # a put: the row's bytes go into a store other engines read
+    assert book.end(3, TaskOutcome(3, Outcome.TIMEOUT, "")) is Settle.HELD
+    assert book.touched(Tier.CPU, row[0]) and book.held() == {Tier.CPU: 0}, "still the owner's, and not to reuse"
+    book.settle([3])
+    assert not book.touched(Tier.CPU, row[0])
+    book.begin(4, sends={Tier.CPU: row})
+    assert book.end(4, TaskOutcome(4, Outcome.FAILED, "store_down", every_rank_reported=True)) is Settle.FREED
+    assert not book.touched(Tier.CPU, row[0]) and book.pool(Tier.CPU).num_used == 1, "a failed put keeps the row"
+    book.check()

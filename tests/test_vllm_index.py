@@ -71,6 +71,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.promotes: list[tuple[int, bytes, int, int]] = []  # disk -> CPU loads in flight: (task, key, disk, CPU)
         self.late: list[tuple[int, Tier, int]] = []  # (task, tier, row) a copy may still write
         self.unsettled: set[int] = set()  # late copies landed, the bus not yet told settled
+        self.fetches: list[tuple[int, bytes, int, bool]] = []  # gets from the shared store: (task, key, row, _)
+        self.puts: list[tuple[int, bytes, int]] = []  # puts into it: (task, key, row)
+        self.late_puts: list[tuple[int, bytes, int]] = []  # ended with their copies not over
+        self.shared: dict[bytes, bytes] = {}  # what the shared store holds under each key
         self.next_task = 1
         self.fenced: list[tuple[list[bytes], list[int], bool]] = []  # vLLM jobs a fenced reset left in flight
         self.journals = {tier: self._journal(IDENTITY, tier) for tier in SIZES}
@@ -221,6 +225,68 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.settle(sorted(self.unsettled))
         self.unsettled.clear()
 
+    # --- the shared store below: fetches (get) and puts --------------------------------
+
+    @rule(key=keys, another_engine_put_it=st.booleans())
+    @journaled
+    def fetch(self, key, another_engine_put_it):
+        """A key this engine lacks: from the shared store, which another engine may have filled."""
+        if another_engine_put_it:
+            self.shared[key] = key
+        row = self.index.start_fetch(key)
+        if row is not None:
+            task = self._task()
+            self.index.fetches_sent(task, [(key, row)])
+            self.fetches.append((task, key, row, True))
+
+    @precondition(lambda self: self.fetches)
+    @rule(i=st.integers(0, 10), end=ENDS)
+    @journaled
+    def finish_fetch(self, i, end):
+        """The rank copies the value stored under the key (whatever bytes it holds: its digest is its own)."""
+        task, key, row, _ = self.fetches.pop(i % len(self.fetches))
+        value = self.shared.get(key)
+        ok = value is not None and end == "ok"
+        if end in ("timeout", "died"):
+            self.late.append((task, Tier.CPU, row))
+        else:
+            self.rows[Tier.CPU][row] = value if ok else GARBAGE
+        self.index.task_ended(task, outcome_of(task, "ok" if ok else "failed" if end == "ok" else end))
+
+    @precondition(lambda self: self.index.rows_of(Tier.CPU))
+    @rule(data=st.data())
+    @journaled
+    def put(self, data):
+        key, row = data.draw(st.sampled_from(self.index.rows_of(Tier.CPU)))
+        if any(p[2] == row for p in self.puts):
+            return
+        task = self._task()
+        self.index.puts_sent(task, [(key, row)])
+        self.puts.append((task, key, row))
+
+    @precondition(lambda self: self.puts)
+    @rule(i=st.integers(0, 10), end=ENDS)
+    @journaled
+    def finish_put(self, i, end):
+        """The rank stores the row's bytes under the key: now (ok), never (failed), or later."""
+        task, key, row = self.puts.pop(i % len(self.puts))
+        if end == "ok":
+            self.shared[key] = self.rows[Tier.CPU][row]
+        elif end in ("timeout", "died"):
+            self.late_puts.append((task, key, row))
+        self.index.task_ended(task, outcome_of(task, end))
+
+    @precondition(lambda self: self.late_puts)
+    @rule(i=st.integers(0, 10), settle=st.booleans())
+    def late_put_lands(self, i, settle):
+        """A slow rank stores at last: what the row holds now."""
+        task, key, row = self.late_puts.pop(i % len(self.late_puts))
+        self.shared[key] = self.rows[Tier.CPU][row]
+        if settle:
+            self.index.settle([task])
+        else:
+            self.unsettled.add(task)
+
     @precondition(lambda self: self.promotes)
     @rule(i=st.integers(0, 10))
     @journaled
@@ -282,12 +348,14 @@ class IndexMachine(RuleBasedStateMachine):
         writes += [(Tier.CPU, c, k) for _, k, _, c in self.promotes]
         writes += [(Tier.DISK, d, self.rows[Tier.CPU][c]) for _, _, c, d in self.spills]
         writes += [(tier, row, LATE) for _, tier, row in self.late]
+        writes += [(Tier.CPU, row, key) for _, key, row, _ in self.fetches]
         for (tier, row, value), whole in zip(writes, ends + [False] * len(writes)):
             self.rows[tier][row] = value if whole else GARBAGE
         if not cpu_survives:
             self.rows[Tier.CPU] = [GARBAGE] * SIZES[Tier.CPU]
             self.journals[Tier.CPU] = self._journal(IDENTITY, Tier.CPU)
         self.stores, self.loads, self.spills, self.promotes, self.fenced, self.late = [], [], [], [], [], []
+        self.fetches, self.puts, self.late_puts = [], [], []
         self.unsettled = set()
         identity = IDENTITY if same_identity else IDENTITY.moved()
         found = {tier: replay(bytes(j)) for tier, j in self.journals.items()}
@@ -321,6 +389,7 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def held_rows_belong_only_to_tasks_that_may_still_touch_them(self):
         ours = {t for t, *_ in self.spills} | {t for t, *_ in self.promotes}
+        ours |= {t for t, *_ in self.fetches} | {t for t, *_ in self.puts} | {t for t, *_ in self.late_puts}
         ours |= {t for t, _, _ in self.late} | self.unsettled
         flights = self.index.book.flights()
         fences = [f for f in flights if f.kind is TaskKind.FENCE]
@@ -341,6 +410,14 @@ class IndexMachine(RuleBasedStateMachine):
             for row in rows:
                 owners = [k for k, e in self.index.entries.items() if e.cpu_row == row]
                 assert not owners and row not in self.index.book.free_rows(Tier.CPU), (row, owners, store)
+
+    @invariant()
+    def the_shared_store_never_holds_another_keys_bytes_under_a_name(self):
+        for key, value in self.shared.items():
+            assert value in (key, GARBAGE, LATE), f"{value!r} stored under {key!r}"
+        for _task, key, row in self.late_puts:
+            holders = [k for k, e in self.index.entries.items() if e.cpu_row == row]
+            assert holders in ([], [key]), f"CPU row {row} a late put may still send for {key!r} went to {holders}"
 
     @invariant()
     def a_hit_is_exactly_its_key(self):
@@ -372,6 +449,13 @@ class IndexMachine(RuleBasedStateMachine):
         for _ks, rows in self.loads:
             for row in rows:
                 assert row not in self.index.book.free_rows(Tier.CPU)
+        for _task, key, row, _ in self.fetches:
+            writers = [k for k, e in self.index.entries.items() if e.cpu_row == row]
+            assert row not in self.index.book.free_rows(Tier.CPU) and writers in ([], [key]), (row, writers)
+        for _task, key, row in self.puts:
+            readers = [k for k, e in self.index.entries.items() if e.cpu_row == row]
+            assert row not in self.index.book.free_rows(Tier.CPU), f"a put still reads CPU row {row}"
+            assert readers in ([], [key]), f"CPU row {row} a put reads for {key!r} was given to {readers}"
 
     @invariant()
     def pending_entries_are_not_hits(self):
@@ -475,3 +559,19 @@ def test_a_fenced_row_our_spill_still_reads_stays_held_until_the_spill_ends_too(
     assert cpu_row not in index.book.free_rows(Tier.CPU) and disk_row not in index.book.free_rows(Tier.DISK)
     index.task_ended(9, TaskOutcome(9, Outcome.OK, "", every_rank_reported=True))
     assert cpu_row in index.book.free_rows(Tier.CPU) and disk_row in index.book.free_rows(Tier.DISK)
+
+
+def test_a_late_put_keeps_its_row_from_another_key_until_it_settles():
+    """A put's rows are *sent* beyond the book (held until it settles), not only read: a put that
+    timed out may still store the row, and a row rewritten meanwhile would be another key's bytes
+    under its key, served to another engine."""
+    index = OffloadIndex(cpu_rows=1)
+    new, rows, _ = index.prepare_store([b"a"])
+    index.complete_store(new, ok=True)
+    index.puts_sent(7, [(b"a", rows[0])])
+    index.task_ended(7, TaskOutcome(7, Outcome.TIMEOUT, "the store is slow"))
+    assert index.prepare_store([b"b"]) is None, "the only row went to another key while a late put may send it"
+    assert index.lookup(b"a") is Found.HIT, "the key itself is still served"
+    index.settle([7])
+    planned = index.prepare_store([b"b"])
+    assert planned is not None and planned[1] == rows and planned[2] == [b"a"]

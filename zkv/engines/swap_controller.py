@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..rows.book import RowBook
-from ..rows.bus import Bus
+from ..rows.bus import Bus, settled_tasks
 from ..rows.ending import Settle
 from ..wire.outcome import TaskOutcome
 from ..wire.vocab import Op, Tier
@@ -239,7 +239,7 @@ class SwapController:
 
     def reap(self, wait: float = 0.0) -> int:
         """Give back what timed-out tasks held once the client says they settled (waiting up to ``wait`` s)."""
-        settled = self.bus.settled(wait) if self.book.num_held_tasks else []
+        settled = settled_tasks(self.bus, wait) if self.book.num_held_tasks else []
         for entry in self.book.settle(settled):  # frees the rows
             if entry.payload:
                 for engine in self.replicas:

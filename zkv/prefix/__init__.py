@@ -14,6 +14,7 @@ from ..rows.pool import (
     RowPool,
     RowPoolError,
 )
+from ..wire.moved import forward
 from .bus import Bus, ControlBus
 from .cycle import drain_and_clear, pause_clear_resume
 from .manager import (
@@ -27,6 +28,11 @@ from .manager import (
     PrefixCacheManager,
 )
 from .radix import NodeState, RadixNode, RadixTree, block_keys
+
+# zkv 0.1's names of the allocator (zkv.rows.pool since 0.2), until zkv 0.3
+__getattr__ = forward(
+    __name__, {"BlockAllocator": "zkv.rows.pool.RowPool", "BlockAllocatorError": "zkv.rows.pool.RowPoolError"}
+)
 
 __all__ = [
     "RowPool",

@@ -32,8 +32,8 @@ Policies
   it).  If the cached copy is on the CPU, the new GPU block is adopted instead
   and the CPU (or disk) copy freed: the data is already where it is needed.
 * GPU and CPU pressure, failed swaps and timeouts: see ``swaps.py``; the
-  disk tier's spills and loads: ``disk.py``.
-* Generations (``generations.py``): a move of the bus's ``gen`` alone drops
+  disk tier's spills and loads: ``swaps.py`` too.
+* Generations (``rows/loss.py``): a move of the bus's ``gen`` alone drops
   the GPU nodes with their subtrees and keeps what lies wholly off the GPU
   (``gpu_generation_drops``); a move of ``cpu_gen`` (or of ``gen`` on a bus
   that names no ``cpu_gen``) resets everything (``generation_resets``).
@@ -354,7 +354,7 @@ class PrefixCacheManager:
     def _follow_generation(self) -> None:
         """A bus whose generations moved without our clear (a rank came back
         with fresh memory, a broker lost its state): forget the tiers that
-        went, as the module doc says (``generations.py``)."""
+        went, as the module doc says (``rows/loss.py``)."""
         gens = self._swaps.bus_gens()
         lost = lost_between(self._swaps.gens, gens)
         if lost is Loss.ALL:

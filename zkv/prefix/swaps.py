@@ -55,9 +55,9 @@ Policies
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, cast
+from typing import Callable, cast
 
-from ..rows.bus import SWAP_OPS, Bus
+from ..rows.bus import SWAP_OPS, Bus, settled_tasks
 from ..rows.ending import Settle
 from ..rows.loss import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from ..wire.moves import MOVES
@@ -408,15 +408,7 @@ class SwapRunner:
         book = tiers.book
         if not book.num_held_tasks:
             return
-        settled = getattr(self.bus, "settled", None)
-        try:
-            if callable(settled):
-                tasks = list(settled())
-            else:  # a bus without settled(): its late outcomes say the same
-                tasks = [result.task for result in cast(Any, self.bus).poll(0.0)]
-        except Exception:  # the bus is gone or closing: keep the quarantine, try again later
-            return
-        for entry in book.settle(tasks):
+        for entry in book.settle(settled_tasks(self.bus)):
             self.counters["late_outcomes"] += 1
             self.counters["reclaimed_blocks"] += entry.num_rows
 

@@ -9,8 +9,8 @@ illegal ones before anything changes.  A row is
 
 - **free**: in the pool (``take`` hands it out, never twice: ``RowPool``);
 - **the owner's**: taken, filled or not (``give_back`` returns it);
-- **touched** by tasks in flight that write or read it (``begin``): a row can
-  be the owner's and touched at once;
+- **touched** by tasks in flight that write, read or send it (``begin``): a row
+  can be the owner's and touched at once;
 - **let go**: no owner any more, but a task may still write it (its owner gave
   it back while a task touched it, the task ended without its copies being
   over, or its tier was renewed under it).  It is out of reach, counted as
@@ -21,7 +21,10 @@ leaves its written rows with the owner (``FILLED``); an end whose copies are
 over lets them go at once (``FREED``); any other end keeps them out of reach
 until the task *settles* (``HELD``: ``settle`` names it, or ``drain`` says no
 task runs any more).  Rows a task only reads are the owner's again at its end
-(a late read can spoil only the task's own held writes).  Tasks the bus does
+(a late read can spoil only the task's own held writes).  Rows a task *sends*
+beyond the book (a ``put`` into a store other engines read) stay the owner's
+whatever the end, but stay touched until the task settles: a late send of a
+row rewritten meanwhile would store another block's bytes under its name.  Tasks the bus does
 not run (an engine's own jobs in flight at a reset: a ``Fence``) end by
 ``finish`` when their engine says so.
 
@@ -84,13 +87,14 @@ class Flight:
     reads: dict[Tier, tuple[int, ...]]
     payload: Any = None
     ended: bool = False
+    sends: dict[Tier, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
         return sum(len(rows) for rows in self.writes.values())
 
     def touched(self) -> Iterable[tuple[Tier, int]]:
-        for part in (self.writes, self.reads):
+        for part in (self.writes, self.reads, self.sends):
             for tier, rows in part.items():
                 for row in rows:
                     yield tier, row
@@ -201,15 +205,17 @@ class RowBook:
         writes: Rows | None = None,
         reads: Rows | None = None,
         *,
+        sends: Rows | None = None,
         payload: Any = None,
         kind: TaskKind = TaskKind.BUS,
     ) -> Flight:
-        """``task`` will write ``writes`` and read ``reads``, rows the owner holds.  Raises
-        before anything changes for a task named twice or a row the owner does not hold."""
+        """``task`` will write ``writes``, read ``reads`` and send ``sends`` beyond the book,
+        rows the owner holds.  Raises before anything changes for a task named twice or a
+        row the owner does not hold."""
         if task in self._flights:
             raise HeldRowError(f"task {task!r} is already in the book")
-        flight = Flight(task, kind, _frozen(writes), _frozen(reads), payload)
-        for part in (flight.writes, flight.reads):
+        flight = Flight(task, kind, _frozen(writes), _frozen(reads), payload, sends=_frozen(sends))
+        for part in (flight.writes, flight.reads, flight.sends):
             for tier, rows in part.items():
                 if len(set(rows)) != len(rows):
                     raise HeldRowError(f"{tier}: a row is named twice in one task")
@@ -242,6 +248,7 @@ class RowBook:
             if flight is not None and flight.ended:
                 del self._flights[task]
                 self._untouch(flight.writes)
+                self._untouch(flight.sends)
                 out.append(flight)
         return out
 
@@ -257,6 +264,10 @@ class RowBook:
     def flights(self, kind: TaskKind | None = None) -> list[Flight]:
         """The tasks the book follows (of ``kind``), in flight or ended and held."""
         return [f for f in self._flights.values() if kind is None or f.kind is kind]
+
+    def touched(self, tier: Tier, row: int) -> bool:
+        """Whether a task the book follows still writes or reads ``row`` of ``tier``."""
+        return self._tiers[tier].touches[row] > 0
 
     def is_holding(self, task: Hashable) -> bool:
         """Whether ``task`` ended and still holds rows out of reach."""
@@ -296,7 +307,13 @@ class RowBook:
         reach here until those tasks are over."""
         for flight in old._flights.values():
             self._flights[flight.task] = Flight(
-                flight.task, flight.kind, dict(flight.writes), dict(flight.reads), flight.payload, flight.ended
+                flight.task,
+                flight.kind,
+                dict(flight.writes),
+                dict(flight.reads),
+                flight.payload,
+                flight.ended,
+                dict(flight.sends),
             )
         for tier, t in self._tiers.items():
             was = old._tiers.get(tier)
@@ -313,7 +330,7 @@ class RowBook:
         t.touches.update({row: touches[row] for row in keep})
         kept = set(keep)
         for flight in list(self._flights.values()):
-            for part in (flight.writes, flight.reads):
+            for part in (flight.writes, flight.reads, flight.sends):
                 if tier in part:
                     part[tier] = tuple(row for row in part[tier] if row in kept)
             if flight.ended and not any(flight.writes.values()):
@@ -395,6 +412,7 @@ class RowBook:
             return
         del self._flights[flight.task]
         self._untouch(flight.writes)
+        self._untouch(flight.sends)
 
     def _untouch(self, part: Mapping[Tier, tuple[int, ...]]) -> None:
         """A task stops touching these rows: those let go that no task touches now are free."""

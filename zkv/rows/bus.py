@@ -8,15 +8,15 @@ book because the book's rule reads what the bus says of a task (its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
-from ..wire.moves import MOVES
+from ..wire.moves import ROW_MOVES
 from ..wire.outcome import TaskOutcome
 from ..wire.replies import ControlReply, StatusReply
 
 #: the ops the prefix manager submits: the tier moves, GPU <-> CPU swaps and CPU <-> disk spills and loads
 #: (``wire/moves.py``, docs/protocol.md §6)
-SWAP_OPS = tuple(MOVES)
+SWAP_OPS = ROW_MOVES
 
 
 class Bus(Protocol):
@@ -50,3 +50,16 @@ class ControlBus(Bus, Protocol):
     def resume(self, layout: dict | None = None, timeout: float = 30.0) -> ControlReply: ...
 
     def status(self, timeout: float | None = None) -> StatusReply: ...
+
+
+def settled_tasks(bus: Any, wait: float = 0.0) -> list[int]:
+    """The tasks ``bus`` says settled since it was last asked (``Bus.settled``), or, for a bus
+    without that method (an older client, a test double), the tasks of its late outcomes;
+    none when the bus cannot answer (gone, closing): the rows stay held, asked again later."""
+    settled = getattr(bus, "settled", None)
+    try:
+        if callable(settled):
+            return list(settled(wait))
+        return [result.task for result in bus.poll(wait)]
+    except Exception:  # noqa: BLE001 - a bus that cannot say keeps the rows held, never frees them
+        return []

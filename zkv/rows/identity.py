@@ -39,6 +39,20 @@ class EngineIdentity(msgspec.Struct, frozen=True):
         raw = json.dumps(msgspec.to_builtins(self), sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(raw.encode(), digest_size=16).digest()
 
+    def namespace(self) -> str:
+        """The namespace of a keyed store this identity's blocks live in (24 hex digits):
+        its config, KV layout, revision and weights, not where the model was loaded from,
+        so that engines loading one checkpoint from other paths (other hosts) share it.
+        Weights named by their files' listing differ between hosts whose copies differ in
+        modification time: a fleet names them with a version (``with_weights``)."""
+        said = {"revision": self.revision, "config": self.config, "layout": self.layout, "weights": self.weights}
+        return short_digest(said)
+
+    def with_weights(self, version: str) -> "EngineIdentity":
+        """The same engine with its weights named by a version a trainer sets (one name
+        fleet-wide, whatever each host's copy of the files)."""
+        return msgspec.structs.replace(self, weights=f"version:{version}")
+
     def moved(self) -> "EngineIdentity":
         """The same engine on weights that changed in place: a version no restart loads."""
         base = self.weights.split("+moved-", 1)[0]

@@ -51,7 +51,7 @@ SCRIPTABLE_OUTCOMES = (*Outcome, "raise", "died")
 _LATE = {Outcome.TIMEOUT: Outcome.TIMEOUT, "died": Outcome.FAILED}
 GEN_MOVES = ("gen", "cpu_gen")
 #: op -> (source tier, destination tier)
-OPS = {op: (move.source, move.dest) for op, move in MOVES.items()}
+OPS = {op: (move.source, move.dest) for op, move in MOVES.items() if not move.keyed}
 #: what a lost generation's memory and a failed load's destination hold: never a block's data
 GARBAGE = ("garbage",)
 

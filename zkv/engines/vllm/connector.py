@@ -124,6 +124,8 @@ class ZkvSpec(OffloadingSpec):
         self.rank = par.rank
         said = self.extra_config.get(IDENTITY_KEY)  # ZkvConnector's scheduler side: whose KV the tiers hold
         self.identity = msgspec.convert(said, EngineIdentity) if said is not None else None
+        if self.identity is not None and self.settings.weights_version is not None:
+            self.identity = self.identity.with_weights(self.settings.weights_version)
         self.groups: list[dict[str, Any]] | None = self.extra_config.get(GROUPS_KEY)
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None

@@ -7,9 +7,10 @@ spec, event}``.
 The events: ``stored`` (vLLM's store into a CPU row ended ok), ``hit`` (a
 lookup found a key readable on the CPU tier), ``served`` (vLLM's load from a
 CPU row into its KV cache ended ok), ``from_disk`` (a key brought back from
-the disk tier into a CPU row, before it was served), ``spilled`` (a CPU row
-copied to the disk tier).  Every (group, event) exists from the start at 0,
-so the scrape thread reads a dict that never changes size."""
+the disk tier into a CPU row, before it was served), ``fetched`` (the same
+from the shared store), ``spilled`` (a CPU row copied to the disk tier).
+Every (group, event) exists from the start at 0, so the scrape thread reads a
+dict that never changes size."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from prometheus_client.registry import Collector
 
 from .groups import group_of
 
-EVENTS = ("stored", "hit", "served", "from_disk", "spilled")
+EVENTS = ("stored", "hit", "served", "from_disk", "fetched", "spilled")
 
 
 class GroupCounts:

@@ -280,6 +280,32 @@ class OffloadIndex:
             payload=(Op.LOAD, loads),
         )
 
+    def start_fetch(self, key: Key) -> int | None:
+        """The CPU row a ``get`` from the shared store brings ``key`` into (the key is
+        pending until the get ends), or None when it is known here or no row can be had."""
+        if key in self.entries or (not self._free(Tier.CPU) and not self._evictable_cpu()):
+            return None
+        row = self._take_cpu_row([])
+        self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.LOADING)
+        return row
+
+    def fetches_sent(self, task: int, fetches: list[tuple[Key, int]]) -> None:
+        """These started fetches (key, CPU row) went as bus task ``task`` (a ``get``)."""
+        self.book.begin(task, writes={Tier.CPU: [row for _, row in fetches]}, payload=(Op.GET, fetches))
+
+    def cancel_fetch(self, key: Key, cpu_row: int) -> None:
+        """A fetch that never started: the key is not here, the row is free."""
+        e = self.entries.get(key)
+        if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row and e.disk_row is None:
+            e.cpu_state = None
+            self._drop(e, announce=False)
+
+    def puts_sent(self, task: int, puts: list[tuple[Key, int]]) -> None:
+        """These ready keys' CPU rows are sent by bus task ``task`` (a ``put`` into the shared
+        store): none of them is evicted or rewritten until its copies are over (a late put of
+        a rewritten row would store another block's bytes under this key)."""
+        self.book.begin(task, sends={Tier.CPU: [row for _, row in puts]}, payload=(Op.PUT, puts))
+
     def cancel_load(self, key: Key, cpu_row: int) -> None:
         """A load from disk that never started: the key stays on disk, the row is free."""
         e = self.entries.get(key)
@@ -288,16 +314,21 @@ class OffloadIndex:
             self.book.give_back(Tier.CPU, [cpu_row])
 
     def task_ended(self, task: int, outcome: TaskOutcome) -> tuple[Op, int, list[Key]] | None:
-        """One of our spills or loads ended: the book settles its rows by its one rule, and
-        the keys still waiting on it learn what their rows are.  A spill that did not end
-        ``ok`` leaves its key dirty on the CPU; a load that did not loses its key on every
-        tier (a digest that did not check, a lost row: never a hit).  Returns the op, how
+        """One of our spills, loads, fetches (``get``) or puts ended: the book settles its rows
+        by its one rule, and the keys still waiting on it learn what their rows are.  A spill
+        that did not end ``ok`` leaves its key dirty on the CPU; a load or fetch that did not
+        loses its key on every tier (a digest that did not check, a lost row, a value the
+        store no longer has: never a hit); a put only read its rows.  Returns the op, how
         many keys it carried and the keys whose rows it filled (None: not a task of ours)."""
         flight = self.book.flight(task)
         if flight is None or flight.ended:
             return None
         op, items = flight.payload
         filled = self.book.end(task, outcome) is Settle.FILLED
+        if op is Op.PUT:
+            return op, len(items), []
+        if op is Op.GET:
+            items = [(key, None, row) for key, row in items]  # a load with no disk row
         done: list[Key] = []
         if op is Op.SPILL:
             for key, _, disk_row in items:
@@ -372,7 +403,13 @@ class OffloadIndex:
     # --- rows --------------------------------------------------------------------
 
     def _cpu_evictable(self, e: Entry) -> bool:
-        return e.cpu_state is CpuState.READY and e.readers == 0 and not e.spilling
+        """A ready row nothing reads: not vLLM's loads, not a spill, not a put into the shared store."""
+        return (
+            e.cpu_state is CpuState.READY
+            and e.readers == 0
+            and not e.spilling
+            and not self.book.touched(Tier.CPU, e.cpu_row)  # type: ignore[arg-type]
+        )
 
     def _evictable_cpu(self) -> int:
         return sum(1 for e in self.entries.values() if self._cpu_evictable(e))

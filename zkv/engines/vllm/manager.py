@@ -51,7 +51,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from ...client.client import Client
+from ...rank.tiers.store_tier import open_store
 from ...rank.tiers.tier_file import bus_name, journal_path
+from ...rows.book import TaskKind
 from ...rows.identity import EngineIdentity
 from ...rows.journal import DISK_JOURNAL, Journal
 from ...rows.loss import UNKNOWN, Gens, Loss, lost_between
@@ -65,6 +67,7 @@ from .groups import chain_order, name, refusals
 from .index import Found, OffloadIndex
 from .rows import ZkvRows
 from .settings import ZkvSettings
+from .shared import Known, SharedTier
 
 log = logging.getLogger("zkv.vllm")
 
@@ -75,8 +78,13 @@ _FOUND = {
 }
 _MEDIUM = {Tier.CPU: Medium.CPU, Tier.DISK: Medium.STORAGE}
 _SPILLS_PER_STEP = 64
+_GROUP_EVENT = {Op.SPILL: "spilled", Op.LOAD: "from_disk", Op.GET: "fetched"}  # what a task's filled keys count as
 _COUNTS = (
     "hits",
+    "store_gets",
+    "store_get_failed",
+    "store_puts",
+    "store_put_failed",
     "misses_not_serving",
     "stores_skipped",
     "store_failed",
@@ -145,6 +153,15 @@ class ZkvOffloadManager(OffloadingManager):
         self.broker = broker
         self._stored_at: Gens = UNKNOWN  # the bus's generations when the keys were stored
         self._loads: list[tuple[bytes, int, int]] = []  # disk -> CPU loads of this step, sent as one task
+        # The shared store below (settings.store): what it holds, asked off this thread, and this
+        # step's fetches from it and puts into it, each sent as one task.
+        self.shared = (
+            SharedTier(open_store(settings.store), records.identity.namespace())
+            if settings.store is not None and records is not None
+            else None
+        )
+        self._fetches: list[tuple[bytes, int]] = []
+        self._puts: list[tuple[bytes, int]] = []
         self._failed_stores: set[OffloadKey] = set()
         self._failed_loads: set[OffloadKey] = set()
         self._events_file = open(settings.events_path, "a") if settings.events_path else None  # noqa: SIM115
@@ -197,28 +214,15 @@ class ZkvOffloadManager(OffloadingManager):
         return (self.bus.gen, self.bus.cpu_gen)
 
     def _pump(self) -> None:
-        """Take the outcomes of our spills and loads (the index's book settles their rows);
-        send this step's loads and the spills due."""
+        """Take the outcomes of our tasks (the index's book settles their rows); send this
+        step's loads, fetches and puts, and the spills due."""
+        self._take_outcomes()
         index = self.index
-        for out in self.client.poll(0.0):
-            ended = index.task_ended(out.task, out)
-            if ended is None:
-                continue
-            op, n, filled = ended
-            self.by_group.add("spilled" if op is Op.SPILL else "from_disk", filled)
-            if op is Op.SPILL:
-                self.counts["spills" if out.ok else "spill_failed"] += n
-            else:
-                self.counts["disk_loads" if out.ok else "disk_load_failed"] += n
-                if not out.ok:
-                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", n, out.reason)
-        if index.book.num_held_tasks:
-            index.settle(self.client.settled())
         if self._loads and not self.bus.serving:
             for key, _, cpu_row in self._loads:
                 index.cancel_load(key, cpu_row)
             self._loads = []
-        index.record()  # the CPU rows this step's loads take were given up in lookups
+        index.record()  # the CPU rows this step's loads and fetches take were given up in lookups
         if self._loads:
             loads, self._loads = self._loads, []
             task = self._submit(Op.LOAD, [d for _, d, _ in loads], [c for _, _, c in loads])
@@ -227,6 +231,8 @@ class ZkvOffloadManager(OffloadingManager):
                     index.cancel_load(key, cpu_row)
             else:
                 index.loads_sent(task, loads)
+        if self.shared is not None:
+            self._pump_shared()
         if self.bus.serving:
             spills = index.plan_spills(_SPILLS_PER_STEP)
             index.record()
@@ -239,9 +245,74 @@ class ZkvOffloadManager(OffloadingManager):
                 else:
                     index.spills_sent(task, spills)
 
-    def _submit(self, op: Op, src: list[int], dst: list[int]) -> int | None:
+    def _take_outcomes(self, wait_for: int | None = None, bound_s: float = 0.0) -> None:
+        """The outcomes of our spills, loads, fetches and puts, and the late copies settled since;
+        ``wait_for``: a task whose outcome is worth up to ``bound_s`` of this step (a fetch its
+        request waits on: ending it now lets the next step load the blocks instead of asking
+        again)."""
+        index = self.index
+        end = time.monotonic() + bound_s
+        outs = self.client.poll(0.0)
+        while wait_for is not None and all(o.task != wait_for for o in outs) and time.monotonic() < end:
+            outs += self.client.poll(max(0.0, end - time.monotonic()))
+        for out in outs:
+            ended = index.task_ended(out.task, out)
+            if ended is None:
+                continue
+            op, n, filled = ended
+            if op in _GROUP_EVENT:
+                self.by_group.add(_GROUP_EVENT[op], filled)
+            if op is Op.SPILL:
+                self.counts["spills" if out.ok else "spill_failed"] += n
+            elif op is Op.PUT or op is Op.GET:
+                self._shared_ended(op, n, out)
+            else:
+                self.counts["disk_loads" if out.ok else "disk_load_failed"] += n
+                if not out.ok:
+                    log.info("zkv: a load of %d disk rows failed (%s): recomputed", n, out.reason)
+        if index.book.num_held_tasks:
+            index.settle(self.client.settled())
+
+    def _shared_ended(self, op: Op, n: int, out: Any) -> None:
+        """A put into or a get from the shared store ended: counted, and what it showed learned."""
+        assert self.shared is not None
+        if op is Op.PUT:
+            self.counts["store_puts" if out.ok else "store_put_failed"] += n
+            return
+        self.counts["store_gets" if out.ok else "store_get_failed"] += n
+        if not out.ok:
+            log.info("zkv: a get of %d blocks from the shared store failed (%s): recomputed", n, out.reason)
+
+    def _pump_shared(self) -> None:
+        """This step's fetches from the shared store and puts into it, one task each; while the
+        bus is not serving none is sent (fetches are cancelled, puts dropped: a later store puts again)."""
+        assert self.shared is not None
+        index, ns = self.index, self.shared.ns
+        fetches, self._fetches = self._fetches, []
+        puts, self._puts = self._puts, []
+        if not self.bus.serving:
+            for key, row in fetches:
+                index.cancel_fetch(key, row)
+            return
+        if fetches:
+            keys, rows = [k for k, _ in fetches], [r for _, r in fetches]
+            task = self._submit(Op.GET, None, rows, keys=keys, ns=ns)
+            if task is None:
+                for key, row in fetches:
+                    index.cancel_fetch(key, row)
+            else:
+                index.fetches_sent(task, fetches)
+                if self.settings.fetch_wait_s > 0:
+                    self._take_outcomes(wait_for=task, bound_s=self.settings.fetch_wait_s)
+        ready = [(k, r) for k, r in puts if index.lookup(k) is Found.HIT and index.entries[k].cpu_row == r]
+        if ready:
+            task = self._submit(Op.PUT, [r for _, r in ready], None, keys=[k for k, _ in ready], ns=ns)
+            if task is not None:
+                index.puts_sent(task, ready)
+
+    def _submit(self, op: Op, src: list[int] | None, dst: list[int] | None, **keyed: Any) -> int | None:
         try:
-            return self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s)
+            return self.client.submit(op, src, dst, timeout=self.settings.task_timeout_s, **keyed)
         except ZkvError as err:
             log.warning("zkv: %s not submitted: %s", op, err)
             return None
@@ -249,7 +320,9 @@ class ZkvOffloadManager(OffloadingManager):
     def _forget(self, why: str, moved: bool = True, fenced: bool = False) -> None:
         for key, _, cpu_row in self._loads:  # not sent yet: never will be
             self.index.cancel_load(key, cpu_row)
-        self._loads = []
+        for key, row in self._fetches:
+            self.index.cancel_fetch(key, row)
+        self._loads, self._fetches, self._puts = [], [], []
         gone = self.index.reset(fenced=fenced)
         self.index.take_changes()
         self._stored_at = UNKNOWN
@@ -257,6 +330,8 @@ class ZkvOffloadManager(OffloadingManager):
             # zkv learns the weights may have changed only this way (``moved``): what is stored
             # from now on is under weights no checkpoint holds, so it never outlives this engine.
             self.index.records.forget(moved)
+            if self.shared is not None:  # nor is it shared with engines of the old weights, whose blocks go
+                self.shared.use(self.index.records.identity.namespace(), retire_old=moved)
         if gone:
             log.info("zkv: %d offloaded blocks forgotten: %s", len(gone), why)
 
@@ -279,7 +354,25 @@ class ZkvOffloadManager(OffloadingManager):
         if found is Found.HIT:
             self.counts["hits"] += 1
             self.by_group.add("hit", [key])
+        if found is Found.MISS and self.shared is not None:
+            return self._from_shared(key)
         return _FOUND[found]
+
+    def _from_shared(self, key: OffloadKey) -> LookupResult:
+        """A key this engine does not hold: the shared store may (another engine put it).
+        Not known yet: ask again next step; there: fetch it into a CPU row (a ``get`` sent
+        with this step's others) and ask again; not there: a miss."""
+        assert self.shared is not None
+        known = self.shared.known(key)
+        if known is Known.ABSENT:
+            return LookupResult.MISS
+        if known is Known.UNKNOWN:
+            return LookupResult.RETRY
+        row = self.index.start_fetch(key)
+        if row is None:
+            return LookupResult.MISS
+        self._fetches.append((key, row))
+        return LookupResult.RETRY
 
     def _recent(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
         """Make ``keys`` (of one call, already in the index) recent head to tail by token
@@ -338,6 +431,12 @@ class ZkvOffloadManager(OffloadingManager):
             self.counts["store_failed"] += 1
         self.by_group.add("stored", self.index.complete_store(keys, ok=not failed))
         self.index.record()
+        if self.shared is not None and not failed:  # into the shared store too (sent with this step's others)
+            entries = self.index.entries
+            for key in keys:
+                row = entries[key].cpu_row if key in entries else None
+                if row is not None:
+                    self._puts.append((key, row))
 
     def rows_failed(self, rows: Iterable[int], is_store: bool) -> None:
         """A worker reported that a job on these CPU rows failed (``ZkvConnector``): called
@@ -354,7 +453,10 @@ class ZkvOffloadManager(OffloadingManager):
         self._pump()
 
     def has_pending_work(self) -> bool:
-        return bool(self._loads or self.index.book.flights())
+        """Tasks of ours to send or in flight (vLLM keeps stepping until their outcomes are in;
+        one held for a late copy is not pending work: it settles whenever it does)."""
+        in_flight = any(not f.ended for f in self.index.book.flights(TaskKind.BUS))
+        return bool(self._loads or self._fetches or self._puts or in_flight)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
@@ -402,6 +504,8 @@ class ZkvOffloadManager(OffloadingManager):
             log.warning("zkv: blocks per KV cache group: %s", self.by_group.by_group())
         if self.index.records is not None:
             self.index.records.close()
+        if self.shared is not None:
+            self.shared.close()
         self.bus.close()
         self.client.close()
         if self._events_file is not None:

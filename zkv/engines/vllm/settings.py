@@ -47,7 +47,17 @@ class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     ``events_path``: a JSON line per residency change (keys stored or removed
     per tier, with the bus's generations), for a KV-aware router.
     ``trace_path``: the embedded broker records every task and control
-    operation there (docs/traces.md), as ``zkv broker --record``."""
+    operation there (docs/traces.md), as ``zkv broker --record``.  ``store``:
+    a keyed store below the tiers, shared with other engines (a host tier
+    ``file:///dev/shm/zkv-host?budget=8GiB``, or ``redis://HOST:PORT/DB``):
+    every block stored is put there too, and a block this engine lacks is
+    fetched from there when another engine of its identity put it.
+    ``weights_version``: the weights named by a version the trainer sets (one
+    name fleet-wide) instead of the checkpoint's file listing, which differs
+    between hosts whose copies differ in modification time.  ``fetch_wait_s``:
+    how long the scheduler may wait, in the step that sent a fetch from the
+    store, for it to land (the request it serves then loads at the next step
+    instead of asking again)."""
 
     bus_dir: Path_ | None = None
     broker: Literal["embedded", "external"] = "embedded"
@@ -60,9 +70,12 @@ class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     status_interval_s: seconds(0.0, 3600.0) = 1.0  # type: ignore[valid-type]
     hear_broadcasts: bool = True
     load_wait_s: seconds(0.0, 10.0) = 0.0  # type: ignore[valid-type]
+    fetch_wait_s: seconds(0.0, 1.0) = 0.05  # type: ignore[valid-type]
     events_path: Path_ | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
     trace_path: Path_ | None = None
+    store: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    weights_version: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
     bus_named: bool = False  # bus_dir was given: the CPU tier file and its journal outlive the engine
 
     @classmethod

@@ -86,6 +86,7 @@ class ZkvOffloadWorker(OffloadingWorker):
             # resume serves the same tensors again, as a new generation.
             source=lambda: EngineCache.from_tensors(entries, generation=next(generations)),
             on_task_done=self._ran,
+            store=settings.store,
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))

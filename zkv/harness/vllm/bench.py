@@ -1,7 +1,7 @@
 """``zkv bench vllm``: the time to first token of a returning conversation
 on a real vLLM engine, with zkv as its offload backend, beside recompute (no
 connector) and beside the floor of any offload backend here (vLLM's own
-offloading connector on an in-process torch copy, ``vllm_floor.py``), each on
+offloading connector on an in-process torch copy, ``floor.py``), each on
 an engine of its own, in the same run (docs/benchmarks.md).
 
 The workload: ``conversations`` contexts of ``context`` tokens on a model
@@ -35,6 +35,7 @@ from typing import Any, Callable
 from ...obs.status_view import table
 from .group_rig import GroupEngine
 from .models import gemma3
+from .output import progress, ticking, vllm_output_to
 from .rig import (
     BLOCK_TOKENS,
     BusProbe,
@@ -61,32 +62,44 @@ def _run(
     contexts: list[list[int]],
     turn: int,
     rounds: int,
+    name: str = "",
     forget: bool = False,
     around: Callable[[], None] | None = None,
 ) -> tuple[list[float], list[list[int]], list[list[int]]]:
-    """TTFT of every returning turn, each conversation's last greedy reply, and its history;
-    ``forget``: vLLM's own prefix cache is reset before each return (all of it comes back
-    from the offload tier, or is recomputed); ``around``: called before the first return
-    and after the last (what the returns moved is read there)."""
+    """TTFT of every returning turn, each conversation's last greedy reply, and its history
+    (a bar over the visits on a terminal); ``forget``: vLLM's own prefix cache is reset
+    before each return (all of it comes back from the offload tier, or is recomputed);
+    ``around``: called before the first return and after the last (what the returns moved
+    is read there)."""
     import random
 
     rng = random.Random(7)
     history = [list(c) for c in contexts]
-    for h in history:  # first visit: prefill, and the offload backend stores it
-        greedy(llm, h, 2)
-    if around is not None:
-        around()
-    times = []
-    for _ in range(rounds):
+    bar = progress(f"  {name}", len(history) * (rounds + 2), "visit")
+    try:
+        for h in history:  # first visit: prefill, and the offload backend stores it
+            greedy(llm, h, 2)
+            bar.update(1)
+        if around is not None:
+            around()
+        times = []
+        for _ in range(rounds):
+            for h in history:
+                h += [rng.randrange(1, 500) for _ in range(turn)]
+                if forget:
+                    llm.reset_prefix_cache()
+                times.append(ttft(llm, h))
+                h += greedy(llm, h, 2)[0]
+                bar.update(1)
+        if around is not None:
+            around()
+        last = []
         for h in history:
-            h += [rng.randrange(1, 500) for _ in range(turn)]
-            if forget:
-                llm.reset_prefix_cache()
-            times.append(ttft(llm, h))
-            h += greedy(llm, h, 2)[0]
-    if around is not None:
-        around()
-    return times, [greedy(llm, h, 8)[0] for h in history], history
+            last.append(greedy(llm, h, 8)[0])
+            bar.update(1)
+        return times, last, history
+    finally:
+        bar.close()
 
 
 def _after_restart(llm: Any, history: list[list[int]], turn: int, vocab: int) -> list[float]:
@@ -104,10 +117,12 @@ def bench_vllm(
     say: Callable[[str], None] = print,
     zkv_extra: dict[str, Any] | None = None,
     floor: Callable[[int, int], dict[str, Any]] | None = None,
+    log: Path | None = None,
 ) -> dict[str, Any]:
     """``zkv_extra``: more of zkv's settings (docs/engine-vllm.md) for its engine; ``floor``:
     the floor engine's ``--kv-transfer-config`` for (CPU blocks, block bytes), instead of the
-    in-process torch copy (the GPU check puts vLLM's own CPU offloading there)."""
+    in-process torch copy (the GPU check puts vLLM's own CPU offloading there); ``log``: where
+    vLLM's own output goes (``output.vllm_output_to``; None: this terminal)."""
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     conversations, rounds, turn = 3, 2 if quick else 4, 64
@@ -123,7 +138,7 @@ def bench_vllm(
         "gpu_blocks": gpu_blocks,
         "block_bytes": shape.block_bytes(),
     }
-    with tempfile.TemporaryDirectory(prefix="zkv-bench-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="zkv-bench-vllm-") as tmp, vllm_output_to(log):
         model = write_llama(Path(tmp) / "model", shape, seed=0)
         variants = {
             "recompute": None,
@@ -133,11 +148,12 @@ def bench_vllm(
         tokens, histories = {}, {}
         for name, transfer in variants.items():
             say(f"vllm bench: {name} ...")
-            llm = start_engine(model, transfer, gpu_blocks, max_len)
+            with ticking("  starting vLLM"):
+                llm = start_engine(model, transfer, gpu_blocks, max_len)
             try:
                 if name == "zkv":
                     BusProbe(Path(tmp) / "bus").status(wait_ranks=1)
-                times, tokens[name], histories[name] = _run(llm, contexts, turn, rounds)
+                times, tokens[name], histories[name] = _run(llm, contexts, turn, rounds, name)
             finally:
                 stop_engine(llm)
                 del llm
@@ -147,7 +163,8 @@ def bench_vllm(
                 "ttft_ms": [round(t * 1000, 1) for t in times],
             }
         say("vllm bench: zkv after a restart on the same tiers ...")
-        llm = start_engine(model, variants["zkv"], gpu_blocks, max_len)
+        with ticking("  starting vLLM"):
+            llm = start_engine(model, variants["zkv"], gpu_blocks, max_len)
         try:
             probe = BusProbe(Path(tmp) / "bus")
             probe.status(wait_ranks=1)
@@ -162,12 +179,12 @@ def bench_vllm(
             "ttft_ms": [round(t * 1000, 1) for t in times],
             "blocks_served": served.get("swap_in", 0),
         }
+        result["groups"] = bench_groups(quick, say)
     z, r, f = (result[k]["ttft_ms_p50"] for k in ("zkv", "recompute", "torch_copy_floor"))
     result["restart_vs_warm"] = result["zkv_restarted"]["ttft_ms_p50"] / z
     result["zkv_vs_recompute"] = z / r
     result["zkv_vs_floor"] = z / f
     result["tokens_identical"] = tokens["zkv"] == tokens["recompute"] == tokens["torch_copy_floor"]
-    result["groups"] = bench_groups(quick, say)
     return result
 
 
@@ -209,18 +226,18 @@ def bench_groups(quick: bool = False, say: Callable[[str], None] = print) -> dic
             )
             marks: list[tuple[int, dict[int, dict[str, int]]]] = []
             try:
-                if with_zkv:
-                    llm = engine.start().llm
-                else:
-                    llm = start_engine(
-                        models[sliding], floor if name == "torch_copy_floor" else None, gpu_blocks, max_len
-                    )
+                with ticking("  starting vLLM"):
+                    if with_zkv:
+                        llm = engine.start().llm
+                    else:
+                        llm = start_engine(
+                            models[sliding], floor if name == "torch_copy_floor" else None, gpu_blocks, max_len
+                        )
                 # Each return finds vLLM's cache empty: its whole context moves (or is recomputed),
                 # so the bytes per return of the two models compare their groups, not what
                 # vLLM's cache happened to keep of each.
-                times, tokens[name], _ = _run(
-                    llm, contexts, turn, rounds, forget=True, around=partial(_mark, engine, marks) if with_zkv else None
-                )
+                mark = partial(_mark, engine, marks) if with_zkv else None
+                times, tokens[name], _ = _run(llm, contexts, turn, rounds, name, forget=True, around=mark)
                 entry: dict[str, Any] = {"ttft_ms_p50": statistics.median(times) * 1000}
                 if with_zkv:
                     (b0, g0), (b1, g1) = marks

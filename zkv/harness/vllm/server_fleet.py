@@ -19,17 +19,22 @@ from typing import Any, Callable
 from ...client.client import Client
 from ...engines.vllm.server import VllmServer
 from ...engines.vllm.server_cycle import ReloadWeights, ServerFleet, ServerSpec, reset_prefix_cache
+from .output import ticking
 from .rig import ModelShape, write_llama
 from .servers import ServerProc, complete
 
 
 def _start(root: Path, model: str, n: int, say: Callable[[str], None]) -> list[ServerProc]:
     servers = [ServerProc(f"engine-{i}", model, root) for i in range(n)]
-    say(f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server) ...")
+    say(
+        f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server; their logs:"
+        f" {root}/engine-N-server.log) ..."
+    )
     for s in servers:
         s.start()
-    for s in servers:
-        s.wait_ready()
+    with ticking("  starting the servers"):
+        for s in servers:
+            s.wait_ready()
     return servers
 
 
