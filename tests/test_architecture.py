@@ -94,11 +94,13 @@ TORCH_LAYERS = {"rank", "engines"}
 #: Modules outside them that may: the copy benchmarks time plain torch copies
 #: as the baseline for the rank's copy engine; the GPU check and its rig drive
 #: it on real tensors; the stand-in engine process owns tensors of its own; the random
-#: test models are torch modules, and so is the random Llama a vLLM engine serves; the
+#: test models are torch modules, and so are the random Llama and the random models of several
+#: KV cache groups a vLLM engine serves; the
 #: vLLM benchmark's floor copies with plain torch, and the checksum benchmark times vLLM's
 #: checksum of torch weights beside a plain copy.
 TORCH_EXCEPTIONS = {
     "zkv.harness.vllm.rig",
+    "zkv.harness.vllm.models",
     "zkv.harness.vllm.floor",
     "zkv.harness.vllm.checksum",
     "zkv.harness.bus.bench",

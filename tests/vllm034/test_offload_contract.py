@@ -10,7 +10,6 @@ fails first, naming it."""
 from __future__ import annotations
 
 import inspect
-import json
 import re
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 pytestmark = pytest.mark.timeout(300)
 
+from groups_fixture import tiny_llama  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
@@ -92,25 +92,7 @@ def test_the_interfaces_zkv_relies_on_are_where_it_expects_them():
 
 @pytest.fixture
 def rig(tmp_path):
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 1024,
-                "rms_norm_eps": 1e-5,
-                "torch_dtype": "float16",
-            }
-        )
-    )
+    model = tiny_llama(tmp_path / "tiny", dtype="float16", max_positions=1024)
     extra = {"bus_dir": str(tmp_path / "bus"), "cpu_blocks": 8, "tier_dir": None, "status_interval_s": 0.0}
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=512),

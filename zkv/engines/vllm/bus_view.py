@@ -111,6 +111,7 @@ class BusView:
             self.heard += 1
             if msg.op is not ControlOp.RESUME:
                 self.serving = False  # paused or cleared: not one more lookup hits
+                self._pending = None  # a status asked before it would say running: older news
             else:
                 self._pending = None
                 moved = self._ask_and_wait(now) or moved

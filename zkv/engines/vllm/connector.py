@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -53,9 +54,10 @@ from vllm.v1.outputs import KVConnectorOutput
 from ...broker.core import BrokerConfig
 from ...broker.loop import Broker
 from . import api
+from .groups import block_recompute_exact, check_rows, describe
 from .identity import EngineIdentity, identity_of
 from .manager import ZkvOffloadManager
-from .settings import ZkvSettings
+from .settings import METRICS_URL_FILE, ZkvSettings
 from .worker import ZkvOffloadWorker
 
 log = logging.getLogger("zkv.vllm")
@@ -63,6 +65,7 @@ log = logging.getLogger("zkv.vllm")
 SPEC_NAME = "ZkvSpec"
 SPEC_MODULE = __name__
 IDENTITY_KEY = "zkv_identity"  # the scheduler's EngineIdentity, handed to ZkvSpec in the extra config
+GROUPS_KEY = "zkv_groups"  # the KV cache groups vLLM offloads (groups.describe), handed to ZkvSpec
 
 
 class EmbeddedBroker:
@@ -77,10 +80,16 @@ class EmbeddedBroker:
             self.recorder = TraceRecorder(settings.trace_path, world=world)
         self.broker = Broker(settings.endpoints, BrokerConfig(world=world), state_file=state, recorder=self.recorder)
         self.metrics = None
+        self.registry: Any = None  # the /metrics registry, where the manager adds its own counts
+        self.url_file: Path | None = None
         if settings.metrics_port is not None:
             from ...obs.prometheus import make_registry, start_metrics_server
 
-            self.metrics = start_metrics_server(settings.metrics_port, make_registry(self.broker.core), "127.0.0.1")
+            self.registry = make_registry(self.broker.core)
+            self.metrics = start_metrics_server(settings.metrics_port, self.registry, "127.0.0.1")
+            # Where a port of 0 landed, for whoever has the bus's directory (its log says so too).
+            self.url_file = settings.make_bus_dir() / METRICS_URL_FILE
+            self.url_file.write_text(self.metrics.url + "\n")
             log.warning("zkv: bus %s metrics at %s", settings.bus_dir, self.metrics.url)
         self.thread = threading.Thread(target=self.broker.serve, name="zkv-vllm-broker", daemon=True)
         self.thread.start()
@@ -89,6 +98,8 @@ class EmbeddedBroker:
     def stop(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+            if self.url_file is not None:
+                self.url_file.unlink(missing_ok=True)
         self.broker.stop()
         self.thread.join(timeout=10)
         if self.recorder is not None:
@@ -115,6 +126,7 @@ class ZkvSpec(OffloadingSpec):
         self.identity = msgspec.convert(said, EngineIdentity) if said is not None else None
         if self.identity is not None and self.settings.weights_version is not None:
             self.identity = self.identity.with_weights(self.settings.weights_version)
+        self.groups: list[dict[str, Any]] | None = self.extra_config.get(GROUPS_KEY)
         self.manager: ZkvOffloadManager | None = None
         self.worker: ZkvOffloadWorker | None = None
 
@@ -127,6 +139,7 @@ class ZkvSpec(OffloadingSpec):
                 self.settings,
                 self.world,
                 identity=self.identity,
+                groups=self.groups,
                 emit_events=self.kv_events_config.enable_kv_cache_events,
                 broker=broker,
             )
@@ -134,9 +147,11 @@ class ZkvSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self.worker is None:
-            if len(kv_caches.group_data_refs) > 1:
-                raise ValueError("zkv offloads one KV cache group (docs/engine-vllm.md, Limits)")
-            self.worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches)
+            # A row is a block's page of every canonical tensor: refused at start where
+            # copying it would touch another block (docs/engine-vllm.md, "Models with several
+            # KV cache groups").
+            check_rows(kv_caches.tensors, kv_caches.group_data_refs)
+            self.worker = ZkvOffloadWorker(self.settings, self.rank, self.world, kv_caches, self.groups)
         return self.worker
 
 
@@ -172,8 +187,10 @@ class ZkvConnector(OffloadingConnector):
         # vLLM 0.34's sync (expedited) loads cannot fail without failing the step: zkv serves
         # none, so a hit it cannot serve in time is never promised.
         extra["sync_load_budget_bytes"] = 0
+        group_ids = api.offloaded_group_ids(kv_cache_config)
+        extra[GROUPS_KEY] = describe(kv_cache_config, group_ids)
         if role == KVConnectorRole.SCHEDULER:
-            extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config))
+            extra[IDENTITY_KEY] = msgspec.to_builtins(identity_of(vllm_config, kv_cache_config, group_ids))
         if transfer.kv_load_failure_policy != "recompute":
             # vLLM's scheduler reads this right after building its connector: a failed load is a
             # recompute, never a failed request.
@@ -182,6 +199,10 @@ class ZkvConnector(OffloadingConnector):
         super().__init__(api.with_extra(vllm_config, extra), role, kv_cache_config)
         self._failed: dict[int, tuple[bool, list[int]]] = {}  # this worker's failed jobs, not yet sent
         self._load_errors: set[int] = set()  # GPU blocks of failed loads, for vLLM to recompute (0.32)
+        self._failed_requests: set[str] = set()  # requests of failed loads, recomputed whole (0.32)
+        # 0.32: block ids of a failed load make vLLM recompute from the first of them, exact
+        # for one full-attention group only; otherwise the whole request is recomputed.
+        self._block_recompute = block_recompute_exact(extra[GROUPS_KEY])
 
     @property
     def manager(self) -> ZkvOffloadManager | None:
@@ -195,6 +216,13 @@ class ZkvConnector(OffloadingConnector):
 
     # --- failures: worker side ---------------------------------------------------------------
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self._offload_worker()
+        loads = getattr(connector_metadata, "load_jobs", None)
+        if worker is not None and loads and not api.NATIVE_FAILURES:
+            worker.requests_of_loads({job_id: job.req_id for job_id, job in loads.items()})
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         done = super().get_finished(finished_req_ids)  # vLLM 0.34 hears a failure here; 0.32 a job done
         worker = self._offload_worker()
@@ -203,8 +231,23 @@ class ZkvConnector(OffloadingConnector):
             self._failed.update(
                 {job: said for job, said in failed.items() if not (said[0] and api.FAILED_STORES_NATIVE)}
             )
-            self._load_errors |= blocks
+            requests = worker.take_failed_requests()
+            if self._block_recompute:
+                self._load_errors |= blocks
+            else:
+                self._failed_requests |= requests
         return done
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM's results, with (0.32, a model whose failed load cannot be recomputed from its
+        first failed block) the requests of failed loads as failed receives: vLLM recomputes
+        them from their first token.  0.34 says so itself."""
+        results = super().get_transfer_results(finished_req_ids)
+        if self._failed_requests:
+            failed, self._failed_requests = self._failed_requests, set()
+            results.failed_recving |= failed & results.finished_recving
+            self._failed_requests = failed - results.finished_recving  # reported with their finish
+        return results
 
     def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
         meta = super().build_connector_worker_meta()

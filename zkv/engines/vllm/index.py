@@ -201,7 +201,8 @@ class OffloadIndex:
             self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.STORING)
         return new, rows, evicted
 
-    def complete_store(self, keys: list[Key], ok: bool) -> None:
+    def complete_store(self, keys: list[Key], ok: bool) -> list[Key]:
+        """A store job ended: its keys are readable (``ok``) or dropped.  Returns the keys stored."""
         stored = []
         for key in keys:
             e = self.entries.get(key)
@@ -213,6 +214,7 @@ class OffloadIndex:
             else:
                 self._drop(e, announce=False)
         self._said(Tier.CPU, stored, removed=False)
+        return [e.key for e in stored]
 
     # --- what zkv does below ---------------------------------------------------
 
@@ -311,22 +313,23 @@ class OffloadIndex:
             e.cpu_row, e.cpu_state = None, None
             self.book.give_back(Tier.CPU, [cpu_row])
 
-    def task_ended(self, task: int, outcome: TaskOutcome) -> tuple[Op, int] | None:
+    def task_ended(self, task: int, outcome: TaskOutcome) -> tuple[Op, int, list[Key]] | None:
         """One of our spills, loads, fetches (``get``) or puts ended: the book settles its rows
         by its one rule, and the keys still waiting on it learn what their rows are.  A spill
         that did not end ``ok`` leaves its key dirty on the CPU; a load or fetch that did not
         loses its key on every tier (a digest that did not check, a lost row, a value the
-        store no longer has: never a hit); a put only read its rows.  Returns the op and how
-        many keys it carried (None: not a task of ours)."""
+        store no longer has: never a hit); a put only read its rows.  Returns the op, how
+        many keys it carried and the keys whose rows it filled (None: not a task of ours)."""
         flight = self.book.flight(task)
         if flight is None or flight.ended:
             return None
         op, items = flight.payload
         filled = self.book.end(task, outcome) is Settle.FILLED
         if op is Op.PUT:
-            return op, len(items)
+            return op, len(items), []
         if op is Op.GET:
             items = [(key, None, row) for key, row in items]  # a load with no disk row
+        done: list[Key] = []
         if op is Op.SPILL:
             for key, _, disk_row in items:
                 e = self.entries.get(key)
@@ -335,6 +338,7 @@ class OffloadIndex:
                 e.spilling = False
                 if filled:
                     self._said(Tier.DISK, [e], removed=False)
+                    done.append(key)
                 else:
                     e.disk_row = None  # the book has the row
         else:
@@ -345,10 +349,11 @@ class OffloadIndex:
                 if filled:
                     e.cpu_state = CpuState.READY
                     self._said(Tier.CPU, [e], removed=False)
+                    done.append(key)
                 else:
                     e.cpu_row, e.cpu_state = None, None  # the book has the row
                     self._drop(e)
-        return op, len(items)
+        return op, len(items), done
 
     def settle(self, tasks: list[int]) -> int:
         """These tasks' late copies are over (the bus says they settled): their held rows

@@ -19,7 +19,15 @@ the scheduler never waits on the bus), and so:
 - every row that starts or stops serving a key is written to its tier's
   journal (``zkv.rows.records``) before the manager answers vLLM or submits a
   task that could rewrite it, under the engine's identity (``identity.py``):
-  a restarted engine of the same identity on the same tiers serves them again.
+  a restarted engine of the same identity on the same tiers serves them again;
+- a key names its KV cache group (``groups.py``), so rows, journals and
+  events are per group as they are per key; vLLM asks for every group a hit
+  needs.  If zkv refuses any group of the engine (``groups.refusals``), it
+  serves no request (lookups miss, stores are skipped: vLLM recomputes), as a
+  hit would need that group too, and says so at start.  The keys of one call
+  are made recent in the order of their token positions across groups, as
+  vLLM's own CPU manager orders them, so that eviction takes every group's
+  deepest blocks first (``GroupCounts`` counts what each group was served).
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ from ...wire.errors import ZkvError
 from ...wire.vocab import Op, Tier
 from . import api
 from .bus_view import BusView
+from .group_counts import GroupCollector, GroupCounts
+from .groups import chain_order, name, refusals
 from .index import Found, OffloadIndex
 from .rows import ZkvRows
 from .settings import ZkvSettings
@@ -68,6 +78,7 @@ _FOUND = {
 }
 _MEDIUM = {Tier.CPU: Medium.CPU, Tier.DISK: Medium.STORAGE}
 _SPILLS_PER_STEP = 64
+_GROUP_EVENT = {Op.SPILL: "spilled", Op.LOAD: "from_disk", Op.GET: "fetched"}  # what a task's filled keys count as
 _COUNTS = (
     "hits",
     "store_gets",
@@ -85,6 +96,8 @@ _COUNTS = (
     "resets",
     "resets_kept",
     "adopted",
+    "misses_refused",
+    "stores_refused",
 )
 
 
@@ -110,9 +123,26 @@ class ZkvOffloadManager(OffloadingManager):
         identity: EngineIdentity | None = None,
         emit_events: bool = True,
         broker: Any = None,
+        groups: list[dict[str, Any]] | None = None,
     ):
-        """``broker``: the engine's embedded broker (``connector.EmbeddedBroker``), stopped with the manager."""
+        """``broker``: the engine's embedded broker (``connector.EmbeddedBroker``), stopped with the
+        manager; ``groups``: the KV cache groups vLLM offloads (``groups.describe``)."""
         self.settings = settings
+        self.groups = list(groups or [])
+        self.refused = refusals(self.groups)
+        self.by_group = GroupCounts({g["group"]: g["spec"] for g in self.groups})
+        for g in self.groups:
+            if g["group"] in self.refused:
+                log.warning(
+                    "zkv: KV cache %s is refused: %s. zkv serves no request of this engine (a hit needs every "
+                    'group): vLLM recomputes (docs/engine-vllm.md, "Models with several KV cache groups")',
+                    name(g),
+                    self.refused[g["group"]],
+                )
+        if len(self.groups) > 1 and not self.refused:
+            log.warning("zkv: serves every KV cache group: %s", "; ".join(name(g) for g in self.groups))
+        if broker is not None and getattr(broker, "registry", None) is not None:
+            broker.registry.register(GroupCollector(self.by_group))
         disk_rows = settings.disk_blocks if settings.disk_dir else 0
         records = TierRecords(identity, journals(settings)) if identity is not None else None
         self.index = OffloadIndex(settings.cpu_blocks, disk_rows, settings.spill_below or 0, records)
@@ -229,7 +259,9 @@ class ZkvOffloadManager(OffloadingManager):
             ended = index.task_ended(out.task, out)
             if ended is None:
                 continue
-            op, n = ended
+            op, n, filled = ended
+            if op in _GROUP_EVENT:
+                self.by_group.add(_GROUP_EVENT[op], filled)
             if op is Op.SPILL:
                 self.counts["spills" if out.ok else "spill_failed"] += n
             elif op is Op.PUT or op is Op.GET:
@@ -306,6 +338,9 @@ class ZkvOffloadManager(OffloadingManager):
     # --- OffloadingManager -------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self.refused:
+            self.counts["misses_refused"] += 1
+            return LookupResult.MISS
         if not self._serving():
             self.counts["misses_not_serving"] += 1
             return LookupResult.MISS
@@ -318,6 +353,7 @@ class ZkvOffloadManager(OffloadingManager):
             return LookupResult.RETRY
         if found is Found.HIT:
             self.counts["hits"] += 1
+            self.by_group.add("hit", [key])
         if found is Found.MISS and self.shared is not None:
             return self._from_shared(key)
         return _FOUND[found]
@@ -338,8 +374,20 @@ class ZkvOffloadManager(OffloadingManager):
         self._fetches.append((key, row))
         return LookupResult.RETRY
 
+    def _recent(self, keys: list[OffloadKey], req_context: ReqContext) -> None:
+        """Make ``keys`` (of one call, already in the index) recent head to tail by token
+        position across their groups (the index made them recent in the order given,
+        which for several groups is group by group)."""
+        if len({k[-4:] for k in keys}) > 1:
+            chain = chain_order(keys, req_context)
+            if chain is not None:
+                self.index.touch(chain)
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> ZkvRows:
-        return ZkvRows(self.index.prepare_load(list(keys)))
+        keys = list(keys)
+        rows = self.index.prepare_load(keys)  # in vLLM's order: its GPU blocks follow it
+        self._recent(keys, req_context)
+        return ZkvRows(rows)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.index.touch(list(keys))
@@ -351,9 +399,14 @@ class ZkvOffloadManager(OffloadingManager):
         if failed:
             self.counts["load_failed"] += 1
         self.index.complete_load(keys, ok=not failed)
+        if not failed:
+            self.by_group.add("served", keys)
         self.index.record()
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if self.refused:
+            self.counts["stores_refused"] += 1
+            return None
         if not self._serving():
             self.counts["stores_skipped"] += 1
             return None
@@ -366,7 +419,8 @@ class ZkvOffloadManager(OffloadingManager):
             if self.index.records is not None and self.bus.cpu_gen is not None:
                 self.index.records.start(self.bus.cpu_gen, self.index.rows_of)
         self.index.record()
-        new, rows, evicted = planned
+        new, rows, evicted = planned  # rows in vLLM's order of the keys: its GPU blocks follow it
+        self._recent(new, req_context)
         return PrepareStoreOutput(keys_to_store=new, store_spec=ZkvRows(rows), evicted_keys=evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -375,7 +429,7 @@ class ZkvOffloadManager(OffloadingManager):
         self._failed_stores.difference_update(keys)
         if failed:
             self.counts["store_failed"] += 1
-        self.index.complete_store(keys, ok=not failed)
+        self.by_group.add("stored", self.index.complete_store(keys, ok=not failed))
         self.index.record()
         if self.shared is not None and not failed:  # into the shared store too (sent with this step's others)
             entries = self.index.entries
@@ -441,9 +495,13 @@ class ZkvOffloadManager(OffloadingManager):
             "cpu_used": self.index.used(Tier.CPU),
             "disk_used": self.index.used(Tier.DISK),
             "keys": len(self.index.entries),
+            "groups": self.by_group.by_group(),
+            "refused_groups": dict(self.refused),
         }
 
     def shutdown(self) -> None:
+        if len(self.groups) > 1:
+            log.warning("zkv: blocks per KV cache group: %s", self.by_group.by_group())
         if self.index.records is not None:
             self.index.records.close()
         if self.shared is not None:

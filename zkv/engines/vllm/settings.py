@@ -24,6 +24,9 @@ def seconds(low: float, high: float) -> Any:
     return Annotated[float, msgspec.Meta(ge=low, le=high)]
 
 
+METRICS_URL_FILE = "metrics.url"  # in bus_dir: the embedded broker's /metrics URL, while it serves
+
+
 class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``bus_dir``: where the bus's sockets live (``zkv status --broker
     ipc://BUS_DIR/frontend.sock`` reaches it); without one every start is a

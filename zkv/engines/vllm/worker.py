@@ -2,6 +2,11 @@
 rank on that worker's own KV tensors, and vLLM's store and load jobs run as
 zkv tasks (docs/engine-vllm.md).
 
+A job may move blocks of several KV cache groups (``groups.py``): its GPU
+block ids come group by group, in the order of its keys and so of its CPU
+rows, and each block moves as one row (the block's page of every canonical
+tensor, whichever group holds it).
+
 The rank (a ``RankAgent`` on vLLM's canonical block tensors, one region each,
 vLLM's null block reserved) registers with the engine's bus whenever it
 comes up.  The worker of TP rank 0 submits each job as one task to every
@@ -34,18 +39,28 @@ from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome
 from .api import NATIVE_FAILURES, gpu_block_ids
+from .groups import name
 from .jobs import Finished, Job, JobBook
 from .layouts import canonical_pages
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
 log = logging.getLogger("zkv.vllm")
+_REQUESTS_KEPT = 4096
 
 
 class ZkvOffloadWorker(OffloadingWorker):
     """One vLLM worker's zkv rank, and (rank 0) the client that runs the jobs."""
 
-    def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
+    def __init__(
+        self,
+        settings: ZkvSettings,
+        rank: int,
+        world: int,
+        kv_caches: CanonicalKVCaches,
+        groups: list[dict[str, Any]] | None = None,
+    ):
+        """``groups``: the KV cache groups vLLM offloads (``groups.describe``), for the log."""
         self.settings = settings
         self.rank, self.world = rank, world
         self.kv_caches = kv_caches
@@ -75,9 +90,19 @@ class ZkvOffloadWorker(OffloadingWorker):
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
+        if rank == 0 and groups is not None and len(groups) > 1:
+            used = [sum(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs]
+            log.warning(
+                "zkv: %d KV cache groups, one row of %d bytes per block: %s",
+                len(groups),
+                self.block_bytes,
+                "; ".join(f"{name(g)} {n} bytes of it" for g, n in zip(groups, used)),
+            )
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute (0.32)
         self._failed_jobs: dict[int, tuple[bool, list[int]]] = {}  # job id -> (is_store, CPU rows), not yet taken
+        self._requests: dict[int, str] = {}  # load job id -> vLLM request id (0.32: whole-request recomputes)
+        self._failed_requests: set[str] = set()  # requests of failed loads, not yet taken (0.32)
         self._cancel_asked: set[int] = set()  # tasks whose cancel was sent while the bus was paused
         self._paused_for_sleep = False  # this worker paused the bus while vLLM's KV memory is away
 
@@ -154,12 +179,22 @@ class ZkvOffloadWorker(OffloadingWorker):
                 except ZkvError as err:
                     log.info("zkv: cancel of job %d not answered: %s", job.job_id, err)
 
+    def requests_of_loads(self, loads: dict[int, str]) -> None:
+        """vLLM's load jobs of this step and their requests (from the connector's metadata), so
+        that a failed load names its request (0.32: ``take_failed_requests``)."""
+        self._requests.update(loads)
+        while len(self._requests) > _REQUESTS_KEPT:  # jobs never submitted: the oldest go
+            del self._requests[next(iter(self._requests))]
+
     def _result(self, done: Finished) -> TransferResult:
         job = done.job
+        request = self._requests.pop(job.job_id, None)
         if not done.success:
             self._failed_jobs[job.job_id] = (job.is_store, job.cpu_rows)
             if not job.is_store and not NATIVE_FAILURES:
                 self._failed_loads.update(job.gpu_ids)
+                if request is not None:
+                    self._failed_requests.add(request)
             log.info("zkv: %s job %d failed (%s)", "store" if job.is_store else "load", job.job_id, done.reason)
         # Without vLLM's own failure channel (0.32) a failure is reported done, and ZkvConnector
         # hands its GPU blocks to vLLM itself (get_block_ids_with_load_errors).
@@ -249,6 +284,11 @@ class ZkvOffloadWorker(OffloadingWorker):
         jobs, blocks = self._failed_jobs, self._failed_loads
         self._failed_jobs, self._failed_loads = {}, set()
         return jobs, blocks
+
+    def take_failed_requests(self) -> set[str]:
+        """The vLLM requests whose load failed since the last call (0.32)."""
+        taken, self._failed_requests = self._failed_requests, set()
+        return taken
 
     def stats(self) -> dict:
         return self.agent.stats()
