@@ -15,7 +15,8 @@ lines right above the fence, one directive each::
     <!-- zkv-doc: background "SHELL" until "TEXT" -->  SHELL runs while the block does (started
                                            first, Ctrl-C'd at the end); commands wait for TEXT
     <!-- zkv-doc: sub "OLD" "NEW" -->      OLD is replaced by NEW before running ({port}: a free
-                                           port, {runtime}: the block's ZKV_RUNTIME_DIR, {root}: the checkout)
+                                           port, {port2}: another, {runtime}: the block's ZKV_RUNTIME_DIR,
+                                           {root}: the checkout)
     <!-- zkv-doc: line "PREFIX" RULE -->   for the command lines starting with PREFIX (the longest
                                            matching PREFIX wins), RULE is one of: skip REASON,
                                            long REASON, expect "TEXT", serve "TEXT" (runs in the

@@ -110,7 +110,8 @@ class BlockRun:
         env.update(PATH=path, PYTHONPATH=pythonpath, PYTHON=sys.executable, ZKV_RUNTIME_DIR=str(self.runtime))
         env.update(MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
         self.env = env
-        self.values = {"{port}": str(free_port()), "{runtime}": str(self.runtime), "{root}": str(ROOT)}
+        self.values = {"{port}": str(free_port()), "{port2}": str(free_port()), "{runtime}": str(self.runtime)}
+        self.values["{root}"] = str(ROOT)
         self.transcript: list[str] = []
         self.background: list[Background] = []
         self.made: set[str] = set()
@@ -151,7 +152,7 @@ class BlockRun:
         bg = Background(text, self.work, self.env)
         self.background.append(bg)
         try:
-            bg.wait_for(ready, READY_TIMEOUT)
+            bg.wait_for(ready, LONG_TIMEOUT if self.long else READY_TIMEOUT)  # a vLLM server's start: minutes
         except AssertionError as err:
             self._fail(str(err))
         return bg

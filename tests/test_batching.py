@@ -123,6 +123,20 @@ def test_a_bad_frame_in_a_batch_is_answered_and_costs_no_other_credit():
     assert core.inflight == {} and core.counters["ok"] == 3
 
 
+def test_a_batch_refuses_what_a_rank_sends_alone_even_a_ready_with_a_bad_layout():
+    """Every frame of a message of several is a done (docs/protocol.md §10.3): a
+    heartbeat there is not answered and a ready is not read (its bad layout would
+    have the broker refuse the rank), each is ``unknown_kind``."""
+    core = registered_core()
+    sent = submit_tasks(core, 1)
+    bad_ready = P.encode("ready", rank=0, world=2, session=2, layout={**LAYOUT.to_wire(), "layers": 0}, gen=0)
+    for identity, headers in sent.items():
+        frames = [done(headers[0]), P.encode("hb", probe=True), bad_ready, P.encode("ack", epoch=1, op="pause")]
+        answers = [P.decode(a.frames[0]) for a in frames_of(core.on_rank(identity, frames, 2.0), ToRank)]
+        assert [(a.kind, getattr(a, "code", None)) for a in answers] == [("error", "unknown_kind")] * 3
+    assert core.counters["ok"] == 1 and core.rank_table.counters["refused"] == 0
+
+
 def test_a_batch_over_the_cap_is_malformed_and_books_nothing():
     core = registered_core(world=1)
     (headers,) = submit_tasks(core, 1).values()

@@ -141,12 +141,20 @@ def test_a_tier_a_clear_emptied_after_a_restart_is_shown_fresh_not_kept(tmp_path
         c.stop()
 
 
-def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
+def test_zkv_tier_lists_a_killed_rank_s_tier_as_kept_for_its_restart_and_cleans_only_the_orphans(tmp_path, tier_dir):
+    """A killed rank's tier is what its restart maps again: listed as kept for it, left by clean --bus / --all
+    unless --with-kept; an earlier layout's tier of the same rank is an orphan, removed."""
+    from zkv.rank.tiers.tier_file import TierFile, TierPlace
+
     c = LocalCluster(2, LAYOUT, quiet=True, broker_args=FAST, worker_args=["--liveness-ms", "1000"])
     try:
         c.start(timeout=60)
         c.workers[1].send_signal(signal.SIGKILL)
         c.workers[1].wait(timeout=10)
+        bus = next(t.bus for t in list_tiers(str(tier_dir)))
+        old = TierFile(TierPlace(bus, 1, str(tier_dir)), ("an earlier layout",), rows=4, row_bytes=64)
+        old.close()
+        os.utime(old.path, (1, 1))  # written long before the rank's tier of today's layout
         env = dict(os.environ, PYTHONPATH=os.getcwd())
 
         def zkv(*args: str) -> str:
@@ -154,17 +162,23 @@ def test_zkv_tier_lists_and_cleans_only_the_orphans(tmp_path, tier_dir):
             assert out.returncode == 0, out.stderr
             return out.stdout
 
-        listing = zkv("list")
-        assert "rank 0" in listing and "held by pid" in listing and "rank 1" in listing and "orphan" in listing
-        bus = next(t.bus for t in list_tiers(str(tier_dir)))
+        listing = zkv("list").splitlines()
+        assert any("rank 0" in x and "held by pid" in x for x in listing), listing
+        assert any(
+            "rank 1" in x and "kept for a restart of rank 1 (its bus runs here: rank 0 held)" in x for x in listing
+        ), listing
+        assert any(str(old.path) in x and "orphan: rank 1 of this bus has a newer tier" in x for x in listing), listing
         refused = subprocess.run(
             [sys.executable, "-m", "zkv", "tier", "clean"], capture_output=True, text=True, env=env
         )
         assert refused.returncode == 2 and "--bus ID" in refused.stderr and "--all" in refused.stderr, refused.stderr
         dry = zkv("clean", "--bus", bus, "--dry-run")
-        assert "would remove" in dry and "1 orphaned CPU tier(s) would be removed" in dry and "nothing removed" in dry
-        assert len(list(list_tiers(str(tier_dir)))) == 2, "a dry run removes nothing"
-        assert "1 orphaned CPU tier(s) removed" in zkv("clean", "--bus", bus)
+        assert "1 orphaned CPU tier(s) would be removed" in dry and "nothing removed" in dry, dry
+        assert "1 kept for a restart (--with-kept removes them too)" in dry, dry
+        assert len(list(list_tiers(str(tier_dir)))) == 3, "a dry run removes nothing"
+        assert "1 orphaned CPU tier(s) removed" in zkv("clean", "--all")
+        assert sorted(t.rank for t in list_tiers(str(tier_dir))) == [0, 1], "the orphan went, the kept tier stayed"
+        assert "1 orphaned CPU tier(s) removed" in zkv("clean", "--bus", bus, "--with-kept")
         assert [t.rank for t in list_tiers(str(tier_dir))] == [0], "a live worker's tier is never removed"
     finally:
         c.stop()

@@ -205,15 +205,51 @@ def test_a_client_without_keys_is_told_the_broker_speaks_curve_not_to_start_one(
 
     cluster, keys, *_ = secured
     out = subprocess.run(
-        [sys.executable, "-m", "zkv", "status", "--broker", cluster.endpoints.frontend, "--timeout", "1"],
+        [sys.executable, "-m", "zkv", "status", "--broker", cluster.endpoints.frontend, "--timeout", "30"],
         capture_output=True,
         text=True,
         timeout=60,
         env={k: v for k, v in os.environ.items() if not k.startswith("ZKV_CURVE")},
     )
     assert out.returncode == 1, out.stderr
-    assert "the broker speaks CurveZMQ and this client has no keys" in out.stderr, out.stderr
+    assert "refused this client's handshake: the broker speaks CurveZMQ and this client has no keys" in out.stderr
+    assert out.stderr.count("this client has no keys") == 1, "said once"
     assert "--curve-secret" in out.stderr and "start one" not in out.stderr, out.stderr
+    assert "within 30 s" not in out.stderr, "told at the handshake, not after the timeout"
+
+
+def test_a_client_whose_security_differs_is_told_at_its_first_request_not_after_its_timeout(secured):
+    """The handshake's mechanism mismatch is known at once: a request not answered within moments checks it
+    (a probe socket of its own) and raises then, not after its timeout."""
+    import time
+
+    from zkv.broker.core import BrokerConfig
+    from zkv.broker.loop import Broker
+
+    cluster, _, _, me, _ = secured
+    with Client(cluster.endpoints.frontend, request_timeout=60) as bare:
+        started = time.monotonic()
+        with pytest.raises(ZkvError) as err:
+            bare.status()
+        assert time.monotonic() - started < 30, "not the 60 s timeout"
+    assert err.value.code == "unreachable"
+    assert "refused this client's handshake: the broker speaks CurveZMQ and this client has no keys" in str(err.value)
+    plain = Endpoints(*(f"tcp://127.0.0.1:{free_port()}" for _ in range(3)))
+    broker = Broker(plain, BrokerConfig(world=1))
+    import threading
+
+    thread = threading.Thread(target=broker.serve, daemon=True)
+    thread.start()
+    try:
+        with Client(plain.frontend, request_timeout=60, curve=me) as keyed:
+            with pytest.raises(ZkvError, match="the broker does not speak CurveZMQ and this client does"):
+                keyed.ping()
+        with Client(plain.frontend, request_timeout=60) as fine:
+            assert fine.ping() is not None, "the same security on both ends: served"
+            assert fine.status().state == "running", "a client once answered never probes again"
+    finally:
+        broker.stop()
+        thread.join(timeout=10)
 
 
 def test_a_client_with_keys_against_a_plain_broker_is_told_to_drop_them(secured, tmp_path):

@@ -24,12 +24,13 @@ from zkv.rank.store import BlockStore
 from zkv.rank.tiers.disk_tier import DiskSpec
 from zkv.wire import fast as F
 from zkv.wire import protocol as P
+from zkv.wire import sockets as S
 from zkv.wire.layout import CacheLayout
 from zkv.wire.vocab import RankOutcome
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=8, cpu_blocks=16, block_size=4, kv_heads=2, head_dim=16)
 OK, FAILED = RankOutcome.OK, RankOutcome.FAILED
-_result = F.decoder("result")
+_result = F.decoder(S.CLIENT_PULL)
 
 
 class Rig:
@@ -62,7 +63,7 @@ class Rig:
         for _ in work:
             assert self.reports.poll(10_000), "every item taken is reported"
             self.reports.recv()
-            reports.append(self.executor.reports.popleft())
+            reports.append(self.executor.reports.popleft()[1])  # (lane, report)
         tasks = sum(type(item) is Execute for item in work)
         results: dict[int, object] = {}
         while len(results) < tasks:
@@ -208,7 +209,7 @@ def test_the_stop_queued_behind_a_group_still_stops_the_executor(store, tmp_path
     rig.executor.start()
     rig.executor.join(timeout=10)
     assert not rig.executor.is_alive(), "the stop was lost behind the group"
-    assert [r.outcome for r in rig.executor.reports] == [OK, OK]
+    assert [r.outcome for _, r in rig.executor.reports] == [OK, OK]
     assert rig.executor.stats["disk_groups"] == 1
     rig.results.close(linger=0)
     rig.reports.close(linger=0)

@@ -2,7 +2,8 @@
 run as a user would run it (tests/doc_runner.py), with the output lines its
 markers document checked, and every command line of every block, run or
 not, is parsed by the real CLI (tests/doc_check.py).  The markers are
-described in tests/doc_blocks.py.
+described in tests/doc_blocks.py.  Every file and module the docs, and every
+docstring and comment under zkv/, name exists (tests/doc_refs.py).
 
 Blocks marked ``long`` (demos and replays on embedded clusters, a minute or
 more on 2 cores) run only with ``ZKV_DOCS_LONG=1``; without it they are
@@ -16,6 +17,7 @@ import os
 import pytest
 from doc_blocks import DocError, all_blocks, doc_files, parse, shell_blocks
 from doc_check import check_command, check_inline, check_zkv, inline_commands
+from doc_refs import ROOT, dangling, dangling_in_code, dangling_in_docs
 from doc_runner import BlockRun
 
 LONG = os.environ.get("ZKV_DOCS_LONG") == "1"
@@ -62,6 +64,38 @@ def test_every_zkv_command_and_option_the_prose_names_exists():
         check_inline("zkv trace gen/check --no-such")
     with pytest.raises(AssertionError, match="no command"):
         check_inline("zkv frobnicate")
+
+
+def test_every_file_and_module_the_docs_and_docstrings_name_exists():
+    """README.md, docs/*.md and every docstring and comment under zkv/ (tests/doc_refs.py)."""
+    problems = [*dangling_in_docs(), *dangling_in_code()]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "text, complaint",
+    [
+        ("see ``zkv/prefix/gone.py``", "zkv/prefix/gone.py`` names no file"),
+        ("see ``prefix/gone.py``", "prefix/gone.py`` names no file"),
+        ("see ``gone.py``", "gone.py`` names no file"),
+        ("see ``zkv.prefix.gone``", "zkv.prefix has no module or name 'gone'"),
+        ("see zkv.rank.agent.RankAgent.no_such_method", "RankAgent has no member 'no_such_method'"),
+        ("see docs/gone.md §3", "docs/gone.md`` names no doc"),
+    ],
+)
+def test_the_reference_check_catches_what_moved(text, complaint):
+    (found,) = [why for _, why in dangling(text, ROOT / "zkv" / "rank" / "core.py")]
+    assert complaint in found
+
+
+def test_the_reference_check_takes_what_exists():
+    near = ROOT / "zkv" / "rank" / "core.py"
+    for text in (
+        "``zkv/rank/core.py``, ``rank/core.py``, ``core.py``, ``memory/layouts.py`` (from zkv/rank/), docs/protocol.md",
+        "zkv.rank.agent.RankAgent.start, zkv.Client (a lazy name), zkv.wire.fast.decoder, zkv.rows.bus",
+        "vLLM's vllm/v1/core/block_pool.py, https://example.com/x/gone.py, a sentence ending in zkv.wire.",
+    ):
+        assert list(dangling(text, near)) == [], text
 
 
 def _timeout(block) -> int:

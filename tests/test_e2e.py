@@ -23,7 +23,7 @@ LAYOUT = CacheLayout(layers=2, gpu_blocks=64, cpu_blocks=128, block_size=16, kv_
 def cluster():
     c = LocalCluster(2, LAYOUT, quiet=True, broker_args=["--heartbeat-ms", "100"]).start(timeout=60)
     yield c
-    codes = c.stop()
+    codes = c.stop().codes
     assert codes == {"rank0": 0, "rank1": 0, "broker": 0}, f"processes must stop cleanly on SIGTERM: {codes}"
 
 

@@ -27,7 +27,7 @@ def cluster(tmp_path_factory):
     c = AttachedCluster(2, LAYOUT, directory=tmp_path_factory.mktemp("attach") / "z", quiet=True)
     c.start(timeout=120)
     yield c
-    codes = c.stop()
+    codes = c.stop().codes
     assert all(code == 0 for name, code in codes.items() if name.startswith("engine")), codes
 
 

@@ -22,13 +22,13 @@ FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 #: (doc, snippet index) -> arguments: the benchmark on its smallest run (its table's sizes take minutes).
 ARGS = {("engine-transformers.md", 0): ["fp32", "64"]}
 #: (doc, snippet index) -> the module it needs, skipped with that reason when it is not installed.
-NEEDS = {("engine-transformers.md", 0): "transformers", ("engines.md", 3): "transformers"}
+NEEDS = {("engine-transformers.md", 0): "transformers", ("engines.md", 4): "transformers"}
 #: (doc, snippet index) -> why it is not run.  None: every snippet runs.
 SKIP: dict[tuple[str, int], str] = {}
 #: (doc, snippet index) -> what it costs: run only with ZKV_DOCS_LONG=1, compiled otherwise.
 LONG = {
     ("engine-transformers.md", 0): "a benchmark of prefill against swap-in on a transformers model (20-30 s)",
-    ("engines.md", 3): "two transformers engines on two buses and a fleet update (15 s)",
+    ("engines.md", 4): "two transformers engines on two buses and a fleet update (15 s)",
 }
 
 EPILOGUE = """

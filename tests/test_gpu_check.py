@@ -49,6 +49,8 @@ def test_the_gpu_check_runs_on_cpu_and_prints_every_check_and_figure(tmp_path, i
     ):
         line = rf"^  {engine} +{size} +\d+ +[\d.]+  {ids} +{op} +[\d.]+ +[\d.]+ +[\d.]+x  n/a$"
         assert re.search(line, text, re.M), f"no figure for {engine} {size} {ids} {op}:\n{text}"
+    for family in ("gemma3", "gpt-oss", "mistral-swa", "qwen3-next", "deepseek-mla"):  # a check per family
+        assert re.search(rf"^  n/a  vllm groups {family}: vLLM is not installed", text, re.M), text
     assert "CPU REHEARSAL ok" in text.splitlines()[-1] and "PASS " not in text and "ALL PASS" not in text
     report = json.loads(out.read_text())
     assert report["failed"] == [] and len(report["bandwidth"]) == 4

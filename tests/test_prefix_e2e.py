@@ -358,3 +358,13 @@ def test_the_demo_runs_against_a_cluster_and_says_what_it_did(cluster):
     ):
         assert expected in text, text
     assert "ERROR" not in text
+
+
+def test_the_demo_says_why_a_disk_tier_serves_fewer_requests_a_second_when_it_does():
+    from zkv.harness.prefix.demo import why_disk_slower
+
+    slower = {"requests_per_s": 21.0, "computed_blocks": 1107}
+    faster = {"requests_per_s": 24.0, "computed_blocks": 1325}
+    said = why_disk_slower(slower, faster)
+    assert said is not None and "runs no model" in said and "saved 218 block computations" in said, said
+    assert why_disk_slower(faster | {"computed_blocks": 1107}, slower | {"computed_blocks": 1325}) is None

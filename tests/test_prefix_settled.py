@@ -85,8 +85,8 @@ def test_a_late_copy_lands_in_quarantine_never_in_a_reused_block(settles):
 
 def test_settled_tasks_the_manager_does_not_know_are_ignored():
     class Stranger(FakeBus):
-        def settled(self):
-            return [12345, *super().settled()]
+        def settled(self, timeout: float = 0.0):
+            return [12345, *super().settled(timeout)]
 
     bus = Stranger()
     manager, tokens = cached_on_cpu(bus)
@@ -101,10 +101,10 @@ def test_a_settled_that_raises_keeps_the_quarantine_for_later():
     class Flaky(FakeBus):
         broken = True
 
-        def settled(self):
+        def settled(self, timeout: float = 0.0):
             if self.broken:
                 raise RuntimeError("socket closed")
-            return super().settled()
+            return super().settled(timeout)
 
     bus = Flaky()
     manager, tokens = cached_on_cpu(bus)

@@ -293,6 +293,8 @@ def _field(kind, name, typ):
         return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
     if name == "kept_tiers":
         return st.lists(st.sampled_from(["cpu", "disk"]), max_size=2)
+    if typ == "bin":
+        return st.binary(max_size=64)
     if name == "layout":  # typed where it enters: a whole valid layout, or a resume's changes to one
         sizes = st.fixed_dictionaries({"gpu_blocks": st.integers(1, 2**31 - 1), "layers": st.integers(1, 4096)})
         if kind == "resume":
@@ -334,7 +336,11 @@ def test_swap_body_round_trips(op, src, data):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.sampled_from(P.TIERS), uint, st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=16))
+@given(
+    st.sampled_from([t for t in P.TIERS if t != "store"]),
+    uint,
+    st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=16),
+)
 def test_fill_and_checksum_bodies_round_trip(tier, seed, ids):
     fill = P.decode_body(P.encode_body("fill", None, ids, tier=tier, seed=seed))
     assert (fill.op, fill.src, fill.dst, fill.tier, fill.seed) == ("fill", [], ids, tier, seed)
@@ -459,3 +465,42 @@ def test_the_quick_nested_check_keeps_the_depth_rule():
     for five in ({"a": four}, {"a": {"b": {"c": {"d": {"e": 1}}}}}, [[[[[1]]]]]):
         with pytest.raises(P.ProtocolError, match="deeper than 4"):
             P.check_nested(five, "m.stats")
+
+
+def test_a_fill_or_checksum_of_the_keyed_store_is_refused_naming_why():
+    for body in (P.encode_body("fill", None, [1], tier="store"), P.encode_body("checksum", [1], tier="store")):
+        with pytest.raises(P.ProtocolError, match="holds values by key"):
+            P.decode_body(body)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["put", "get"]),
+    st.lists(st.binary(min_size=1, max_size=255), min_size=1, max_size=8, unique=True),
+    st.text(alphabet="0123456789abcdef", min_size=1, max_size=64),
+)
+def test_keyed_bodies_round_trip_with_one_key_per_cpu_row(op, keys, ns):
+    rows = list(range(len(keys)))
+    src, dst = (rows, None) if op == "put" else (None, rows)
+    body = P.decode_body(P.encode_body(op, src, dst, keys=keys, ns=ns))
+    assert (body.op, body.keys, body.ns) == (op, keys, ns)
+    assert (body.src if op == "put" else body.dst) == rows
+
+
+@pytest.mark.parametrize(
+    "fields, why",
+    [
+        ({"op": "put", "src": [1, 2], "keys": [b"a"], "ns": "n"}, "2 CPU rows but 1 keys"),
+        ({"op": "put", "src": [1], "dst": [1], "keys": [b"a"], "ns": "n"}, "not by ids"),
+        ({"op": "get", "dst": [1, 2], "keys": [b"a", b"a"], "ns": "n"}, "a key twice"),
+        ({"op": "get", "dst": [1], "keys": [b"a"], "ns": "N!"}, "ns: 1-64"),
+        ({"op": "get", "dst": [1], "keys": [b"a"]}, "ns: 1-64"),
+        ({"op": "put", "keys": [], "ns": "n"}, "at least one CPU row"),
+        ({"op": "put", "src": [1], "keys": b"\x05ab", "ns": "n"}, "runs past the end"),
+        ({"op": "put", "src": [1], "keys": b"\x00", "ns": "n"}, "empty"),
+    ],
+)
+def test_a_keyed_body_that_breaks_a_rule_is_refused_naming_it(fields, why):
+    op = fields.pop("op")
+    with pytest.raises(P.ProtocolError, match=why):
+        P.decode_body(P.encode_body(op, fields.pop("src", None), fields.pop("dst", None), **fields))

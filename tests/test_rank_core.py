@@ -81,6 +81,20 @@ def test_clear_frees_then_acks_with_bytes_and_resume_reallocates_then_acks():
     assert ack.op == "resume" and ack.layout.gpu_blocks == 8
 
 
+def test_a_header_of_a_message_of_tasks_is_a_task_header_only():
+    """The first frame of each pair is a ``task`` (docs/protocol.md §10.3): a
+    welcome or a reregister there is a bad message, never obeyed."""
+    core = welcomed()
+    session = core.registration.session
+    for header in (
+        P.encode("welcome", epoch=5, op="pause", gen=0, upto=0, layout=LAYOUT.to_wire(), heartbeat_ms=100),
+        P.encode("reregister"),
+    ):
+        assert core.on_task(header, P.encode_body("swap_out", [0], [0]), 1.0) == []
+    assert core.counters["bad_broker_msgs"] == 2
+    assert core.registration.session == session and not core.paused and core.inflight == 0
+
+
 def test_task_from_another_generation_is_refused():
     core = welcomed(gen=3)
     (ex,) = [a for a in core.on_task(*task(1, gen=2), 1.0) if isinstance(a, Execute)]

@@ -31,7 +31,7 @@ def _runner() -> CliRunner:
 def cluster():
     c = LocalCluster(2, LAYOUT, quiet=True, broker_args=["--heartbeat-ms", "100"]).start(timeout=60)
     yield c
-    assert c.stop() == {"rank0": 0, "rank1": 0, "broker": 0}
+    assert c.stop().codes == {"rank0": 0, "rank1": 0, "broker": 0}
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
@@ -97,7 +97,7 @@ def test_cli_bad_trace_exits_2_naming_the_line(tmp_path):
         assert res.exit_code == 2
         assert (
             res.stderr.strip() == f"zkv: error: bad trace: {bad}, line 3: unknown op 'swap'; "
-            "expected one of swap_out, swap_in, fill, checksum, spill, load"
+            "expected one of swap_out, swap_in, fill, checksum, spill, load, put, get"
         )
     res = runner.invoke(main, ["replay", "-"], input='{"zkv_trace": 7, "world": 2}\n')
     assert res.exit_code == 2 and "<stdin>, line 1: unsupported trace format version 7" in res.stderr
@@ -156,3 +156,48 @@ def test_record_replay_record_gives_the_same_outcomes(tmp_path):
 
 def _in_order(trace):
     return sorted(trace.tasks.values(), key=lambda s: s.index)
+
+
+def test_a_stop_whose_ranks_neither_stop_nor_are_seen_to_die_is_bounded_and_removes_what_the_cluster_made(tmp_path):
+    """A loaded machine, made certain: rank 0 is frozen (SIGTERM waits), and the zygote that reports the workers'
+    exits is frozen too, so no exit is seen in time. stop() names what it killed, never raises, and removes the
+    cluster's directory and the tier files and locks of its bus."""
+    import os
+    import signal
+    import time
+
+    from zkv.rank.tiers.tier_file import bus_name, list_tiers
+    from zkv.testing.runner import zygote
+
+    tiers = tmp_path / "tiers"
+    c = LocalCluster(2, LAYOUT, quiet=True, worker_args=["--tier-dir", str(tiers)], tier_dir=str(tiers))
+    c.start(timeout=60)
+    bus = bus_name(c.endpoints.backend)
+    assert {t.rank for t in list_tiers(str(tiers)) if t.bus == bus} == {0, 1}
+    spawner = zygote.current()
+    assert spawner is not None, "the test process forks its workers from a zygote (tests/conftest.py)"
+    os.kill(c.workers[0].pid, signal.SIGSTOP)
+    os.kill(spawner.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        end = c.stop(timeout=1.0)
+        took = time.monotonic() - started
+    finally:
+        os.kill(spawner.pid, signal.SIGCONT)
+    assert took < 1.0 + 5.0 + 5.0, f"the stop took {took:.1f} s"
+    assert "rank0" in end.killed and end.codes["rank0"] is None, end
+    said = end.said(1.0)
+    assert "rank0" in said and "did not stop within 1 s of SIGTERM and were killed" in said, said
+    assert not c.directory.exists(), "the cluster's own directory is removed"
+    assert [t for t in list_tiers(str(tiers)) if t.bus == bus] == [], "its tier files are removed"
+    assert [p for p in tiers.iterdir() if p.name.endswith(".lock")] == [], "and its rank locks"
+
+
+def test_an_embedded_replay_that_stops_cleanly_says_nothing_of_its_teardown(tmp_path):
+    from zkv.harness.bus.local_replay import replay_embedded
+    from zkv.trace import generate, parse_trace
+
+    trace = parse_trace([json.dumps(r) for r in generate("rl-cycle", 20, seed=1, layout=LAYOUT, every=10)])
+    report = replay_embedded(trace, speed=None, task_timeout=10, op_timeout=10)
+    assert report.ok, format_report(report)
+    assert report.teardown == "" and not any("exited" in note for note in report.notes), report.notes

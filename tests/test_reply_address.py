@@ -113,3 +113,40 @@ def test_an_ipv6_result_push_connects_with_zmq_ipv6():
     finally:
         pull.close()
         push.close()
+
+
+def test_a_client_removes_the_result_sockets_of_clients_killed_before_their_close(tmp_path, monkeypatch):
+    """kill -9 leaves a client's ``client-<pid>-….sock`` behind; the next client in that runtime
+    directory removes it (its pid is gone, nothing listens), and never a live client's."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("ZKV_RUNTIME_DIR", str(tmp_path))
+    code = (
+        "import sys; from zkv import Client; c = Client('ipc:///nonexistent/frontend.sock'); "
+        "print(c.reply_to, flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, "ZKV_RUNTIME_DIR": str(tmp_path)}
+    killed = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    alive = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        stale = killed.stdout.readline().strip()[len("ipc://") :]
+        live = alive.stdout.readline().strip()[len("ipc://") :]
+        killed.kill()
+        killed.wait(timeout=30)
+        assert os.path.exists(stale), "kill -9 left its socket file"
+        with Client("ipc:///nonexistent/frontend.sock") as c:
+            mine = c.reply_to[len("ipc://") :]
+            assert not os.path.exists(stale), "the dead client's socket file is gone"
+            assert os.path.exists(live) and os.path.exists(mine), "live clients' files stay"
+        assert not os.path.exists(mine), "a closed client removes its own"
+    finally:
+        for proc in (killed, alive):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)

@@ -10,7 +10,7 @@ from zkv.rank.tiers.cpu_tier import CpuTier
 from zkv.rank.tiers.disk_tier import DiskSpec
 from zkv.rank.tiers.tier_file import TierPlace
 from zkv.wire.layout import CacheLayout
-from zkv.wire.moves import MOVES
+from zkv.wire.moves import MOVES, ROW_MOVES
 from zkv.wire.protocol import TaskBody
 from zkv.wire.vocab import Op, Tier
 
@@ -23,11 +23,15 @@ def test_the_table_holds_each_moving_op_once_with_its_two_tiers():
         Op.SWAP_IN: (Tier.CPU, Tier.GPU),
         Op.SPILL: (Tier.CPU, Tier.DISK),
         Op.LOAD: (Tier.DISK, Tier.CPU),
+        Op.PUT: (Tier.CPU, Tier.STORE),
+        Op.GET: (Tier.STORE, Tier.CPU),
     }
-    assert [op for op, m in MOVES.items() if m.down] == [Op.SWAP_OUT, Op.SPILL]
+    assert [op for op, m in MOVES.items() if m.down] == [Op.SWAP_OUT, Op.SPILL, Op.PUT]
     assert all(m.op is op for op, m in MOVES.items())
     assert MOVES["spill"] is MOVES[Op.SPILL]  # a decoded op, a plain str, finds its move
-    assert SWAP_OPS == tuple(MOVES)  # the prefix manager submits exactly the moves
+    assert SWAP_OPS == ROW_MOVES == (Op.SWAP_OUT, Op.SWAP_IN, Op.SPILL, Op.LOAD)  # the moves of rows on both sides
+    assert [op for op, m in MOVES.items() if m.keyed] == [Op.PUT, Op.GET]
+    assert (MOVES[Op.PUT].rows, MOVES[Op.GET].rows) == ("src", "dst")
 
 
 @pytest.fixture
@@ -37,7 +41,7 @@ def store(tmp_path):
     s.close()
 
 
-@pytest.mark.parametrize("op", list(MOVES))
+@pytest.mark.parametrize("op", ROW_MOVES)
 def test_the_store_checks_ids_against_each_moves_tiers(store, op):
     move = MOVES[op]
     body = TaskBody(op=op, src=[0, 0], dst=[1, 1])

@@ -141,10 +141,108 @@ def test_a_standby_beside_a_zkv_up_rank_takes_it_over_and_zkv_up_keeps_the_bus_a
             bus.stop()
 
 
-def test_zkv_up_restarts_a_worker_of_its_own_memory_adopting_the_bus_layout_and_an_attached_one_as_it_is(tmp_path):
-    from zkv.cli.supervise import _adopt
+def test_zkv_up_restarts_a_worker_attached_to_an_engine_as_it_is(tmp_path):
+    """An attached worker's layout is its engine's memory: no --adopt-layout (refused with --attach), no layout
+    asked of the bus."""
+    from zkv.cli.supervise import _restart
     from zkv.harness.bus.attached_cluster import AttachedCluster
-    from zkv.harness.bus.cluster import LocalCluster
 
-    assert _adopt(LocalCluster(1, directory=tmp_path / "own")) == ["--adopt-layout"]
-    assert _adopt(AttachedCluster(1, directory=tmp_path / "attached")) == [], "--attach refuses --adopt-layout"
+    started = []
+
+    class Recorded(AttachedCluster):
+        def start_worker(self, rank, extra=(), layout=None):
+            started.append((rank, list(extra), layout))
+
+    _restart(Recorded(1, directory=tmp_path / "attached"), 0, ["--standby"])
+    assert started == [(0, ["--standby"], None)]
+
+
+def test_a_rank_restarted_after_a_new_layout_comes_back_on_it_and_keeps_its_cpu_blocks(tmp_path):
+    """pause, clear, resume --cpu-blocks 32 (not the start flags' 64), swap out, kill -9 rank 1: zkv up starts
+    it on the bus's layout, so it maps its tier file again and a swap-in brings the exact bytes back."""
+    tiers = str(tmp_path / "tiers")
+    bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT, "--tier-dir", tiers)
+    try:
+        bus.wait_for("Ctrl-C to stop.")
+        b = ["--broker", bus.broker]
+        for step in (["pause"], ["clear"], ["resume", "--cpu-blocks", "32"]):
+            assert cli(*step, *b).returncode == 0, step
+        with Client(bus.broker) as c:
+            assert c.run("fill", dst=[0, 1, 2, 3], tier="gpu", seed=7, timeout=30).ok
+            want = c.run("checksum", [0, 1, 2, 3], tier="gpu", timeout=30)
+            assert c.run("swap_out", [0, 1, 2, 3], [10, 11, 12, 13], timeout=30).ok
+            before = pids(bus.broker)
+            os.kill(before[1], signal.SIGKILL)
+            bus.wait_for("zkv up: rank 1 exited with code -9; starting it again")
+
+            def back_up(st) -> bool:
+                return st.state == "running" and any(r.rank == 1 and r.alive and r.pid != before[1] for r in st.ranks)
+
+            st = wait_for(c, back_up, "rank 1 to come back", timeout=60)
+            assert st.layout.cpu_blocks == 32
+            assert "CPU blocks kept" in st.gen_reason, st.gen_reason
+            back = c.run("swap_in", [10, 11, 12, 13], [20, 21, 22, 23], timeout=30)
+            assert back.ok, back.reason
+            got = c.run("checksum", [20, 21, 22, 23], tier="gpu", timeout=30)
+            for r in (0, 1):
+                assert got.per_rank[r]["digests"] == want.per_rank[r]["digests"], f"rank {r}: the exact bytes back"
+        assert "adopts the bus's layout" not in bus.output(), "the restarted rank came back on the bus's layout"
+    finally:
+        bus.stop()
+
+
+def test_the_standby_zkv_up_starts_after_a_takeover_comes_back_on_the_new_layout_and_keeps_the_cpu_blocks(tmp_path):
+    """After a new layout, a standby (started by hand on it) takes rank 1 over; the worker zkv up then starts as
+    its standby is on the bus's layout too, so when it takes over in turn the CPU blocks are still there."""
+    import subprocess
+    import sys
+
+    from zkv.net.endpoints import Endpoints
+
+    tiers = str(tmp_path / "tiers")
+    bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT, "--tier-dir", tiers)
+    standby = None
+    try:
+        bus.wait_for("Ctrl-C to stop.")
+        b = ["--broker", bus.broker]
+        for step in (["pause"], ["clear"], ["resume", "--cpu-blocks", "32"]):
+            assert cli(*step, *b).returncode == 0, step
+        ep = Endpoints.in_dir(tmp_path)
+        new_layout = [*LAYOUT, "--cpu-blocks", "32"]  # the last --cpu-blocks counts
+        standby = subprocess.Popen(
+            [sys.executable, "-m", "zkv", "worker", "--rank", "1", "--world-size", "2", "--backend", ep.backend]
+            + ["--control", ep.control, "--tier-dir", tiers, "--standby", "--gpu-blocks", "32", *new_layout],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        Lines(standby).wait_for("taking over when it exits")
+        with Client(bus.broker) as c:
+            assert c.run("fill", dst=[0, 1, 2, 3], tier="gpu", seed=9, timeout=30).ok
+            want = c.run("checksum", [0, 1, 2, 3], tier="gpu", timeout=30)
+            assert c.run("swap_out", [0, 1, 2, 3], [10, 11, 12, 13], timeout=30).ok
+            before = pids(bus.broker)
+            os.kill(before[1], signal.SIGKILL)
+            bus.wait_for(f"pid {standby.pid} serves it now (a standby took over): starting it again as that")
+
+            def rank1_is(want_pid) -> bool:
+                return lambda st: (
+                    st.state == "running" and any(r.rank == 1 and r.alive and want_pid(r.pid) for r in st.ranks)
+                )
+
+            wait_for(c, rank1_is(lambda pid: pid == standby.pid), "the standby to serve rank 1", timeout=60)
+            os.kill(standby.pid, signal.SIGKILL)  # zkv up's standby takes over in turn
+            standby.wait(timeout=30)
+            mine = (before[1], standby.pid)
+            st = wait_for(c, rank1_is(lambda pid: pid not in mine), "zkv up's standby to serve rank 1", timeout=60)
+            assert "CPU blocks kept" in st.gen_reason, st.gen_reason
+            back = c.run("swap_in", [10, 11, 12, 13], [20, 21, 22, 23], timeout=30)
+            assert back.ok, back.reason
+            got = c.run("checksum", [20, 21, 22, 23], tier="gpu", timeout=30)
+            assert got.per_rank[1]["digests"] == want.per_rank[1]["digests"], "rank 1: the exact bytes back"
+    finally:
+        if standby is not None and standby.poll() is None:
+            standby.kill()
+            standby.wait(timeout=30)
+        if bus.proc.poll() is None:
+            bus.stop()

@@ -106,3 +106,32 @@ def test_one_unanswered_status_turns_offload_off_for_the_backoff_not_the_poll_in
     finally:
         view.close()
         client.close()
+
+
+def test_a_status_asked_before_a_pause_does_not_turn_serving_back_on(tmp_path):
+    """The background status is asked at one step and read at a later one: one the bus
+    answered ``running`` just before a pause must not outvote the pause's broadcast (a
+    lookup would hit on a paused bus, and its load fail)."""
+    with LocalCluster(2, LAYOUT, directory=tmp_path) as cluster, Client(cluster.endpoints.frontend) as ctl:
+        ctl.status(timeout=30, wait_ranks=2)
+        client = Client(cluster.endpoints.frontend, request_timeout=0.25)
+        view = BusView(client, world=2, interval=0.0, control=cluster.endpoints.control)
+        try:
+            view.refresh(time.monotonic(), force=True)
+            view.refresh(time.monotonic())  # asks a status in the background
+            assert view._pending is not None
+            req = view._pending[0]
+            deadline = time.monotonic() + 10
+            while req not in client.replies:  # answered (running), not read yet
+                assert time.monotonic() < deadline, "no status reply"
+                client.poll(0.02)  # files the reply, waits a bounded while for traffic
+            ctl.pause()
+            hear(view, 1)
+            assert not view.serving, "the pause's broadcast stops serving"
+            for _ in range(3):
+                view.refresh(time.monotonic())
+                assert not view.serving, "an answer from before the pause turned serving back on"
+            ctl.resume()
+        finally:
+            view.close()
+            client.close()

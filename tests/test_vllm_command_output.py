@@ -42,8 +42,9 @@ def fake_bench(monkeypatch):
     says something on the way, the way the real one does."""
     seen: dict[str, str | None] = {}
 
-    def bench_vllm(quick: bool = False, say=print, **_):
+    def bench_vllm(quick: bool = False, say=print, log=None, **_):
         seen["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL")
+        seen["log"] = log
         say("vllm bench: zkv ...")
         return json.loads(json.dumps(RESULT))
 
@@ -55,8 +56,9 @@ def fake_bench(monkeypatch):
 def fake_demo(monkeypatch):
     seen: dict[str, str | None] = {}
 
-    def run_vllm_demo(echo=print):
+    def run_vllm_demo(echo=print, log=None):
         seen["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL")
+        seen["log"] = log
         echo("vLLM demo: all checks hold")
         return True
 
@@ -76,6 +78,7 @@ def test_bench_vllm_quiets_vllm_and_prints_its_figures_last_as_a_table(fake_benc
     res = CliRunner().invoke(main, ["bench", "vllm", "--quick"], env=UNSET, prog_name="zkv")
     assert res.exit_code == 0, res.output
     assert fake_bench["VLLM_LOGGING_LEVEL"] == "ERROR"  # set before the engines start: they inherit it
+    assert fake_bench["log"].name == "bench-vllm.log" and str(fake_bench["log"]) in res.stderr
     assert "VLLM_LOGGING_LEVEL=INFO" in res.stderr  # the user is told how to see vLLM's logging
     out = res.stdout.rstrip("\n").splitlines()
     header = out[-6]
@@ -104,13 +107,17 @@ def test_a_vllm_logging_level_the_user_set_stands(fake_bench, fake_demo):
         res = CliRunner().invoke(main, ["up", "--demo", "--engine", "vllm"], env=env, prog_name="zkv")
         assert res.exit_code == 0, res.output
         assert fake_demo["VLLM_LOGGING_LEVEL"] == env["VLLM_LOGGING_LEVEL"], env
+        assert fake_demo["log"] is None and fake_bench["log"] is None, "theirs: vLLM's output stays on the terminal"
 
 
 def test_the_vllm_demo_quiets_vllm_and_says_how_to_see_its_logging(fake_demo):
     res = CliRunner().invoke(main, ["up", "--demo", "--engine", "vllm"], env=UNSET, prog_name="zkv")
     assert res.exit_code == 0, res.output
     assert fake_demo["VLLM_LOGGING_LEVEL"] == "ERROR"
-    assert "VLLM_LOGGING_LEVEL=INFO" in res.stdout.splitlines()[0], res.stdout
+    first = res.stdout.splitlines()[0]
+    assert "VLLM_LOGGING_LEVEL=INFO" in first, res.stdout
+    log = fake_demo["log"]
+    assert log is not None and log.name == "vllm-demo.log" and f"the rest of its output goes to {log}" in first
 
 
 def test_the_help_says_how_to_see_vllm_s_logging():
@@ -164,3 +171,39 @@ def test_several_benchmarks_run_in_one_call_and_a_missed_target_is_said_with_adv
     ratio["value"] = 1.0
     held = CliRunner().invoke(main, ["bench", "fleet", "--check"], env=UNSET, prog_name="zkv")
     assert held.exit_code == 0 and "MISSED" not in held.stderr, held.output
+
+
+def test_vllm_s_output_goes_to_its_log_and_the_tool_s_own_lines_stay_on_the_terminal(tmp_path, capfd):
+    """What vLLM's engine processes inherit (file descriptors 1 and 2) goes to the log, with what C code
+    writes there; ``print`` and ``click.echo`` (``sys.stdout``, ``sys.stderr``) still reach the terminal."""
+    import subprocess
+    import sys
+
+    from zkv.harness.vllm.output import tail, vllm_output_to
+
+    log = tmp_path / "vllm.log"
+    child = "import os; print('engine says INFO', flush=True); os.write(2, b'engine warns\\n')"
+    with vllm_output_to(log):
+        print("the demo's own line")
+        subprocess.run([sys.executable, "-c", child], check=True)
+        os.write(2, b"a C library warns\n")
+        print("a note", file=sys.stderr)
+    print("after")
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["the demo's own line", "after"], out
+    assert err.splitlines() == ["a note"], err
+    assert sorted(log.read_text().splitlines()) == ["a C library warns", "engine says INFO", "engine warns"]
+    assert tail(log, 1) in ("a C library warns", "engine warns", "engine says INFO")
+    with vllm_output_to(None):  # the user asked to see vLLM: nothing moves
+        os.write(1, b"shown\n")
+    assert capfd.readouterr().out == "shown\n"
+
+
+def test_serve_vllm_needs_a_model_and_says_what_to_install_where_vllm_is_missing(monkeypatch):
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0"], prog_name="zkv")
+    assert res.exit_code == 2 and "--random-model" in res.output, res.output
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0", "--model", "m", "--write-only"], prog_name="zkv")
+    assert res.exit_code == 2 and "--write-only writes a --random-model" in res.output, res.output
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
+    res = CliRunner().invoke(main, ["serve-vllm", "engine-0", "--model", "m"], prog_name="zkv")
+    assert res.exit_code == 1 and "needs vLLM" in res.stderr and "vllm_setup.sh" in res.stderr, res.output

@@ -1,4 +1,4 @@
-"""The journals of an engine's tiers (zkv/engines/vllm/journal.py) and the
+"""The journals of an engine's tiers (zkv/rows/journal.py) and the
 identity they are written under (identity.py): what a restarted engine reads
 back, what it refuses, and what names the weights."""
 
@@ -12,8 +12,8 @@ import msgpack
 import pytest
 
 from zkv.engines.vllm.identity import EngineIdentity, checkpoint_version, identity_of
-from zkv.engines.vllm.index import RowChange
-from zkv.engines.vllm.journal import Header, Journal, JournalError, encode, encode_header, replay
+from zkv.rows import RowChange
+from zkv.rows.journal import Header, Journal, JournalError, encode, encode_header, replay
 from zkv.wire.vocab import Tier
 
 IDENTITY = EngineIdentity("llama", "", "cfg", {"block_size": 32, "layers": 2}, "files:w0")
@@ -133,10 +133,10 @@ def test_tier_list_says_whose_kv_each_tier_holds_and_clean_takes_the_journal_wit
     from click.testing import CliRunner
 
     from zkv.cli.commands import main
-    from zkv.engines.vllm.journal import DISK_JOURNAL
     from zkv.rank.tiers.tier_file import TierFile, TierPlace, journal_path
+    from zkv.rows.journal import DISK_JOURNAL
 
-    TierFile(TierPlace("b0b0b0b0b0b0", 0, str(tmp_path)), ("shape",), rows=4, row_bytes=64).close()  # an orphan
+    TierFile(TierPlace("b0b0b0b0b0b0", 0, str(tmp_path)), ("shape",), rows=4, row_bytes=64).close()  # no worker
     Journal(journal_path(tmp_path, "b0b0b0b0b0b0"), Tier.CPU, 4).start(IDENTITY, 2, [(b"k", 1), (b"l", 3)])
     (tmp_path / "disk").mkdir()
     (tmp_path / "disk" / "zkv-rank0.disk").write_bytes(bytes(4096))
@@ -148,6 +148,20 @@ def test_tier_list_says_whose_kv_each_tier_holds_and_clean_takes_the_journal_wit
     assert "journal does not check" in disk and "a restart serves none of it" in disk
     out = CliRunner().invoke(main, ["tier", "list", "--tier-dir", str(tmp_path), "--json"])
     assert json.loads(out.output)["engine"]["journaled"] == 2
+    assert "kept for a warm restart of its engine" in cpu, "its journal checks: the next engine adopts it"
     out = CliRunner().invoke(main, ["tier", "clean", "--tier-dir", str(tmp_path), "--all"])
+    assert out.exit_code == 0 and "1 kept for a restart" in out.output, out.output
+    assert journal_path(tmp_path, "b0b0b0b0b0b0").exists(), "clean --all keeps what a warm restart adopts"
+    out = CliRunner().invoke(main, ["tier", "clean", "--tier-dir", str(tmp_path), "--all", "--with-kept"])
     assert out.exit_code == 0, out.output
     assert not journal_path(tmp_path, "b0b0b0b0b0b0").exists() and "zkv-index-b0b0b0b0b0b0.journal" in out.output
+
+
+def test_the_journals_old_import_path_works_and_warns():
+    import importlib
+    import sys
+
+    sys.modules.pop("zkv.engines.vllm.journal", None)
+    with pytest.warns(DeprecationWarning, match="zkv.rows.journal"):
+        old = importlib.import_module("zkv.engines.vllm.journal")
+    assert old.Journal is Journal

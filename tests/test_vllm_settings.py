@@ -40,5 +40,38 @@ def test_the_cpu_tier_is_a_file_in_dev_shm_unless_told_otherwise():
 def test_the_manager_hears_broadcasts_unless_told_not_to():
     assert ZkvSettings.from_extra({}, "e").hear_broadcasts and ZkvSettings.from_extra({}, "e").status_interval_s == 1.0
     assert not ZkvSettings.from_extra({"hear_broadcasts": False}, "e").hear_broadcasts
-    with pytest.raises(ValueError, match="must be true or false"):
+    with pytest.raises(ValueError, match="bool.*hear_broadcasts"):
         ZkvSettings.from_extra({"hear_broadcasts": "no"}, "e")
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"cpu_blocks": 0}, "cpu_blocks"),
+        ({"cpu_blocks": True}, "cpu_blocks"),
+        ({"disk_blocks": 1 << 30}, "disk_blocks"),
+        ({"task_timeout_s": float("nan")}, "task_timeout_s"),
+        ({"task_timeout_s": float("inf")}, "task_timeout_s"),
+        ({"status_interval_s": -1}, "status_interval_s"),
+        ({"broker": "remote"}, "broker"),
+        ({"tier_dir": ""}, "tier_dir"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"disk_dir": "/d", "cpu_blocks": 8, "spill_below": 9}, "spill_below"),
+    ],
+)
+def test_every_value_is_range_checked_where_it_enters_naming_its_key(extra, key):
+    with pytest.raises(ValueError, match=key):
+        ZkvSettings.from_extra(extra, "e")
+
+
+def test_what_zkv_works_out_is_never_read_from_the_map_and_unknown_keys_are_vllms():
+    settings = ZkvSettings.from_extra({"bus_named": True, "blocks_per_chunk": 1}, "e")
+    assert not settings.bus_named
+    assert settings.spill_below == 0 and settings.metrics_port is None
+
+
+def test_the_settings_make_no_directory_until_asked(tmp_path):
+    settings = ZkvSettings.from_extra({"bus_dir": str(tmp_path / "bus")}, "e")
+    assert settings.endpoints.frontend.endswith("bus/frontend.sock") and not (tmp_path / "bus").exists()
+    settings.make_bus_dir()
+    assert (tmp_path / "bus").is_dir() and (tmp_path / "bus").stat().st_mode & 0o777 == 0o700

@@ -19,7 +19,7 @@ def f(op):
 
 def test_the_vocabulary_is_read_from_the_wire():
     enums = vocab_count.vocabulary(vocab_count.PKG / "wire" / "vocab.py")
-    assert enums["Tier"] == {"GPU": "gpu", "CPU": "cpu", "DISK": "disk"}
+    assert enums["Tier"] == {"GPU": "gpu", "CPU": "cpu", "DISK": "disk", "STORE": "store"}
     assert enums["Op"]["SPILL"] == "spill"
 
 

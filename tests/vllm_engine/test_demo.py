@@ -1,8 +1,10 @@
 """``zkv up --demo --engine vllm`` as a user runs it (docs/engine-vllm.md, "See it
 work"): one real vLLM engine, about a minute on 2 cores.  With no
-VLLM_LOGGING_LEVEL set, none of vLLM's INFO or WARNING lines reach the output
-(its engine processes included); the results come last, as a table; and on the
-demo's workload a time to first token not below recompute's is explained."""
+VLLM_LOGGING_LEVEL set, nothing of vLLM's reaches the output (no log line, no
+warning, no bar of its engine processes, of torch or of transformers): every
+line is the demo's own, and vLLM's output is in the log file it names; the
+results come last, as a table; and on the demo's workload a time to first
+token not below recompute's is explained."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ import pytest
 pytestmark = pytest.mark.timeout(900)
 
 VLLM_LOG_LINE = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\]")  # vllm/logger.py's format
+#: the demo's own lines: its phases, its table's title, rows and verdict, the explanation of a slow zkv
+DEMO_LINE = re.compile(
+    r"^(vLLM logs errors only here|starting vLLM \(|a chat of \d|the same chat with zkv|RL weight update \(|"
+    r"vLLM demo: |  |why zkv is not faster here: |$)"
+)
 
 
 def test_the_demo_prints_its_results_last_without_vllm_s_log_and_explains_a_slow_zkv():
@@ -32,6 +39,10 @@ def test_the_demo_prints_its_results_last_without_vllm_s_log_and_explains_a_slow
     logged = [line for line in out + err if VLLM_LOG_LINE.search(line)]
     assert not logged, logged[:5]
     assert "VLLM_LOGGING_LEVEL=INFO" in out[0], out[:2]  # how to see vLLM's logging again
+    noise = [line for line in out + err if not DEMO_LINE.match(line)]
+    assert not noise, noise[:10]
+    log = re.search(r"the rest of its output goes to (\S+);", out[0])
+    assert log and os.path.getsize(log.group(1)) > 0, out[0]  # where vLLM's output went
 
     # The end of stdout: a title, the table (header, rule, a row per figure), the verdict.
     assert out[-1] == "vLLM demo: all checks hold", out[-10:]

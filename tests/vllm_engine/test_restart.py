@@ -10,18 +10,16 @@ lookup misses (a fresh engine's tokens)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from zkv.engines.vllm.journal import DISK_JOURNAL, Journal
+from zkv import ZkvError
+from zkv.harness.vllm.leftovers import kill_group
 from zkv.harness.vllm.rig import (
     BusProbe,
     Chat,
@@ -32,6 +30,8 @@ from zkv.harness.vllm.rig import (
     write_llama,
     zkv_transfer,
 )
+from zkv.harness.vllm.servers import STALL_S, Progress
+from zkv.rows.journal import DISK_JOURNAL, Journal
 from zkv.wire.vocab import Tier
 
 pytestmark = pytest.mark.timeout(900)
@@ -148,20 +148,21 @@ def test_an_engine_killed_during_its_stores_comes_back_serving_what_it_finished(
     )
     probe = BusProbe(tmp_path / "bus")
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and victim.poll() is None:
+        watch = Progress(victim.pid, tmp_path / "victim.log")  # bounded by the victim's progress, not a clock
+        while not watch.stalled(STALL_S):
             try:
                 if probe.status(timeout=1.0).counters.get("submitted", 0) >= 12:
                     break  # stores and spills under way: kill it now, whatever is in flight
-            except Exception:  # the engine is still starting: no bus yet
+            except ZkvError:  # the engine is still starting: no bus yet
                 pass
-            time.sleep(0.05)
+            try:
+                victim.wait(timeout=0.05)
+                break  # it exited: the assert below says how
+            except subprocess.TimeoutExpired:
+                pass
         assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait(timeout=30)
     finally:
-        if victim.poll() is None:
-            os.killpg(victim.pid, signal.SIGKILL)
+        kill_group(victim)  # and what it leaves in /dev/shm
         log.close()
 
     chat = Chat(conversations=5, turns=1, first_tokens=700, vocab=SHAPE.vocab, seed=0)

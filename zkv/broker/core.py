@@ -30,12 +30,13 @@ import collections
 import logging
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Mapping, cast
 
 from ..obs.book import BusBook
 from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire import sockets as S
 from ..wire.layout import CacheLayout
 from ..wire.messages import (
     Ack,
@@ -81,10 +82,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("zkv.broker")
-# the hot kind of each socket on the typed fast path, the rest as protocol.decode reads them
-_decode_request = F.decoder("submit", ("submit", "pause", "clear", "resume", "status", "ping", "cancel"))
-_decode_rank_msg = F.decoder(("done", "ack", "hb"), ("ready", "hb", "done", "ack"))
-_decode_done = F.decoder("done", ("done",))  # a frame of a message of dones (docs/protocol.md §10.3)
+# one decoder per socket, of the kinds it receives (wire/sockets.py)
+_decode_request = F.decoder(S.BROKER_FRONTEND)
+_decode_rank_msg = F.decoder(S.BROKER_BACKEND)  # a message of dones takes only S.BATCHED_DONE (§10.3)
 # the frames that never change, made once
 _REREGISTER = Reregister().to_wire()
 _PROBE_ANSWER = Heartbeat(probe=True).to_wire()
@@ -275,15 +275,15 @@ class BrokerCore:
                 out.append(ToRank(identity, [Error(code=err.code, reason=err.reason).to_wire()]))
                 return
             for frame in frames:  # each on its own: one bad frame loses no other's credit
-                self._on_rank_frame(identity, frame, _decode_done, now, out)
+                self._on_rank_frame(identity, frame, S.BATCHED_DONE, now, out)
             return
-        self._on_rank_frame(identity, frames[0], _decode_rank_msg, now, out)
+        self._on_rank_frame(identity, frames[0], None, now, out)
 
     def _on_rank_frame(
-        self, identity: bytes, frame: bytes, decode: Callable[[bytes], Any], now: float, out: list[Action]
+        self, identity: bytes, frame: bytes, only: tuple[str, ...] | None, now: float, out: list[Action]
     ) -> None:
         try:
-            msg = decode(frame)
+            msg = _decode_rank_msg(frame, only)
         except P.LayoutError as err:
             if err.kind == "ready":  # an invalid layout: refused, and the rank exits (docs/protocol.md §10.1)
                 self.rank_table.counters["refused"] += 1

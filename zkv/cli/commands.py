@@ -30,6 +30,7 @@ from .options import (
     layout_options,
     resume_flags,
     sigterm_as_interrupt,
+    store_option,
     tier_options,
 )
 
@@ -142,8 +143,10 @@ _LAZY = {
     "submit": ".submit:submit",
     "state": ".state:state",
     "tier": ".tier:tier",
+    "store": ".store:store",
     "trace": ".trace:trace",
     "replay": ".trace:replay",
+    "serve-vllm": ".serve_vllm:serve_vllm",
     "up": ".up:up",
     "down": ".supervise:down",
 }
@@ -230,6 +233,7 @@ def main(verbose: int) -> None:
     "to any worker: a restart attached to the same engine maps its CPU tier again.",
 )
 @disk_options
+@store_option
 @tier_options
 @click.option(
     "--startup-times",
@@ -273,6 +277,7 @@ def worker(
     startup_times: str | None,
     standby: bool,
     adopt_layout: bool,
+    store: str | None,
     **kw: Any,
 ) -> None:
     """Run one rank worker holding its KV cache shard (or serving an engine's, with --attach)."""
@@ -311,6 +316,7 @@ def worker(
         lock = _hold_rank(rank, backend, tiers, standby)
     opts = {"liveness_ms": liveness_ms, "curve": curve, "disk": disk, "tier_dir": tiers, "tier_digests": tier_digests}
     opts.update(adopt_layout=adopt_layout, note=lambda text: click.echo(f"zkv worker: {text}", err=True))
+    opts["store"] = store
     try:
         if manifest is None:
             w = RankWorker(rank, world_size, backend, control, layout, device=device, **opts)
@@ -324,6 +330,8 @@ def worker(
                 "is another worker of this rank running (--tier-dir, --disk-dir)?",
             )
         fail(f"rank {rank} cannot attach {manifest}: {err}", "check that the engine exported it and is still running")
+    except ValueError as err:  # a --store URL it cannot use
+        fail(f"rank {rank} cannot use its store: {err}", "see zkv worker --help for the --store forms")
     startup.mark("tiers")
     lay = w.cache.layout
     what = f"attached to {manifest} ({lay.gpu_blocks} blocks of {lay.block_bytes} bytes)" if manifest else "of cache"

@@ -101,7 +101,7 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
             if as_json:
                 click.echo(json.dumps({"ok": False, "code": err.code, "reason": err.reason}))
                 sys.exit(1)
-            fail(err.reason, hint(err.code, broker, curve))
+            fail(err.reason, hint(err.code, broker, curve, err.reason))
 
     if fleet_handler is None:
         return wrapper

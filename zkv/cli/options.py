@@ -278,6 +278,20 @@ def disk_options(fn: Callable) -> Callable:
     return stacked(fn, opts)
 
 
+def store_option(fn: Callable) -> Callable:
+    """A rank's keyed store below its CPU tier (worker, up): off unless --store is given."""
+    return click.option(
+        "--store",
+        default=None,
+        envvar="ZKV_STORE",
+        show_envvar=True,
+        metavar="URL",
+        help="The keyed store below this rank's CPU tier (put / get tasks, named by key in a namespace of the "
+        "engine's identity): file:///dev/shm/zkv-host?budget=8GiB is a host tier every engine on the host shares, "
+        "redis://HOST:PORT/DB?timeout=1.0 a Redis tier shared by hosts (docs/operations.md, 'Keyed stores').",
+    )(fn)
+
+
 def disk_from(kwargs: dict) -> Any:
     """The ``DiskSpec`` of --disk-dir / --disk-blocks (popped from ``kwargs``), or None."""
     directory, blocks = kwargs.pop("disk_dir"), kwargs.pop("disk_blocks")

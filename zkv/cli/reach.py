@@ -75,22 +75,28 @@ def check_broker(address: str, curve: Any = None, probe: bool = True, as_json: b
         fail(reason, start_hint(address))
 
 
-def hint(code: str, address: str, curve: Any) -> str:
-    """The hint for an error a client command got (``ZkvError.code``).  A broker that
-    did not reply because the two ends' security differs is told apart first (libzmq
-    says so in the handshake): starting a broker that is running would not help."""
+def hint(code: str, address: str, curve: Any, reason: str = "") -> str:
+    """The hint for an error a client command got (``ZkvError.code``, its ``reason``).  A
+    broker that did not reply because the two ends' security differs is told apart first
+    (libzmq says so in the handshake; the client says it at once when it saw it): starting
+    a broker that is running would not help."""
     if code in ("no_reply", "unreachable"):
-        if address.startswith("tcp://"):
+        from ..net.handshakes import mismatch_reason
+
+        seen = mismatch_reason(curve is not None) in reason
+        why = None
+        if not seen and address.startswith("tcp://"):
             from ..net.curve import security_mismatch
 
             why = security_mismatch(address, curve)
-            if why is not None and curve is None:
+        if seen or why is not None:
+            said = "" if seen else f"{why}: "
+            if curve is None:
                 return (
-                    f"{why}: pass --curve-secret (this client's key), --curve-server (the broker's broker.key) and "
+                    f"{said}pass --curve-secret (this client's key), --curve-server (the broker's broker.key) and "
                     "--curve-ranks, and put this client's public key in the broker's --curve-clients directory"
                 )
-            if why is not None:
-                return f"{why}: drop the --curve-* options (and ZKV_CURVE_*) for this broker"
+            return f"{said}drop the --curve-* options (and ZKV_CURVE_*) for this broker"
         return "; ".join(h for h in (curve_hint(address, curve), start_hint(address)) if h)
     # not_paused and not_cleared: the broker's reason names what to run (broker/admission.py)
     return {"busy": "wait for the running operation, then retry"}.get(code, "")

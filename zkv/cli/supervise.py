@@ -19,9 +19,10 @@ RESTARTS_PER_MINUTE = 5  # a rank that exits more often than this is not restart
 
 def supervise(cluster: Any) -> None:
     """Until Ctrl-C or SIGTERM (``zkv down``): a rank that exits is started again
-    (on the bus's layout, which a resume may have changed; its CPU tier file makes
-    that cheap), unless it exits too often; a rank a standby took over is started
-    again as that worker's standby; the broker or an engine exiting stops all."""
+    (on the bus's current layout, which a resume may have changed since the start
+    flags: its CPU tier file of that layout is mapped again, blocks kept), unless it
+    exits too often; a rank a standby took over is started again as that worker's
+    standby (on the same layout); the broker or an engine exiting stops all."""
     restarts: dict[int, list[float]] = {}
     while True:
         pid, status = os.wait()  # blocks until a child exits (or Ctrl-C / SIGTERM)
@@ -43,7 +44,7 @@ def supervise(cluster: Any) -> None:
                 f"zkv up: rank {rank} exited with code {code}; pid {serving} serves it now (a standby took "
                 "over): starting it again as that worker's standby"
             )
-            cluster.start_worker(rank, [*_adopt(cluster), "--standby"])
+            _restart(cluster, rank, ["--standby"])
             continue
         now = time.monotonic()
         recent = [t for t in restarts.get(rank, []) if now - t < 60] + [now]
@@ -51,13 +52,43 @@ def supervise(cluster: Any) -> None:
         if len(recent) > RESTARTS_PER_MINUTE:
             fail(f"rank {rank} exited {len(recent)} times within a minute (last with code {code})", "see its log above")
         click.echo(f"zkv up: rank {rank} exited with code {code}; starting it again")
-        cluster.start_worker(rank, _adopt(cluster))
+        _restart(cluster, rank)
 
 
-def _adopt(cluster: Any) -> list[str]:
-    """A worker of zkv's own memory takes the bus's layout (a resume may have changed it);
-    one attached to an engine has its engine's, and --adopt-layout is refused there."""
-    return [] if getattr(cluster, "engines", None) is not None else ["--adopt-layout"]
+LAYOUT_ASK_S = 5.0  # how long a restart waits for the broker to name the bus's layout
+
+
+def _restart(cluster: Any, rank: int, extra: list[str] | None = None) -> None:
+    """Start ``rank``'s worker again.  One attached to an engine has its engine's layout
+    (``--adopt-layout`` is refused there).  One of zkv's own memory starts on the layout
+    the bus holds now, which a resume may have changed since the start flags: that
+    layout names the CPU tier file the rank left (``zkv-tier-<bus>-r<R>-<layout>``), so
+    the worker maps it again and the bus keeps its CPU blocks; started on its flags
+    instead, it would open a tier of the old layout and allocate anew at the resume.
+    ``--adopt-layout`` covers a layout that changes again before it registers."""
+    extra = list(extra or [])
+    if getattr(cluster, "engines", None) is not None:
+        cluster.start_worker(rank, extra)
+        return
+    layout = _bus_layout(cluster)
+    if layout is None:
+        click.echo(
+            f"zkv up: the broker did not name the bus's layout within {LAYOUT_ASK_S:g} s: rank {rank} starts on "
+            "its start flags and takes the bus's layout at its registration (its CPU tier is then allocated anew "
+            "if the layout changed)"
+        )
+    cluster.start_worker(rank, ["--adopt-layout", *extra], layout=layout)
+
+
+def _bus_layout(cluster: Any) -> Any:
+    """The layout the bus holds now (None: the broker did not answer in time, or holds none)."""
+    from ..client.client import ZkvError
+
+    try:
+        with cluster.client(request_timeout=LAYOUT_ASK_S) as client:
+            return client.status(timeout=LAYOUT_ASK_S).layout
+    except ZkvError:
+        return None
 
 
 def hold_up_lock(directory: Path) -> Any:

@@ -103,7 +103,7 @@ def replay(
     """
     from ..client.client import ZkvError
     from ..harness.bus.local_replay import replay_embedded
-    from ..replay import format_report, parse_speed
+    from ..replay import parse_speed
     from ..replay import replay as replay_running
 
     try:
@@ -151,12 +151,19 @@ def replay(
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
-    if as_json:
-        click.echo(json.dumps(report.to_json()))
-    else:
-        click.echo(format_report(report))
+    _say_report(report, as_json)
     if not report.ok:
         sys.exit(1)
+
+
+def _say_report(report: Any, as_json: bool) -> None:
+    """The report (text or JSON), then what stopping an embedded cluster met, on stderr:
+    it comes after the replay and is no part of its verdict."""
+    from ..replay import format_report
+
+    click.echo(json.dumps(report.to_json()) if as_json else format_report(report))
+    if report.teardown:
+        click.echo(f"zkv replay: stopping the embedded cluster: {report.teardown}", err=True)
 
 
 # --- zkv trace ...  --------------------------------------------------------------------------

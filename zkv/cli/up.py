@@ -301,10 +301,12 @@ def up(
     if engine == "vllm":
         _check_engine(engine, demo)
         from ..harness.vllm.demo import run_vllm_demo
+        from ..harness.vllm.output import log_path
         from ..harness.vllm.rig import quiet_vllm_logging
 
-        quiet_vllm_logging(say=click.echo)  # before anything imports vllm: the engine's processes inherit it
-        sys.exit(0 if run_vllm_demo(echo=click.echo) else 1)
+        log = log_path("vllm-demo")  # vLLM's own output, unless the user asked to see it
+        quiet = quiet_vllm_logging(say=click.echo, log=log)  # before anything imports vllm: its processes inherit it
+        sys.exit(0 if run_vllm_demo(echo=click.echo, log=log if quiet else None) else 1)
     if engine == "transformers":
         _check_engine(engine, demo)
         from ..harness.transformers.demo import run_engine_demo

@@ -22,24 +22,32 @@ from typing import Any, Sequence, TypeVar
 import zmq
 
 from ..net.curve import RESULTS_DOMAIN, Curve
-from ..net.endpoints import Endpoints, make_socket, runtime_dir
+from ..net.endpoints import Endpoints, certainly_absent, make_socket, runtime_dir
 from ..net.frames import ready_messages, send_message
+from ..net.handshakes import HandshakeProbe, mismatch_reason
 from ..net.reply_address import advertised, default_bind
 from ..wire import bounds
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire import sockets as S
 from ..wire.errors import ZkvError
-from ..wire.messages import MESSAGES, Error, Message, OutcomeMsg, Reply, Result, Submit
+from ..wire.messages import MESSAGES, Error, OutcomeMsg, Reply, Result, Submit
 from ..wire.outcome import TaskOutcome
 from ..wire.replies import Answer, CancelReply, ControlReply, PingReply, StatusReply, typed
 from ..wire.vocab import ControlOp
 from .results import ResultBook
 
-_decode_result = F.decoder("result")  # any kind, as protocol.decode reads it; results on the typed fast path
+# one decoder per socket, of the kinds it receives (wire/sockets.py)
+_decode_broker = F.decoder(S.CLIENT_DEALER)
+_decode_result = F.decoder(S.CLIENT_PULL)
 # A task's timeout travels as its submit ``timeout_ms``: the broker ends it
 # ``timeout`` (``ran: false``) if it is still queued then.  The client's own
 # deadline is this much later, so that the broker's word (did it run?) comes first.
 BROKER_WORD_S = 0.25
+# A request not answered this soon, by a client never answered yet, starts a probe of the
+# broker's handshake beside its wait (``HandshakeProbe``): one refused for security the two ends
+# do not share (no reply would ever come) fails the request at once.
+PROBE_AFTER_S = 0.2
 _A = TypeVar("_A", PingReply, CancelReply, StatusReply, ControlReply)
 
 
@@ -49,6 +57,39 @@ def deadline_ms(timeout: float) -> int:
     if not math.isfinite(timeout) or timeout * 1000 >= bounds.MAX_TIMEOUT_MS:
         return bounds.MAX_TIMEOUT_MS
     return max(1, int(timeout * 1000))
+
+
+CLIENT_PREFIX = "client-"  # a client's result socket in the runtime directory: client-<pid>-<random>.sock
+
+
+def remove_dead_clients(directory: Path) -> list[Path]:
+    """Remove the result sockets of clients whose process is gone (killed, or ended
+    without ``close()``): their pid names no live process and nothing listens on
+    them.  Returns what was removed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(CLIENT_PREFIX) :].partition("-")[0]
+        if not name.startswith(CLIENT_PREFIX) or not name.endswith(".sock") or not pid.isdigit():
+            continue
+        path = directory / name
+        if not _alive(int(pid)) and certainly_absent(f"ipc://{path}") is not None:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 class Client:
@@ -80,6 +121,10 @@ class Client:
         self.auth = None
         self._reply_key: str | None = None
         self._ipc_path: Path | None = None
+        self._curve = curve
+        self._answered = False  # a reply came, or a probe's handshake ended: no probe is needed any more
+        self._probe: HandshakeProbe | None = None
+        self._refused = ""  # why the broker refused a probe's handshake (a security mismatch)
         self.closed = False
         try:
             if curve is not None:
@@ -92,7 +137,8 @@ class Client:
             if reply_to is None:
                 reply_to = default_bind(self.broker)  # reachable from the ranks' hosts (reply_address.py)
             if reply_to is None:
-                self._ipc_path = runtime_dir() / f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+                remove_dead_clients(runtime_dir())
+                self._ipc_path = runtime_dir() / f"{CLIENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
                 reply_to = f"ipc://{self._ipc_path}"
             self.pull.bind(reply_to)
             self.reply_to = advertised(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.broker, advertise)
@@ -123,14 +169,21 @@ class Client:
         tier: str | None = None,
         seed: int | None = None,
         task: int | None = None,
+        keys: Sequence[bytes] | None = None,
+        ns: str | None = None,
     ) -> int:
         """Send one task to every rank; return its id.  The outcome comes from wait/poll.
-        ``task``: an id of the caller's (see ``submit_raw``)."""
+        ``task``: an id of the caller's (see ``submit_raw``).  ``keys`` and ``ns``: a
+        ``put`` or ``get``'s names in the keyed store, one per CPU row (docs/protocol.md §6.4)."""
         extra: dict[str, Any] = {}
         if tier is not None:
             extra["tier"] = tier
         if seed is not None:
             extra["seed"] = seed
+        if keys is not None:
+            extra["keys"] = P.pack_keys(keys)
+        if ns is not None:
+            extra["ns"] = ns
         return self.submit_raw(P.encode_body(op, src, dst, **extra), timeout, task=task)
 
     def submit_raw(self, body: bytes, timeout: float = 30.0, *, task: int | None = None) -> int:
@@ -201,9 +254,10 @@ class Client:
         return self._ask(CancelReply, timeout, task=task)
 
     def settled(self, timeout: float = 0.0) -> list[int]:
-        """Tasks that ended ``timeout`` and have since settled (every rank
-        reported late, or the broker cancelled / rejected them), so nothing
-        will write their destination blocks any more.  Waits up to ``timeout``
+        """Tasks that ended before every rank reported (a timeout, a rank that
+        died, a generation move) and have since settled (every missing rank
+        reported late, or the broker said they never ran), so nothing will
+        write their destination blocks any more.  Waits up to ``timeout``
         for the first one; outcomes that arrive meanwhile are kept for wait/poll."""
         deadline = time.monotonic() + timeout
         self._pump(0.0)
@@ -236,6 +290,20 @@ class Client:
         return req
 
     def _send(self, frames: list[bytes]) -> None:
+        """Send one message; a DEALER with no connection the broker accepted would block
+        (bounded by SNDTIMEO): a broker that refused our handshake for security we do not
+        share is told at once (a probe of its own), before that wait."""
+        try:
+            send_message(self.dealer, frames)
+            return
+        except zmq.Again:
+            pass
+        if not self._answered:
+            from ..net.curve import security_mismatch
+
+            why = security_mismatch(self.broker, self._curve, timeout=1.0)
+            if why is not None:
+                raise ZkvError("unreachable", f"{self.broker} refused this client's handshake: {why}")
         try:
             send_message(self.dealer, frames, block=True)  # bounded by SNDTIMEO
         except zmq.Again:
@@ -250,13 +318,21 @@ class Client:
         Task results that arrive meanwhile are filed for wait/poll."""
         timeout = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        probe_at = time.monotonic() + PROBE_AFTER_S
         while req not in self.replies:
+            if self._refused:
+                raise ZkvError("unreachable", f"{self.broker} refused this client's handshake: {self._refused}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ZkvError(
                     "no_reply", f"no reply to {what} from {self.broker} within {timeout:.3g} s; is the broker running?"
                 )
-            self._pump(left)
+            if self._probe is None and not self._answered and time.monotonic() >= probe_at:
+                self._start_probe()
+            wait = left if self._probe is not None or self._answered else min(left, probe_at - time.monotonic())
+            self._pump(max(0.0, wait))
+        self._answered = True
+        self._end_probe()
         reply = self.replies.pop(req)
         if isinstance(reply, Error):
             raise ZkvError(reply.code, reply.reason)
@@ -336,6 +412,27 @@ class Client:
 
     # --- the one wait ------------------------------------------------------------
 
+    def _start_probe(self) -> None:
+        """Probe the broker's handshake beside the wait (the DEALER's monitor is its owners')."""
+        self._probe = HandshakeProbe(self.ctx, self.broker, self._curve)
+        self.poller.register(self._probe.socket, zmq.POLLIN)
+
+    def _on_probe(self) -> None:
+        assert self._probe is not None
+        verdict = self._probe.read()
+        if verdict is None:
+            return
+        if verdict.mismatch:
+            self._refused = mismatch_reason(self._curve is not None)
+        self._answered = True  # matched, or failed another way (a refused key is silence): one probe told it
+        self._end_probe()
+
+    def _end_probe(self) -> None:
+        if self._probe is not None:
+            self.poller.unregister(self._probe.socket)
+            self._probe.close()
+            self._probe = None
+
     def _pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for traffic, file all of it, expire deadlines."""
         due = self.book.next_deadline()
@@ -343,6 +440,8 @@ class Client:
             timeout = min(timeout, due - time.monotonic())
         timeout = max(0.0, timeout)  # zmq reads a negative timeout as "forever"
         events = dict(self.poller.poll(int(timeout * 1000)))  # whole ms, as pyzmq would
+        if self._probe is not None and self._probe.socket in events:
+            self._on_probe()
         now = time.monotonic()
         if self.pull in events:
             self._drain_results()
@@ -359,7 +458,7 @@ class Client:
         """Every message queued on the DEALER: outcomes, replies and errors, one frame each."""
         for frames in ready_messages(self.dealer, 4096):
             try:
-                self._on_dealer(P.decode(frames[0]))
+                self._on_dealer(_decode_broker(frames[0]))
             except P.ProtocolError:
                 self.book.counters["bad_messages"] += 1
 
@@ -378,15 +477,12 @@ class Client:
                 except P.ProtocolError:
                     counters["bad_messages"] += 1
 
-    def _on_pull(self, msg: Message) -> None:
-        if not isinstance(msg, Result):
-            self.book.counters["bad_messages"] += 1
-            return
+    def _on_pull(self, msg: Result) -> None:  # the PULL's decoder lets through results only
         out = self.book.on_result(msg, time.monotonic())
         if out is not None:
             self.finished[out.task] = out
 
-    def _on_dealer(self, msg: Message) -> None:
+    def _on_dealer(self, msg: Reply | Error | OutcomeMsg) -> None:
         if isinstance(msg, OutcomeMsg):
             out = self.book.on_outcome(msg.task, msg.outcome, msg.reason, time.monotonic(), msg.gen, msg.ran)
             if out is not None:
@@ -402,6 +498,7 @@ class Client:
         if self.closed:
             return
         self.closed = True
+        self._end_probe()
         self.dealer.close(linger=0)
         self.pull.close(linger=0)
         if self.auth is not None:

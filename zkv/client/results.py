@@ -40,10 +40,12 @@ _PER_RANK_FIELDS = ("reason", "bytes", "elapsed_us", "digests", "gen")  # kept p
 class ResultBook:
     """Open tasks, their deadlines, and the one-outcome-per-task rule.
 
-    A task that ended ``timeout`` may still be copying on a slow rank.  Its
-    outcome stays ``timeout``, but the book keeps watching for the missing
-    ranks' late results; when all of them arrived the task is *settled*: no
-    rank will write its blocks any more, so a cache manager may reuse them.
+    A task that ended before every rank reported (``timeout``; ``failed`` because
+    a rank died while the others still copied; ``cancelled`` by a generation
+    move heard first) may still be copying on a slow rank.  Its outcome stays,
+    but the book keeps watching for the missing ranks' late results; when all
+    of them arrived the task is *settled*: no rank will write its blocks any
+    more, so a cache manager may reuse them (``zkv.rows.ending``).
     """
 
     def __init__(self) -> None:
@@ -56,7 +58,7 @@ class ResultBook:
         self.cpu_gen: int | None = None
         self.moved: list[TaskOutcome] = []  # tasks ended because the bus moved to a new generation
         self.counters: collections.Counter[str] = collections.Counter()
-        self.timed_out: collections.OrderedDict[int, _Open] = collections.OrderedDict()
+        self.unsettled: collections.OrderedDict[int, _Open] = collections.OrderedDict()
         self.settled: list[int] = []
 
     def add(self, task: int, now: float, timeout: float) -> None:
@@ -110,14 +112,14 @@ class ResultBook:
         return self._close(entry, entry.fold.outcome, entry.fold.reason, now)
 
     def _late(self, msg: Result) -> None:
-        entry = self.timed_out.get(msg.task)
+        entry = self.unsettled.get(msg.task)
         if entry is None:
             return
         if entry.fold is None:
             entry.fold = RankFold(msg.world)
         entry.fold.add(msg.rank, msg.outcome)
         if entry.fold.complete:
-            del self.timed_out[msg.task]
+            del self.unsettled[msg.task]
             self._settle(msg.task)
 
     def _settle(self, task: int) -> None:
@@ -175,7 +177,7 @@ class ResultBook:
             # reached a rank, so nothing will copy.  (A rank that "died" may be
             # only stopped and still finish a copy it started: no settling.)
             unsent = never_ran or outcome in (Outcome.REJECTED, Outcome.CANCELLED)
-            if unsent and self.timed_out.pop(task, None) is not None:
+            if unsent and self.unsettled.pop(task, None) is not None:
                 self._settle(task)
             return None
         return self._close(entry, outcome, reason, now, never_ran)
@@ -193,9 +195,6 @@ class ResultBook:
             else:
                 reason = f"no result from ranks {sorted(entry.fold.waiting)} before the deadline"
             done.append(self._close(entry, Outcome.TIMEOUT, reason, now))
-            self.timed_out[task] = entry
-            if len(self.timed_out) > _MAX_TIMED_OUT:
-                self.timed_out.popitem(last=False)
         return done
 
     def cleared(self, gen: int, reason: str, now: float, cpu_gen: int | None = None) -> list[TaskOutcome]:
@@ -212,20 +211,32 @@ class ResultBook:
 
     def cancel_all(self, reason: str, now: float) -> list[TaskOutcome]:
         """After a clear: whatever those tasks copied is gone with the caches."""
-        self.timed_out.clear()  # their blocks are gone with the caches too
+        self.unsettled.clear()  # their blocks are gone with the caches too
         self.settled.clear()
-        return [self._close(entry, Outcome.CANCELLED, reason, now) for entry in list(self.open.values())]
+        # A clear follows a pause every rank acked with nothing in flight: no copy runs any more.
+        return [self._close(entry, Outcome.CANCELLED, reason, now, drained=True) for entry in list(self.open.values())]
 
     def next_deadline(self) -> float | None:
         while self.deadlines and self.deadlines[0][1] not in self.open:
             heapq.heappop(self.deadlines)
         return self.deadlines[0][0] if self.deadlines else None
 
-    def _close(self, entry: _Open, outcome: str, reason: str, now: float, never_ran: bool = False) -> TaskOutcome:
+    def _close(
+        self, entry: _Open, outcome: str, reason: str, now: float, never_ran: bool = False, drained: bool = False
+    ) -> TaskOutcome:
+        """End ``entry`` with ``outcome``.  One that ended before every rank reported (a
+        timeout, a rank that died, a generation move) is watched for the missing ranks'
+        late results: when they are all in, the task *settles* (``take_settled``)."""
         del self.open[entry.task]
         self.counters[outcome] += 1
-        nbytes = entry.fold.bytes if entry.fold is not None else 0
+        fold = entry.fold
+        nbytes = fold.bytes if fold is not None else 0
         elapsed = now - entry.submitted
-        return TaskOutcome(
-            entry.task, outcome, reason, nbytes, elapsed, entry.per_rank, never_ran and not entry.per_rank
-        )
+        never = never_ran and not entry.per_rank
+        reported = drained or (fold is not None and fold.complete)
+        done = TaskOutcome(entry.task, outcome, reason, nbytes, elapsed, entry.per_rank, never, reported)
+        if not done.copies_over:
+            self.unsettled[entry.task] = entry
+            if len(self.unsettled) > _MAX_TIMED_OUT:
+                self.unsettled.popitem(last=False)
+        return done

@@ -15,11 +15,13 @@ released to the engine's pool.  A swap-in: ``take_blocks`` -> task
 ``swap_in(src=rows, dst=new blocks)`` -> only on ``ok`` is the new table
 installed.  Anything else leaves the engine as it was: a failed swap-out
 keeps the conversation resident, a failed swap-in gives the blocks back and
-the turn recomputes its prefill.  A task that timed out may still copy
-late, so what it writes (rows, or taken blocks) is held in the controller's
-``RowBook`` until the client reports it settled, or a clear makes it moot.
-The book owns the CPU rows (a row given back twice raises); the engines own
-their blocks, which a held task carries beside its rows.
+the turn recomputes its prefill.  Every task's rows are driven by the
+controller's ``RowBook`` from submit to settlement: its one rule reads the
+outcome (``zkv.rows.ending``), so a task that may still copy late (a timeout,
+a failure a rank did not report) keeps what it writes (rows, or taken
+blocks) out of reach until the client reports it settled or a clear drains
+the bus.  The book owns the CPU rows (a row given back twice raises); the
+engines own their blocks, which a held task carries beside its rows.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..prefix.bus import Bus
-from ..rows.book import RowBook, may_write_late
+from ..rows.book import RowBook
+from ..rows.bus import Bus, settled_tasks
+from ..rows.ending import Settle
 from ..wire.outcome import TaskOutcome
 from ..wire.vocab import Op, Tier
 from .idle_policy import IdlePolicy
@@ -193,10 +196,9 @@ class SwapController:
             self.stats.failure(Op.SWAP_OUT, "cpu_full")
             return False
         rows = self.book.take(Tier.CPU, len(table))
-        outcome, elapsed = self._run(Op.SWAP_OUT, table, rows)
-        if not outcome.ok:
+        outcome, settle, elapsed = self._run(Op.SWAP_OUT, table, rows, writes=rows)
+        if settle is not Settle.FILLED:  # the book has the rows now: free, or held for a late copy
             self.stats.failure(Op.SWAP_OUT, outcome.outcome, outcome.reason)
-            self._settle_later(outcome, [], rows)
             return False
         for engine in self.replicas:
             engine.release_blocks(conversation)
@@ -218,15 +220,17 @@ class SwapController:
             if blocks is None:
                 self.stats.failure(Op.SWAP_IN, "no_free_blocks")
                 return False
-            outcome, elapsed = self._run(Op.SWAP_IN, rows, blocks)
-            if not outcome.ok:
+            outcome, settle, elapsed = self._run(Op.SWAP_IN, rows, blocks, reads=rows, blocks=blocks)
+            if settle is not Settle.FILLED:
                 self.stats.failure(Op.SWAP_IN, outcome.outcome, outcome.reason)
-                self._settle_later(outcome, blocks, [])
-                return False
+                if settle is Settle.FREED:  # no copy writes them: the engines have them back now
+                    for engine in self.replicas:
+                        engine.return_blocks(blocks)
+                return False  # HELD: the blocks go back when the task settles (``reap``)
             for engine in self.replicas:
                 engine.install_block_table(conversation, blocks)
         finally:
-            self.book.give_back(Tier.CPU, rows)  # a late swap-in only reads them: reusable at once
+            self.book.give_back(Tier.CPU, rows)  # read only: free once the task is over (a late read spoils nothing)
         self.stats.swap_ins += 1
         self.stats.blocks_in += len(blocks)
         self.stats.swap_in_s.append(elapsed)
@@ -235,7 +239,7 @@ class SwapController:
 
     def reap(self, wait: float = 0.0) -> int:
         """Give back what timed-out tasks held once the client says they settled (waiting up to ``wait`` s)."""
-        settled = self.bus.settled(wait) if self.book.num_held_tasks else []
+        settled = settled_tasks(self.bus, wait) if self.book.num_held_tasks else []
         for entry in self.book.settle(settled):  # frees the rows
             if entry.payload:
                 for engine in self.replicas:
@@ -249,29 +253,38 @@ class SwapController:
     # ------------------------------------------------------------- RL cycle
 
     def cleared(self) -> None:
-        """The bus and the engines were cleared: every swapped conversation recomputes, nothing is quarantined."""
+        """The bus drained and the engines were cleared: every swapped conversation recomputes,
+        nothing is held (no copy runs after a drain)."""
         self._swapped.clear()
-        self.book = RowBook({Tier.CPU: self.cpu_rows})  # what late tasks held went with the old caches
+        self.book.drain()
+        self.book = RowBook({Tier.CPU: self.cpu_rows})
         self.policy.reset()
 
     # --------------------------------------------------------------- private
 
-    def _run(self, op: str, src: list[int], dst: list[int]) -> tuple[TaskOutcome, float]:
+    def _run(
+        self,
+        op: str,
+        src: list[int],
+        dst: list[int],
+        *,
+        writes: list[int] | None = None,
+        reads: list[int] | None = None,
+        blocks: list[int] | None = None,
+    ) -> tuple[TaskOutcome, Settle, float]:
+        """One task, its CPU rows (``writes`` or ``reads``) and the engines' ``blocks`` it writes
+        driven by the book from submit to settlement.  A submit the bus refuses never began:
+        what it wrote is let go here (``FREED``)."""
         start = time.perf_counter()
-        task = self.bus.submit(op, src, dst, self.timeout)
+        try:
+            task = self.bus.submit(op, src, dst, self.timeout)
+        except Exception as err:  # refused at once: nothing runs
+            if writes:
+                self.book.give_back(Tier.CPU, writes)
+            return TaskOutcome(0, "rejected", str(err), never_ran=True), Settle.FREED, 0.0
+        self.book.begin(task, writes={Tier.CPU: writes or []}, reads={Tier.CPU: reads or []}, payload=blocks)
         outcome = self.bus.wait(task, self.timeout)
-        return outcome, time.perf_counter() - start
-
-    def _settle_later(self, outcome: TaskOutcome, blocks: list[int], rows: list[int]) -> None:
-        """Rejected/cancelled never copied and a rank-reported failure means every rank answered;
-        a timeout may copy late, unless the broker said it was never dispatched (``ran`` False)."""
-        if may_write_late(outcome.outcome, outcome.ran, ranks_reported=bool(outcome.per_rank)):
-            self.book.hold(outcome.task, {Tier.CPU: rows}, payload=blocks)
-            return
-        if blocks:
-            for engine in self.replicas:
-                engine.return_blocks(blocks)
-        self.book.give_back(Tier.CPU, rows)
+        return outcome, self.book.end(task, outcome), time.perf_counter() - start
 
     def _take(self, count: int) -> list[int] | None:
         """The same fresh ids on every replica, making room once (prefix cache, then LRU swap-outs); None if none.

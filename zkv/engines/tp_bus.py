@@ -61,14 +61,26 @@ class TPBus:
                     "reason": out.reason,
                     "bytes": out.bytes,
                     "ranks": sorted(out.per_rank),
+                    "never_ran": out.never_ran,
+                    "reported": out.every_rank_reported,
                     **self._gens(),
                 }
             )
             return out
         got = self._take_gens(self._share(None))
-        if got["outcome"] == Outcome.TIMEOUT:
+        out = TaskOutcome(
+            task,
+            got["outcome"],
+            got["reason"],
+            got["bytes"],
+            0.0,
+            {r: {} for r in got["ranks"]},
+            never_ran=got.get("never_ran", False),
+            every_rank_reported=got.get("reported", got["outcome"] == Outcome.OK),
+        )
+        if not out.copies_over:  # rank 0's client watches it until it settles
             self._local[got["task"]] = task
-        return TaskOutcome(task, got["outcome"], got["reason"], got["bytes"], 0.0, {r: {} for r in got["ranks"]})
+        return out
 
     def settled(self, timeout: float = 0.0) -> list[int]:
         """Rank 0's settled tasks, under each rank's own task ids."""

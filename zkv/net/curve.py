@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,27 +165,17 @@ def security_mismatch(address: str, curve: Curve | None, timeout: float = 3.0) -
     None when the handshake succeeds, fails another way (a wrong key is silence) or
     nothing answers within ``timeout`` (a loaded broker may take a while; a peer that
     answers at all answers the handshake first).  A probe socket of its own, closed at once."""
-    import zmq.utils.monitor
+    from .handshakes import HandshakeProbe, mismatch_reason
 
-    ctx: zmq.Context = zmq.Context.instance()
-    probe = ctx.socket(zmq.DEALER)
-    probe.linger = 0
-    monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    probe = HandshakeProbe(zmq.Context.instance(), address, curve)
     try:
-        if curve is not None:
-            curve.make_client(probe)
-        probe.connect(address)
-        if not monitor.poll(int(timeout * 1000)):
-            return None
-        event = zmq.utils.monitor.recv_monitor_message(monitor)
-        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            return None
-        if event["value"] != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return None
-        if curve is None:
-            return "the broker speaks CurveZMQ and this client has no keys"
-        return "the broker does not speak CurveZMQ and this client does"
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not probe.socket.poll(int(left * 1000)):
+                return None
+            verdict = probe.read()
+            if verdict is not None:
+                return mismatch_reason(curve is not None) if verdict.mismatch else None
     finally:
-        probe.disable_monitor()
-        monitor.close(linger=0)
-        probe.close(linger=0)
+        probe.close()

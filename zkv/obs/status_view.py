@@ -174,9 +174,28 @@ def render_status(st: dict[str, Any]) -> str:
         )
     counters = st.get("counters") or {}
     if counters:
-        shown = ", ".join(f"{k} {v}" for k, v in sorted(counters.items()))
+        shown = ", ".join(f"{k} {counters[k]}" for k in sorted(counters, key=_counter_rank))
         lines += ["", f"broker counters: {shown}"]
     return "\n".join(lines)
+
+
+#: what an operator reads first: the tasks' flow and outcomes, in that order
+_TASK_COUNTERS = ("submitted", "dispatched", "ok", "failed", "cancelled", "rejected", "timeout", "undeliverable")
+_CONTROL_OPS = ("pause", "clear", "resume")
+
+
+def _counter_rank(name: str) -> tuple[int, int, str]:
+    """The order of the counters line: tasks, then pause / clear / resume, then the rest
+    (ranks, generations, refusals) by name, and the broker loop's own (wakeups,
+    messages read) last."""
+    if name in _TASK_COUNTERS:
+        return 0, _TASK_COUNTERS.index(name), name
+    op = name.partition("_")[0]
+    if op in _CONTROL_OPS:
+        return 1, _CONTROL_OPS.index(op), name
+    if name.endswith(("_wakeups", "_msgs")):
+        return 3, 0, name
+    return 2, 0, name
 
 
 def watch_status(

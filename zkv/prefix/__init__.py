@@ -16,6 +16,7 @@ from ..rows.pool import (
     RowPool,
     RowPoolError,
 )
+from ..wire.moved import forward
 from .bus import Bus, ControlBus
 from .manager import (
     BlockLease,
@@ -28,6 +29,17 @@ from .manager import (
     PrefixCacheManager,
 )
 from .radix import NodeState, RadixNode, RadixTree, block_keys
+
+# zkv 0.1's names of the allocator (zkv.rows.pool since 0.2) and of the clear cycle (zkv.cycle.prefix), until 0.3
+__getattr__ = forward(
+    __name__,
+    {
+        "BlockAllocator": "zkv.rows.pool.RowPool",
+        "BlockAllocatorError": "zkv.rows.pool.RowPoolError",
+        "drain_and_clear": "zkv.cycle.prefix.drain_and_clear",
+        "pause_clear_resume": "zkv.cycle.prefix.pause_clear_resume",
+    },
+)
 
 __all__ = [
     "RowPool",
@@ -50,18 +62,3 @@ __all__ = [
     "RadixTree",
     "block_keys",
 ]
-
-
-def __getattr__(name: str) -> object:
-    if name not in ("drain_and_clear", "pause_clear_resume"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import warnings
-
-    from ..cycle import prefix
-
-    warnings.warn(
-        f"zkv.prefix.{name} moved to zkv.cycle.prefix.{name}; the old name goes in zkv 0.3",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(prefix, name)

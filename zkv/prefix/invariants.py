@@ -138,11 +138,11 @@ def _check_private_blocks(
 
 
 def _check_quarantine(tiers: Tiers, owners: Mapping[str, Owners]) -> None:
-    """The quarantine (the book's held rows) owns the blocks of its timed-out tasks."""
-    for entry in tiers.book.held_entries():
-        for tier, blocks in entry.rows.items():
-            for block in blocks:
-                _claim(owners[tier], block, f"quarantine of task {entry.task}", tier)
+    """The quarantine (the rows the book let go while a late copy may still write them)
+    owns them: no node or lease does."""
+    for tier in owners:
+        for block in tiers.book.let_go(Tier(tier)):
+            _claim(owners[tier], block, "the quarantine", tier)
 
 
 def _check_owned_is_allocated(tiers: Tiers, tier_owners: Mapping[str, Owners]) -> None:

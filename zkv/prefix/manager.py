@@ -32,8 +32,8 @@ Policies
   it).  If the cached copy is on the CPU, the new GPU block is adopted instead
   and the CPU (or disk) copy freed: the data is already where it is needed.
 * GPU and CPU pressure, failed swaps and timeouts: see ``swaps.py``; the
-  disk tier's spills and loads: ``disk.py``.
-* Generations (``generations.py``): a move of the bus's ``gen`` alone drops
+  disk tier's spills and loads: ``swaps.py`` too.
+* Generations (``rows/loss.py``): a move of the bus's ``gen`` alone drops
   the GPU nodes with their subtrees and keeps what lies wholly off the GPU
   (``gpu_generation_drops``); a move of ``cpu_gen`` (or of ``gen`` on a bus
   that names no ``cpu_gen``) resets everything (``generation_resets``).
@@ -48,8 +48,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..rows.bus import Bus
 from ..rows.loss import Loss, lost_between
-from .bus import Bus
 from .errors import CacheClearedError, InvalidBlockError, InvalidLeaseError, OutOfGpuBlocksError, PrefixCacheError
 from .invariants import check_invariants
 from .lease import BlockLease, InsertResult
@@ -131,7 +131,10 @@ class PrefixCacheManager:
     def _start_epoch(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         disk_blocks = 0 if self._cleared else self._num_disk_blocks
         reserved = self._reserved if num_gpu_blocks else ()
+        old = getattr(self, "_tiers", None)
         self._tiers = Tiers(num_gpu_blocks, num_cpu_blocks, reserved, disk_blocks, self._max_run)
+        if old is not None:  # rows a late copy may still write stay out of reach until it settles
+            self._tiers.book.carry(old.book)
         self._forget_leases()
 
     def _forget_leases(self) -> None:
@@ -351,7 +354,7 @@ class PrefixCacheManager:
     def _follow_generation(self) -> None:
         """A bus whose generations moved without our clear (a rank came back
         with fresh memory, a broker lost its state): forget the tiers that
-        went, as the module doc says (``generations.py``)."""
+        went, as the module doc says (``rows/loss.py``)."""
         gens = self._swaps.bus_gens()
         lost = lost_between(self._swaps.gens, gens)
         if lost is Loss.ALL:
@@ -391,8 +394,8 @@ class PrefixCacheManager:
     def reset(self) -> None:
         """Forget every cached block and lease, with fresh allocators of the same size.
 
-        Waits on nothing: call it when no task can still touch the caches (after
-        the bus's pause/clear), since quarantined blocks are forgotten too.
+        Waits on nothing: blocks a late copy may still write stay quarantined in
+        the new allocators until their task settles or the bus drains.
         """
         self._counters["resets"] += 1
         self._epoch += 1

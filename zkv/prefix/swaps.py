@@ -30,19 +30,21 @@ Policies
   stops before them.
 * Failed swap-in: the nodes stay ON_CPU with their CPU blocks; the match stops
   before them.
-* Timeout: a timed-out task may still run (a slow rank), so the blocks it
-  writes (CPU blocks for swap_out and load, GPU blocks for swap_in, disk
-  blocks for spill) are held in the book (``RowBook.hold``: the quarantine)
-  instead of going back to the free list; they are freed when the bus reports the task
-  *settled* (``bus.settled()``: every rank has since reported, so nothing
-  writes those blocks any more; checked at the start of match / allocate /
-  evict and by ``reclaim_quarantine()``), when the caller reports the bus
-  drained (``on_bus_drained()``, after a completed pause that a clear
-  follows: no rank runs anything then), or on reset.  A bus whose
-  ``settled`` is None (an older client, a test double) is polled instead: a late
-  outcome for the task frees its blocks.  ``failed``, ``cancelled`` and ``rejected`` are taken to
-  mean no rank will write the destination any more; those blocks are freed.
-  Pass ``quarantine_timed_out=False`` to free at once.
+* Late writes: every task's destination rows are driven by the epoch's
+  ``RowBook`` from submit to settlement (``RowBook.begin`` / ``end``): its
+  one rule (``zkv.rows.ending``) reads the outcome itself.  ``ok`` leaves them
+  with the tree; an outcome whose copies are over (never dispatched, or
+  every rank reported: ``failed``, ``cancelled``, ``rejected``) frees them; any
+  other (a timeout, a failure because a rank died while another still
+  copied) holds them out of reach (the quarantine) until the bus reports the
+  task *settled* (``bus.settled()``: its missing ranks reported since;
+  checked at the start of match / allocate / evict and by
+  ``reclaim_quarantine()``), the caller reports the bus drained
+  (``on_bus_drained()``, after a completed pause that a clear follows), or
+  the bus's generations move under them (a rank that kept its memory may
+  still copy: they stay held in the new pool).  A bus whose ``settled`` is
+  None (an older client, a test double) is polled instead: a late outcome
+  for the task frees its blocks.
 * Generations: a task that touches a tier the bus lost since the tree
   followed its generations (``gens``; ``generations.moved_under``: ``gen``
   for swaps, ``cpu_gen`` for spill and load) is not submitted, and one whose
@@ -52,14 +54,16 @@ Policies
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+import warnings
+from typing import Callable, cast
 
-from ..rows.book import may_write_late
+from ..rows.bus import SWAP_OPS, Bus, settled_tasks
+from ..rows.ending import Settle
 from ..rows.loss import LOST_NONE, UNKNOWN, Gens, lost_between, moved_under, read_gens
 from ..wire.moves import MOVES
+from ..wire.outcome import TaskOutcome
 from ..wire.protocol import OUTCOMES
 from ..wire.vocab import Op, Outcome, Tier
-from .bus import SWAP_OPS, Bus
 from .errors import OutOfGpuBlocksError
 from .radix import NodeState, RadixNode, depth_order, first_depth
 from .tiers import TIER_NAMES, Tiers, hand_out, in_order, is_gpu_victim
@@ -88,6 +92,13 @@ class SwapRunner:
     def __init__(self, bus: Bus, swap_timeout: float, quarantine_timed_out: bool) -> None:
         self.bus = bus
         self.swap_timeout = swap_timeout
+        if not quarantine_timed_out:
+            warnings.warn(
+                "quarantine_timed_out=False frees rows a late copy may still write; the book's one rule "
+                "holds them (docs/architecture.md, 'One book of rows'), and the option goes in 0.3",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         self.quarantine_timed_out = quarantine_timed_out
         self.swap_stats = {op: dict.fromkeys(("issued", "blocks", "bytes", *OUTCOMES), 0) for op in SWAP_OPS}
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -218,7 +229,7 @@ class SwapRunner:
         order = depth_order(moving)
         src_ids = in_order(moving, move.source, order)
         dst_ids = in_order(moving, move.dest, order)
-        outcome, task = self.run(op, src_ids, dst_ids)
+        outcome, settle = self.run(tiers, op, src_ids, dst_ids)
         parents_first = sorted(moving, key=first_depth)
         if outcome == Outcome.OK:
             tiers.allocator(move.source).free(src_ids)
@@ -231,7 +242,7 @@ class SwapRunner:
             return
         for node in moving:
             node.set_blocks(move.dest, None)
-        self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
+        self.forget_dest(tiers, move.dest, dst_ids, settle)
         for node in parents_first:
             if node.attached:
                 self.drop_subtree(tiers, node)
@@ -261,9 +272,9 @@ class SwapRunner:
             tiers.tree.set_state(node, resting)
         src_ids = in_order(moving, move.source, None)
         outcome: str = Outcome.OK
-        task: int | None = None
+        settle = Settle.FILLED
         if moving:
-            outcome, task = self.run(op, src_ids, dst_ids)
+            outcome, settle = self.run(tiers, op, src_ids, dst_ids)
         if outcome == Outcome.OK:
             for node in moving:
                 node.set_blocks(move.source, None)
@@ -273,7 +284,7 @@ class SwapRunner:
             for node in moving:
                 node.set_blocks(move.dest, None)
                 tiers.tree.set_state(node, resting)
-            self.settle_unsafe(tiers, move.dest, dst_ids, outcome, task)
+            self.forget_dest(tiers, move.dest, dst_ids, settle)
         return moving, staying, outcome
 
     def swap_in(self, tiers: Tiers, cpu_run: list[RadixNode]) -> list[RadixNode]:
@@ -345,44 +356,50 @@ class SwapRunner:
 
     # ----------------------------------------------------------------- tasks
 
-    def run(self, op: str, src: list[int], dst: list[int]) -> tuple[str, int | None]:
-        """Submit one task and wait for it; a refused submit counts as ``rejected``."""
+    def run(self, tiers: Tiers, op: str, src: list[int], dst: list[int]) -> tuple[str, Settle]:
+        """Submit one task and wait for it, its rows driven by the book (``RowBook.begin`` /
+        ``end``).  Returns the outcome to act on and what the destination rows are now:
+        ``FILLED`` (still the tree's: kept on ``ok``, to give back otherwise) or let go
+        (``FREED`` / ``HELD``: the book has them).  A task the bus refused, or one not run
+        because a tier it touches was lost, never began: its rows are given back here."""
+        move = MOVES[op]
         counters = self.swap_stats[op]
         counters["issued"] += 1
         counters["blocks"] += len(src)
         if moved_under(op, self.gens, self.bus_gens()):  # its blocks are not what the tree says: do not run it
             counters[Outcome.CANCELLED] += 1
-            return Outcome.CANCELLED, None
+            tiers.book.give_back(move.dest, dst)
+            return Outcome.CANCELLED, Settle.FREED
         try:
             task = self.bus.submit(op, src, dst, timeout=self.swap_timeout)
         except Exception:  # the bus refused it at once: nothing runs
             counters[Outcome.REJECTED] += 1
-            return Outcome.REJECTED, None
-        result = None
+            tiers.book.give_back(move.dest, dst)
+            return Outcome.REJECTED, Settle.FREED
+        tiers.book.begin(task, writes={move.dest: dst}, reads={move.source: src})
         try:
             result = self.bus.wait(task, timeout=self.swap_timeout)
-            outcome = result.outcome
-            counters["bytes"] += getattr(result, "bytes", 0) or 0
-        except Exception:  # cannot tell whether it runs: treat like a timeout
-            outcome = Outcome.TIMEOUT
-        if outcome not in OUTCOMES:
-            outcome = Outcome.FAILED
+        except Exception:  # cannot tell whether it runs: a timeout, its copies not over
+            result = TaskOutcome(task, Outcome.TIMEOUT, "the bus did not say how the task ended")
+        counters["bytes"] += result.bytes or 0
+        settle = tiers.book.end(task, result)
+        if settle is Settle.HELD and not self.quarantine_timed_out:
+            tiers.book.settle([task])  # the deprecated option: freed at once
+            settle = Settle.FREED
+        outcome = result.outcome if result.outcome in OUTCOMES else Outcome.FAILED
         if outcome == Outcome.OK and moved_under(op, self.gens, self.bus_gens()):
             # The bus lost a tier this task touches since the tree followed it:
             # it ran on memory the tree does not describe (docs/protocol.md §8.2).
             outcome = Outcome.CANCELLED
         counters[outcome] += 1
-        if outcome == Outcome.TIMEOUT and getattr(result, "ran", None) is False:
-            return outcome, None  # the broker never dispatched it: nothing will write its blocks
-        return outcome, task
+        return outcome, settle
 
-    def settle_unsafe(self, tiers: Tiers, tier: Tier, block_ids: list[int], outcome: str, task: int | None) -> None:
-        """Free the destination blocks of a task that did not succeed, or quarantine them
-        if the task may still write them."""
-        if task is not None and self.quarantine_timed_out and may_write_late(outcome, ran=None):
-            tiers.book.hold(task, {tier: block_ids})
-        else:
-            tiers.allocator(tier).free(block_ids)
+    @staticmethod
+    def forget_dest(tiers: Tiers, tier: Tier, block_ids: list[int], settle: Settle) -> None:
+        """A task that did not succeed: its destination rows go, given back if they are
+        still the tree's (an ``ok`` that came too late, after a generation move)."""
+        if settle is Settle.FILLED:
+            tiers.book.give_back(tier, block_ids)
 
     # ------------------------------------------------------------ quarantine
 
@@ -391,19 +408,11 @@ class SwapRunner:
         book = tiers.book
         if not book.num_held_tasks:
             return
-        settled = getattr(self.bus, "settled", None)
-        try:
-            if callable(settled):
-                tasks = list(settled())
-            else:  # a bus without settled(): its late outcomes say the same
-                tasks = [result.task for result in cast(Any, self.bus).poll(0.0)]
-        except Exception:  # the bus is gone or closing: keep the quarantine, try again later
-            return
-        for entry in book.settle(tasks):
+        for entry in book.settle(settled_tasks(self.bus)):
             self.counters["late_outcomes"] += 1
             self.counters["reclaimed_blocks"] += entry.num_rows
 
     @staticmethod
     def release_quarantine(tiers: Tiers) -> int:
         """No task runs any more (a drained bus): free every quarantined block; returns how many."""
-        return sum(entry.num_rows for entry in tiers.book.release_held())
+        return sum(entry.num_rows for entry in tiers.book.drain())

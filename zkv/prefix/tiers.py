@@ -195,7 +195,8 @@ class Tiers:
         """The GPU blocks are gone (a move of the bus's ``gen`` alone): forget every
         node on the GPU with its subtree (a child without its prefix is useless),
         keep the nodes whose whole path is off the GPU, renew the book's GPU
-        pool (the GPU rows timed-out tasks held went with it).  References die
+        pool (GPU rows a late copy may still write stay out of reach in it: a
+        rank that kept its memory may still be copying).  References die
         with the leases (the caller's new epoch).  Returns how many nodes went."""
         root = self.tree.root
         gone = 0

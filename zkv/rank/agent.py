@@ -61,7 +61,9 @@ class RankAgent:
     cache when none was handed over with ``attach`` (an engine whose tensors
     stay where they are across a clear: vLLM).  ``on_task_done(task, outcome)``:
     called on the rank's thread after each task ran here, for an engine that
-    must know when this rank's own copy is over (vLLM's TP workers)."""
+    must know when this rank's own copy is over (vLLM's TP workers).
+    ``store``: the keyed store below the CPU tier, by URL (as ``zkv worker
+    --store``; ``put`` / ``get`` tasks, docs/protocol.md §6.4)."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class RankAgent:
         tier_dir: str | None = None,
         source: Callable[[], EngineCache] | None = None,
         on_task_done: Callable[[int, str], None] | None = None,
+        store: str | None = None,
     ):
         self.rank = rank
         self.world = world
@@ -90,6 +93,7 @@ class RankAgent:
         disk = DiskSpec(disk_dir, disk_blocks) if disk_dir is not None else None  # below the CPU tier
         place = TierPlace(bus_name(backend), rank, tier_dir) if tier_dir is not None else None
         self._on_task_done = on_task_done
+        self._store_url = store
         self.store = BlockStore.attached(
             _as_cache(cache, 1),
             cpu_rows,
@@ -141,13 +145,16 @@ class RankAgent:
                     liveness_ms=self._liveness_ms,
                     curve=self._curve,
                     cache=self.store,
+                    store=self._store_url,
                 )
             except BaseException:
                 self._ctx.destroy(linger=0)
                 self._ctx = None
                 raise
             self._worker.registered = self._settled  # set on the first welcome; _run sets it when the loop ends
-            self._worker.executor.runner.on_done = self._on_task_done
+            for lane in (self._worker.executor, self._worker.store_lane):
+                if lane is not None:
+                    lane.runner.on_done = self._on_task_done
             self._thread = threading.Thread(target=self._run, name=f"zkv-rank-{self.rank}", daemon=True)
             self._thread.start()
         if not wait:

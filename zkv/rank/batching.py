@@ -20,6 +20,7 @@ from ..wire.layout import CacheLayout
 INLINE_MAX_BYTES = 8 << 20  # a task the I/O thread may copy itself (about a millisecond on a CPU)
 INLINE_MAX_BODY = 4096
 _SPILL, _LOAD, _DISK = b"\xa5spill", b"\xa4load", b"\xa4disk"  # msgpack fixstrs: a task that waits on the disk tier
+_PUT, _GET = b"\xa3put", b"\xa3get"  # a task that waits on the keyed store
 DONES_HOLD_S = 0.0005
 
 
@@ -82,3 +83,11 @@ class InlinePolicy:
             return False
         # disk I/O stays off the I/O thread (a false match queues); three tests, no generator
         return not (_SPILL in body or _LOAD in body or _DISK in body)
+
+
+def is_keyed(body: bytes) -> bool:
+    """Whether a task body is a ``put`` or a ``get`` (the store lane's), read off its bytes
+    as ``InlinePolicy`` reads them: its op's msgpack string.  Only an id list of int32s
+    (packed as bytes) could hold those 4 bytes too, and only with an id over 1.6e9, which
+    no tier has: such a task fails its checks on whichever lane it lands."""
+    return _PUT in body or _GET in body

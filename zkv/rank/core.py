@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..wire import fast as F
 from ..wire import protocol as P
+from ..wire import sockets as S
 from ..wire.layout import CacheLayout
 from ..wire.messages import Ack, Done, Error, Heartbeat, Ready, Refused, Reregister, Task, Welcome
 from ..wire.vocab import ControlOp, RankOutcome
@@ -23,9 +24,9 @@ from .actions import Acked, AllocateCache, Execute, FreeCache, Note, RankAction,
 from .cache_phase import CachePhase, CacheState
 from .registration import RankPhase, RankRefused, Registration
 
-_decode_task = F.decoder("task", ("task",))  # a task header, on the typed fast path
-_decode_control = F.decoder("control", ("control",))
-_BROKER_KINDS = ("welcome", "hb", "task", "refused", "reregister", "error")  # what the DEALER brings alone
+# one decoder per socket, of the kinds it receives (wire/sockets.py)
+_decode_dealer = F.decoder(S.RANK_DEALER)  # a message of tasks: each header takes only S.TASK_HEADER (§10.3)
+_decode_control = F.decoder(S.RANK_SUB)
 
 
 class RankCore:
@@ -142,7 +143,7 @@ class RankCore:
 
     def on_broker(self, frame: bytes, now: float) -> list[RankAction]:
         try:
-            msg: Welcome | Heartbeat | Task | Refused | Reregister | Error = P.decode(frame, _BROKER_KINDS)
+            msg: Welcome | Heartbeat | Task | Refused | Reregister | Error = _decode_dealer(frame)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []
@@ -173,7 +174,7 @@ class RankCore:
             self.probe_held.append((header, body))
             return []
         try:
-            msg: Task = _decode_task(header)
+            msg: Task = _decode_dealer(header, S.TASK_HEADER)
         except P.ProtocolError:
             self.counters["bad_broker_msgs"] += 1
             return []

@@ -12,7 +12,9 @@ check: a torn write or corruption; never served), ``tier_in_use`` (a
 persistent CPU tier another live process has mapped); the disk tier's
 ``disk_lost`` (a block that failed its digest or holds nothing),
 ``disk_io``, ``disk_busy`` (its file held by another live process),
-``disk_full`` and ``no_disk`` (the rank has no disk tier)."""
+``disk_full`` and ``no_disk`` (the rank has no disk tier); the keyed store's
+``store_down`` (it did not answer in time), ``store_miss`` (a name holds no
+value: evicted, retired, never stored) and ``no_store`` (the rank has none)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ CODES = frozenset(
         "disk_busy",
         "disk_full",
         "no_disk",
+        "no_store",
+        "store_down",
+        "store_miss",
     }
 )
 

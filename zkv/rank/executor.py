@@ -1,7 +1,9 @@
 """A rank's copy executor: the thread that runs queued tasks and cache
 operations in order, so a long copy or an allocation never stalls the rank's
 I/O loop (``worker.RankWorker`` owns it; docs/architecture.md, "Threads in a
-rank")."""
+rank").  A rank with a keyed store runs a second one, its *store lane*, for
+``put`` and ``get`` alone: a store that answers slowly delays no copy.  The
+lanes report on one queue, each report tagged with its lane."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ _SPILL, _LOAD = Op.SPILL, Op.LOAD
 # Disk tasks queued back to back run as one pass up to these bounds: past a few MiB a
 # task's own I/O dwarfs what the pass saves (a header page and a flush, ~0.1-0.2 ms),
 # and the first task's result waits for the whole group.
+COPY_LANE, STORE_LANE = "copy", "store"
 GROUP_BYTES = 4 << 20
 GROUP_TASKS = 32
 _NOTHING = object()  # no work taken from the queue beyond a group (None is the stop)
@@ -53,14 +56,20 @@ class Executor(threading.Thread):
         rank: int,
         world: int,
         curve: Curve | None = None,
+        *,
+        lane: str = COPY_LANE,
+        reports: collections.deque[tuple[str, Report]] | None = None,
+        book: RankBook | None = None,
     ):
-        super().__init__(name=f"zkv-exec-{rank}", daemon=True)
+        super().__init__(name=f"zkv-{lane}-{rank}", daemon=True)
         self.ctx = ctx
         self.report_address = report_address
         self.cache = cache
         self.curve = curve
+        self.lane = lane
         self.work: queue.Queue = queue.Queue()
-        self.reports: collections.deque[Report] = collections.deque()  # appended here, taken by the I/O thread
+        # (lane, report): appended here, taken by the I/O thread; shared by a rank's lanes
+        self.reports: collections.deque[tuple[str, Report]] = reports if reports is not None else collections.deque()
         # Keys fixed up front: the I/O thread copies this dict while we update values.
         self.stats: collections.Counter[str] = collections.Counter(
             dict.fromkeys(
@@ -80,7 +89,7 @@ class Executor(threading.Thread):
         )
         self.paused_ack = threading.Event()  # set while a pause ack stands (instrumentation)
         self.session = 0  # the rank's registration session, written by the I/O thread
-        self.book = RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs)
+        self.book = book or RankBook()  # copy times and bytes per op, sent in the stats (zkv.obs); lanes share it
         self.runner = TaskRunner(cache, rank, world, self.stats, self.book, self.paused_ack, lambda: self.session)
 
     def run(self) -> None:
@@ -97,7 +106,7 @@ class Executor(threading.Thread):
                 else:
                     replies = [self._do(item)]
                 for reply in replies:
-                    self.reports.append(reply)
+                    self.reports.append((self.lane, reply))
                     report.send(b"")
                 item = self.work.get() if after is _NOTHING else after  # None, the stop, included
         finally:

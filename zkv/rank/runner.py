@@ -25,7 +25,7 @@ from ..obs.book import RankBook
 from ..wire import fast as F
 from ..wire import protocol as P
 from ..wire.messages import Result
-from ..wire.moves import MOVES
+from ..wire.moves import KEYED_MOVES, MOVES
 from ..wire.vocab import Op, RankOutcome
 from .actions import Execute
 from .errors import CacheError
@@ -37,6 +37,7 @@ log = logging.getLogger("zkv.worker")
 
 # module names: an enum member read costs ~0.1 us (3.11)
 _OK, _FAILED, _FILL = RankOutcome.OK, RankOutcome.FAILED, Op.FILL
+_KEYED = frozenset(KEYED_MOVES)  # put / get: the keyed store named by keys
 
 
 @dataclass(slots=True)
@@ -123,7 +124,9 @@ class TaskRunner:
             return ran
         try:
             op = body.op
-            if op in MOVES:  # a spill never runs on the I/O thread (batching.InlinePolicy): it waits on the device
+            if op in _KEYED:  # the store lane's (executor.Lanes): its I/O waits on the store
+                ran.nbytes = self.cache.move_keyed(op, body)
+            elif op in MOVES:  # a spill never runs on the I/O thread (batching.InlinePolicy): it waits on the device
                 ran.nbytes = self.cache.move(op, body.src, body.dst)
             elif op == _FILL:
                 ran.nbytes = self.cache.fill(body.tier, body.dst, body.seed)

@@ -27,8 +27,12 @@ region, in region order, which is exactly a CPU tier row: a block and the row
 it was swapped to have one digest.  With a ``place`` the CPU tier is a tier
 file that outlives the process (``cpu_tier.CpuTier``): ``restored`` says the
 first allocation mapped one an earlier process of this rank left, and
-``cpu_gen`` is the CPU generation its rows belong to.  One thread (the rank's executor, or the
-I/O thread while nothing is queued) drives a store."""
+``cpu_gen`` is the CPU generation its rows belong to.  With a ``keyed`` store
+(``tiers/store_tier.py``: a host tier or a distributed one) the moves ``put``
+and ``get`` name its side by keys (``move_keyed``).  One thread (the rank's
+executor, or the I/O thread while nothing is queued) drives a store's copies;
+the keyed moves run on the store lane (a CPU row is touched by one task at a
+time: the client's book of rows sees to that)."""
 
 from __future__ import annotations
 
@@ -53,8 +57,10 @@ from .memory.handover import Attached
 from .memory.regions import EngineCache, check_ids
 from .sources import EngineMemory, MemorySource, OwnedMemory
 from .tiers.cpu_tier import CpuTier, HostTier
+from .tiers.disk_io import RowDigest, view_at
 from .tiers.disk_link import DiskLink, ready_tiers
 from .tiers.disk_tier import DiskLost, DiskSpec, DiskTier
+from .tiers.store_tier import Frame, KeyedStore, digest_for, encode_value, layout_tag, name_of, read_head
 from .tiers.tier_file import TierPlace
 
 __all__ = ["BlockStore", "Freed", "TaskInvalid", "block_digests", "pick_device", "tensor_bytes"]
@@ -129,6 +135,8 @@ class BlockStore:
         self.cpu_kept = False  # whether the last allocate kept the CPU tier of a keep_cpu clear
         self.handover = Attached()  # the engine caches attached, and which one a resume may take
         self._tier_key: Hashable = None
+        self.keyed: KeyedStore | None = None  # the keyed store below the CPU tier (the worker's --store)
+        self._store_digest: RowDigest | None = None
         self.allocate(layout)
 
     @classmethod
@@ -300,6 +308,8 @@ class BlockStore:
         self._drop_tier(unlink=False)
         if self.disk_link is not None:
             self.disk_link.close()
+        if self.keyed is not None:
+            self.keyed.close()
         self.memory.close()
 
     @property
@@ -345,7 +355,11 @@ class BlockStore:
         self.handover.used = True
         op = body.op
         move = MOVES.get(op)
-        if move is not None:
+        if move is not None and move.keyed:
+            if self.keyed is None:
+                raise CacheError("no_store", f"rank {self.rank} has no keyed store (start it with --store)")
+            self._check_ids(move.rows, getattr(body, move.rows), Tier.CPU, unique=move.rows == "dst")
+        elif move is not None:
             self._check_ids("src", body.src, move.source, unique=False)
             self._check_ids("dst", body.dst, move.dest, unique=True)
         elif op == Op.FILL:
@@ -456,6 +470,44 @@ class BlockStore:
         if op is Op.SPILL:
             return self._disk().write(dst, cpu.addresses(src), cpu.stride)
         return self._disk().read(src, cpu.addresses(dst), cpu.stride)
+
+    def move_keyed(self, op: Op | str, body: TaskBody) -> int:
+        """A ``put`` (CPU rows to the keyed store) or a ``get`` (the store to CPU rows), under
+        ``move``'s rules: CPU rows read are checked first; rows written are unsealed before
+        and sealed after, and only when every value came back whole, named as asked (its
+        namespace, rank, key, layout) and checking against its digest (``store_tier``); a
+        value absent (``store_miss``), foreign or torn (``lost_block``), or a store that does
+        not answer (``store_down``) fails the task and leaves its rows lost, never served."""
+        assert self.tier is not None and self.keyed is not None and body.keys is not None
+        cpu, keyed, move = self.tier, self.keyed, MOVES[op]
+        names = [name_of(body.ns, self.rank, key) for key in body.keys]
+        n, tag, digest = cpu.row_bytes, layout_tag(cpu.page_shape), self._digest(cpu.row_bytes)
+        if move.rows == "src":  # a put
+            cpu.check_rows(body.src)
+            addresses = cpu.addresses(body.src)
+            frames = [Frame(body.ns, self.rank, key, tag, n, d) for key, d in zip(body.keys, digest.of(addresses))]
+            keyed.put(names, [encode_value(f, view_at(a, n)) for f, a in zip(frames, addresses)])
+            return n * len(names)
+        cpu.writing(body.dst)
+        addresses = cpu.addresses(body.dst)
+        heads = keyed.get_into(names, [view_at(a, n) for a in addresses])
+        missing = [key.hex()[:16] for key, head in zip(body.keys, heads) if head is None]
+        if missing:
+            shown = ", ".join(missing[:4])
+            raise CacheError("store_miss", f"{len(missing)} of {len(names)} keys hold no value ({shown})")
+        stored = [read_head(h, Frame(body.ns, self.rank, k, tag, n, b"")) for k, h in zip(body.keys, heads)]  # type: ignore[arg-type]
+        bad = [k.hex()[:16] for k, s, d in zip(body.keys, stored, digest.of(addresses)) if s != d]
+        if bad:
+            raise CacheError(
+                "lost_block", f"store values of keys {', '.join(bad[:4])}: their rows do not check (digest)"
+            )
+        cpu.written(body.dst)
+        return n * len(names)
+
+    def _digest(self, row_bytes: int) -> RowDigest:
+        if self._store_digest is None or self._store_digest.words * 8 + self._store_digest.tail != row_bytes:
+            self._store_digest = digest_for(row_bytes)
+        return self._store_digest
 
     def _disk(self) -> DiskTier:
         assert self.disk is not None, "a disk move on a rank without a disk tier"

@@ -33,36 +33,31 @@ from typing import Any, Callable
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from ..net.curve import Curve
 from ..net.endpoints import StopSignal, make_socket
 from ..net.frames import ready_messages, send_message
+from ..net.handshakes import HandshakeWatch
 from ..obs import startup
 from ..wire import bounds
 from ..wire.layout import CacheLayout
 from ..wire.vocab import ControlOp
 from .actions import Acked, AllocateCache, Execute, FreeCache, Note, ToBroker
-from .batching import DoneBatcher, InlinePolicy
+from .batching import DoneBatcher, InlinePolicy, is_keyed
 from .core import RankCore
-from .executor import Executor
+from .executor import COPY_LANE, STORE_LANE, Executor
 from .memory.geometry import LayoutGiven
 from .registration import RankRefused
 from .reports import Finished
 from .result_links import ResultSenders
 from .store import BlockStore, pick_device
 from .tiers.disk_tier import DiskSpec
+from .tiers.store_tier import open_store
 from .tiers.tier_file import TierPlace, bus_name
 
 log = logging.getLogger("zkv.worker")
 WAIT_NOTE_S = 5.0  # a rank not yet welcomed says what it waits for after this
 WAIT_NOTE_EVERY_S = 30.0  # and again at this rate while it still waits
-_EVENT_NAMES = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "HANDSHAKE_FAILED_NO_DETAIL",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "HANDSHAKE_FAILED_PROTOCOL",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "HANDSHAKE_FAILED_AUTH",
-}
-_HANDSHAKE_FAILED = int(sum(_EVENT_NAMES))
 
 _ids = itertools.count()
 
@@ -106,6 +101,7 @@ class RankWorker:
         disk: DiskSpec | None = None,
         adopt_layout: bool = False,
         note: Callable[[str], None] | None = None,
+        store: str | None = None,
     ):
         self.ctx = ctx or zmq.Context.instance()
         self.note = note or log.warning  # lines for the operator: a layout adopted, a broker that does not answer
@@ -120,6 +116,8 @@ class RankWorker:
             place = TierPlace(bus_name(backend), rank, tier_dir, tier_digests) if tier_dir else None
             device = device if device is not None else pick_device(rank)
             cache = BlockStore.owned(layout, device, rank, place=place, disk=disk)
+        if store is not None:  # the keyed store below the CPU tier (tiers/store_tier.py)
+            cache.keyed = open_store(store)
         self.cache = cache
         self.core = RankCore(rank, world, cache.layout, liveness_ms=liveness_ms, stats=self.stats, sessions=new_session)
         self.core.tiers = lambda: cache.kept_tiers(self.core.fresh)
@@ -139,8 +137,7 @@ class RankWorker:
             curve.make_client(self.dealer)
             curve.make_client(self.sub)
         # With Curve, a handshake the broker refuses is never answered: watch for it to say so
-        self._handshakes = self.dealer.get_monitor_socket(_HANDSHAKE_FAILED) if curve is not None else None
-        self._handshake_failed = ""
+        self._handshakes = HandshakeWatch(self.dealer) if curve is not None else None
         self.dealer.connect(backend)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(control)
@@ -150,6 +147,22 @@ class RankWorker:
         self._stopper = StopSignal(self.ctx, f"rank-{rank}")
         self._stop = self._stopper.socket
         self.executor = Executor(self.ctx, self._report_address, self.cache, rank, world, curve)
+        # The keyed store's moves on a lane of their own: a slow store delays no copy.
+        self.store_lane = (
+            Executor(
+                self.ctx,
+                self._report_address,
+                self.cache,
+                rank,
+                world,
+                curve,
+                lane=STORE_LANE,
+                reports=self.executor.reports,
+                book=self.executor.book,
+            )
+            if self.cache.keyed is not None
+            else None
+        )
         # While nothing is queued on the executor, a small task runs right here
         # on the I/O thread (runner.py), with sockets of its own.
         self._inline = InlinePolicy()
@@ -192,6 +205,9 @@ class RankWorker:
 
     def stats(self) -> dict[str, Any]:
         s: dict[str, Any] = dict(self.executor.stats)
+        if self.store_lane is not None:
+            for name, n in self.store_lane.stats.items():
+                s[name] = s.get(name, 0) + n
         s.update(self.core.counters)
         held = self.cache.tier_nbytes()
         s.update(
@@ -208,11 +224,15 @@ class RankWorker:
             s["cpu_tier"] = tier.to_stats(self.cache.cpu_tier_found)
         if self.cache.disk is not None:
             s["disk"] = self.cache.disk.to_stats()
+        if self.cache.keyed is not None:
+            s["store"] = self.cache.keyed.url
         return s
 
     def serve(self) -> None:
         """Run until stop(), KeyboardInterrupt, or the broker refuses this rank."""
         self.executor.start()
+        if self.store_lane is not None:
+            self.store_lane.start()
         poller = zmq.Poller()
         for sock in (self.dealer, self.sub, self.reports, self._stop):
             poller.register(sock, zmq.POLLIN)
@@ -241,11 +261,12 @@ class RankWorker:
                 self._say_waiting(time.monotonic())
         finally:
             self._inline_senders.flush()
-            self.executor.work.put(None)
-            self.executor.join(timeout=10)
+            for lane in (self.executor, self.store_lane):
+                if lane is not None:
+                    lane.work.put(None)
+                    lane.join(timeout=10)
             if self._handshakes is not None:
-                self.dealer.disable_monitor()
-                self._handshakes.close(linger=0)
+                self._handshakes.close()
             for sock in (self.dealer, self.sub, self.reports, self._stop):
                 sock.close(linger=0)
             self._inline_senders.close()
@@ -262,8 +283,7 @@ class RankWorker:
                 self.note(f"rank {core.rank}: registered with the broker after {now - self._joining_since:.0f} s")
             self._joining_since, self._said_waiting = None, False
             if self._handshakes is not None:  # the handshake went through: nothing more to watch
-                self.dealer.disable_monitor()
-                self._handshakes.close(linger=0)
+                self._handshakes.close()
                 self._handshakes = None
             return
         if self._joining_since is None:
@@ -293,13 +313,10 @@ class RankWorker:
 
     def _handshake_failures(self) -> str:
         """The handshake failures the DEALER's monitor saw so far (their event names), '' for none."""
-        monitor = self._handshakes
-        while monitor is not None and monitor.poll(0):
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            name = _EVENT_NAMES.get(zmq.Event(event["event"]), str(event["event"]))
-            if name not in self._handshake_failed:
-                self._handshake_failed = ", ".join(filter(None, [self._handshake_failed, name]))
-        return self._handshake_failed
+        if self._handshakes is None:
+            return ""
+        self._handshakes.read()
+        return self._handshakes.failures
 
     def _drain(self, sock: zmq.Socket, handle) -> None:
         for frames in ready_messages(sock, 512):
@@ -350,8 +367,9 @@ class RankWorker:
         inline = self._inline
 
         def handle(frames: list[bytes]) -> list:
-            rep = reports.popleft()  # appended before its frame was sent
-            inline.queued -= 1
+            lane, rep = reports.popleft()  # appended before its frame was sent (by either lane)
+            if lane == COPY_LANE:
+                inline.queued -= 1
             if isinstance(rep, Finished):
                 startup.mark("first_task")
                 return core.on_finished(rep.seq, rep.n, rep.outcome, rep.nbytes, rep.gen)
@@ -360,25 +378,35 @@ class RankWorker:
 
         self._drain(self.reports, handle)
 
+    def _execute(self, action: Execute) -> None:
+        """A task to run: on the store lane (a put or a get), right here (small, nothing queued
+        ahead of it: ``InlinePolicy``), or on the copy executor, in order."""
+        ex, store_lane, inline, dones = self.executor, self.store_lane, self._inline, self._dones
+        if store_lane is not None and is_keyed(action.body):
+            store_lane.work.put(action)
+        elif inline.inline(action.body, self.cache.layout):
+            if dones.frames and dones.due(time.perf_counter()):
+                self._flush_held()  # before a copy: the credits held would wait for it too
+            ex.stats["tasks_inline"] += 1
+            done = ex.runner.run(action, self._inline_senders)
+            startup.mark("first_task")
+            self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
+        else:
+            if self._inline_senders.held:  # the executor's result must not overtake them
+                self._flush_held()
+            inline.queued += 1
+            ex.work.put(action)
+
     def _act(self, actions: list) -> None:
-        ex = self.executor
+        ex, store_lane = self.executor, self.store_lane
         ex.session = self.core.registration.session  # before any task of this batch is queued
+        if store_lane is not None:
+            store_lane.session = ex.session
         inline, dones = self._inline, self._dones
         for action in actions:
             kind = type(action)
             if kind is Execute:
-                if inline.inline(action.body, self.cache.layout):
-                    if dones.frames and dones.due(time.perf_counter()):
-                        self._flush_held()  # before a copy: the credits held would wait for it too
-                    ex.stats["tasks_inline"] += 1
-                    done = ex.runner.run(action, self._inline_senders)
-                    startup.mark("first_task")
-                    self._act(self.core.on_finished(done.seq, done.n, done.outcome, done.nbytes, done.gen))
-                else:
-                    if self._inline_senders.held:  # the executor's result must not overtake them
-                        self._flush_held()
-                    inline.queued += 1
-                    ex.work.put(action)
+                self._execute(action)
             elif kind is ToBroker:
                 if action.done:  # the credits of this wakeup go out together (_flush_held)
                     if dones.add(action.frame, time.perf_counter()):

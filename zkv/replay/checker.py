@@ -76,6 +76,7 @@ class Report:
     source: str = ""
     target: str = ""
     late_messages: int = 0
+    teardown: str = ""  # an embedded cluster's stop: what it met (ranks it killed), '' for a clean one
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

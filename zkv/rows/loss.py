@@ -6,7 +6,8 @@ disk tier lives under ``cpu_gen`` as the CPU tier does).  So a move of
 ``gen`` with ``cpu_gen`` unchanged loses the GPU tier alone; a move of
 ``cpu_gen``, or of ``gen`` on a bus that names no ``cpu_gen``, loses them
 all.  A bus that names no ``gen`` (a test double, an older client) is never
-taken to have moved.  Plain functions of the two pairs: every book of rows
+taken to have moved; rows known only by their CPU generation (adopted from a
+journal) are lost when the bus's CPU generation differs.  Plain functions of the two pairs: every book of rows
 follows the bus with them between calls, and checks a task's tiers with them
 around each task."""
 
@@ -49,8 +50,10 @@ def lost_between(before: Gens, after: Gens) -> Loss:
     """What went between two readings."""
     gen0, cpu0 = before
     gen1, cpu1 = after
-    if gen0 is None or gen1 is None:
-        return Loss.NONE  # the first generation heard of, or a bus that tells none
+    if gen1 is None:
+        return Loss.NONE  # a bus that tells none
+    if gen0 is None:  # the first generation heard of; or only the CPU tier's known (rows adopted from a journal)
+        return Loss.ALL if cpu0 is not None and cpu1 != cpu0 else Loss.NONE
     if cpu0 is not None and cpu1 != cpu0:
         return Loss.ALL  # the CPU generation moved, or a move came without one (take it as both)
     if gen1 == gen0:

@@ -114,7 +114,7 @@ class RowPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Return blocks; validates all of them first so a bad call changes nothing."""
         ids = list(block_ids)
-        self._check_freeable(ids)
+        self.check_freeable(ids)
         self._used.difference_update(ids)
         self._free_stack.extend(ids)
 
@@ -148,7 +148,8 @@ class RowPool:
     def _owns(self, block: object) -> bool:
         return isinstance(block, int) and not isinstance(block, bool) and 0 <= block < self.num_blocks
 
-    def _check_freeable(self, ids: list[int]) -> None:
+    def check_freeable(self, ids: list[int]) -> None:
+        """Raise (``DoubleFreeError``, ``ForeignBlockError``) unless every id is in use, once."""
         if not ids:
             return
         if set(map(type, ids)) == _INT_ONLY and self._used.issuperset(ids) and len(set(ids)) == len(ids):

@@ -17,6 +17,9 @@ failure path:
   the real client does: in ``settled()`` (``settles=True``, the default), or,
   for a bus without ``settled`` (``settles=False``), as a late outcome from
   ``poll``;
+* ``died``      ``failed`` because a rank died while another was still copying:
+  no rank reported, nothing copied yet, and ``deliver_late()`` lands the
+  surviving rank's copy and settles it, as for a timeout;
 * ``raise``     ``submit`` raises :class:`FakeBusError` (refused at once).
 
 Any of them may end in ``+gen`` or ``+cpu_gen``: the bus moves to a new
@@ -43,10 +46,12 @@ from ..wire.moves import MOVES
 from ..wire.outcome import TaskOutcome
 from ..wire.vocab import Op, Outcome
 
-SCRIPTABLE_OUTCOMES = (*Outcome, "raise")
+SCRIPTABLE_OUTCOMES = (*Outcome, "raise", "died")
+#: scripted outcomes whose copy lands later (``deliver_late``): the task ends before every rank reported
+_LATE = {Outcome.TIMEOUT: Outcome.TIMEOUT, "died": Outcome.FAILED}
 GEN_MOVES = ("gen", "cpu_gen")
 #: op -> (source tier, destination tier)
-OPS = {op: (move.source, move.dest) for op, move in MOVES.items()}
+OPS = {op: (move.source, move.dest) for op, move in MOVES.items() if not move.keyed}
 #: what a lost generation's memory and a failed load's destination hold: never a block's data
 GARBAGE = ("garbage",)
 
@@ -123,14 +128,19 @@ class FakeBus:
         lost = sorted({b for b in src if b in self.lost_disk or b not in self.disk}) if op == Op.LOAD else []
         if lost and outcome == Outcome.OK:
             outcome, reason = Outcome.FAILED, f"disk_lost: disk blocks {lost} did not check"
-        record = SubmittedTask(task, op, tuple(src), tuple(dst), outcome)
+        record = SubmittedTask(task, op, tuple(src), tuple(dst), _LATE.get(outcome, outcome))
         self.submitted.append(record)
-        if outcome == Outcome.TIMEOUT:
+        if outcome in _LATE:
             self._running_late[task] = record
+            if outcome == "died":
+                self._finished[task] = TaskOutcome(task, Outcome.FAILED, "scripted: a rank died")
         else:
             copied = len(src) if outcome == Outcome.OK else len(src) // 2 if outcome == Outcome.FAILED else 0
             self._copy(record, copied)
-            self._finished[task] = TaskOutcome(task, outcome, reason, copied * self.block_bytes)
+            reported = outcome in (Outcome.OK, Outcome.FAILED)  # every rank said so; the others never ran
+            self._finished[task] = TaskOutcome(
+                task, outcome, reason, copied * self.block_bytes, never_ran=not reported, every_rank_reported=reported
+            )
         if move == "gen":
             self.move_gen()
         elif move == "cpu_gen":
@@ -160,7 +170,7 @@ class FakeBus:
         late = list(self._running_late.values())
         self._running_late.clear()
         for record in late:
-            self._copy(record, len(record.src))
+            self._copy(record, len(record.src))  # a failed one's surviving rank copies its whole shard
             self._report_late(record, Outcome.OK, "late", len(record.src) * self.block_bytes)
         return len(late)
 

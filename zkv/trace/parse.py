@@ -93,6 +93,16 @@ def _body(rec: dict, line: int, source: str) -> tuple[bytes, str]:
         if not isinstance(rec["seed"], int) or isinstance(rec["seed"], bool) or not 0 <= rec["seed"] <= P.MAX_SAFE_INT:
             raise TraceError(line, f"seed must be a non-negative integer, got {rec['seed']!r}", source)
         extra["seed"] = rec["seed"]
+    if rec.get("keys") is not None:  # a put's or get's names: hex strings
+        keys = rec["keys"]
+        try:
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise ValueError
+            extra["keys"] = [bytes.fromhex(k) for k in keys]
+        except ValueError:
+            raise TraceError(line, "keys must be a list of hex strings", source) from None
+    if rec.get("ns") is not None:
+        extra["ns"] = rec["ns"]
     n = len(src if src is not None else dst or [])
     return P.encode_body(op, src, dst, **extra), f"{op} {n} block{'s' if n != 1 else ''}"
 

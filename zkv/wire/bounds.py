@@ -26,6 +26,8 @@ MAX_BYTES = 2**44 - 1  # bytes, freed per rank: a sum over MAX_WORLD ranks stays
 MAX_PID = 2**32 - 1
 MAX_CHECKSUM_IDS = 1 << 19  # 2^19 digests of 18 bytes fit a result frame under MAX_FRAME_BYTES
 DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
+MAX_KEY_BYTES = 255  # one key of a keyed move (a block hash: tens of bytes); it travels behind one length byte
+MAX_NS = 64  # a keyed move's namespace: an identity's digest
 MAX_STR = 4096  # any str field, in characters (what the bus sends too: error reasons are clamped to it)
 STR_MAX = {"host": 255}  # str fields bounded lower than MAX_STR (POSIX HOST_NAME_MAX)
 MAX_ECHO = 64  # characters of a peer's value an error reason quotes, then an ellipsis
@@ -77,4 +79,5 @@ def gen_room(gen: int, moves: int = 1) -> bool:
 
 
 # list fields: most entries
-LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS}
+LIST_MAX: dict[str, int] = {"upto": MAX_WORLD, "digests": MAX_CHECKSUM_IDS, "kept_tiers": MAX_NEST_ITEMS}
+MAX_TIER_NAME = 16  # characters of one name in a ready's kept_tiers (at least 1)

@@ -337,6 +337,8 @@ class Body(Message, frozen=True):
     dst: Ids | None = None
     tier: str | None = None
     seed: Uint | None = None
+    keys: bytes | None = None  # a keyed move's names: each key a length byte, then its bytes (protocol.pack_keys)
+    ns: str | None = None  # a keyed move's namespace
     v: int = _V
     kind: Literal["body"] = _kind("body")
 
@@ -367,16 +369,25 @@ _CLASSES: tuple[type[Message], ...] = (
 )
 
 
+def _kind_word(cls: type[Message]) -> str:
+    """Its ``kind`` field's word (read once per class: ``msgspec.structs.fields`` evaluates annotations)."""
+    return str(msgspec.structs.fields(cls)[-1].default_factory())
+
+
+_KIND_OF: dict[type[Message], str] = {cls: _kind_word(cls) for cls in _CLASSES}
+
+
 def kind_of(cls: type[Message]) -> str:
     """The ``kind`` a class's frames carry (its ``kind`` field's word)."""
-    return str(msgspec.structs.fields(cls)[-1].default_factory())
+    kind = _KIND_OF.get(cls)
+    return kind if kind is not None else _kind_word(cls)
 
 
 #: the fields every class ends with, in this order
 _TRAILER = ("v", "kind")
 for _cls in _CLASSES:
     assert _cls.__struct_fields__[-2:] == _TRAILER, f"{_cls.__name__} must end with v and kind"
-MESSAGES: dict[str, type[Message]] = {kind_of(cls): cls for cls in _CLASSES}
+MESSAGES: dict[str, type[Message]] = {kind: cls for cls, kind in _KIND_OF.items()}
 _WIRE_FIELDS: dict[str, tuple[str, ...]] = {
     kind: tuple(n for n in cls.__struct_fields__ if n not in ("extra", *_TRAILER)) for kind, cls in MESSAGES.items()
 }

@@ -25,6 +25,7 @@ class TaskOutcome:
     elapsed_s: float = 0.0
     per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
     never_ran: bool = False  # the broker said so: ``outcome{ran: false}`` (docs/protocol.md §7.3)
+    every_rank_reported: bool = False  # each rank's result came (an ``ok`` always has them all)
 
     @property
     def ok(self) -> bool:
@@ -39,6 +40,14 @@ class TaskOutcome:
         if self.per_rank:
             return True
         return False if self.never_ran else None
+
+    @property
+    def copies_over(self) -> bool:
+        """Whether no rank can still write this task's destination: it never ran,
+        it ended ``ok`` (every rank done) or every rank reported.  A timeout, or
+        a failure with a rank unheard (one died while the others still copied),
+        may still be written late (``zkv.rows.ending``)."""
+        return self.never_ran or self.every_rank_reported or self.outcome == Outcome.OK
 
     def to_json(self) -> dict[str, Any]:
         return {

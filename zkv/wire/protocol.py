@@ -25,11 +25,14 @@ from .bounds import (
     MAX_CHECKSUM_IDS,
     MAX_FRAME_BYTES,
     MAX_IDS,
+    MAX_KEY_BYTES,
     MAX_NEST_DEPTH,
     MAX_NEST_ITEMS,
+    MAX_NS,
     MAX_SAFE_INT,
     MAX_STATS_BYTES,
     MAX_STR,
+    MAX_TIER_NAME,
     STR_MAX,
     Z85_KEY_LEN,
     uint_bounds,
@@ -49,7 +52,9 @@ TYPED_MAPS = (CacheLayout, LayoutChange)
 OUTCOMES = tuple(o.value for o in Outcome)
 OPS = tuple(o.value for o in Op)
 TIERS = tuple(t.value for t in Tier)
-_PAIRED = tuple(move.op.value for move in MOVES.values())  # the tier moves (moves.py): src[i] -> dst[i]
+_PAIRED = tuple(m.op.value for m in MOVES.values() if not m.keyed)  # the row moves (moves.py): src[i] -> dst[i]
+_KEYED = {m.op.value: m for m in MOVES.values() if m.keyed}  # the keyed store's moves: rows[i] <-> keys[i]
+_NS_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyz_-")
 DTYPES = tuple(d.value for d in Dtype)
 CONTROL_OPS = tuple(o.value for o in ControlOp)
 _RANK_OUTCOMES = tuple(o.value for o in RANK_OUTCOMES)
@@ -199,7 +204,7 @@ def _check_list(kind: str, name: str, value: Any) -> bool:
     if len(value) > most:
         code = "too_large" if name == "digests" else "bad_field"
         raise ProtocolError(code, f"{kind}.{name} has more than {most} entries")
-    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= 16 for x in value):
+    if name == "kept_tiers" and not all(isinstance(x, str) and 0 < len(x) <= MAX_TIER_NAME for x in value):
         raise ProtocolError("bad_field", f"{kind}.kept_tiers must be a list of tier names")
     if name == "upto" and not all(is_uint(x) for x in value):
         raise ProtocolError("bad_field", f"{kind}.upto must be a list of uint")
@@ -264,14 +269,43 @@ def encode(kind: str, **fields: Any) -> bytes:
 
 
 def encode_body(op: str, src: Any = None, dst: Any = None, **extra: Any) -> bytes:
-    """Encode a task body; id lists go out as packed int32 for speed."""
+    """Encode a task body; id lists go out as packed int32 for speed, a keyed move's
+    ``keys`` (a list of bytes) as one packed bin (``pack_keys``)."""
     body: dict[str, Any] = {"v": VERSION, "kind": "body", "op": op}
     if src is not None:
         body["src"] = pack_ids(src)
     if dst is not None:
         body["dst"] = pack_ids(dst)
+    if isinstance(extra.get("keys"), (list, tuple)):
+        extra = {**extra, "keys": pack_keys(extra["keys"])}
     body.update(extra)
     return msgpack.packb(body, use_bin_type=True)
+
+
+def pack_keys(keys: Sequence[bytes]) -> bytes:
+    """A keyed move's names as one bin: each key a length byte (1..255), then its bytes."""
+    out = bytearray()
+    for key in keys:
+        if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= MAX_KEY_BYTES:
+            raise ValueError(f"a key is 1-{MAX_KEY_BYTES} bytes, got {key!r:.40}")
+        out.append(len(key))
+        out += key
+    return bytes(out)
+
+
+def unpack_keys(packed: bytes) -> list[bytes]:
+    """The keys ``pack_keys`` wrote; ``ProtocolError`` for a torn or empty key, or too many."""
+    keys: list[bytes] = []
+    at, n = 0, len(packed)
+    while at < n:
+        size = packed[at]
+        if size == 0 or at + 1 + size > n:
+            raise ProtocolError("bad_field", f"keys: a key at byte {at} is empty or runs past the end")
+        keys.append(bytes(packed[at + 1 : at + 1 + size]))
+        at += 1 + size
+        if len(keys) > MAX_IDS:
+            raise ProtocolError("too_large", f"keys: more than {MAX_IDS}")
+    return keys
 
 
 def decode(frame: bytes, expect_kinds: Iterable[str] | None = None) -> Any:
@@ -364,6 +398,8 @@ class TaskBody:
     dst: list[int]
     tier: str = Tier.GPU.value
     seed: int = 0
+    keys: list[bytes] | None = None  # a keyed move's names, one per CPU row (``moves.Move.keyed``)
+    ns: str = ""  # a keyed move's namespace
 
 
 _GPU = Tier.GPU.value  # read once: an enum member's .value is a descriptor call
@@ -390,6 +426,10 @@ def task_body(msg: Body) -> TaskBody:
             raise ProtocolError("bad_field", f"src has {len(src)} ids but dst has {len(dst)}")
         if not src:
             raise ProtocolError("bad_field", f"{op} needs at least one block")
+    elif op in _KEYED:
+        return _keyed_body(msg, op, src, dst)
+    elif tier == Tier.STORE:
+        raise ProtocolError("bad_field", f"{op} names no tier store: it holds values by key (fill CPU rows, put them)")
     elif op == Op.FILL and not dst:
         raise ProtocolError("bad_field", "fill needs dst ids")
     elif op == Op.CHECKSUM and not src:
@@ -397,6 +437,25 @@ def task_body(msg: Body) -> TaskBody:
     elif op == Op.CHECKSUM and len(src) > MAX_CHECKSUM_IDS:  # its digests must fit one result frame
         raise ProtocolError("too_large", f"checksum of {len(src)} blocks; at most {MAX_CHECKSUM_IDS} per task")
     return TaskBody(op, src, dst, tier, msg.seed or 0)
+
+
+def _keyed_body(msg: Body, op: str, src: list[int], dst: list[int]) -> TaskBody:
+    """A put or get: its CPU rows (``src`` of a put, ``dst`` of a get) and as many keys, each
+    once, in a namespace of 1-``MAX_NS`` characters of ``[0-9a-z_-]``; nothing on the store's side."""
+    rows, other = (src, dst) if _KEYED[op].rows == "src" else (dst, src)
+    if other:
+        raise ProtocolError("bad_field", f"{op} names the store by keys, not by ids: only its CPU rows are ids")
+    if not rows:
+        raise ProtocolError("bad_field", f"{op} needs at least one CPU row")
+    keys = unpack_keys(msg.keys or b"")
+    if len(keys) != len(rows):
+        raise ProtocolError("bad_field", f"{op} names {len(rows)} CPU rows but {len(keys)} keys")
+    if len(set(keys)) != len(keys):
+        raise ProtocolError("bad_field", f"{op} names a key twice")
+    ns = msg.ns or ""
+    if not 1 <= len(ns) <= MAX_NS or not _NS_CHARS.issuperset(ns):
+        raise ProtocolError("bad_field", f"{op} needs ns: 1-{MAX_NS} characters of [0-9a-z_-], got {shown(ns)}")
+    return TaskBody(op, src, dst, Tier.CPU.value, 0, keys, ns)
 
 
 def salvage_ids(frame: bytes) -> dict[str, int]:

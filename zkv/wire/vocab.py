@@ -82,6 +82,8 @@ class Op(_Word):
     CHECKSUM = "checksum"
     SPILL = "spill"  # CPU tier -> disk tier
     LOAD = "load"  # disk tier -> CPU tier
+    PUT = "put"  # CPU tier -> the keyed store (values by name, shared beyond this engine)
+    GET = "get"  # the keyed store -> CPU tier
 
 
 class Tier(_Word):
@@ -90,6 +92,7 @@ class Tier(_Word):
     GPU = "gpu"
     CPU = "cpu"
     DISK = "disk"
+    STORE = "store"  # the keyed store: a host tier or a distributed one, named by keys, not ids
 
 
 class Dtype(_Word):

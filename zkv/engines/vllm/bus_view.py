@@ -25,11 +25,13 @@ from ...net.endpoints import make_socket
 from ...net.frames import ready_messages
 from ...wire import protocol as P
 from ...wire.errors import ZkvError
-from ...wire.messages import Control
+from ...wire.fast import decoder
 from ...wire.replies import StatusReply
+from ...wire.sockets import RANK_SUB
 from ...wire.vocab import BusState, ControlOp
 
 log = logging.getLogger("zkv.vllm")
+_decode_control = decoder(RANK_SUB)  # the SUB's one decoder (wire/sockets.py)
 
 
 class BusView:
@@ -100,15 +102,16 @@ class BusView:
         moved = False
         for frames in ready_messages(self.sub, 64):
             try:
-                msg = P.decode(frames[0])
+                msg = _decode_control(frames[0])
             except P.ProtocolError:
                 continue
-            if not isinstance(msg, Control) or msg.epoch == self.epoch:
+            if msg.epoch == self.epoch:
                 continue  # the broker repeats its state: only news counts
             self.epoch = msg.epoch
             self.heard += 1
             if msg.op is not ControlOp.RESUME:
                 self.serving = False  # paused or cleared: not one more lookup hits
+                self._pending = None  # a status asked before it would say running: older news
             else:
                 self._pending = None
                 moved = self._ask_and_wait(now) or moved

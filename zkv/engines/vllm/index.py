@@ -3,13 +3,16 @@ key lives in which CPU or disk row, in which state, in LRU order.
 
 Sans-IO (docs/engine-vllm.md, "What holds"): the manager (``manager.py``)
 turns vLLM's calls and zkv's task outcomes into calls here, and the answers
-into tasks.  The rules it keeps, checked after every step by a model-based
-test:
+into tasks.  The rows are the ``RowBook``'s: it drives every task's rows from
+submit to settlement (our spills and loads as bus tasks, with the one rule
+of ``zkv.rows.ending``; vLLM's own jobs in flight at a fenced reset as a
+``Fence``), so a key forgotten while a task still touches its rows simply
+gives them back and the book frees them once no task can write them.  The
+rules it keeps, checked after every step by a model-based test:
 
-- a row belongs to at most one key per tier, or is free, or is held for a
-  task of ours that may still touch it after its key was forgotten (the
-  ``RowBook``'s holds, keyed by the task's (op, key, row)): nothing is handed
-  out twice, and a row given back twice raises;
+- a row belongs to at most one key per tier, or is free, or is out of reach
+  while a task may still touch it after its key was forgotten: nothing is
+  handed out twice, and a row given back twice raises;
 - a key is a hit only while its CPU row holds exactly its bytes: its store
   (or its load from disk) ended ``ok``, and no load from that row failed since;
 - a row being written (a store, a load from disk, a spill's disk row) or read
@@ -25,10 +28,11 @@ without its first block serves nothing.  So they are made recent in reverse:
 eviction takes a chain's deepest blocks first, and what stays of it (on the
 CPU or on disk) is always a prefix that serves.
 
-Every row that starts or stops serving a key is also a ``RowChange``
-(``take_changes``), in the order it happened: the manager writes them to
-the tiers' journals (``journal.py``) before anything it answers can reuse
-the row, and a restarted engine ``adopt``s what they say.
+Every row that starts or stops serving a key is told to the book once
+(``RowBook.serve`` / ``unserve``), in the order it happened: the manager
+writes the changes to the tiers' journals before anything it answers can
+reuse the row, routers get them as residency events, and a restarted engine
+``adopt``s what the journals say.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ...rows.book import ResidencyEvent, RowBook
+from ...rows.book import Fence, ResidencyEvent, RowBook, RowChange, TaskKind
+from ...rows.ending import Settle
+from ...rows.records import TierRecords
+from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Tier
 
 Key = bytes
-FENCE = "fence"  # the book's holds for vLLM's jobs in flight at a fenced reset
+__all__ = ["CpuState", "Entry", "Found", "Key", "OffloadIndex", "RowChange"]
 
 
 class Found(enum.Enum):
@@ -51,15 +58,6 @@ class Found(enum.Enum):
     HIT = "hit"  # readable from its CPU row now
     PENDING = "pending"  # being written (a store, a load from disk): ask again
     ON_DISK = "on_disk"  # only on disk: load it into a CPU row first (``start_load``)
-
-
-@dataclass(frozen=True)
-class RowChange:
-    """Row ``row`` of ``tier`` serves ``key`` from now on; ``row`` None: ``key`` left the tier."""
-
-    tier: Tier
-    key: Key
-    row: int | None
 
 
 class CpuState(enum.Enum):
@@ -89,6 +87,7 @@ class OffloadIndex:
     cpu_rows: int
     disk_rows: int = 0
     spill_below: int = 0  # keep this many CPU rows free or clean (0: no spills)
+    records: TierRecords | None = None  # whose KV the rows hold, and the tiers' journals
     entries: OrderedDict[Key, Entry] = field(default_factory=OrderedDict)  # least recently used first
 
     def __post_init__(self) -> None:
@@ -96,15 +95,10 @@ class OffloadIndex:
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        # The rows of both tiers; those a task of ours still touches after its key
-        # was forgotten (a reset, a failed read) are held under (op, key, row)
-        # until the task ends.
-        self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows})
-        self.changes: list[RowChange] = []
-        self._fences = 0  # holds made by fenced resets, numbered
-        # A fenced row our own spill also reads: the fence's hold -> that spill, still out (at
-        # vLLM's flush the hold passes to the spill; a spill that ends first leaves it to the flush).
-        self._spill_of: dict[tuple, tuple] = {}
+        # The rows of both tiers and the tasks that write and read them (our spills and
+        # loads; vLLM's jobs in flight at a fenced reset), from submit to settlement.
+        self.book = RowBook({Tier.CPU: self.cpu_rows, Tier.DISK: self.disk_rows}, records=self.records)
+        self._fences = 0  # fenced resets so far: each one's jobs are one task of the book
 
     def adopt(self, cpu: list[tuple[Key, int]], disk: list[tuple[Key, int]]) -> int:
         """Serve again what an earlier engine's journals say its rows hold
@@ -128,7 +122,7 @@ class OffloadIndex:
                     e.disk_row = row
                 self.entries.move_to_end(key)
         for tier in (Tier.CPU, Tier.DISK):
-            self.book.announce(tier, [k for k, e in self.entries.items() if self._announced_on(e, tier)], removed=False)
+            self.book.serve_all(tier, self.rows_of(tier))
         return len(self.entries)
 
     def keys_in(self, cpu_rows: list[int], writing: bool) -> list[Key]:
@@ -143,8 +137,12 @@ class OffloadIndex:
         return [(k, row) for k, row in pairs if row is not None]
 
     def take_changes(self) -> list[RowChange]:
-        changes, self.changes = self.changes, []
-        return changes
+        return self.book.take_changes()
+
+    def record(self) -> None:
+        """Write the row changes so far to the tiers' journals (before anything answered
+        or submitted can reuse a row)."""
+        self.book.record(self.rows_of, len(self.entries))
 
     # --- what vLLM asks --------------------------------------------------------
 
@@ -203,7 +201,8 @@ class OffloadIndex:
             self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.STORING)
         return new, rows, evicted
 
-    def complete_store(self, keys: list[Key], ok: bool) -> None:
+    def complete_store(self, keys: list[Key], ok: bool) -> list[Key]:
+        """A store job ended: its keys are readable (``ok``) or dropped.  Returns the keys stored."""
         stored = []
         for key in keys:
             e = self.entries.get(key)
@@ -215,6 +214,7 @@ class OffloadIndex:
             else:
                 self._drop(e, announce=False)
         self._said(Tier.CPU, stored, removed=False)
+        return [e.key for e in stored]
 
     # --- what zkv does below ---------------------------------------------------
 
@@ -240,18 +240,22 @@ class OffloadIndex:
             spare += 1
         return plan
 
-    def spill_done(self, key: Key, disk_row: int, ok: bool) -> None:
-        if self._end_held(Op.SPILL, key, disk_row):
-            return
-        e = self.entries.get(key)
-        if e is None or not e.spilling or e.disk_row != disk_row:
-            return
-        e.spilling = False
-        if ok:
-            self._said(Tier.DISK, [e], removed=False)
-        else:
-            e.disk_row = None
-            self.book.give_back(Tier.DISK, [disk_row])
+    def spills_sent(self, task: int, spills: list[tuple[Key, int, int]]) -> None:
+        """These planned spills (key, CPU row, disk row) went as bus task ``task``."""
+        self.book.begin(
+            task,
+            writes={Tier.DISK: [d for _, _, d in spills]},
+            reads={Tier.CPU: [c for _, c, _ in spills]},
+            payload=(Op.SPILL, spills),
+        )
+
+    def spills_not_sent(self, spills: list[tuple[Key, int, int]]) -> None:
+        """The bus refused these planned spills: nothing wrote their disk rows."""
+        for key, _, disk_row in spills:
+            e = self.entries.get(key)
+            if e is not None and e.spilling and e.disk_row == disk_row:
+                e.spilling, e.disk_row = False, None
+                self.book.give_back(Tier.DISK, [disk_row])
 
     def start_load(self, key: Key) -> tuple[int, int] | None:
         """(disk row, CPU row) of a load that brings an on-disk key back to the
@@ -267,63 +271,126 @@ class OffloadIndex:
         self.entries.move_to_end(key)
         return e.disk_row, row  # type: ignore[return-value]
 
-    def load_done(self, key: Key, cpu_row: int, ok: bool) -> None:
-        """Our disk -> CPU load ended; a failed one (a digest that did not check,
-        a lost row) loses the key on every tier."""
-        if self._end_held(Op.LOAD, key, cpu_row):
-            return
+    def loads_sent(self, task: int, loads: list[tuple[Key, int, int]]) -> None:
+        """These started loads (key, disk row, CPU row) went as bus task ``task``."""
+        self.book.begin(
+            task,
+            writes={Tier.CPU: [c for _, _, c in loads]},
+            reads={Tier.DISK: [d for _, d, _ in loads]},
+            payload=(Op.LOAD, loads),
+        )
+
+    def start_fetch(self, key: Key) -> int | None:
+        """The CPU row a ``get`` from the shared store brings ``key`` into (the key is
+        pending until the get ends), or None when it is known here or no row can be had."""
+        if key in self.entries or (not self._free(Tier.CPU) and not self._evictable_cpu()):
+            return None
+        row = self._take_cpu_row([])
+        self.entries[key] = Entry(key, cpu_row=row, cpu_state=CpuState.LOADING)
+        return row
+
+    def fetches_sent(self, task: int, fetches: list[tuple[Key, int]]) -> None:
+        """These started fetches (key, CPU row) went as bus task ``task`` (a ``get``)."""
+        self.book.begin(task, writes={Tier.CPU: [row for _, row in fetches]}, payload=(Op.GET, fetches))
+
+    def cancel_fetch(self, key: Key, cpu_row: int) -> None:
+        """A fetch that never started: the key is not here, the row is free."""
         e = self.entries.get(key)
-        if e is None or e.cpu_state is not CpuState.LOADING or e.cpu_row != cpu_row:
-            return
-        if ok:
-            e.cpu_state = CpuState.READY
-            self._said(Tier.CPU, [e], removed=False)
-        else:
-            e.cpu_state = None  # the task is over: its rows are free with the key
-            self._drop(e)
+        if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row and e.disk_row is None:
+            e.cpu_state = None
+            self._drop(e, announce=False)
+
+    def puts_sent(self, task: int, puts: list[tuple[Key, int]]) -> None:
+        """These ready keys' CPU rows are sent by bus task ``task`` (a ``put`` into the shared
+        store): none of them is evicted or rewritten until its copies are over (a late put of
+        a rewritten row would store another block's bytes under this key)."""
+        self.book.begin(task, sends={Tier.CPU: [row for _, row in puts]}, payload=(Op.PUT, puts))
 
     def cancel_load(self, key: Key, cpu_row: int) -> None:
         """A load from disk that never started: the key stays on disk, the row is free."""
-        if self._end_held(Op.LOAD, key, cpu_row):
-            return
         e = self.entries.get(key)
         if e is not None and e.cpu_state is CpuState.LOADING and e.cpu_row == cpu_row:
             e.cpu_row, e.cpu_state = None, None
             self.book.give_back(Tier.CPU, [cpu_row])
 
+    def task_ended(self, task: int, outcome: TaskOutcome) -> tuple[Op, int, list[Key]] | None:
+        """One of our spills, loads, fetches (``get``) or puts ended: the book settles its rows
+        by its one rule, and the keys still waiting on it learn what their rows are.  A spill
+        that did not end ``ok`` leaves its key dirty on the CPU; a load or fetch that did not
+        loses its key on every tier (a digest that did not check, a lost row, a value the
+        store no longer has: never a hit); a put only read its rows.  Returns the op, how
+        many keys it carried and the keys whose rows it filled (None: not a task of ours)."""
+        flight = self.book.flight(task)
+        if flight is None or flight.ended:
+            return None
+        op, items = flight.payload
+        filled = self.book.end(task, outcome) is Settle.FILLED
+        if op is Op.PUT:
+            return op, len(items), []
+        if op is Op.GET:
+            items = [(key, None, row) for key, row in items]  # a load with no disk row
+        done: list[Key] = []
+        if op is Op.SPILL:
+            for key, _, disk_row in items:
+                e = self.entries.get(key)
+                if e is None or not e.spilling or e.disk_row != disk_row:
+                    continue  # forgotten meanwhile: the book frees its rows
+                e.spilling = False
+                if filled:
+                    self._said(Tier.DISK, [e], removed=False)
+                    done.append(key)
+                else:
+                    e.disk_row = None  # the book has the row
+        else:
+            for key, _, cpu_row in items:
+                e = self.entries.get(key)
+                if e is None or e.cpu_state is not CpuState.LOADING or e.cpu_row != cpu_row:
+                    continue
+                if filled:
+                    e.cpu_state = CpuState.READY
+                    self._said(Tier.CPU, [e], removed=False)
+                    done.append(key)
+                else:
+                    e.cpu_row, e.cpu_state = None, None  # the book has the row
+                    self._drop(e)
+        return op, len(items), done
+
+    def settle(self, tasks: list[int]) -> int:
+        """These tasks' late copies are over (the bus says they settled): their held rows
+        are free.  Returns how many tasks that was."""
+        return len(self.book.settle(tasks))
+
     def reset(self, fenced: bool = False) -> list[Key]:
-        """Forget every key (a generation moved).  Rows our own tasks still touch
-        are held for those tasks to end.  Rows vLLM's own jobs still write (a
-        store) or read (a load) are free at once unless ``fenced`` (vLLM 0.34:
-        its jobs in flight at a reset end later, and it says when, ``flushed``):
-        then they are held until then.  Returns the keys forgotten."""
+        """Forget every key (a generation moved).  Rows our own tasks still touch go
+        once those tasks are over (the book's).  Rows vLLM's own jobs still write (a
+        store) or read (a load) are free at once unless ``fenced`` (vLLM 0.34: its jobs
+        in flight at a reset end later, and it says when, ``flushed``): then they are
+        one ``Fence`` task of the book until then.  Returns the keys forgotten."""
         gone = list(self.entries)
         for tier in (Tier.CPU, Tier.DISK):
             self._said(tier, [e for e in self.entries.values() if self._announced_on(e, tier)], removed=True)
-        for e in list(self.entries.values()):
-            if fenced and e.cpu_row is not None and (e.cpu_state is CpuState.STORING or e.readers):
+        if fenced:
+            storing = [
+                e.cpu_row for e in self.entries.values() if e.cpu_state is CpuState.STORING and e.cpu_row is not None
+            ]
+            reading = [e.cpu_row for e in self.entries.values() if e.readers and e.cpu_row is not None]
+            if storing or reading:
                 self._fences += 1
-                fence = (FENCE, self._fences)
-                if e.spilling and e.disk_row is not None:  # our spill reads the row too, and writes its disk row
-                    self.book.hold(fence, {Tier.CPU: [e.cpu_row], Tier.DISK: [e.disk_row]})
-                    self._spill_of[fence] = (Op.SPILL, e.key, e.disk_row)
-                    e.disk_row, e.spilling = None, False
-                else:
-                    self.book.hold(fence, {Tier.CPU: [e.cpu_row]})
-                e.cpu_row, e.cpu_state, e.readers = None, None, 0
+                self.book.begin(
+                    Fence(self._fences),
+                    writes={Tier.CPU: storing},
+                    reads={Tier.CPU: reading},
+                    kind=TaskKind.FENCE,
+                )
+        for e in list(self.entries.values()):
             self._drop(e, announce=False)
         return gone
 
     def flushed(self) -> None:
-        """vLLM's jobs in flight at the last fenced reset are over: their rows are free (those
-        our own spills still read, once those spills end too)."""
-        tasks = (h.task for h in self.book.held_entries())
-        for fence in [t for t in tasks if isinstance(t, tuple) and t[0] == FENCE]:
-            spill = self._spill_of.pop(fence, None)
-            if spill is None:
-                self.book.settle([fence])
-            else:
-                self.book.pass_on(fence, spill)
+        """vLLM's jobs in flight at the fenced resets so far are over: their rows are free
+        (those our own spills still read, once those spills end too)."""
+        for fence in self.book.flights(TaskKind.FENCE):
+            self.book.finish(fence.task, copied=False)
 
     # --- counts ------------------------------------------------------------------
 
@@ -336,7 +403,13 @@ class OffloadIndex:
     # --- rows --------------------------------------------------------------------
 
     def _cpu_evictable(self, e: Entry) -> bool:
-        return e.cpu_state is CpuState.READY and e.readers == 0 and not e.spilling
+        """A ready row nothing reads: not vLLM's loads, not a spill, not a put into the shared store."""
+        return (
+            e.cpu_state is CpuState.READY
+            and e.readers == 0
+            and not e.spilling
+            and not self.book.touched(Tier.CPU, e.cpu_row)  # type: ignore[arg-type]
+        )
 
     def _evictable_cpu(self) -> int:
         return sum(1 for e in self.entries.values() if self._cpu_evictable(e))
@@ -377,13 +450,14 @@ class OffloadIndex:
         return None
 
     def _said(self, tier: Tier, entries: list[Entry], removed: bool) -> None:
-        """Keys start or stop serving from their rows of ``tier``: a residency
-        event for routers, a row change for the journals."""
+        """Keys start or stop serving from their rows of ``tier``: one fact to the book
+        (a row change for the journals, a residency event for routers)."""
         if not entries:
             return
-        self.book.announce(tier, [e.key for e in entries], removed=removed)
-        for e in entries:
-            self.changes.append(RowChange(tier, e.key, None if removed else self._row_on(e, tier)))
+        if removed:
+            self.book.unserve(tier, [e.key for e in entries])
+        else:
+            self.book.serve_all(tier, [(e.key, self._row_on(e, tier)) for e in entries])  # type: ignore[misc]
 
     @staticmethod
     def _row_on(e: Entry, tier: Tier) -> int | None:
@@ -397,28 +471,14 @@ class OffloadIndex:
         return e.disk_row is not None and not e.spilling
 
     def _drop(self, e: Entry, announce: bool = True) -> None:
-        """Forget ``e``; its rows are free at once unless a task of ours still
-        touches them (a spill reads the CPU row and writes the disk row, a load
-        from disk the other way round): then the book holds them for its end."""
+        """Forget ``e`` and give its rows back: free at once, or, while a task still
+        touches them (a spill reads the CPU row and writes the disk row, a load from
+        disk the other way round, vLLM's jobs under a fence), once it is over."""
         if announce:
             for tier in (Tier.CPU, Tier.DISK):
                 if self._announced_on(e, tier):
                     self._said(tier, [e], removed=True)
-        rows = {tier: [row] for tier, row in ((Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)) if row is not None}
-        if e.spilling:
-            self.book.hold((Op.SPILL, e.key, e.disk_row), rows)
-        elif e.cpu_state is CpuState.LOADING:
-            self.book.hold((Op.LOAD, e.key, e.cpu_row), rows)
-        else:
-            for tier, ids in rows.items():
-                self.book.give_back(tier, ids)
+        for tier, row in ((Tier.CPU, e.cpu_row), (Tier.DISK, e.disk_row)):
+            if row is not None:
+                self.book.give_back(tier, [row])
         del self.entries[e.key]
-
-    def _end_held(self, op: str, key: Key, row: int) -> bool:
-        """The task (op, key, row) ended after its key was forgotten: free what it held."""
-        task = (op, key, row)
-        fence = next((f for f, spill in self._spill_of.items() if spill == task), None)
-        if fence is not None:  # the fence still holds its rows: vLLM's flush frees them
-            del self._spill_of[fence]
-            return True
-        return bool(self.book.settle([task]))

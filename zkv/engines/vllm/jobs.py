@@ -16,29 +16,34 @@ task that reached this rank but still waits in its queue (it runs there
 later, in order): the worker gives as long as the task's own timeout, so that
 vLLM does not recompute into GPU blocks a late copy would still write.  The job succeeded
 only if the outcome (rank 0) or this rank's run (others) was ``ok``.
+
+Sans-IO and single-threaded: the worker (``worker.py``) serializes the calls
+(its rank's thread reports runs) and does the waiting.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Outcome
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
+    """One vLLM job as one zkv task: its GPU blocks and zkv's CPU tier rows it writes
+    (a store) or reads (a load), its bytes, when it started and its deadline."""
+
     job_id: int
     task: int
     is_store: bool
     gpu_ids: list[int]
+    cpu_rows: list[int] = field(default_factory=list)
     nbytes: int
     started: float
     deadline: float
     outcome: TaskOutcome | None = None
     local: str | None = None  # this rank's own outcome of the task
-    cpu_rows: list[int] = field(default_factory=list)  # zkv's CPU tier rows it writes (a store) or reads (a load)
 
 
 @dataclass
@@ -59,7 +64,6 @@ class JobBook:
     # of rank 0 may submit before the others were handed the same job).
     early: dict[int, str] = field(default_factory=dict)
     early_limit: int = 4096
-    _lock: threading.Condition = field(default_factory=threading.Condition)
 
     @staticmethod
     def task_of(job_id: int) -> int:
@@ -67,28 +71,23 @@ class JobBook:
         return job_id + 1
 
     def add(self, job: Job) -> None:
-        with self._lock:
-            job.local = self.early.pop(job.task, job.local)
-            self.jobs[job.task] = job
+        job.local = self.early.pop(job.task, job.local)
+        self.jobs[job.task] = job
 
     def on_local(self, task: int, outcome: str) -> None:
-        """This rank ran ``task`` (the rank's thread)."""
-        with self._lock:
-            job = self.jobs.get(task)
-            if job is None:
-                self.early[task] = outcome
-                while len(self.early) > self.early_limit:
-                    del self.early[next(iter(self.early))]  # the oldest: a job no worker will add
-                return
-            job.local = outcome
-            self._lock.notify_all()
+        """This rank ran ``task``."""
+        job = self.jobs.get(task)
+        if job is None:
+            self.early[task] = outcome
+            while len(self.early) > self.early_limit:
+                del self.early[next(iter(self.early))]  # the oldest: a job no worker will add
+            return
+        job.local = outcome
 
     def on_outcome(self, out: TaskOutcome) -> None:
-        with self._lock:
-            job = self.jobs.get(out.task)
-            if job is not None:
-                job.outcome = out
-                self._lock.notify_all()
+        job = self.jobs.get(out.task)
+        if job is not None:
+            job.outcome = out
 
     def _verdict(self, job: Job, now: float) -> Finished | None:
         late = now >= job.deadline + self.grace
@@ -106,24 +105,16 @@ class JobBook:
         return None
 
     def take_finished(self, now: float) -> list[Finished]:
-        with self._lock:
-            done = [v for job in self.jobs.values() if (v := self._verdict(job, now)) is not None]
-            for v in done:
-                del self.jobs[v.job.task]
-            return done
+        done = [v for job in self.jobs.values() if (v := self._verdict(job, now)) is not None]
+        for v in done:
+            del self.jobs[v.job.task]
+        return done
 
     def is_finished(self, task: int, now: float) -> bool:
-        with self._lock:
-            job = self.jobs.get(task)
-            return job is None or self._verdict(job, now) is not None
+        job = self.jobs.get(task)
+        return job is None or self._verdict(job, now) is not None
 
-    def wait_local(self, task: int, until: float, clock) -> None:
-        """Block until ``task`` is finished for this worker or ``until`` passes
-        (the rank's thread notifies; outcomes are the caller's to feed)."""
-        with self._lock:
-            while True:
-                now = clock()
-                job = self.jobs.get(task)
-                if job is None or self._verdict(job, now) is not None or now >= until:
-                    return
-                self._lock.wait(max(0.0, min(until, job.deadline + self.grace) - now))
+    def wakes_at(self, task: int) -> float:
+        """When ``task`` is finished for this worker whatever happens (its deadline and grace)."""
+        job = self.jobs.get(task)
+        return job.deadline + self.grace if job is not None else 0.0

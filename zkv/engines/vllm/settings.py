@@ -1,114 +1,102 @@
 """The zkv offload backend's settings: ``kv_connector_extra_config`` of the
-one ``--kv-transfer-config`` a vLLM user passes (docs/engine-vllm.md), read
-once, range-checked, with no vLLM import (the scheduler and every worker
-read the same map and must agree)."""
+one ``--kv-transfer-config`` a vLLM user passes (docs/engine-vllm.md), as one
+typed record: every key's type, bounds and default written once, on its field,
+checked where the map enters (``from_extra``), with no vLLM import (the
+scheduler and every worker read the same map and must agree)."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
+
+import msgspec
 
 from ...net.endpoints import Endpoints, runtime_dir
 
 BROKER_MODES = ("embedded", "external")
+_DERIVED = frozenset({"bus_named"})  # what zkv works out from the others: never read from the map
 _MAX_ROWS = 1 << 24
+Rows = Annotated[int, msgspec.Meta(ge=1, le=_MAX_ROWS)]
+Path_ = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-def _int(extra: Mapping[str, Any], name: str, default: int, low: int, high: int = _MAX_ROWS) -> int:
-    value = extra.get(name, default)
-    if type(value) is not int or not low <= value <= high:
-        raise ValueError(f"zkv: kv_connector_extra_config[{name!r}] must be an int in [{low}, {high}], got {value!r}")
-    return value
+def seconds(low: float, high: float) -> Any:
+    return Annotated[float, msgspec.Meta(ge=low, le=high)]
 
 
-def _seconds(extra: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = extra.get(name, default)
-    if type(value) not in (int, float) or not math.isfinite(value) or not low <= value <= high:
-        raise ValueError(f"zkv: kv_connector_extra_config[{name!r}] must be seconds in [{low}, {high}], got {value!r}")
-    return float(value)
+METRICS_URL_FILE = "metrics.url"  # in bus_dir: the embedded broker's /metrics URL, while it serves
 
 
-def _flag(extra: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = extra.get(name, default)
-    if type(value) is not bool:
-        raise ValueError(f"zkv: kv_connector_extra_config[{name!r}] must be true or false, got {value!r}")
-    return value
-
-
-def _path(extra: Mapping[str, Any], name: str) -> str | None:
-    value = extra.get(name)
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"zkv: kv_connector_extra_config[{name!r}] must be a directory path, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class ZkvSettings:
+class ZkvSettings(msgspec.Struct, frozen=True, kw_only=True):
     """``bus_dir``: where the bus's sockets live (``zkv status --broker
-    ipc://BUS_DIR/frontend.sock`` reaches it); ``broker``: ``embedded`` (the
-    engine's scheduler process runs it) or ``external`` (a ``zkv broker`` the
-    operator runs there).  ``cpu_blocks`` rows of zkv's CPU tier per worker,
-    in a file under ``tier_dir`` (None: process memory); ``disk_dir`` /
-    ``disk_blocks``: the disk tier below it.  ``hear_broadcasts``: the
-    manager hears the bus's control broadcasts (false: it learns only from
-    the status poll, every ``status_interval_s``).  ``task_timeout_s``: how long a
-    store or load may take before vLLM recomputes instead.  ``metrics_port``:
-    the embedded broker's Prometheus ``/metrics`` on loopback (0: a free
-    port, named in the engine's log).  ``events_path``: a JSON line per
-    residency change (keys stored or removed per tier, with the bus's
-    generations), for a KV-aware router.  Without a ``bus_dir`` every start
-    is a new bus, so its CPU tier file can never be served again: the
-    workers remove it when the engine stops (``bus_named`` False).  ``trace_path``: the embedded
-    broker records every task and control operation there (docs/traces.md),
-    as ``zkv broker --record``."""
+    ipc://BUS_DIR/frontend.sock`` reaches it); without one every start is a
+    new bus in the runtime directory, so its CPU tier file can never be served
+    again: the workers remove it when the engine stops (``bus_named`` False).
+    ``broker``: ``embedded`` (the engine's scheduler process runs it) or
+    ``external`` (a ``zkv broker`` the operator runs there).  ``cpu_blocks``
+    rows of zkv's CPU tier per worker, in a file under ``tier_dir`` (null:
+    process memory); ``disk_dir`` / ``disk_blocks``: the disk tier below it,
+    ``spill_below``: how many CPU rows the spills keep free or clean (with a
+    disk tier, every row by default: no store drops a row's only copy).
+    ``hear_broadcasts``: the manager hears the bus's control broadcasts
+    (false: it learns only from the status poll, every ``status_interval_s``).
+    ``task_timeout_s``: how long a store or load may take before vLLM
+    recomputes instead; ``load_wait_s``: how long a worker waits in a step for
+    a load to land.  ``metrics_port``: the embedded broker's Prometheus
+    ``/metrics`` on loopback (0: a free port, named in the engine's log).
+    ``events_path``: a JSON line per residency change (keys stored or removed
+    per tier, with the bus's generations), for a KV-aware router.
+    ``trace_path``: the embedded broker records every task and control
+    operation there (docs/traces.md), as ``zkv broker --record``.  ``store``:
+    a keyed store below the tiers, shared with other engines (a host tier
+    ``file:///dev/shm/zkv-host?budget=8GiB``, or ``redis://HOST:PORT/DB``):
+    every block stored is put there too, and a block this engine lacks is
+    fetched from there when another engine of its identity put it.
+    ``weights_version``: the weights named by a version the trainer sets (one
+    name fleet-wide) instead of the checkpoint's file listing, which differs
+    between hosts whose copies differ in modification time.  ``fetch_wait_s``:
+    how long the scheduler may wait, in the step that sent a fetch from the
+    store, for it to land (the request it serves then loads at the next step
+    instead of asking again)."""
 
-    bus_dir: str
-    broker: str = "embedded"
-    cpu_blocks: int = 1024
-    tier_dir: str | None = "/dev/shm"
-    disk_dir: str | None = None
-    disk_blocks: int = 4096
-    spill_below: int = 0
-    task_timeout_s: float = 5.0
-    status_interval_s: float = 1.0
+    bus_dir: Path_ | None = None
+    broker: Literal["embedded", "external"] = "embedded"
+    cpu_blocks: Rows = 1024
+    tier_dir: Path_ | None = "/dev/shm"
+    disk_dir: Path_ | None = None
+    disk_blocks: Rows = 4096
+    spill_below: Annotated[int, msgspec.Meta(ge=0, le=_MAX_ROWS)] | None = None
+    task_timeout_s: seconds(0.01, 3600.0) = 5.0  # type: ignore[valid-type]
+    status_interval_s: seconds(0.0, 3600.0) = 1.0  # type: ignore[valid-type]
     hear_broadcasts: bool = True
-    load_wait_s: float = 0.0
-    events_path: str | None = None
-    metrics_port: int | None = None
-    trace_path: str | None = None
-    bus_named: bool = True  # bus_dir was given: the CPU tier file and its journal outlive the engine
+    load_wait_s: seconds(0.0, 10.0) = 0.0  # type: ignore[valid-type]
+    fetch_wait_s: seconds(0.0, 1.0) = 0.05  # type: ignore[valid-type]
+    events_path: Path_ | None = None
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    trace_path: Path_ | None = None
+    store: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    weights_version: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] | None = None
+    bus_named: bool = False  # bus_dir was given: the CPU tier file and its journal outlive the engine
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any], engine_id: str) -> "ZkvSettings":
-        # Other keys are vLLM's own (blocks_per_chunk, offload_prompt_only, ...): not ours to refuse.
-        broker = extra.get("broker", "embedded")
-        if broker not in BROKER_MODES:
-            raise ValueError(f"zkv: kv_connector_extra_config['broker'] must be one of {BROKER_MODES}, got {broker!r}")
-        bus_dir = _path(extra, "bus_dir") or str(runtime_dir() / f"vllm-{engine_id[:12]}")
-        cpu_blocks = _int(extra, "cpu_blocks", 1024, 1)
-        disk_dir = _path(extra, "disk_dir")
-        disk_blocks = _int(extra, "disk_blocks", 4096, 1)
-        default_spill = cpu_blocks if disk_dir else 0  # every row clean: no store drops a row's only copy
-        # Absent: the documented default, a file in /dev/shm; None: process memory.
-        tier_dir = _path(extra, "tier_dir") if "tier_dir" in extra else "/dev/shm"
-        return cls(
-            bus_dir=bus_dir,
-            broker=broker,
-            cpu_blocks=cpu_blocks,
-            tier_dir=tier_dir,
-            disk_dir=disk_dir,
-            disk_blocks=disk_blocks,
-            spill_below=_int(extra, "spill_below", default_spill, 0, cpu_blocks) if disk_dir else 0,
-            task_timeout_s=_seconds(extra, "task_timeout_s", 5.0, 0.01, 3600.0),
-            status_interval_s=_seconds(extra, "status_interval_s", 1.0, 0.0, 3600.0),
-            hear_broadcasts=_flag(extra, "hear_broadcasts", True),
-            load_wait_s=_seconds(extra, "load_wait_s", 0.0, 0.0, 10.0),
-            events_path=_path(extra, "events_path"),
-            metrics_port=_int(extra, "metrics_port", 0, 0, 65535) if "metrics_port" in extra else None,
-            trace_path=_path(extra, "trace_path"),
-            bus_named=_path(extra, "bus_dir") is not None,
+    def from_extra(cls, extra: Mapping[str, Any], engine_id: str) -> ZkvSettings:
+        """The settings ``extra`` names; other keys are vLLM's own (blocks_per_chunk, ...): not ours
+        to refuse.  A bad value raises ``ValueError`` naming the key."""
+        ours = {name: extra[name] for name in cls.__struct_fields__ if name in extra and name not in _DERIVED}
+        try:
+            said = msgspec.convert(ours, cls)
+        except msgspec.ValidationError as err:
+            raise ValueError(f"zkv: kv_connector_extra_config: {err}") from None
+        spill = said.spill_below if said.spill_below is not None else said.cpu_blocks
+        if said.disk_dir and spill > said.cpu_blocks:
+            raise ValueError(
+                f"zkv: kv_connector_extra_config: spill_below {spill} exceeds cpu_blocks {said.cpu_blocks}"
+            )
+        return msgspec.structs.replace(
+            said,
+            bus_dir=said.bus_dir or str(runtime_dir() / f"vllm-{engine_id[:12]}"),
+            spill_below=spill if said.disk_dir else 0,
+            bus_named=said.bus_dir is not None,
         )
 
     def reserved(self, rank: int, block_bytes: int) -> str:
@@ -126,5 +114,13 @@ class ZkvSettings:
 
     @property
     def endpoints(self) -> Endpoints:
-        Path(self.bus_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        """The bus's sockets in ``bus_dir`` (``make_bus_dir`` makes it)."""
+        assert self.bus_dir is not None, "settings come from from_extra"
         return Endpoints.in_dir(self.bus_dir)
+
+    def make_bus_dir(self) -> Path:
+        """Make ``bus_dir`` (0700) and return it: before a broker binds there."""
+        assert self.bus_dir is not None, "settings come from from_extra"
+        path = Path(self.bus_dir)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return path

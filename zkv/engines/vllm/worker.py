@@ -2,6 +2,11 @@
 rank on that worker's own KV tensors, and vLLM's store and load jobs run as
 zkv tasks (docs/engine-vllm.md).
 
+A job may move blocks of several KV cache groups (``groups.py``): its GPU
+block ids come group by group, in the order of its keys and so of its CPU
+rows, and each block moves as one row (the block's page of every canonical
+tensor, whichever group holds it).
+
 The rank (a ``RankAgent`` on vLLM's canonical block tensors, one region each,
 vLLM's null block reserved) registers with the engine's bus whenever it
 comes up.  The worker of TP rank 0 submits each job as one task to every
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -33,18 +39,28 @@ from ...wire.errors import ZkvError
 from ...wire.outcome import TaskOutcome
 from ...wire.vocab import Op, Outcome
 from .api import NATIVE_FAILURES, gpu_block_ids
+from .groups import name
 from .jobs import Finished, Job, JobBook
 from .layouts import canonical_pages
 from .rows import ZkvRows
 from .settings import ZkvSettings
 
 log = logging.getLogger("zkv.vllm")
+_REQUESTS_KEPT = 4096
 
 
 class ZkvOffloadWorker(OffloadingWorker):
     """One vLLM worker's zkv rank, and (rank 0) the client that runs the jobs."""
 
-    def __init__(self, settings: ZkvSettings, rank: int, world: int, kv_caches: CanonicalKVCaches):
+    def __init__(
+        self,
+        settings: ZkvSettings,
+        rank: int,
+        world: int,
+        kv_caches: CanonicalKVCaches,
+        groups: list[dict[str, Any]] | None = None,
+    ):
+        """``groups``: the KV cache groups vLLM offloads (``groups.describe``), for the log."""
         self.settings = settings
         self.rank, self.world = rank, world
         self.kv_caches = kv_caches
@@ -55,6 +71,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         # A task still queued on this rank past its deadline may yet run: a job is given up on
         # only after as long again, so that vLLM never recomputes into blocks a late copy writes.
         self.book = JobBook(submitter=rank == 0, grace=max(1.0, settings.task_timeout_s))
+        self._jobs = threading.Condition()  # the book is touched by vLLM's thread and the rank's
         self.agent = RankAgent(
             rank,
             world,
@@ -68,31 +85,62 @@ class ZkvOffloadWorker(OffloadingWorker):
             # vLLM keeps its KV tensors where they are across a zkv clear: each
             # resume serves the same tensors again, as a new generation.
             source=lambda: EngineCache.from_tensors(entries, generation=next(generations)),
-            on_task_done=self.book.on_local,
+            on_task_done=self._ran,
+            store=settings.store,
         )
         self.agent.start(wait=False)  # the engine's broker may come up after its workers
         log.warning("zkv: %s", settings.reserved(rank, self.block_bytes))
+        if rank == 0 and groups is not None and len(groups) > 1:
+            used = [sum(r.page_size_bytes for r in refs) for refs in kv_caches.group_data_refs]
+            log.warning(
+                "zkv: %d KV cache groups, one row of %d bytes per block: %s",
+                len(groups),
+                self.block_bytes,
+                "; ".join(f"{name(g)} {n} bytes of it" for g, n in zip(groups, used)),
+            )
         self.client = Client(ep.frontend, request_timeout=0.25) if rank == 0 else None  # bounds a send to no broker
         self._failed_loads: set[int] = set()  # GPU block ids of failed loads, for vLLM to recompute (0.32)
         self._failed_jobs: dict[int, tuple[bool, list[int]]] = {}  # job id -> (is_store, CPU rows), not yet taken
+        self._requests: dict[int, str] = {}  # load job id -> vLLM request id (0.32: whole-request recomputes)
+        self._failed_requests: set[str] = set()  # requests of failed loads, not yet taken (0.32)
         self._cancel_asked: set[int] = set()  # tasks whose cancel was sent while the bus was paused
         self._paused_for_sleep = False  # this worker paused the bus while vLLM's KV memory is away
 
     # --- jobs --------------------------------------------------------------------------
+
+    def _ran(self, task: int, outcome: str) -> None:
+        """This rank's copy of ``task`` is over (called on the rank's thread)."""
+        with self._jobs:
+            self.book.on_local(task, outcome)
+            self._jobs.notify_all()
+
+    def _outcome(self, out: TaskOutcome) -> None:
+        with self._jobs:
+            self.book.on_outcome(out)
+            self._jobs.notify_all()
 
     def _submit(self, job_id: int, op: Op, src: list[int], dst: list[int], gpu_ids: list[int]) -> bool:
         now = time.monotonic()
         timeout = self.settings.task_timeout_s
         task = JobBook.task_of(job_id)
         store = op is Op.SWAP_OUT
-        job = Job(job_id, task, store, gpu_ids, len(gpu_ids) * self.block_bytes, now, now + timeout)
-        job.cpu_rows = dst if store else src
-        self.book.add(job)
+        job = Job(
+            job_id=job_id,
+            task=task,
+            is_store=store,
+            gpu_ids=gpu_ids,
+            cpu_rows=dst if store else src,
+            nbytes=len(gpu_ids) * self.block_bytes,
+            started=now,
+            deadline=now + timeout,
+        )
+        with self._jobs:
+            self.book.add(job)
         if self.client is not None:
             try:
                 self.client.submit(op, src, dst, timeout=timeout, task=task)
             except ZkvError as err:  # the bus is unreachable: the job fails, vLLM recomputes
-                self.book.on_outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
+                self._outcome(TaskOutcome(task, Outcome.FAILED, f"not submitted: {err}", never_ran=True))
         return True
 
     # The GPU side is a GPULoadStoreSpec (vLLM 0.32) or DevicePointers (0.34): api.gpu_block_ids.
@@ -111,7 +159,7 @@ class ZkvOffloadWorker(OffloadingWorker):
         if self.client is not None:
             self._cancel_while_paused()
             for out in self.client.poll(timeout):
-                self.book.on_outcome(out)
+                self._outcome(out)
 
     def _cancel_while_paused(self) -> None:
         """No job waits on a paused bus: the submitter cancels its tasks still
@@ -121,20 +169,32 @@ class ZkvOffloadWorker(OffloadingWorker):
         if not self.agent.paused:
             self._cancel_asked.clear()
             return
-        for job in list(self.book.jobs.values()):
-            if job.outcome is None and job.local is None and job.task not in self._cancel_asked:
+        with self._jobs:
+            waiting = [j for j in self.book.jobs.values() if j.outcome is None and j.local is None]
+        for job in waiting:
+            if job.task not in self._cancel_asked:
                 self._cancel_asked.add(job.task)
                 try:
                     self.client.cancel(job.task, timeout=0.25)
                 except ZkvError as err:
                     log.info("zkv: cancel of job %d not answered: %s", job.job_id, err)
 
+    def requests_of_loads(self, loads: dict[int, str]) -> None:
+        """vLLM's load jobs of this step and their requests (from the connector's metadata), so
+        that a failed load names its request (0.32: ``take_failed_requests``)."""
+        self._requests.update(loads)
+        while len(self._requests) > _REQUESTS_KEPT:  # jobs never submitted: the oldest go
+            del self._requests[next(iter(self._requests))]
+
     def _result(self, done: Finished) -> TransferResult:
         job = done.job
+        request = self._requests.pop(job.job_id, None)
         if not done.success:
             self._failed_jobs[job.job_id] = (job.is_store, job.cpu_rows)
             if not job.is_store and not NATIVE_FAILURES:
                 self._failed_loads.update(job.gpu_ids)
+                if request is not None:
+                    self._failed_requests.add(request)
             log.info("zkv: %s job %d failed (%s)", "store" if job.is_store else "load", job.job_id, done.reason)
         # Without vLLM's own failure channel (0.32) a failure is reported done, and ZkvConnector
         # hands its GPU blocks to vLLM itself (get_block_ids_with_load_errors).
@@ -148,10 +208,13 @@ class ZkvOffloadWorker(OffloadingWorker):
             # A request waiting on a load cannot run before the next engine step
             # sees the load finished: waiting here a little (the copy is usually
             # milliseconds) saves the steps in between.
-            loads = [j.job_id for j in list(self.book.jobs.values()) if not j.is_store]
+            with self._jobs:
+                loads = [j.job_id for j in self.book.jobs.values() if not j.is_store]
             if loads:
                 self._wait(loads, time.monotonic() + wait)
-        return [self._result(done) for done in self.book.take_finished(time.monotonic())]
+        with self._jobs:
+            finished = self.book.take_finished(time.monotonic())
+        return [self._result(done) for done in finished]
 
     def wait(self, job_ids: set[int]) -> None:
         """Block until every job in ``job_ids`` is finished for this worker
@@ -159,17 +222,25 @@ class ZkvOffloadWorker(OffloadingWorker):
         self._wait(job_ids, float("inf"))
 
     def _wait(self, job_ids: Iterable[int], bound: float) -> None:
+        """Until each job is finished for this worker, or ``bound``: the submitter pumps its
+        client for the outcome; a worker waits for its rank's thread to say its copy is over."""
         for job_id in job_ids:
             task = JobBook.task_of(job_id)
-            job = self.book.jobs.get(task)
-            if job is None:
-                continue
-            until = min(bound, job.deadline + self.book.grace)
-            while not self.book.is_finished(task, time.monotonic()) and time.monotonic() < until:
-                if self.client is not None and job.outcome is None and self.client.open_tasks:
-                    self._pump(max(0.0, until - time.monotonic()))
-                else:
-                    self.book.wait_local(task, until, time.monotonic)
+            with self._jobs:
+                job = self.book.jobs.get(task)
+                if job is None:
+                    continue
+                until = min(bound, self.book.wakes_at(task))
+            while True:
+                with self._jobs:
+                    now = time.monotonic()
+                    if self.book.is_finished(task, now) or now >= until:
+                        break
+                    pump = self.client is not None and job.outcome is None and self.client.open_tasks
+                    if not pump:
+                        self._jobs.wait(until - now)
+                        continue
+                self._pump(max(0.0, until - time.monotonic()))
 
     # --- KV memory that goes away (vLLM 0.34: sleep, a weight update's loan) -----------------
 
@@ -213,6 +284,11 @@ class ZkvOffloadWorker(OffloadingWorker):
         jobs, blocks = self._failed_jobs, self._failed_loads
         self._failed_jobs, self._failed_loads = {}, set()
         return jobs, blocks
+
+    def take_failed_requests(self) -> set[str]:
+        """The vLLM requests whose load failed since the last call (0.32)."""
+        taken, self._failed_requests = self._failed_requests, set()
+        return taken
 
     def stats(self) -> dict:
         return self.agent.stats()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ...wire.layout import CacheLayout
-from .cluster import LocalCluster
+from .cluster import LocalCluster, Teardown
 from .ipc_check import EngineProcess
 
 
@@ -62,8 +62,8 @@ class AttachedCluster(LocalCluster):
                     self.engine_layout, self.manifest(rank), self.generation, "cpu", self._shape()
                 )
 
-    def start_worker(self, rank: int, extra: Sequence[str] = ()):
-        return super().start_worker(rank, ["--attach", self.manifest(rank), *extra])
+    def start_worker(self, rank: int, extra: Sequence[str] = (), layout: CacheLayout | None = None):
+        return super().start_worker(rank, ["--attach", self.manifest(rank), *extra], layout)
 
     def start(self, timeout: float = 60.0) -> "AttachedCluster":
         try:
@@ -82,11 +82,11 @@ class AttachedCluster(LocalCluster):
             engine.realloc(self.generation, blocks)
         return self.generation
 
-    def stop(self, timeout: float = 10.0) -> dict[str, int]:
+    def stop(self, timeout: float = 10.0) -> Teardown:
         """Stop the workers and the broker first (they unmap), then the engines (they free)."""
-        codes = super().stop(timeout)
+        end = super().stop(timeout)
         for rank, engine in self.engines.items():
             engine.close()
-            codes[f"engine{rank}"] = engine.proc.returncode
+            end.codes[f"engine{rank}"] = engine.proc.returncode
         self.engines.clear()
-        return codes
+        return end

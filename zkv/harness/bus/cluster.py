@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,6 +25,45 @@ from ...testing.runner import zygote
 from ...wire.layout import CacheLayout
 from ...wire.replies import StatusReply
 from .lifeline import die_with_parent
+
+KILL_WAIT_S = 5.0  # after SIGKILL: how long stop() waits for a process to be gone
+
+
+@dataclass
+class Teardown:
+    """How a cluster's processes ended at ``stop()``: exit codes by name ("broker",
+    "rank0", …; None: not gone within the bound), those that had ended on their own
+    before the stop (a crash during the work: what a run must report), those that did
+    not stop within the timeout of SIGTERM and were killed, and the tier files a
+    process still held (left in place)."""
+
+    codes: dict[str, int | None] = field(default_factory=dict)
+    exited_before: dict[str, int] = field(default_factory=dict)
+    killed: list[str] = field(default_factory=list)
+    left: list[Path] = field(default_factory=list)
+
+    def said(self, timeout: float = 10.0) -> str:
+        """What the stop itself met, in plain words ('' for a clean stop; ``exited_before``
+        is the caller's to report: it happened during the work)."""
+        parts = []
+        if self.killed:
+            parts.append(f"{' and '.join(self.killed)} did not stop within {timeout:g} s of SIGTERM and were killed")
+            stuck = [name for name in self.killed if self.codes.get(name) is None]
+            if stuck:
+                parts.append(f"{' and '.join(stuck)} not gone {KILL_WAIT_S:g} s after SIGKILL")
+        if self.left:
+            parts.append(f"tier files a live process still holds, left in place: {', '.join(map(str, self.left))}")
+        elif parts:
+            parts.append("their tier files were removed")
+        return "; ".join(parts)
+
+
+def _reaped(proc: Any, deadline: float) -> int | None:
+    """``proc``'s exit code once it is gone, or None if it is not by ``deadline``."""
+    try:
+        return proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def layout_args(layout: CacheLayout) -> list[str]:
@@ -131,7 +171,8 @@ class LocalCluster:
         mine = self.workers.get(rank)
         return None if pid is None or (mine is not None and mine.pid == pid and mine.poll() is None) else pid
 
-    def start_worker(self, rank: int, extra: Sequence[str] = ()) -> subprocess.Popen:
+    def start_worker(self, rank: int, extra: Sequence[str] = (), layout: CacheLayout | None = None) -> subprocess.Popen:
+        """Start ``rank``'s worker on ``layout`` (default: the cluster's start layout)."""
         proc = self._spawn(
             [
                 "worker",
@@ -140,7 +181,7 @@ class LocalCluster:
                 "--world-size",
                 str(self.ranks),
                 *self._ep_args(),
-                *layout_args(self.layout),
+                *layout_args(layout or self.layout),
                 *self.worker_args,
                 *extra,
             ]
@@ -181,33 +222,56 @@ class LocalCluster:
         proc.send_signal(sig)
         proc.wait(timeout=10)
 
-    def stop(self, timeout: float = 10.0) -> dict[str, int]:
-        """SIGTERM everything, wait (bounded), SIGKILL what remains; return exit codes."""
-        procs = {f"rank{r}": p for r, p in self.workers.items()}
+    def stop(self, timeout: float = 10.0) -> "Teardown":
+        """SIGTERM everything, wait (``timeout`` in all), SIGKILL what remains and wait for
+        that too (``KILL_WAIT_S``); then remove what the cluster made (its CPU tiers and rank
+        locks, its own directory), whatever happened before.  Bounded, and never raises: a
+        process not gone in time is named in the ``Teardown``, not thrown."""
+        procs: dict[str, Any] = {f"rank{r}": p for r, p in self.workers.items()}
         if self.broker is not None:
             procs["broker"] = self.broker
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        codes = {}
-        deadline = time.monotonic() + timeout
-        for name, p in procs.items():
-            try:
-                codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                codes[name] = p.wait(timeout=5)
-        # A clean stop leaves no CPU tier behind (a crashed rank's stays for its restart).
-        from ...rank.tiers.rank_lock import clean_locks
-        from ...rank.tiers.tier_file import bus_name, clean_tiers  # numpy: not on zkv's import path
+        end = Teardown()
+        try:
+            for name, p in procs.items():
+                code = p.poll()
+                if code is not None:
+                    end.codes[name] = end.exited_before[name] = code
+                else:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for name, p in procs.items():
+                if name not in end.codes:
+                    end.codes[name] = _reaped(p, deadline)
+                    if end.codes[name] is None:
+                        p.kill()
+                        end.killed.append(name)
+            deadline = time.monotonic() + KILL_WAIT_S
+            for name in end.killed:
+                end.codes[name] = _reaped(procs[name], deadline)
+        finally:
+            end.left = self._remove_files()
+        return end
 
+    def _remove_files(self) -> list[Path]:
+        """Remove the CPU tiers and rank locks of this bus that no live process holds (a
+        clean stop leaves none; a crashed rank's stays for its restart until then), and
+        the cluster's own directory; return the tier files a live process still holds."""
+        from ...rank.tiers.rank_lock import clean_locks
+        from ...rank.tiers.tier_file import bus_name, clean_tiers, list_tiers  # numpy: not on zkv's import path
+
+        left: list[Path] = []
         where = self._tier_dir()
         if where != "none":
-            clean_tiers(where, bus_name(self.endpoints.backend))
-            clean_locks(where, bus_name(self.endpoints.backend))  # those of workers killed and not restarted
+            bus = bus_name(self.endpoints.backend)
+            try:
+                clean_tiers(where, bus)
+                clean_locks(where, bus)  # those of workers killed and not restarted
+                left = [t.path for t in list_tiers(where) if t.bus == bus]
+            except OSError:
+                left = [Path(where)]
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
-        return codes
+        return left
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

@@ -200,7 +200,7 @@ def _unmetered_cluster(ranks: int, layout: CacheLayout) -> LocalCluster:
             ep = self.endpoints
             self.broker = self._run(["broker", ep.frontend, ep.backend, ep.control, str(self.ranks)])
 
-        def start_worker(self, rank: int, extra: Any = ()) -> subprocess.Popen:
+        def start_worker(self, rank: int, extra: Any = (), layout: CacheLayout | None = None) -> subprocess.Popen:
             proc = self.workers[rank] = self._run(
                 [
                     "worker",
@@ -208,7 +208,7 @@ def _unmetered_cluster(ranks: int, layout: CacheLayout) -> LocalCluster:
                     str(self.ranks),
                     self.endpoints.backend,
                     self.endpoints.control,
-                    json.dumps(self.layout.to_wire()),
+                    json.dumps((layout or self.layout).to_wire()),
                 ]
             )
             return proc

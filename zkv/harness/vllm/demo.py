@@ -23,6 +23,7 @@ from typing import Callable
 
 from ...obs.status_view import table
 from ...wire.vocab import Op
+from .output import log_path, progress, tail, ticking, vllm_output_to
 from .rig import (
     BLOCK_TOKENS,
     BusProbe,
@@ -54,6 +55,15 @@ def _chat(probe_ttft: bool = True, turns: int = TURNS) -> Chat:
     )  # fmt: skip
 
 
+def _turns(chat: Chat, llm: object, what: str) -> list[list[int]]:
+    """``chat`` on ``llm``, a bar over its turns on a terminal."""
+    bar = progress(f"  {what}", chat.conversations * chat.turns, "turn")
+    try:
+        return chat.run(llm, on_turn=lambda: bar.update(1))
+    finally:
+        bar.close()
+
+
 def why_not_faster(zkv_ms: float, recompute_ms: float, context: int, blocks: int, block_bytes: int) -> str | None:
     """The line that says why zkv's time to first token is not below recompute's (None: it is)."""
     if zkv_ms < recompute_ms:
@@ -66,13 +76,15 @@ def why_not_faster(zkv_ms: float, recompute_ms: float, context: int, blocks: int
     )
 
 
-def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
-    """The demo; True when every check held.  Progress first, the results table last
-    (after the engine stopped, so that nothing it logs on its way out comes after)."""
+def run_vllm_demo(echo: Callable[[str], None] = print, log: Path | None = None) -> bool:
+    """The demo; True when every check held.  Progress first (a bar inside each phase on a
+    terminal), the results table last (after the engine stopped, so that nothing it logs on
+    its way out comes after).  ``log``: where vLLM's own output goes (``output.vllm_output_to``;
+    None: this terminal)."""
     from ...cycle.vllm_inproc import update_weights
 
     block = SHAPE.block_bytes(DTYPE_BYTES)
-    with tempfile.TemporaryDirectory(prefix="zkv-vllm-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="zkv-vllm-demo-") as tmp, vllm_output_to(log):
         root = Path(tmp)
         weights = [write_llama(root / f"w{i}", SHAPE, seed=i) for i in range(2)]
         bus = root / "bus"
@@ -86,7 +98,8 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
             f" bus at ipc://{bus}/frontend.sock"
         )
         max_len = PER_CONVERSATION * BLOCK_TOKENS
-        llm = start_engine(weights[0], transfer, GPU_BLOCKS, max_model_len=max_len, dtype=DTYPE)
+        with ticking("starting vLLM"):
+            llm = start_engine(weights[0], transfer, GPU_BLOCKS, max_model_len=max_len, dtype=DTYPE)
         try:
             probe = BusProbe(bus)
             probe.status(wait_ranks=1)
@@ -94,13 +107,13 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
             with probe.client() as c:
                 c.pause(timeout=30)  # zkv out of the way: every lookup misses, nothing is stored
                 recompute = _chat()
-                want = recompute.run(llm)
+                want = _turns(recompute, llm, "recompute")
                 c.resume(timeout=30)
             llm.reset_prefix_cache(reset_connector=True)
             echo("the same chat with zkv offloading ...")
             before = probe.blocks_by_op(block)
             served = _chat()
-            got = served.run(llm)
+            got = _turns(served, llm, "with zkv")
             moved = {op: n - before.get(op, 0) for op, n in probe.blocks_by_op(block).items()}
             echo("RL weight update (pause, clear, new weights, resume), then the chat again ...")
             update_weights(
@@ -108,12 +121,16 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
                 [probe.frontend],
                 lambda e: e.collective_rpc("reload_weights", kwargs={"weights_path": weights[1]}),
             )
-            after = _chat(probe_ttft=False, turns=2).run(llm)  # every conversation returns once: enough to see
+            after = _turns(_chat(probe_ttft=False, turns=2), llm, "new weights")  # each conversation returns once
             with probe.client() as c:
                 c.pause(timeout=30)
                 llm.reset_prefix_cache()
-                fresh = _chat(probe_ttft=False, turns=2).run(llm)
+                fresh = _turns(_chat(probe_ttft=False, turns=2), llm, "recompute")
                 c.resume(timeout=30)
+        except BaseException:
+            if log is not None:
+                echo(f"vLLM's own output ended with ({log}):\n{tail(log)}")
+            raise
         finally:
             stop_engine(llm)
     same = sum(a == b for a, b in zip(got, want))
@@ -148,5 +165,6 @@ def run_vllm_demo(echo: Callable[[str], None] = print) -> bool:
 
 
 if __name__ == "__main__":
-    quiet_vllm_logging(say=print)
-    raise SystemExit(0 if run_vllm_demo() else 1)
+    _log = log_path("vllm-demo")
+    _quiet = quiet_vllm_logging(say=print, log=_log)
+    raise SystemExit(0 if run_vllm_demo(log=_log if _quiet else None) else 1)

@@ -10,11 +10,12 @@ reserves most of the machine's memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -35,20 +36,25 @@ VLLM_QUIET_LEVEL = "ERROR"
 
 
 def quiet_vllm_logging(
-    say: Callable[[str], None] | None = None, environ: MutableMapping[str, str] | None = None
+    say: Callable[[str], None] | None = None,
+    environ: MutableMapping[str, str] | None = None,
+    log: Path | None = None,
 ) -> bool:
     """Quiet vLLM's own logging for a zkv command: hundreds of INFO and WARNING lines
     around a few lines of results.  Sets ``VLLM_LOGGING_LEVEL=ERROR`` unless the user
     set ``VLLM_LOGGING_LEVEL`` or ``VLLM_CONFIGURE_LOGGING`` (theirs stands), and tells
-    ``say`` how to see it all.  vLLM reads it when it is imported and its engine
-    processes inherit it, so call this before anything imports vllm.  True: it set it."""
+    ``say`` how to see it all (and that the rest of vLLM's output goes to ``log``, where
+    the command puts it: ``output.vllm_output_to``).  vLLM reads it when it is imported
+    and its engine processes inherit it, so call this before anything imports vllm.
+    True: it set it."""
     env = os.environ if environ is None else environ
     if "VLLM_LOGGING_LEVEL" in env or "VLLM_CONFIGURE_LOGGING" in env:
         return False
     env["VLLM_LOGGING_LEVEL"] = VLLM_QUIET_LEVEL
     if say is not None:
+        where = f", the rest of its output goes to {log}" if log is not None else ""
         say(
-            f"vLLM logs errors only here (VLLM_LOGGING_LEVEL={VLLM_QUIET_LEVEL});"
+            f"vLLM logs errors only here (VLLM_LOGGING_LEVEL={VLLM_QUIET_LEVEL}){where};"
             " set VLLM_LOGGING_LEVEL=INFO to see all of its logging"
         )
     return True
@@ -89,8 +95,23 @@ def write_llama(directory: str | Path, shape: ModelShape, seed: int) -> str:
     model = LlamaForCausalLM(cfg)
     for p in model.parameters():  # wider weights than the default init: tokens that depend on every layer
         p.data.normal_(0.0, 0.1)
-    model.save_pretrained(str(directory))
+    with _no_progress_bars():
+        model.save_pretrained(str(directory))
     return str(directory)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers draws a bar for a one-file checkpoint it writes in milliseconds: not here."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def zkv_transfer(bus_dir: str | Path, **extra: Any) -> dict[str, Any]:
@@ -99,13 +120,14 @@ def zkv_transfer(bus_dir: str | Path, **extra: Any) -> dict[str, Any]:
         "kv_connector": "ZkvConnector",
         "kv_connector_module_path": "zkv.engines.vllm.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"bus_dir": str(bus_dir), **extra},
     }
 
 
 def floor_transfer(cpu_blocks: int) -> dict[str, Any]:
     """vLLM's own OffloadingConnector on the in-process torch-copy spec
-    (``vllm_floor.py``): the floor of any offload backend here."""
+    (``floor.py``): the floor of any offload backend here."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -151,8 +173,17 @@ def start_engine(
 
 
 def stop_engine(llm: Any) -> None:
-    """End the engine's processes now (not at interpreter exit)."""
+    """End the engine's processes now (not at interpreter exit), and remove what they leave
+    in /dev/shm (``leftovers.py``: what no live process holds once they are gone)."""
+    from . import leftovers
+
+    children = leftovers.descendants(os.getpid())
+    held = leftovers.held_by(children)
     llm.llm_engine.engine_core.shutdown()
+    deadline = time.monotonic() + 10.0
+    for pid in children:
+        leftovers.gone_within(pid, deadline - time.monotonic())
+    leftovers.remove_unheld(held)  # what it left: no live process holds it
 
 
 def greedy(llm: Any, prompt: Sequence[int], max_tokens: int = 16) -> tuple[list[int], float]:
@@ -197,10 +228,11 @@ class Chat:
     def _words(self, n: int) -> list[int]:
         return [self._rng.randrange(1, self.vocab) for _ in range(n)]
 
-    def run(self, llm: Any) -> list[list[int]]:
+    def run(self, llm: Any, on_turn: Callable[[], Any] | None = None) -> list[list[int]]:
         """Every turn of every conversation, round robin; the outputs in order.
         Replies join the conversation, so a run is only comparable with a run
-        of a fresh ``Chat`` of the same seed."""
+        of a fresh ``Chat`` of the same seed.  ``on_turn``: called after each turn
+        (a progress bar's step)."""
         outputs = []
         for turn in range(self.turns):
             for c in range(self.conversations):
@@ -211,6 +243,8 @@ class Chat:
                 out, _ = greedy(llm, self.history[c], self.reply_tokens)
                 outputs.append(out)
                 self.history[c] += out
+                if on_turn is not None:
+                    on_turn()
         return outputs
 
 

@@ -18,17 +18,22 @@ from typing import Any, Callable
 from ...client.client import Client
 from ...cycle.http import VllmServer
 from ...cycle.servers import ReloadWeights, ServerFleet, ServerSpec
+from .output import ticking
 from .rig import ModelShape, write_llama
 from .servers import ServerProc, complete
 
 
 def _start(root: Path, model: str, n: int, say: Callable[[str], None]) -> list[ServerProc]:
     servers = [ServerProc(f"engine-{i}", model, root) for i in range(n)]
-    say(f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server) ...")
+    say(
+        f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server; their logs:"
+        f" {root}/engine-N-server.log) ..."
+    )
     for s in servers:
         s.start()
-    for s in servers:
-        s.wait_ready()
+    with ticking("  starting the servers"):
+        for s in servers:
+            s.wait_ready()
     return servers
 
 

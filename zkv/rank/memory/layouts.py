@@ -7,7 +7,7 @@ tensors' names and shapes); here are only the layouts zkv itself defines:
 - ``per_layer``: any named tensors whose dim 0 is the block dimension
   (block-major caches, MLA ``[blocks, bs, d]``, a cross-layer tensor);
 - ``zkv_native``: zkv's own per layer K and V ``[blocks, kv_heads, block_size,
-  head_dim]`` (slices of one ``[2*layers, blocks, ...]`` store, owned.py).
+  head_dim]`` (slices of one ``[2*layers, blocks, ...]`` store, ``rank/sources.py``).
 """
 
 from __future__ import annotations

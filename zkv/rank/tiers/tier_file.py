@@ -41,7 +41,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable, Iterator
+from typing import Any, Collection, Hashable, Iterator
 
 import numpy as np
 
@@ -100,7 +100,7 @@ class TierPlace:
 
 def journal_path(directory: str | Path, bus: str) -> Path:
     """Where an engine that keeps an index of a bus's tier files writes it (a vLLM
-    engine's journal, ``engines/vllm/journal.py``): beside them, gone with them."""
+    engine's journal, ``rows/journal.py``): beside them, gone with them."""
     return Path(directory) / f"zkv-index-{bus}.journal"
 
 
@@ -336,11 +336,15 @@ def remove_tier(path: Path, dry_run: bool = False) -> bool:
         os.close(fd)
 
 
-def clean_tiers(directory: str = DEFAULT_DIR, bus: str | None = None, dry_run: bool = False) -> list[Path]:
-    """Remove every tier file (of ``bus``, when given) that no live process holds; return their paths
-    (``dry_run``: those it would remove, removing none)."""
+def clean_tiers(
+    directory: str = DEFAULT_DIR, bus: str | None = None, dry_run: bool = False, keep: Collection[Path] = ()
+) -> list[Path]:
+    """Remove every tier file (of ``bus``, when given) that no live process holds, but those in
+    ``keep``; return their paths (``dry_run``: those it would remove, removing none)."""
     removed = []
     for info in list_tiers(directory):
+        if info.path in keep:
+            continue
         if not info.owned and (bus is None or info.bus == bus) and remove_tier(info.path, dry_run):
             removed.append(info.path)
             # A vLLM engine's journal of this bus names rows of the file: it goes with it.

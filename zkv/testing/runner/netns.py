@@ -259,18 +259,21 @@ def outcome(out):
             "ranks": {str(r): {"outcome": res.get("outcome"), "digests": [d.hex() for d in res.get("digests", [])]}
                       for r, res in out.per_rank.items()}}
 
+def keyed(a):  # a put's or get's keys (hex in the JSON line) and namespace, for Client.submit
+    return {"keys": [bytes.fromhex(k) for k in a["keys"]], "ns": a["ns"]} if a.get("keys") else {}
+
 def call(method, a):
     op = method
     if op == "reply_to":
         return client.reply_to
     if op == "submit":
         return client.submit(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0),
-                             tier=a.get("tier"), seed=a.get("seed"))
+                             tier=a.get("tier"), seed=a.get("seed"), **keyed(a))
     if op == "wait":
         return outcome(client.wait(a["task"], a.get("timeout")))
     if op == "run":
         return outcome(client.run(a["op"], a.get("src"), a.get("dst"), a.get("timeout", 10.0),
-                                  tier=a.get("tier"), seed=a.get("seed")))
+                                  tier=a.get("tier"), seed=a.get("seed"), **keyed(a)))
     if op == "send_request":
         return client.send_request(a.pop("kind"), **a)
     if op == "await_reply":

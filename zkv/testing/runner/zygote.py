@@ -98,6 +98,11 @@ class Zygote:
         self._exits: dict[int, int] = {}  # exits heard before their proc was filed
         self._spawned: list[int] = []
 
+    @property
+    def pid(self) -> int:
+        """The zygote process's pid (a test that freezes it sees workers' exits go unreported)."""
+        return self._proc.pid
+
     def spawn(self, argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> ZygoteProc:
         """Fork a ``zkv`` command (``argv`` after ``zkv``) with ``env``; stdout / stderr as Popen's."""
         fds, opened = [], []
@@ -163,6 +168,11 @@ class Zygote:
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
+
+
+def current() -> Zygote | None:
+    """This process's zygote, if one was started."""
+    return _zygote
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], stdout: Any = None, stderr: Any = None) -> ZygoteProc:

@@ -1,0 +1,5 @@
+"""Moved to ``zkv.rank.tiers.tier_file`` in zkv 0.2; this path stops working in zkv 0.3."""
+
+from zkv.wire.moved import moved
+
+moved(globals(), "zkv.rank.tiers.tier_file")
