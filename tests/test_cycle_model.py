@@ -53,6 +53,7 @@ class SimEngine:
     hung: bool = False
     bus: str = "running"
     kept: bool = False  # the bus's last clear kept its CPU tier (a reset then keeps the rows)
+    named: str | None = None  # the name its bus's last clear without keep_cpu gave the weights
     rows: list[str] = field(default_factory=list)  # zkv's tier rows: the weights each was computed under
     vcache: set[str] = field(default_factory=set)  # the engine's own prefix cache
     fault: str = "ok"  # what the next call meets
@@ -138,12 +139,14 @@ class SimEngine:
         if self.bus == "running":
             self.bus = "paused"
 
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
+    def clear_bus(self, keep_cpu: bool, timeout: float, weights: str | None = None) -> Tiers:
         self._enter(bus=True)
         if self.bus == "running":
             raise StepFailed("not_paused", Reach.BUS)
         if self.bus == "paused":
             self.bus = "cleared"
+            if not keep_cpu:
+                self.named = weights  # whose the KV stored from now on is (the bus says it)
             if self.clears_before_update or not keep_cpu:
                 self.rows.clear()  # a prefix manager forgets every block at any clear
             else:
@@ -421,6 +424,9 @@ class CycleModel(RuleBasedStateMachine):
         for name, e in self.engines.items():
             assert e.serving and e.version == self.target, (e, report.describe())
             assert e.label == self.plan.target_label
+            if report.engines[name].tiers is Tiers.DROPPED and not e.clears_before_update:
+                # every engine the cycle cleared names the new weights alike: they go on sharing
+                assert e.named == self.plan.target_label, (name, e.named, report.describe())
             if report.weights_changed is False and not e.clears_before_update:
                 assert report.engines[name].tiers is Tiers.KEPT, ("measured unchanged: kept", report.describe())
 

@@ -46,7 +46,7 @@ LAYOUT = {"layers": 2, "gpu_blocks": 64}
 BASE = {  # one valid map of each kind, every optional field present
     "submit": {"task": 1, "reply_to": REPLY_TO, "timeout_ms": 5000, "reply_key": Z85_KEY, "batch_results": True},
     "pause": {"req": 1, "timeout_ms": 5000},
-    "clear": {"req": 2, "timeout_ms": 5000, "keep_cpu": True},
+    "clear": {"req": 2, "timeout_ms": 5000, "keep_cpu": True, "weights": "step-1"},
     "resume": {"req": 3, "timeout_ms": 5000, "layout": {"gpu_blocks": 32}},
     "status": {"req": 4, "wait_ranks": 2, "timeout_ms": 100},
     "ping": {"req": 5},
@@ -849,3 +849,9 @@ def test_absent_optionals_are_left_out_never_nil(kind):
     assert set(msg) == {*required, "v", "kind"} and None not in msg.values()
     nils = dict.fromkeys(P.SCHEMAS[kind][1])
     assert encode(kind, {**required, **nils}) == encode(kind, required)
+
+
+def test_a_name_of_the_weights_is_one_line_of_text():
+    assert typed_path("clear", frame_of("clear", BASE["clear"], weights="step-1 (run 7)"))
+    for bad in ("", "a\nb", "\x7f", "x" * 257):
+        assert not typed_path("clear", frame_of("clear", BASE["clear"], weights=bad))

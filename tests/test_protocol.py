@@ -293,6 +293,8 @@ def _field(kind, name, typ):
         return st.lists(st.binary(min_size=16, max_size=16), max_size=4)
     if name == "kept_tiers":
         return st.lists(st.sampled_from(["cpu", "disk"]), max_size=2)
+    if name in P.STR_PATTERN:
+        return st.from_regex(P.STR_PATTERN[name]).filter(lambda s: len(s) <= P.STR_MAX[name])
     if typ == "bin":
         return st.binary(max_size=64)
     if name == "layout":  # typed where it enters: a whole valid layout, or a resume's changes to one

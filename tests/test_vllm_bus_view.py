@@ -41,12 +41,14 @@ def test_pauses_clears_and_resumes_are_heard_from_the_broadcasts(tmp_path):
             assert view.serving
             ctl.pause()
             assert hear(view, 1) is False and not view.serving, "a pause stops serving with no round trip"
-            ctl.clear()
+            ctl.clear(weights="step-2")
             assert hear(view, 1) is False and not view.serving
             before = (view.gen, view.cpu_gen)
+            assert view.weights is None
             ctl.resume()
             assert hear(view, 1) is True and view.serving, "a resume is checked: the clear moved the generations"
             assert (view.gen, view.cpu_gen) != before
+            assert view.weights == "step-2", "with the name the clear gave the weights"
         finally:
             view.close()
             client.close()

@@ -79,6 +79,20 @@ def test_identities_differ_by_every_field_and_moved_weights_are_never_a_checkpoi
     assert IDENTITY.differs(moved) == ["weights"]
 
 
+def test_engines_a_clear_named_the_weights_of_share_one_namespace_and_unnamed_ones_share_none():
+    from zkv.rows.records import TierRecords
+
+    a, b = TierRecords(IDENTITY, {}), TierRecords(IDENTITY.with_weights("step-1"), {})
+    for records in (a, b):  # one cycle cleared both buses under its label
+        records.forget(moved=True, weights="step-2")
+    assert a.identity.weights == b.identity.weights == "version:step-2"
+    assert a.identity.namespace() == b.identity.namespace() == IDENTITY.with_weights("step-2").namespace()
+    a.forget(moved=True, weights=None)  # a clear that named nothing: weights of its own
+    assert a.identity.weights.startswith("version:step-2+moved-") and a.identity.namespace() != b.identity.namespace()
+    b.forget(moved=False, weights="step-3")  # the same weights (their tiers came back elsewhere): no new name
+    assert b.identity.weights == "version:step-2"
+
+
 def test_the_checkpoint_version_follows_the_files_not_the_path(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"w" * 64)
     (tmp_path / "config.json").write_text("{}")

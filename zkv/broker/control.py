@@ -75,7 +75,7 @@ class ControlMachine:
         pending = self.pending
         if pending is None:
             return False
-        refusal = join_refusal(pending, op, msg, self.gens.layout, self.op_keep_cpu)
+        refusal = join_refusal(pending, op, msg, self.gens.layout, self.op_keep_cpu, self.gens.weights)
         if refusal is not None:
             self._refuse(op, client, msg, refusal, out)
         else:
@@ -110,6 +110,13 @@ class ControlMachine:
         self.begin([(client, msg.req)], self.cfg.timeout_s(msg.timeout_ms), ControlOp.PAUSE, now, out)
 
     def clear(self, client: bytes, msg: Clear, now: float, out: list[Action]) -> None:
+        if msg.weights is not None and msg.keep_cpu:
+            why = "weights names new weights: a clear that keeps the CPU tier keeps the weights its blocks are of"
+            self._refuse(ControlOp.CLEAR, client, msg, Refusal("bad_field", why), out)
+            return
+        if msg.weights is not None and self.state == BusState.CLEARED and self.pending is None:
+            if not self.gens.keep_cpu:  # nothing of any weights is held: the name is taken as it is
+                self.gens.weights = msg.weights
         if self._starts_no_op(ControlOp.CLEAR, client, msg, now, out):
             return
         try:
@@ -119,7 +126,7 @@ class ControlMachine:
             return
         cancelled = self.tasks.cancel_queued("caches were cleared while the task was queued", now, out)
         keep_cpu = bool(msg.keep_cpu)
-        self.gens.cleared(keep_cpu, f"clear epoch {self.epoch + 1} freed the caches")
+        self.gens.cleared(keep_cpu, f"clear epoch {self.epoch + 1} freed the caches", msg.weights)
         # The op's books go in before the first check: with no live rank the
         # clear completes inside begin.
         timeout_s = self.cfg.timeout_s(msg.timeout_ms)

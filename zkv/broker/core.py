@@ -427,6 +427,7 @@ class BrokerCore:
             gen=gens.gen,
             cpu_gen=gens.cpu_gen,
             gen_reason=gens.reason,
+            weights=gens.weights,
             world=self.cfg.world,
             layout=gens.layout,
             ranks=tuple(ranks[r].to_status(now) for r in sorted(ranks)),

@@ -40,6 +40,11 @@ class Generation:
         self.cpu_lost: list[int] = []  # ranks whose resume could not keep the CPU tier
         self.cpu_gen = 0  # the CPU tier's generation: moves only when CPU content is gone
         self.cpu_used = False  # a task was dispatched at this CPU generation
+        # The name the last clear without keep_cpu gave the weights the engines serve after it (a
+        # trainer's version, a cycle's label; None: unnamed).  The CPU generation says the blocks are
+        # gone; this says whose the next ones are, so that engines of one fleet cleared by one cycle
+        # name their new KV alike (docs/protocol.md §8.2).
+        self.weights: str | None = None
 
     def mark_used(self) -> None:
         self.used = self.cpu_used = True
@@ -71,13 +76,15 @@ class Generation:
         """Likewise for the CPU generation of a kept tier."""
         self.cpu_gen, self.cpu_used = _within(cpu_gen), True
 
-    def cleared(self, keep_cpu: bool, reason: str) -> None:
-        """A clear begins: the GPU blocks are gone at a new generation."""
+    def cleared(self, keep_cpu: bool, reason: str, weights: str | None = None) -> None:
+        """A clear begins: the GPU blocks are gone at a new generation; one without
+        ``keep_cpu`` names the weights after it (``weights``, None: unnamed)."""
         self.move(self.gen + 1, reason)
         self.keep_cpu = keep_cpu
         self.cpu_lost = []
         if not keep_cpu:
             self.move_cpu()
+            self.weights = weights
 
     def reallocated(self, reason: str) -> None:
         """A resume from cleared failed: some ranks may have allocated, so a new
@@ -116,6 +123,7 @@ class Generation:
         self.cpu_used = snap.get("cpu_used", True)
         self.reason = snap.get("gen_reason", "")
         self.keep_cpu = bool(snap.get("keep_cpu")) and cleared
+        self.weights = snap.get("weights")
         self.layout = CacheLayout.from_wire(snap["layout"]) if snap.get("layout") else None
 
     def is_acked_layout(self, acked: CacheLayout | None, named: CacheLayout) -> bool:

@@ -23,13 +23,18 @@ def _named(layout: CacheLayout | None) -> str:
 
 
 def join_refusal(
-    pending: PendingOp, op: ControlOp, msg: Request, current: CacheLayout | None, keep_cpu: bool
+    pending: PendingOp,
+    op: ControlOp,
+    msg: Request,
+    current: CacheLayout | None,
+    keep_cpu: bool,
+    weights: str | None = None,
 ) -> Refusal | None:
     """None when ``msg`` may join ``pending``, else why not: a failed resume
     rolling back, another op, or the same op asking for something else (a
     resume naming another layout, a clear with another ``keep_cpu``).
     ``current``: the bus's layout (a resume's changes merge over it);
-    ``keep_cpu``: the clear in progress keeps the CPU tier."""
+    ``keep_cpu``: the clear in progress keeps the CPU tier; ``weights``: the name it gave the weights."""
     if pending.failure is not None:
         return Refusal("busy", "a failed resume is rolling back on the ranks; retry when it completes")
     if pending.op != op:
@@ -49,6 +54,11 @@ def join_refusal(
         return Refusal(
             "busy",
             f"clear epoch {pending.epoch} with keep_cpu={keep_cpu} is in progress; retry when it completes",
+        )
+    if isinstance(msg, Clear) and msg.weights is not None and msg.weights != weights:
+        return Refusal(
+            "busy",
+            f"clear epoch {pending.epoch} naming the weights {weights!r} is in progress; retry when it completes",
         )
     return None
 

@@ -59,6 +59,7 @@ class Recovery:
             "gen_reason": gens.reason,
             "cpu_gen": gens.cpu_gen,
             "cpu_used": gens.cpu_used,
+            "weights": gens.weights,
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -81,6 +82,7 @@ class Recovery:
             gens.reason,
             gens.cpu_gen,
             gens.cpu_used,
+            gens.weights,
             control.pending.previous_state if control.pending is not None else None,
         )
         if key != self.saved_key:

@@ -62,6 +62,9 @@ def check_snapshot(data: Any) -> dict[str, Any]:
         raise ValueError("layout must be an object or null")
     if not isinstance(data.get("gen_reason", ""), str):
         raise ValueError("gen_reason must be a string")
+    weights = data.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not 0 < len(weights) <= 256):
+        raise ValueError("weights must be null or a string of 1-256 characters")
     return data
 
 

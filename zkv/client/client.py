@@ -353,8 +353,15 @@ class Client:
     def pause(self, timeout: float = 30.0) -> ControlReply:
         return self._control(ControlOp.PAUSE, timeout)
 
-    def clear(self, keep_cpu: bool = False, timeout: float = 30.0) -> ControlReply:
-        reply = self._control(ControlOp.CLEAR, timeout, keep_cpu=keep_cpu)
+    def clear(self, keep_cpu: bool = False, timeout: float = 30.0, weights: str | None = None) -> ControlReply:
+        """Free the caches (``keep_cpu``: all but the CPU tier).  ``weights``: a name for the
+        weights the engines serve after a clear without ``keep_cpu`` (a trainer's version),
+        which ``status`` says until the next such clear: engines of one identity cleared under
+        one name go on sharing what they store (docs/protocol.md §8.2)."""
+        fields: dict[str, Any] = {"keep_cpu": keep_cpu}
+        if weights is not None:
+            fields["weights"] = weights
+        reply = self._control(ControlOp.CLEAR, timeout, **fields)
         reason = "caches were cleared (zkv clear) before the task's result arrived"
         for out in self.book.cleared(reply.gen, reason, time.monotonic(), reply.cpu_gen):
             self.finished[out.task] = out

@@ -41,8 +41,11 @@ class LinkedBus:
     def pause(self, timeout: float) -> None:
         self._ask(ControlOp.PAUSE, {}, timeout)
 
-    def clear(self, keep_cpu: bool, timeout: float) -> Tiers:
-        self._ask(ControlOp.CLEAR, {"keep_cpu": bool(keep_cpu)}, timeout)
+    def clear(self, keep_cpu: bool, timeout: float, weights: str | None = None) -> Tiers:
+        fields: dict[str, Any] = {"keep_cpu": bool(keep_cpu)}
+        if weights is not None and not keep_cpu:
+            fields["weights"] = weights
+        self._ask(ControlOp.CLEAR, fields, timeout)
         return Tiers.KEPT if keep_cpu else Tiers.DROPPED
 
     def resume(self, timeout: float) -> None:
@@ -67,10 +70,10 @@ class WithBus:
         if self.bus is not None:
             self.bus.pause(timeout)
 
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
+    def clear_bus(self, keep_cpu: bool, timeout: float, weights: str | None = None) -> Tiers:
         if self.bus is None:
             return Tiers.UNTOUCHED
-        return self.bus.clear(keep_cpu, timeout)
+        return self.bus.clear(keep_cpu, timeout, weights)
 
     def resume_bus(self, timeout: float) -> None:
         if self.bus is not None:

@@ -78,8 +78,10 @@ class Engine(Protocol):
 
     def pause_bus(self, timeout: float) -> None: ...
 
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
-        """What the clear did to the tiers (a prefix manager forgets every block at any clear)."""
+    def clear_bus(self, keep_cpu: bool, timeout: float, weights: str | None = None) -> Tiers:
+        """What the clear did to the tiers (a prefix manager forgets every block at any clear).
+        ``weights``: the name of the weights served after a clear without ``keep_cpu`` (the
+        cycle's label), so that the engines of one cycle name their new KV alike."""
         ...
 
     def resume_bus(self, timeout: float) -> None: ...

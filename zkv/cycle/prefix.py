@@ -49,7 +49,7 @@ class ControlBus(Protocol):
 
     def pause(self, timeout: float = ...) -> Any: ...
 
-    def clear(self, keep_cpu: bool = ..., timeout: float = ...) -> Any: ...
+    def clear(self, keep_cpu: bool = ..., timeout: float = ..., weights: str | None = ...) -> Any: ...
 
     def resume(self, layout: dict | None = ..., timeout: float = ...) -> Any: ...
 
@@ -88,8 +88,10 @@ def _pause(client: ControlBus, manager: Manager, timeout: float) -> tuple[Any, i
     return paused, manager.on_bus_drained()
 
 
-def _clear(client: ControlBus, manager: Manager, keep_cpu: bool, timeout: float) -> Any:
+def _clear(client: ControlBus, manager: Manager, keep_cpu: bool, timeout: float, weights: str | None = None) -> Any:
     try:
+        if weights is not None and not keep_cpu:
+            return client.clear(keep_cpu=False, timeout=timeout, weights=weights)
         return client.clear(keep_cpu=keep_cpu, timeout=timeout)
     finally:
         manager.set_cleared()
@@ -185,9 +187,9 @@ class PrefixEngine:
         except Exception as err:
             raise _bus_failed(err) from None
 
-    def clear_bus(self, keep_cpu: bool, timeout: float) -> Tiers:
+    def clear_bus(self, keep_cpu: bool, timeout: float, weights: str | None = None) -> Tiers:
         try:
-            _clear(self.client, self.manager, keep_cpu, timeout)
+            _clear(self.client, self.manager, keep_cpu, timeout, weights)
         except Exception as err:
             raise _bus_failed(err) from None
         return Tiers.DROPPED  # the manager forgets every block at a clear

@@ -76,7 +76,7 @@ ACTIONS: dict[Step, Callable[[Engine, Call, CyclePlan], Any]] = {
     Step.UPDATE: _update,
     Step.CHECKSUM_AFTER: lambda e, c, p: e.weights(c.timeout),
     Step.COMMIT: _label,
-    Step.DROP_TIERS: lambda e, c, p: e.clear_bus(False, c.timeout),
+    Step.DROP_TIERS: lambda e, c, p: e.clear_bus(False, c.timeout, p.target_label),
     Step.KEEP_TIERS: lambda e, c, p: e.clear_bus(True, c.timeout),
     Step.RESUME_BUS: lambda e, c, p: e.resume_bus(c.timeout),
     Step.RESET: _reset,

@@ -82,10 +82,14 @@ class Fleet:
             raise ValueError(f"on_failure {on_failure!r}: one of {', '.join(ON_FAILURE)}")
         return self._run(ControlOp.PAUSE, {}, timeout, on_failure, rollback_timeout)
 
-    def clear(self, keep_cpu: bool = False, timeout: float | None = None) -> FleetReport:
+    def clear(self, keep_cpu: bool = False, timeout: float | None = None, weights: str | None = None) -> FleetReport:
         """Free every bus's caches (each must be paused); ``FleetError`` names the
-        buses that did not clear.  Run it again to finish: cleared buses answer noop."""
-        return self._run(ControlOp.CLEAR, {"keep_cpu": bool(keep_cpu)}, timeout)
+        buses that did not clear.  Run it again to finish: cleared buses answer noop.
+        ``weights``: one name for the weights every bus serves after (``Client.clear``)."""
+        fields: dict[str, Any] = {"keep_cpu": bool(keep_cpu)}
+        if weights is not None:
+            fields["weights"] = weights
+        return self._run(ControlOp.CLEAR, fields, timeout)
 
     def resume(self, layout: Mapping[str, Any] | None = None, timeout: float | None = None) -> FleetReport:
         """Serve again on every bus (``layout``: changes for every bus, after a

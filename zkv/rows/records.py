@@ -95,14 +95,16 @@ class TierRecords:
         if journal is not None:
             journal.flush_drops()
 
-    def forget(self, moved: bool) -> None:
+    def forget(self, moved: bool, weights: str | None = None) -> None:
         """Nothing recorded is served any more; ``moved``: the weights may have changed
-        in place, so what is written from now on is under weights no checkpoint holds."""
+        in place, so what is written from now on is under the weights the clear named
+        (``weights``: every engine the same cycle cleared names them alike) or, unnamed,
+        under weights no checkpoint holds."""
         self.cpu_gen = None
         for journal in self.journals.values():
             journal.remove()
         if moved:
-            self.identity = self.identity.moved()
+            self.identity = self.identity.with_weights(weights) if weights else self.identity.moved()
 
     def close(self) -> None:
         for journal in self.journals.values():

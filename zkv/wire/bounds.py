@@ -29,7 +29,9 @@ DIGEST_BYTES = 16  # one checksum digest (a bin of 16 bytes, 18 with its header)
 MAX_KEY_BYTES = 255  # one key of a keyed move (a block hash: tens of bytes); it travels behind one length byte
 MAX_NS = 64  # a keyed move's namespace: an identity's digest
 MAX_STR = 4096  # any str field, in characters (what the bus sends too: error reasons are clamped to it)
-STR_MAX = {"host": 255}  # str fields bounded lower than MAX_STR (POSIX HOST_NAME_MAX)
+STR_MAX = {"host": 255, "weights": 256}  # str fields bounded lower than MAX_STR (host: POSIX HOST_NAME_MAX)
+#: str fields whose every character is checked: a name of the weights (clear's) is one line of text
+STR_PATTERN = {"weights": r"\A[^\x00-\x1f\x7f]+\Z"}
 MAX_ECHO = 64  # characters of a peer's value an error reason quotes, then an ellipsis
 MAX_ADDRESS = 512  # reply_to
 MAX_NEST_DEPTH = 4  # maps / lists enclosing any value of a map / list field, the field's own counted

@@ -57,6 +57,9 @@ _Z85_KEY = r"\A[%s]{%d}\Z" % (
 def _str(name: str) -> Any:
     if name == "reply_key":  # the check validate() makes of a reply_key wherever its schema names one
         return _Annotated[str, msgspec.Meta(max_length=P.MAX_STR, pattern=_Z85_KEY)]
+    pattern = P.STR_PATTERN.get(name)
+    if pattern is not None:
+        return _Annotated[str, msgspec.Meta(max_length=P.STR_MAX[name], pattern=pattern)]
     return _Annotated[str, msgspec.Meta(max_length=P.STR_MAX.get(name, P.MAX_STR))]
 
 

@@ -49,6 +49,9 @@ HeartbeatMs = Annotated[int, msgspec.Meta(ge=UINT_MIN["heartbeat_ms"], le=UINT_M
 ByteCount = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["bytes"])]
 Freed = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["freed"])]
 Pid = Annotated[int, msgspec.Meta(ge=0, le=UINT_MAX["pid"])]
+#: a clear's name for the weights the engines serve after it (a trainer's version, a cycle's label):
+#: 1-256 characters, none of them a control character
+WeightsName = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -125,6 +128,7 @@ class Clear(Message, frozen=True):
     req: Uint
     timeout_ms: TimeoutMs | None = None
     keep_cpu: bool | None = None
+    weights: WeightsName | None = None  # the weights served after this clear (one without keep_cpu)
     v: int = _V
     kind: Literal["clear"] = _kind("clear")
 

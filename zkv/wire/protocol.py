@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 import enum
+import re
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Any, Iterable, Sequence, TypeVar, Union, get_args, get_origin
@@ -34,6 +35,7 @@ from .bounds import (
     MAX_STR,
     MAX_TIER_NAME,
     STR_MAX,
+    STR_PATTERN,
     Z85_KEY_LEN,
     uint_bounds,
 )
@@ -182,6 +184,9 @@ def _check_str(kind: str, name: str, value: Any) -> bool:
     most = STR_MAX.get(name, MAX_STR)
     if len(value) > most:
         raise ProtocolError("bad_field", f"{kind}.{name} is longer than {most} characters")
+    pattern = STR_PATTERN.get(name)
+    if pattern is not None and not re.match(pattern, value):
+        raise ProtocolError("bad_field", f"{kind}.{name} must be 1-{most} characters, none a control character")
     allowed = ENUMS.get((kind, name))
     if allowed is not None and value not in allowed:
         raise ProtocolError("bad_field", f"{kind}.{name} must be one of {', '.join(allowed)}, got {shown(value)}")

@@ -272,6 +272,7 @@ class StatusReply(_Answer):
     gen: int = 0
     cpu_gen: int | None = None
     gen_reason: str = ""
+    weights: str | None = None  # the name the last clear without keep_cpu gave the weights (None: none)
     world: int = 0
     layout: CacheLayout | None = None  # None until a rank registered
     ranks: tuple[RankStatus, ...] = ()
@@ -298,6 +299,7 @@ class StatusReply(_Answer):
             "gen": self.gen,
             "cpu_gen": self.cpu_gen,
             "gen_reason": self.gen_reason,
+            "weights": self.weights,
             "world": self.world,
             "layout": self.layout.to_wire() if self.layout else None,
             "ranks": [r.to_wire() for r in self.ranks],
@@ -323,6 +325,7 @@ class StatusReply(_Answer):
             gen=x.get("gen", 0),
             cpu_gen=x.get("cpu_gen"),
             gen_reason=x.get("gen_reason") or "",
+            weights=x.get("weights"),
             world=x.get("world", 0),
             layout=CacheLayout.from_wire(layout) if layout else None,
             ranks=tuple(RankStatus.from_wire(r) for r in x.get("ranks") or ()),

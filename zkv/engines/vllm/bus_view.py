@@ -56,6 +56,7 @@ class BusView:
         self.serving = False
         self.gen: int | None = None
         self.cpu_gen: int | None = None
+        self.weights: str | None = None  # the name the bus's last clear gave the weights (status's ``weights``)
         self.epoch: int | None = None  # of the last control broadcast heard
         self.heard = 0  # control broadcasts that changed what the view knew
         self._pending: tuple[int, float] | None = None  # (req, sent at) of a status not answered yet
@@ -128,6 +129,7 @@ class BusView:
         self.serving = st.state == BusState.RUNNING and len(st.alive_ranks) >= self.world
         moved = (st.gen, st.cpu_gen) != (self.gen, self.cpu_gen)
         self.gen, self.cpu_gen = st.gen, st.cpu_gen
+        self.weights = st.weights
         return moved
 
     def _unanswered(self, now: float, why: str) -> bool:

@@ -329,7 +329,7 @@ class ZkvOffloadManager(OffloadingManager):
         if self.index.records is not None:
             # zkv learns the weights may have changed only this way (``moved``): what is stored
             # from now on is under weights no checkpoint holds, so it never outlives this engine.
-            self.index.records.forget(moved)
+            self.index.records.forget(moved, self.bus.weights)
             if self.shared is not None:  # nor is it shared with engines of the old weights, whose blocks go
                 self.shared.use(self.index.records.identity.namespace(), retire_old=moved)
         if gone:
