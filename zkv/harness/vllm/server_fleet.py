@@ -19,12 +19,15 @@ from ...client.client import Client
 from ...cycle.http import VllmServer
 from ...cycle.servers import ReloadWeights, ServerFleet, ServerSpec
 from .output import ticking
-from .rig import ModelShape, write_llama
+from .rig import BLOCK_TOKENS, BusProbe, ModelShape, write_llama
 from .servers import ServerProc, complete
+from .shared_bench import store_counts, wait_grown
 
 
-def _start(root: Path, model: str, n: int, say: Callable[[str], None]) -> list[ServerProc]:
-    servers = [ServerProc(f"engine-{i}", model, root) for i in range(n)]
+def _start(
+    root: Path, model: str, n: int, say: Callable[[str], None], extra: dict[str, Any] | None = None
+) -> list[ServerProc]:
+    servers = [ServerProc(f"engine-{i}", model, root, extra=dict(extra or {})) for i in range(n)]
     say(
         f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server; their logs:"
         f" {root}/engine-N-server.log) ..."
@@ -53,10 +56,39 @@ def recompute(server: ServerProc, prompts: list[list[int]]) -> list[list[int]]:
             c.resume(timeout=30)
 
 
+def _fetched(server: ServerProc, block_bytes: int) -> int:
+    """Blocks ``server`` has fetched from the shared store so far."""
+    return BusProbe(server.bus_dir).blocks_by_op(block_bytes).get("get", 0)
+
+
+def _moves(servers: list[ServerProc], model: str, store: str, seed: int, say: Callable[[str], None]) -> bool:
+    """A conversation's first turn on the first server, its next on the second: served from the
+    host tier they share (blocks fetched), tokens equal to the second's own recompute."""
+    shape, a, b = ModelShape(), servers[0], servers[1]
+    rng = random.Random(seed)
+    first = [rng.randrange(1, shape.vocab) for _ in range(400)]
+    before = store_counts(store)
+    reply = complete(a.url, model, first)
+    want = len(first) // BLOCK_TOKENS - 1
+    wait_grown(store, before, want)  # the first server puts its blocks in its scheduler's steps
+    turn = first + reply + [rng.randrange(1, shape.vocab) for _ in range(40)]
+    fetched = _fetched(b, shape.block_bytes())
+    got = complete(b.url, model, turn)
+    n = _fetched(b, shape.block_bytes()) - fetched
+    same = [got] == recompute(b, [turn])
+    say(
+        f"  a conversation's next turn moved from {a.name} to {b.name}: {n} blocks served from the host tier,"
+        f" tokens equal {b.name}'s own recompute: {same}"
+    )
+    return same and n >= want
+
+
 def demo(say: Callable[[str], None] = print) -> bool:
-    """Two servers serve a chat and go through a cycle to new weights, one whose update fails on
-    one server (rolled back) and one whose checkpoint is not there on one server (refused before
-    anything paused); each report is printed, and the tokens are checked."""
+    """Two servers sharing a host tier serve a chat, move a conversation from one to the other,
+    and go through a cycle to new weights (after which they share again, under the cycle's
+    label), one whose update fails on one server (rolled back) and one whose checkpoint is not
+    there on one server (refused before anything paused); each report is printed, and the
+    tokens are checked."""
     shape = ModelShape()
     rng = random.Random(3)
     prompts = [[rng.randrange(1, shape.vocab) for _ in range(400)] for _ in range(3)]
@@ -64,12 +96,15 @@ def demo(say: Callable[[str], None] = print) -> bool:
     with tempfile.TemporaryDirectory(prefix="zkv-servers-") as tmp:
         root = Path(tmp)
         w0, w1 = (write_llama(root / f"w{i}", shape, seed=i) for i in range(2))
-        servers = _start(root, w0, 2, say)
+        store = f"file://{root / 'host-tier'}?budget=256MiB"
+        servers = _start(root, w0, 2, say, {"store": store, "weights_version": "w0"})
         try:
             for s in servers:
                 say(f"  {s.name}: {s.url}, zkv bus {s.bus} (zkv status --broker {s.bus})")
+            say(f"  a host tier shared by both: {store} (zkv store ls --store '{store}')")
             old = [[complete(s.url, w0, p) for p in prompts] for s in servers]
             say(f"served a chat of {len(prompts)} conversations on each server (weights w0)")
+            ok &= _moves(servers, w0, store, 11, say)
             with _fleet(servers) as fleet:
                 say("cycle 1: every server to the new weights w1")
                 report = fleet.cycle("demo-1", ReloadWeights(w1), rollback=ReloadWeights(w0), new_label="w1")
@@ -79,6 +114,8 @@ def demo(say: Callable[[str], None] = print) -> bool:
                 same = report.outcome == "committed" and new == fresh and new != old
                 say(f"  every server serves w1, tokens equal its recompute on w1: {same}")
                 ok &= same
+                say("  the servers share again under the cycle's label (one namespace for w1):")
+                ok &= _moves(servers, w0, store, 12, say)
                 say(
                     f"cycle 2: an attempt to go to w0 whose update fails on {servers[1].name} (a path that is"
                     " not there, given by a custom update that nothing can check before): it must roll back"

@@ -26,7 +26,24 @@ from .rig import BLOCK_TOKENS, BusProbe, ModelShape, greedy, start_engine, stop_
 TARGETS = {"vs_recompute": 0.5, "vs_own_tier": 1.5}
 
 
-def _wait_stored(store: str, want: int, within: float = 60.0) -> int:
+def store_counts(store: str) -> dict[str, int]:
+    """Values the store holds per namespace."""
+    with closing(open_store(store)) as held:
+        return {ns: n for ns, (n, _) in held.namespaces().items()}
+
+
+def wait_grown(store: str, before: dict[str, int], want: int, within: float = 60.0) -> bool:
+    """Until one namespace holds ``want`` more values than ``before`` (an engine's turn stored;
+    other namespaces may shrink meanwhile, retired); False if not within ``within`` s."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if any(n - before.get(ns, 0) >= want for ns, n in store_counts(store).items()):
+            return True
+        time.sleep(0.05)  # nothing to wait on: the puts are in the engines' scheduler steps
+    return False
+
+
+def wait_stored(store: str, want: int, within: float = 60.0) -> int:
     """Until the store holds at least ``want`` values and no more arrive for a moment (A's
     puts trail its request's end, B's trail its own): read from the store itself, so that
     the wait disturbs neither engine's bus.  Returns how many it holds."""
@@ -79,18 +96,18 @@ def _one(
         warm = words(len(contexts[0]))
         greedy(b, warm, 1)
         greedy(b, warm + words(66), 1)
-        stored = _wait_stored(store, 1)
+        stored = wait_stored(store, 1)
         for context in contexts:
             say(f"shared bench ({kind}): a turn on A, the next on B ...")
             reply = greedy(a, context, 2)[0]
-            stored = _wait_stored(store, stored + len(context) // BLOCK_TOKENS)
+            stored = wait_stored(store, stored + len(context) // BLOCK_TOKENS)
             turn = context + reply + words(64)
             shared.append(ttft(b, turn))  # the prefix from A, through the store
             got = greedy(b, turn, 8)[0]
             # the baseline: a conversation B served itself, its next turn as long, from B's own CPU tier
             mine = words(len(context))
             mine += greedy(b, mine, 2)[0]
-            stored = _wait_stored(store, stored + len(context) // BLOCK_TOKENS)
+            stored = wait_stored(store, stored + len(context) // BLOCK_TOKENS)
             greedy(b, words(len(context)), 1)  # evicts it from B's KV cache
             own.append(ttft(b, mine + words(64)))
             with pb.client() as c:  # zkv out of the way: every lookup misses
