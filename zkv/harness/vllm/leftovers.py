@@ -95,6 +95,12 @@ def gone_within(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
+def holders(pids: Iterable[int]) -> list[int]:
+    """Those of ``pids`` that hold vLLM shm files: an engine's own processes (its core, its
+    workers), not a resource tracker or a server a test started beside it."""
+    return [pid for pid in pids if _held(pid)]
+
+
 def held_by(pids: Iterable[int]) -> set[Path]:
     """The vLLM shm files these processes hold (remembered for ``seen``)."""
     found: set[Path] = set()

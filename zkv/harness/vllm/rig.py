@@ -179,9 +179,10 @@ def stop_engine(llm: Any) -> None:
 
     children = leftovers.descendants(os.getpid())
     held = leftovers.held_by(children)
+    engine = leftovers.holders(children)  # not this process's resource tracker, nor a test's Redis
     llm.llm_engine.engine_core.shutdown()
     deadline = time.monotonic() + 10.0
-    for pid in children:
+    for pid in engine:
         leftovers.gone_within(pid, deadline - time.monotonic())
     leftovers.remove_unheld(held)  # what it left: no live process holds it
 
