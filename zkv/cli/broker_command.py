@@ -16,6 +16,7 @@ from .options import (
     broker_options,
     curve_from,
     curve_options,
+    env_option,
     fail,
     metrics_options,
     record_option,
@@ -89,38 +90,34 @@ def _broker_config(world: int, kw: dict) -> Any:
 
 
 @click.command()
-@click.option(
+@env_option(
     "--frontend",
     default=lambda: _DEFAULT().frontend,
+    show_default=False,
     envvar="ZKV_FRONTEND",
-    show_envvar=True,
     help="Address clients connect to.",
 )
 @endpoint_options
-@click.option(
+@env_option(
     "--world-size",
     type=click.IntRange(1, MAX_WORLD),
     default=2,
-    show_default=True,
     envvar="ZKV_WORLD_SIZE",
-    show_envvar=True,
     help="Ranks a task runs on.",
 )
 @broker_options
 @record_option
-@click.option(
+@env_option(
     "--allow-remote",
     is_flag=True,
     envvar="ZKV_ALLOW_REMOTE",
-    show_envvar=True,
     help="Allow binding non-loopback TCP addresses without CurveZMQ.",
 )
-@click.option(
+@env_option(
     "--state-file",
     type=click.Path(dir_okay=False),
     default=None,
     envvar="ZKV_STATE_FILE",
-    show_envvar=True,
     help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. "
     "Default: broker-state.json beside an ipc:// frontend.",
 )
