@@ -13,6 +13,7 @@ from ..net.endpoints import Endpoints
 from ..wire.bounds import MAX_WORLD
 from .commands import _DEFAULT, endpoint_options, stop_on_signals
 from .options import (
+    broker_config_from,
     broker_options,
     curve_from,
     curve_options,
@@ -70,23 +71,6 @@ def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
         return  # the broker itself refuses it, with the reason
     if loaded is not None and loaded[1]["world"] == world:
         click.echo(f"zkv broker: restoring {path}: {describe(loaded[1])}", err=True)
-
-
-def _broker_config(world: int, kw: dict) -> Any:
-    from ..broker.core import BrokerConfig
-
-    return BrokerConfig(
-        world=world,
-        max_inflight_per_rank=kw["max_inflight"],
-        max_queue=kw["max_queue"],
-        heartbeat_ms=kw["heartbeat_ms"],
-        liveness_ms=kw["liveness_ms"],
-        op_timeout_ms=kw["op_timeout_ms"],
-        allow_partial=kw["allow_partial"],
-        max_open_per_client=kw["max_open_per_client"],
-        max_waiters_per_client=kw["max_waiters_per_client"],
-        max_waiters=kw["max_waiters"],
-    )
 
 
 @click.command()
@@ -153,7 +137,7 @@ def broker(
     try:
         b = Broker(
             Endpoints(frontend, backend, control),
-            _broker_config(world_size, kw),
+            broker_config_from(world_size, kw),
             recorder=recorder,
             allow_remote=allow_remote,
             curve=curve,

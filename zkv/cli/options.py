@@ -28,76 +28,77 @@ def stacked(fn: Callable, opts: list[Callable]) -> Callable:
     return fn
 
 
+def _flag(name: str) -> str:
+    """A parameter's option: ``max_inflight`` -> ``--max-inflight``."""
+    return "--" + name.replace("_", "-")
+
+
+#: The broker's limits and timers: parameter -> (``BrokerConfig`` field, upper bound, help); each
+#: falls back on ``ZKV_`` and its name (--max-inflight: ZKV_MAX_INFLIGHT) and defaults to the config's.
+BROKER_LIMITS = {
+    "max_inflight": ("max_inflight_per_rank", 1 << 20, "Credits: tasks in flight per rank."),
+    "max_queue": ("max_queue", 1 << 30, "Tasks held before submissions are rejected."),
+    "heartbeat_ms": ("heartbeat_ms", MAX_TIMEOUT_MS, "Heartbeat interval, both ways."),
+    "liveness_ms": ("liveness_ms", MAX_TIMEOUT_MS, "Silence after which a rank is dead."),
+    "op_timeout_ms": ("op_timeout_ms", MAX_TIMEOUT_MS, "Default bound on pause/clear/resume."),
+    "max_open_per_client": (
+        "max_open_per_client",
+        1 << 30,
+        "Open tasks (queued or in flight) one client connection may hold; more are rejected.",
+    ),
+    "max_waiters_per_client": (
+        "max_waiters_per_client",
+        1 << 20,
+        "Held status --wait-ranks requests per client connection.",
+    ),
+    "max_waiters": ("max_waiters", 1 << 20, "Held status --wait-ranks requests in all."),
+}
+
+
 def broker_options(fn: Callable) -> Callable:
-    """The broker's limits and timers (broker, up)."""
+    """The broker's limits and timers (``BROKER_LIMITS``) and --allow-partial (broker)."""
     from ..broker.core import BrokerConfig
 
     d = BrokerConfig()
     opts = [
         env_option(
-            "--max-inflight",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_inflight_per_rank,
-            envvar="ZKV_MAX_INFLIGHT",
-            help="Credits: tasks in flight per rank.",
-        ),
-        env_option(
-            "--max-queue",
-            type=click.IntRange(1, 1 << 30),
-            default=d.max_queue,
-            envvar="ZKV_MAX_QUEUE",
-            help="Tasks held before submissions are rejected.",
-        ),
-        env_option(
-            "--heartbeat-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.heartbeat_ms,
-            envvar="ZKV_HEARTBEAT_MS",
-            help="Heartbeat interval, both ways.",
-        ),
-        env_option(
-            "--liveness-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.liveness_ms,
-            envvar="ZKV_LIVENESS_MS",
-            help="Silence after which a rank is dead.",
-        ),
-        env_option(
-            "--op-timeout-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.op_timeout_ms,
-            envvar="ZKV_OP_TIMEOUT_MS",
-            help="Default bound on pause/clear/resume.",
-        ),
-        env_option(
-            "--max-open-per-client",
-            type=click.IntRange(1, 1 << 30),
-            default=d.max_open_per_client,
-            envvar="ZKV_MAX_OPEN_PER_CLIENT",
-            help="Open tasks (queued or in flight) one client connection may hold; more are rejected.",
-        ),
-        env_option(
-            "--max-waiters-per-client",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_waiters_per_client,
-            envvar="ZKV_MAX_WAITERS_PER_CLIENT",
-            help="Held status --wait-ranks requests per client connection.",
-        ),
-        env_option(
-            "--max-waiters",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_waiters,
-            envvar="ZKV_MAX_WAITERS",
-            help="Held status --wait-ranks requests in all.",
-        ),
+            _flag(name),
+            type=click.IntRange(1, upper),
+            default=getattr(d, field),
+            envvar=f"ZKV_{name.upper()}",
+            help=text,
+        )
+        for name, (field, upper, text) in BROKER_LIMITS.items()
+    ]
+    opts.append(
         env_option(
             "--allow-partial",
             is_flag=True,
             envvar="ZKV_ALLOW_PARTIAL",
             help="A rank dying during pause/clear/resume completes it without that rank instead of failing it.",
-        ),
-    ]
+        )
+    )
     return stacked(fn, opts)
+
+
+def broker_config_from(world: int, kw: dict) -> Any:
+    """The ``BrokerConfig`` of ``broker_options`` (read from ``kw``) for a bus of ``world`` ranks."""
+    from ..broker.core import BrokerConfig
+
+    limits = {field: kw[name] for name, (field, _, _) in BROKER_LIMITS.items()}
+    return BrokerConfig(world=world, allow_partial=kw["allow_partial"], **limits)
+
+
+#: The cache-layout options: ``CacheLayout`` field -> help; each falls back on ``ZKV_`` and its
+#: name (ZKV_GPU_BLOCKS), is bounded by ``LAYOUT_MAX`` and defaults to ``CacheLayout()``'s.
+LAYOUT_HELP = {
+    "layers": "Transformer layers (a K and a V tensor each).",
+    "gpu_blocks": "Device cache blocks per rank.",
+    "cpu_blocks": "CPU swap-space blocks per rank.",
+    "block_size": "Tokens per block.",
+    "kv_heads": "KV heads per rank (this rank's shard).",
+    "head_dim": "Head dimension.",
+}
 
 
 def layout_options(fn: Callable) -> Callable:
@@ -107,55 +108,23 @@ def layout_options(fn: Callable) -> Callable:
     d = CacheLayout()
     opts = [
         env_option(
-            "--layers",
-            type=click.IntRange(1, LAYOUT_MAX["layers"]),
-            default=d.layers,
-            envvar="ZKV_LAYERS",
-            help="Transformer layers (a K and a V tensor each).",
-        ),
-        env_option(
-            "--gpu-blocks",
-            type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
-            default=d.gpu_blocks,
-            envvar="ZKV_GPU_BLOCKS",
-            help="Device cache blocks per rank.",
-        ),
-        env_option(
-            "--cpu-blocks",
-            type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
-            default=d.cpu_blocks,
-            envvar="ZKV_CPU_BLOCKS",
-            help="CPU swap-space blocks per rank.",
-        ),
-        env_option(
-            "--block-size",
-            type=click.IntRange(1, LAYOUT_MAX["block_size"]),
-            default=d.block_size,
-            envvar="ZKV_BLOCK_SIZE",
-            help="Tokens per block.",
-        ),
-        env_option(
-            "--kv-heads",
-            type=click.IntRange(1, LAYOUT_MAX["kv_heads"]),
-            default=d.kv_heads,
-            envvar="ZKV_KV_HEADS",
-            help="KV heads per rank (this rank's shard).",
-        ),
-        env_option(
-            "--head-dim",
-            type=click.IntRange(1, LAYOUT_MAX["head_dim"]),
-            default=d.head_dim,
-            envvar="ZKV_HEAD_DIM",
-            help="Head dimension.",
-        ),
+            _flag(name),
+            type=click.IntRange(1, LAYOUT_MAX[name]),
+            default=getattr(d, name),
+            envvar=f"ZKV_{name.upper()}",
+            help=text,
+        )
+        for name, text in LAYOUT_HELP.items()
+    ]
+    opts.append(
         env_option(
             "--dtype",
             type=click.Choice([t.value for t in Dtype]),
             default=d.dtype,
             envvar="ZKV_DTYPE",
             help="Cache element type.",
-        ),
-    ]
+        )
+    )
     return stacked(fn, opts)
 
 
@@ -173,7 +142,7 @@ def layout_change_options(fn: Callable) -> Callable:
     }
     opts = [
         env_option(
-            f"--{name.replace('_', '-')}",
+            _flag(name),
             type=click.IntRange(1, LAYOUT_MAX[name]),
             default=None,
             envvar=f"ZKV_RESUME_{name.upper()}",
@@ -273,44 +242,36 @@ def disk_from(kwargs: dict) -> Any:
     return DiskSpec(directory, blocks)
 
 
+#: The CurveZMQ options in ``--help``'s order: parameter -> (a key "file" or a "dir" of keys, help).
+CURVE_KEYS = {
+    "curve_secret": (
+        "file",
+        "This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.",
+    ),
+    "curve_server": ("file", "The broker's public key file (broker.key)."),
+    "curve_ranks": (
+        "dir",
+        "Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.",
+    ),
+    "curve_clients": ("dir", "Directory of client public keys (*.key) allowed on the frontend."),
+}
+
+
 def curve_options(server: bool = False, client: bool = True) -> Callable:
     """CurveZMQ options (docs/protocol.md §12): off unless --curve-secret is given."""
-
-    def deco(fn: Callable) -> Callable:
-        if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
-            if not client:  # the broker: client keys for its frontend
-                fn = env_option(
-                    "--curve-clients",
-                    type=click.Path(exists=True, file_okay=False),
-                    default=None,
-                    envvar="ZKV_CURVE_CLIENTS",
-                    help="Directory of client public keys (*.key) allowed on the frontend.",
-                )(fn)
-            fn = env_option(
-                "--curve-ranks",
-                type=click.Path(exists=True, file_okay=False),
-                default=None,
-                envvar="ZKV_CURVE_RANKS",
-                help="Directory of rank public keys (*.key): allowed on the broker's backend, "
-                "and to push results to a client.",
-            )(fn)
-        if client:
-            fn = env_option(
-                "--curve-server",
-                type=click.Path(exists=True, dir_okay=False),
-                default=None,
-                envvar="ZKV_CURVE_SERVER",
-                help="The broker's public key file (broker.key).",
-            )(fn)
-        return env_option(
-            "--curve-secret",
-            type=click.Path(exists=True, dir_okay=False),
-            default=None,
-            envvar="ZKV_CURVE_SECRET",
-            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.",
-        )(fn)
-
-    return deco
+    names = ["curve_secret"]
+    if client:  # the broker's key, to connect to it
+        names.append("curve_server")
+    if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
+        names.append("curve_ranks")
+        if not client:  # the broker: client keys for its frontend
+            names.append("curve_clients")
+    opts = []
+    for name in names:
+        kind, text = CURVE_KEYS[name]
+        path = click.Path(exists=True, file_okay=kind == "file", dir_okay=kind == "dir")
+        opts.append(env_option(_flag(name), type=path, default=None, envvar=f"ZKV_{name.upper()}", help=text))
+    return lambda fn: stacked(fn, opts)
 
 
 def curve_from(kw: dict) -> Any:
