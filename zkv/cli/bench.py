@@ -11,7 +11,7 @@ import click
 
 from ..harness.bus.bench import BUS_TARGETS, bench_attached_copy, bench_bus, bench_copy, bench_pause
 from ..wire.layout import CacheLayout
-from .options import env_option
+from .options import env_option, json_option
 
 
 def _fmt(res: dict) -> str:
@@ -50,7 +50,7 @@ MISS_ADVICE = (
     help="Exit 1 when a figure misses its target (MISSED in the summary); without it a miss is said on stderr.",
 )
 @env_option("--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", help="Fewer iterations (a smoke run).")
-@env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help="Print one JSON document.")
+@json_option("Print one JSON document.")
 @env_option(
     "--plot",
     "plot_png",

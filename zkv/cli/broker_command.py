@@ -10,7 +10,6 @@ import click
 import zmq
 
 from ..net.endpoints import Endpoints
-from ..wire.bounds import MAX_WORLD
 from .commands import _DEFAULT, endpoint_options, stop_on_signals
 from .options import (
     broker_config_from,
@@ -22,6 +21,8 @@ from .options import (
     metrics_options,
     record_option,
     sigterm_as_interrupt,
+    state_file_option,
+    world_size_option,
 )
 
 
@@ -82,13 +83,7 @@ def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
     help="Address clients connect to.",
 )
 @endpoint_options
-@env_option(
-    "--world-size",
-    type=click.IntRange(1, MAX_WORLD),
-    default=2,
-    envvar="ZKV_WORLD_SIZE",
-    help="Ranks a task runs on.",
-)
+@world_size_option("Ranks a task runs on.")
 @broker_options
 @record_option
 @env_option(
@@ -97,13 +92,9 @@ def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
     envvar="ZKV_ALLOW_REMOTE",
     help="Allow binding non-loopback TCP addresses without CurveZMQ.",
 )
-@env_option(
-    "--state-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_STATE_FILE",
-    help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. "
-    "Default: broker-state.json beside an ipc:// frontend.",
+@state_file_option(
+    "Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. "
+    "Default: broker-state.json beside an ipc:// frontend."
 )
 @metrics_options
 @curve_options(server=True, client=False)

@@ -34,6 +34,7 @@ from .options import (
     sigterm_as_interrupt,
     store_option,
     tier_options,
+    world_size_option,
 )
 
 _DEFAULT = Endpoints.default
@@ -174,13 +175,7 @@ def main(verbose: int) -> None:
     envvar="ZKV_RANK",
     help="This worker's tensor-parallel rank.",
 )
-@env_option(
-    "--world-size",
-    type=click.IntRange(1, MAX_WORLD),
-    default=2,
-    envvar="ZKV_WORLD_SIZE",
-    help="Number of ranks.",
-)
+@world_size_option("Number of ranks.")
 @endpoint_options
 @layout_options
 @env_option(

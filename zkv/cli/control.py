@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
-from ..wire.bounds import MAX_TIMEOUT_MS, MAX_WORLD
+from ..wire.bounds import MAX_WORLD
 from ..wire.errors import ZkvError
 from . import fleet as fleet_cli
 from .options import (
@@ -24,9 +24,11 @@ from .options import (
     curve_options,
     env_option,
     fail,
+    json_option,
     layout_change,
     layout_change_options,
     resume_flags,
+    seconds_option,
     sigterm_as_interrupt,
 )
 from .reach import check_broker, hint
@@ -61,14 +63,8 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
         envvar="ZKV_BROKER",
         help=broker_help,
     )
-    @env_option(
-        "--timeout",
-        type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-        default=30.0,
-        envvar="ZKV_TIMEOUT",
-        help="Seconds to wait for the outcome.",
-    )
-    @env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help="Print the reply as JSON.")
+    @seconds_option("--timeout", envvar="ZKV_TIMEOUT", help="Seconds to wait for the outcome.")
+    @json_option("Print the reply as JSON.")
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
     def wrapper(broker: Any, timeout: float, as_json: bool, **kwargs: Any) -> None:

@@ -1,5 +1,7 @@
-"""Click options shared by the zkv commands (one definition each): the
-broker's limits, the cache layout, CurveZMQ and the metrics exporter."""
+"""Click options shared by the zkv commands (one definition each): every
+option's environment variable (``env_option``), the broker's limits, the cache
+layout, CurveZMQ, the metrics exporter, and the options several commands take
+(--json, --world-size, --state-file, --runtime-dir, bounds in seconds)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS
+from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS, MAX_WORLD
 from ..wire.vocab import Dtype
 
 
@@ -26,6 +28,36 @@ def stacked(fn: Callable, opts: list[Callable]) -> Callable:
     for opt in reversed(opts):
         fn = opt(fn)
     return fn
+
+
+def json_option(help: str) -> Callable:
+    """--json (ZKV_JSON): one environment variable turns it on for every command that has it."""
+    return env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help=help)
+
+
+def seconds_option(*decls: str, envvar: str, help: str) -> Callable:
+    """A bound in seconds on a request or an op: more than 0, at most the wire's longest
+    timeout, 30 by default (--timeout of the client commands, replay's --task-timeout / --op-timeout)."""
+    return env_option(
+        *decls, type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True), default=30.0, envvar=envvar, help=help
+    )
+
+
+def world_size_option(help: str) -> Callable:
+    """--world-size (ZKV_WORLD_SIZE): the ranks of a bus, the same for its broker and its workers."""
+    return env_option("--world-size", type=click.IntRange(1, MAX_WORLD), default=2, envvar="ZKV_WORLD_SIZE", help=help)
+
+
+def state_file_option(help: str) -> Callable:
+    """--state-file (ZKV_STATE_FILE): the broker's durable state (broker, state)."""
+    return env_option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", help=help)
+
+
+def runtime_dir_option(help: str) -> Callable:
+    """--runtime-dir (ZKV_RUNTIME_DIR): where a zkv up keeps its sockets, state and lock (up, down)."""
+    return env_option(
+        "--runtime-dir", type=click.Path(file_okay=False), default=None, envvar="ZKV_RUNTIME_DIR", help=help
+    )
 
 
 def _flag(name: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from .options import env_option, fail
+from .options import fail, json_option, state_file_option
 
 
 def default_state_path() -> Path:
@@ -71,14 +71,10 @@ def _text(path: Path, seq: int, snap: dict[str, Any]) -> str:
 
 
 @click.command()
-@env_option(
-    "--state-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_STATE_FILE",
-    help="The broker's state file (default: broker-state.json in the runtime directory, where zkv up keeps it).",
+@state_file_option(
+    "The broker's state file (default: broker-state.json in the runtime directory, where zkv up keeps it)."
 )
-@env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help="Print it as JSON.")
+@json_option("Print it as JSON.")
 def state(state_file: str | None, as_json: bool) -> None:
     """Print the broker's durable state: what a restarted broker (or zkv up) restores."""
     path = Path(state_file) if state_file else default_state_path()

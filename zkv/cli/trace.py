@@ -14,9 +14,8 @@ from typing import Any
 
 import click
 
-from ..wire.bounds import MAX_TIMEOUT_MS
 from ..wire.vocab import CLIENT_OPS
-from .options import curve_from, curve_options, env_option, layout_from, layout_options
+from .options import curve_from, curve_options, env_option, json_option, layout_from, layout_options, seconds_option
 
 
 def _error(message: str, code: int = 2) -> None:
@@ -60,21 +59,11 @@ def _load(path: str) -> Any:
     envvar="ZKV_REPLAY_RECORD",
     help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).",
 )
-@env_option(
-    "--task-timeout",
-    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-    default=30.0,
-    envvar="ZKV_REPLAY_TASK_TIMEOUT",
-    help="Seconds a task may take before it ends 'timeout'.",
+@seconds_option(
+    "--task-timeout", envvar="ZKV_REPLAY_TASK_TIMEOUT", help="Seconds a task may take before it ends 'timeout'."
 )
-@env_option(
-    "--op-timeout",
-    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-    default=30.0,
-    envvar="ZKV_REPLAY_OP_TIMEOUT",
-    help="Seconds a pause / clear / resume may take.",
-)
-@env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help="Print the report as JSON.")
+@seconds_option("--op-timeout", envvar="ZKV_REPLAY_OP_TIMEOUT", help="Seconds a pause / clear / resume may take.")
+@json_option("Print the report as JSON.")
 @curve_options(server=True, client=True)
 def replay(
     trace_file: str,

@@ -31,6 +31,7 @@ from .options import (
     layout_options,
     metrics_options,
     record_option,
+    runtime_dir_option,
     sigterm_as_interrupt,
     tier_options,
 )
@@ -219,13 +220,9 @@ def _claim_runtime_dir(
     envvar="ZKV_RANKS",
     help="Rank workers to start (a restored bus: its world size).",
 )
-@env_option(
-    "--runtime-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="ZKV_RUNTIME_DIR",
-    help="Directory for the ipc:// sockets and the broker state file (default: the one every zkv command looks "
-    "in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir).",
+@runtime_dir_option(
+    "Directory for the ipc:// sockets and the broker state file (default: the one every zkv command looks "
+    "in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir)."
 )
 @layout_options
 @env_option(
