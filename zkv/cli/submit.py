@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -33,6 +33,18 @@ def _parse_ids(text: str) -> list[int]:
         raise click.BadParameter(str(err)) from None
 
 
+def _ids_option(option: str, envvar: str, help: str) -> Callable:
+    """A block-id list option (``0-15,32``; none by default), read by ``_parse_ids``."""
+    return env_option(
+        option,
+        default="",
+        show_default=False,
+        envvar=envvar,
+        callback=lambda ctx, param, value: _parse_ids(value),
+        help=help,
+    )
+
+
 def _why_not_now(st: StatusReply) -> str:
     """What keeps a task submitted now from running at once, from a status reply ('' when nothing)."""
     state = st.state
@@ -50,22 +62,16 @@ def _why_not_now(st: StatusReply) -> str:
 
 @click.command()
 @click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum", "spill", "load"]))
-@env_option(
+@_ids_option(
     "--src",
-    default="",
-    show_default=False,
-    envvar="ZKV_SUBMIT_SRC",
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in and spill these CPU blocks, "
+    "ZKV_SUBMIT_SRC",
+    "Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in and spill these CPU blocks, "
     "load these disk blocks, checksum these blocks of --tier.",
 )
-@env_option(
+@_ids_option(
     "--dst",
-    default="",
-    show_default=False,
-    envvar="ZKV_SUBMIT_DST",
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Destination block ids: swap-out and load write these CPU blocks, swap-in these GPU blocks, "
+    "ZKV_SUBMIT_DST",
+    "Destination block ids: swap-out and load write these CPU blocks, swap-in these GPU blocks, "
     "spill these disk blocks, fill these blocks of --tier.",
 )
 @env_option(
