@@ -10,7 +10,7 @@ import click
 import zmq
 
 from ..net.endpoints import Endpoints
-from .commands import _DEFAULT, endpoint_options, stop_on_signals
+from .commands import endpoint_option, endpoint_options, stop_on_signals
 from .options import (
     broker_config_from,
     broker_options,
@@ -75,13 +75,7 @@ def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
 
 
 @click.command()
-@env_option(
-    "--frontend",
-    default=lambda: _DEFAULT().frontend,
-    show_default=False,
-    envvar="ZKV_FRONTEND",
-    help="Address clients connect to.",
-)
+@endpoint_option("frontend", "Address clients connect to.")
 @endpoint_options
 @world_size_option("Ranks a task runs on.")
 @broker_options

@@ -32,6 +32,7 @@ from .options import (
     layout_options,
     resume_flags,
     sigterm_as_interrupt,
+    stacked,
     store_option,
     tier_options,
     world_size_option,
@@ -55,22 +56,27 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def endpoint_option(name: str, help: str) -> Callable:
+    """``--NAME`` (``ZKV_NAME``): one of the broker's addresses, by default the one in the
+    runtime directory every zkv command looks in (``Endpoints.default``)."""
+    return env_option(
+        f"--{name}",
+        default=lambda: getattr(_DEFAULT(), name),
+        show_default=False,
+        envvar=f"ZKV_{name.upper()}",
+        help=help,
+    )
+
+
 def endpoint_options(fn: Callable) -> Callable:
-    fn = env_option(
-        "--control",
-        default=lambda: _DEFAULT().control,
-        show_default=False,
-        envvar="ZKV_CONTROL",
-        help="Broker PUB address for pause/clear/resume.",
-    )(fn)
-    fn = env_option(
-        "--backend",
-        default=lambda: _DEFAULT().backend,
-        show_default=False,
-        envvar="ZKV_BACKEND",
-        help="Broker ROUTER address for ranks.",
-    )(fn)
-    return fn
+    """The broker's rank-facing addresses (broker, worker)."""
+    return stacked(
+        fn,
+        [
+            endpoint_option("backend", "Broker ROUTER address for ranks."),
+            endpoint_option("control", "Broker PUB address for pause/clear/resume."),
+        ],
+    )
 
 
 class LazyGroup(click.Group):
