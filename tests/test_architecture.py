@@ -98,8 +98,6 @@ KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
     ("zkv.engines.vllm.server_cycle", "zkv.cycle.engine"),
     ("zkv.engines.vllm.server_cycle", "zkv.cycle.report"),
     ("zkv.engines.vllm.server_cycle", "zkv.cycle.servers"),
-    ("zkv.engines.vllm.rl", "zkv.cycle"),
-    ("zkv.prefix.cycle", "zkv.cycle.prefix"),
 }
 
 #: Layers whose modules may import torch.

@@ -11,6 +11,7 @@ import click
 
 from ..harness.bus.bench import BUS_TARGETS, bench_attached_copy, bench_bus, bench_copy, bench_pause
 from ..wire.layout import CacheLayout
+from .options import env_option, json_option
 
 
 def _fmt(res: dict) -> str:
@@ -42,59 +43,48 @@ MISS_ADVICE = (
 
 @click.command()
 @click.argument("names", metavar="[NAME]...", nargs=-1, type=click.Choice(NAMES))
-@click.option(
+@env_option(
     "--check",
     is_flag=True,
     envvar="ZKV_BENCH_CHECK",
-    show_envvar=True,
     help="Exit 1 when a figure misses its target (MISSED in the summary); without it a miss is said on stderr.",
 )
-@click.option(
-    "--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", show_envvar=True, help="Fewer iterations (a smoke run)."
-)
-@click.option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print one JSON document.")
-@click.option(
+@env_option("--quick", is_flag=True, envvar="ZKV_BENCH_QUICK", help="Fewer iterations (a smoke run).")
+@json_option("Print one JSON document.")
+@env_option(
     "--plot",
     "plot_png",
     type=click.Path(dir_okay=False),
     default=None,
     envvar="ZKV_BENCH_PLOT",
-    show_envvar=True,
     help="Also draw the report beside its baselines into this PNG (needs matplotlib).",
 )
-@click.option(
+@env_option(
     "--metrics-cost",
     is_flag=True,
     envvar="ZKV_BENCH_METRICS_COST",
-    show_envvar=True,
     help="bus: also run the bus with and without metrics (a scraped --metrics-port vs no-op books), alternated.",
 )
-@click.option(
+@env_option(
     "--dir",
     "directory",
     type=click.Path(file_okay=False, exists=True),
     default="/var/tmp",
-    show_default=True,
     envvar="ZKV_BENCH_DIR",
-    show_envvar=True,
     help="disk, restart: the directory the disk tier (and disk's plain-file baseline) write to.",
 )
-@click.option(
+@env_option(
     "--buses",
     type=click.IntRange(1, 64),
     default=8,
-    show_default=True,
     envvar="ZKV_BENCH_BUSES",
-    show_envvar=True,
     help="fleet: how many buses (2 rank processes each) the fleet pause spans.",
 )
-@click.option(
+@env_option(
     "--tier-gib",
     type=click.FloatRange(0.01, 1024),
     default=1.0,
-    show_default=True,
     envvar="ZKV_BENCH_TIER_GIB",
-    show_envvar=True,
     help="restart: the CPU tier's size (the disk tier holds a quarter as many blocks); --quick: 1/16 of it.",
 )
 def bench(

@@ -10,16 +10,19 @@ import click
 import zmq
 
 from ..net.endpoints import Endpoints
-from ..wire.bounds import MAX_WORLD
-from .commands import _DEFAULT, endpoint_options, stop_on_signals
+from .commands import endpoint_option, endpoint_options, stop_on_signals
 from .options import (
+    broker_config_from,
     broker_options,
     curve_from,
     curve_options,
+    env_option,
     fail,
     metrics_options,
     record_option,
     sigterm_as_interrupt,
+    state_file_option,
+    world_size_option,
 )
 
 
@@ -71,58 +74,21 @@ def _say_restored(state_file: str | None, frontend: str, world: int) -> None:
         click.echo(f"zkv broker: restoring {path}: {describe(loaded[1])}", err=True)
 
 
-def _broker_config(world: int, kw: dict) -> Any:
-    from ..broker.core import BrokerConfig
-
-    return BrokerConfig(
-        world=world,
-        max_inflight_per_rank=kw["max_inflight"],
-        max_queue=kw["max_queue"],
-        heartbeat_ms=kw["heartbeat_ms"],
-        liveness_ms=kw["liveness_ms"],
-        op_timeout_ms=kw["op_timeout_ms"],
-        allow_partial=kw["allow_partial"],
-        max_open_per_client=kw["max_open_per_client"],
-        max_waiters_per_client=kw["max_waiters_per_client"],
-        max_waiters=kw["max_waiters"],
-    )
-
-
 @click.command()
-@click.option(
-    "--frontend",
-    default=lambda: _DEFAULT().frontend,
-    envvar="ZKV_FRONTEND",
-    show_envvar=True,
-    help="Address clients connect to.",
-)
+@endpoint_option("frontend", "Address clients connect to.")
 @endpoint_options
-@click.option(
-    "--world-size",
-    type=click.IntRange(1, MAX_WORLD),
-    default=2,
-    show_default=True,
-    envvar="ZKV_WORLD_SIZE",
-    show_envvar=True,
-    help="Ranks a task runs on.",
-)
+@world_size_option("Ranks a task runs on.")
 @broker_options
 @record_option
-@click.option(
+@env_option(
     "--allow-remote",
     is_flag=True,
     envvar="ZKV_ALLOW_REMOTE",
-    show_envvar=True,
     help="Allow binding non-loopback TCP addresses without CurveZMQ.",
 )
-@click.option(
-    "--state-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_STATE_FILE",
-    show_envvar=True,
-    help="Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. "
-    "Default: broker-state.json beside an ipc:// frontend.",
+@state_file_option(
+    "Durable bus state (state, epoch, generation, layout), so a restart keeps what clients set. "
+    "Default: broker-state.json beside an ipc:// frontend."
 )
 @metrics_options
 @curve_options(server=True, client=False)
@@ -156,7 +122,7 @@ def broker(
     try:
         b = Broker(
             Endpoints(frontend, backend, control),
-            _broker_config(world_size, kw),
+            broker_config_from(world_size, kw),
             recorder=recorder,
             allow_remote=allow_remote,
             curve=curve,

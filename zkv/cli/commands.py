@@ -4,7 +4,8 @@ command lives in a module of its own, loaded when it runs (``broker`` in
 ``control.py``, ``bench``, ``trace``, ...), so a worker's start imports what
 a rank needs and nothing of the broker, the tools or the benchmarks.
 
-Every option has an environment-variable fallback (shown in ``--help``).
+Every option has an environment-variable fallback (shown in ``--help``:
+``options.env_option``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from .options import (
     curve_options,
     disk_from,
     disk_options,
+    env_option,
     fail,
     given_layout_fields,
     layout_from,
     layout_options,
     resume_flags,
     sigterm_as_interrupt,
+    stacked,
     store_option,
     tier_options,
+    world_size_option,
 )
 
 _DEFAULT = Endpoints.default
@@ -52,22 +56,27 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def endpoint_option(name: str, help: str) -> Callable:
+    """``--NAME`` (``ZKV_NAME``): one of the broker's addresses, by default the one in the
+    runtime directory every zkv command looks in (``Endpoints.default``)."""
+    return env_option(
+        f"--{name}",
+        default=lambda: getattr(_DEFAULT(), name),
+        show_default=False,
+        envvar=f"ZKV_{name.upper()}",
+        help=help,
+    )
+
+
 def endpoint_options(fn: Callable) -> Callable:
-    fn = click.option(
-        "--control",
-        default=lambda: _DEFAULT().control,
-        envvar="ZKV_CONTROL",
-        show_envvar=True,
-        help="Broker PUB address for pause/clear/resume.",
-    )(fn)
-    fn = click.option(
-        "--backend",
-        default=lambda: _DEFAULT().backend,
-        envvar="ZKV_BACKEND",
-        show_envvar=True,
-        help="Broker ROUTER address for ranks.",
-    )(fn)
-    return fn
+    """The broker's rank-facing addresses (broker, worker)."""
+    return stacked(
+        fn,
+        [
+            endpoint_option("backend", "Broker ROUTER address for ranks."),
+            endpoint_option("control", "Broker PUB address for pause/clear/resume."),
+        ],
+    )
 
 
 class LazyGroup(click.Group):
@@ -165,66 +174,50 @@ def main(verbose: int) -> None:
 
 
 @main.command()
-@click.option(
+@env_option(
     "--rank",
     type=click.IntRange(0, MAX_WORLD - 1),
     required=True,
     envvar="ZKV_RANK",
-    show_envvar=True,
     help="This worker's tensor-parallel rank.",
 )
-@click.option(
-    "--world-size",
-    type=click.IntRange(1, MAX_WORLD),
-    default=2,
-    show_default=True,
-    envvar="ZKV_WORLD_SIZE",
-    show_envvar=True,
-    help="Number of ranks.",
-)
+@world_size_option("Number of ranks.")
 @endpoint_options
 @layout_options
-@click.option(
+@env_option(
     "--device",
     default=None,
     envvar="ZKV_DEVICE",
-    show_envvar=True,
     help="Torch device for the cache (default cuda:RANK if CUDA exists, else cpu).",
 )
-@click.option(
+@env_option(
     "--liveness-ms",
     type=click.IntRange(1, MAX_TIMEOUT_MS),
     default=2000,
-    show_default=True,
     envvar="ZKV_LIVENESS_MS",
-    show_envvar=True,
     help="Broker silence after which this rank re-registers.",
 )
-@click.option(
+@env_option(
     "--torch-threads",
     type=click.IntRange(1, 1024),
     default=1,
-    show_default=True,
     envvar="ZKV_TORCH_THREADS",
-    show_envvar=True,
     help="Torch intra-op threads for CPU copies.",
 )
-@click.option(
+@env_option(
     "--copy-threads",
     type=click.IntRange(1, 2),
     default=None,
     envvar="ZKV_COPY_THREADS",
-    show_envvar=True,
     help="Threads for one large CPU copy (8 MiB or more, in two halves at once) "
     "[default: 2 where the rank may use 4 cores or more, else 1].",
 )
-@click.option(
+@env_option(
     "--attach",
     "manifest",
     default=None,
     type=click.Path(dir_okay=False),
     envvar="ZKV_ATTACH",
-    show_envvar=True,
     help="Serve the KV tensors an engine exported in this manifest (zkv.rank.memory.manifest) "
     "instead of allocating a cache; --cpu-blocks sizes zkv's CPU tier. Without other layout options the "
     "rank announces the layout of the engine's memory (its block count and bytes per block); layout "
@@ -235,29 +228,26 @@ def main(verbose: int) -> None:
 @disk_options
 @store_option
 @tier_options
-@click.option(
+@env_option(
     "--startup-times",
     default=None,
     type=click.Path(dir_okay=False),
     envvar="ZKV_STARTUP_TIMES",
-    show_envvar=True,
     help="Append when each phase of this worker's start ended (imports, tiers mapped, READY, welcome, cache "
     "ready, first task) to this file, one JSON line each (zkv bench restart reads it).",
 )
-@click.option(
+@env_option(
     "--standby",
     is_flag=True,
     envvar="ZKV_STANDBY",
-    show_envvar=True,
     help="When another worker serves this rank of this bus on this host, start all the same (torch and every "
     "module loaded) and take over the moment it exits, kill -9 included: map its CPU tier again and register. "
     "Needs a --tier-dir (the rank's lock lives there). Without it such a worker is refused.",
 )
-@click.option(
+@env_option(
     "--adopt-layout",
     is_flag=True,
     envvar="ZKV_ADOPT_LAYOUT",
-    show_envvar=True,
     help="When the bus holds another layout than the layout options say, take the bus's (and say so in the log) "
     "instead of being refused. Without it the broker refuses such a worker, naming both layouts.",
 )

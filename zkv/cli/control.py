@@ -16,16 +16,19 @@ from typing import TYPE_CHECKING, Any, Callable
 import click
 
 from ..net.endpoints import Endpoints
-from ..wire.bounds import MAX_TIMEOUT_MS, MAX_WORLD
+from ..wire.bounds import MAX_WORLD
 from ..wire.errors import ZkvError
 from . import fleet as fleet_cli
 from .options import (
     curve_from,
     curve_options,
+    env_option,
     fail,
+    json_option,
     layout_change,
     layout_change_options,
     resume_flags,
+    seconds_option,
     sigterm_as_interrupt,
 )
 from .reach import check_broker, hint
@@ -52,26 +55,16 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
     if fleet_handler is not None:
         broker_help += " Give it several times to act on every bus at once (a fleet)."
 
-    @click.option(
+    @env_option(
         "--broker",
         default=(lambda: (_DEFAULT().frontend,)) if fleet_handler else (lambda: _DEFAULT().frontend),
+        show_default=False,
         multiple=fleet_handler is not None,
         envvar="ZKV_BROKER",
-        show_envvar=True,
         help=broker_help,
     )
-    @click.option(
-        "--timeout",
-        type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-        default=30.0,
-        show_default=True,
-        envvar="ZKV_TIMEOUT",
-        show_envvar=True,
-        help="Seconds to wait for the outcome.",
-    )
-    @click.option(
-        "--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print the reply as JSON."
-    )
+    @seconds_option("--timeout", envvar="ZKV_TIMEOUT", help="Seconds to wait for the outcome.")
+    @json_option("Print the reply as JSON.")
     @curve_options(server=True, client=True)
     @functools.wraps(fn)
     def wrapper(broker: Any, timeout: float, as_json: bool, **kwargs: Any) -> None:
@@ -105,13 +98,12 @@ def _client_options(fn: Callable, fleet_handler: Callable | None) -> Callable:
 
     if fleet_handler is None:
         return wrapper
-    return click.option(
+    return env_option(
         "--fleet",
         "fleet_file",
         type=click.Path(exists=True, dir_okay=False),
         default=None,
         envvar="ZKV_FLEET",
-        show_envvar=True,
         help="A fleet file (JSON: each bus's name, broker and Curve keys): act on every bus at once.",
     )(wrapper)
 
@@ -126,24 +118,20 @@ def _print_reply(reply: dict, as_json: bool, summary: str) -> None:
 
 @click.command()
 @fleet_options(fleet_cli.status)
-@click.option(
+@env_option(
     "--wait-ranks",
     type=click.IntRange(0, MAX_WORLD),
     default=0,
+    show_default=False,
     envvar="ZKV_STATUS_WAIT_RANKS",
-    show_envvar=True,
     help="Wait until this many ranks are registered.",
 )
-@click.option(
-    "--watch", is_flag=True, envvar="ZKV_STATUS_WATCH", show_envvar=True, help="Redraw the table until Ctrl-C."
-)
-@click.option(
+@env_option("--watch", is_flag=True, envvar="ZKV_STATUS_WATCH", help="Redraw the table until Ctrl-C.")
+@env_option(
     "--interval",
     type=click.FloatRange(min=0.1),
     default=1.0,
-    show_default=True,
     envvar="ZKV_STATUS_INTERVAL",
-    show_envvar=True,
     help="Seconds between --watch redraws.",
 )
 def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: bool, interval: float) -> None:
@@ -162,18 +150,16 @@ def status(client: Any, timeout: float, as_json: bool, wait_ranks: int, watch: b
 
 @click.command()
 @fleet_options(fleet_cli.pause)
-@click.option(
+@env_option(
     "--leave-paused",
     is_flag=True,
     envvar="ZKV_PAUSE_LEAVE_PAUSED",
-    show_envvar=True,
     help="Several buses: a failed pause leaves the buses it paused paused (default: resumes them).",
 )
-@click.option(
+@env_option(
     "--allow-partial",
     is_flag=True,
     envvar="ZKV_PAUSE_ALLOW_PARTIAL",
-    show_envvar=True,
     help="Exit 0 when the pause completed without some ranks of the world (dead or not registered); "
     "by default that exits 1.",
 )
@@ -214,11 +200,10 @@ def pause(client: Any, timeout: float, as_json: bool, leave_paused: bool, allow_
 
 @click.command()
 @fleet_options(fleet_cli.clear)
-@click.option(
+@env_option(
     "--keep-cpu",
     is_flag=True,
     envvar="ZKV_CLEAR_KEEP_CPU",
-    show_envvar=True,
     help="Keep the CPU swap space; free only device caches.",
 )
 def clear(client: Any, timeout: float, as_json: bool, keep_cpu: bool) -> None:

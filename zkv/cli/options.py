@@ -1,5 +1,7 @@
-"""Click options shared by the zkv commands (one definition each): the
-broker's limits, the cache layout, CurveZMQ and the metrics exporter."""
+"""Click options shared by the zkv commands (one definition each): every
+option's environment variable (``env_option``), the broker's limits, the cache
+layout, CurveZMQ, the metrics exporter, and the options several commands take
+(--json, --world-size, --state-file, --runtime-dir, bounds in seconds)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,16 @@ from typing import Any, Callable, NoReturn
 
 import click
 
-from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS
+from ..wire.bounds import LAYOUT_MAX, MAX_TIMEOUT_MS, MAX_WORLD
 from ..wire.vocab import Dtype
+
+
+def env_option(*decls: str, envvar: str | list[str], **attrs: Any) -> Callable:
+    """A click option that falls back on the environment variable ``envvar``,
+    named in ``--help`` as every zkv option's is, with its default shown (pass
+    ``show_default=False`` where it is computed at run time)."""
+    attrs.setdefault("show_default", True)
+    return click.option(*decls, envvar=envvar, show_envvar=True, **attrs)
 
 
 def stacked(fn: Callable, opts: list[Callable]) -> Callable:
@@ -20,93 +30,107 @@ def stacked(fn: Callable, opts: list[Callable]) -> Callable:
     return fn
 
 
+def json_option(help: str) -> Callable:
+    """--json (ZKV_JSON): one environment variable turns it on for every command that has it."""
+    return env_option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", help=help)
+
+
+def seconds_option(*decls: str, envvar: str, help: str) -> Callable:
+    """A bound in seconds on a request or an op: more than 0, at most the wire's longest
+    timeout, 30 by default (--timeout of the client commands, replay's --task-timeout / --op-timeout)."""
+    return env_option(
+        *decls, type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True), default=30.0, envvar=envvar, help=help
+    )
+
+
+def world_size_option(help: str) -> Callable:
+    """--world-size (ZKV_WORLD_SIZE): the ranks of a bus, the same for its broker and its workers."""
+    return env_option("--world-size", type=click.IntRange(1, MAX_WORLD), default=2, envvar="ZKV_WORLD_SIZE", help=help)
+
+
+def state_file_option(help: str) -> Callable:
+    """--state-file (ZKV_STATE_FILE): the broker's durable state (broker, state)."""
+    return env_option("--state-file", type=click.Path(dir_okay=False), default=None, envvar="ZKV_STATE_FILE", help=help)
+
+
+def runtime_dir_option(help: str) -> Callable:
+    """--runtime-dir (ZKV_RUNTIME_DIR): where a zkv up keeps its sockets, state and lock (up, down)."""
+    return env_option(
+        "--runtime-dir", type=click.Path(file_okay=False), default=None, envvar="ZKV_RUNTIME_DIR", help=help
+    )
+
+
+def _flag(name: str) -> str:
+    """A parameter's option: ``max_inflight`` -> ``--max-inflight``."""
+    return "--" + name.replace("_", "-")
+
+
+#: The broker's limits and timers: parameter -> (``BrokerConfig`` field, upper bound, help); each
+#: falls back on ``ZKV_`` and its name (--max-inflight: ZKV_MAX_INFLIGHT) and defaults to the config's.
+BROKER_LIMITS = {
+    "max_inflight": ("max_inflight_per_rank", 1 << 20, "Credits: tasks in flight per rank."),
+    "max_queue": ("max_queue", 1 << 30, "Tasks held before submissions are rejected."),
+    "heartbeat_ms": ("heartbeat_ms", MAX_TIMEOUT_MS, "Heartbeat interval, both ways."),
+    "liveness_ms": ("liveness_ms", MAX_TIMEOUT_MS, "Silence after which a rank is dead."),
+    "op_timeout_ms": ("op_timeout_ms", MAX_TIMEOUT_MS, "Default bound on pause/clear/resume."),
+    "max_open_per_client": (
+        "max_open_per_client",
+        1 << 30,
+        "Open tasks (queued or in flight) one client connection may hold; more are rejected.",
+    ),
+    "max_waiters_per_client": (
+        "max_waiters_per_client",
+        1 << 20,
+        "Held status --wait-ranks requests per client connection.",
+    ),
+    "max_waiters": ("max_waiters", 1 << 20, "Held status --wait-ranks requests in all."),
+}
+
+
 def broker_options(fn: Callable) -> Callable:
-    """The broker's limits and timers (broker, up)."""
+    """The broker's limits and timers (``BROKER_LIMITS``) and --allow-partial (broker)."""
     from ..broker.core import BrokerConfig
 
     d = BrokerConfig()
     opts = [
-        click.option(
-            "--max-inflight",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_inflight_per_rank,
-            show_default=True,
-            envvar="ZKV_MAX_INFLIGHT",
-            show_envvar=True,
-            help="Credits: tasks in flight per rank.",
-        ),
-        click.option(
-            "--max-queue",
-            type=click.IntRange(1, 1 << 30),
-            default=d.max_queue,
-            show_default=True,
-            envvar="ZKV_MAX_QUEUE",
-            show_envvar=True,
-            help="Tasks held before submissions are rejected.",
-        ),
-        click.option(
-            "--heartbeat-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.heartbeat_ms,
-            show_default=True,
-            envvar="ZKV_HEARTBEAT_MS",
-            show_envvar=True,
-            help="Heartbeat interval, both ways.",
-        ),
-        click.option(
-            "--liveness-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.liveness_ms,
-            show_default=True,
-            envvar="ZKV_LIVENESS_MS",
-            show_envvar=True,
-            help="Silence after which a rank is dead.",
-        ),
-        click.option(
-            "--op-timeout-ms",
-            type=click.IntRange(1, MAX_TIMEOUT_MS),
-            default=d.op_timeout_ms,
-            show_default=True,
-            envvar="ZKV_OP_TIMEOUT_MS",
-            show_envvar=True,
-            help="Default bound on pause/clear/resume.",
-        ),
-        click.option(
-            "--max-open-per-client",
-            type=click.IntRange(1, 1 << 30),
-            default=d.max_open_per_client,
-            show_default=True,
-            envvar="ZKV_MAX_OPEN_PER_CLIENT",
-            show_envvar=True,
-            help="Open tasks (queued or in flight) one client connection may hold; more are rejected.",
-        ),
-        click.option(
-            "--max-waiters-per-client",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_waiters_per_client,
-            show_default=True,
-            envvar="ZKV_MAX_WAITERS_PER_CLIENT",
-            show_envvar=True,
-            help="Held status --wait-ranks requests per client connection.",
-        ),
-        click.option(
-            "--max-waiters",
-            type=click.IntRange(1, 1 << 20),
-            default=d.max_waiters,
-            show_default=True,
-            envvar="ZKV_MAX_WAITERS",
-            show_envvar=True,
-            help="Held status --wait-ranks requests in all.",
-        ),
-        click.option(
+        env_option(
+            _flag(name),
+            type=click.IntRange(1, upper),
+            default=getattr(d, field),
+            envvar=f"ZKV_{name.upper()}",
+            help=text,
+        )
+        for name, (field, upper, text) in BROKER_LIMITS.items()
+    ]
+    opts.append(
+        env_option(
             "--allow-partial",
             is_flag=True,
             envvar="ZKV_ALLOW_PARTIAL",
-            show_envvar=True,
             help="A rank dying during pause/clear/resume completes it without that rank instead of failing it.",
-        ),
-    ]
+        )
+    )
     return stacked(fn, opts)
+
+
+def broker_config_from(world: int, kw: dict) -> Any:
+    """The ``BrokerConfig`` of ``broker_options`` (read from ``kw``) for a bus of ``world`` ranks."""
+    from ..broker.core import BrokerConfig
+
+    limits = {field: kw[name] for name, (field, _, _) in BROKER_LIMITS.items()}
+    return BrokerConfig(world=world, allow_partial=kw["allow_partial"], **limits)
+
+
+#: The cache-layout options: ``CacheLayout`` field -> help; each falls back on ``ZKV_`` and its
+#: name (ZKV_GPU_BLOCKS), is bounded by ``LAYOUT_MAX`` and defaults to ``CacheLayout()``'s.
+LAYOUT_HELP = {
+    "layers": "Transformer layers (a K and a V tensor each).",
+    "gpu_blocks": "Device cache blocks per rank.",
+    "cpu_blocks": "CPU swap-space blocks per rank.",
+    "block_size": "Tokens per block.",
+    "kv_heads": "KV heads per rank (this rank's shard).",
+    "head_dim": "Head dimension.",
+}
 
 
 def layout_options(fn: Callable) -> Callable:
@@ -115,70 +139,24 @@ def layout_options(fn: Callable) -> Callable:
 
     d = CacheLayout()
     opts = [
-        click.option(
-            "--layers",
-            type=click.IntRange(1, LAYOUT_MAX["layers"]),
-            default=d.layers,
-            show_default=True,
-            envvar="ZKV_LAYERS",
-            show_envvar=True,
-            help="Transformer layers (a K and a V tensor each).",
-        ),
-        click.option(
-            "--gpu-blocks",
-            type=click.IntRange(1, LAYOUT_MAX["gpu_blocks"]),
-            default=d.gpu_blocks,
-            show_default=True,
-            envvar="ZKV_GPU_BLOCKS",
-            show_envvar=True,
-            help="Device cache blocks per rank.",
-        ),
-        click.option(
-            "--cpu-blocks",
-            type=click.IntRange(1, LAYOUT_MAX["cpu_blocks"]),
-            default=d.cpu_blocks,
-            show_default=True,
-            envvar="ZKV_CPU_BLOCKS",
-            show_envvar=True,
-            help="CPU swap-space blocks per rank.",
-        ),
-        click.option(
-            "--block-size",
-            type=click.IntRange(1, LAYOUT_MAX["block_size"]),
-            default=d.block_size,
-            show_default=True,
-            envvar="ZKV_BLOCK_SIZE",
-            show_envvar=True,
-            help="Tokens per block.",
-        ),
-        click.option(
-            "--kv-heads",
-            type=click.IntRange(1, LAYOUT_MAX["kv_heads"]),
-            default=d.kv_heads,
-            show_default=True,
-            envvar="ZKV_KV_HEADS",
-            show_envvar=True,
-            help="KV heads per rank (this rank's shard).",
-        ),
-        click.option(
-            "--head-dim",
-            type=click.IntRange(1, LAYOUT_MAX["head_dim"]),
-            default=d.head_dim,
-            show_default=True,
-            envvar="ZKV_HEAD_DIM",
-            show_envvar=True,
-            help="Head dimension.",
-        ),
-        click.option(
+        env_option(
+            _flag(name),
+            type=click.IntRange(1, LAYOUT_MAX[name]),
+            default=getattr(d, name),
+            envvar=f"ZKV_{name.upper()}",
+            help=text,
+        )
+        for name, text in LAYOUT_HELP.items()
+    ]
+    opts.append(
+        env_option(
             "--dtype",
             type=click.Choice([t.value for t in Dtype]),
             default=d.dtype,
-            show_default=True,
             envvar="ZKV_DTYPE",
-            show_envvar=True,
             help="Cache element type.",
-        ),
-    ]
+        )
+    )
     return stacked(fn, opts)
 
 
@@ -195,23 +173,21 @@ def layout_change_options(fn: Callable) -> Callable:
         "head_dim": "New head dimension.",
     }
     opts = [
-        click.option(
-            f"--{name.replace('_', '-')}",
+        env_option(
+            _flag(name),
             type=click.IntRange(1, LAYOUT_MAX[name]),
             default=None,
             envvar=f"ZKV_RESUME_{name.upper()}",
-            show_envvar=True,
             help=f"{text} Needs cleared caches.",
         )
         for name, text in helps.items()
     ]
     opts.append(
-        click.option(
+        env_option(
             "--dtype",
             type=click.Choice([t.value for t in Dtype]),
             default=None,
             envvar="ZKV_RESUME_DTYPE",
-            show_envvar=True,
             help="New cache element type. Needs cleared caches.",
         )
     )
@@ -256,22 +232,19 @@ def layout_from(kwargs: dict) -> Any:
 def disk_options(fn: Callable) -> Callable:
     """A rank's disk tier below its CPU tier (worker): off unless --disk-dir is given."""
     opts = [
-        click.option(
+        env_option(
             "--disk-dir",
             default=None,
             type=click.Path(file_okay=False),
             envvar="ZKV_DISK_DIR",
-            show_envvar=True,
             help="Directory of this rank's disk tier file (zkv-rankR.disk), reused across restarts for the same "
             "layout; O_DIRECT when the file system takes it, else buffered I/O with fdatasync.",
         ),
-        click.option(
+        env_option(
             "--disk-blocks",
             type=click.IntRange(1, 2**31 - 1),
             default=4096,
-            show_default=True,
             envvar="ZKV_DISK_BLOCKS",
-            show_envvar=True,
             help="Blocks the disk tier holds (with --disk-dir); the file is preallocated.",
         ),
     ]
@@ -280,11 +253,10 @@ def disk_options(fn: Callable) -> Callable:
 
 def store_option(fn: Callable) -> Callable:
     """A rank's keyed store below its CPU tier (worker, up): off unless --store is given."""
-    return click.option(
+    return env_option(
         "--store",
         default=None,
         envvar="ZKV_STORE",
-        show_envvar=True,
         metavar="URL",
         help="The keyed store below this rank's CPU tier (put / get tasks, named by key in a namespace of the "
         "engine's identity): file:///dev/shm/zkv-host?budget=8GiB is a host tier every engine on the host shares, "
@@ -302,48 +274,36 @@ def disk_from(kwargs: dict) -> Any:
     return DiskSpec(directory, blocks)
 
 
+#: The CurveZMQ options in ``--help``'s order: parameter -> (a key "file" or a "dir" of keys, help).
+CURVE_KEYS = {
+    "curve_secret": (
+        "file",
+        "This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.",
+    ),
+    "curve_server": ("file", "The broker's public key file (broker.key)."),
+    "curve_ranks": (
+        "dir",
+        "Directory of rank public keys (*.key): allowed on the broker's backend, and to push results to a client.",
+    ),
+    "curve_clients": ("dir", "Directory of client public keys (*.key) allowed on the frontend."),
+}
+
+
 def curve_options(server: bool = False, client: bool = True) -> Callable:
     """CurveZMQ options (docs/protocol.md §12): off unless --curve-secret is given."""
-
-    def deco(fn: Callable) -> Callable:
-        if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
-            if not client:  # the broker: client keys for its frontend
-                fn = click.option(
-                    "--curve-clients",
-                    type=click.Path(exists=True, file_okay=False),
-                    default=None,
-                    envvar="ZKV_CURVE_CLIENTS",
-                    show_envvar=True,
-                    help="Directory of client public keys (*.key) allowed on the frontend.",
-                )(fn)
-            fn = click.option(
-                "--curve-ranks",
-                type=click.Path(exists=True, file_okay=False),
-                default=None,
-                envvar="ZKV_CURVE_RANKS",
-                show_envvar=True,
-                help="Directory of rank public keys (*.key): allowed on the broker's backend, "
-                "and to push results to a client.",
-            )(fn)
-        if client:
-            fn = click.option(
-                "--curve-server",
-                type=click.Path(exists=True, dir_okay=False),
-                default=None,
-                envvar="ZKV_CURVE_SERVER",
-                show_envvar=True,
-                help="The broker's public key file (broker.key).",
-            )(fn)
-        return click.option(
-            "--curve-secret",
-            type=click.Path(exists=True, dir_okay=False),
-            default=None,
-            envvar="ZKV_CURVE_SECRET",
-            show_envvar=True,
-            help="This party's Curve secret key file (NAME.key_secret, from zkv keygen); turns on CurveZMQ.",
-        )(fn)
-
-    return deco
+    names = ["curve_secret"]
+    if client:  # the broker's key, to connect to it
+        names.append("curve_server")
+    if server:  # ranks and clients are authorized separately (docs/protocol.md §12)
+        names.append("curve_ranks")
+        if not client:  # the broker: client keys for its frontend
+            names.append("curve_clients")
+    opts = []
+    for name in names:
+        kind, text = CURVE_KEYS[name]
+        path = click.Path(exists=True, file_okay=kind == "file", dir_okay=kind == "dir")
+        opts.append(env_option(_flag(name), type=path, default=None, envvar=f"ZKV_{name.upper()}", help=text))
+    return lambda fn: stacked(fn, opts)
 
 
 def curve_from(kw: dict) -> Any:
@@ -362,20 +322,17 @@ def curve_from(kw: dict) -> Any:
 
 def metrics_options(fn: Callable) -> Callable:
     """The Prometheus exporter of the broker (docs/operations.md): off unless a port is given."""
-    fn = click.option(
+    fn = env_option(
         "--metrics-addr",
         default="127.0.0.1",
-        show_default=True,
         envvar="ZKV_METRICS_ADDR",
-        show_envvar=True,
         help="Address the /metrics endpoint binds (loopback unless you ask for more).",
     )(fn)
-    return click.option(
+    return env_option(
         "--metrics-port",
         type=click.IntRange(0, 65535),
         default=None,
         envvar="ZKV_METRICS_PORT",
-        show_envvar=True,
         help="Serve Prometheus metrics (the ranks' included) on http://ADDR:PORT/metrics; 0 picks a free port.",
     )(fn)
 
@@ -401,22 +358,18 @@ def tier_options(fn: Callable) -> Callable:
     return stacked(
         fn,
         [
-            click.option(
+            env_option(
                 "--tier-dir",
                 default="/dev/shm",
-                show_default=True,
                 envvar="ZKV_TIER_DIR",
-                show_envvar=True,
                 help="Where zkv's CPU tier lives as a file that outlives this process (a restarted rank maps "
                 "it again and keeps its blocks; zkv tier list / clean). 'none': in process memory, gone with "
                 "the process.",
             ),
-            click.option(
+            env_option(
                 "--tier-digests/--no-tier-digests",
                 default=False,
-                show_default=True,
                 envvar="ZKV_TIER_DIGESTS",
-                show_envvar=True,
                 help="Also keep a BLAKE2b digest of every CPU-tier block and check it when the block is read. "
                 "A torn write is caught without it (each block's header is written last); the digest also "
                 "catches bytes changed behind zkv's back, at the cost of hashing every block copied "
@@ -426,11 +379,10 @@ def tier_options(fn: Callable) -> Callable:
     )
 
 
-record_option = click.option(
+record_option = env_option(
     "--record",
     type=click.Path(dir_okay=False),
     default=None,
     envvar="ZKV_RECORD",
-    show_envvar=True,
     help="Append every request and task outcome to this trace file (JSON Lines).",
 )

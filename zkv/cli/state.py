@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from .options import fail
+from .options import fail, json_option, state_file_option
 
 
 def default_state_path() -> Path:
@@ -71,15 +71,10 @@ def _text(path: Path, seq: int, snap: dict[str, Any]) -> str:
 
 
 @click.command()
-@click.option(
-    "--state-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    envvar="ZKV_STATE_FILE",
-    show_envvar=True,
-    help="The broker's state file (default: broker-state.json in the runtime directory, where zkv up keeps it).",
+@state_file_option(
+    "The broker's state file (default: broker-state.json in the runtime directory, where zkv up keeps it)."
 )
-@click.option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print it as JSON.")
+@json_option("Print it as JSON.")
 def state(state_file: str | None, as_json: bool) -> None:
     """Print the broker's durable state: what a restarted broker (or zkv up) restores."""
     path = Path(state_file) if state_file else default_state_path()

@@ -8,6 +8,8 @@ import json
 
 import click
 
+from .options import env_option
+
 
 def _open(url: str):
     from ..rank.tiers.store_tier import open_store
@@ -24,7 +26,7 @@ def store() -> None:
 
 
 @store.command("ls")
-@click.option("--store", "url", required=True, envvar="ZKV_STORE", show_envvar=True, help="The store's URL.")
+@env_option("--store", "url", required=True, envvar="ZKV_STORE", help="The store's URL.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: namespace -> {values, bytes}.")
 def ls(url: str, as_json: bool) -> None:
     """Each namespace the store holds, its values and bytes."""
@@ -47,7 +49,7 @@ def ls(url: str, as_json: bool) -> None:
 
 
 @store.command("retire")
-@click.option("--store", "url", required=True, envvar="ZKV_STORE", show_envvar=True, help="The store's URL.")
+@env_option("--store", "url", required=True, envvar="ZKV_STORE", help="The store's URL.")
 @click.argument("namespaces", nargs=-1, required=True)
 def retire(url: str, namespaces: tuple[str, ...]) -> None:
     """Drop every value of each NAMESPACE (an engine identity no engine serves any more)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import click
 
@@ -15,6 +15,7 @@ from ..wire.errors import ZkvError
 from ..wire.ids import decode_ids
 from ..wire.vocab import BusState, Outcome, TaskState, Tier
 from .control import client_options
+from .options import env_option
 
 if TYPE_CHECKING:
     from ..wire.replies import StatusReply
@@ -30,6 +31,18 @@ def _parse_ids(text: str) -> list[int]:
         return decode_ids(text, "ids")
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+
+
+def _ids_option(option: str, envvar: str, help: str) -> Callable:
+    """A block-id list option (``0-15,32``; none by default), read by ``_parse_ids``."""
+    return env_option(
+        option,
+        default="",
+        show_default=False,
+        envvar=envvar,
+        callback=lambda ctx, param, value: _parse_ids(value),
+        help=help,
+    )
 
 
 def _why_not_now(st: StatusReply) -> str:
@@ -49,38 +62,30 @@ def _why_not_now(st: StatusReply) -> str:
 
 @click.command()
 @click.argument("op", type=click.Choice(["swap-out", "swap-in", "fill", "checksum", "spill", "load"]))
-@click.option(
+@_ids_option(
     "--src",
-    default="",
-    envvar="ZKV_SUBMIT_SRC",
-    show_envvar=True,
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in and spill these CPU blocks, "
+    "ZKV_SUBMIT_SRC",
+    "Source block ids, e.g. 0-15,32: swap-out reads these GPU blocks, swap-in and spill these CPU blocks, "
     "load these disk blocks, checksum these blocks of --tier.",
 )
-@click.option(
+@_ids_option(
     "--dst",
-    default="",
-    envvar="ZKV_SUBMIT_DST",
-    show_envvar=True,
-    callback=lambda ctx, param, value: _parse_ids(value),
-    help="Destination block ids: swap-out and load write these CPU blocks, swap-in these GPU blocks, "
+    "ZKV_SUBMIT_DST",
+    "Destination block ids: swap-out and load write these CPU blocks, swap-in these GPU blocks, "
     "spill these disk blocks, fill these blocks of --tier.",
 )
-@click.option(
+@env_option(
     "--tier",
     type=click.Choice([t.value for t in Tier]),
     default=None,
     envvar="ZKV_SUBMIT_TIER",
-    show_envvar=True,
     help="Tier for fill (gpu, cpu) and checksum (gpu, cpu, disk: ranks started with --disk-dir).",
 )
-@click.option(
+@env_option(
     "--seed",
     type=click.IntRange(0, MAX_SAFE_INT),
     default=None,
     envvar="ZKV_SUBMIT_SEED",
-    show_envvar=True,
     help="Seed of the bytes fill writes.",
 )
 @client_options

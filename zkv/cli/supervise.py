@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from .options import fail
+from .options import env_option, fail, runtime_dir_option
 
 RESTARTS_PER_MINUTE = 5  # a rank that exits more often than this is not restarted again
 
@@ -102,21 +102,12 @@ def hold_up_lock(directory: Path) -> Any:
 
 
 @click.command()
-@click.option(
-    "--runtime-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="ZKV_RUNTIME_DIR",
-    show_envvar=True,
-    help="The runtime directory of the zkv up to stop (default: the one zkv up uses by default).",
-)
-@click.option(
+@runtime_dir_option("The runtime directory of the zkv up to stop (default: the one zkv up uses by default).")
+@env_option(
     "--timeout",
     type=click.FloatRange(0, 3600, min_open=True),
     default=30.0,
-    show_default=True,
     envvar="ZKV_TIMEOUT",
-    show_envvar=True,
     help="Seconds to wait for it to stop.",
 )
 def down(runtime_dir: str | None, timeout: float) -> None:

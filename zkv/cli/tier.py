@@ -18,13 +18,12 @@ import click
 import msgspec
 
 from ..wire.vocab import Tier
+from .options import env_option
 
-_DIR = click.option(
+_DIR = env_option(
     "--tier-dir",
     default="/dev/shm",
-    show_default=True,
     envvar="ZKV_TIER_DIR",
-    show_envvar=True,
     help="Where the workers keep their CPU tiers (zkv worker --tier-dir).",
 )
 

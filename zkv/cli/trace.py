@@ -14,9 +14,8 @@ from typing import Any
 
 import click
 
-from ..wire.bounds import MAX_TIMEOUT_MS
 from ..wire.vocab import CLIENT_OPS
-from .options import curve_from, curve_options, layout_from, layout_options
+from .options import curve_from, curve_options, env_option, json_option, layout_from, layout_options, seconds_option
 
 
 def _error(message: str, code: int = 2) -> None:
@@ -40,49 +39,31 @@ def _load(path: str) -> Any:
 
 @click.command()
 @click.argument("trace_file", metavar="FILE", type=str)
-@click.option(
+@env_option(
     "--broker",
     default=None,
     envvar=["ZKV_BROKER", "ZKV_REPLAY_BROKER"],
-    show_envvar=True,
     help="Replay against this running broker's frontend instead of an embedded local cluster "
     "(ZKV_REPLAY_BROKER is an older name for it).",
 )
-@click.option(
+@env_option(
     "--speed",
     default="1",
-    show_default=True,
     envvar="ZKV_REPLAY_SPEED",
-    show_envvar=True,
     help="Timing: 1 = as recorded, 2.5 = 2.5x faster, max = as fast as possible.",
 )
-@click.option(
+@env_option(
     "--record",
     type=click.Path(dir_okay=False),
     default=None,
     envvar="ZKV_REPLAY_RECORD",
-    show_envvar=True,
     help="Embedded cluster only: run its broker with --record FILE (a recording of this replay).",
 )
-@click.option(
-    "--task-timeout",
-    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-    default=30.0,
-    show_default=True,
-    envvar="ZKV_REPLAY_TASK_TIMEOUT",
-    show_envvar=True,
-    help="Seconds a task may take before it ends 'timeout'.",
+@seconds_option(
+    "--task-timeout", envvar="ZKV_REPLAY_TASK_TIMEOUT", help="Seconds a task may take before it ends 'timeout'."
 )
-@click.option(
-    "--op-timeout",
-    type=click.FloatRange(0, MAX_TIMEOUT_MS / 1000, min_open=True),
-    default=30.0,
-    show_default=True,
-    envvar="ZKV_REPLAY_OP_TIMEOUT",
-    show_envvar=True,
-    help="Seconds a pause / clear / resume may take.",
-)
-@click.option("--json", "as_json", is_flag=True, envvar="ZKV_JSON", show_envvar=True, help="Print the report as JSON.")
+@seconds_option("--op-timeout", envvar="ZKV_REPLAY_OP_TIMEOUT", help="Seconds a pause / clear / resume may take.")
+@json_option("Print the report as JSON.")
 @curve_options(server=True, client=True)
 def replay(
     trace_file: str,

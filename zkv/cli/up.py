@@ -25,11 +25,13 @@ from ..wire.bounds import MAX_WORLD
 from ..wire.vocab import BusState
 from .options import (
     disk_options,
+    env_option,
     fail,
     layout_from,
     layout_options,
     metrics_options,
     record_option,
+    runtime_dir_option,
     sigterm_as_interrupt,
     tier_options,
 )
@@ -211,65 +213,51 @@ def _claim_runtime_dir(
 
 
 @click.command()
-@click.option(
+@env_option(
     "--ranks",
     type=click.IntRange(1, MAX_WORLD),
     default=2,
-    show_default=True,
     envvar="ZKV_RANKS",
-    show_envvar=True,
     help="Rank workers to start (a restored bus: its world size).",
 )
-@click.option(
-    "--runtime-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="ZKV_RUNTIME_DIR",
-    show_envvar=True,
-    help="Directory for the ipc:// sockets and the broker state file (default: the one every zkv command looks "
-    "in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir).",
+@runtime_dir_option(
+    "Directory for the ipc:// sockets and the broker state file (default: the one every zkv command looks "
+    "in, $XDG_RUNTIME_DIR/zkv or /tmp/zkv-$UID; with --demo a private temp dir)."
 )
 @layout_options
-@click.option(
+@env_option(
     "--fresh",
     is_flag=True,
     envvar="ZKV_UP_FRESH",
-    show_envvar=True,
     help="Start from nothing: move the runtime directory's broker-state.json aside (to .old) instead of "
     "restoring the bus it describes.",
 )
 @record_option
-@click.option(
+@env_option(
     "--demo",
     is_flag=True,
     envvar="ZKV_UP_DEMO",
-    show_envvar=True,
     help="Run a demo workload against the cluster, print what it did, and exit.",
 )
-@click.option(
+@env_option(
     "--requests",
     type=click.IntRange(1, 1 << 20),
     default=160,
-    show_default=True,
     envvar="ZKV_UP_REQUESTS",
-    show_envvar=True,
     help="Requests in the --demo workload (half with the disk tier, half without).",
 )
-@click.option(
+@env_option(
     "--attach",
     is_flag=True,
     envvar="ZKV_UP_ATTACH",
-    show_envvar=True,
     help="Also start one stand-in engine process per rank that owns the rank's KV tensors "
     "(shared memory); the workers attach to them (zkv worker --attach) instead of allocating their own.",
 )
-@click.option(
+@env_option(
     "--engine",
     type=click.Choice(["zkv", "transformers", "vllm", "vllm-servers"]),
     default="zkv",
-    show_default=True,
     envvar="ZKV_UP_ENGINE",
-    show_envvar=True,
     help="With --demo: whose KV cache the ranks serve; 'transformers' runs a chat on a real transformers model "
     "(pip install 'zkv[transformers]'), one replica per rank with the rank attached in-process; 'vllm' a chat "
     "on a vLLM engine with zkv as its offload backend (one rank: the engine's own, docs/engine-vllm.md; vLLM's own "

@@ -1,25 +1,12 @@
 """Moved to ``zkv.cycle`` (the control plane lives in ``zkv/cycle/``,
 docs/architecture.md): ``update_weights`` and ``weights_digest`` are
 ``zkv.cycle.update_weights`` and ``zkv.cycle.weights_digest``, and the report
-is the one ``zkv.cycle.CycleReport``.  Each name read here warns, and this
-module goes in zkv 0.3 (docs/versions.md)."""
+is the one ``zkv.cycle.CycleReport``.  The first read of each name here warns
+(``wire.moved.forward``), and this module goes in zkv 0.3 (docs/versions.md)."""
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from ...wire.moved import forward
 
-_NAMES = ("update_weights", "weights_digest", "CycleReport")
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from ... import cycle
-
-    warnings.warn(
-        f"zkv.engines.vllm.rl.{name} moved to zkv.cycle.{name}; the old name goes in zkv 0.3",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(cycle, name)
+# each name kept its name in zkv.cycle
+__getattr__ = forward(__name__, {n: f"zkv.cycle.{n}" for n in ("update_weights", "weights_digest", "CycleReport")})

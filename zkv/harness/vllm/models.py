@@ -21,7 +21,26 @@ VOCAB = 512
 SLIDING_WINDOW = 64  # two 32-token blocks: a 700-token prompt keeps 3 of its 21 blocks in the window
 
 
-def _save(model: Any, directory: str | Path, std: float) -> str:
+#: The size every family shares unless it says otherwise: a tiny vocabulary, untied
+#: embeddings (see above), and positions for the longest prompt of the tests.
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+
+def _write(model_class: Any, config_class: Any, directory: str | Path, seed: int, std: float, **config: Any) -> str:
+    """Save a ``model_class`` of ``config_class(TINY and config)`` with weights drawn
+    from N(0, std) after seeding torch with ``seed``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**TINY, **config}))
     for p in model.parameters():
         p.data.normal_(0.0, std)
     model.save_pretrained(str(directory))
@@ -40,13 +59,15 @@ def gemma3(
 ) -> str:
     """Gemma 3 text: sliding (window 64) and full attention layers alternating; ``sliding``
     False makes every layer full (the same model, one group: the baseline of a two-group one)."""
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    torch.manual_seed(seed)
     kinds = ["sliding_attention", "full_attention"] if sliding else ["full_attention"]
-    cfg = Gemma3TextConfig(
-        vocab_size=VOCAB,
+    return _write(
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        directory,
+        seed,
+        std,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -55,71 +76,57 @@ def gemma3(
         head_dim=head_dim,
         sliding_window=SLIDING_WINDOW,
         layer_types=[kinds[i % len(kinds)] for i in range(layers)],
-        tie_word_embeddings=False,
-        max_position_embeddings=8192,
     )
-    return _save(Gemma3ForCausalLM(cfg), directory, std)
 
 
 def gpt_oss(directory: str | Path, seed: int, layers: int = 2, std: float = 0.5) -> str:
     """gpt-oss: sliding (window 64) and full attention layers alternating, with sinks, 4 experts."""
-    import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
+    return _write(
+        GptOssForCausalLM,
+        GptOssConfig,
+        directory,
+        seed,
+        std,
         intermediate_size=128,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
     )
-    return _save(GptOssForCausalLM(cfg), directory, std)
 
 
 def mistral_swa(directory: str | Path, seed: int, layers: int = 2, std: float = 0.1) -> str:
     """Mistral with a sliding window (64) on every layer: one sliding-window group."""
-    import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+    return _write(
+        MistralForCausalLM,
+        MistralConfig,
+        directory,
+        seed,
+        std,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
         sliding_window=SLIDING_WINDOW,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
     )
-    return _save(MistralForCausalLM(cfg), directory, std)
 
 
 def qwen3_next(directory: str | Path, seed: int, head_dim: int = 64, std: float = 0.05) -> str:
     """Qwen3-Next: three gated-delta-net (linear attention) layers and one full attention
     layer; ``head_dim`` the linear layers' key/value head dim (vLLM's CPU kernel takes 64, 128)."""
-    import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+    return _write(
+        Qwen3NextForCausalLM,
+        Qwen3NextConfig,
+        directory,
+        seed,
+        std,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         linear_key_head_dim=head_dim,
         linear_value_head_dim=head_dim,
@@ -132,24 +139,20 @@ def qwen3_next(directory: str | Path, seed: int, head_dim: int = 64, std: float 
         shared_expert_intermediate_size=64,
         decoder_sparse_step=1,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
     )
-    return _save(Qwen3NextForCausalLM(cfg), directory, std)
 
 
 def deepseek_mla(directory: str | Path, seed: int, std: float = 0.05) -> str:
     """DeepSeek-V2 with MLA attention and a dense MLP on every layer (no router)."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+    return _write(
+        DeepseekV2ForCausalLM,
+        DeepseekV2Config,
+        directory,
+        seed,
+        std,
         num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=4,
         kv_lora_rank=512,
         q_lora_rank=None,
@@ -161,10 +164,7 @@ def deepseek_mla(directory: str | Path, seed: int, std: float = 0.05) -> str:
         num_experts_per_tok=2,
         n_group=1,
         topk_group=1,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
     )
-    return _save(DeepseekV2ForCausalLM(cfg), directory, std)
 
 
 @dataclass(frozen=True)

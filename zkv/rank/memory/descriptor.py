@@ -10,7 +10,7 @@ to the engine's storages.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
@@ -67,7 +67,7 @@ class BufferSpec:
     dtype: str  # the element type the engine's tensors use on it (informational)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "nbytes": self.nbytes, "device": self.device, "dtype": self.dtype}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "BufferSpec":
@@ -102,14 +102,7 @@ class RegionSpec:
         return self.offset, self.offset + (num_blocks - 1) * self.row_stride + self.page_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "buffer": self.buffer,
-            "offset": self.offset,
-            "row_stride": self.row_stride,
-            "page_bytes": self.page_bytes,
-            "units_per_block": self.units_per_block,
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> "RegionSpec":
