@@ -181,12 +181,14 @@ def _named(name: str, quick: bool, directory: str, buses: int, tier_gib: float, 
         res = bench_vllm(quick=quick, say=say, log=log if quiet else None)
         return res, vllm_summary(res)
     if name == "shared":
+        from ..harness.vllm.output import log_path
         from ..harness.vllm.rig import quiet_vllm_logging
         from ..harness.vllm.shared_bench import bench_shared
         from ..harness.vllm.shared_bench import summary as shared_summary
 
-        quiet_vllm_logging(say=say)
-        res = bench_shared(quick=quick, say=say)
+        log = log_path("bench-shared")  # vLLM's own output, unless the user asked to see it
+        quiet = quiet_vllm_logging(say=say, log=log)
+        res = bench_shared(quick=quick, say=say, log=log if quiet else None)
         return res, shared_summary(res)
     if name == "cycle":
         return _cycle(quick, say)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ...obs.status_view import table
 from ...rank.tiers.store_tier import open_store
 from ...testing.redis_server import REDIS, RedisServer
+from .output import vllm_output_to
 from .rig import BLOCK_TOKENS, BusProbe, ModelShape, greedy, start_engine, stop_engine, ttft, write_llama, zkv_transfer
 
 TARGETS = {"vs_recompute": 0.5, "vs_own_tier": 1.5}
@@ -136,7 +137,14 @@ def _one(
     }
 
 
-def bench_shared(quick: bool = False, say: Callable[[str], None] = print) -> dict[str, Any]:
+def bench_shared(quick: bool = False, say: Callable[[str], None] = print, log: Path | None = None) -> dict[str, Any]:
+    """Both stores in turn (Redis where redis-server is installed); ``log``: where vLLM's own
+    output goes (``output.vllm_output_to``; None: this terminal)."""
+    with vllm_output_to(log):
+        return _both(quick, say)
+
+
+def _both(quick: bool, say: Callable[[str], None]) -> dict[str, Any]:
     shape = ModelShape(layers=4 if quick else 8, hidden=256 if quick else 512, heads=8, kv_heads=8, vocab=512)
     context = 1024 if quick else 3072
     rng = random.Random(3)
