@@ -2,8 +2,9 @@
 engine B of the same identity, on one shared store below both (the host tier, and
 a Redis server when ``redis-server`` is installed): B's time to first token with
 the prefix fetched from the store, beside B's recompute (its bus paused: every
-lookup misses) and beside B serving the same turn from its own CPU tier (its GPU
-KV cache holding others meanwhile), all on the same two engines in the same run; B's greedy
+lookup misses) and beside B serving a turn of the same length from its own CPU tier
+(a conversation B served itself, evicted from vLLM's cache), all on the same two
+engines in the same run; B's greedy
 tokens from A's blocks are compared with its recompute (docs/benchmarks.md)."""
 
 from __future__ import annotations
