@@ -159,7 +159,11 @@ def test_a_bus_whose_broker_is_down_fails_the_cycle_and_every_server_serves_the_
         report = fleet.cycle("no-broker", ReloadWeights(w1), rollback=ReloadWeights(w0), deadline_s=20)
     assert report.outcome == "rolled_back", report.describe()
     assert report.engines["b"].failed_step == "pause_buses", report.describe()
-    assert not any(s.step == "update" for s in report.steps), "nothing was loaded"
+    # each engine runs its steps on its own lane: a lane ahead of b's failure may have loaded the new
+    # weights before it was known; every update that ran was rolled back
+    updated = {s.engine for s in report.steps if s.step == "update" and not s.back}
+    rolled = {s.engine for s in report.steps if s.step == "rollback_weights" and s.ok}
+    assert "b" not in updated and updated <= rolled, report.describe()
     assert all(not VllmServer(s.url).is_paused() for s in servers)
     assert tokens(servers) == old
 
