@@ -10,6 +10,7 @@ engine."""
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -69,7 +70,12 @@ def weights(tmp_path_factory):
     return [write_llama(root / f"w{i}", SHAPE, seed=i) for i in range(2)]
 
 
-@pytest.fixture(scope="module", params=["host tier", "redis"])
+STORES = ["host tier", "redis"] if os.environ.get("ZKV_LONG_E2E") else ["redis"]
+
+
+# The host tier between engines: by default tests/vllm_engine/test_server_shared.py (two servers: a turn
+# served across, an engine of other weights served nothing); ZKV_LONG_E2E=1 runs these on it too (2 engines, ~2 min)
+@pytest.fixture(scope="module", params=STORES)
 def pair(request, tmp_path_factory, weights):
     """Engines A and B of one identity on one store; the Redis server when it is one."""
     root = tmp_path_factory.mktemp("shared")
