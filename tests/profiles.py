@@ -8,7 +8,8 @@ time), beside ``ZKV_DOCS_LONG`` (the docs' long command blocks and
 snippets), ``ZKV_TP_TEST`` (a tensor-parallel engine's two torch processes),
 ``ZKV_LONG_MODEL`` (the long profiles of the model-based tests),
 ``ZKV_LONG_FUZZ`` (the codec's properties and the strangers' fuzz, long) and
-``ZKV_DISK_LONG`` (many rounds of the disk tier)."""
+``ZKV_DISK_LONG`` (the disk tier's repetitions and its pause after spills on a real
+rank)."""
 
 from __future__ import annotations
 
