@@ -15,32 +15,52 @@ from zkv.testing.runner import zygote
 # once (zkv/testing/runner/zygote.py): a worker start costs milliseconds, not seconds of CPU.
 os.environ[zygote.ENV] = str(os.getpid())
 
-# Longest first, as measured by ``--durations`` on a 2-core machine; files not
-# named keep their alphabetical order after these.
+# Longest first, as measured by ``--durations=0`` (summed per file) on a 2-core
+# machine; files not named keep their alphabetical order after these.  A long
+# file left to the end runs alone while the other workers have finished.
 LONGEST_FIRST = (
-    "test_tooling.py",  # mypy over the package
-    "test_races_e2e.py",
-    "test_fleet_e2e.py",
-    "test_recovery_e2e.py",
-    "test_observability_cli.py",
+    "test_up_lifecycle.py",
+    "test_docs_exec.py",
     "test_gpu_check.py",
-    "test_strangers.py",
+    "test_observability_cli.py",
     "test_operator_paths.py",
+    "test_exact_or_lost.py",
     "test_engine_manifest.py",
+    "test_engine_docs.py",
+    "test_tooling.py",  # mypy over the package
+    "test_recovery_e2e.py",
+    "test_worker_paths.py",
     "test_engine_e2e.py",
+    "test_cycle_standin.py",
+    "test_races_e2e.py",
+    "test_moved_paths.py",
+    "test_vllm_index.py",
+    "test_multihost.py",
+    "test_engine_geometry.py",
+    "test_row_book.py",
+    "test_protocol.py",
+    "test_tier_model.py",
+    "test_fleet_e2e.py",
+    "test_deploy_files.py",
+    "test_architecture.py",
+    "test_curve_roles.py",
     "test_engine_attach_e2e.py",
     "test_cpu_tier_restart_e2e.py",
-    "test_tier_chaos.py",
-    "test_multihost.py",
-    "test_engine_docs.py",
-    "test_rank_claims.py",
-    "test_deploy_files.py",
     "test_shm_cleanup.py",
     "test_fuzz_strangers.py",
-    "test_docs_exec.py",
-    "test_disk_tier.py",
+    "test_rank_standby.py",
+    "test_bus_model.py",
+    "test_fleet_decision.py",
+    "test_fast_codec.py",
+    "test_cycle_model.py",
+    "test_prefix_manager.py",
     "test_replay.py",
-    "test_status_view.py",
+    "test_rank_claims.py",
+    "test_engine_transformers.py",
+    "test_engine_layouts.py",
+    "test_cluster_lifeline.py",
+    "test_multihost_store.py",
+    "test_strangers.py",
 )
 
 

@@ -10,6 +10,7 @@ may run in a circle, inside a folder included.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import pathlib
 import re
@@ -139,12 +140,19 @@ def layer_of(module: str) -> str:
     return parts[1]
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(source: str) -> ast.Module:
+    """One parse per source: the checks here walk every module of zkv/ several times
+    (read only, so the trees are shared)."""
+    return ast.parse(source)
+
+
 def imports_of(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
     """(line, absolute module) for every import in ``source``; ``from X import name``
     yields ``X.name`` when that is a zkv module, else ``X``."""
     package = module if is_package else module.rpartition(".")[0]
     out: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if isinstance(node, ast.Import):
             out.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -344,7 +352,7 @@ def _zkv_classes() -> dict[str, list[str]]:
     """Every class defined in zkv/: name -> its bases as written."""
     out: dict[str, list[str]] = {}
     for path in all_modules():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef):
                 out.setdefault(node.name, []).extend(ast.unparse(b).split(".")[-1] for b in node.bases)
     return out
@@ -361,7 +369,7 @@ def class_violations(module: str, source: str, classes: dict[str, list[str]]) ->
     or more zkv classes (mixins), and a ``*Core`` or ``*Manager`` inherits from
     none (exceptions aside)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parsed(source)):
         if not isinstance(node, ast.ClassDef):
             continue
         bases = [ast.unparse(b).split(".")[-1] for b in node.bases]
@@ -447,12 +455,13 @@ _DOC_COMMAND = re.compile(r"python\s+-m\s+(zkv(?:\.\w+)+)")
 _DOC_MEMBER = re.compile(r"`([A-Z]\w*)\.(\w+)`")
 
 
+@functools.cache
 def _zkv_members() -> dict[str, set[str]]:
     """Every class defined in zkv/: name -> what it defines (methods, class
     attributes, ``self.x`` assignments in its methods)."""
     out: dict[str, set[str]] = {}
     for path in all_modules():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path.read_text(encoding="utf-8"))):
             if not isinstance(node, ast.ClassDef):
                 continue
             members = out.setdefault(node.name, set())

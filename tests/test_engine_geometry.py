@@ -19,6 +19,7 @@ import torch
 import zmq
 from click.testing import CliRunner
 from test_engine_agent import LAYOUTS, make_engine
+from test_operator_paths import cli
 
 from zkv.broker.core import BrokerConfig
 from zkv.broker.loop import Broker
@@ -249,9 +250,9 @@ def test_an_attached_worker_refused_for_another_layout_names_the_resume_that_bri
         assert adopting.returncode == 2 and "cannot apply with --attach" in adopting.stderr, adopting.stderr
 
         front = ["--broker", ep.frontend, "--timeout", "10"]
-        _zkv("pause", *front)  # the rank is not registered: a partial pause, still a pause
-        assert _zkv("clear", *front).returncode == 0
-        resumed = _zkv("resume", *flags, *front)
+        cli("pause", *front)  # the rank is not registered: a partial pause, still a pause
+        assert cli("clear", *front).returncode == 0
+        resumed = cli("resume", *flags, *front)
         assert resumed.returncode == 0, resumed.stderr
         proc = subprocess.Popen(
             [sys.executable, "-m", "zkv", *worker],

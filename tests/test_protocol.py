@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import struct
 from pathlib import Path
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zkv.wire import bounds
@@ -446,7 +447,38 @@ _NESTED = st.recursive(
 )
 
 
-@settings(max_examples=400, deadline=None)
+#: each bound of check_nested on both sides, nested and not: what the quick check must never take
+_AT_THE_BOUNDS = (
+    [0] * P.MAX_NEST_ITEMS,
+    [0] * (P.MAX_NEST_ITEMS + 1),
+    {"a": [0] * (P.MAX_NEST_ITEMS - 3), "b": [None]},
+    {"a": [0] * (P.MAX_NEST_ITEMS - 3), "b": [None, None]},
+    [[[[[]]]]],
+    [[[[[1]]]]],
+    {"a": {"b": {"c": {"d": {}}}}},
+    {"a": {"b": {"c": {"d": {"e": None}}}}},
+    [P.MAX_SAFE_INT, -P.MAX_SAFE_INT, "x" * P.MAX_STR, {"y" * P.MAX_STR: 1}],
+    [0, P.MAX_SAFE_INT + 1],
+    {"a": [-P.MAX_SAFE_INT - 1, 0]},
+    [[["x" * (P.MAX_STR + 1)]]],
+    {"a": {"y" * (P.MAX_STR + 1): 1}},
+    {"a": {1: 1}},
+    [True, 1.5, None, b"", {"a": False}],
+)
+
+
+def _at_the_bounds(test):
+    for value in _AT_THE_BOUNDS:
+        test = example(value)(test)
+    return test
+
+
+LONG_FUZZ = os.environ.get("ZKV_LONG_FUZZ") == "1"  # the long profile: 2,000 random values, 1-3 minutes
+
+
+@pytest.mark.timeout(1800 if LONG_FUZZ else 120)
+@settings(max_examples=2_000 if LONG_FUZZ else 100, deadline=None)  # and every value at the bounds above
+@_at_the_bounds
 @given(_NESTED)
 def test_the_quick_nested_check_takes_exactly_what_the_full_one_takes(value):
     def verdict(**budget):

@@ -10,6 +10,7 @@ import os
 import select
 import signal
 
+from profiles import long_e2e
 from test_operator_paths import LAYOUT, Up, cli, zkv
 from test_worker_paths import Lines
 from waits import wait_for
@@ -36,6 +37,10 @@ def pids(broker: str) -> dict[int, int]:
         return {r.rank: r.pid for r in c.status().ranks}
 
 
+@long_e2e(
+    "a zkv up of its own, a rank killed and started again, 10-20 s",
+    "test_a_rank_restarted_after_a_new_layout_comes_back_on_it_and_keeps_its_cpu_blocks (zkv down included)",
+)
 def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
     bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT)
     try:
@@ -94,6 +99,10 @@ def test_a_zkv_up_killed_with_kill_9_leaves_no_process_and_the_next_one_starts(t
         again.stop()
 
 
+@long_e2e(
+    "a zkv up and a standby worker of their own, 12-25 s",
+    "test_the_standby_zkv_up_starts_after_a_takeover_comes_back_on_the_new_layout_and_keeps_the_cpu_blocks",
+)
 def test_a_standby_beside_a_zkv_up_rank_takes_it_over_and_zkv_up_keeps_the_bus_and_stands_by_in_turn(tmp_path):
     import subprocess
     import sys
@@ -159,11 +168,13 @@ def test_zkv_up_restarts_a_worker_attached_to_an_engine_as_it_is(tmp_path):
 
 def test_a_rank_restarted_after_a_new_layout_comes_back_on_it_and_keeps_its_cpu_blocks(tmp_path):
     """pause, clear, resume --cpu-blocks 32 (not the start flags' 64), swap out, kill -9 rank 1: zkv up starts
-    it on the bus's layout, so it maps its tier file again and a swap-in brings the exact bytes back."""
+    it on the bus's layout, so it maps its tier file again and a swap-in brings the exact bytes back.  A second
+    zkv up in that directory is refused naming zkv down, which stops the running one from another terminal."""
     tiers = str(tmp_path / "tiers")
     bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT, "--tier-dir", tiers)
     try:
-        bus.wait_for("Ctrl-C to stop.")
+        said = bus.wait_for("Ctrl-C to stop.")
+        assert f"zkv down --runtime-dir {tmp_path}" in said
         b = ["--broker", bus.broker]
         for step in (["pause"], ["clear"], ["resume", "--cpu-blocks", "32"]):
             assert cli(*step, *b).returncode == 0, step
@@ -187,13 +198,23 @@ def test_a_rank_restarted_after_a_new_layout_comes_back_on_it_and_keeps_its_cpu_
             for r in (0, 1):
                 assert got.per_rank[r]["digests"] == want.per_rank[r]["digests"], f"rank {r}: the exact bytes back"
         assert "adopts the bus's layout" not in bus.output(), "the restarted rank came back on the bus's layout"
+        second = zkv("up", "--runtime-dir", str(tmp_path), "--ranks", "2", timeout=60)
+        assert second.returncode == 1 and f"zkv down --runtime-dir {tmp_path}" in second.stderr, second.stderr
+
+        down = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
+        assert down.returncode == 0 and "stopped zkv up" in down.stdout, down.stdout + down.stderr
+        assert bus.proc.wait(timeout=30) == 0
+        again = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
+        assert again.returncode == 1 and "no zkv up is running" in again.stderr
     finally:
-        bus.stop()
+        if bus.proc.poll() is None:
+            bus.stop()
 
 
 def test_the_standby_zkv_up_starts_after_a_takeover_comes_back_on_the_new_layout_and_keeps_the_cpu_blocks(tmp_path):
     """After a new layout, a standby (started by hand on it) takes rank 1 over; the worker zkv up then starts as
-    its standby is on the bus's layout too, so when it takes over in turn the CPU blocks are still there."""
+    its standby is on the bus's layout too, so when it takes over in turn the CPU blocks are still there; the bus
+    serves throughout and zkv up keeps it."""
     import subprocess
     import sys
 
@@ -231,6 +252,7 @@ def test_the_standby_zkv_up_starts_after_a_takeover_comes_back_on_the_new_layout
                 )
 
             wait_for(c, rank1_is(lambda pid: pid == standby.pid), "the standby to serve rank 1", timeout=60)
+            assert c.run("fill", dst=[3], tier="gpu", seed=1, timeout=30).ok, "the bus serves"
             os.kill(standby.pid, signal.SIGKILL)  # zkv up's standby takes over in turn
             standby.wait(timeout=30)
             mine = (before[1], standby.pid)
@@ -240,6 +262,8 @@ def test_the_standby_zkv_up_starts_after_a_takeover_comes_back_on_the_new_layout
             assert back.ok, back.reason
             got = c.run("checksum", [20, 21, 22, 23], tier="gpu", timeout=30)
             assert got.per_rank[1]["digests"] == want.per_rank[1]["digests"], "rank 1: the exact bytes back"
+        assert bus.proc.poll() is None, "zkv up kept the bus"
+        assert "exited 6 times" not in bus.output() and "refused" not in bus.output()
     finally:
         if standby is not None and standby.poll() is None:
             standby.kill()

@@ -7,8 +7,9 @@ after every call (as the manager writes them before it answers), and an
 engine killed at any step restarts on what they say, on the same tiers or
 under another identity.  After every step: no row is handed out twice,
 every hit's CPU row holds exactly that key's bytes (after a restart too),
-and rows a task is still reading or writing belong to nobody else.  ZKV_LONG_MODEL=1 runs the long
-profile (1000 examples of 100 steps, about a minute)."""
+and rows a task is still reading or writing belong to nobody else.  The default run takes 100 examples
+of 60 steps (about 7 s on 2 cores); ZKV_LONG_MODEL=1 runs the long profile (1000 examples of 100
+steps, about a minute)."""
 
 from __future__ import annotations
 
@@ -465,7 +466,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=1000 if LONG else 200, stateful_step_count=100 if LONG else 60, deadline=None
+    max_examples=1000 if LONG else 100, stateful_step_count=100 if LONG else 60, deadline=None
 )
 test_index_model = pytest.mark.timeout(1800 if LONG else 120)(IndexMachine.TestCase)
 

@@ -277,6 +277,11 @@ def worker(
         raise click.BadParameter(
             f"rank {rank} does not exist in a world of {world_size} (ranks 0 to {world_size - 1})", param_hint="--rank"
         )
+    if manifest is not None and adopt_layout:  # a usage error: before torch is imported
+        raise click.UsageError(
+            "--adopt-layout cannot apply with --attach: the engine's memory fixes this rank's layout. Bring the "
+            "bus to it instead (zkv pause, zkv clear, zkv resume with its layout options: the refusal names them)"
+        )
     startup.mark("cli")
     if startup_times:
         startup.record_to(startup_times)
@@ -292,11 +297,6 @@ def worker(
     sigterm_as_interrupt()  # until the loop can take a stop request
     set_torch_threads(torch_threads)
     set_copy_threads(copy_threads)
-    if manifest is not None and adopt_layout:
-        raise click.UsageError(
-            "--adopt-layout cannot apply with --attach: the engine's memory fixes this rank's layout. Bring the "
-            "bus to it instead (zkv pause, zkv clear, zkv resume with its layout options: the refusal names them)"
-        )
     given = given_layout_fields(click.get_current_context())
     layout = layout_from(kw)
     curve, disk = curve_from(kw), disk_from(kw)
