@@ -9,7 +9,8 @@ snippets), ``ZKV_TP_TEST`` (a tensor-parallel engine's two torch processes),
 ``ZKV_LONG_MODEL`` (the long profiles of the model-based tests),
 ``ZKV_LONG_FUZZ`` (the codec's properties and the strangers' fuzz, long) and
 ``ZKV_DISK_LONG`` (the disk tier's repetitions and its pause after spills on a real
-rank)."""
+rank); ``ZKV_MYPY`` runs mypy inside the suite (the README's test command runs
+it as a step of its own)."""
 
 from __future__ import annotations
 

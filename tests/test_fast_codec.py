@@ -785,7 +785,7 @@ NARROWED = {S.BROKER_BACKEND: S.BATCHED_DONE, S.RANK_DEALER: S.TASK_HEADER}
 
 
 @pytest.mark.timeout(1800 if LONG else 120)
-@settings(max_examples=20_000 if LONG else 800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20_000 if LONG else 400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mutated(), st.data())
 def test_typed_accept_is_slow_accept_and_typed_refuse_is_slow_error(case, data):
     kind, frame = case

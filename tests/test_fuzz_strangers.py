@@ -25,7 +25,7 @@ from zkv.wire.layout import CacheLayout
 
 LAYOUT = CacheLayout(layers=1, gpu_blocks=16, cpu_blocks=16, block_size=1, kv_heads=1, head_dim=8)
 LONG = os.environ.get("ZKV_LONG_FUZZ") == "1"
-MESSAGES = int(os.environ.get("ZKV_FUZZ_MESSAGES", 400_000 if LONG else 40_000))
+MESSAGES = int(os.environ.get("ZKV_FUZZ_MESSAGES", 400_000 if LONG else 20_000))
 BATCH = 2_000
 SEED = 20261201
 

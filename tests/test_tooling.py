@@ -1,4 +1,5 @@
-"""ruff and mypy run clean on the tree, with the configuration in pyproject.toml.
+"""ruff and mypy run clean on the tree, with the configuration in pyproject.toml
+(mypy here only with ``ZKV_MYPY=1``: the README's test command runs it as a step of its own).
 
 Where a tool is not installed the test is skipped, except under CI
 (``CI=true``), where a missing tool is a failure: ``.ci/run`` installs the
@@ -34,6 +35,11 @@ def test_ruff_is_clean():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.skipif(
+    not os.environ.get("ZKV_MYPY"),
+    reason="mypy runs as a step of its own in the README's test command (.ci/run), before pytest (12-17 s of CPU"
+    " cold): set ZKV_MYPY=1 to run it here",
+)
 def test_mypy_is_clean():
     res = subprocess.run(_tool("mypy"), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
