@@ -66,7 +66,11 @@ def shared(tmp_path_factory, weights):
     root = tmp_path_factory.mktemp("servers")
     store = f"file://{root / 'host-tier'}?budget=256MiB"
     extra = {"store": store, "weights_version": "w0", "task_timeout_s": 5.0}
-    made = [ServerProc(name, weights[0], root, extra=extra) for name in ("a", "b")]
+    # a core each: under vLLM's default binding one server's threads starve the other's
+    made = [
+        ServerProc(name, weights[0], root, extra=extra, env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
+        for core, name in enumerate(("a", "b"))
+    ]
     try:
         for s in made:
             s.start()
