@@ -43,7 +43,11 @@ def weights(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, weights):
     root = tmp_path_factory.mktemp("servers")
-    made = [ServerProc(name, weights[0], root) for name in ("a", "b")]
+    # a core each: under vLLM's default binding one server's threads starve the other's
+    made = [
+        ServerProc(name, weights[0], root, env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
+        for core, name in enumerate(("a", "b"))
+    ]
     try:
         for s in made:
             s.start()

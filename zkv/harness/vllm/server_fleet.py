@@ -10,6 +10,7 @@ same run on the same servers, quiet and loaded."""
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -27,7 +28,11 @@ from .shared_bench import store_counts, wait_grown
 def _start(
     root: Path, model: str, n: int, say: Callable[[str], None], extra: dict[str, Any] | None = None
 ) -> list[ServerProc]:
-    servers = [ServerProc(f"engine-{i}", model, root, extra=dict(extra or {})) for i in range(n)]
+    cores = os.cpu_count() or 1  # a core each, in turn: under vLLM's default binding servers starve each other
+    servers = []
+    for i in range(n):
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(i % cores)}
+        servers.append(ServerProc(f"engine-{i}", model, root, extra=dict(extra or {}), env=bind))
     say(
         f"starting {n} vLLM servers with zkv (python -m vllm.entrypoints.openai.api_server; their logs:"
         f" {root}/engine-N-server.log) ..."
