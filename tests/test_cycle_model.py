@@ -32,7 +32,7 @@ from zkv.cycle.engine import Look, Staged, StepFailed
 from zkv.cycle.plan import CyclePlan
 from zkv.cycle.runner import invoke
 from zkv.cycle.sources import Update
-from zkv.cycle.terms import Outcome, Reach, Serves, State, Tiers
+from zkv.cycle.terms import Outcome, Reach, Serves, State, Step, Tiers
 
 LONG = os.environ.get("ZKV_LONG_MODEL") == "1"
 pytestmark = pytest.mark.timeout(3600 if LONG else 900)
@@ -461,3 +461,30 @@ CycleModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCycleModel = CycleModel.TestCase
+
+
+@pytest.mark.parametrize("got_to", ["one-claim", "a-pause"])
+def test_a_second_driver_s_rollback_undoes_what_the_first_driver_did(got_to: str) -> None:
+    """The first driver claims one engine (or pauses one after claiming both) and dies; a second
+    driver of the same id fails its claim of the other before claiming this one again: its
+    rollback still gives every engine back serving, under its old label, its bus running."""
+    import random
+
+    machine = CycleModel()
+    machine.start(n=2, prefix=True, unchanged=None, rollback=False, depth=0, order=random.Random(0))
+    e1 = machine.engines["e1"]
+    for _ in range(40):
+        if e1.paused if got_to == "a-pause" else L.is_record(e1.label):
+            break
+        machine._one("e1", "ok", 0.01) or machine._one("e0", "ok", 0.01)
+    assert L.is_record(e1.label) and e1.paused is (got_to == "a-pause")
+    machine.the_driver_dies()
+    for name in ("e1", "e0", "e1", "e0", "e1", "e1"):  # both surveyed and staged, e0 the last
+        machine._one(name, "ok", 0.01)
+    assert machine._one("e0", "error", 0.01)
+    failed = machine.core.records[-1]
+    assert (failed.step, failed.engine, failed.ok) == (Step.CLAIM, "e0", False)
+    machine._run_clean()
+    assert machine.report is not None and machine.report.outcome is Outcome.ROLLED_BACK
+    for e in machine.engines.values():
+        assert e.serving and e.label == "default" and e.bus == "running", e

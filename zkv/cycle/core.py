@@ -129,6 +129,7 @@ class Lane:
     surveyed: Look | None = None
     old_label: str | None = None
     may_be_new: bool = False  # an earlier driver's record said its update had started
+    earlier: bool = False  # an earlier driver of this cycle claimed it: it may have run any step before the update
     staged: Staged | None = None
     before: str | None = None
     after: str | None = None
@@ -297,7 +298,18 @@ class CycleCore:
 
     def _to_rollback(self, lane: Lane) -> _Moved:
         forward_started = lane.started & {r.step for r in T.FORWARD}
+        if lane.earlier:  # what an earlier driver of this cycle may have done is undone too
+            forward_started |= self._earlier_steps(lane)
         return self._to(lane, Pos.ROLLBACK, T.rollback(forward_started, lane.may_be_new))
+
+    def _earlier_steps(self, lane: Lane) -> set[Step]:
+        """The forward steps an earlier driver may have run on a lane it claimed: only the claim
+        when the engine still served at the survey (the pause comes next), else every step before
+        the update (the update itself: ``may_be_new``)."""
+        paused = lane.surveyed is not None and lane.surveyed.paused
+        if not paused and not lane.may_be_new:
+            return {Step.CLAIM}
+        return set(T.forward(lane.shape)) - {Step.UPDATE}
 
     def _all(self, pos: Pos) -> bool:
         return all(lane.pos is pos for lane in self.lanes.values())
@@ -545,7 +557,8 @@ class CycleCore:
             lane.old_label = look.label
             return
         lane.old_label = record.old
-        lane.may_be_new = record.cycle == self.plan.cycle_id and record.phase is Phase.UPDATING
+        lane.earlier = record.cycle == self.plan.cycle_id
+        lane.may_be_new = lane.earlier and record.phase is Phase.UPDATING
         if record.cycle != self.plan.cycle_id:
             why = (
                 f"cycle {record.cycle!r} is in progress on engine {lane.name} (its weight version label says so): "
@@ -640,6 +653,8 @@ class CycleCore:
     def _tiers(self, lane: Lane) -> Tiers:
         if lane.fate is not None:
             return lane.fate
+        if lane.earlier and Step.CLEAR_BUS in self._earlier_steps(lane) and self.decision is not Decision.COMMIT:
+            return Tiers.UNKNOWN  # an earlier driver may have cleared its bus
         bus_started = lane.started & T.BUS_STEPS
         if not bus_started:
             return Tiers.UNTOUCHED
