@@ -488,3 +488,25 @@ def test_a_second_driver_s_rollback_undoes_what_the_first_driver_did(got_to: str
     assert machine.report is not None and machine.report.outcome is Outcome.ROLLED_BACK
     for e in machine.engines.values():
         assert e.serving and e.label == "default" and e.bus == "running", e
+
+
+def test_an_engine_an_earlier_driver_finished_is_reported_on_the_new_weights_by_a_driver_out_of_time() -> None:
+    """The first driver commits and finishes e0 (its label the cycle's) and dies before e1's tail;
+    a second driver surveys e0 only and runs out of time: its report says e0 serves the new weights."""
+    import random
+
+    machine = CycleModel()
+    machine.start(n=2, prefix=False, unchanged=None, rollback=False, depth=0, order=random.Random(0))
+    e0 = machine.engines["e0"]
+    for _ in range(80):
+        if e0.label == machine.plan.target_label:
+            break
+        machine._one("e0", "ok", 0.01) or machine._one("e1", "ok", 0.01)
+    assert e0.label == machine.plan.target_label and e0.version == NEW
+    assert machine.engines["e1"].label != machine.plan.target_label
+    machine.the_driver_dies()
+    assert machine._one("e0", "ok", 0.01)  # its survey
+    machine.time_passes()
+    assert machine.core.finished
+    report = machine.core.report(machine.now)
+    assert report.outcome is Outcome.INCOMPLETE and report.engines["e0"].serves is Serves.NEW, report.describe()

@@ -629,6 +629,9 @@ class CycleCore:
         r = lane.record
         if r is not None and r.cycle == self.plan.cycle_id and r.phase is Phase.COMMITTED and not lane.started:
             return Serves.NEW  # an earlier driver's commit, and nothing since
+        look = lane.surveyed
+        if r is None and not lane.started and look is not None and look.label == self.plan.target_label:
+            return Serves.NEW  # an earlier driver of this cycle finished it: the label it writes last says so
         updated = Step.UPDATE in lane.started or lane.may_be_new
         if self.decision is Decision.COMMIT:
             if lane.start in (Start.TAIL, Start.CAUGHT_UP) or Step.UPDATE in lane.ok:
