@@ -4,7 +4,7 @@ The default run stays under a few minutes on 2 cores; these add what repeats
 a behaviour another default test already covers on real processes, at a
 cost of tens of seconds each (each skip names its cost and the default test
 that covers it).  ``ZKV_LONG_E2E=1`` runs them (2-3 minutes more of test
-time), beside ``ZKV_DOCS_LONG`` (the docs' long command blocks and
+time; in the vLLM suite, tests/vllm_engine, about 10 minutes more), beside ``ZKV_DOCS_LONG`` (the docs' long command blocks and
 snippets), ``ZKV_TP_TEST`` (a tensor-parallel engine's two torch processes),
 ``ZKV_LONG_MODEL`` (the long profiles of the model-based tests),
 ``ZKV_LONG_FUZZ`` (the codec's properties and the strangers' fuzz, long) and

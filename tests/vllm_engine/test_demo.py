@@ -14,8 +14,15 @@ import subprocess
 import sys
 
 import pytest
+from profiles import long_e2e
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [
+    pytest.mark.timeout(900),
+    long_e2e(
+        "a vLLM engine of its own, 60-90 s",
+        "tests/test_vllm_command_output.py (what the demo prints, its run faked)",
+    ),
+]
 
 VLLM_LOG_LINE = re.compile(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[\S+:\d+\]")  # vllm/logger.py's format
 #: the demo's own lines: its phases, its table's title, rows and verdict, the explanation of a slow zkv

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from profiles import long_e2e
 
 from zkv.harness.vllm.group_rig import GroupEngine
 from zkv.harness.vllm.models import deepseek_mla, gemma3, gpt_oss, mistral_swa, qwen3_next
@@ -110,6 +111,7 @@ def oss(tmp_path_factory):
         engine.stop()
 
 
+@long_e2e("an engine of its own, 50-70 s", "TestGemma3 (a sliding-window and a full-attention group)")
 class TestGptOss:
     """Two groups (sliding window with sinks, full attention), and experts."""
 
@@ -131,6 +133,7 @@ def mistral(tmp_path_factory):
         engine.stop()
 
 
+@long_e2e("an engine of its own, 35-50 s", "TestGemma3 (its sliding-window group served a window)")
 class TestMistralSlidingWindow:
     """One sliding-window group: zkv only ever holds and serves a window of each conversation."""
 
@@ -156,6 +159,7 @@ def qwen(tmp_path_factory):
         engine.stop()
 
 
+@long_e2e("an engine of its own, 45-65 s", "tests/test_vllm_groups.py (Mamba state groups on vLLM's own classes)")
 class TestQwen3Next:
     """Four groups: three of gated-delta-net state (``MambaSpec``, ``align`` mode) and one of
     full attention, all at vLLM's 64-token block (the attention block grew to the state's page)."""
@@ -186,6 +190,7 @@ def mla(tmp_path_factory):
         engine.stop()
 
 
+@long_e2e("an engine of its own, 40-55 s", "tests/test_vllm_groups.py (an MLA group on vLLM's own classes)")
 class TestDeepseekMLA:
     """One MLA group (``kv_lora_rank`` 512, dense MLP).  vLLM's CPU platform runs MLA at block 16
     with its own prefix cache off (no AMX here): zkv is the only prefix cache this engine has."""

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from profiles import long_e2e
 
 from zkv import ZkvError
 from zkv.harness.vllm.leftovers import kill_group
@@ -35,7 +36,14 @@ from zkv.harness.vllm.servers import STALL_S, Progress
 from zkv.rows.journal import DISK_JOURNAL, Journal
 from zkv.wire.vocab import Tier
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [
+    pytest.mark.timeout(900),
+    long_e2e(
+        "three engine starts and a killed chat process, 3-4 min",
+        "tests/vllm_engine/test_groups.py (a warm restart served from the tiers) and tests/test_vllm_journal.py"
+        " (identities differ by every field; a torn journal)",
+    ),
+]
 
 SHAPE = ModelShape()
 BLOCK = SHAPE.block_bytes()

@@ -8,7 +8,6 @@ reset: what a fresh engine on those weights computes."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from profiles import long_e2e
 
 from zkv.client.client import Client
 from zkv.cycle import CycleBusy, InFlight, PauseMode, Phase, ReloadWeights, ServerFleet, ServerSpec
@@ -275,24 +275,12 @@ def test_a_dead_trainers_cycle_refuses_a_second_one_and_finishes_when_run_again(
     back_to(servers, w0, "after-dead-trainer")
 
 
-LONG = bool(os.environ.get("ZKV_LONG_E2E"))
-
-
-@pytest.mark.parametrize(
-    "when",
-    [
-        "before its update",
-        pytest.param(
-            "after its update",
-            marks=pytest.mark.skipif(
-                not LONG,
-                reason="long (a server killed and started again, 50-80 s; by default tests/vllm_engine/"
-                "test_server_shared.py kills a server after its update, finds it behind and brings it forward):"
-                " set ZKV_LONG_E2E=1",
-            ),
-        ),
-    ],
+@long_e2e(
+    "a server killed and started again, 50-80 s each",
+    "tests/vllm_engine/test_server_shared.py (a server killed after its update, found behind, brought forward)"
+    " and tests/test_cycle_model.py (an engine dead at every step of the cycle)",
 )
+@pytest.mark.parametrize("when", ["before its update", "after its update"])
 def test_a_server_killed_in_the_cycle_is_reported_down_and_the_cycle_rolls_back_or_finishes(
     servers, weights, when, tmp_path
 ):

@@ -17,11 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from profiles import long_e2e
 from redis_server import RedisServer
 
 from zkv.harness.vllm.rig import BusProbe, ModelShape, greedy, start_engine, stop_engine, write_llama, zkv_transfer
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [
+    pytest.mark.timeout(900),
+    long_e2e(
+        "two engines and a Redis server, 2-3 min",
+        "tests/vllm_engine/test_server_shared.py (two servers share a host tier) and tests/test_keyed_store.py"
+        " (a real Redis down, slow, flushed, restarted or corrupt)",
+    ),
+]
 
 SHAPE = ModelShape()
 BLOCK = SHAPE.block_bytes()
