@@ -78,6 +78,10 @@ def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
             bus.stop()
 
 
+@long_e2e(
+    "two zkv ups of their own, 12-25 s",
+    "tests/test_cluster_lifeline.py (a cluster's owner killed with kill -9 leaves no bus process)",
+)
 def test_a_zkv_up_killed_with_kill_9_leaves_no_process_and_the_next_one_starts(tmp_path):
     bus = Up(tmp_path, "--ranks", "2", "--fresh", "--gpu-blocks", "32", *LAYOUT)
     try:

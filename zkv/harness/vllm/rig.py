@@ -158,7 +158,10 @@ def start_engine(
         kw["kv_transfer_config"] = KVTransferConfig(**transfer)
     if kv_events is not None:
         kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events)
-    return LLM(
+    from . import leftovers
+
+    before = set(leftovers.descendants(os.getpid()))
+    llm = LLM(
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -170,6 +173,9 @@ def start_engine(
         seed=0,
         **kw,
     )
+    # Its own processes: stopping it waits for these, not for another engine this process runs.
+    llm.zkv_processes = [pid for pid in leftovers.descendants(os.getpid()) if pid not in before]
+    return llm
 
 
 def stop_engine(llm: Any) -> None:
@@ -177,7 +183,7 @@ def stop_engine(llm: Any) -> None:
     in /dev/shm (``leftovers.py``: what no live process holds once they are gone)."""
     from . import leftovers
 
-    children = leftovers.descendants(os.getpid())
+    children = getattr(llm, "zkv_processes", None) or leftovers.descendants(os.getpid())
     held = leftovers.held_by(children)
     engine = leftovers.holders(children)  # not this process's resource tracker, nor a test's Redis
     llm.llm_engine.engine_core.shutdown()
