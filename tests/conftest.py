@@ -6,6 +6,7 @@ the end instead of one worker finishing a long file alone."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,27 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_locks_of_killed_workers_removed():
+    """Tests kill rank workers with SIGKILL on purpose; the lock file a killed worker held in
+    /dev/shm (zkv/rank/tiers/rank_lock.py) stays, as it does for an operator until
+    ``zkv shm clean``.  At the end of the session those this run made and no live worker holds
+    go, the way that command removes them (a held one stays: a worker still serves)."""
+    from zkv.rank.tiers.rank_lock import PREFIX
+    from zkv.rank.tiers.tier_file import DEFAULT_DIR, remove_tier
+
+    def locks() -> set[str]:
+        try:
+            return {n for n in os.listdir(DEFAULT_DIR) if n.startswith(PREFIX) and n.endswith(".lock")}
+        except FileNotFoundError:
+            return set()
+
+    before = locks()
+    yield
+    for name in sorted(locks() - before):
+        try:
+            remove_tier(Path(DEFAULT_DIR) / name)
+        except OSError:
+            continue  # gone already (another worker of this run removed it)
