@@ -365,7 +365,9 @@ class RankCore:
         if self.stats is not None:
             fields["stats"] = self.stats()  # fresh counters: status is exact right after a pause
         self.counters["acks"] += 1
-        return [ToBroker(Ack(epoch=self.epoch, op=op, **fields).to_wire()), Acked(op, self.epoch)]
+        # Acked first: whoever learns of this ack (the broker, then the client whose pause it ends)
+        # finds this rank's own state already paused, as a submitter beside it reads it.
+        return [Acked(op, self.epoch), ToBroker(Ack(epoch=self.epoch, op=op, **fields).to_wire())]
 
     # --- executor events -----------------------------------------------------------
 
