@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+from pathlib import Path
 
 from profiles import long_e2e
 from test_operator_paths import LAYOUT, Up, cli, zkv
@@ -35,6 +36,18 @@ def gone(pid: int, timeout: float) -> bool:
 def pids(broker: str) -> dict[int, int]:
     with Client(broker) as c:
         return {r.rank: r.pid for r in c.status().ranks}
+
+
+def stopped_from_another_terminal(bus: Up, runtime_dir: Path) -> None:
+    """A second zkv up in ``runtime_dir`` is refused naming zkv down, which stops ``bus`` (exit 0);
+    a zkv down after that says none is running."""
+    second = zkv("up", "--runtime-dir", str(runtime_dir), "--ranks", "2", timeout=60)
+    assert second.returncode == 1 and f"zkv down --runtime-dir {runtime_dir}" in second.stderr, second.stderr
+    down = zkv("down", "--runtime-dir", str(runtime_dir), timeout=60)
+    assert down.returncode == 0 and "stopped zkv up" in down.stdout, down.stdout + down.stderr
+    assert bus.proc.wait(timeout=30) == 0
+    again = zkv("down", "--runtime-dir", str(runtime_dir), timeout=60)
+    assert again.returncode == 1 and "no zkv up is running" in again.stderr
 
 
 @long_e2e(
@@ -65,14 +78,7 @@ def test_a_killed_rank_is_started_again_and_zkv_down_stops_the_bus(tmp_path):
             )
             assert st.layout.gpu_blocks == 48
             assert c.run("fill", dst=[47], tier="gpu", seed=1, timeout=30).ok, "the restarted rank serves at 48 blocks"
-        second = zkv("up", "--runtime-dir", str(tmp_path), "--ranks", "2", timeout=60)
-        assert second.returncode == 1 and f"zkv down --runtime-dir {tmp_path}" in second.stderr, second.stderr
-
-        down = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
-        assert down.returncode == 0 and "stopped zkv up" in down.stdout, down.stdout + down.stderr
-        assert bus.proc.wait(timeout=30) == 0
-        again = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
-        assert again.returncode == 1 and "no zkv up is running" in again.stderr
+        stopped_from_another_terminal(bus, tmp_path)
     finally:
         if bus.proc.poll() is None:
             bus.stop()
@@ -202,14 +208,7 @@ def test_a_rank_restarted_after_a_new_layout_comes_back_on_it_and_keeps_its_cpu_
             for r in (0, 1):
                 assert got.per_rank[r]["digests"] == want.per_rank[r]["digests"], f"rank {r}: the exact bytes back"
         assert "adopts the bus's layout" not in bus.output(), "the restarted rank came back on the bus's layout"
-        second = zkv("up", "--runtime-dir", str(tmp_path), "--ranks", "2", timeout=60)
-        assert second.returncode == 1 and f"zkv down --runtime-dir {tmp_path}" in second.stderr, second.stderr
-
-        down = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
-        assert down.returncode == 0 and "stopped zkv up" in down.stdout, down.stdout + down.stderr
-        assert bus.proc.wait(timeout=30) == 0
-        again = zkv("down", "--runtime-dir", str(tmp_path), timeout=60)
-        assert again.returncode == 1 and "no zkv up is running" in again.stderr
+        stopped_from_another_terminal(bus, tmp_path)
     finally:
         if bus.proc.poll() is None:
             bus.stop()

@@ -10,7 +10,6 @@ lookup misses (a fresh engine's tokens)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -126,15 +125,11 @@ def test_restarts_serve_the_tiers_only_to_an_engine_of_the_same_identity(tmp_pat
     # take the tiers over (the journals name it now).
     changes = [
         ("w0 from its checkpoint, after KV of weights loaded in place", weights["w0"], {}),
+        ("another model", weights["w1"], {}),
+        ("another RoPE scaling", weights["w0-rope"], {}),
+        ("another dtype", weights["w0-rope"], {"dtype": "float32"}),
         ("another block size", weights["w0-rope"], {"dtype": "float32", "block_size": 64}),
     ]
-    if os.environ.get("ZKV_LONG_E2E"):  # three engine starts more (45-135 s); every field's effect on the
-        # identity is checked without an engine by tests/test_vllm_journal.py (identities differ by every field)
-        changes[1:1] = [
-            ("another model", weights["w1"], {}),
-            ("another RoPE scaling", weights["w0-rope"], {}),
-            ("another dtype", weights["w0-rope"], {"dtype": "float32"}),
-        ]
     for why, model, kw in changes:
         llm = start_engine(model, t, GPU_BLOCKS, max_model_len=1024, **kw)
         try:

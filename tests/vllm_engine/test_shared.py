@@ -10,7 +10,6 @@ engine."""
 from __future__ import annotations
 
 import gc
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -78,12 +77,7 @@ def weights(tmp_path_factory):
     return [write_llama(root / f"w{i}", SHAPE, seed=i) for i in range(2)]
 
 
-STORES = ["host tier", "redis"] if os.environ.get("ZKV_LONG_E2E") else ["redis"]
-
-
-# The host tier between engines: by default tests/vllm_engine/test_server_shared.py (two servers: a turn
-# served across, an engine of other weights served nothing); ZKV_LONG_E2E=1 runs these on it too (2 engines, ~2 min)
-@pytest.fixture(scope="module", params=STORES)
+@pytest.fixture(scope="module", params=["host tier", "redis"])
 def pair(request, tmp_path_factory, weights):
     """Engines A and B of one identity on one store; the Redis server when it is one."""
     root = tmp_path_factory.mktemp("shared")
@@ -119,11 +113,6 @@ def test_a_turn_engine_a_computed_is_served_to_engine_b_from_the_store(pair):
     assert got == b.recompute(turn), "B's tokens from A's blocks differ from its own recompute"
 
 
-@pytest.mark.skipif(
-    not os.environ.get("ZKV_LONG_E2E"),
-    reason="long (a third engine, 35-45 s; by default tests/vllm_engine/test_server_shared.py: a server on other"
-    " weights is served nothing of the fleet's namespace): set ZKV_LONG_E2E=1",
-)
 def test_an_engine_of_other_weights_is_served_nothing(pair, weights):
     (a, _), _, store, root = pair
     other = _engine(root, "other", weights[1], store)
